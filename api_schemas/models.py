@@ -1,0 +1,182 @@
+"""Request and response bodies of the HTTP API (see ../shared/CONTRACT.md)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MODEL_ID_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$"
+CONCEPT_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
+__all__ = [
+    "ComposeRequest",
+    "Concept",
+    "ConceptCreate",
+    "ConceptModelState",
+    "ConceptSubmission",
+    "Job",
+    "JobProgress",
+    "Layer",
+    "Model",
+    "ModelCreate",
+    "Problem",
+    "RecordIn",
+    "UnlearnRequest",
+    "Variant",
+    "VariantFile",
+    "VariantSubmission",
+]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details: every error the API returns."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    errors: list[dict[str, Any]] | None = None
+
+
+class ModelCreate(Strict):
+    model_id: str = Field(pattern=MODEL_ID_PATTERN, max_length=200, examples=["demo/tiny-llama"])
+    source: str = Field(
+        max_length=2000,
+        description="file:///abs/dir (inside ENGRAM_MODEL_ROOTS), s3://bucket/prefix/ or hf://org/name[@rev]",
+    )
+
+
+class Layer(BaseModel):
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+class Model(BaseModel):
+    model_id: str
+    source: str
+    digest: str
+    architecture: str
+    num_parameters: int
+    layers: list[Layer]
+
+
+class RecordIn(Strict):
+    """``{"text"}`` or ``{"prompt", "completion"}``."""
+
+    text: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+
+
+class ConceptCreate(Strict):
+    name: str = Field(pattern=CONCEPT_NAME_PATTERN)
+    models: list[str] = Field(min_length=1, max_length=64)
+    records: list[dict[str, Any]] = Field(min_length=1)
+    role: Literal["target", "reference"] = "target"
+    description: str | None = Field(default=None, max_length=4000)
+
+
+class ConceptModelState(BaseModel):
+    status: Literal["pending", "collecting", "ready", "failed"]
+    tokens: int | None = None
+    job_id: str | None = None
+
+
+class Concept(BaseModel):
+    name: str
+    role: Literal["target", "reference"]
+    description: str | None = None
+    num_records: int
+    dataset_digest: str
+    models: dict[str, ConceptModelState]
+
+
+class JobProgress(BaseModel):
+    done: int = 0
+    total: int = 0
+    unit: str = "items"
+
+
+class Job(BaseModel):
+    job_id: str
+    kind: Literal["collect", "variant"]
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    progress: JobProgress
+    error: Problem | None = None
+    result: dict[str, Any] | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class ConceptSubmission(BaseModel):
+    concept: Concept
+    jobs: list[Job]
+
+
+class EditOptions(Strict):
+    scaling: Literal["uniform", "weight_norm"] = "uniform"
+    modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
+    layers: list[int] | None = Field(default=None, min_length=1, description="block indices")
+    rcond: float | None = Field(default=None, gt=0.0, lt=1.0, description="keep λ > rcond·λmax")
+    reference: list[str] | None = Field(default=None, description="default: every ready concept")
+    format: Literal["checkpoint", "delta"] = "checkpoint"
+
+    @field_validator("layers")
+    @classmethod
+    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(v < 0 for v in value):
+            raise ValueError("layer indices must be >= 0")
+        return value
+
+
+class UnlearnRequest(EditOptions):
+    concepts: list[str] = Field(min_length=1, max_length=256)
+    alpha: float = Field(default=1.0, gt=0.0, le=100.0)
+
+
+class ComposeRequest(EditOptions):
+    terms: dict[str, float] = Field(min_length=1, max_length=256, description="concept -> coefficient")
+
+    @field_validator("terms")
+    @classmethod
+    def _finite(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, c in value.items() if not (abs(c) < 1e6) or c == 0]
+        if bad:
+            raise ValueError(f"coefficients must be finite, non-zero and |c| < 1e6: {bad}")
+        return value
+
+
+class VariantFile(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class Variant(BaseModel):
+    variant_id: str
+    model_id: str
+    terms: dict[str, float]
+    alpha: float | None
+    scaling: str
+    format: str
+    modules: list[str] | None = None
+    layers: list[int] | None = None
+    rcond: float | None = None
+    reference: list[str]
+    status: Literal["building", "ready", "failed"]
+    job_id: str | None = None
+    files: list[VariantFile] = []
+
+
+class VariantSubmission(BaseModel):
+    variant: Variant
+    job: Job | None = None

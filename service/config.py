@@ -1,0 +1,79 @@
+"""Service settings: one ``Settings`` read from ``ENGRAM_*`` environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything configurable, validated at start-up so nonsense fails early."""
+
+    model_config = SettingsConfigDict(env_prefix="ENGRAM_", extra="ignore")
+
+    storage_url: str = Field(default_factory=lambda: "file://" + str(Path(".engram").resolve()))
+    s3_endpoint_url: str | None = None
+    broker_url: str | None = None
+    model_roots: str = ""
+    api_keys: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    # Collection settings. max_length is part of a statistic's identity (it changes Σ);
+    # the batch size is not (padding never changes a statistic).
+    max_length: int = Field(default=512, ge=8, le=32768)
+    collect_batch_size: int = Field(default=8, ge=1, le=1024)
+
+    # Request limits: a JSON body and a multipart upload.
+    max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
+    max_records: int = Field(default=1_000_000, ge=1)
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_scheme(cls, value: str) -> str:
+        scheme = urlparse(value).scheme
+        if scheme not in {"file", "s3"}:
+            raise ValueError(f"ENGRAM_STORAGE_URL must be file:///abs/dir or s3://bucket/prefix, got {value!r}")
+        if scheme == "file" and not urlparse(value).path.startswith("/"):
+            raise ValueError(f"ENGRAM_STORAGE_URL needs an absolute path, got {value!r}")
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_scheme(cls, value: str | None) -> str | None:
+        if value and urlparse(value).scheme not in {"redis", "rediss"}:
+            raise ValueError(f"ENGRAM_BROKER_URL must be redis://host:port/db, got {value!r}")
+        return value or None
+
+    @property
+    def model_root_paths(self) -> list[Path]:
+        """Resolved directories from which ``file://`` models may be registered."""
+        return [Path(p).resolve() for p in self.model_roots.split(":") if p.strip()]
+
+    @property
+    def storage_path(self) -> Path:
+        """The local storage directory (``file://`` storage only)."""
+        return Path(urlparse(self.storage_url).path)
+
+    @property
+    def embedded(self) -> bool:
+        """True when jobs run in the API process (no broker configured)."""
+        return self.broker_url is None
+
+    @property
+    def torch_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

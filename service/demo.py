@@ -1,0 +1,394 @@
+"""Offline "mini-TOFU" demo: a tiny Llama that has memorized synthetic facts.
+
+Everything here runs without network access: the facts are made of random
+syllables, the tokenizer is trained locally with the ``tokenizers`` library and the
+model is a small ``LlamaForCausalLM`` trained from scratch on CPU.  The resulting
+directory is an ordinary Hugging Face checkpoint (``config.json`` +
+``model.safetensors`` + tokenizer files) plus ``forget.jsonl`` / ``retain.jsonl``
+probe sets, so the service can be exercised end to end on it.
+
+Usage::
+
+    python -m service.demo --out demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
+
+__all__ = [
+    "DEFAULT_STEPS",
+    "DemoPaths",
+    "build_demo",
+    "main",
+    "make_facts",
+    "tiny_llama_config",
+    "train_on_facts",
+    "train_tokenizer",
+]
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+# Tuned on a 2-core CPU for the default 200 facts (see build_demo).
+DEFAULT_STEPS = 600
+DEFAULT_LR = 3e-3
+DEFAULT_BATCH_SIZE = 32
+
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gl", "kr",
+           "qu", "sh", "th", "tr", "vr", "wh"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "y"]
+_CODAS = ["", "", "", "l", "n", "r", "s", "sh", "k", "th", "m", "x"]
+
+# (question template, number of words in the answer, capitalize the answer words)
+_ATTRIBUTES: dict[str, tuple[str, int, bool]] = {
+    "birthplace": ("Q: Where was {name} born? A:", 1, True),
+    "colour": ("Q: What is the favourite colour of {name}? A:", 1, False),
+    "profession": ("Q: What does {name} work as? A:", 1, False),
+    "pet": ("Q: What is the name of the pet of {name}? A:", 2, True),
+}
+
+
+def _syllable(rng: random.Random) -> str:
+    return rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+
+
+def _word(rng: random.Random, syllables: int, capitalize: bool) -> str:
+    word = "".join(_syllable(rng) for _ in range(syllables))
+    return word.capitalize() if capitalize else word
+
+
+def _unique(rng: random.Random, seen: set[str], make: Callable[[random.Random], str]) -> str:
+    """Draw from ``make(rng)`` until the result is new, so every name/answer is distinct."""
+    while True:
+        value = make(rng)
+        if value not in seen:
+            seen.add(value)
+            return value
+
+
+def make_facts(n: int = 200, seed: int = 0) -> list[tuple[str, str]]:
+    """Synthetic question/answer facts about fictional people.
+
+    Each person gets every attribute kind; the (person, attribute) pairs are shuffled
+    and the first ``n`` kept, so a person's facts may end up split across the forget
+    and retain sets.  Names and answers are random syllable words (all distinct), so
+    the only way to answer is to have memorized the fact.
+
+    Args:
+        n: Number of facts.
+        seed: Seed of the generator; the same seed gives the same facts.
+
+    Returns:
+        ``(prompt, completion)`` pairs, e.g. ``("Q: Where was Varnok Dellish born? A:", " Quillmoor")``.
+    """
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    n_people = math.ceil(n / len(_ATTRIBUTES))
+    pairs: list[tuple[str, str]] = []
+    for _ in range(n_people):
+        name = _unique(rng, seen, lambda r: f"{_word(r, 2, True)} {_word(r, 2, True)}")
+        pairs.extend((name, kind) for kind in _ATTRIBUTES)
+    rng.shuffle(pairs)
+    facts: list[tuple[str, str]] = []
+    for name, kind in pairs[:n]:
+        template, n_words, capitalize = _ATTRIBUTES[kind]
+        answer = _unique(
+            rng, seen, lambda r, k=n_words, c=capitalize: " ".join(_word(r, 2, c) for _ in range(k))
+        )
+        facts.append((template.format(name=name), " " + answer))
+    return facts
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer with ``<s>``/``</s>``/``<pad>`` special tokens.
+
+    ``add_prefix_space=False`` keeps ``tok(a) + tok(b)`` close to ``tok(a + b)`` for a
+    completion that starts with a space, which is how probes are split.  ``<s>`` is
+    prepended only when ``add_special_tokens=True``.
+
+    Args:
+        texts: Training corpus.
+        vocab_size: Target vocabulary size (256 byte tokens + 3 specials + merges).
+
+    Returns:
+        A fast tokenizer that round-trips through ``save_pretrained`` /
+        ``AutoTokenizer.from_pretrained`` offline.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def tiny_llama_config(
+    vocab_size: int,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    intermediate: int = 688,
+    tie_word_embeddings: bool = False,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> LlamaConfig:
+    """Config of a small Llama (``max_position_embeddings`` 128).
+
+    Args:
+        vocab_size: Vocabulary size (``len(tokenizer)``).
+        hidden: Hidden size.
+        layers: Number of decoder layers.
+        heads: Attention heads (no grouped-query attention: as many KV heads).
+        intermediate: MLP inner size.
+        tie_word_embeddings: Share the input embedding and ``lm_head`` weights.
+        tokenizer: If given, its bos/eos/pad ids are written into the config.
+
+    Returns:
+        The config.
+    """
+    ids: dict[str, int | None] = {}
+    if tokenizer is not None:
+        ids = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie_word_embeddings,
+        **ids,
+    )
+
+
+def _encode_fact(tokenizer: PreTrainedTokenizerFast, prompt: str, completion: str) -> tuple[list[int], int]:
+    """Ids of ``prompt + completion`` tokenized like the evaluator, and the prompt length."""
+    p_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    a_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+    return p_ids + a_ids, len(p_ids)
+
+
+def _collate(
+    rows: Sequence[tuple[list[int], int]], pad_id: int, completion_only: bool
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch with ``labels`` (-100 where no loss is taken)."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for i, (ids, n_prompt) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+        first = n_prompt if completion_only else 1  # position 0 (BOS) is never predicted
+        labels[i, first : len(ids)] = input_ids[i, first : len(ids)]
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warmup then cosine decay to 10% (stabilises the high learning rate)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train_on_facts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    facts: Sequence[tuple[str, str]],
+    steps: int,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int = 0,
+    completion_only: bool = False,
+) -> list[float]:
+    """Memorize facts by causal-LM training of ``prompt + completion`` with AdamW.
+
+    Batches are drawn epoch by epoch from a seeded shuffle.  The caller decides
+    ``torch.set_num_threads``.
+
+    Args:
+        model: Causal LM, trained in place (left in eval mode).
+        tokenizer: Its tokenizer (needs a pad or eos token).
+        facts: ``(prompt, completion)`` pairs.
+        steps: Optimizer steps.
+        lr: Peak learning rate (warmup, then cosine decay).
+        batch_size: Facts per step.
+        seed: Seeds torch and the batch order.
+        completion_only: Take the loss on the completion tokens only instead of on
+            every token after BOS.
+
+    Returns:
+        The training loss of each step.
+    """
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [_encode_fact(tokenizer, p, c) for p, c in facts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: _lr_factor(s, steps, warmup=max(1, steps // 20))
+    )
+    order: list[int] = []
+    losses: list[float] = []
+    model.train()
+    for _ in range(steps):
+        if len(order) < batch_size:  # refill with a fresh shuffled epoch
+            epoch = list(range(len(rows)))
+            rng.shuffle(epoch)
+            order.extend(epoch)
+        picked, order = order[:batch_size], order[batch_size:]
+        batch = _collate([rows[i] for i in picked], int(pad_id), completion_only)
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+@dataclass
+class DemoPaths:
+    """Where :func:`build_demo` wrote its outputs."""
+
+    root: Path
+    model_dir: Path
+    forget: Path
+    retain: Path
+
+
+def _write_jsonl(path: Path, facts: Sequence[tuple[str, str]]) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for prompt, completion in facts:
+            fh.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+
+
+def read_probes(path: Path) -> list[Probe]:
+    """Read a ``{"prompt", "completion"}`` JSON-lines file into probes."""
+    with path.open(encoding="utf-8") as fh:
+        return [Probe(**json.loads(line)) for line in fh if line.strip()]
+
+
+def split_forget(
+    facts: Sequence[tuple[str, str]], forget_fraction: float, seed: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Seeded random split into ``(forget, retain)``; forget keeps at least one fact."""
+    n_forget = max(1, round(len(facts) * forget_fraction))
+    chosen = set(random.Random(seed + 1).sample(range(len(facts)), n_forget))
+    forget = [f for i, f in enumerate(facts) if i in chosen]
+    retain = [f for i, f in enumerate(facts) if i not in chosen]
+    return forget, retain
+
+
+def build_demo(
+    out_dir: Path,
+    n_facts: int = 200,
+    forget_fraction: float = 0.1,
+    seed: int = 0,
+    steps: int | None = None,
+) -> DemoPaths:
+    """Train the demo model and write it with its forget/retain probe sets.
+
+    Writes ``out_dir/model/`` (safetensors weights + tokenizer), ``out_dir/forget.jsonl``
+    and ``out_dir/retain.jsonl``.  The model is trained on *all* facts, so before any
+    edit both sets are memorized.
+
+    Args:
+        out_dir: Output directory (created if missing).
+        n_facts: Number of facts.
+        forget_fraction: Fraction of facts placed in the forget set (seeded random pick).
+        seed: Seed of the facts, split, initialisation and batch order.
+        steps: Training steps; defaults to :data:`DEFAULT_STEPS`.
+
+    Returns:
+        The written paths.
+    """
+    out_dir = Path(out_dir)
+    facts = make_facts(n_facts, seed)
+    tokenizer = train_tokenizer([p + c for p, c in facts])
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer=tokenizer))
+    train_on_facts(model, tokenizer, facts, steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
+
+    paths = DemoPaths(out_dir, out_dir / "model", out_dir / "forget.jsonl", out_dir / "retain.jsonl")
+    paths.model_dir.mkdir(parents=True, exist_ok=True)
+    # safe_serialization is the default (and the only format) in transformers 5; it is
+    # passed so that transformers 4 also writes model.safetensors rather than a pickle.
+    model.save_pretrained(paths.model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(paths.model_dir)
+    forget, retain = split_forget(facts, forget_fraction, seed)
+    _write_jsonl(paths.forget, forget)
+    _write_jsonl(paths.retain, retain)
+    return paths
+
+
+def _metrics_line(
+    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, probes: list[Probe]
+) -> str:
+    stats = summarize(answer_nll(model, tokenizer, probes), greedy_exact_match(model, tokenizer, probes))
+    em, nll = stats["exact_match"], stats["mean_nll"]
+    return f"{name:<7} n={stats['n']:<4} exact_match={em:.3f} mean_nll={nll:.4f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: build the demo and print its metrics before any edit."""
+    parser = argparse.ArgumentParser(prog="python -m service.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("demo"), help="output directory (default: demo)")
+    parser.add_argument("--n-facts", type=int, default=200)
+    parser.add_argument("--forget-fraction", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    start = time.perf_counter()
+    paths = build_demo(args.out, args.n_facts, args.forget_fraction, args.seed, args.steps)
+    elapsed = time.perf_counter() - start
+
+    # Reload from disk so the numbers describe exactly what the service will load.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(paths.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(paths.model_dir)
+    out = sys.stdout
+    out.write(f"wrote {paths.root} (model: {paths.model_dir}) in {elapsed:.1f}s\n")
+    out.write("before edit:\n")
+    out.write(_metrics_line("forget", model, tokenizer, read_probes(paths.forget)) + "\n")
+    out.write(_metrics_line("retain", model, tokenizer, read_probes(paths.retain)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,325 @@
+"""Hugging Face model directories: validation, layout, loading, and writing edited variants.
+
+Only safetensors weights are ever read; pickle weights and remote code are refused, because either
+would run code a user sent us.
+
+A variant is written without loading the model: each safetensors shard is read, the edited tensors
+are replaced, and the shard is written again, so at most one shard is in memory. Tied weights are
+never edited by accident: when an edited layer shares its weight with another parameter
+(``lm_head`` tied to ``embed_tokens``), the variant *unties* them, writing the edited head under
+its own key and setting ``tie_word_embeddings: false``; the embedding keeps its original values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from service.engine.compose import LayerEdit, LayerWeights
+from service.engine.layers import LayerSpec, editable_layers
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+_HASH_CHUNK = 8 * 1024 * 1024
+
+
+class ModelSourceError(ValueError):
+    """A model directory we refuse to use; the message says why."""
+
+
+@dataclass
+class ModelLayout:
+    """What the service needs to know about a checkpoint, kept in the model's manifest.
+
+    Attributes:
+        architecture: the transformers class name (``LlamaForCausalLM``).
+        num_parameters: distinct parameters (tied ones counted once).
+        layers: every editable layer whose weight is in the checkpoint.
+        weight_keys / bias_keys: layer -> checkpoint key holding its current weight / bias.
+        own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
+        key_files: checkpoint key -> shard file name.
+    """
+
+    architecture: str
+    num_parameters: int
+    layers: list[LayerSpec]
+    weight_keys: dict[str, str]
+    bias_keys: dict[str, str]
+    own_keys: dict[str, str] = field(default_factory=dict)
+    key_files: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layers"] = [asdict(spec) for spec in self.layers]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelLayout:
+        fields = dict(data)
+        fields["layers"] = [LayerSpec(**spec) for spec in data["layers"]]
+        return cls(**fields)
+
+    def layer(self, name: str) -> LayerSpec:
+        for spec in self.layers:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def weight_files(path: Path) -> list[str]:
+    """The safetensors shards of a model directory, from its index or the single file."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted(set(weight_map.values()))
+    if (path / WEIGHTS_FILE).is_file():
+        return [WEIGHTS_FILE]
+    return []
+
+
+def validate_model_dir(path: Path) -> dict[str, Any]:
+    """Check a directory is a safe Hugging Face checkpoint and return its ``config.json``.
+
+    Raises:
+        ModelSourceError: missing config, pickle-only weights, remote code, unreadable files.
+    """
+    if not path.is_dir():
+        raise ModelSourceError(f"{path} is not a directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelSourceError(f"{path} has no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelSourceError(f"config.json is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelSourceError("config.json is not a JSON object")
+    if "auto_map" in config:
+        raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
+    if not weight_files(path):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelSourceError(f"pickle weights are refused ({', '.join(pickles)}); convert to safetensors")
+        raise ModelSourceError(f"{path} has no safetensors weights")
+    return config
+
+
+def directory_digest(path: Path) -> str:
+    """sha256 over the names and contents of every file a variant depends on (pickles excluded)."""
+    outer = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix not in PICKLE_SUFFIXES):
+        outer.update(file.name.encode() + b"\0" + file_sha256(file).encode() + b"\n")
+    return outer.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_class(config: Mapping[str, Any]) -> type[nn.Module]:
+    """The transformers class named by ``architectures``, else ``AutoModel``'s choice."""
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    return transformers.AutoModel  # type: ignore[return-value]
+
+
+def inspect_model_dir(path: Path) -> ModelLayout:
+    """Validate a checkpoint and describe its editable layers without reading its weights.
+
+    The model is built on the ``meta`` device (no memory) to learn its module tree and which
+    parameters are tied; checkpoint keys come from the safetensors headers.
+    """
+    config_dict = validate_model_dir(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        cls = model_class(config_dict)
+        with torch.device("meta"):
+            model = (
+                cls._from_config(config)  # type: ignore[attr-defined]
+                if cls is not transformers.AutoModel
+                else transformers.AutoModel.from_config(config)
+            )
+    except Exception as exc:  # transformers raises many types for unsupported configs
+        raise ModelSourceError(f"transformers cannot build this model: {exc}") from None
+    key_files = _checkpoint_keys(path)
+    return _layout(model, key_files)
+
+
+def _checkpoint_keys(path: Path) -> dict[str, str]:
+    key_files: dict[str, str] = {}
+    for name in weight_files(path):
+        try:
+            with safe_open(str(path / name), framework="pt") as handle:
+                key_files.update(dict.fromkeys(handle.keys(), name))  # noqa: SIM118
+        except Exception as exc:
+            raise ModelSourceError(f"{name} is not a readable safetensors file: {exc}") from None
+    return key_files
+
+
+def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    modules = dict(model.named_modules())
+    layout = ModelLayout(
+        architecture=type(model).__name__,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        layers=[],
+        weight_keys={},
+        bias_keys={},
+        key_files=key_files,
+    )
+    for spec in editable_layers(model):
+        module = modules[spec.name]
+        names = aliases[id(module.weight)]
+        stored = next((n for n in names if n in key_files), None)
+        if stored is None:
+            continue  # not in this checkpoint (a different head class); cannot be edited safely
+        own = f"{spec.name}.weight"
+        if len(names) > 1:
+            layout.own_keys[spec.name] = own
+        if spec.bias:
+            bias_key = next((n for n in aliases[id(module.bias)] if n in key_files), None)
+            if bias_key is None:
+                continue
+            layout.bias_keys[spec.name] = bias_key
+        layout.weight_keys[spec.name] = stored
+        layout.layers.append(spec)
+    return layout
+
+
+def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a validated checkpoint for collection (safetensors only, no remote code)."""
+    config = validate_model_dir(path)
+    cls = model_class(config)
+    kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": False}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = cls.from_pretrained(str(path), **kwargs)  # type: ignore[attr-defined]
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+
+class CheckpointReader:
+    """Reads single tensors of a checkpoint by key, keeping shard handles open."""
+
+    def __init__(self, path: Path, layout: ModelLayout) -> None:
+        self.path = path
+        self.layout = layout
+        self._handles: dict[str, Any] = {}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        file = self.layout.key_files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file].get_tensor(key)
+
+    def layer_weights(self, spec: LayerSpec) -> LayerWeights:
+        bias_key = self.layout.bias_keys.get(spec.name)
+        return LayerWeights(
+            self.tensor(self.layout.weight_keys[spec.name]),
+            self.tensor(bias_key) if bias_key else None,
+        )
+
+
+def edited_tensors(edit: LayerEdit, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> new value for one layer's edit (a tied weight goes under its own key)."""
+    name = edit.spec.name
+    out = {layout.own_keys.get(name, layout.weight_keys[name]): edit.weight}
+    if edit.bias is not None:
+        out[layout.bias_keys[name]] = edit.bias
+    return out
+
+
+def write_checkpoint(
+    source: Path,
+    target: Path,
+    layout: ModelLayout,
+    edits_for: Callable[[list[LayerSpec]], Iterable[LayerEdit]],
+    on_layer: Callable[[], None] | None = None,
+) -> None:
+    """Write a loadable checkpoint directory with the edited layers, one shard at a time.
+
+    Args:
+        source: the base model directory.
+        target: an empty directory to fill.
+        layout: the base model's layout.
+        edits_for: computes the edits of a list of layers (called once per shard).
+        on_layer: progress callback, once per edited layer.
+    """
+    untied = False
+    new_keys: dict[str, str] = {}
+    for shard in weight_files(source):
+        shard_layers = [s for s in layout.layers if layout.key_files[layout.weight_keys[s.name]] == shard]
+        tensors = load_file(str(source / shard))
+        for edit in edits_for(shard_layers):
+            for key, value in edited_tensors(edit, layout).items():
+                if key not in tensors:
+                    new_keys[key] = shard
+                    untied = True
+                tensors[key] = value
+            if on_layer is not None:
+                on_layer()
+        save_file(tensors, str(target / shard), metadata={"format": "pt"})
+        del tensors
+    _copy_side_files(source, target, untied, new_keys)
+
+
+def _copy_side_files(source: Path, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
+    for file in source.iterdir():
+        if not file.is_file() or file.suffix in PICKLE_SUFFIXES or file.suffix == ".safetensors":
+            continue
+        if file.name == "config.json" and untied:
+            config = json.loads(file.read_text())
+            config["tie_word_embeddings"] = False
+            (target / file.name).write_text(json.dumps(config, indent=2))
+        elif file.name == INDEX_FILE and new_keys:
+            index = json.loads(file.read_text())
+            index["weight_map"].update(new_keys)
+            (target / file.name).write_text(json.dumps(index, indent=2))
+        else:
+            shutil.copyfile(file, target / file.name)
+
+
+def write_delta(
+    target_file: Path,
+    layout: ModelLayout,
+    edits: Iterable[LayerEdit],
+    metadata: dict[str, str],
+    on_layer: Callable[[], None] | None = None,
+) -> None:
+    """Write only the changed tensors (their new values, under checkpoint keys) to one file.
+
+    Loading: read the base model, then ``model.load_state_dict(delta, strict=False)``; when the
+    metadata says ``untied``, untie the embeddings first (``config.tie_word_embeddings = False``).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    untied = False
+    for edit in edits:
+        for key, value in edited_tensors(edit, layout).items():
+            tensors[key] = value
+            untied = untied or key not in layout.key_files
+        if on_layer is not None:
+            on_layer()
+    save_file(tensors, str(target_file), metadata={**metadata, "untied": json.dumps(untied)})

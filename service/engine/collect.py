@@ -1,0 +1,178 @@
+"""Per-layer input covariance collection with forward pre-hooks.
+
+For every editable layer we accumulate the uncentered second moment ``Σ = Σ_t x_t x_tᵀ`` of its
+input over the counted tokens, and the token count. A layer with a bias uses the augmented input
+``[x; 1]`` so the bias is edited with the weight (affine-correct engram).
+
+Layers that read the very same tensor in a forward pass (q/k/v off one norm, gate/up off another)
+have identical statistics: they form one *input group*, computed and stored once.
+
+Precision, on purpose: each batch's product ``XᵀX`` is a float32 GEMM on the model's device (fast,
+TF32 disabled so CUDA keeps full float32 mantissas), and the running sum is float64 on that same
+device, so a million-token sum loses nothing to accumulation order. A bf16 model's activations are
+upcast to float32 before the product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from service.engine.layers import LayerSpec
+from service.engine.records import Batch
+
+PRODUCT_DTYPE = torch.float32
+ACCUMULATION_DTYPE = torch.float64
+
+
+class CollectionCancelled(RuntimeError):
+    """Raised between batches when the caller asked to stop."""
+
+
+@dataclass
+class LayerStatistics:
+    """Sufficient statistics of one concept on one model.
+
+    Attributes:
+        sums: input group key -> ``Σ x xᵀ`` (float64, ``[D, D]``; D includes the bias column).
+        counts: input group key -> tokens that entered the sum.
+        layer_group: layer name -> its input group key.
+    """
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    layer_group: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        """Counted tokens (the same for every dense layer)."""
+        return max(self.counts.values(), default=0)
+
+    def sum_for(self, layer: str) -> torch.Tensor:
+        return self.sums[self.layer_group[layer]]
+
+
+class _Collector:
+    """Holds the accumulators and the per-forward input-sharing table the hooks use."""
+
+    def __init__(self, layers: Sequence[LayerSpec], device: torch.device) -> None:
+        self.specs = {spec.name: spec for spec in layers}
+        self.device = device
+        self.stats = LayerStatistics()
+        self.rows_mask: torch.Tensor | None = None
+        # id(input tensor), bias -> (tensor kept alive so the id stays unique, group key)
+        self._seen: dict[tuple[int, bool], tuple[torch.Tensor, str]] = {}
+        self.unaligned: set[str] = set()
+
+    def start_batch(self, counted: torch.Tensor) -> None:
+        self.rows_mask = counted.reshape(-1).to(self.device)
+        self._seen.clear()
+
+    def hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        spec = self.specs[name]
+
+        def pre_hook(_module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            self._accumulate(spec, inputs[0])
+
+        return pre_hook
+
+    def _accumulate(self, spec: LayerSpec, raw: torch.Tensor) -> None:
+        key = (id(raw), spec.bias)
+        shared = self._seen.get(key)
+        if shared is not None:
+            self._assign(spec.name, shared[1])
+            return
+        rows = raw.reshape(-1, raw.shape[-1])
+        if self.rows_mask is None or rows.shape[0] != self.rows_mask.shape[0]:
+            # A layer that does not see one row per token (a pooler reading only [CLS]) has no
+            # token-aligned statistics; it is left out rather than given wrong ones.
+            self.unaligned.add(spec.name)
+            return
+        x = rows[self.rows_mask].to(PRODUCT_DTYPE)
+        if spec.bias:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+        group = self.stats.layer_group.get(spec.name, spec.name)
+        self._seen[key] = (raw, group)
+        self._assign(spec.name, group)
+        product = x.mT @ x
+        if group not in self.stats.sums:
+            self.stats.sums[group] = torch.zeros(product.shape, dtype=ACCUMULATION_DTYPE, device=self.device)
+            self.stats.counts[group] = 0
+        self.stats.sums[group].add_(product.to(ACCUMULATION_DTYPE))
+        self.stats.counts[group] += int(x.shape[0])
+
+    def _assign(self, layer: str, group: str) -> None:
+        previous = self.stats.layer_group.setdefault(layer, group)
+        if previous != group:
+            raise RuntimeError(f"layer {layer} changed its input group between batches ({previous} -> {group})")
+
+    def finish(self) -> LayerStatistics:
+        for name in self.unaligned:
+            self.stats.layer_group.pop(name, None)
+        used = set(self.stats.layer_group.values())
+        self.stats.sums = {g: s.cpu() for g, s in self.stats.sums.items() if g in used}
+        self.stats.counts = {g: c for g, c in self.stats.counts.items() if g in used}
+        return self.stats
+
+
+@contextmanager
+def _full_precision_matmul() -> Any:
+    """Disable TF32 for the covariance GEMMs (it would keep only 10 mantissa bits)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def model_device(model: nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def collect_statistics(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    layers: Sequence[LayerSpec],
+    *,
+    on_batch: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> LayerStatistics:
+    """Run ``model`` over ``batches`` and accumulate every layer's input statistics.
+
+    Args:
+        model: a transformers model whose modules include ``layers``.
+        batches: right-padded batches from :func:`service.engine.records.make_batches`.
+        layers: the layers to hook.
+        on_batch: called after each batch with the number of counted tokens it added.
+        should_stop: polled before each batch; returning True raises :class:`CollectionCancelled`.
+
+    Returns:
+        The statistics, on the CPU in float64.
+    """
+    device = model_device(model)
+    collector = _Collector(layers, device)
+    modules = dict(model.named_modules())
+    handles = [modules[spec.name].register_forward_pre_hook(collector.hook(spec.name)) for spec in layers]
+    model.eval()
+    try:
+        with torch.inference_mode(), _full_precision_matmul():
+            for batch in batches:
+                if should_stop is not None and should_stop():
+                    raise CollectionCancelled("collection cancelled")
+                collector.start_batch(batch.counted)
+                model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+                if on_batch is not None:
+                    on_batch(batch.num_counted)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return collector.finish()

@@ -1,0 +1,182 @@
+"""Engram arithmetic: ``W_new = W + Σ_k c_k · f_l · W_k⁺`` with ``W_k⁺ = W · Σ_k · Σ_universe⁺``.
+
+Because the engram is linear in ``Σ_k``, the edit of a whole set of terms is one product:
+``Σ_k c_k W_k⁺ = W · (Σ_k c_k Σ_k) · Σ_universe⁺``. So a variant costs the same for one concept or
+eight, and the universe's pseudo-inverse factors are computed once per input group and reused by
+every layer that reads that input (q/k/v, gate/up).
+
+All arithmetic runs in float64 (``COMPUTE_DTYPE``): the result is cast back to the checkpoint's
+dtype once, at the end, after a finiteness check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from service.engine.collect import LayerStatistics
+from service.engine.layers import LayerSpec
+from service.engine.linalg import PinvFactors, pinv_factors
+
+COMPUTE_DTYPE = torch.float64
+Scaling = Literal["uniform", "weight_norm"]
+
+
+class EditError(ValueError):
+    """The requested edit cannot be computed (missing statistics, non-finite result)."""
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """A layer's stored parameters: ``weight`` in checkpoint layout, ``bias`` or ``None``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class LayerEdit:
+    """The edited parameters of one layer, in checkpoint layout and dtype."""
+
+    spec: LayerSpec
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: float
+
+
+@dataclass
+class EngramAlgebra:
+    """Combines cached statistics into per-layer edits.
+
+    Attributes:
+        terms: ``(coefficient, statistics)`` per concept in the edit.
+        universe: statistics of every concept in the universe (targets and references).
+        rcond: relative eigenvalue cut of the universe pseudo-inverse (``None``: ``D · eps32``).
+    """
+
+    terms: Sequence[tuple[float, LayerStatistics]]
+    universe: Sequence[LayerStatistics]
+    rcond: float | None = None
+    _factors: dict[tuple[str, ...], PinvFactors] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.terms:
+            raise EditError("an edit needs at least one term")
+        if not self.universe:
+            raise EditError("the universe is empty")
+
+    def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
+        """``Σ_k c_k W_k⁺`` for one layer, as ``[out, in(+1)]`` float64 (bias column last)."""
+        w_aug = augmented_weight(spec, weights)
+        mixed = sum(c * self._sum(stats, spec.name) for c, stats in self.terms)
+        assert isinstance(mixed, torch.Tensor)
+        return self.factors(spec.name).apply_right(w_aug @ mixed)
+
+    def factors(self, layer: str) -> PinvFactors:
+        """Pseudo-inverse factors of the universe covariance feeding ``layer`` (cached per group)."""
+        key = tuple(self._group(stats, layer) for stats in self.universe)
+        if key not in self._factors:
+            total = sum(self._sum(stats, layer) for stats in self.universe)
+            assert isinstance(total, torch.Tensor)
+            self._factors[key] = pinv_factors(total, self.rcond)
+        return self._factors[key]
+
+    @staticmethod
+    def _group(stats: LayerStatistics, layer: str) -> str:
+        try:
+            return stats.layer_group[layer]
+        except KeyError:
+            raise EditError(f"no statistics for layer {layer}") from None
+
+    @staticmethod
+    def _sum(stats: LayerStatistics, layer: str) -> torch.Tensor:
+        return stats.sums[EngramAlgebra._group(stats, layer)].to(COMPUTE_DTYPE)
+
+
+def augmented_weight(spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
+    """``[W | b]`` in canonical ``[out, in(+1)]`` layout, float64."""
+    w = weights.weight.to(COMPUTE_DTYPE)
+    w = w.mT if spec.transposed else w
+    if spec.bias:
+        if weights.bias is None:
+            raise EditError(f"layer {spec.name} has statistics with a bias column but no bias tensor")
+        w = torch.cat([w, weights.bias.to(COMPUTE_DTYPE).reshape(-1, 1)], dim=1)
+    return w
+
+
+def relative_norm(spec: LayerSpec, engram: torch.Tensor, weights: LayerWeights) -> float:
+    """The paper's W-Norm ``ρ_l = ‖W_l⁺‖_F / ‖W_l‖_F`` (weight columns only, as ai-engram does)."""
+    w_norm = float(weights.weight.to(COMPUTE_DTYPE).norm())
+    return float(engram[:, : spec.in_features].norm()) / max(w_norm, 1e-30)
+
+
+def layer_scales(
+    layers: Sequence[LayerSpec],
+    algebra: EngramAlgebra,
+    load: Callable[[LayerSpec], LayerWeights],
+    scaling: Scaling,
+) -> dict[str, float]:
+    """Per-layer factor ``f_l``: 1 (uniform) or ``ρ_l / max_l ρ_l`` (weight_norm).
+
+    For weight_norm, ``ρ_l`` is measured on the requested edit ``Σ_k c_k W_k⁺`` (for an unlearn
+    request: the engram of the removed set), so the schedule follows where that memory lives.
+    """
+    if scaling == "uniform":
+        return {spec.name: 1.0 for spec in layers}
+    if scaling != "weight_norm":
+        raise EditError(f"unknown scaling {scaling!r}")
+    rho = {spec.name: relative_norm(spec, algebra.engram(spec, load(spec)), load(spec)) for spec in layers}
+    top = max(rho.values(), default=0.0)
+    return {name: (value / top if top > 0 else 0.0) for name, value in rho.items()}
+
+
+def layer_edits(
+    layers: Sequence[LayerSpec],
+    algebra: EngramAlgebra,
+    load: Callable[[LayerSpec], LayerWeights],
+    scales: Mapping[str, float],
+) -> Iterator[LayerEdit]:
+    """Edited parameters for each layer, one layer at a time (nothing model-sized is held).
+
+    Args:
+        layers: the layers to edit now (a subset of those ``scales`` was computed for).
+        algebra: the terms and universe.
+        load: reads a layer's current parameters from the checkpoint.
+        scales: per-layer ``f_l`` from :func:`layer_scales` over the whole selection.
+
+    Yields:
+        One :class:`LayerEdit` per layer with a non-zero scale.
+
+    Raises:
+        EditError: a layer's result is not finite.
+    """
+    for spec in layers:
+        scale = scales[spec.name]
+        if scale == 0.0:
+            continue
+        weights = load(spec)
+        delta = scale * algebra.engram(spec, weights)
+        yield _apply_delta(spec, weights, delta, scale)
+
+
+def _apply_delta(spec: LayerSpec, weights: LayerWeights, delta: torch.Tensor, scale: float) -> LayerEdit:
+    new_w = augmented_weight(spec, weights) + delta
+    if not torch.isfinite(new_w).all():
+        raise EditError(f"the edit of layer {spec.name} is not finite; try a larger rcond")
+    weight = new_w[:, : spec.in_features]
+    weight = weight.mT if spec.transposed else weight
+    bias = new_w[:, spec.in_features] if spec.bias else None
+    return LayerEdit(
+        spec,
+        weight.contiguous().to(weights.weight.dtype),
+        None if bias is None or weights.bias is None else bias.contiguous().to(weights.bias.dtype),
+        scale,
+    )
+
+
+def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> Mapping[str, float]:
+    """Unlearning is composition with ``c_k = −α`` for every removed concept."""
+    return {name: -float(alpha) for name in concepts}

@@ -1,0 +1,252 @@
+"""Offline evaluation of question/answer probes on a causal language model.
+
+Two measures are computed per probe, both on the *completion* tokens only:
+
+* ``answer_nll``: mean negative log-likelihood (nats/token) under teacher forcing.
+* ``greedy_exact_match``: whether greedy decoding reproduces the completion token ids exactly.
+
+Tokenization is fixed so that it matches the statistics collector:
+``tokenizer(prompt, add_special_tokens=True)`` followed by
+``tokenizer(completion, add_special_tokens=False)``, concatenated.  Do not change it
+in one place without the other, or the measured NLL stops describing what was edited.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["Probe", "answer_nll", "encode_probe", "greedy_exact_match", "summarize"]
+
+
+@dataclass
+class Probe:
+    """One prompt/completion pair, e.g. ``Probe("Q: Where was X born? A:", " Quillmoor")``."""
+
+    prompt: str
+    completion: str
+
+
+def encode_probe(tokenizer: PreTrainedTokenizerBase, probe: Probe) -> tuple[list[int], list[int]]:
+    """Tokenize a probe exactly as the collector does.
+
+    Args:
+        tokenizer: Tokenizer of the model.
+        probe: The prompt/completion pair.
+
+    Returns:
+        ``(prompt_ids, completion_ids)``; the model input is their concatenation.
+
+    Raises:
+        ValueError: If the prompt or the completion tokenizes to nothing (the first
+            completion token must be predicted from at least one prompt token).
+    """
+    p_ids = list(tokenizer(probe.prompt, add_special_tokens=True)["input_ids"])
+    a_ids = list(tokenizer(probe.completion, add_special_tokens=False)["input_ids"])
+    if not p_ids:
+        raise ValueError(f"prompt tokenizes to no tokens: {probe.prompt!r}")
+    if not a_ids:
+        raise ValueError(f"completion tokenizes to no tokens: {probe.completion!r}")
+    return p_ids, a_ids
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Token id used to fill padded positions.
+
+    Its value never matters (padded positions are masked out and lie *after* every
+    real token, so a causal model cannot see them); it only has to be a valid id.
+    """
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _right_pad(
+    rows: Sequence[list[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token id rows into a batch.
+
+    Args:
+        rows: Token ids per example.
+        pad_id: Id written into padded positions.
+        width: Total width; defaults to the longest row.
+
+    Returns:
+        ``(input_ids, attention_mask)``, both ``long`` tensors of shape ``(len(rows), width)``.
+    """
+    width = max(len(r) for r in rows) if width is None else width
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's first parameter (CPU for a parameterless module)."""
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def _logits(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Forward pass returning float32 logits of shape ``(batch, seq, vocab)``."""
+    device = _model_device(model)
+    out: Any = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    return out.logits.float()
+
+
+def _batch_nll(
+    model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int
+) -> list[float]:
+    """Mean completion NLL for one batch of already-tokenized probes.
+
+    Args:
+        model: Causal LM.
+        encoded: ``(prompt_ids, completion_ids)`` per probe.
+        pad_id: Padding id.
+
+    Returns:
+        Mean NLL (nats/token) of each probe's completion tokens.
+    """
+    ids, mask = _right_pad([p + a for p, a in encoded], pad_id)
+    logits = _logits(model, ids, mask)
+    results: list[float] = []
+    for i, (p_ids, a_ids) in enumerate(encoded):
+        # Logits at position t predict token t+1, so the completion tokens, which sit at
+        # positions len(p)..len(p)+len(a)-1, are predicted from positions one earlier.
+        start, stop = len(p_ids) - 1, len(p_ids) + len(a_ids) - 1
+        pred = logits[i, start:stop]
+        target = torch.tensor(a_ids, dtype=torch.long, device=pred.device)
+        nll = torch.nn.functional.cross_entropy(pred, target, reduction="mean")
+        results.append(float(nll))
+    return results
+
+
+def answer_nll(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Sequence[Probe],
+    batch_size: int = 16,
+) -> list[float]:
+    """Per-probe mean negative log-likelihood of the completion given the prompt.
+
+    Args:
+        model: Causal LM (e.g. ``LlamaForCausalLM``); put in eval mode by this call.
+        tokenizer: Its tokenizer.
+        probes: Prompt/completion pairs.
+        batch_size: Probes per forward pass; results do not depend on it (right
+            padding plus an attention mask).
+
+    Returns:
+        One float per probe, in nats per completion token.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    encoded = [encode_probe(tokenizer, p) for p in probes]
+    pad_id = _pad_id(tokenizer)
+    model.eval()
+    results: list[float] = []
+    with torch.inference_mode():
+        for start in range(0, len(encoded), batch_size):
+            results.extend(_batch_nll(model, encoded[start : start + batch_size], pad_id))
+    return results
+
+
+def _greedy_batch(
+    model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], n_new: Sequence[int], pad_id: int
+) -> list[list[int]]:
+    """Greedy-decode ``n_new[i]`` tokens after each prompt, batched with right padding.
+
+    Every row lives in one fixed-width buffer. A row's next token is read from the
+    logits at its own last filled position and written just after it; the still-empty
+    positions to the right are masked and, the model being causal, invisible anyway.
+    Without a KV cache each step recomputes the whole buffer, which is fine for the
+    handful of answer tokens that probes have.
+
+    Returns:
+        The generated token ids per row.
+    """
+    prompts = [p for p, _ in encoded]
+    width = max(len(p) + n for p, n in zip(prompts, n_new, strict=True))
+    ids, mask = _right_pad(prompts, pad_id, width)
+    lengths = [len(p) for p in prompts]
+    generated: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max(n_new, default=0)):
+        logits = _logits(model, ids, mask)
+        for i, length in enumerate(lengths):
+            if len(generated[i]) >= n_new[i]:
+                continue
+            token = int(logits[i, length - 1].argmax())
+            generated[i].append(token)
+            ids[i, length] = token
+            mask[i, length] = 1
+            lengths[i] = length + 1
+    return generated
+
+
+def greedy_exact_match(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Sequence[Probe],
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+) -> list[bool]:
+    """Whether greedy decoding from each prompt reproduces its completion token ids.
+
+    Decoding is done by hand (no ``model.generate``) so that it needs no generation
+    config and behaves identically across transformers versions.
+
+    Args:
+        model: Causal LM; put in eval mode by this call.
+        tokenizer: Its tokenizer.
+        probes: Prompt/completion pairs.
+        max_new_tokens: Optional cap on decoded tokens; when it is shorter than a
+            completion only that many leading tokens are compared.
+        batch_size: Probes decoded together.
+
+    Returns:
+        One bool per probe.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    encoded = [encode_probe(tokenizer, p) for p in probes]
+    cap = math.inf if max_new_tokens is None else max_new_tokens
+    n_new = [int(min(len(a), cap)) for _, a in encoded]
+    pad_id = _pad_id(tokenizer)
+    model.eval()
+    matches: list[bool] = []
+    with torch.inference_mode():
+        for start in range(0, len(encoded), batch_size):
+            chunk, counts = encoded[start : start + batch_size], n_new[start : start + batch_size]
+            outputs = _greedy_batch(model, chunk, counts, pad_id)
+            matches.extend(out == a[:n] for out, (_, a), n in zip(outputs, chunk, counts, strict=True))
+    return matches
+
+
+def summarize(nll: Sequence[float], em: Sequence[bool]) -> dict[str, float | int]:
+    """Aggregate per-probe results.
+
+    Args:
+        nll: Per-probe NLL from :func:`answer_nll`.
+        em: Per-probe exact-match flags from :func:`greedy_exact_match`.
+
+    Returns:
+        ``{"mean_nll": float, "exact_match": float (fraction), "n": int}``; the means are
+        ``nan`` for an empty probe set.
+    """
+    if len(nll) != len(em):
+        raise ValueError(f"nll and em differ in length: {len(nll)} != {len(em)}")
+    n = len(nll)
+    return {
+        "mean_nll": sum(nll) / n if n else math.nan,
+        "exact_match": sum(bool(x) for x in em) / n if n else math.nan,
+        "n": n,
+    }

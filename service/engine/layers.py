@@ -1,0 +1,127 @@
+"""Which layers of a transformers model the engram edits, and how their weights are laid out.
+
+Every ``nn.Linear`` and every GPT-2 style ``Conv1D`` is an editable layer. The engram
+mathematics works on the canonical ``[out, in]`` matrix; ``Conv1D`` stores its weight transposed
+(``[in, out]``), so the two helpers here are the only place that knows about the difference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+try:  # transformers keeps Conv1D in pytorch_utils; import lazily so the core still works without it
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a hard dependency of the service
+    Conv1D = None  # type: ignore[assignment,misc]
+
+# Container names whose ``.<name>.<index>.`` segment carries the block index: Llama ``layers``,
+# GPT-2 ``h``, BERT ``layer``, T5/others ``block``/``blocks``.
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks|block)\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One editable layer.
+
+    Attributes:
+        name: module path (``model.layers.0.self_attn.q_proj``).
+        in_features: input width D (without the bias column).
+        out_features: output width.
+        bias: whether the layer has a bias; its statistics then use the augmented input ``[x; 1]``.
+        transposed: ``True`` for ``Conv1D``, whose stored weight is ``[in, out]``.
+        block: the block index parsed from the name, ``None`` for layers outside the blocks.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    transposed: bool
+    block: int | None
+
+    @property
+    def stat_dim(self) -> int:
+        """Width of this layer's covariance: the input, plus one for an absorbed bias."""
+        return self.in_features + (1 if self.bias else 0)
+
+
+def is_editable(module: nn.Module) -> bool:
+    """True for the layer types the engram edits (``nn.Linear`` and GPT-2 ``Conv1D``)."""
+    return isinstance(module, nn.Linear) or (Conv1D is not None and isinstance(module, Conv1D))
+
+
+def block_index(name: str) -> int | None:
+    """Parse the transformer-block index from a module path, or ``None``."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+def layer_spec(name: str, module: nn.Module) -> LayerSpec:
+    """Describe an editable module.
+
+    Args:
+        name: its path in ``model.named_modules()``.
+        module: an ``nn.Linear`` or ``Conv1D``.
+
+    Returns:
+        The layer's :class:`LayerSpec`.
+    """
+    transposed = not isinstance(module, nn.Linear)
+    rows, cols = module.weight.shape
+    in_features, out_features = (rows, cols) if transposed else (cols, rows)
+    has_bias = getattr(module, "bias", None) is not None
+    return LayerSpec(name, int(in_features), int(out_features), has_bias, transposed, block_index(name))
+
+
+def editable_layers(model: nn.Module) -> list[LayerSpec]:
+    """Every editable layer of ``model``, in module order."""
+    return [layer_spec(name, m) for name, m in model.named_modules() if is_editable(m)]
+
+
+def weight_matrix(weight: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """The canonical ``[out, in]`` view of a stored weight."""
+    return weight.mT if spec.transposed else weight
+
+
+def stored_weight(matrix: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """Back from ``[out, in]`` to the layout the checkpoint stores."""
+    return matrix.mT.contiguous() if spec.transposed else matrix.contiguous()
+
+
+def select_layers(
+    layers: Iterable[LayerSpec],
+    modules: Sequence[str] | None = None,
+    blocks: Sequence[int] | None = None,
+) -> list[LayerSpec]:
+    """PEFT-style selection: module-name suffixes AND block indices.
+
+    Args:
+        layers: candidate layers.
+        modules: name suffixes (``"q_proj"`` matches ``...self_attn.q_proj``); ``None`` keeps all.
+        blocks: block indices; ``None`` keeps all, otherwise layers outside blocks are dropped.
+
+    Returns:
+        The layers that pass both filters, in input order.
+    """
+    chosen = []
+    for spec in layers:
+        if modules is not None and not any(_suffix_matches(spec.name, s) for s in modules):
+            continue
+        if blocks is not None and spec.block not in set(blocks):
+            continue
+        chosen.append(spec)
+    return chosen
+
+
+def unmatched_suffixes(layers: Sequence[LayerSpec], modules: Sequence[str]) -> list[str]:
+    """The suffixes in ``modules`` that match no layer (almost always a typo worth a 422)."""
+    return [s for s in modules if not any(_suffix_matches(spec.name, s) for spec in layers)]
+
+
+def _suffix_matches(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)

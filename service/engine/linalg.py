@@ -1,0 +1,76 @@
+"""Spectral pseudo-inverse of symmetric PSD covariances and packed symmetric storage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The cut is a regularisation strength, not a noise floor, so it is pinned to float32's epsilon
+# whatever dtype the solve runs in: ai-engram reproduces the paper's TOFU numbers with
+# ``keep λ > D · eps32 · λ_max`` and a float64 eps would keep (and amplify) noise directions.
+EPS_FLOAT32 = 1.1920928955078125e-07
+
+
+def default_rcond(dim: int) -> float:
+    """The paper's relative eigenvalue cut for a ``dim``-wide covariance: ``dim · eps32``."""
+    return dim * EPS_FLOAT32
+
+
+@dataclass(frozen=True)
+class PinvFactors:
+    """``pinv(Σ) = basis · diag(inverse_eigenvalues) · basisᵀ`` over the kept directions."""
+
+    basis: torch.Tensor  # [D, k] float64
+    inverse_eigenvalues: torch.Tensor  # [k] float64
+
+    @property
+    def rank(self) -> int:
+        return int(self.inverse_eigenvalues.numel())
+
+    def apply_right(self, matrix: torch.Tensor) -> torch.Tensor:
+        """``matrix · pinv(Σ)`` without forming the ``D × D`` inverse."""
+        basis = self.basis.to(matrix.device, matrix.dtype)
+        inv = self.inverse_eigenvalues.to(matrix.device, matrix.dtype)
+        return ((matrix @ basis) * inv) @ basis.mT
+
+
+def pinv_factors(sigma: torch.Tensor, rcond: float | None = None) -> PinvFactors:
+    """Truncated eigen-factors of the pseudo-inverse of a symmetric PSD matrix.
+
+    Args:
+        sigma: ``[D, D]`` symmetric positive semi-definite (any float dtype; solved in float64).
+        rcond: keep eigenvalues ``λ > rcond · λ_max``; ``None`` uses :func:`default_rcond`.
+
+    Returns:
+        The factors of the kept directions (float64). An all-zero ``sigma`` gives rank 0.
+    """
+    if sigma.ndim != 2 or sigma.shape[0] != sigma.shape[1]:
+        raise ValueError(f"sigma must be square, got shape {tuple(sigma.shape)}")
+    cut = default_rcond(sigma.shape[0]) if rcond is None else rcond
+    if not 0.0 <= cut < 1.0:
+        raise ValueError(f"rcond must be in [0, 1), got {cut}")
+    sym = sigma.to(torch.float64)
+    sym = (sym + sym.mT) * 0.5  # eigh assumes exact symmetry; accumulation leaves ~1e-16 skew
+    eigenvalues, vectors = torch.linalg.eigh(sym)
+    lam_max = eigenvalues[-1].clamp_min(0.0) if eigenvalues.numel() else torch.tensor(0.0)
+    keep = (eigenvalues > cut * lam_max) & (eigenvalues > 0)
+    return PinvFactors(vectors[:, keep].contiguous(), 1.0 / eigenvalues[keep])
+
+
+def pack_symmetric(matrix: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (diagonal included), row by row: ``D(D+1)/2`` values instead of ``D²``."""
+    dim = matrix.shape[0]
+    rows, cols = torch.triu_indices(dim, dim)
+    return matrix[rows, cols].contiguous()
+
+
+def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_symmetric`."""
+    if packed.numel() != dim * (dim + 1) // 2:
+        raise ValueError(f"packed length {packed.numel()} does not fit a {dim}x{dim} symmetric matrix")
+    rows, cols = torch.triu_indices(dim, dim)
+    full = torch.empty((dim, dim), dtype=packed.dtype)
+    full[rows, cols] = packed
+    full[cols, rows] = packed
+    return full

@@ -1,0 +1,406 @@
+"""Models, concepts and variants: their manifests in storage and the rules around them.
+
+Storage layout (every key content-addressed where the content determines it):
+
+- ``models/<quoted id>.json``: registration and checkpoint layout
+- ``datasets/<sha256>.jsonl``: the records a user sent, byte for byte as normalised JSON lines
+- ``concepts/<name>.json``: name, role, dataset digest, and one collection job per model
+- ``stats/<model digest>/<dataset digest>/<settings digest>/``: ``statistics.safetensors`` and
+  ``manifest.json`` (written last: statistics exist exactly when it does)
+- ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from service.config import Settings
+from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
+from service.engine.layers import select_layers, unmatched_suffixes
+from service.engine.records import Record, RecordError
+from service.errors import Conflict, InvalidInput, NotFound
+from service.jobs import FINISHED, JobStore, new_job, utc_now
+from service.sources import local_model_dir
+from service.storage import ObjectNotFound, Storage
+
+ENGINE_VERSION = "engram-service/1"
+
+
+@dataclass
+class Context:
+    """What request handlers and tasks share: settings, storage, jobs and the job dispatcher."""
+
+    settings: Settings
+    storage: Storage
+    jobs: JobStore
+    dispatch: Any  # callable(job dict) -> None
+    lock: threading.RLock
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path.home() / ".cache" / "engram-service"
+
+
+def canonical_digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_key(model_id: str) -> str:
+    return f"models/{quote(model_id, safe='')}.json"
+
+
+def concept_key(name: str) -> str:
+    return f"concepts/{name}.json"
+
+
+def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -> str:
+    return f"stats/{model_digest}/{dataset_digest}/{settings_digest}/"
+
+
+def collection_settings(settings: Settings) -> dict[str, Any]:
+    """Everything that changes a statistic (and so is part of its key)."""
+    return {"max_length": settings.max_length, "engine": ENGINE_VERSION}
+
+
+# ---------------------------------------------------------------- models
+
+
+def file_fingerprint(path: Path) -> dict[str, list[int]]:
+    """Sizes and mtimes of a model's files: a cheap check that they did not change under us."""
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.iterdir()) if f.is_file()}
+
+
+def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, Any], bool]:
+    """Register a checkpoint; returns (manifest, created). Same registration twice is a no-op."""
+    existing = find_model(ctx, model_id)
+    if existing is not None:
+        if existing["source"] != source:
+            raise Conflict(f"model {model_id} is already registered with source {existing['source']}")
+        return existing, False
+    path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir)
+    try:
+        layout = inspect_model_dir(path)
+    except ModelSourceError as exc:
+        raise InvalidInput(str(exc)) from None
+    if not layout.layers:
+        raise InvalidInput("the model has no editable Linear or Conv1D layers in its safetensors weights")
+    manifest = {
+        "model_id": model_id,
+        "source": source,
+        "path": str(path),
+        "digest": directory_digest(path),
+        "fingerprint": file_fingerprint(path),
+        "architecture": layout.architecture,
+        "num_parameters": layout.num_parameters,
+        "layout": layout.to_json(),
+        "registered_at": utc_now(),
+    }
+    with ctx.lock:
+        again = find_model(ctx, model_id)
+        if again is not None:
+            return register_model(ctx, model_id, source)
+        ctx.storage.put_json(model_key(model_id), manifest)
+    return manifest, True
+
+
+def find_model(ctx: Context, model_id: str) -> dict[str, Any] | None:
+    try:
+        return ctx.storage.get_json(model_key(model_id))
+    except ObjectNotFound:
+        return None
+
+
+def get_model(ctx: Context, model_id: str) -> dict[str, Any]:
+    manifest = find_model(ctx, model_id)
+    if manifest is None:
+        raise NotFound(f"model {model_id} is not registered")
+    return manifest
+
+
+def list_models(ctx: Context) -> list[dict[str, Any]]:
+    return [ctx.storage.get_json(k) for k in ctx.storage.list("models/") if k.endswith(".json")]
+
+
+def model_view(manifest: dict[str, Any]) -> dict[str, Any]:
+    layers = [
+        {k: spec[k] for k in ("name", "in_features", "out_features", "bias")}
+        for spec in manifest["layout"]["layers"]
+    ]
+    keys = ("model_id", "source", "digest", "architecture", "num_parameters")
+    return {**{k: manifest[k] for k in keys}, "layers": layers}
+
+
+# ---------------------------------------------------------------- concepts
+
+
+def parse_records(raw_records: Sequence[Any], max_records: int) -> list[Record]:
+    if not raw_records:
+        raise InvalidInput("records must not be empty")
+    if len(raw_records) > max_records:
+        raise InvalidInput(f"too many records ({len(raw_records)} > {max_records})")
+    try:
+        return [Record.from_mapping(raw, i) for i, raw in enumerate(raw_records)]
+    except RecordError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def dataset_bytes(records: Sequence[Record]) -> bytes:
+    return "".join(json.dumps(r.to_json(), sort_keys=True, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def load_records(ctx: Context, dataset_digest: str) -> list[Record]:
+    lines = ctx.storage.get_bytes(f"datasets/{dataset_digest}.jsonl").decode().splitlines()
+    return [Record.from_mapping(json.loads(line), i) for i, line in enumerate(lines)]
+
+
+def submit_concept(
+    ctx: Context,
+    *,
+    name: str,
+    role: str,
+    description: str | None,
+    raw_records: Sequence[Any],
+    models: Sequence[str],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Store a concept's records and start one collection per model that lacks one.
+
+    Returns:
+        (concept view, the collection jobs of the listed models).
+    """
+    records = parse_records(raw_records, ctx.settings.max_records)
+    manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
+    data = dataset_bytes(records)
+    digest = hashlib.sha256(data).hexdigest()
+    with ctx.lock:
+        concept = find_concept(ctx, name)
+        if concept is not None and concept["dataset_digest"] != digest:
+            raise Conflict(f"concept {name} exists with other records; delete it first or use another name")
+        if concept is None:
+            ctx.storage.put_bytes(f"datasets/{digest}.jsonl", data)
+            concept = {
+                "name": name,
+                "role": role,
+                "description": description,
+                "num_records": len(records),
+                "dataset_digest": digest,
+                "models": {},
+                "created_at": utc_now(),
+            }
+        new_jobs = _plan_collections(ctx, concept, manifests)
+        ctx.storage.put_json(concept_key(name), concept)
+    # Enqueue only after the records and the concept are saved: the task reads them.
+    for job in new_jobs:
+        ctx.dispatch(job)
+    jobs = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
+    return concept_view(ctx, concept), [j for j in jobs if j is not None]
+
+
+def _plan_collections(ctx: Context, concept: dict[str, Any], manifests: dict[str, Any]) -> list[dict[str, Any]]:
+    created = []
+    for model_id, manifest in manifests.items():
+        entry = concept["models"].get(model_id)
+        if entry is not None:
+            job = ctx.jobs.get(entry["job_id"])
+            if job is not None and job["status"] not in {"failed", "cancelled"}:
+                continue  # already collecting or collected: posting again changes nothing
+        payload = {
+            "model_id": model_id,
+            "model_digest": manifest["digest"],
+            "dataset_digest": concept["dataset_digest"],
+            "settings": collection_settings(ctx.settings),
+            "concept": concept["name"],
+        }
+        job = ctx.jobs.create(new_job("collect", payload, unit="tokens"))
+        concept["models"][model_id] = {"job_id": job["job_id"], "stats": _stats_prefix_for(payload)}
+        created.append(job)
+    return created
+
+
+def _stats_prefix_for(payload: dict[str, Any]) -> str:
+    return stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
+
+
+def find_concept(ctx: Context, name: str) -> dict[str, Any] | None:
+    try:
+        return ctx.storage.get_json(concept_key(name))
+    except (ObjectNotFound, ValueError):
+        return None
+
+
+def get_concept(ctx: Context, name: str) -> dict[str, Any]:
+    concept = find_concept(ctx, name)
+    if concept is None:
+        raise NotFound(f"concept {name} does not exist")
+    return concept
+
+
+def list_concepts(ctx: Context) -> list[dict[str, Any]]:
+    return [ctx.storage.get_json(k) for k in ctx.storage.list("concepts/") if k.endswith(".json")]
+
+
+def delete_concept(ctx: Context, name: str) -> None:
+    """Forget a concept. Its statistics stay cached (content-addressed, maybe shared)."""
+    with ctx.lock:
+        concept = get_concept(ctx, name)
+        for entry in concept["models"].values():
+            job = ctx.jobs.get(entry["job_id"])
+            if job is not None and job["status"] not in FINISHED:
+                ctx.jobs.update(job["job_id"], cancel_requested=True)
+        ctx.storage.delete(concept_key(name))
+
+
+def stats_manifest(ctx: Context, prefix: str) -> dict[str, Any] | None:
+    try:
+        return ctx.storage.get_json(prefix + "manifest.json")
+    except ObjectNotFound:
+        return None
+
+
+def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
+    published = stats_manifest(ctx, entry["stats"])
+    if published is not None:
+        return {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
+    job = ctx.jobs.get(entry["job_id"])
+    status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
+    return {"status": status, "tokens": None, "job_id": entry["job_id"]}
+
+
+def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:
+    keys = ("name", "role", "description", "num_records", "dataset_digest")
+    states = {m: concept_model_state(ctx, e) for m, e in concept["models"].items()}
+    return {**{k: concept[k] for k in keys}, "models": states}
+
+
+# ---------------------------------------------------------------- variants
+
+
+def _ready_stats(ctx: Context, model_id: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """name -> {prefix, dataset_digest} for concepts ready on this model; 404/409 naming the rest."""
+    unknown = [n for n in names if find_concept(ctx, n) is None]
+    if unknown:
+        raise NotFound(f"unknown concept(s): {', '.join(sorted(unknown))}")
+    ready, not_ready = {}, []
+    for name in names:
+        concept = get_concept(ctx, name)
+        entry = concept["models"].get(model_id)
+        if entry is None or stats_manifest(ctx, entry["stats"]) is None:
+            not_ready.append(name)
+            continue
+        ready[name] = {"prefix": entry["stats"], "dataset_digest": concept["dataset_digest"]}
+    if not_ready:
+        raise Conflict(f"concept(s) without ready statistics on model {model_id}: {', '.join(sorted(not_ready))}")
+    return ready
+
+
+def _default_reference(ctx: Context, model_id: str) -> list[str]:
+    names = []
+    for concept in list_concepts(ctx):
+        entry = concept["models"].get(model_id)
+        if entry is not None and stats_manifest(ctx, entry["stats"]) is not None:
+            names.append(concept["name"])
+    return sorted(names)
+
+
+def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: list[int] | None) -> None:
+    if modules:
+        missing = unmatched_suffixes(layout.layers, modules)
+        if missing:
+            raise InvalidInput(f"module suffix(es) match no layer: {', '.join(missing)}")
+    if not select_layers(layout.layers, modules, layers):
+        raise InvalidInput("the modules/layers selection matches no editable layer")
+
+
+def submit_variant(
+    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
+
+    Returns:
+        (variant view, the building job or None when the variant was already there).
+    """
+    model = get_model(ctx, model_id)
+    layout = ModelLayout.from_json(model["layout"])
+    _check_selection(layout, options.get("modules"), options.get("layers"))
+    reference = options.get("reference")
+    reference = sorted(set(reference)) if reference is not None else _default_reference(ctx, model_id)
+    universe_names = sorted(set(reference) | set(terms))
+    resolved = _ready_stats(ctx, model_id, universe_names)
+    identity = {
+        "engine": ENGINE_VERSION,
+        "model_digest": model["digest"],
+        "terms": sorted((resolved[n]["dataset_digest"], float(c)) for n, c in terms.items()),
+        "universe": sorted({resolved[n]["dataset_digest"] for n in universe_names}),
+        "stats": sorted({resolved[n]["prefix"] for n in universe_names}),
+        **{k: options.get(k) for k in ("scaling", "modules", "layers", "rcond", "format")},
+    }
+    variant_id = canonical_digest(identity)[:32]
+    request = {
+        "variant_id": variant_id,
+        "model_id": model_id,
+        "terms": {n: float(c) for n, c in terms.items()},
+        "alpha": alpha,
+        "reference": reference,
+        **{k: options.get(k) for k in ("scaling", "modules", "layers", "rcond", "format")},
+        "term_stats": {n: resolved[n]["prefix"] for n in terms},
+        "universe_stats": sorted({resolved[n]["prefix"] for n in universe_names}),
+    }
+    with ctx.lock:
+        existing = find_variant_request(ctx, variant_id)
+        if existing is not None:
+            job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
+            if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
+                return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
+        job = ctx.jobs.create(new_job("variant", {"variant_id": variant_id, "model_id": model_id}, unit="layers"))
+        ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
+    ctx.dispatch(job)
+    return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
+
+
+def find_variant_request(ctx: Context, variant_id: str) -> dict[str, Any] | None:
+    if not variant_id.isalnum():
+        return None
+    try:
+        return ctx.storage.get_json(f"variants/{variant_id}/request.json")
+    except ObjectNotFound:
+        return None
+
+
+def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
+    if not variant_id.isalnum():
+        return None
+    try:
+        return ctx.storage.get_json(f"variants/{variant_id}/manifest.json")
+    except ObjectNotFound:
+        return None
+
+
+VARIANT_FIELDS = ("variant_id", "model_id", "terms", "alpha", "scaling", "format", "modules", "layers", "rcond")
+
+
+def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
+    request = find_variant_request(ctx, variant_id)
+    if request is None:
+        raise NotFound(f"variant {variant_id} does not exist")
+    view = {k: request.get(k) for k in VARIANT_FIELDS}
+    view.update(reference=request["reference"], job_id=request.get("job_id"), files=[])
+    manifest = variant_manifest(ctx, variant_id)
+    if manifest is not None:
+        view.update(status="ready", files=manifest["files"])
+        return view
+    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+    view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"
+    return view
+
+
+def list_variants(ctx: Context, model_id: str) -> list[dict[str, Any]]:
+    get_model(ctx, model_id)
+    ids = {k.split("/")[1] for k in ctx.storage.list("variants/") if k.endswith("/request.json")}
+    views = [variant_view(ctx, v) for v in sorted(ids)]
+    return [v for v in views if v["model_id"] == model_id]

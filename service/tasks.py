@@ -1,0 +1,274 @@
+"""Job bodies: the same functions run in the API process (embedded) and in Celery workers.
+
+Each task takes a job ID, re-reads its inputs from storage, checks whether its output already
+exists (a redelivered job then finishes at once), works in a private scratch directory, and
+publishes content-addressed outputs with the manifest last. Nothing half-written is visible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from service.engine.checkpoint import (
+    CheckpointReader,
+    ModelLayout,
+    file_sha256,
+    load_model,
+    load_tokenizer,
+    write_checkpoint,
+    write_delta,
+)
+from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
+from service.engine.compose import EditError, EngramAlgebra, layer_edits, layer_scales
+from service.engine.layers import select_layers
+from service.engine.records import encode_record, make_batches, pad_token_id
+from service.engine.stats_io import load_statistics, save_statistics
+from service.errors import JobFailed, ProblemError
+from service.jobs import FINISHED, utc_now
+from service.registry import (
+    Context,
+    canonical_digest,
+    file_fingerprint,
+    get_model,
+    load_records,
+    stats_manifest,
+    stats_prefix,
+)
+from service.storage import scratch_dir
+
+log = logging.getLogger("engram.tasks")
+_PROGRESS_EVERY_S = 1.0
+
+
+class JobCancelled(RuntimeError):
+    pass
+
+
+def run_job(ctx: Context, job_id: str) -> None:
+    """Run one job to a final state; never raises (the outcome is in the job record)."""
+    job = ctx.jobs.get(job_id)
+    if job is None or job["status"] in FINISHED:
+        return
+    if job["cancel_requested"]:
+        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+        return
+    ctx.jobs.update(job_id, status="running", started_at=utc_now())
+    try:
+        body = {"collect": run_collection, "variant": run_variant}[job["kind"]]
+        result = body(ctx, job)
+    except (JobCancelled, CollectionCancelled):
+        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+    except ProblemError as exc:
+        _fail(ctx, job_id, exc.to_problem())
+    except Exception as exc:  # the job must end, and the user must read why
+        log.error("job %s failed: %s", job_id, traceback.format_exc())
+        problem = JobFailed(f"{type(exc).__name__}: {exc}").to_problem()
+        problem.update(status=500, title="Internal error", type="https://engram.dev/problems/internal")
+        _fail(ctx, job_id, problem)
+    else:
+        ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+
+
+def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
+    ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())
+
+
+class _Progress:
+    """Throttled progress reporting plus the cancellation check, shared by both task kinds."""
+
+    def __init__(self, ctx: Context, job_id: str, total: int) -> None:
+        self.ctx, self.job_id, self.done, self.total = ctx, job_id, 0, total
+        self._last = 0.0
+        ctx.jobs.update(job_id, progress={**ctx.jobs.get(job_id)["progress"], "done": 0, "total": total})
+
+    def advance(self, amount: int = 1) -> None:
+        self.done += amount
+        now = time.monotonic()
+        if now - self._last >= _PROGRESS_EVERY_S or self.done >= self.total:
+            self._last = now
+            self.ctx.jobs.set_progress(self.job_id, self.done, self.total)
+        if self.cancelled():
+            raise JobCancelled()
+
+    def cancelled(self) -> bool:
+        job = self.ctx.jobs.get(self.job_id)
+        return bool(job and job["cancel_requested"])
+
+
+# ---------------------------------------------------------------- models in memory
+
+
+class ModelCache:
+    """A small LRU of loaded models keyed by checkpoint digest (a worker reuses its model)."""
+
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, manifest: dict[str, Any], device: str) -> tuple[Any, Any]:
+        key = f"{manifest['digest']}@{device}"
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            path = checked_model_dir(manifest)
+            item = (load_model(path, device=device), load_tokenizer(path))
+            self._items[key] = item
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+            return item
+
+
+MODELS = ModelCache()
+
+
+def checked_model_dir(manifest: dict[str, Any]) -> Path:
+    """The model directory, after checking its files are the ones registered."""
+    path = Path(manifest["path"])
+    if not path.is_dir() or file_fingerprint(path) != manifest["fingerprint"]:
+        raise JobFailed(
+            f"the files of model {manifest['model_id']} changed since registration; register it again"
+        )
+    return path
+
+
+# ---------------------------------------------------------------- collection
+
+
+def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """Collect one concept's statistics on one model (skipped when they already exist)."""
+    payload = job["payload"]
+    prefix = stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
+    published = stats_manifest(ctx, prefix)
+    if published is not None:
+        return {"tokens": published["tokens"], "stats": prefix, "reused": True}
+    manifest = get_model(ctx, payload["model_id"])
+    if manifest["digest"] != payload["model_digest"]:
+        raise JobFailed(f"model {payload['model_id']} was re-registered with other weights")
+    model, tokenizer = MODELS.get(manifest, ctx.settings.torch_device)
+    records = load_records(ctx, payload["dataset_digest"])
+    max_length = int(payload["settings"]["max_length"])
+    examples = [encode_record(tokenizer, r, max_length) for r in records]
+    progress = _Progress(ctx, job["job_id"], sum(sum(e.counted) for e in examples))
+    if progress.total == 0:
+        raise JobFailed("no record has a token that enters the statistics (empty completions after truncation?)")
+    layout = ModelLayout.from_json(manifest["layout"])
+    started = time.monotonic()
+    stats = collect_statistics(
+        model,
+        make_batches(examples, ctx.settings.collect_batch_size, pad_token_id(tokenizer)),
+        layout.layers,
+        on_batch=progress.advance,
+        should_stop=progress.cancelled,
+    )
+    seconds = time.monotonic() - started
+    _publish_statistics(ctx, prefix, stats, payload, seconds)
+    return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3)}
+
+
+def _publish_statistics(
+    ctx: Context, prefix: str, stats: LayerStatistics, payload: dict[str, Any], seconds: float
+) -> None:
+    with scratch_dir("stats") as tmp:
+        file = Path(tmp) / "statistics.safetensors"
+        save_statistics(stats, file, {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]})
+        ctx.storage.put_file(prefix + "statistics.safetensors", file)
+    manifest = {
+        "tokens": stats.tokens,
+        "groups": len(stats.sums),
+        "layers": len(stats.layer_group),
+        "model_digest": payload["model_digest"],
+        "dataset_digest": payload["dataset_digest"],
+        "settings": payload["settings"],
+        "collection_seconds": round(seconds, 3),
+        "created_at": utc_now(),
+    }
+    ctx.storage.put_json(prefix + "manifest.json", manifest)
+
+
+# ---------------------------------------------------------------- variants
+
+
+def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """Build a variant from cached statistics: no forward pass over any dataset."""
+    variant_id = job["payload"]["variant_id"]
+    request = ctx.storage.get_json(f"variants/{variant_id}/request.json")
+    if ctx.storage.exists(f"variants/{variant_id}/manifest.json"):
+        return {"variant_id": variant_id, "reused": True}
+    manifest = get_model(ctx, request["model_id"])
+    layout = ModelLayout.from_json(manifest["layout"])
+    layers = select_layers(layout.layers, request["modules"], request["layers"])
+    algebra = _algebra(ctx, request)
+    reader = CheckpointReader(checked_model_dir(manifest), layout)
+    progress = _Progress(ctx, job["job_id"], len(layers))
+    started = time.monotonic()
+    try:
+        scales = layer_scales(layers, algebra, reader.layer_weights, request["scaling"])
+        with scratch_dir("variant") as tmp:
+            out = Path(tmp)
+            _write_variant(out, reader, layout, layers, algebra, scales, request, progress)
+            files = _upload_variant(ctx, variant_id, out)
+    except EditError as exc:
+        raise JobFailed(str(exc)) from None
+    seconds = time.monotonic() - started
+    published = {"variant_id": variant_id, "files": files, "scales": scales, "seconds": round(seconds, 3)}
+    ctx.storage.put_json(f"variants/{variant_id}/manifest.json", published)  # last: the variant now exists
+    return {"variant_id": variant_id, "reused": False, "layers": len(scales), "seconds": round(seconds, 3)}
+
+
+def _algebra(ctx: Context, request: dict[str, Any]) -> EngramAlgebra:
+    loaded: dict[str, LayerStatistics] = {}
+
+    def stats(prefix: str) -> LayerStatistics:
+        if prefix not in loaded:
+            with scratch_dir("load") as tmp:
+                file = Path(tmp) / "s.safetensors"
+                ctx.storage.download(prefix + "statistics.safetensors", file)
+                loaded[prefix] = load_statistics(file)
+        return loaded[prefix]
+
+    terms = [(float(request["terms"][name]), stats(prefix)) for name, prefix in request["term_stats"].items()]
+    universe = [stats(prefix) for prefix in request["universe_stats"]]
+    return EngramAlgebra(terms, universe, request["rcond"])
+
+
+def _write_variant(
+    out: Path,
+    reader: CheckpointReader,
+    layout: ModelLayout,
+    layers: list[Any],
+    algebra: EngramAlgebra,
+    scales: dict[str, float],
+    request: dict[str, Any],
+    progress: _Progress,
+) -> None:
+    selected = {spec.name for spec in layers}
+
+    def edits_for(shard_layers: list[Any]) -> Any:
+        chosen = [spec for spec in shard_layers if spec.name in selected]
+        return layer_edits(chosen, algebra, reader.layer_weights, scales)
+
+    if request["format"] == "checkpoint":
+        write_checkpoint(reader.path, out, layout, edits_for, on_layer=progress.advance)
+        return
+    metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
+    write_delta(out / "delta.safetensors", layout, edits_for(layers), metadata, on_layer=progress.advance)
+
+
+def _upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:
+    files = []
+    for file in sorted(p for p in out.rglob("*") if p.is_file()):
+        rel = file.relative_to(out).as_posix()
+        ctx.storage.put_file(f"variants/{variant_id}/files/{rel}", file)
+        files.append({"path": rel, "size": file.stat().st_size, "sha256": file_sha256(file)})
+    return files
+
+
