@@ -44,7 +44,7 @@ __all__ = [
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 # Tuned on a 2-core CPU for the default 200 facts (see build_demo).
-DEFAULT_STEPS = 600
+DEFAULT_STEPS = 500
 DEFAULT_LR = 3e-3
 DEFAULT_BATCH_SIZE = 32
 

@@ -1,0 +1,68 @@
+"""Model registration and listing, and the edit requests addressed to a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from api_schemas import ComposeRequest, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
+from service import registry
+from service.api.deps import ContextDep
+from service.api.routes.jobs import job_view
+from service.engine.compose import coefficients_for_unlearn
+
+router = APIRouter(tags=["models"])
+EDIT_OPTIONS = ("scaling", "modules", "layers", "rcond", "reference", "format")
+
+
+@router.post("/models", response_model=Model, status_code=201)
+def register_model(body: ModelCreate, ctx: ContextDep, response: Response) -> dict[str, Any]:
+    """Register a checkpoint (201), or return the identical registration (200)."""
+    manifest, created = registry.register_model(ctx, body.model_id, body.source)
+    response.status_code = 201 if created else 200
+    return registry.model_view(manifest)
+
+
+@router.get("/models", response_model=list[Model])
+def list_models(ctx: ContextDep) -> list[dict[str, Any]]:
+    """Every registered model."""
+    return [registry.model_view(m) for m in registry.list_models(ctx)]
+
+
+@router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
+def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
+    """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists)."""
+    terms = dict(coefficients_for_unlearn(body.concepts, body.alpha))
+    return _submit(ctx, model_id, terms, body.alpha, body.model_dump(include=set(EDIT_OPTIONS)), response)
+
+
+@router.post("/models/{model_id:path}/compose", response_model=VariantSubmission, status_code=202)
+def compose(model_id: str, body: ComposeRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
+    """Engram arithmetic: ``W_new = W + Σ_k c_k f_l W_k⁺``."""
+    return _submit(ctx, model_id, body.terms, None, body.model_dump(include=set(EDIT_OPTIONS)), response)
+
+
+def _submit(
+    ctx: registry.Context,
+    model_id: str,
+    terms: dict[str, float],
+    alpha: float | None,
+    options: dict[str, Any],
+    response: Response,
+) -> dict[str, Any]:
+    variant, job = registry.submit_variant(ctx, model_id, terms, alpha, options)
+    response.status_code = 200 if variant["status"] == "ready" else 202
+    return {"variant": variant, "job": job_view(job) if job else None}
+
+
+@router.get("/models/{model_id:path}/variants", response_model=list[Variant])
+def list_variants(model_id: str, ctx: ContextDep) -> list[dict[str, Any]]:
+    """Every variant built from this model."""
+    return registry.list_variants(ctx, model_id)
+
+
+@router.get("/models/{model_id:path}", response_model=Model)
+def get_model(model_id: str, ctx: ContextDep) -> dict[str, Any]:
+    """One model and its editable layers."""
+    return registry.model_view(registry.get_model(ctx, model_id))

@@ -1,0 +1,45 @@
+"""``engram-service serve | worker | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="engram-service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP API (with the in-process worker when no broker is set)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    sub.add_parser("worker", help="run a Celery worker (distributed mode)")
+    demo = sub.add_parser("demo", help="build the offline mini-TOFU demo model and datasets")
+    demo.add_argument("--out", default="demo")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.command == "serve":
+        return _serve(args.host, args.port)
+    if args.command == "demo":
+        from service import demo as demo_module
+
+        return demo_module.main(["--out", args.out]) or 0
+    print("the Celery worker arrives with distributed mode (issue 3)", file=sys.stderr)  # noqa: T201
+    return 2
+
+
+def _serve(host: str, port: int) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+    from service.config import get_settings
+
+    settings = get_settings()
+    if settings.api_keys is None:
+        logging.getLogger("engram").warning("ENGRAM_API_KEYS is unset: the API accepts requests without auth")
+    uvicorn.run(create_app(settings), host=host, port=port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
