@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The demo folder is an allowed model root unless you say otherwise.
 run: install
-	$(VENV)/bin/engram-service serve --host 127.0.0.1 --port 8000
+	ENGRAM_MODEL_ROOTS="$${ENGRAM_MODEL_ROOTS:-$(CURDIR)/demo}" $(VENV)/bin/engram-service serve --host 127.0.0.1 --port 8000
 
 demo: install
 	$(PY) -m service.demo --out demo
