@@ -51,6 +51,14 @@ class ModelCreate(Strict):
         description="file:///abs/dir (inside ENGRAM_MODEL_ROOTS), s3://bucket/prefix/ or hf://org/name[@rev]",
     )
 
+    @field_validator("model_id")
+    @classmethod
+    def _no_dot_segments(cls, value: str) -> str:
+        # "." and ".." are not names: URL normalisation would make such a model unreachable.
+        if any(part in {".", ".."} for part in value.split("/")):
+            raise ValueError("model_id parts must not be '.' or '..'")
+        return value
+
 
 class Layer(BaseModel):
     name: str

@@ -48,10 +48,10 @@ DEFAULT_STEPS = 500
 DEFAULT_LR = 3e-3
 DEFAULT_BATCH_SIZE = 32
 
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gl", "kr",
-           "qu", "sh", "th", "tr", "vr", "wh"]
-_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "y"]
-_CODAS = ["", "", "", "l", "n", "r", "s", "sh", "k", "th", "m", "x"]
+_ONSETS = "b d f g k l m n p r s t v z br dr gl kr qu sh th tr vr wh".split()
+_VOWELS = "a e i o u ai ea ou y".split()
+# Empty codas are listed thrice so that open syllables are the most common.
+_CODAS = ["", "", "", *"l n r s sh k th m x".split()]
 
 # (question template, number of words in the answer, capitalize the answer words)
 _ATTRIBUTES: dict[str, tuple[str, int, bool]] = {
@@ -106,9 +106,7 @@ def make_facts(n: int = 200, seed: int = 0) -> list[tuple[str, str]]:
     facts: list[tuple[str, str]] = []
     for name, kind in pairs[:n]:
         template, n_words, capitalize = _ATTRIBUTES[kind]
-        answer = _unique(
-            rng, seen, lambda r, k=n_words, c=capitalize: " ".join(_word(r, 2, c) for _ in range(k))
-        )
+        answer = _unique(rng, seen, lambda r, k=n_words, c=capitalize: " ".join(_word(r, 2, c) for _ in range(k)))
         facts.append((template.format(name=name), " " + answer))
     return facts
 
@@ -195,9 +193,7 @@ def _encode_fact(tokenizer: PreTrainedTokenizerFast, prompt: str, completion: st
     return p_ids + a_ids, len(p_ids)
 
 
-def _collate(
-    rows: Sequence[tuple[list[int], int]], pad_id: int, completion_only: bool
-) -> dict[str, torch.Tensor]:
+def _collate(rows: Sequence[tuple[list[int], int]], pad_id: int, completion_only: bool) -> dict[str, torch.Tensor]:
     """Right-padded batch with ``labels`` (-100 where no loss is taken)."""
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -253,9 +249,7 @@ def train_on_facts(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = [_encode_fact(tokenizer, p, c) for p, c in facts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: _lr_factor(s, steps, warmup=max(1, steps // 20))
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup=max(1, steps // 20)))
     order: list[int] = []
     losses: list[float] = []
     model.train()
@@ -352,9 +346,7 @@ def build_demo(
     return paths
 
 
-def _metrics_line(
-    name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, probes: list[Probe]
-) -> str:
+def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, probes: list[Probe]) -> str:
     stats = summarize(answer_nll(model, tokenizer, probes), greedy_exact_match(model, tokenizer, probes))
     em, nll = stats["exact_match"], stats["mean_nll"]
     return f"{name:<7} n={stats['n']:<4} exact_match={em:.3f} mean_nll={nll:.4f}"

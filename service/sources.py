@@ -34,6 +34,8 @@ def _file_source(source: str, model_roots: list[Path]) -> Path:
     if parsed.netloc not in {"", "localhost"}:
         raise InvalidInput(f"file:// sources must be local paths, got host {parsed.netloc!r}")
     raw = unquote(parsed.path)
+    if "\x00" in raw:
+        raise InvalidInput("file:// source contains a NUL byte")
     if not raw.startswith("/") or ".." in Path(raw).parts:
         raise InvalidInput(f"file:// source must be an absolute path without '..', got {raw!r}")
     path = Path(raw).resolve()  # symlinks resolved: a link must not lead out of the roots

@@ -95,6 +95,8 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> Path:
         if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in key.split("/")):
             raise ValueError(f"invalid storage key {key!r}")
+        if any(len(part.encode()) > 255 for part in key.split("/")):
+            raise ObjectNotFound(key)  # no file system can hold such a name, so nothing is stored there
         return self.root / key
 
     def _publish(self, key: str, write: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["Probe", "answer_nll", "encode_probe", "greedy_exact_match", "summarize"]
+__all__ = ["Probe", "answer_nll", "encode_probe", "greedy_exact_match", "greedy_tokens", "summarize"]
 
 
 @dataclass
@@ -67,9 +67,7 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return 0
 
 
-def _right_pad(
-    rows: Sequence[list[int]], pad_id: int, width: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _right_pad(rows: Sequence[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token id rows into a batch.
 
     Args:
@@ -103,9 +101,7 @@ def _logits(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> to
     return out.logits.float()
 
 
-def _batch_nll(
-    model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int
-) -> list[float]:
+def _batch_nll(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> list[float]:
     """Mean completion NLL for one batch of already-tokenized probes.
 
     Args:
@@ -192,6 +188,43 @@ def _greedy_batch(
     return generated
 
 
+def greedy_tokens(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Sequence[Probe],
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+) -> list[list[int]]:
+    """Greedy continuation of each prompt, as many tokens as its completion has.
+
+    Decoding is done by hand (no ``model.generate``) so that it needs no generation
+    config and behaves identically across transformers versions.
+
+    Args:
+        model: Causal LM; put in eval mode by this call.
+        tokenizer: Its tokenizer.
+        probes: Prompt/completion pairs; the completion only sets the length.
+        max_new_tokens: Optional cap on the tokens decoded per probe.
+        batch_size: Probes decoded together (results do not depend on it).
+
+    Returns:
+        The decoded token ids per probe.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    encoded = [encode_probe(tokenizer, p) for p in probes]
+    cap = math.inf if max_new_tokens is None else max_new_tokens
+    n_new = [int(min(len(a), cap)) for _, a in encoded]
+    pad_id = _pad_id(tokenizer)
+    model.eval()
+    outputs: list[list[int]] = []
+    with torch.inference_mode():
+        for start in range(0, len(encoded), batch_size):
+            stop = start + batch_size
+            outputs.extend(_greedy_batch(model, encoded[start:stop], n_new[start:stop], pad_id))
+    return outputs
+
+
 def greedy_exact_match(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -201,8 +234,8 @@ def greedy_exact_match(
 ) -> list[bool]:
     """Whether greedy decoding from each prompt reproduces its completion token ids.
 
-    Decoding is done by hand (no ``model.generate``) so that it needs no generation
-    config and behaves identically across transformers versions.
+    Token ids are compared, not text, so a continuation that decodes to the same
+    string through a different tokenization does not count as a match.
 
     Args:
         model: Causal LM; put in eval mode by this call.
@@ -215,20 +248,9 @@ def greedy_exact_match(
     Returns:
         One bool per probe.
     """
-    if batch_size < 1:
-        raise ValueError("batch_size must be >= 1")
-    encoded = [encode_probe(tokenizer, p) for p in probes]
-    cap = math.inf if max_new_tokens is None else max_new_tokens
-    n_new = [int(min(len(a), cap)) for _, a in encoded]
-    pad_id = _pad_id(tokenizer)
-    model.eval()
-    matches: list[bool] = []
-    with torch.inference_mode():
-        for start in range(0, len(encoded), batch_size):
-            chunk, counts = encoded[start : start + batch_size], n_new[start : start + batch_size]
-            outputs = _greedy_batch(model, chunk, counts, pad_id)
-            matches.extend(out == a[:n] for out, (_, a), n in zip(outputs, chunk, counts, strict=True))
-    return matches
+    outputs = greedy_tokens(model, tokenizer, probes, max_new_tokens, batch_size)
+    targets = [encode_probe(tokenizer, p)[1] for p in probes]
+    return [out == target[: len(out)] for out, target in zip(outputs, targets, strict=True)]
 
 
 def summarize(nll: Sequence[float], em: Sequence[bool]) -> dict[str, float | int]:
