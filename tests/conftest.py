@@ -7,24 +7,13 @@ directory, waits for ``/healthz`` and stops it (SIGTERM, then kill) at the end o
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FINISHED_JOB = {"succeeded", "failed", "cancelled"}
-MAX_JSON_BYTES = 1024 * 1024  # the server's JSON body limit in tests: a 2 MB body must be a 413
-STARTUP_TIMEOUT_S = 90.0
+from tests.live import LiveServer, start_server, stop_server
 
 # ---------------------------------------------------------------- tiny models on disk
 
@@ -57,94 +46,6 @@ def tiny_llama_dir(model_root: Path) -> Path:
     return build_tiny_llama(path)
 
 
-# ---------------------------------------------------------------- the live server
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class LiveServer:
-    """A running ``engram-service serve`` process and a client bound to it."""
-
-    base_url: str
-    client: httpx.Client
-    process: subprocess.Popen[bytes]
-    storage_dir: Path
-    model_root: Path
-    log_path: Path
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-
-def server_env(storage_dir: Path, model_root: Path, **extra: str) -> dict[str, str]:
-    """The environment of a test server: inherited, minus ENGRAM_* settings, plus ours."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_")}
-    env.update(
-        ENGRAM_STORAGE_URL=f"file://{storage_dir}",
-        ENGRAM_MODEL_ROOTS=str(model_root),
-        ENGRAM_DEVICE="cpu",
-        ENGRAM_MAX_JSON_BYTES=str(MAX_JSON_BYTES),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(extra)
-    return env
-
-
-def start_server(storage_dir: Path, model_root: Path, log_path: Path, **env: str) -> LiveServer:
-    """Start the real server on a free port and wait until ``/healthz`` answers."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO_ROOT,
-        env=server_env(storage_dir, model_root, **env),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    client = httpx.Client(base_url=base_url, timeout=60.0)
-    server = LiveServer(base_url, client, process, storage_dir, model_root, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            client.close()
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if client.get("/healthz", timeout=2.0).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server)
-            raise RuntimeError(f"the server did not answer /healthz within {STARTUP_TIMEOUT_S:.0f}s:\n{server.log_tail()}")
-        time.sleep(0.1)
-
-
-def stop_server(server: LiveServer, grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL when it does not stop within ``grace_s``."""
-    server.client.close()
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait(timeout=grace_s)
-
-
 @pytest.fixture(scope="session")
 def live_server(engram_root: Path, model_root: Path, tiny_llama_dir: Path) -> Iterator[LiveServer]:
     """The real server (embedded mode, file storage, no auth) for the whole session."""
@@ -161,77 +62,3 @@ def api(live_server: LiveServer) -> httpx.Client:
     return live_server.client
 
 
-# ---------------------------------------------------------------- waiting helpers
-
-
-def wait_for_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str, Any]:
-    """Poll ``GET /jobs/{job_id}`` until the job is succeeded, failed or cancelled; return it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        response = client.get(f"/jobs/{job_id}")
-        assert response.status_code == 200, response.text
-        job = response.json()
-        if job["status"] in FINISHED_JOB:
-            return job
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job {job_id} did not finish within {timeout}s: {job}")
-        time.sleep(0.1)
-
-
-def wait_concepts_ready(
-    client: httpx.Client, names: Iterable[str], model_id: str | None = None, timeout: float = 120
-) -> dict[str, dict[str, Any]]:
-    """Poll until every named concept is ``ready`` on ``model_id`` (every listed model when None).
-
-    Returns:
-        name -> the concept as ``GET /concepts/{name}`` shows it.
-
-    Raises:
-        AssertionError: a collection failed, or the timeout passed.
-    """
-    pending = list(dict.fromkeys(names))
-    ready: dict[str, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while pending:
-        for name in list(pending):
-            response = client.get(f"/concepts/{name}")
-            assert response.status_code == 200, response.text
-            concept = response.json()
-            states = concept["models"] if model_id is None else {model_id: concept["models"].get(model_id)}
-            if any(s is None for s in states.values()):
-                raise AssertionError(f"concept {name} is not submitted to model {model_id}: {concept}")
-            failed = {m: s for m, s in states.items() if s["status"] == "failed"}
-            if failed:
-                jobs = {m: client.get(f"/jobs/{s['job_id']}").json() for m, s in failed.items()}
-                raise AssertionError(f"collection of concept {name} failed: {jobs}")
-            if states and all(s["status"] == "ready" for s in states.values()):
-                ready[name] = concept
-                pending.remove(name)
-        if pending and time.monotonic() > deadline:
-            raise AssertionError(f"concepts {pending} were not ready within {timeout}s")
-        if pending:
-            time.sleep(0.1)
-    return ready
-
-
-def wait_variant_ready(client: httpx.Client, variant_id: str, timeout: float = 120) -> dict[str, Any]:
-    """Poll ``GET /variants/{variant_id}`` until it is no longer building; assert it is ready."""
-    deadline = time.monotonic() + timeout
-    while True:
-        response = client.get(f"/variants/{variant_id}")
-        assert response.status_code == 200, response.text
-        variant = response.json()
-        if variant["status"] == "ready":
-            return variant
-        if variant["status"] == "failed":
-            job = client.get(f"/jobs/{variant['job_id']}").json() if variant.get("job_id") else None
-            raise AssertionError(f"variant {variant_id} failed: {job}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"variant {variant_id} was not ready within {timeout}s: {variant}")
-        time.sleep(0.1)
-
-
-def wait_idle(server: LiveServer, timeout: float = 120) -> None:
-    """Wait until every job the server ever persisted is finished (nothing writes in the background)."""
-    for key in sorted((server.storage_dir / "jobs").glob("*.json")):
-        wait_for_job(server.client, key.stem, timeout=timeout)

@@ -24,7 +24,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from service.demo import make_facts
-from tests.conftest import (
+from tests.live import (
     MAX_JSON_BYTES,
     LiveServer,
     wait_concepts_ready,

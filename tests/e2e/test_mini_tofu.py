@@ -8,6 +8,7 @@ Run `pytest tests/e2e -s` to see the figures.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import engram
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.demo import build_demo, read_probes
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
-from tests.live import LiveServer, start_server, wait_for_job
+from tests.live import LiveServer, start_server, stop_server, wait_for_job
 
 MODEL_ID = "demo/mini-tofu"
 
@@ -31,9 +32,12 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(demo: Path) -> LiveServer:
-    with start_server(demo / "store", model_roots=demo / "models") as live:
+def server(demo: Path) -> Iterator[LiveServer]:
+    live = start_server(demo / "store", demo / "models", demo / "server.log")
+    try:
         yield live
+    finally:
+        stop_server(live)
 
 
 def _metrics(model: torch.nn.Module, tokenizer: object, probes: list[Probe]) -> dict[str, float]:
@@ -75,8 +79,9 @@ def test_mini_tofu_forgets_and_retains_like_the_oracle(demo: Path, server: LiveS
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     edited = AutoModelForCausalLM.from_pretrained(edited_dir).eval()
-    pairs = [(p.prompt, p.completion) for p in forget]
-    oracle = engram.edit_llm(base, tokenizer, forget=pairs, total=pairs + [(p.prompt, p.completion) for p in retain], alpha=1.0)
+    forget_pairs = [(p.prompt, p.completion) for p in forget]
+    retain_pairs = [(p.prompt, p.completion) for p in retain]
+    oracle = engram.edit_llm(base, tokenizer, forget=forget_pairs, total=forget_pairs + retain_pairs, alpha=1.0)
 
     figures = {
         name: {"forget": _metrics(m, tokenizer, forget), "retain": _metrics(m, tokenizer, retain)}
