@@ -249,6 +249,10 @@ def edited_tensors(edit: LayerEdit, layout: ModelLayout) -> dict[str, torch.Tens
     out = {layout.own_keys.get(name, layout.weight_keys[name]): edit.weight}
     if edit.bias is not None:
         out[layout.bias_keys[name]] = edit.bias
+        if name in layout.own_keys:
+            # Untying can also untie the bias (BERT's decoder.bias <-> predictions.bias): give the
+            # layer's own bias key the edited value too, so both aliases agree however it loads.
+            out.setdefault(f"{name}.bias", edit.bias.clone())
     return out
 
 

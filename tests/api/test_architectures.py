@@ -1,0 +1,87 @@
+"""GPT-2 (Conv1D, biased, tied head) and BERT (biased Linear encoder) through the same API path.
+
+The downloaded checkpoint must equal the engine's own computation from in-process statistics, keep
+the tied embedding untouched, and load with transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+from service.demo import make_facts
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir
+from service.engine.collect import collect_statistics
+from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
+from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2
+from tests.live import wait_concepts_ready, wait_variant_ready
+
+FACTS = make_facts(24, seed=3)
+TARGET = [{"text": p + c} for p, c in FACTS[:6]]
+REFERENCE = [{"text": p + c} for p, c in FACTS[6:]]
+
+CASES = {
+    "gpt2": (make_tiny_gpt2, AutoModelForCausalLM, "transformer.wte.weight"),
+    "bert": (make_tiny_bert, AutoModelForMaskedLM, "bert.embeddings.word_embeddings.weight"),
+}
+
+
+def _engine_edits(model_dir: Path, loader: Callable, scaling: str) -> dict[str, torch.Tensor]:
+    """The expected variant: statistics collected in-process, edits from the engine directly."""
+    model, tokenizer = loader.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    layout = inspect_model_dir(model_dir)
+
+    def stats(records: list[dict[str, str]]) -> object:
+        examples = [encode_record(tokenizer, Record.from_mapping(r, i), 512) for i, r in enumerate(records)]
+        return collect_statistics(model, make_batches(examples, 8, pad_token_id(tokenizer)), layout.layers)
+
+    target, reference = stats(TARGET), stats(REFERENCE)
+    algebra = EngramAlgebra([(-1.0, target)], [target, reference])
+    reader = CheckpointReader(model_dir, layout)
+    scales = layer_scales(layout.layers, algebra, reader.layer_weights, scaling)
+    return {e.spec.name: e.weight for e in layer_edits(layout.layers, algebra, reader.layer_weights, scales)}
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+@pytest.mark.parametrize("scaling", ["uniform", "weight_norm"])
+def test_architecture_unlearns_through_the_api(
+    arch: str, scaling: str, api: httpx.Client, model_root: Path, tmp_path: Path
+) -> None:
+    make, loader, embedding_key = CASES[arch]
+    model_dir = model_root / f"arch-{arch}"
+    if not model_dir.exists():
+        make(model_dir)
+    model_id = f"arch/{arch}"
+    assert api.post("/models", json={"model_id": model_id, "source": f"file://{model_dir}"}).status_code in (200, 201)
+    for name, role, records in ((f"{arch}-t", "target", TARGET), (f"{arch}-r", "reference", REFERENCE)):
+        body = {"name": name, "role": role, "models": [model_id], "records": records}
+        assert api.post("/concepts", json=body).status_code == 202
+    wait_concepts_ready(api, [f"{arch}-t", f"{arch}-r"], model_id)
+
+    request = {"concepts": [f"{arch}-t"], "reference": [f"{arch}-r"], "alpha": 1.0, "scaling": scaling}
+    submitted = api.post(f"/models/{model_id}/unlearn", json=request)
+    assert submitted.status_code in (200, 202), submitted.text
+    variant = wait_variant_ready(api, submitted.json()["variant"]["variant_id"])
+    out = tmp_path / "variant"
+    out.mkdir()
+    for entry in variant["files"]:
+        (out / entry["path"]).write_bytes(api.get(f"/variants/{variant['variant_id']}/files/{entry['path']}").content)
+
+    base = loader.from_pretrained(model_dir).eval()
+    edited = loader.from_pretrained(out).eval()
+    expected = _engine_edits(model_dir, loader, scaling)
+    edited_modules = dict(edited.named_modules())
+    for name, weight in expected.items():
+        assert torch.allclose(edited_modules[name].weight.detach(), weight, rtol=1e-5, atol=1e-6), name
+    base_params, edited_params = dict(base.named_parameters()), dict(edited.named_parameters())
+    # The tied embedding is never edited, even though the head that shares it was.
+    assert torch.equal(edited_params[embedding_key], base_params[embedding_key])
+    assert edited.get_output_embeddings().weight.data_ptr() != edited.get_input_embeddings().weight.data_ptr()
+    changed = [n for n in expected if not torch.equal(edited_modules[n].weight, dict(base.named_modules())[n].weight)]
+    assert len(changed) == len(expected), "every selected layer moved"
