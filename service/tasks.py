@@ -260,7 +260,7 @@ def _write_variant(
         write_checkpoint(reader.path, out, layout, edits_for, on_layer=progress.advance)
         return
     metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
-    write_delta(out / "delta.safetensors", layout, edits_for(layers), metadata, on_layer=progress.advance)
+    write_delta(reader.path, out / "delta.safetensors", layout, edits_for(layers), metadata, on_layer=progress.advance)
 
 
 def _upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:

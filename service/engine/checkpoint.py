@@ -49,6 +49,7 @@ class ModelLayout:
         layers: every editable layer whose weight is in the checkpoint.
         weight_keys / bias_keys: layer -> checkpoint key holding its current weight / bias.
         own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
+        tied_partners: layer -> the other parameter names sharing its weight (``embed_tokens``).
         key_files: checkpoint key -> shard file name.
     """
 
@@ -58,6 +59,7 @@ class ModelLayout:
     weight_keys: dict[str, str]
     bias_keys: dict[str, str]
     own_keys: dict[str, str] = field(default_factory=dict)
+    tied_partners: dict[str, list[str]] = field(default_factory=dict)
     key_files: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -196,6 +198,7 @@ def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
         own = f"{spec.name}.weight"
         if len(names) > 1:
             layout.own_keys[spec.name] = own
+            layout.tied_partners[spec.name] = [n for n in names if n != own]
         if spec.bias:
             bias_key = next((n for n in aliases[id(module.bias)] if n in key_files), None)
             if bias_key is None:
@@ -243,10 +246,27 @@ class CheckpointReader:
         )
 
 
-def edited_tensors(edit: LayerEdit, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """Checkpoint key -> new value for one layer's edit (a tied weight goes under its own key)."""
+def edited_tensors(
+    edit: LayerEdit, layout: ModelLayout, original: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> new value for one layer's edit.
+
+    A tied weight is untied: the edit goes under the layer's own key, and when the checkpoint
+    stored the shared tensor under that very key, the original value is kept for the partners
+    (``embed_tokens``) under their own names, so they never change.
+
+    Args:
+        edit: the layer's new parameters.
+        layout: the base checkpoint's layout.
+        original: reads a base tensor by checkpoint key.
+    """
     name = edit.spec.name
-    out = {layout.own_keys.get(name, layout.weight_keys[name]): edit.weight}
+    stored = layout.weight_keys[name]
+    out = {layout.own_keys.get(name, stored): edit.weight}
+    if name in layout.own_keys and stored == layout.own_keys[name]:
+        for partner in layout.tied_partners.get(name, []):
+            if partner not in layout.key_files:
+                out[partner] = original(stored).clone()
     if edit.bias is not None:
         out[layout.bias_keys[name]] = edit.bias
         if name in layout.own_keys:
@@ -254,6 +274,20 @@ def edited_tensors(edit: LayerEdit, layout: ModelLayout) -> dict[str, torch.Tens
             # layer's own bias key the edited value too, so both aliases agree however it loads.
             out.setdefault(f"{name}.bias", edit.bias.clone())
     return out
+
+
+def _shard_of(key: str, layout: ModelLayout, edit: LayerEdit) -> str:
+    """Where a written key lives: its own shard, or (a new, untied key) its weight's shard."""
+    return layout.key_files.get(key) or layout.key_files[layout.weight_keys[edit.spec.name]]
+
+
+def _layers_touching(shard: str, layout: ModelLayout) -> list[LayerSpec]:
+    """Layers with their weight or bias in ``shard`` (a layer split over two shards is in both)."""
+    def touches(spec: LayerSpec) -> bool:
+        keys = [layout.weight_keys[spec.name], layout.bias_keys.get(spec.name)]
+        return any(key is not None and layout.key_files[key] == shard for key in keys)
+
+    return [spec for spec in layout.layers if touches(spec)]
 
 
 def write_checkpoint(
@@ -269,25 +303,27 @@ def write_checkpoint(
         source: the base model directory.
         target: an empty directory to fill.
         layout: the base model's layout.
-        edits_for: computes the edits of a list of layers (called once per shard).
+        edits_for: computes the edits of a list of layers (called once per shard; a layer whose
+            weight and bias sit in two shards is computed for each).
         on_layer: progress callback, once per edited layer.
     """
-    untied = False
     new_keys: dict[str, str] = {}
+    reader = CheckpointReader(source, layout)
     for shard in weight_files(source):
-        shard_layers = [s for s in layout.layers if layout.key_files[layout.weight_keys[s.name]] == shard]
         tensors = load_file(str(source / shard))
-        for edit in edits_for(shard_layers):
-            for key, value in edited_tensors(edit, layout).items():
-                if key not in tensors:
+        for edit in edits_for(_layers_touching(shard, layout)):
+            weight_shard = layout.key_files[layout.weight_keys[edit.spec.name]]
+            for key, value in edited_tensors(edit, layout, reader.tensor).items():
+                if _shard_of(key, layout, edit) != shard:
+                    continue  # written with the shard that holds it
+                if key not in layout.key_files:
                     new_keys[key] = shard
-                    untied = True
                 tensors[key] = value
-            if on_layer is not None:
+            if on_layer is not None and weight_shard == shard:
                 on_layer()
         save_file(tensors, str(target / shard), metadata={"format": "pt"})
         del tensors
-    _copy_side_files(source, target, untied, new_keys)
+    _copy_side_files(source, target, bool(new_keys), new_keys)
 
 
 def _copy_side_files(source: Path, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
@@ -307,6 +343,7 @@ def _copy_side_files(source: Path, target: Path, untied: bool, new_keys: dict[st
 
 
 def write_delta(
+    source: Path,
     target_file: Path,
     layout: ModelLayout,
     edits: Iterable[LayerEdit],
@@ -320,8 +357,9 @@ def write_delta(
     """
     tensors: dict[str, torch.Tensor] = {}
     untied = False
+    reader = CheckpointReader(source, layout)
     for edit in edits:
-        for key, value in edited_tensors(edit, layout).items():
+        for key, value in edited_tensors(edit, layout, reader.tensor).items():
             tensors[key] = value
             untied = untied or key not in layout.key_files
         if on_layer is not None:

@@ -128,7 +128,10 @@ def layer_scales(
         return {spec.name: 1.0 for spec in layers}
     if scaling != "weight_norm":
         raise EditError(f"unknown scaling {scaling!r}")
-    rho = {spec.name: relative_norm(spec, algebra.engram(spec, load(spec)), load(spec)) for spec in layers}
+    rho = {}
+    for spec in layers:
+        weights = load(spec)
+        rho[spec.name] = relative_norm(spec, algebra.engram(spec, weights), weights)
     top = max(rho.values(), default=0.0)
     return {name: (value / top if top > 0 else 0.0) for name, value in rho.items()}
 

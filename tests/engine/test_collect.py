@@ -1,0 +1,247 @@
+"""Covariance collection (``service.engine.collect``) against an independent float64 reference.
+
+The reference runs a float64 copy of the model over each record alone (batch size 1, no padding),
+captures every editable layer's input with a plain forward hook and sums ``x xᵀ`` over the counted
+tokens, appending the bias column itself. Its token masks come from the tokenizer directly, not
+from ``service.engine.records``, so a wrong mask in the engine cannot hide in the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from service.demo import make_facts
+from service.engine.checkpoint import load_model, load_tokenizer
+from service.engine.collect import LayerStatistics, collect_statistics
+from service.engine.layers import editable_layers
+from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
+
+MAX_LENGTH = 120  # below the fixtures' 128 positions, so no record is ever truncated
+REL_TOL = 1e-5  # float32 forward + float32 GEMM per batch vs an all-float64 reference
+
+
+# ------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread() -> Iterator[None]:
+    """Tiny matrices gain nothing from threads, and on a busy 2-core box OpenMP's spinning
+    threads made these tests ~7x slower; restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("collect-models")
+    tokenizer = make_tokenizer()
+    return {
+        "llama": make_tiny_llama(root / "llama", hidden=32, layers=2, seed=1, tokenizer=tokenizer),
+        "gpt2": make_tiny_gpt2(root / "gpt2", hidden=32, layers=2, seed=2, tokenizer=tokenizer),
+        "bert": make_tiny_bert(root / "bert", hidden=32, layers=2, seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dirs: dict[str, Path]) -> dict[str, tuple[nn.Module, Any]]:
+    torch.manual_seed(0)
+    return {arch: (load_model(path), load_tokenizer(path)) for arch, path in model_dirs.items()}
+
+
+def mixed_records(seed: int = 0) -> list[Record]:
+    """Text and prompt/completion records of very different lengths (2 to ~80 tokens)."""
+    rng = random.Random(seed)
+    facts = make_facts(24, seed=seed)
+    records = [Record(prompt=p, completion=c) for p, c in facts[:12]]
+    records += [Record(text=p + c) for p, c in facts[12:20]]
+    records.append(Record(text="Hi"))
+    records.append(Record(text=" ".join(p + c for p, c in facts[20:22])))  # the long one
+    records.append(Record(prompt="Q: Who?", completion=" " + " ".join(c.strip() for _, c in facts[:4])))
+    rng.shuffle(records)
+    return records
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def reference_tokens(tokenizer: Any, record: Record) -> tuple[list[int], list[bool]]:
+    """Token ids and counted mask, straight from the tokenizer (prompt with specials, answer without)."""
+    if record.text is not None:
+        ids = list(tokenizer(record.text, add_special_tokens=True)["input_ids"])
+        return ids, [True] * len(ids)
+    prompt = list(tokenizer(record.prompt, add_special_tokens=True)["input_ids"])
+    answer = list(tokenizer(record.completion, add_special_tokens=False)["input_ids"])
+    return prompt + answer, [False] * len(prompt) + [True] * len(answer)
+
+
+def reference_statistics(
+    model: nn.Module, tokenizer: Any, records: Sequence[Record]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Per-layer float64 ``Σ x xᵀ`` (bias column appended) and the counted-token total."""
+    ref = copy.deepcopy(model).to(torch.float64).eval()
+    modules = dict(ref.named_modules())
+    specs = editable_layers(ref)
+    captured: dict[str, torch.Tensor] = {}
+    handles = [
+        modules[spec.name].register_forward_hook(
+            lambda _m, args, _out, name=spec.name: captured.__setitem__(name, args[0].detach())
+        )
+        for spec in specs
+    ]
+    sums = {spec.name: torch.zeros(spec.stat_dim, spec.stat_dim, dtype=torch.float64) for spec in specs}
+    tokens = 0
+    try:
+        with torch.no_grad():
+            for record in records:
+                ids, counted = reference_tokens(tokenizer, record)
+                assert len(ids) <= MAX_LENGTH, "a test record would be truncated"
+                mask = torch.tensor(counted)
+                tokens += int(mask.sum())
+                ref(input_ids=torch.tensor([ids]))
+                for spec in specs:
+                    x = captured[spec.name].reshape(-1, spec.in_features)[mask]
+                    if spec.bias:
+                        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+                    sums[spec.name] += x.T @ x
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sums, tokens
+
+
+def collect(model: nn.Module, tokenizer: Any, records: Sequence[Record], batch_size: int) -> LayerStatistics:
+    """The engine's path: encode, right-pad into batches, hook every editable layer."""
+    examples = [encode_record(tokenizer, record, MAX_LENGTH) for record in records]
+    batches = make_batches(examples, batch_size, pad_token_id(tokenizer))
+    return collect_statistics(model, batches, editable_layers(model))
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def assert_matches_reference(stats: LayerStatistics, reference: dict[str, torch.Tensor], tokens: int) -> None:
+    assert set(stats.layer_group) == set(reference), "every editable layer has token-aligned statistics"
+    for name, expected in reference.items():
+        actual = stats.sum_for(name)
+        assert actual.dtype == torch.float64
+        assert actual.shape == expected.shape, name
+        err = rel_error(actual, expected)
+        assert err < REL_TOL, f"{name}: relative error {err:.2e} >= {REL_TOL}"
+        assert stats.counts[stats.layer_group[name]] == tokens, name
+    assert stats.tokens == tokens
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+def test_llama_statistics_equal_float64_reference(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    model, tokenizer = loaded["llama"]
+    records = mixed_records()
+    reference, tokens = reference_statistics(model, tokenizer, records)
+    assert_matches_reference(collect(model, tokenizer, records, batch_size=4), reference, tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_batch_size_does_not_change_statistics(loaded: dict[str, tuple[nn.Module, Any]], arch: str) -> None:
+    model, tokenizer = loaded[arch]
+    records = mixed_records(seed=5)
+    lengths = [len(encode_record(tokenizer, r, MAX_LENGTH).input_ids) for r in records]
+    assert max(lengths) > 10 * min(lengths), "the records must make a batch mostly padding"
+    one = collect(model, tokenizer, records, batch_size=1)
+    eight = collect(model, tokenizer, records, batch_size=8)
+    assert one.layer_group == eight.layer_group
+    assert one.counts == eight.counts
+    for group, expected in one.sums.items():
+        err = rel_error(eight.sums[group], expected)
+        assert err < REL_TOL, f"{arch} {group}: batch 8 vs batch 1 relative error {err:.2e}"
+
+
+def test_prompt_completion_records_count_only_completion_tokens(
+    loaded: dict[str, tuple[nn.Module, Any]],
+) -> None:
+    model, tokenizer = loaded["llama"]
+    facts = make_facts(10, seed=7)
+    records = [Record(prompt=p, completion=c) for p, c in facts]
+    expected = sum(len(tokenizer(c, add_special_tokens=False)["input_ids"]) for _, c in facts)
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p, _ in facts)
+    stats = collect(model, tokenizer, records, batch_size=3)
+    assert stats.tokens == expected
+    assert set(stats.counts.values()) == {expected}
+    assert expected < prompt_tokens, "the prompts were read but must not be counted"
+    reference, ref_tokens = reference_statistics(model, tokenizer, records)
+    assert ref_tokens == expected
+    assert_matches_reference(stats, reference, expected)
+
+
+def test_text_records_count_every_token(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    model, tokenizer = loaded["llama"]
+    texts = [p + c for p, c in make_facts(10, seed=8)]
+    stats = collect(model, tokenizer, [Record(text=t) for t in texts], batch_size=4)
+    expected = sum(len(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts)
+    assert stats.tokens == expected
+    assert set(stats.counts.values()) == {expected}
+
+
+def test_llama_shared_inputs_form_one_group(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    model, tokenizer = loaded["llama"]
+    records = mixed_records(seed=2)
+    stats = collect(model, tokenizer, records, batch_size=4)
+    reference, tokens = reference_statistics(model, tokenizer, records)
+    blocks = model.config.num_hidden_layers
+    for b in range(blocks):
+        attn, mlp = f"model.layers.{b}.self_attn", f"model.layers.{b}.mlp"
+        qkv = {stats.layer_group[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj")}
+        gate_up = {stats.layer_group[f"{mlp}.{p}"] for p in ("gate_proj", "up_proj")}
+        assert len(qkv) == 1 and len(gate_up) == 1
+        own = {stats.layer_group[f"{attn}.o_proj"], stats.layer_group[f"{mlp}.down_proj"]}
+        assert len(qkv | gate_up | own) == 4, "o_proj and down_proj read their own inputs"
+        assert stats.sums[qkv.pop()] is stats.sum_for(f"{attn}.v_proj")
+    # One group per distinct input: 4 per block plus lm_head; no orphaned sums.
+    assert len(stats.sums) == 4 * blocks + 1
+    assert set(stats.sums) == set(stats.layer_group.values()) == set(stats.counts)
+    assert_matches_reference(stats, reference, tokens)
+
+
+def test_gpt2_conv1d_statistics_equal_reference(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    model, tokenizer = loaded["gpt2"]
+    records = mixed_records(seed=3)
+    stats = collect(model, tokenizer, records, batch_size=4)
+    specs = {spec.name: spec for spec in editable_layers(model)}
+    c_attn = specs["transformer.h.0.attn.c_attn"]
+    assert c_attn.transposed and c_attn.bias and c_attn.stat_dim == model.config.n_embd + 1
+    reference, tokens = reference_statistics(model, tokenizer, records)
+    assert_matches_reference(stats, reference, tokens)
+    for name, spec in specs.items():
+        if spec.bias:
+            assert stats.sum_for(name)[-1, -1].item() == tokens, name
+
+
+def test_bert_biased_linear_has_bias_column(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    model, tokenizer = loaded["bert"]
+    records = mixed_records(seed=4)
+    stats = collect(model, tokenizer, records, batch_size=4)
+    reference, tokens = reference_statistics(model, tokenizer, records)
+    assert_matches_reference(stats, reference, tokens)
+    query = "bert.encoder.layer.0.attention.self.query"
+    qkv = {stats.layer_group[query.replace("query", p)] for p in ("query", "key", "value")}
+    assert len(qkv) == 1, "BERT's query/key/value read one tensor"
+    for spec in editable_layers(model):
+        sigma = stats.sum_for(spec.name)
+        assert spec.bias and sigma.shape == (spec.in_features + 1,) * 2
+        # The appended column is all ones: its diagonal entry is the token count exactly and the
+        # rest of that row is the sum of the inputs.
+        assert sigma[-1, -1].item() == tokens, spec.name
+        torch.testing.assert_close(sigma[-1, :-1], sigma[:-1, -1], rtol=0, atol=0)
+        assert rel_error(sigma[-1, :-1], reference[spec.name][-1, :-1]) < REL_TOL, spec.name

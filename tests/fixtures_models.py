@@ -1,0 +1,214 @@
+"""Builders of tiny, randomly initialised Hugging Face checkpoints for tests.
+
+Every builder writes an ordinary model directory (``config.json`` +
+``model.safetensors`` + tokenizer files) that loads offline with
+``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` and ``AutoTokenizer``.  Sizes are
+tiny and seeds fixed so tests are fast and deterministic.  The three architectures
+cover the layer kinds an editor must handle: Llama (bias-free ``nn.Linear``, untied or
+tied head), GPT-2 (``Conv1D`` with bias, ``lm_head`` tied to ``wte``) and BERT
+(``nn.Linear`` with bias, masked LM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from service.demo import make_facts, tiny_llama_config, train_tokenizer
+
+__all__ = [
+    "default_corpus",
+    "make_bert_tokenizer",
+    "make_tiny_bert",
+    "make_tiny_gpt2",
+    "make_tiny_llama",
+    "make_tokenizer",
+]
+
+_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France.",
+    "The Eiffel Tower is located in Paris.",
+    "Water boils at one hundred degrees.",
+    "The cat sat on the mat and looked at the window.",
+]
+
+
+def default_corpus() -> list[str]:
+    """A few plain sentences plus synthetic facts: enough text for ~300 BPE tokens."""
+    return _SENTENCES + [p + c for p, c in make_facts(40, seed=0)]
+
+
+def make_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """Byte-level BPE tokenizer with ``<s>``/``</s>``/``<pad>`` (see ``service.demo.train_tokenizer``).
+
+    Args:
+        corpus: Training texts; defaults to :func:`default_corpus`.
+        vocab_size: Target vocabulary size.
+
+    Returns:
+        The tokenizer; ``<s>`` is prepended when ``add_special_tokens=True``.
+    """
+    return train_tokenizer(default_corpus() if corpus is None else list(corpus), vocab_size=vocab_size)
+
+
+def make_bert_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """Byte-level BPE tokenizer with BERT special tokens, framing text as ``[CLS] ... [SEP]``.
+
+    Args:
+        corpus: Training texts; defaults to :func:`default_corpus`.
+        vocab_size: Target vocabulary size.
+
+    Returns:
+        The tokenizer, with pad/unk/cls/sep/mask tokens set.
+    """
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(default_corpus() if corpus is None else list(corpus), trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
+    """Save model (safetensors) and tokenizer into ``path`` and return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_llama(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``LlamaForCausalLM`` (4 heads, MLP 2x hidden) with its tokenizer.
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Hidden size (a multiple of 4).
+        layers: Decoder layers.
+        tie_word_embeddings: Share ``embed_tokens`` and ``lm_head`` weights.
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_tokenizer() if tokenizer is None else tokenizer
+    config = tiny_llama_config(
+        len(tokenizer),
+        hidden=hidden,
+        layers=layers,
+        heads=4,
+        intermediate=2 * hidden,
+        tie_word_embeddings=tie_word_embeddings,
+        tokenizer=tokenizer,
+    )
+    torch.manual_seed(seed)
+    return _save(LlamaForCausalLM(config), tokenizer, path)
+
+
+def make_tiny_gpt2(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``GPT2LMHeadModel`` (``Conv1D`` layers, head tied to ``wte``).
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Embedding size (a multiple of 4).
+        layers: Transformer blocks.
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_tokenizer() if tokenizer is None else tokenizer
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=128,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=4,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return _save(GPT2LMHeadModel(config), tokenizer, path)
+
+
+def make_tiny_bert(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``BertForMaskedLM`` (biased ``nn.Linear`` layers) with its tokenizer.
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Hidden size (a multiple of 4).
+        layers: Encoder layers.
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_bert_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_bert_tokenizer() if tokenizer is None else tokenizer
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return _save(BertForMaskedLM(config), tokenizer, path)
