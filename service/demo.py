@@ -43,10 +43,13 @@ __all__ = [
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
-# Tuned on a 2-core CPU for the default 200 facts (see build_demo).
-DEFAULT_STEPS = 500
+# Tuned on a 2-core CPU for the default 200 facts: 400 steps of 16 (32 epochs) take ~25 s on
+# 2 idle threads (~43 s on 1) and give greedy exact match 1.0 with mean answer NLL ~0.01 for
+# seeds 0-3.  Loss is taken on every token: it memorized as fast as completion-only loss and
+# also teaches the model the names, like a real pretrained model knows its entities.
+DEFAULT_STEPS = 400
 DEFAULT_LR = 3e-3
-DEFAULT_BATCH_SIZE = 32
+DEFAULT_BATCH_SIZE = 16
 
 _ONSETS = "b d f g k l m n p r s t v z br dr gl kr qu sh th tr vr wh".split()
 _VOWELS = "a e i o u ai ea ou y".split()

@@ -28,7 +28,7 @@ from service.engine.records import Record, RecordError
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import FINISHED, JobStore, new_job, utc_now
 from service.sources import local_model_dir
-from service.storage import ObjectNotFound, Storage
+from service.storage import Storage
 
 ENGINE_VERSION = "engram-service/1"
 
@@ -111,10 +111,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
 
 
 def find_model(ctx: Context, model_id: str) -> dict[str, Any] | None:
-    try:
-        return ctx.storage.get_json(model_key(model_id))
-    except ObjectNotFound:
-        return None
+    return ctx.storage.find_json(model_key(model_id))
 
 
 def get_model(ctx: Context, model_id: str) -> dict[str, Any]:
@@ -228,10 +225,7 @@ def _stats_prefix_for(payload: dict[str, Any]) -> str:
 
 
 def find_concept(ctx: Context, name: str) -> dict[str, Any] | None:
-    try:
-        return ctx.storage.get_json(concept_key(name))
-    except (ObjectNotFound, ValueError):
-        return None
+    return ctx.storage.find_json(concept_key(name))
 
 
 def get_concept(ctx: Context, name: str) -> dict[str, Any]:
@@ -257,10 +251,7 @@ def delete_concept(ctx: Context, name: str) -> None:
 
 
 def stats_manifest(ctx: Context, prefix: str) -> dict[str, Any] | None:
-    try:
-        return ctx.storage.get_json(prefix + "manifest.json")
-    except ObjectNotFound:
-        return None
+    return ctx.storage.find_json(prefix + "manifest.json")
 
 
 def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
@@ -364,21 +355,11 @@ def submit_variant(
 
 
 def find_variant_request(ctx: Context, variant_id: str) -> dict[str, Any] | None:
-    if not variant_id.isalnum():
-        return None
-    try:
-        return ctx.storage.get_json(f"variants/{variant_id}/request.json")
-    except ObjectNotFound:
-        return None
+    return ctx.storage.find_json(f"variants/{variant_id}/request.json") if variant_id.isalnum() else None
 
 
 def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
-    if not variant_id.isalnum():
-        return None
-    try:
-        return ctx.storage.get_json(f"variants/{variant_id}/manifest.json")
-    except ObjectNotFound:
-        return None
+    return ctx.storage.find_json(f"variants/{variant_id}/manifest.json") if variant_id.isalnum() else None
 
 
 VARIANT_FIELDS = ("variant_id", "model_id", "terms", "alpha", "scaling", "format", "modules", "layers", "rcond")

@@ -79,6 +79,13 @@ class Storage(ABC):
     def get_json(self, key: str) -> Any:
         return json.loads(self.get_bytes(key))
 
+    def find_json(self, key: str) -> Any | None:
+        """The decoded object, or ``None`` when there is none (an invalid key names nothing)."""
+        try:
+            return self.get_json(key)
+        except (ObjectNotFound, ValueError):
+            return None
+
     def delete_prefix(self, prefix: str) -> None:
         for key in self.list(prefix):
             self.delete(key)

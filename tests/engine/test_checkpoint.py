@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +36,6 @@ EDITED = ("lm_head", "model.layers.0.self_attn.q_proj")
 
 
 # ------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads, and on a busy 2-core box OpenMP's spinning
-    threads made these tests ~7x slower; restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +30,6 @@ REL_TOL = 1e-5  # float32 forward + float32 GEMM per batch vs an all-float64 ref
 
 
 # ------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads, and on a busy 2-core box OpenMP's spinning
-    threads made these tests ~7x slower; restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ the algebra, in float64, with their own eigendecomposition and cut.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +39,6 @@ ORACLE_TOL = 2e-2
 
 
 # ------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Tiny matrices gain nothing from threads, and on a busy 2-core box OpenMP's spinning
-    threads made these tests ~7x slower; restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class Tiny:
