@@ -36,6 +36,8 @@ __all__ = [
     "build_demo",
     "main",
     "make_facts",
+    "read_probes",
+    "split_forget",
     "tiny_llama_config",
     "train_on_facts",
     "train_tokenizer",
@@ -343,6 +345,10 @@ def build_demo(
     # passed so that transformers 4 also writes model.safetensors rather than a pickle.
     model.save_pretrained(paths.model_dir, safe_serialization=True)
     tokenizer.save_pretrained(paths.model_dir)
+    # transformers 5 writes model.safetensors through a temp file, leaving it 0600; make the
+    # demo readable by a service (or container) running as another user.
+    for file in paths.model_dir.iterdir():
+        file.chmod(0o644)
     forget, retain = split_forget(facts, forget_fraction, seed)
     _write_jsonl(paths.forget, forget)
     _write_jsonl(paths.retain, retain)
