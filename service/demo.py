@@ -362,7 +362,10 @@ def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokeni
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: build the demo and print its metrics before any edit."""
+    """Command-line entry: build the demo (default), or ``evaluate`` models on its probe sets."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["evaluate"]:
+        return evaluate_main(args_list[1:])
     parser = argparse.ArgumentParser(prog="python -m service.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("demo"), help="output directory (default: demo)")
     parser.add_argument("--n-facts", type=int, default=200)
@@ -370,25 +373,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
     paths = build_demo(args.out, args.n_facts, args.forget_fraction, args.seed, args.steps)
     elapsed = time.perf_counter() - start
+    sys.stdout.write(f"wrote {paths.root} (model: {paths.model_dir}) in {elapsed:.1f}s\nbefore edit:\n")
+    _print_metrics(paths.model_dir, paths.root)
+    return 0
 
-    # Reload from disk so the numbers describe exactly what the service will load.
+
+def evaluate_main(argv: Sequence[str]) -> int:
+    """``python -m service.demo evaluate --model DIR [--model DIR …] --probes DEMO_DIR``."""
+    parser = argparse.ArgumentParser(prog="python -m service.demo evaluate")
+    parser.add_argument("--model", type=Path, action="append", required=True, help="a checkpoint directory")
+    parser.add_argument("--probes", type=Path, default=Path("demo"), help="folder with forget/retain.jsonl")
+    args = parser.parse_args(argv)
+    for model_dir in args.model:
+        sys.stdout.write(f"{model_dir}:\n")
+        _print_metrics(model_dir, args.probes)
+    return 0
+
+
+def _print_metrics(model_dir: Path, probes_dir: Path) -> None:
+    """Answer NLL and greedy exact match on the forget and retain sets, read back from disk."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(paths.model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(paths.model_dir)
-    out = sys.stdout
-    out.write(f"wrote {paths.root} (model: {paths.model_dir}) in {elapsed:.1f}s\n")
-    out.write("before edit:\n")
-    out.write(_metrics_line("forget", model, tokenizer, read_probes(paths.forget)) + "\n")
-    out.write(_metrics_line("retain", model, tokenizer, read_probes(paths.retain)) + "\n")
-    return 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for split in ("forget", "retain"):
+        sys.stdout.write("  " + _metrics_line(split, model, tokenizer, read_probes(probes_dir / f"{split}.jsonl")) + "\n")
 
 
 if __name__ == "__main__":
