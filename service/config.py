@@ -28,6 +28,15 @@ class Settings(BaseSettings):
     max_length: int = Field(default=512, ge=8, le=32768)
     collect_batch_size: int = Field(default=8, ge=1, le=1024)
 
+    # Distributed mode. The broker's visibility timeout must exceed the hard limit, or Redis would
+    # hand a still-running task to a second worker.
+    task_hard_limit_s: int = Field(default=4 * 3600, ge=5)
+    task_max_retries: int = Field(default=5, ge=0, le=100)
+    reconcile_interval_s: float = Field(default=15.0, gt=0)
+    model_cache_size: int = Field(default=1, ge=1, le=16)
+    presign_downloads: bool = False
+    presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
+
     # Request limits: a JSON body and a multipart upload.
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
@@ -49,6 +58,16 @@ class Settings(BaseSettings):
         if value and urlparse(value).scheme not in {"redis", "rediss"}:
             raise ValueError(f"ENGRAM_BROKER_URL must be redis://host:port/db, got {value!r}")
         return value or None
+
+    @property
+    def task_soft_limit_s(self) -> int:
+        """The soft limit (0.9 × hard) lets a task clean up before it is killed."""
+        return max(1, int(self.task_hard_limit_s * 0.9))
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        """Above the hard limit, so an unacknowledged task is redelivered only once it is dead."""
+        return self.task_hard_limit_s + max(5, self.task_hard_limit_s // 10)
 
     @property
     def model_root_paths(self) -> list[Path]:
