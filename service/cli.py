@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the HTTP API (with the in-process worker when no broker is set)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    sub.add_parser("worker", help="run a Celery worker (distributed mode)")
+    worker = sub.add_parser("worker", help="run a Celery worker (distributed mode; uses CUDA when present)")
+    worker.add_argument("--queues", default="gpu,cpu", help="comma-separated queues to consume (default gpu,cpu)")
     demo = sub.add_parser("demo", help="build the offline mini-TOFU demo model and datasets")
     demo.add_argument("--out", default="demo")
     args = parser.parse_args(argv)
@@ -24,8 +25,24 @@ def main(argv: list[str] | None = None) -> int:
         from service import demo as demo_module
 
         return demo_module.main(["--out", args.out]) or 0
-    print("the Celery worker arrives with distributed mode (issue 3)", file=sys.stderr)  # noqa: T201
-    return 2
+    return _worker(args.queues)
+
+
+def _worker(queues: str) -> int:
+    from service.config import get_settings
+
+    if get_settings().embedded:
+        print("engram-service worker needs ENGRAM_BROKER_URL=redis://host:port/db", file=sys.stderr)  # noqa: T201
+        return 2
+    from workers.celery_app import app
+
+    # One task at a time, one message prefetched: a GPU holds one model, and a message waiting
+    # behind a long collection would be better served by another worker.
+    app.worker_main(
+        ["worker", "--queues", queues, "--concurrency", "1", "--prefetch-multiplier", "1", "--loglevel", "INFO",
+         "--without-gossip", "--without-mingle", "--hostname", "engram@%h"]
+    )
+    return 0
 
 
 def _serve(host: str, port: int) -> int:

@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     task_hard_limit_s: int = Field(default=4 * 3600, ge=5)
     task_max_retries: int = Field(default=5, ge=0, le=100)
     reconcile_interval_s: float = Field(default=15.0, gt=0)
+    heartbeat_ttl_s: int = Field(default=60, ge=2, description="a running job whose worker is silent this long is re-queued")
     model_cache_size: int = Field(default=1, ge=1, le=16)
     presign_downloads: bool = False
     presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)

@@ -1,15 +1,19 @@
-"""Job records and the embedded executor.
+"""Job records, where they live, and the embedded executor.
 
 A job is a small JSON record (kind, status, progress, error, result, timestamps) plus the IDs its
 task needs (``payload``). Tasks take a job ID, re-read everything from storage and write
 content-addressed outputs, so running one twice is harmless.
 
-In embedded mode (no broker) records live in memory and are persisted to storage on every state
-change; jobs that were queued or running when the process stopped are queued again at start-up.
+Object storage is the durable truth: every state change is persisted to ``jobs/<id>.json``, and an
+unfinished job also has a marker ``jobs/open/<id>`` so a restarted process (or a reconciler after a
+Redis restart) finds what was in flight without listing every job ever run. Live records (and the
+frequent progress ticks) live in memory (embedded mode) or in Redis (distributed mode).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -17,10 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from service.storage import ObjectNotFound, Storage
+from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
 JobKind = Literal["collect", "variant"]
 FINISHED = {"succeeded", "failed", "cancelled"}
+OPEN_PREFIX = "jobs/open/"
+log = logging.getLogger("engram.jobs")
 
 
 def utc_now() -> str:
@@ -44,73 +50,131 @@ def new_job(kind: JobKind, payload: dict[str, Any], unit: str) -> dict[str, Any]
     }
 
 
+def valid_job_id(job_id: str) -> bool:
+    return len(job_id) == 32 and job_id.isalnum()
+
+
 class JobStore:
-    """Job records in memory, persisted to ``jobs/<id>.json`` on every state change."""
+    """Live job records in memory, persisted to storage on every state change."""
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._jobs: dict[str, dict[str, Any]] = {}
+        self._live: dict[str, dict[str, Any]] = {}
         self._lock = threading.RLock()
 
+    # -- live records: overridden by the Redis store
+    def _read_live(self, job_id: str) -> dict[str, Any] | None:
+        return self._live.get(job_id)
+
+    def _write_live(self, job: dict[str, Any]) -> None:
+        self._live[job["job_id"]] = job
+
+    # -- the public surface
     def create(self, job: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            self._jobs[job["job_id"]] = job
+            self._write_live(job)
+            self.storage.put_bytes(OPEN_PREFIX + job["job_id"], b"")
             self._persist(job)
-            return dict(job)
+            return _copy(job)
 
     def get(self, job_id: str) -> dict[str, Any] | None:
+        if not valid_job_id(job_id):
+            return None
         with self._lock:
-            job = self._jobs.get(job_id)
+            job = self._read_live(job_id)
             if job is None:
-                job = self._load(job_id)
+                job = self._load_durable(job_id)
             return None if job is None else _copy(job)
 
     def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> dict[str, Any]:
         """Set fields of a job; ``persist=False`` for frequent progress ticks."""
         with self._lock:
-            job = self._jobs.get(job_id) or self._load(job_id)
+            job = self._read_live(job_id) or self._load_durable(job_id)
             if job is None:
                 raise KeyError(job_id)
             job.update(fields)
+            self._write_live(job)
             if persist:
                 self._persist(job)
             return _copy(job)
 
     def set_progress(self, job_id: str, done: int, total: int | None = None) -> None:
+        progress = {"done": done} if total is None else {"done": done, "total": total}
         with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None:
-                return
-            job["progress"]["done"] = done
-            if total is not None:
-                job["progress"]["total"] = total
+            job = self._read_live(job_id)
+            if job is not None:
+                job["progress"].update(progress)
+                self._write_live(job)
 
     def unfinished(self) -> list[dict[str, Any]]:
-        """Jobs persisted as queued or running (after a restart: interrupted ones)."""
+        """Jobs not known to be finished, from the durable markers (survives any restart)."""
         found = []
-        for key in self.storage.list("jobs/"):
-            job_id = key.removeprefix("jobs/").removesuffix(".json")
-            job = self.get(job_id)
+        for key in self.storage.list(OPEN_PREFIX):
+            job = self.get(key.removeprefix(OPEN_PREFIX))
             if job is not None and job["status"] not in FINISHED:
                 found.append(job)
+            elif job is not None:
+                self._persist(job)  # finished, but its last persist failed: finish it now
         return found
 
-    def _load(self, job_id: str) -> dict[str, Any] | None:
-        if not job_id.isalnum():
-            return None
+    def restore(self, job_id: str) -> dict[str, Any] | None:
+        """Reload a job's live record from storage (after the live store lost it)."""
+        with self._lock:
+            return self._load_durable(job_id)
+
+    def _load_durable(self, job_id: str) -> dict[str, Any] | None:
         try:
             job = self.storage.get_json(f"jobs/{job_id}.json")
-        except ObjectNotFound:
+        except (ObjectNotFound, ValueError):
             return None
-        self._jobs[job_id] = job
+        self._write_live(job)
         return job
 
     def _persist(self, job: dict[str, Any]) -> None:
         self.storage.put_json(f"jobs/{job['job_id']}.json", job)
+        if job["status"] in FINISHED:
+            self.storage.delete(OPEN_PREFIX + job["job_id"])
 
 
 def _copy(job: dict[str, Any]) -> dict[str, Any]:
     return {**job, "progress": dict(job["progress"])}
+
+
+class RedisJobStore(JobStore):
+    """Live records in Redis, shared by every API process and worker.
+
+    A state change that cannot reach storage (S3 down) is still recorded in Redis, and the job's
+    open marker stays, so the reconciler persists it once storage is back.
+    """
+
+    def __init__(self, storage: Storage, redis: Any, heartbeat_ttl_s: int) -> None:
+        super().__init__(storage)
+        self.redis = redis
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+
+    def _read_live(self, job_id: str) -> dict[str, Any] | None:
+        raw = self.redis.get(f"engram:job:{job_id}")
+        return None if raw is None else json.loads(raw)
+
+    def _write_live(self, job: dict[str, Any]) -> None:
+        self.redis.set(f"engram:job:{job['job_id']}", json.dumps(job))
+
+    def _persist(self, job: dict[str, Any]) -> None:
+        try:
+            super()._persist(job)
+        except StorageUnavailable as exc:
+            log.warning("job %s: state kept in Redis only until storage is back (%s)", job["job_id"], exc)
+
+    def heartbeat(self, job_id: str) -> None:
+        """A worker says it is alive and working on this job."""
+        self.redis.set(f"engram:job:{job_id}:heartbeat", "1", ex=self.heartbeat_ttl_s)
+
+    def alive(self, job_id: str) -> bool:
+        return bool(self.redis.exists(f"engram:job:{job_id}:heartbeat"))
+
+    def is_live(self, job_id: str) -> bool:
+        """Whether Redis still holds this job's record (False after a Redis restart)."""
+        return bool(self.redis.exists(f"engram:job:{job_id}"))
 
 
 class EmbeddedExecutor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,8 @@ class Context:
     storage: Storage
     jobs: JobStore
     dispatch: Any  # callable(job dict) -> None
-    lock: threading.RLock
+    lock: Any  # a threading.RLock (embedded) or a Redis lock (distributed): a context manager
+    broker_ping: Any = None  # callable raising when the broker is unreachable (distributed mode)
 
     @property
     def cache_dir(self) -> Path:

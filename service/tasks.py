@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import redis.exceptions
 
 from service.engine.checkpoint import (
     CheckpointReader,
@@ -41,30 +47,53 @@ from service.registry import (
     stats_manifest,
     stats_prefix,
 )
-from service.storage import scratch_dir
+from service.storage import StorageUnavailable, scratch_dir
 
 log = logging.getLogger("engram.tasks")
 _PROGRESS_EVERY_S = 1.0
+
+
+# Errors worth a retry: the job's inputs are fine, a service it needs is briefly away.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    StorageUnavailable,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
 
 
 class JobCancelled(RuntimeError):
     pass
 
 
-def run_job(ctx: Context, job_id: str) -> None:
-    """Run one job to a final state; never raises (the outcome is in the job record)."""
+def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None:
+    """Run one job to a final state; the outcome is in the job record.
+
+    Args:
+        ctx: storage, jobs and settings of this process.
+        job_id: the job to run (a finished one is left alone: redelivery is harmless).
+        raise_transient: re-raise a transient error (storage or Redis unreachable) after putting
+            the job back to ``queued``, so the caller (Celery) can retry it with backoff.
+    """
     job = ctx.jobs.get(job_id)
     if job is None or job["status"] in FINISHED:
         return
     if job["cancel_requested"]:
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
         return
-    ctx.jobs.update(job_id, status="running", started_at=utc_now())
+    ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)
     try:
-        body = {"collect": run_collection, "variant": run_variant}[job["kind"]]
-        result = body(ctx, job)
+        with _heartbeat(ctx, job_id):
+            body = {"collect": run_collection, "variant": run_variant}[job["kind"]]
+            result = {**body(ctx, job), "worker": f"{socket.gethostname()}:{os.getpid()}"}
     except (JobCancelled, CollectionCancelled):
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+    except TRANSIENT_ERRORS as exc:
+        if not raise_transient:
+            _fail(ctx, job_id, JobFailed(f"a service was unreachable: {exc}").to_problem())
+            return
+        log.warning("job %s hit a transient error, to be retried: %s", job_id, exc)
+        ctx.jobs.update(job_id, status="queued", persist=False)
+        raise
     except ProblemError as exc:
         _fail(ctx, job_id, exc.to_problem())
     except Exception as exc:  # the job must end, and the user must read why
@@ -74,6 +103,32 @@ def run_job(ctx: Context, job_id: str) -> None:
         _fail(ctx, job_id, problem)
     else:
         ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+
+
+@contextmanager
+def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
+    """While the body runs, tell the reconciler this job's worker is alive (distributed mode)."""
+    beat = getattr(ctx.jobs, "heartbeat", None)
+    if beat is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                beat(job_id)
+            except Exception as exc:  # Redis briefly away: the next beat may get through
+                log.warning("heartbeat of job %s failed: %s", job_id, exc)
+            stop.wait(max(1.0, ctx.settings.heartbeat_ttl_s / 4))
+
+    thread = threading.Thread(target=loop, name=f"heartbeat-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
@@ -127,7 +182,7 @@ class ModelCache:
             return item
 
 
-MODELS = ModelCache()
+MODELS = ModelCache()  # one per process: a worker keeps its last models loaded between jobs
 
 
 def checked_model_dir(manifest: dict[str, Any]) -> Path:
@@ -153,6 +208,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     manifest = get_model(ctx, payload["model_id"])
     if manifest["digest"] != payload["model_digest"]:
         raise JobFailed(f"model {payload['model_id']} was re-registered with other weights")
+    MODELS.capacity = ctx.settings.model_cache_size
     model, tokenizer = MODELS.get(manifest, ctx.settings.torch_device)
     records = load_records(ctx, payload["dataset_digest"])
     max_length = int(payload["settings"]["max_length"])

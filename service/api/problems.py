@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import kombu.exceptions
+import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -33,6 +35,13 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def _storage(_: Request, exc: StorageUnavailable) -> JSONResponse:
         problem = ServiceUnavailable(f"storage is unavailable: {exc}")
         return JSONResponse(problem.to_problem(), status_code=503, media_type=PROBLEM_JSON)
+
+    async def _broker(_: Request, exc: Exception) -> JSONResponse:
+        problem = ServiceUnavailable(f"the job broker is unavailable: {type(exc).__name__}")
+        return JSONResponse(problem.to_problem(), status_code=503, media_type=PROBLEM_JSON)
+
+    app.add_exception_handler(redis.exceptions.RedisError, _broker)
+    app.add_exception_handler(kombu.exceptions.OperationalError, _broker)  # sending a task failed
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

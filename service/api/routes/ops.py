@@ -19,4 +19,6 @@ def healthz() -> dict[str, str]:
 def readyz(ctx: ContextDep) -> dict[str, str]:
     """Storage (and the broker, when configured) can serve requests; 503 otherwise."""
     ctx.storage.ping()
+    if ctx.broker_ping is not None:
+        ctx.broker_ping()
     return {"status": "ready", "mode": "embedded" if ctx.settings.embedded else "distributed"}

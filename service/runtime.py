@@ -1,0 +1,95 @@
+"""Wiring of one process: storage, job store, dispatcher and background duties, per mode.
+
+Embedded (no broker): jobs live in memory and run in this process's executor; at start-up, jobs
+interrupted by a restart run again. Distributed (``ENGRAM_BROKER_URL=redis://…``): jobs live in
+Redis, run in Celery workers, and a reconciler re-dispatches anything Redis or a worker lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.config import Settings
+from service.jobs import EmbeddedExecutor, JobStore, RedisJobStore
+from service.registry import Context
+from service.storage import open_storage
+
+log = logging.getLogger("engram.runtime")
+
+
+@dataclass
+class Runtime:
+    """A process's context and the background duties it starts and stops."""
+
+    ctx: Context
+    on_start: list[Callable[[], None]] = field(default_factory=list)
+    on_stop: list[Callable[[], None]] = field(default_factory=list)
+
+    def start(self) -> None:
+        for step in self.on_start:
+            step()
+
+    def stop(self) -> None:
+        for step in self.on_stop:
+            step()
+
+
+def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
+    """The runtime of an API process (``background``) or of a worker (no background duties)."""
+    if settings.embedded:
+        return _embedded(settings)
+    return _distributed(settings, background)
+
+
+def _embedded(settings: Settings) -> Runtime:
+    from service.tasks import run_job
+
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    ctx = Context(settings=settings, storage=storage, jobs=JobStore(storage), dispatch=None, lock=threading.RLock())
+    executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
+    ctx.dispatch = executor.submit
+
+    def requeue_interrupted() -> None:
+        for job in ctx.jobs.unfinished():  # tasks are idempotent: running one again is harmless
+            log.info("re-queueing interrupted job %s", job["job_id"])
+            ctx.jobs.update(job["job_id"], status="queued")
+            executor.submit(job)
+
+    return Runtime(ctx, on_start=[requeue_interrupted], on_stop=[executor.shutdown])
+
+
+def _distributed(settings: Settings, background: bool) -> Runtime:
+    import redis
+
+    from service.reconcile import Reconciler, reconcile_once
+    from workers.celery_app import TASK_FOR_KIND, make_celery
+
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)
+    jobs = RedisJobStore(storage, client, settings.heartbeat_ttl_s)
+    celery = make_celery(settings)
+
+    def dispatch(job: dict[str, Any]) -> None:
+        name, queue = TASK_FOR_KIND[job["kind"]]
+        celery.send_task(name, kwargs={"job_id": job["job_id"]}, queue=queue)
+
+    # One registry lock for every API process: concurrent identical requests create one job.
+    lock = client.lock("engram:lock:registry", timeout=120, blocking_timeout=60)
+    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=dispatch, lock=lock, broker_ping=client.ping)
+    runtime = Runtime(ctx)
+    if background:
+        reconciler = Reconciler(jobs, dispatch, settings.reconcile_interval_s)
+        runtime.on_start += [lambda: _safely(lambda: reconcile_once(jobs, dispatch)), reconciler.start]
+        runtime.on_stop.append(reconciler.stop)
+    return runtime
+
+
+def _safely(step: Callable[[], Any]) -> None:
+    try:
+        step()
+    except Exception as exc:  # a start-up pass must not keep the API down; the loop tries again
+        log.warning("start-up reconcile pass failed: %s", exc)

@@ -1,0 +1,95 @@
+"""The Celery app of distributed mode: Redis broker and backend, queues ``gpu`` and ``cpu``.
+
+The tasks are thin: they run the same :func:`service.tasks.run_job` that embedded mode runs in the
+API process. Both named decorators set ``acks_late`` and ``reject_on_worker_lost``, so a worker that
+dies mid-task leaves its message to be redelivered, and the broker's visibility timeout is above
+the hard time limit, so a live task is never handed to a second worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import Any
+
+from celery import Celery, Task
+from kombu import Queue
+
+from service.config import Settings, get_settings
+from service.jobs import utc_now
+
+log = logging.getLogger("engram.worker")
+TASK_FOR_KIND = {"collect": ("engram.collect", "gpu"), "variant": ("engram.build_variant", "cpu")}
+
+
+def make_celery(settings: Settings) -> Celery:
+    """A Celery app configured from settings (the API uses it to send, workers to run)."""
+    app = Celery("engram", broker=settings.broker_url, backend=settings.broker_url)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_time_limit=settings.task_hard_limit_s,
+        task_soft_time_limit=settings.task_soft_limit_s,
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        result_expires=24 * 3600,
+        task_queues=[Queue("gpu"), Queue("cpu")],
+        task_default_queue="cpu",
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        task_ignore_result=True,  # the job record is the result; Celery's would be a second copy
+    )
+    return app
+
+
+settings = get_settings()
+app = make_celery(settings)
+
+
+@cache
+def worker_context() -> Any:
+    """This worker process's storage, job store and settings (built once, on first use)."""
+    from service.runtime import build_runtime
+
+    return build_runtime(settings, background=False).ctx
+
+
+def _run(task: Task, job_id: str) -> None:
+    from service.tasks import TRANSIENT_ERRORS, run_job
+
+    ctx = worker_context()
+    try:
+        run_job(ctx, job_id, raise_transient=True)
+    except TRANSIENT_ERRORS as exc:
+        retries = task.request.retries
+        if retries >= settings.task_max_retries:
+            problem = {
+                "type": "https://engram.dev/problems/service-unavailable",
+                "title": "Service unavailable",
+                "status": 503,
+                "detail": f"gave up after {retries} retries: {exc}",
+            }
+            ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())
+            return
+        # Exponential backoff, capped: 2, 4, 8, ... 60 seconds.
+        raise task.retry(exc=exc, countdown=min(60, 2 ** (retries + 1)), max_retries=settings.task_max_retries) from exc
+
+
+def gpu_task(name: str) -> Any:
+    return app.task(name=name, bind=True, queue="gpu", acks_late=True, reject_on_worker_lost=True)
+
+
+def cpu_task(name: str) -> Any:
+    return app.task(name=name, bind=True, queue="cpu", acks_late=True, reject_on_worker_lost=True)
+
+
+@gpu_task("engram.collect")
+def collect(self: Task, *, job_id: str) -> None:
+    """Collect one concept's statistics on one model."""
+    _run(self, job_id)
+
+
+@cpu_task("engram.build_variant")
+def build_variant(self: Task, *, job_id: str) -> None:
+    """Build one variant from cached statistics."""
+    _run(self, job_id)
