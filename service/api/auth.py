@@ -1,0 +1,222 @@
+"""API-key auth: ``Authorization: Bearer <key>`` with a ``read``, ``write`` or ``admin`` scope.
+
+``ENGRAM_API_KEYS`` (comma-separated ``key:scope``) is parsed once, at start-up, by
+:func:`install_auth`; a bad entry stops the service with a ``ValueError`` that names the entry's
+index but never its text (the text may be, or contain, a key). Unset: no auth at all (the CLI
+warns at start-up).
+
+Why a pure ASGI middleware rather than a FastAPI dependency on every router:
+
+* it covers everything the app serves, not only the routers someone remembered to guard: the
+  routes FastAPI adds itself (``/docs``, ``/redoc``, ``/openapi.json``), a future ``/metrics``
+  mounted as a plain ASGI app, future routers, and unknown paths (a client without a key gets 401,
+  not 404, so routes cannot be enumerated without a key);
+* it answers before the request body is read: FastAPI reads and validates a body *before* it
+  runs dependencies, so a dependency would let anyone make the server parse a large JSON body,
+  and a bad body would get a 422 that reveals the schema ahead of the 401.
+
+Note: ``install_auth`` runs before ``BodySizeLimit`` is added, and Starlette wraps later
+middleware around earlier ones, so an oversized ``Content-Length`` gets its 413 before auth is
+checked. That reveals only the configured limit, and no body is read either way.
+
+Scopes (``admin`` ⊃ ``write`` ⊃ ``read``):
+
+* ``/healthz`` and ``/readyz``: public (load balancers and orchestrators probe them without keys).
+* ``GET``/``HEAD`` of anything else: ``read``. That includes ``/docs``, ``/redoc``,
+  ``/openapi.json`` and ``/metrics``: the API description and the counters are not secret
+  enough for ``write``, but the contract keeps every route but the probes behind a key
+  (Prometheus sends one with ``authorization: {credentials: ...}``; a browser on ``/docs`` needs an
+  extension or a proxy that adds the header).
+* ``POST``/``DELETE`` under ``/models``, ``/concepts``, ``/variants``: ``write``. That includes
+  ``POST /models/{id}/unlearn`` and ``/compose``, which build variants.
+* anything else: ``admin``. In particular ``DELETE /jobs/{id}``: jobs carry no owner, so
+  "cancel your own collection" cannot be enforced, and a ``write`` key that could cancel any job
+  could stop everyone else's work. The contract's ``write`` scope lists models, concepts and
+  variants only, so cancellation is ``admin``. Unknown methods and future routes fail closed to
+  ``admin`` too.
+
+Keys are compared in constant time: the presented token and every configured key are hashed
+(SHA-256, so lengths do not leak either) and the token is compared with *every* key with
+``hmac.compare_digest``, without stopping at a match. Keys are never logged and never appear in a
+response; the request's scope (and the index of the key, as ``key#N``) is put in
+``request.state.auth`` for handlers that want it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.config import Settings
+from service.errors import Forbidden, ProblemError, Unauthorized
+
+log = logging.getLogger("engram.api")
+
+SCOPES = ("read", "write", "admin")
+RANK = {name: rank for rank, name in enumerate(SCOPES)}
+MIN_KEY_LENGTH = 16
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+WRITE_PREFIXES = ("/models", "/concepts", "/variants")
+WRITE_METHODS = frozenset({"POST", "DELETE"})
+READ_METHODS = frozenset({"GET", "HEAD"})
+REALM = 'Bearer realm="engram-service"'
+PROBLEM_JSON = "application/problem+json"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who made a request: the configured key's index (never the key) and its scope."""
+
+    key_id: str
+    scope: str
+
+
+@dataclass(frozen=True)
+class _Key:
+    digest: bytes
+    principal: Principal
+
+
+def parse_api_keys(raw: str) -> dict[str, str]:
+    """``"k1:read,k2:admin"`` -> ``{"k1": "read", "k2": "admin"}``.
+
+    Each comma-separated entry is ``key:scope`` (surrounding whitespace ignored; the scope is
+    what follows the last ``:``). The key is at least 16 visible ASCII characters (no spaces: it
+    travels in a header); the scope is ``read``, ``write`` or ``admin``; no key appears twice.
+
+    Raises:
+        ValueError: an entry is invalid, or there is none. The message names the entry by its
+            1-based index and never contains any part of it.
+    """
+    entries = raw.split(",")
+    if not raw.strip():
+        raise ValueError("ENGRAM_API_KEYS is set but empty: unset it to disable auth, or list key:scope entries")
+    keys: dict[str, str] = {}
+    for index, entry in enumerate(entries, start=1):
+        where = f"ENGRAM_API_KEYS entry {index} of {len(entries)}"
+        entry = entry.strip()
+        if not entry:
+            raise ValueError(f"{where} is empty (a stray comma?)")
+        key, colon, scope = entry.rpartition(":")
+        if not colon:
+            raise ValueError(f"{where} is not key:scope")
+        scope = scope.strip().lower()
+        if scope not in RANK:
+            raise ValueError(f"{where}: the scope must be one of {', '.join(SCOPES)}")
+        key = key.strip()
+        if len(key) < MIN_KEY_LENGTH:
+            raise ValueError(f"{where}: the key must be at least {MIN_KEY_LENGTH} characters")
+        if not all("!" <= ch <= "~" for ch in key):
+            raise ValueError(f"{where}: the key may hold only visible ASCII characters (no spaces)")
+        if key in keys:
+            raise ValueError(f"{where} repeats the key of an earlier entry")
+        keys[key] = scope
+    return keys
+
+
+def required_scope(method: str, path: str) -> str | None:
+    """The scope a request needs; None for the public probes."""
+    if path in PUBLIC_PATHS:
+        return None
+    if method in READ_METHODS:
+        return "read"
+    if method in WRITE_METHODS and any(path == p or path.startswith(p + "/") for p in WRITE_PREFIXES):
+        return "write"
+    return "admin"
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+class APIKeyAuth:
+    """Pure ASGI middleware: 401 without a valid bearer key, 403 when its scope is too small."""
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+        self.app = app
+        self._keys = tuple(
+            _Key(_digest(key.encode("ascii")), Principal(f"key#{i}", scope))
+            for i, (key, scope) in enumerate(keys.items(), 1)
+        )
+
+    def authenticate(self, authorization: list[bytes]) -> Principal | None:
+        """The principal of the ``Authorization`` header values, or None (missing, malformed, unknown)."""
+        if len(authorization) != 1:
+            return None
+        scheme, _, token = authorization[0].strip().partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            return None
+        presented = _digest(token)
+        match: Principal | None = None
+        for key in self._keys:  # every key, no early exit: timing does not tell which one matched
+            if hmac.compare_digest(presented, key.digest):
+                match = key.principal
+        return match
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no websocket routes exist: refuse rather than serve them unauthenticated
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        needed = required_scope(scope["method"].upper(), _route_path(scope))
+        if needed is None:
+            await self.app(scope, receive, send)
+            return
+        authorization = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        principal = self.authenticate(authorization)
+        if principal is None:
+            detail = (
+                "this request needs an API key: send Authorization: Bearer <key>"
+                if not authorization
+                else "the Authorization header does not carry a valid API key (expected: Bearer <key>)"
+            )
+            challenge = REALM if not authorization else f'{REALM}, error="invalid_token"'
+            await _reject(Unauthorized(detail), {"WWW-Authenticate": challenge}, scope, receive, send)
+            return
+        if RANK[principal.scope] < RANK[needed]:
+            problem = Forbidden(
+                f"{scope['method']} {_route_path(scope)} needs the {needed} scope; this key has {principal.scope}"
+            )
+            challenge = f'{REALM}, error="insufficient_scope", scope="{needed}"'
+            await _reject(problem, {"WWW-Authenticate": challenge}, scope, receive, send)
+            return
+        scope.setdefault("state", {})["auth"] = principal
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches (``root_path`` removed), so auth and routing see the same path."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
+async def _reject(problem: ProblemError, headers: dict[str, str], scope: Scope, receive: Receive, send: Send) -> None:
+    response = JSONResponse(problem.to_problem(), status_code=problem.status, media_type=PROBLEM_JSON, headers=headers)
+    await response(scope, receive, send)
+
+
+def install_auth(app: FastAPI, settings: Settings) -> None:
+    """Enforce ``ENGRAM_API_KEYS`` on ``app``; no-op when it is unset.
+
+    Raises:
+        ValueError: ``ENGRAM_API_KEYS`` is malformed (the message never contains a key).
+    """
+    if settings.api_keys is None:
+        return
+    keys = parse_api_keys(settings.api_keys)
+    counts: dict[str, int] = {s: sum(1 for v in keys.values() if v == s) for s in SCOPES}
+    log.info("API key auth enabled: %d keys (%s)", len(keys), ", ".join(f"{n} {s}" for s, n in counts.items()))
+    app.add_middleware(APIKeyAuth, keys=keys)
