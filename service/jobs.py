@@ -117,18 +117,13 @@ class JobStore:
                 self._persist(job)  # finished, but its last persist failed: finish it now
         return found
 
-    def restore(self, job_id: str) -> dict[str, Any] | None:
-        """Reload a job's live record from storage (after the live store lost it)."""
-        with self._lock:
-            return self._load_durable(job_id)
-
     def _load_durable(self, job_id: str) -> dict[str, Any] | None:
+        """The persisted record. Not written back to the live store: a record missing there is how
+        the reconciler learns that Redis lost it (and its queued message with it)."""
         try:
-            job = self.storage.get_json(f"jobs/{job_id}.json")
+            return self.storage.get_json(f"jobs/{job_id}.json")
         except (ObjectNotFound, ValueError):
             return None
-        self._write_live(job)
-        return job
 
     def _persist(self, job: dict[str, Any]) -> None:
         self.storage.put_json(f"jobs/{job['job_id']}.json", job)
@@ -175,6 +170,12 @@ class RedisJobStore(JobStore):
     def is_live(self, job_id: str) -> bool:
         """Whether Redis still holds this job's record (False after a Redis restart)."""
         return bool(self.redis.exists(f"engram:job:{job_id}"))
+
+    def epoch(self) -> str:
+        """A token naming this Redis incarnation: a restart without persistence changes it, and
+        with it every queued message is gone."""
+        self.redis.set("engram:epoch", uuid.uuid4().hex, nx=True)
+        return self.redis.get("engram:epoch").decode()
 
 
 class EmbeddedExecutor:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from service.jobs import FINISHED, OPEN_PREFIX, RedisJobStore
+from service.jobs import FINISHED, OPEN_PREFIX, RedisJobStore, utc_now
 from service.storage import StorageUnavailable
 
 log = logging.getLogger("engram.reconcile")
@@ -26,29 +26,34 @@ log = logging.getLogger("engram.reconcile")
 
 def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], None]) -> list[str]:
     """One pass over the open jobs; returns the IDs dispatched again."""
+    epoch = jobs.epoch()
     redispatched = []
     for key in jobs.storage.list(OPEN_PREFIX):
         job_id = key.removeprefix(OPEN_PREFIX)
-        if not jobs.is_live(job_id):
-            job = jobs.restore(job_id)
-            if job is None or job["status"] in FINISHED:
-                continue
-            reason = "Redis lost its record"
-        else:
-            job = jobs.get(job_id)
-            if job is None:
-                continue
-            if job["status"] in FINISHED:
-                jobs.update(job_id)  # persists, which also removes the open marker
-                continue
-            if job["status"] != "running" or jobs.alive(job_id):
-                continue
-            reason = "its worker stopped sending heartbeats"
-        log.warning("re-dispatching job %s: %s", job_id, reason)
-        jobs.update(job_id, status="queued")
-        dispatch(jobs.get(job_id) or job)
-        redispatched.append(job_id)
+        job = jobs.get(job_id)
+        if job is None:
+            continue
+        reason = _why_lost(jobs, job, epoch)
+        if job["status"] in FINISHED:
+            jobs.update(job_id)  # its last persist failed: persisting now also drops the open marker
+        elif job["cancel_requested"] and job["status"] == "queued" and reason:
+            jobs.update(job_id, status="cancelled", finished_at=utc_now())
+        elif reason:
+            log.warning("re-dispatching job %s: %s", job_id, reason)
+            dispatch(jobs.update(job_id, status="queued"))
+            redispatched.append(job_id)
     return redispatched
+
+
+def _why_lost(jobs: RedisJobStore, job: dict[str, Any], epoch: str) -> str | None:
+    """Why nobody will run this unfinished job unless it is dispatched again, or None."""
+    if not jobs.is_live(job["job_id"]):
+        return "Redis lost its record"
+    if job["status"] == "running" and not jobs.alive(job["job_id"]):
+        return "its worker stopped sending heartbeats"
+    if job["status"] == "queued" and job.get("dispatch_epoch") != epoch:
+        return "its message was queued in a Redis that has since restarted"
+    return None
 
 
 class Reconciler:

@@ -84,7 +84,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
         if existing["source"] != source:
             raise Conflict(f"model {model_id} is already registered with source {existing['source']}")
         return existing, False
-    path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir)
+    path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     try:
         layout = inspect_model_dir(path)
     except ModelSourceError as exc:

@@ -75,6 +75,8 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
 
     def dispatch(job: dict[str, Any]) -> None:
         name, queue = TASK_FOR_KIND[job["kind"]]
+        # The epoch tells the reconciler later whether this message could have died with Redis.
+        jobs.update(job["job_id"], persist=False, dispatch_epoch=jobs.epoch())
         celery.send_task(name, kwargs={"job_id": job["job_id"]}, queue=queue)
 
     # One registry lock for every API process: concurrent identical requests create one job.

@@ -1,23 +1,41 @@
-"""Where model checkpoints come from: ``file://`` (inside ENGRAM_MODEL_ROOTS) and ``hf://``."""
+"""Where model checkpoints come from: ``file://`` (inside ENGRAM_MODEL_ROOTS), ``s3://`` and ``hf://``."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import tempfile
+from fnmatch import fnmatch
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from service.errors import InvalidInput
+from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
 HF_PATTERN = re.compile(r"^hf://([A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)?)(?:@([A-Za-z0-9._/-]+))?$")
 # Only what a variant needs: weights, configs, tokenizer. Pickle files are never fetched.
 HF_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+# Refused even where an allowed pattern matches (``tokenizer.bin``): loading them would run pickle.
+PICKLE_DENY = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt"]
 
 
-def local_model_dir(source: str, model_roots: list[Path], cache_dir: Path) -> Path:
+def local_model_dir(
+    source: str, model_roots: list[Path], cache_dir: Path, s3_endpoint_url: str | None = None
+) -> Path:
     """The local directory holding the checkpoint named by ``source``.
 
+    Args:
+        source: ``file:///abs/dir``, ``s3://bucket/prefix/`` or ``hf://org/name[@revision]``.
+        model_roots: the directories ``file://`` sources must lie in.
+        cache_dir: where downloaded checkpoints are kept (``s3/`` and ``hf/`` below it).
+        s3_endpoint_url: the S3-compatible endpoint for ``s3://`` sources (``None``: AWS).
+
     Raises:
-        InvalidInput: unknown scheme, a path outside the allowed roots, an unreachable hub.
+        InvalidInput: unknown scheme, a path outside the allowed roots, an unreachable hub, an
+            ``s3://`` prefix without model files or that cannot be read.
+        StorageUnavailable: the S3 endpoint cannot be reached right now (a 503: retry later).
     """
     scheme = urlparse(source).scheme
     if scheme == "file":
@@ -25,7 +43,7 @@ def local_model_dir(source: str, model_roots: list[Path], cache_dir: Path) -> Pa
     if scheme == "hf":
         return _hf_source(source, cache_dir)
     if scheme == "s3":
-        raise InvalidInput("s3:// model sources need the S3 storage backend, which is not configured")
+        return _s3_source(source, cache_dir, s3_endpoint_url)
     raise InvalidInput(f"source must be file:///abs/dir, s3://bucket/prefix/ or hf://org/name, got {source!r}")
 
 
@@ -61,3 +79,69 @@ def _hf_source(source: str, cache_dir: Path) -> Path:
     except Exception as exc:  # the hub client raises many types (offline, 404, gated)
         raise InvalidInput(f"cannot fetch {repo_id} from the Hugging Face hub: {exc}") from None
     return Path(path)
+
+
+def _wanted(relative: str) -> bool:
+    """Whether a file of a model directory is fetched: weights, configs, tokenizer; never pickle."""
+    name = relative.rsplit("/", 1)[-1]
+    if any(fnmatch(name, pattern) for pattern in PICKLE_DENY):
+        return False
+    return any(fnmatch(relative, pattern) for pattern in HF_ALLOW)
+
+
+def _safe_relative(relative: str) -> bool:
+    """A key below the prefix that maps to a path inside the download directory."""
+    return bool(relative) and not relative.startswith("/") and all(
+        part not in {"", ".", ".."} for part in relative.split("/")
+    )
+
+
+def _s3_source(source: str, cache_dir: Path, endpoint_url: str | None) -> Path:
+    """Download the model files under an ``s3://bucket/prefix/`` once; later calls reuse the copy.
+
+    The copy is keyed by the SHA-256 of the (normalised) URL and built in a temporary directory that
+    is renamed into place, so a crash or a concurrent registration never leaves a half-copied model
+    where the next call would take it for a whole one.
+    """
+    from service.storage_s3 import BucketNotFound, S3Storage, make_s3_client, parse_s3_url
+
+    try:
+        bucket, prefix = parse_s3_url(source)
+    except ValueError:
+        raise InvalidInput(f"s3:// source must be s3://bucket/prefix/, got {source!r}") from None
+    normalised = f"s3://{bucket}/{prefix}"
+    root = cache_dir / "s3"
+    target = root / hashlib.sha256(normalised.encode()).hexdigest()
+    if target.is_dir():
+        return target
+    store = S3Storage(make_s3_client(endpoint_url), bucket, prefix)
+    try:
+        keys = [k for k in store.list("") if _safe_relative(k) and _wanted(k)]
+        if not keys:
+            raise InvalidInput(f"{normalised} holds no model files (config, safetensors weights, tokenizer)")
+        root.mkdir(parents=True, exist_ok=True)
+        return _publish_download(store, keys, root, target)
+    except (BucketNotFound, ObjectNotFound) as exc:  # a typo in the source, not an outage
+        raise InvalidInput(f"cannot read {normalised}: {exc!s}") from None
+    except StorageUnavailable:
+        raise  # the endpoint is down or failing: a 503, worth a retry
+    except RuntimeError as exc:  # access denied and the other 4xx answers
+        raise InvalidInput(f"cannot read {normalised}: {exc}") from None
+
+
+def _publish_download(store: Storage, keys: list[str], root: Path, target: Path) -> Path:
+    """Download ``keys`` into a fresh directory beside ``target`` and rename it to ``target``."""
+    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
+    try:
+        for key in keys:
+            path = partial / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            store.download(key, path)
+        try:
+            os.rename(partial, target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent download that finished first
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target

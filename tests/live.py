@@ -187,3 +187,63 @@ def wait_idle(server: LiveServer, timeout: float = 120) -> None:
     """Wait until every job the server ever persisted is finished (nothing writes in the background)."""
     for key in sorted((server.storage_dir / "jobs").glob("*.json")):
         wait_for_job(server.client, key.stem, timeout=timeout)
+
+
+# ---------------------------------------------------------------- distributed mode: Redis and workers
+
+
+@dataclass
+class RedisServer:
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+def start_redis(port: int | None = None) -> RedisServer:
+    """A private redis-server (no persistence, like the deployment's default) on a free port."""
+    port = port or free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return RedisServer(port, process)
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def stop_redis(server: RedisServer) -> None:
+    server.process.terminate()
+    server.process.wait(timeout=10)
+
+
+def start_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``engram-service worker`` as a subprocess in its own process group (so a kill takes its pool)."""
+    log = log_path.open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    log.close()
+    return process
+
+
+def kill_worker(process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    """Signal the worker's whole process group (the main process and its pool children)."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        return
+    process.wait(timeout=30)

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from api_schemas import Variant
 from service import registry
@@ -29,7 +29,11 @@ def get_variant(variant_id: str, ctx: ContextDep) -> dict[str, Any]:
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)
 def download_file(variant_id: str, path: str, request: Request, ctx: ContextDep) -> Response:
-    """The bytes of one file of a ready variant; ``Range: bytes=a-b`` gives a 206."""
+    """The bytes of one file of a ready variant; ``Range: bytes=a-b`` gives a 206.
+
+    With ``ENGRAM_PRESIGN_DOWNLOADS`` on a backend that can presign (S3), the answer is a 307 to a
+    short-lived presigned URL instead: the bytes then flow from S3 to the client, not through the API.
+    """
     manifest = registry.variant_manifest(ctx, variant_id)
     if manifest is None:
         raise NotFound(f"variant {variant_id} has no files (unknown or not ready)")
@@ -37,6 +41,10 @@ def download_file(variant_id: str, path: str, request: Request, ctx: ContextDep)
     if entry is None:  # only listed paths: '..' or absolute paths can never match
         raise NotFound(f"variant {variant_id} has no file {path!r}")
     key, size = f"variants/{variant_id}/files/{path}", int(entry["size"])
+    presign = getattr(ctx.storage, "presigned_url", None)
+    if ctx.settings.presign_downloads and presign is not None:
+        # 307 keeps the method and lets the client resend its Range header to S3, which honours it.
+        return RedirectResponse(presign(key, ctx.settings.presign_expiry_s), status_code=307)
     headers = {"Accept-Ranges": "bytes", "ETag": f'"{entry["sha256"]}"'}
     start, end, status = 0, size - 1, 200
     header = request.headers.get("range")
