@@ -159,7 +159,10 @@ class LocalStorage(Storage):
         self._path(key).unlink(missing_ok=True)
 
     def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
-        with self._path(key).open("rb") as handle:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(key)
+        with path.open("rb") as handle:
             handle.seek(start)
             remaining = end - start + 1
             while remaining > 0:

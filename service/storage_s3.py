@@ -25,7 +25,7 @@ import urllib3.exceptions
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError, HTTPClientError, NoCredentialsError
+from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from service.storage import ObjectNotFound, Storage, StorageUnavailable
@@ -43,10 +43,12 @@ _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _TRANSIENT_STATUSES = {408, 429}
 # Everything a dead, slow or flaky endpoint raises. EndpointConnectionError and ConnectTimeoutError
 # are botocore ConnectionErrors; ReadTimeoutError, ConnectionClosedError and ResponseStreamingError
-# (a body cut mid-read) are HTTPClientErrors; urllib3 errors can escape while a body streams.
+# (a body cut mid-read) are HTTPClientErrors; a body shorter than its Content-Length is an
+# IncompleteReadError; urllib3 errors can escape while a body streams.
 _CONNECTIVITY_ERRORS: tuple[type[BaseException], ...] = (
     BotoConnectionError,
     HTTPClientError,
+    IncompleteReadError,
     urllib3.exceptions.HTTPError,
 )
 
@@ -238,9 +240,11 @@ class S3Storage(Storage):
 
     @_translate_errors
     def get_bytes(self, key: str) -> bytes:
-        response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        with response["Body"] as body:
-            return bytes(body.read())
+        body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        try:
+            return bytes(body.read())  # botocore checks the length against Content-Length
+        finally:
+            body.close()
 
     @_translate_errors
     def download(self, key: str, target: Path) -> None:
@@ -294,8 +298,11 @@ class S3Storage(Storage):
             if exc.response.get("Error", {}).get("Code") == "InvalidRange":
                 return  # start lies past the end: nothing to read, as with a local file
             raise
-        with response["Body"] as body:
+        body = response["Body"]
+        try:
             yield from body.iter_chunks(self.chunk_size)
+        finally:
+            body.close()  # a client that stops reading early must not leave the connection half-read
 
     @_translate_errors
     def ping(self) -> None:

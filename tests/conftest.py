@@ -40,6 +40,19 @@ def model_root(engram_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mini_tofu_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The mini-TOFU demo (a tiny Llama trained on 200 facts, forget/retain.jsonl), built once.
+
+    Returns the model root holding ``demo/model``, ``demo/forget.jsonl`` and ``demo/retain.jsonl``.
+    """
+    from service.demo import build_demo
+
+    root = tmp_path_factory.mktemp("mini-tofu")
+    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(model_root: Path) -> Path:
     """A tiny Llama checkpoint inside the model root, built once per session."""
     path = model_root / "tiny-llama"

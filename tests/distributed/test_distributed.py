@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.demo import make_facts
