@@ -20,6 +20,7 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     broker_url: str | None = None
     model_roots: str = ""
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "engram-service")
     api_keys: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

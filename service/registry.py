@@ -45,7 +45,8 @@ class Context:
 
     @property
     def cache_dir(self) -> Path:
-        return Path.home() / ".cache" / "engram-service"
+        """Where checkpoints from s3:// and hf:// sources are downloaded (ENGRAM_CACHE_DIR)."""
+        return self.settings.cache_dir
 
 
 def canonical_digest(value: Any) -> str:

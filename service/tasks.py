@@ -25,6 +25,7 @@ import redis.exceptions
 from service.engine.checkpoint import (
     CheckpointReader,
     ModelLayout,
+    directory_digest,
     file_sha256,
     load_model,
     load_tokenizer,
@@ -47,6 +48,7 @@ from service.registry import (
     stats_manifest,
     stats_prefix,
 )
+from service.sources import local_model_dir
 from service.storage import StorageUnavailable, scratch_dir
 
 log = logging.getLogger("engram.tasks")
@@ -168,13 +170,13 @@ class ModelCache:
         self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, manifest: dict[str, Any], device: str) -> tuple[Any, Any]:
+    def get(self, ctx: Context, manifest: dict[str, Any], device: str) -> tuple[Any, Any]:
         key = f"{manifest['digest']}@{device}"
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
-            path = checked_model_dir(manifest)
+            path = checked_model_dir(ctx, manifest)
             item = (load_model(path, device=device), load_tokenizer(path))
             self._items[key] = item
             while len(self._items) > self.capacity:
@@ -185,13 +187,26 @@ class ModelCache:
 MODELS = ModelCache()  # one per process: a worker keeps its last models loaded between jobs
 
 
-def checked_model_dir(manifest: dict[str, Any]) -> Path:
-    """The model directory, after checking its files are the ones registered."""
-    path = Path(manifest["path"])
-    if not path.is_dir() or file_fingerprint(path) != manifest["fingerprint"]:
-        raise JobFailed(
-            f"the files of model {manifest['model_id']} changed since registration; register it again"
-        )
+_VERIFIED: dict[str, str] = {}  # local copy of a remote source -> its verified digest
+
+
+def checked_model_dir(ctx: Context, manifest: dict[str, Any]) -> Path:
+    """This process's directory of the model, after checking it holds the registered files.
+
+    A ``file://`` model is read in place (its sizes and mtimes must be as registered). A remote
+    one (``s3://``, ``hf://``) is fetched into this machine's cache, which need not be the API's,
+    and its content digest checked once per process.
+    """
+    if manifest["source"].startswith("file://"):
+        path = Path(manifest["path"])
+        if not path.is_dir() or file_fingerprint(path) != manifest["fingerprint"]:
+            raise JobFailed(f"the files of model {manifest['model_id']} changed since registration; register it again")
+        return path
+    path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
+    if _VERIFIED.get(str(path)) != manifest["digest"]:
+        if directory_digest(path) != manifest["digest"]:
+            raise JobFailed(f"the source of model {manifest['model_id']} changed since registration; register it again")
+        _VERIFIED[str(path)] = manifest["digest"]
     return path
 
 
@@ -209,7 +224,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     if manifest["digest"] != payload["model_digest"]:
         raise JobFailed(f"model {payload['model_id']} was re-registered with other weights")
     MODELS.capacity = ctx.settings.model_cache_size
-    model, tokenizer = MODELS.get(manifest, ctx.settings.torch_device)
+    model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device)
     records = load_records(ctx, payload["dataset_digest"])
     max_length = int(payload["settings"]["max_length"])
     examples = [encode_record(tokenizer, r, max_length) for r in records]
@@ -263,7 +278,7 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     layout = ModelLayout.from_json(manifest["layout"])
     layers = select_layers(layout.layers, request["modules"], request["layers"])
     algebra = _algebra(ctx, request)
-    reader = CheckpointReader(checked_model_dir(manifest), layout)
+    reader = CheckpointReader(checked_model_dir(ctx, manifest), layout)
     progress = _Progress(ctx, job["job_id"], len(layers))
     started = time.monotonic()
     try:

