@@ -120,6 +120,30 @@ def test_identical_concurrent_posts_run_one_collection(cluster: Cluster) -> None
     assert len(collect_jobs) == 1
 
 
+def test_identical_concurrent_variant_requests_build_once(cluster: Cluster) -> None:
+    client = cluster.api.client
+    for name, lo, hi in (("v-forget", 50, 54), ("v-retain", 54, 60)):
+        wait_for_job(client, post_concept(client, name, [{"text": p + c} for p, c in FACTS[lo:hi]])["jobs"][0]["job_id"])
+    request = {"concepts": ["v-forget"], "reference": ["v-retain"], "alpha": 0.7, "format": "delta"}
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        with httpx.Client(base_url=cluster.api.base_url, timeout=60) as own:
+            answers.append(own.post(f"/models/{MODEL}/unlearn", json=request))
+
+    threads = [threading.Thread(target=post) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {a.status_code for a in answers} <= {200, 202}
+    variant_ids = {a.json()["variant"]["variant_id"] for a in answers}
+    job_ids = {a.json()["variant"]["job_id"] for a in answers}
+    assert len(variant_ids) == 1
+    assert len(job_ids) == 1, job_ids
+    assert wait_for_job(client, job_ids.pop())["status"] == "succeeded"
+
+
 def test_worker_killed_mid_collection_is_recovered(cluster: Cluster) -> None:
     client = cluster.api.client
     submitted = post_concept(client, "long", LONG_RECORDS)
