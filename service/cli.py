@@ -18,7 +18,6 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="build the offline mini-TOFU demo model and datasets")
     demo.add_argument("--out", default="demo")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.command == "serve":
         return _serve(args.host, args.port)
     if args.command == "demo":
@@ -31,11 +30,16 @@ def main(argv: list[str] | None = None) -> int:
 def _worker(queues: str) -> int:
     from service.config import get_settings
 
-    if get_settings().embedded:
+    settings = get_settings()
+    if settings.embedded:
         print("engram-service worker needs ENGRAM_BROKER_URL=redis://host:port/db", file=sys.stderr)  # noqa: T201
         return 2
+    if settings.worker_metrics_port:
+        _serve_worker_metrics(settings.worker_metrics_port)
+    from service.observability import configure_logging
     from workers.celery_app import app
 
+    configure_logging()
     # One task at a time, one message prefetched: a GPU holds one model, and a message waiting
     # behind a long collection would be better served by another worker.
     app.worker_main(
@@ -45,16 +49,33 @@ def _worker(queues: str) -> int:
     return 0
 
 
+def _serve_worker_metrics(port: int) -> None:
+    """Tasks run in the pool's child processes, so their metrics are gathered in prometheus
+    multiprocess mode: the variable must be set before prometheus_client is first imported."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="engram-metrics-"))
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    start_http_server(port, registry=registry)
+
+
 def _serve(host: str, port: int) -> int:
     import uvicorn
 
     from service.api.app import create_app
     from service.config import get_settings
+    from service.observability import configure_logging
 
+    configure_logging()
     settings = get_settings()
     if settings.api_keys is None:
         logging.getLogger("engram").warning("ENGRAM_API_KEYS is unset: the API accepts requests without auth")
-    uvicorn.run(create_app(settings), host=host, port=port)
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
     return 0
 
 

@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(default=15.0, gt=0)
     heartbeat_ttl_s: int = Field(default=60, ge=2, description="a running job whose worker is silent this long is re-queued")
     model_cache_size: int = Field(default=1, ge=1, le=16)
+    worker_metrics_port: int | None = Field(default=None, ge=1, le=65535, description="a worker's /metrics port")
     presign_downloads: bool = False
     presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
 

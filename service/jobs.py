@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from service.observability import record_job_state
 from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
 JobKind = Literal["collect", "variant"]
@@ -75,6 +76,7 @@ class JobStore:
             self._write_live(job)
             self.storage.put_bytes(OPEN_PREFIX + job["job_id"], b"")
             self._persist(job)
+            record_job_state(job["kind"], job["status"])
             return _copy(job)
 
     def get(self, job_id: str) -> dict[str, Any] | None:
@@ -92,6 +94,8 @@ class JobStore:
             job = self._read_live(job_id) or self._load_durable(job_id)
             if job is None:
                 raise KeyError(job_id)
+            if "status" in fields and fields["status"] != job["status"]:
+                record_job_state(job["kind"], fields["status"])
             job.update(fields)
             self._write_live(job)
             if persist:
@@ -194,6 +198,10 @@ class EmbeddedExecutor:
 
     def submit(self, job: dict[str, Any]) -> None:
         self._lanes[job["kind"]].submit(self._run_job, job["job_id"])
+
+    def depths(self) -> dict[str, int]:
+        """Jobs waiting in each lane (named like the distributed queues: gpu collects, cpu builds)."""
+        return {queue: self._lanes[kind]._work_queue.qsize() for kind, queue in (("collect", "gpu"), ("variant", "cpu"))}
 
     def shutdown(self) -> None:
         for lane in self._lanes.values():

@@ -42,6 +42,7 @@ class Context:
     dispatch: Any  # callable(job dict) -> None
     lock: Any  # a threading.RLock (embedded) or a Redis lock (distributed): a context manager
     broker_ping: Any = None  # callable raising when the broker is unreachable (distributed mode)
+    queue_depths: Any = None  # callable -> {queue: waiting jobs}
 
     @property
     def cache_dir(self) -> Path:

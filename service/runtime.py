@@ -52,6 +52,7 @@ def _embedded(settings: Settings) -> Runtime:
     ctx = Context(settings=settings, storage=storage, jobs=JobStore(storage), dispatch=None, lock=threading.RLock())
     executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
     ctx.dispatch = executor.submit
+    ctx.queue_depths = executor.depths
 
     def requeue_interrupted() -> None:
         for job in ctx.jobs.unfinished():  # tasks are idempotent: running one again is harmless
@@ -82,6 +83,8 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     # One registry lock for every API process: concurrent identical requests create one job.
     lock = client.lock("engram:lock:registry", timeout=120, blocking_timeout=60)
     ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=dispatch, lock=lock, broker_ping=client.ping)
+    # Celery's Redis transport keeps each queue as a list named after it.
+    ctx.queue_depths = lambda: {queue: int(client.llen(queue)) for queue in ("gpu", "cpu")}
     runtime = Runtime(ctx)
     if background:
         reconciler = Reconciler(jobs, dispatch, settings.reconcile_interval_s)

@@ -39,6 +39,7 @@ from service.engine.records import encode_record, make_batches, pad_token_id
 from service.engine.stats_io import load_statistics, save_statistics
 from service.errors import JobFailed, ProblemError
 from service.jobs import FINISHED, utc_now
+from service.observability import job_context, record_collection
 from service.registry import (
     Context,
     canonical_digest,
@@ -84,9 +85,11 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         return
     ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)
     try:
-        with _heartbeat(ctx, job_id):
+        with job_context(job_id), _heartbeat(ctx, job_id):
+            log.info("%s job started", job["kind"])
             body = {"collect": run_collection, "variant": run_variant}[job["kind"]]
             result = {**body(ctx, job), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+            log.info("%s job succeeded", job["kind"])
     except (JobCancelled, CollectionCancelled):
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
     except TRANSIENT_ERRORS as exc:
@@ -241,6 +244,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         should_stop=progress.cancelled,
     )
     seconds = time.monotonic() - started
+    record_collection(stats.tokens, seconds)
     _publish_statistics(ctx, prefix, stats, payload, seconds)
     return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3)}
 

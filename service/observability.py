@@ -1,0 +1,119 @@
+"""Prometheus metrics and structured JSON logs carrying request and job IDs.
+
+Metrics are process-local: the API exports its own at ``GET /metrics`` (embedded mode: that
+includes the jobs it runs); a distributed worker serves its own on ``ENGRAM_WORKER_METRICS_PORT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from prometheus_client import Counter, Gauge, Histogram
+from pythonjsonlogger.json import JsonFormatter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
+JOB_ID: ContextVar[str | None] = ContextVar("job_id", default=None)
+
+REQUEST_SECONDS = Histogram(
+    "engram_http_request_duration_seconds",
+    "HTTP request latency by route template, method and status",
+    ["route", "method", "status"],
+)
+JOB_TRANSITIONS = Counter("engram_jobs_total", "Job state transitions by kind and new state", ["kind", "status"])
+COLLECTION_TOKENS = Counter("engram_collection_tokens_total", "Tokens that entered collected statistics")
+COLLECTION_RATE = Histogram(
+    "engram_collection_tokens_per_second",
+    "Throughput of each finished collection (counted tokens per second)",
+    buckets=(10, 100, 1e3, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7),
+)
+QUEUE_DEPTH = Gauge("engram_queue_depth", "Jobs waiting to run, by queue", ["queue"])
+
+
+def record_job_state(kind: str, status: str) -> None:
+    JOB_TRANSITIONS.labels(kind=kind, status=status).inc()
+
+
+def record_collection(tokens: int, seconds: float) -> None:
+    COLLECTION_TOKENS.inc(tokens)
+    if seconds > 0:
+        COLLECTION_RATE.observe(tokens / seconds)
+
+
+def refresh_queue_depth(depths: Callable[[], dict[str, int]]) -> None:
+    """Set the queue gauges from the current depths (read at scrape time)."""
+    for queue, depth in depths().items():
+        QUEUE_DEPTH.labels(queue=queue).set(depth)
+
+
+@contextmanager
+def job_context(job_id: str) -> Iterator[None]:
+    """Log records emitted while a job runs carry its ID."""
+    token = JOB_ID.set(job_id)
+    try:
+        yield
+    finally:
+        JOB_ID.reset(token)
+
+
+class RequestContext:
+    """ASGI middleware: a request ID (``X-Request-ID`` in, or a new one) for logs and the response,
+    and the latency histogram by route template (not raw path: IDs would explode the labels)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id", "")[:64] or uuid.uuid4().hex
+        token = REQUEST_ID.set(request_id)
+        started, status = time.perf_counter(), 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            REQUEST_SECONDS.labels(route=route, method=scope["method"], status=str(status)).observe(
+                time.perf_counter() - started
+            )
+            REQUEST_ID.reset(token)
+
+
+class _ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        record.job_id = JOB_ID.get()
+        return True
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """One JSON object per line on stderr, for the service, uvicorn and Celery alike."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter(
+            "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s %(job_id)s",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+        )
+    )
+    handler.addFilter(_ContextFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
