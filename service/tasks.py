@@ -22,6 +22,7 @@ from typing import Any
 
 import redis.exceptions
 
+from service.cache import ByteLRU
 from service.engine.checkpoint import (
     CheckpointReader,
     ModelLayout,
@@ -299,20 +300,31 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     return {"variant_id": variant_id, "reused": False, "layers": len(scales), "seconds": round(seconds, 3)}
 
 
+# Statistics and universe factors are immutable (content-addressed), so a worker keeps the recent
+# ones between jobs: the variants of one universe then load and decompose each of them once.
+STATS_CACHE: ByteLRU[LayerStatistics] = ByteLRU(
+    2 << 30, lambda s: sum(t.numel() * t.element_size() for t in s.sums.values())
+)
+FACTOR_CACHE: ByteLRU[Any] = ByteLRU(
+    2 << 30, lambda f: f.basis.numel() * f.basis.element_size() + f.inverse_eigenvalues.numel() * 8
+)
+
+
+def _statistics(ctx: Context, prefix: str) -> LayerStatistics:
+    cached = STATS_CACHE.get(prefix)
+    if cached is None:
+        with scratch_dir("load") as tmp:
+            file = Path(tmp) / "s.safetensors"
+            ctx.storage.download(prefix + "statistics.safetensors", file)
+            cached = STATS_CACHE[prefix] = load_statistics(file)
+    return cached
+
+
 def _algebra(ctx: Context, request: dict[str, Any]) -> EngramAlgebra:
-    loaded: dict[str, LayerStatistics] = {}
-
-    def stats(prefix: str) -> LayerStatistics:
-        if prefix not in loaded:
-            with scratch_dir("load") as tmp:
-                file = Path(tmp) / "s.safetensors"
-                ctx.storage.download(prefix + "statistics.safetensors", file)
-                loaded[prefix] = load_statistics(file)
-        return loaded[prefix]
-
-    terms = [(float(request["terms"][name]), stats(prefix)) for name, prefix in request["term_stats"].items()]
-    universe = [stats(prefix) for prefix in request["universe_stats"]]
-    return EngramAlgebra(terms, universe, request["rcond"])
+    terms = [(float(request["terms"][n]), _statistics(ctx, prefix)) for n, prefix in request["term_stats"].items()]
+    universe = [_statistics(ctx, prefix) for prefix in request["universe_stats"]]
+    universe_key = canonical_digest(sorted(request["universe_stats"]))
+    return EngramAlgebra(terms, universe, request["rcond"], universe_key=universe_key, factor_cache=FACTOR_CACHE)
 
 
 def _write_variant(

@@ -11,7 +11,7 @@ dtype once, at the end, after a finiteness check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,12 +55,16 @@ class EngramAlgebra:
         terms: ``(coefficient, statistics)`` per concept in the edit.
         universe: statistics of every concept in the universe (targets and references).
         rcond: relative eigenvalue cut of the universe pseudo-inverse (``None``: ``D · eps32``).
+        universe_key: names the universe's statistics; with it, ``factor_cache`` may be shared by
+            every edit of the same universe (all 2ⁿ−1 subsets decompose each input group once).
+        factor_cache: where pseudo-inverse factors are kept, per (universe, rcond, input group).
     """
 
     terms: Sequence[tuple[float, LayerStatistics]]
     universe: Sequence[LayerStatistics]
     rcond: float | None = None
-    _factors: dict[tuple[str, ...], PinvFactors] = field(default_factory=dict, repr=False)
+    universe_key: str | None = None
+    factor_cache: MutableMapping[Hashable, PinvFactors] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.terms:
@@ -77,12 +81,13 @@ class EngramAlgebra:
 
     def factors(self, layer: str) -> PinvFactors:
         """Pseudo-inverse factors of the universe covariance feeding ``layer`` (cached per group)."""
-        key = tuple(self._group(stats, layer) for stats in self.universe)
-        if key not in self._factors:
+        key = (self.universe_key or id(self), self.rcond, tuple(self._group(stats, layer) for stats in self.universe))
+        cached = self.factor_cache.get(key)
+        if cached is None:
             total = sum(self._sum(stats, layer) for stats in self.universe)
             assert isinstance(total, torch.Tensor)
-            self._factors[key] = pinv_factors(total, self.rcond)
-        return self._factors[key]
+            cached = self.factor_cache[key] = pinv_factors(total, self.rcond)
+        return cached
 
     @staticmethod
     def _group(stats: LayerStatistics, layer: str) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 
 from service.demo import make_facts
 from service.engine import collect as collect_module
+from service.engine import compose as compose_module
 from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, LayerEdit, LayerWeights, layer_edits, layer_scales
@@ -384,3 +385,27 @@ def test_edits_cover_only_the_selection(
     assert set(edits) == {"model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"}
     # The W-Norm schedule is normalised over the selection, not over the whole model.
     assert max(e.scale for e in edits.values()) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_a_shared_factor_cache_decomposes_each_group_once_per_universe(
+    tiny: dict[str, Tiny], forget_retain: dict[str, tuple[LayerStatistics, LayerStatistics]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = tiny["llama"]
+    forget, retain = forget_retain["llama"]
+    calls: list[int] = []
+    real = compose_module.pinv_factors
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compose_module, "pinv_factors", counting)
+    cache: dict[Any, Any] = {}
+    for coefficient in (-1.0, -0.5, 2.0):  # three variants of the same universe
+        algebra = EngramAlgebra([(coefficient, forget)], [forget, retain], universe_key="u1", factor_cache=cache)
+        for spec in t.layout.layers:
+            algebra.engram(spec, t.weights64(spec))
+    assert len(calls) == len(set(forget.layer_group.values())), "one eigendecomposition per input group"
+    other = EngramAlgebra([(-1.0, forget)], [forget, retain], rcond=1e-3, universe_key="u1", factor_cache=cache)
+    other.engram(t.layout.layers[0], t.weights64(t.layout.layers[0]))
+    assert len(calls) == len(set(forget.layer_group.values())) + 1, "another rcond is another decomposition"
