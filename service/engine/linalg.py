@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -58,10 +59,16 @@ def pinv_factors(sigma: torch.Tensor, rcond: float | None = None) -> PinvFactors
     return PinvFactors(vectors[:, keep].contiguous(), 1.0 / eigenvalues[keep])
 
 
+@lru_cache(maxsize=16)
+def _upper_indices(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices of the upper triangle; a model has few distinct widths, so cached."""
+    rows, cols = torch.triu_indices(dim, dim)
+    return rows, cols
+
+
 def pack_symmetric(matrix: torch.Tensor) -> torch.Tensor:
     """The upper triangle (diagonal included), row by row: ``D(D+1)/2`` values instead of ``D²``."""
-    dim = matrix.shape[0]
-    rows, cols = torch.triu_indices(dim, dim)
+    rows, cols = _upper_indices(matrix.shape[0])
     return matrix[rows, cols].contiguous()
 
 
@@ -69,7 +76,7 @@ def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
     """Inverse of :func:`pack_symmetric`."""
     if packed.numel() != dim * (dim + 1) // 2:
         raise ValueError(f"packed length {packed.numel()} does not fit a {dim}x{dim} symmetric matrix")
-    rows, cols = torch.triu_indices(dim, dim)
+    rows, cols = _upper_indices(dim)
     full = torch.empty((dim, dim), dtype=packed.dtype)
     full[rows, cols] = packed
     full[cols, rows] = packed
