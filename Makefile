@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint demo clean
+.PHONY: install run test lint demo bench clean
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# Performance goals of issue 4 (bench/README.md): prints a table, writes bench/results/latest.json.
+# BENCH_ARGS=--quick for a smoke run on the tiny model only.
+bench: install
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check service workers api_schemas tests

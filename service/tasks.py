@@ -321,8 +321,17 @@ def _statistics(ctx: Context, prefix: str) -> LayerStatistics:
 
 
 def _algebra(ctx: Context, request: dict[str, Any]) -> EngramAlgebra:
-    terms = [(float(request["terms"][n]), _statistics(ctx, prefix)) for n, prefix in request["term_stats"].items()]
-    universe = [_statistics(ctx, prefix) for prefix in request["universe_stats"]]
+    # Each file is read at most once per request, even when the shared cache is too small to keep
+    # the whole universe (it would otherwise evict the terms and read them again).
+    loaded: dict[str, LayerStatistics] = {}
+
+    def stats(prefix: str) -> LayerStatistics:
+        if prefix not in loaded:
+            loaded[prefix] = _statistics(ctx, prefix)
+        return loaded[prefix]
+
+    terms = [(float(request["terms"][n]), stats(prefix)) for n, prefix in request["term_stats"].items()]
+    universe = [stats(prefix) for prefix in request["universe_stats"]]
     universe_key = canonical_digest(sorted(request["universe_stats"]))
     return EngramAlgebra(terms, universe, request["rcond"], universe_key=universe_key, factor_cache=FACTOR_CACHE)
 

@@ -1,0 +1,156 @@
+"""Variant building as the service does it, the safetensors copy floor, and ai-engram's recompute.
+
+``compose_variant`` is ``service.tasks.run_variant`` minus HTTP, job bookkeeping and storage
+transfers: read the statistics files (through the worker's statistics cache), build the
+:class:`EngramAlgebra` (with the worker's factor cache), compute the per-layer scales, and write
+the checkpoint directory shard by shard with ``write_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import time
+from collections.abc import MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.engine.checkpoint import CheckpointReader, ModelLayout, weight_files, write_checkpoint
+from service.engine.collect import LayerStatistics
+from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
+from service.engine.layers import select_layers
+from service.engine.stats_io import load_statistics
+
+
+def service_caches() -> tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None:
+    """The worker's own per-process caches (``service.tasks.STATS_CACHE`` / ``FACTOR_CACHE``), if
+    the service has them: statistics by storage key, universe pseudo-inverse factors by universe."""
+    try:
+        from service import tasks
+    except ImportError:  # pragma: no cover - the service always imports here
+        return None
+    stats, factors = getattr(tasks, "STATS_CACHE", None), getattr(tasks, "FACTOR_CACHE", None)
+    return (stats, factors) if stats is not None and factors is not None else None
+
+
+def clear_caches(caches: tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None) -> None:
+    """A fresh worker: nothing loaded, nothing decomposed."""
+    for cache in caches or ():
+        cache.clear()
+
+
+def compose_variant(
+    model_dir: Path,
+    layout: ModelLayout,
+    term_files: Sequence[Path],
+    universe_files: Sequence[Path],
+    out_dir: Path,
+    *,
+    coefficient: float = -1.0,
+    scaling: str = "uniform",
+    caches: tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None = None,
+) -> dict[str, float]:
+    """Build one checkpoint variant from statistics files; returns the seconds of each phase.
+
+    Mirrors ``run_variant``/``_algebra``/``_write_variant`` (format ``checkpoint``, every layer
+    selected, default ``rcond``). With ``caches`` (the worker's ``STATS_CACHE``/``FACTOR_CACHE``)
+    it reuses what earlier variants loaded and decomposed, keyed as the service keys them (a file
+    stands for a storage key, the sorted universe for ``universe_key``); without, each file is
+    loaded once and each input group decomposed once for this variant only.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats_cache, factor_cache = caches if caches is not None else ({}, {})
+    t0 = time.perf_counter()
+
+    def stats(file: Path) -> LayerStatistics:
+        cached = stats_cache.get(str(file))
+        if cached is None:
+            cached = stats_cache[str(file)] = load_statistics(file)
+        return cached
+
+    terms = [(coefficient, stats(f)) for f in term_files]
+    universe = [stats(f) for f in universe_files]
+    t1 = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if "factor_cache" in inspect.signature(EngramAlgebra).parameters:
+        extra = {"universe_key": "|".join(sorted(map(str, universe_files))), "factor_cache": factor_cache}
+    algebra = EngramAlgebra(terms, universe, None, **extra)
+    reader = CheckpointReader(model_dir, layout)
+    layers = select_layers(layout.layers, None, None)
+    scales = layer_scales(layers, algebra, reader.layer_weights, scaling)  # type: ignore[arg-type]
+    t2 = time.perf_counter()
+    selected = {spec.name for spec in layers}
+
+    def edits_for(shard_layers: list[Any]) -> Any:
+        chosen = [spec for spec in shard_layers if spec.name in selected]
+        return layer_edits(chosen, algebra, reader.layer_weights, scales)
+
+    write_checkpoint(model_dir, out_dir, layout, edits_for)
+    t3 = time.perf_counter()
+    return {"load_stats_s": t1 - t0, "scales_s": t2 - t1, "edit_and_write_s": t3 - t2, "total_s": t3 - t0}
+
+
+def copy_floor(model_dir: Path, out_dir: Path) -> float:
+    """Seconds to ``load_file`` + ``save_file`` every shard of the unchanged checkpoint."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for shard in weight_files(model_dir):
+        tensors = load_file(str(model_dir / shard))
+        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+        del tensors
+    return time.perf_counter() - start
+
+
+def clear(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- ai-engram
+
+
+def to_ai_statistics(stats: LayerStatistics) -> Any:
+    """The engine's sums as ai-engram ``Statistics`` (float32 means + counts).
+
+    Layers of one input group share one tensor, as ai-engram's own ``dedupe()`` leaves them after
+    collection, so its factor cache can reuse one eigendecomposition per group.
+    """
+    from engram import Statistics
+
+    means = {g: (s / max(stats.counts[g], 1)).to(torch.float32) for g, s in stats.sums.items()}
+    cov = {layer: means[g] for layer, g in stats.layer_group.items()}
+    count = {layer: int(stats.counts[g]) for layer, g in stats.layer_group.items()}
+    return Statistics(cov, count)
+
+
+def ai_engram_total(all_stats: Sequence[Any]) -> Any:
+    """ai-engram's universe: the count-weighted merge of every concept, deduplicated so q/k/v
+    and gate/up share one matrix again (its best case: one eigendecomposition per group)."""
+    from engram import Statistics
+
+    return Statistics.merge(*all_stats).dedupe()
+
+
+def ai_engram_recompute(model: Any, tokenizer: Any, targets: Sequence[Any], total: Any, out_dir: Path) -> dict[str, float]:
+    """ai-engram's way to a variant, timed: ``compute_engram_weights`` (which merges the target
+    list) + ``apply`` (``alpha=1``, default ``count_ratio`` scale = the service's ``uniform``,
+    ``inplace=True``: no model copy) + ``save_pretrained`` (+ the tokenizer files).
+
+    The model is already in memory and ``total`` precomputed; the caller restores the weights.
+    """
+    from engram import EngramEditor
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    editor = EngramEditor(model)
+    engram = editor.compute_engram_weights(list(targets), total)
+    t1 = time.perf_counter()
+    editor.apply(engram, alpha=1.0, inplace=True)
+    del engram
+    t2 = time.perf_counter()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    t3 = time.perf_counter()
+    return {"compute_engram_weights_s": t1 - t0, "apply_s": t2 - t1, "save_s": t3 - t2, "total_s": t3 - t0}
