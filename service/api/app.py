@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,8 +13,6 @@ from service.api.routes import concepts, jobs, models, ops, variants
 from service.config import Settings, get_settings
 from service.observability import RequestContext
 from service.runtime import build_runtime
-
-log = logging.getLogger("engram.api")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
