@@ -11,7 +11,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,21 +95,15 @@ LLAMA_TINY = Profile(
     subset_reps=3,
 )
 
-LLAMA_TINY_QUICK = Profile(
-    name="llama-tiny",
-    hidden=64,
-    layers=2,
-    intermediate=128,
-    heads=4,
-    vocab=512,
+# the same model with less data and fewer repetitions: a smoke run
+LLAMA_TINY_QUICK = replace(
+    LLAMA_TINY,
     collect_records=48,
     facts_per_record=4,
     concept_records=8,
-    compose_concepts=(1, 4, 8),
     compose_reps=3,
     collect_reps=3,
     ai_collect_records=48,
-    subsets=True,
     subset_reps=1,
 )
 

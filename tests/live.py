@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,18 +116,23 @@ def stop_server(server: LiveServer, grace_s: float = 10.0) -> None:
 # ---------------------------------------------------------------- waiting helpers
 
 
-def wait_for_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str, Any]:
-    """Poll ``GET /jobs/{job_id}`` until the job is succeeded, failed or cancelled; return it."""
+def _poll(client: httpx.Client, path: str, done: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+    """GET ``path`` every 0.1 s until ``done(body)``; returns that body."""
     deadline = time.monotonic() + timeout
     while True:
-        response = client.get(f"/jobs/{job_id}")
+        response = client.get(path)
         assert response.status_code == 200, response.text
-        job = response.json()
-        if job["status"] in FINISHED_JOB:
-            return job
+        body = response.json()
+        if done(body):
+            return body
         if time.monotonic() > deadline:
-            raise AssertionError(f"job {job_id} did not finish within {timeout}s: {job}")
+            raise AssertionError(f"{path} did not settle within {timeout}s: {body}")
         time.sleep(0.1)
+
+
+def wait_for_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict[str, Any]:
+    """Poll ``GET /jobs/{job_id}`` until the job is succeeded, failed or cancelled; return it."""
+    return _poll(client, f"/jobs/{job_id}", lambda job: job["status"] in FINISHED_JOB, timeout)
 
 
 def wait_concepts_ready(
@@ -168,19 +173,11 @@ def wait_concepts_ready(
 
 def wait_variant_ready(client: httpx.Client, variant_id: str, timeout: float = 120) -> dict[str, Any]:
     """Poll ``GET /variants/{variant_id}`` until it is no longer building; assert it is ready."""
-    deadline = time.monotonic() + timeout
-    while True:
-        response = client.get(f"/variants/{variant_id}")
-        assert response.status_code == 200, response.text
-        variant = response.json()
-        if variant["status"] == "ready":
-            return variant
-        if variant["status"] == "failed":
-            job = client.get(f"/jobs/{variant['job_id']}").json() if variant.get("job_id") else None
-            raise AssertionError(f"variant {variant_id} failed: {job}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"variant {variant_id} was not ready within {timeout}s: {variant}")
-        time.sleep(0.1)
+    variant = _poll(client, f"/variants/{variant_id}", lambda v: v["status"] != "building", timeout)
+    if variant["status"] != "ready":
+        job = client.get(f"/jobs/{variant['job_id']}").json() if variant.get("job_id") else None
+        raise AssertionError(f"variant {variant_id} failed: {job}")
+    return variant
 
 
 def wait_idle(server: LiveServer, timeout: float = 120) -> None:

@@ -128,6 +128,8 @@ def layer_scales(
 
     For weight_norm, ``ρ_l`` is measured on the requested edit ``Σ_k c_k W_k⁺`` (for an unlearn
     request: the engram of the removed set), so the schedule follows where that memory lives.
+    Only the norms are kept: :func:`layer_edits` computes each engram again rather than holding
+    every layer's float64 engram (a second, double-precision copy of the model) between passes.
     """
     if scaling == "uniform":
         return {spec.name: 1.0 for spec in layers}
