@@ -382,8 +382,10 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     return view
 
 
-def list_variants(ctx: Context, model_id: str) -> list[dict[str, Any]]:
-    get_model(ctx, model_id)
+def list_variants(ctx: Context, model_id: str | None = None) -> list[dict[str, Any]]:
+    """Every variant, or those of one model (404 when that model is not registered)."""
+    if model_id is not None:
+        get_model(ctx, model_id)
     ids = {k.split("/")[1] for k in ctx.storage.list("variants/") if k.endswith("/request.json")}
     views = [variant_view(ctx, v) for v in sorted(ids)]
-    return [v for v in views if v["model_id"] == model_id]
+    return [v for v in views if model_id is None or v["model_id"] == model_id]

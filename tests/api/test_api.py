@@ -189,6 +189,7 @@ def test_healthz_readyz_and_openapi(live_server: LiveServer) -> None:
         "/concepts": {"get", "post"},
         "/concepts/{name}": {"get", "delete"},
         "/jobs/{job_id}": {"get", "delete"},
+        "/variants": {"get"},
         "/variants/{variant_id}": {"get"},
         "/variants/{variant_id}/files/{path}": {"get"},
         "/healthz": {"get"},
@@ -387,6 +388,11 @@ def test_list_variants_of_a_model(world: World, unlearned: dict[str, Any]) -> No
     assert all(v["model_id"] == MODEL for v in variants)
     assert world.api.get(f"/models/{MODEL_B}/variants").json() == []
     assert_problem(world.api.get("/models/org/nope/variants"), 404)
+    everything = world.api.get("/variants").json()
+    assert unlearned["variant"]["variant_id"] in {v["variant_id"] for v in everything}
+    filtered = world.api.get("/variants", params={"model_id": MODEL}).json()
+    assert filtered == variants
+    assert_problem(world.api.get("/variants", params={"model_id": "org/nope"}), 404)
 
 
 # ---------------------------------------------------------------- multipart upload

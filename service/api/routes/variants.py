@@ -21,6 +21,12 @@ class RangeNotSatisfiable(ProblemError):
     status, title, slug = 416, "Range not satisfiable", "range-not-satisfiable"
 
 
+@router.get("/variants", response_model=list[Variant])
+def list_variants(ctx: ContextDep, model_id: str | None = None) -> list[dict[str, Any]]:
+    """Every variant, or only those of ``?model_id=``."""
+    return registry.list_variants(ctx, model_id)
+
+
 @router.get("/variants/{variant_id}", response_model=Variant)
 def get_variant(variant_id: str, ctx: ContextDep) -> dict[str, Any]:
     """A variant: its terms, options, status and files."""

@@ -1,0 +1,1 @@
+"""Python client and `engram` CLI for the Engram Service HTTP API."""
