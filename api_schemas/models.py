@@ -90,6 +90,9 @@ class ConceptCreate(Strict):
     records: list[dict[str, Any]] = Field(min_length=1)
     role: Literal["target", "reference"] = "target"
     description: str | None = Field(default=None, max_length=4000)
+    callback_url: str | None = Field(
+        default=None, max_length=2000, description="POSTed the collection job when it ends (host must be allowlisted)"
+    )
 
 
 class ConceptModelState(BaseModel):
@@ -136,7 +139,13 @@ class EditOptions(Strict):
     layers: list[int] | None = Field(default=None, min_length=1, description="block indices")
     rcond: float | None = Field(default=None, gt=0.0, lt=1.0, description="keep λ > rcond·λmax")
     reference: list[str] | None = Field(default=None, description="default: every ready concept")
-    format: Literal["checkpoint", "delta"] = "checkpoint"
+    format: Literal["checkpoint", "delta", "peft"] = "checkpoint"
+    lora_rank: int | None = Field(
+        default=None, ge=1, le=65536, description='format "peft": the largest LoRA rank (default: exact rank)'
+    )
+    callback_url: str | None = Field(
+        default=None, max_length=2000, description="POSTed the build job when it ends (host must be allowlisted)"
+    )
 
     @field_validator("layers")
     @classmethod
