@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -45,6 +45,15 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
     max_records: int = Field(default=1_000_000, ge=1)
 
+    # Completion callbacks: only these hosts (``host`` or ``host:port``) may be called back, and
+    # every call is signed with the secret (Standard Webhooks: webhook-id/-timestamp/-signature).
+    callback_hosts: str = Field(default="", description="comma-separated host or host:port entries")
+    callback_secret: SecretStr | None = None
+    callback_max_attempts: int = Field(default=10, ge=1, le=100)
+    callback_backoff_s: float = Field(default=1.0, gt=0, le=3600, description="first retry delay; doubles up to 10 min")
+    callback_timeout_s: float = Field(default=10.0, gt=0, le=120)
+    callback_poll_s: float = Field(default=1.0, gt=0, le=300, description="how often pending callbacks are looked for")
+
     @field_validator("storage_url")
     @classmethod
     def _storage_scheme(cls, value: str) -> str:
@@ -61,6 +70,17 @@ class Settings(BaseSettings):
         if value and urlparse(value).scheme not in {"redis", "rediss"}:
             raise ValueError(f"ENGRAM_BROKER_URL must be redis://host:port/db, got {value!r}")
         return value or None
+
+    @model_validator(mode="after")
+    def _callbacks_are_signed(self) -> Settings:
+        if self.callback_allowed_hosts and self.callback_secret is None:
+            raise ValueError("ENGRAM_CALLBACK_HOSTS is set: set ENGRAM_CALLBACK_SECRET too (callbacks are always signed)")
+        return self
+
+    @property
+    def callback_allowed_hosts(self) -> frozenset[str]:
+        """Lower-cased ``host`` / ``host:port`` entries that callbacks may reach."""
+        return frozenset(h.strip().lower() for h in self.callback_hosts.split(",") if h.strip())
 
     @property
     def task_soft_limit_s(self) -> int:

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from api_schemas import Job
+from service import callbacks
 from service.observability import record_job_state
 from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
@@ -34,8 +36,8 @@ def utc_now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def new_job(kind: JobKind, payload: dict[str, Any], unit: str) -> dict[str, Any]:
-    """A fresh queued job record."""
+def new_job(kind: JobKind, payload: dict[str, Any], unit: str, callback_urls: list[str] | None = None) -> dict[str, Any]:
+    """A fresh queued job record; ``callback_urls`` are POSTed the job when it ends."""
     return {
         "job_id": uuid.uuid4().hex,
         "kind": kind,
@@ -48,7 +50,13 @@ def new_job(kind: JobKind, payload: dict[str, Any], unit: str) -> dict[str, Any]
         "finished_at": None,
         "payload": payload,
         "cancel_requested": False,
+        "callbacks": list(callback_urls or []),
     }
+
+
+def public_view(job: dict[str, Any]) -> dict[str, Any]:
+    """The job as the API shows it (and as callbacks carry it): no payload, no internals."""
+    return {k: job.get(k) for k in Job.model_fields}
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -62,6 +70,7 @@ class JobStore:
         self.storage = storage
         self._live: dict[str, dict[str, Any]] = {}
         self._lock = threading.RLock()
+        self.on_finished: Callable[[], None] | None = None  # wakes this process's callback dispatcher
 
     # -- live records: overridden by the Redis store
     def _read_live(self, job_id: str) -> dict[str, Any] | None:
@@ -131,8 +140,16 @@ class JobStore:
 
     def _persist(self, job: dict[str, Any]) -> None:
         self.storage.put_json(f"jobs/{job['job_id']}.json", job)
-        if job["status"] in FINISHED:
-            self.storage.delete(OPEN_PREFIX + job["job_id"])
+        if job["status"] not in FINISHED:
+            return
+        # The outbox is written while the open marker still exists: a crash in between leaves the
+        # marker, and the next persist of this finished job (restart, reconciler) writes it again.
+        marker = OPEN_PREFIX + job["job_id"]
+        if job.get("callbacks") and self.storage.exists(marker):
+            callbacks.enqueue(self.storage, job)
+            if self.on_finished is not None:
+                self.on_finished()
+        self.storage.delete(marker)
 
 
 def _copy(job: dict[str, Any]) -> dict[str, Any]:

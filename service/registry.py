@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from service import callbacks
 from service.config import Settings
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, unmatched_suffixes
@@ -167,12 +168,14 @@ def submit_concept(
     description: str | None,
     raw_records: Sequence[Any],
     models: Sequence[str],
+    callback_url: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Store a concept's records and start one collection per model that lacks one.
 
     Returns:
-        (concept view, the collection jobs of the listed models).
+        (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
     """
+    urls = callbacks.check_optional_url(callback_url, ctx.settings)
     records = parse_records(raw_records, ctx.settings.max_records)
     manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
     data = dataset_bytes(records)
@@ -192,16 +195,35 @@ def submit_concept(
                 "models": {},
                 "created_at": utc_now(),
             }
-        new_jobs = _plan_collections(ctx, concept, manifests)
+        new_jobs = _plan_collections(ctx, concept, manifests, urls)
         ctx.storage.put_json(concept_key(name), concept)
     # Enqueue only after the records and the concept are saved: the task reads them.
     for job in new_jobs:
         ctx.dispatch(job)
+    created = {job["job_id"] for job in new_jobs}
     jobs = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
-    return concept_view(ctx, concept), [j for j in jobs if j is not None]
+    jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in jobs if j is not None]
+    return concept_view(ctx, concept), jobs
 
 
-def _plan_collections(ctx: Context, concept: dict[str, Any], manifests: dict[str, Any]) -> list[dict[str, Any]]:
+def attach_callbacks(ctx: Context, job: dict[str, Any], urls: list[str]) -> dict[str, Any]:
+    """Add callback URLs to an existing job; a job that already ended calls them back at once."""
+    new_urls = [u for u in urls if u not in (job.get("callbacks") or [])]
+    if not new_urls:
+        return job
+    job = ctx.jobs.update(job["job_id"], persist=False, callbacks=[*(job.get("callbacks") or []), *new_urls])
+    if job["status"] in FINISHED:
+        callbacks.enqueue(ctx.storage, {**job, "callbacks": new_urls})
+        if ctx.jobs.on_finished is not None:
+            ctx.jobs.on_finished()
+    else:
+        ctx.jobs.update(job["job_id"])  # persist now: the outbox entry is written when it ends
+    return job
+
+
+def _plan_collections(
+    ctx: Context, concept: dict[str, Any], manifests: dict[str, Any], callback_urls: list[str]
+) -> list[dict[str, Any]]:
     created = []
     for model_id, manifest in manifests.items():
         entry = concept["models"].get(model_id)
@@ -216,7 +238,7 @@ def _plan_collections(ctx: Context, concept: dict[str, Any], manifests: dict[str
             "settings": collection_settings(ctx.settings),
             "concept": concept["name"],
         }
-        job = ctx.jobs.create(new_job("collect", payload, unit="tokens"))
+        job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
         concept["models"][model_id] = {"job_id": job["job_id"], "stats": _stats_prefix_for(payload)}
         created.append(job)
     return created
@@ -318,6 +340,7 @@ def submit_variant(
     Returns:
         (variant view, the building job or None when the variant was already there).
     """
+    urls = callbacks.check_optional_url(options.get("callback_url"), ctx.settings)
     model = get_model(ctx, model_id)
     layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, options.get("modules"), options.get("layers"))
@@ -349,8 +372,11 @@ def submit_variant(
         if existing is not None:
             job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
             if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
+                if job is not None:  # the same variant again: its build calls this URL back too
+                    job = attach_callbacks(ctx, job, urls)
                 return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
-        job = ctx.jobs.create(new_job("variant", {"variant_id": variant_id, "model_id": model_id}, unit="layers"))
+        payload = {"variant_id": variant_id, "model_id": model_id}
+        job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
         ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
     ctx.dispatch(job)
     return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])

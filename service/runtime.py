@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.callbacks import CallbackDispatcher
 from service.config import Settings
-from service.jobs import EmbeddedExecutor, JobStore, RedisJobStore
+from service.jobs import EmbeddedExecutor, JobStore, RedisJobStore, public_view
 from service.registry import Context
 from service.storage import open_storage
 
@@ -60,7 +61,9 @@ def _embedded(settings: Settings) -> Runtime:
             ctx.jobs.update(job["job_id"], status="queued")
             executor.submit(job)
 
-    return Runtime(ctx, on_start=[requeue_interrupted], on_stop=[executor.shutdown])
+    runtime = Runtime(ctx, on_start=[requeue_interrupted], on_stop=[executor.shutdown])
+    _deliver_callbacks(runtime, lock=None)
+    return runtime
 
 
 def _distributed(settings: Settings, background: bool) -> Runtime:
@@ -90,7 +93,18 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
         reconciler = Reconciler(jobs, dispatch, settings.reconcile_interval_s)
         runtime.on_start += [lambda: _safely(lambda: reconcile_once(jobs, dispatch)), reconciler.start]
         runtime.on_stop.append(reconciler.stop)
+        # Workers only write outbox entries; the API processes deliver them, one at a time.
+        _deliver_callbacks(runtime, lock=lambda: client.lock("engram:lock:callbacks", timeout=300))
     return runtime
+
+
+def _deliver_callbacks(runtime: Runtime, lock: Callable[[], Any] | None) -> None:
+    """Start this API process's callback dispatcher with the runtime (and stop it with it)."""
+    ctx = runtime.ctx
+    dispatcher = CallbackDispatcher(ctx.storage, ctx.settings, ctx.jobs.get, public_view, lock=lock)
+    ctx.jobs.on_finished = dispatcher.wake
+    runtime.on_start.append(dispatcher.start)
+    runtime.on_stop.insert(0, dispatcher.stop)
 
 
 def _safely(step: Callable[[], Any]) -> None:

@@ -26,6 +26,7 @@ _MULTIPART_SCHEMA = {
         "models": {"type": "string", "description": "model IDs, repeated or comma-separated"},
         "role": {"type": "string", "enum": ["target", "reference"]},
         "description": {"type": "string"},
+        "callback_url": {"type": "string", "description": "POSTed each collection job when it ends"},
         "dataset": {"type": "string", "format": "binary", "description": "JSONL, one record per line"},
     },
 }
@@ -70,6 +71,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
         description=body.description,
         raw_records=body.records,
         models=body.models,
+        callback_url=body.callback_url,
     )
     return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
 
@@ -92,7 +94,7 @@ async def _multipart_fields(request: Request) -> dict[str, Any]:
         records = _parse_jsonl(await upload.read())
         models = [m.strip() for value in form.getlist("models") for m in str(value).split(",") if m.strip()]
         fields: dict[str, Any] = {"name": form.get("name"), "models": models, "records": records}
-        for optional in ("role", "description"):
+        for optional in ("role", "description", "callback_url"):
             if form.get(optional) is not None:
                 fields[optional] = form.get(optional)
         return fields

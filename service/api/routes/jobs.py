@@ -9,14 +9,10 @@ from fastapi import APIRouter
 from api_schemas import Job
 from service.api.deps import ContextDep
 from service.errors import NotFound
-from service.jobs import FINISHED, utc_now
+from service.jobs import FINISHED, public_view, utc_now
 
 router = APIRouter(tags=["jobs"])
-PUBLIC_FIELDS = tuple(Job.model_fields)
-
-
-def job_view(job: dict[str, Any]) -> dict[str, Any]:
-    return {k: job.get(k) for k in PUBLIC_FIELDS}
+job_view = public_view
 
 
 def _job(ctx: Any, job_id: str) -> dict[str, Any]:
