@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$"
 CONCEPT_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
@@ -16,11 +16,14 @@ __all__ = [
     "ConceptCreate",
     "ConceptModelState",
     "ConceptSubmission",
+    "EvaluateRequest",
+    "GenerateRequest",
     "Job",
     "JobProgress",
     "Layer",
     "Model",
     "ModelCreate",
+    "Probe",
     "Problem",
     "RecordIn",
     "UnlearnRequest",
@@ -118,7 +121,7 @@ class JobProgress(BaseModel):
 
 class Job(BaseModel):
     job_id: str
-    kind: Literal["collect", "variant"]
+    kind: Literal["collect", "variant", "evaluate", "generate"]
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     progress: JobProgress
     error: Problem | None = None
@@ -197,3 +200,29 @@ class Variant(BaseModel):
 class VariantSubmission(BaseModel):
     variant: Variant
     job: Job | None = None
+
+
+class Probe(Strict):
+    """A question and the answer the model learned: scored on the answer tokens only."""
+
+    prompt: str = Field(min_length=1, max_length=20000)
+    completion: str = Field(min_length=1, max_length=20000)
+
+
+class EvaluateRequest(Strict):
+    forget: list[Probe] = Field(default_factory=list, max_length=10000, description="what the variant should forget")
+    retain: list[Probe] = Field(default_factory=list, max_length=10000, description="what it should keep")
+    callback_url: str | None = Field(default=None, max_length=2000)
+
+    @model_validator(mode="after")
+    def _some_probes(self) -> EvaluateRequest:
+        if not self.forget and not self.retain:
+            raise ValueError("give at least one forget or retain probe")
+        return self
+
+
+class GenerateRequest(Strict):
+    prompt: str = Field(min_length=1, max_length=20000)
+    max_new_tokens: int = Field(default=32, ge=1, le=1024)
+    models: list[Literal["base", "variant"]] = Field(default=["base", "variant"], min_length=1, max_length=2)
+    callback_url: str | None = Field(default=None, max_length=2000)

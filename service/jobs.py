@@ -26,7 +26,7 @@ from service import callbacks
 from service.observability import record_job_state
 from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
-JobKind = Literal["collect", "variant"]
+JobKind = Literal["collect", "variant", "evaluate", "generate"]
 FINISHED = {"succeeded", "failed", "cancelled"}
 OPEN_PREFIX = "jobs/open/"
 log = logging.getLogger("engram.jobs")
@@ -199,6 +199,10 @@ class RedisJobStore(JobStore):
         return self.redis.get("engram:epoch").decode()
 
 
+# Evaluation gets a lane of its own, so a quick check never waits behind a long collection.
+_LANE_OF_KIND = {"collect": "collect", "variant": "variant", "evaluate": "inference", "generate": "inference"}
+
+
 class EmbeddedExecutor:
     """Runs jobs in background threads of the API process: one lane per job kind.
 
@@ -209,16 +213,17 @@ class EmbeddedExecutor:
     def __init__(self, run_job: Callable[[str], None]) -> None:
         self._run_job = run_job
         self._lanes = {
-            "collect": ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-collect"),
-            "variant": ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-variant"),
+            lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{lane}")
+            for lane in ("collect", "variant", "inference")
         }
 
     def submit(self, job: dict[str, Any]) -> None:
-        self._lanes[job["kind"]].submit(self._run_job, job["job_id"])
+        self._lanes[_LANE_OF_KIND[job["kind"]]].submit(self._run_job, job["job_id"])
 
     def depths(self) -> dict[str, int]:
-        """Jobs waiting in each lane (named like the distributed queues: gpu collects, cpu builds)."""
-        return {queue: self._lanes[kind]._work_queue.qsize() for kind, queue in (("collect", "gpu"), ("variant", "cpu"))}
+        """Jobs waiting per queue, named like the distributed queues (gpu: the model runs; cpu: builds)."""
+        waiting = {lane: executor._work_queue.qsize() for lane, executor in self._lanes.items()}
+        return {"gpu": waiting["collect"] + waiting["inference"], "cpu": waiting["variant"]}
 
     def shutdown(self) -> None:
         for lane in self._lanes.values():

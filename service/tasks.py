@@ -88,7 +88,7 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
     try:
         with job_context(job_id), _heartbeat(ctx, job_id):
             log.info("%s job started", job["kind"])
-            body = {"collect": run_collection, "variant": run_variant}[job["kind"]]
+            body = _BODIES.get(job["kind"]) or _inference_body(job["kind"])
             result = {**body(ctx, job), "worker": f"{socket.gethostname()}:{os.getpid()}"}
             log.info("%s job succeeded", job["kind"])
     except (JobCancelled, CollectionCancelled):
@@ -109,6 +109,12 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         _fail(ctx, job_id, problem)
     else:
         ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+
+
+def _inference_body(kind: str) -> Any:
+    from service.evaluation import run_evaluation, run_generation  # they use this module's model cache
+
+    return {"evaluate": run_evaluation, "generate": run_generation}[kind]
 
 
 @contextmanager
@@ -298,6 +304,9 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     published = {"variant_id": variant_id, "files": files, "scales": scales, "seconds": round(seconds, 3)}
     ctx.storage.put_json(f"variants/{variant_id}/manifest.json", published)  # last: the variant now exists
     return {"variant_id": variant_id, "reused": False, "layers": len(scales), "seconds": round(seconds, 3)}
+
+
+_BODIES = {"collect": run_collection, "variant": run_variant}
 
 
 # Statistics and universe factors are immutable (content-addressed), so a worker keeps the recent

@@ -19,7 +19,12 @@ from service.config import Settings, get_settings
 from service.jobs import utc_now
 
 log = logging.getLogger("engram.worker")
-TASK_FOR_KIND = {"collect": ("engram.collect", "gpu"), "variant": ("engram.build_variant", "cpu")}
+TASK_FOR_KIND = {
+    "collect": ("engram.collect", "gpu"),
+    "variant": ("engram.build_variant", "cpu"),
+    "evaluate": ("engram.evaluate", "gpu"),
+    "generate": ("engram.generate", "gpu"),
+}
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -92,4 +97,16 @@ def collect(self: Task, *, job_id: str) -> None:
 @cpu_task("engram.build_variant")
 def build_variant(self: Task, *, job_id: str) -> None:
     """Build one variant from cached statistics."""
+    _run(self, job_id)
+
+
+@gpu_task("engram.evaluate")
+def evaluate(self: Task, *, job_id: str) -> None:
+    """Score probes on a variant and its base model."""
+    _run(self, job_id)
+
+
+@gpu_task("engram.generate")
+def generate(self: Task, *, job_id: str) -> None:
+    """Greedy generation from a prompt on a variant and/or its base model."""
     _run(self, job_id)

@@ -209,13 +209,25 @@ def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
     return layout
 
 
-def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
-    """Load a validated checkpoint for collection (safetensors only, no remote code)."""
+def load_model(
+    path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, untie: bool = False
+) -> nn.Module:
+    """Load a validated checkpoint (safetensors only, no remote code).
+
+    Args:
+        path: the checkpoint directory.
+        device: where the model goes.
+        dtype: override of the stored dtype.
+        untie: load with ``tie_word_embeddings=False`` (a delta variant that edited a tied head
+            carries the head's new values; the embedding stays as it was).
+    """
     config = validate_model_dir(path)
     cls = model_class(config)
     kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": False}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if untie:
+        kwargs["tie_word_embeddings"] = False
     model = cls.from_pretrained(str(path), **kwargs)  # type: ignore[attr-defined]
     return model.to(device).eval()
 

@@ -1,0 +1,237 @@
+"""Evaluation and generation: run a variant and its base model on the user's probes.
+
+Both are jobs (kinds ``evaluate`` and ``generate``) because they run the model: in distributed mode
+they go to the ``gpu`` queue like collections, in embedded mode to their own lane. A job loads the
+variant *as it was shipped* (the checkpoint directory, the delta on the base, or the PEFT adapter on
+the base), so the numbers describe the artifact users download, not a recomputation.
+
+Evaluation results are content-addressed (``evaluations/<variant, probes digest>.json``): the same
+probes on the same variant are answered from storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from service import callbacks
+from service.engine.checkpoint import load_model
+from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.errors import Conflict, JobFailed
+from service.jobs import new_job
+from service.registry import Context, canonical_digest, find_variant_request, get_model, variant_manifest, variant_view
+from service.storage import scratch_dir
+
+SPLITS = ("forget", "retain")
+_CHUNK = 16  # probes per progress tick (and per forward batch)
+
+
+# ---------------------------------------------------------------- submission (API side)
+
+
+def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
+    view = variant_view(ctx, variant_id)  # 404 for an unknown variant
+    if view["status"] != "ready":
+        raise Conflict(f"variant {variant_id} is {view['status']}, not ready; wait for its job {view['job_id']}")
+    return view
+
+
+def submit_evaluation(
+    ctx: Context, variant_id: str, probes: dict[str, list[dict[str, str]]], callback_url: str | None
+) -> dict[str, Any]:
+    """Store the probes and queue an evaluation job; returns the job."""
+    urls = callbacks.check_optional_url(callback_url, ctx.settings)
+    _ready_variant(ctx, variant_id)
+    data = json.dumps({s: probes.get(s, []) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    ctx.storage.put_bytes(f"probes/{digest}.json", data)  # before the job: the task reads it
+    payload = {
+        "variant_id": variant_id,
+        "probes_digest": digest,
+        "evaluation_id": canonical_digest({"variant_id": variant_id, "probes": digest})[:32],
+    }
+    job = ctx.jobs.create(new_job("evaluate", payload, unit="probes", callback_urls=urls))
+    ctx.dispatch(job)
+    return job
+
+
+def submit_generation(
+    ctx: Context, variant_id: str, prompt: str, max_new_tokens: int, models: Sequence[str], callback_url: str | None
+) -> dict[str, Any]:
+    """Queue a greedy generation from ``prompt`` on the variant and/or its base; returns the job."""
+    urls = callbacks.check_optional_url(callback_url, ctx.settings)
+    _ready_variant(ctx, variant_id)
+    payload = {"variant_id": variant_id, "prompt": prompt, "max_new_tokens": max_new_tokens, "models": list(models)}
+    job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))
+    ctx.dispatch(job)
+    return job
+
+
+# ---------------------------------------------------------------- the loaded models (worker side)
+
+
+class _VariantModels:
+    """The last variant loaded by this process (the base comes from the tasks' model cache)."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, ctx: Context, variant_id: str) -> tuple[Any, Any, Any]:
+        """``(base model, variant model, tokenizer)``, loading the variant on first use."""
+        from service.tasks import MODELS, checked_model_dir
+
+        request = find_variant_request(ctx, variant_id)
+        manifest = variant_manifest(ctx, variant_id)
+        if request is None or manifest is None:
+            raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
+        model_manifest = get_model(ctx, request["model_id"])
+        device = ctx.settings.torch_device
+        base, tokenizer = MODELS.get(ctx, model_manifest, device)
+        with self._lock:
+            if variant_id not in self._items:
+                self._items.clear()  # one variant at a time: a model-sized object each
+                base_dir = checked_model_dir(ctx, model_manifest)
+                self._items[variant_id] = _load_variant(ctx, variant_id, request, manifest, base_dir, device)
+            return base, self._items[variant_id], tokenizer
+
+
+VARIANT_MODELS = _VariantModels()
+
+
+def _load_variant(
+    ctx: Context, variant_id: str, request: dict[str, Any], manifest: dict[str, Any], base_dir: Path, device: str
+) -> Any:
+    """The variant as shipped: its checkpoint, the base plus its delta, or the base plus its adapter."""
+    with scratch_dir("variant-load") as tmp:
+        folder = Path(tmp)
+        for entry in manifest["files"]:
+            target = folder / entry["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            ctx.storage.download(f"variants/{variant_id}/files/{entry['path']}", target)
+        fmt = request.get("format") or "checkpoint"
+        if fmt == "checkpoint":
+            return load_model(folder, device=device)
+        if fmt == "delta":
+            return _base_plus_delta(base_dir, folder / "delta.safetensors", device)
+        if fmt == "peft":
+            from peft import PeftModel  # only this format needs it
+
+            return PeftModel.from_pretrained(load_model(base_dir, device=device), str(folder)).eval()
+    raise JobFailed(f"variant {variant_id} has format {fmt!r}, which cannot be evaluated")
+
+
+def _base_plus_delta(base_dir: Path, delta_file: Path, device: str) -> Any:
+    with safe_open(str(delta_file), framework="pt") as handle:
+        untied = json.loads((handle.metadata() or {}).get("untied", "false"))
+    model = load_model(base_dir, device=device, untie=untied)
+    result = model.load_state_dict(load_file(str(delta_file), device=str(device)), strict=False)
+    if result.unexpected_keys:
+        raise JobFailed(f"the delta names tensors the model does not have: {result.unexpected_keys[:5]}")
+    return model.eval()
+
+
+def _causal(model: Any) -> None:
+    if not type(model).__name__.endswith("ForCausalLM"):
+        raise JobFailed(f"evaluation and generation need a causal language model; this one is a {type(model).__name__}")
+
+
+def _progress(ctx: Context, job: dict[str, Any], total: int) -> Any:
+    from service.tasks import _Progress  # the tasks' throttled progress + cancellation check
+
+    return _Progress(ctx, job["job_id"], total)
+
+
+# ---------------------------------------------------------------- job bodies
+
+
+def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """Per-probe answer NLL and greedy exact match on the base and the variant, with summaries."""
+    payload = job["payload"]
+    key = f"evaluations/{payload['evaluation_id']}.json"
+    cached = ctx.storage.find_json(key)
+    if cached is not None:
+        return {**cached, "reused": True}
+    raw = json.loads(ctx.storage.get_bytes(f"probes/{payload['probes_digest']}.json"))
+    probes = {s: [Probe(p["prompt"], p["completion"]) for p in raw[s]] for s in SPLITS}
+    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
+    _causal(base)
+    _check_probes(tokenizer, probes)
+    progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()))
+    scores = {name: _score(model, tokenizer, probes, progress) for name, model in (("base", base), ("variant", variant))}
+    result = {
+        "variant_id": payload["variant_id"],
+        "summary": {name: {s: summarize(*per[s]) for s in SPLITS if probes[s]} for name, per in scores.items()},
+        "records": [
+            {
+                "split": split,
+                "index": i,
+                **{name: {"nll": scores[name][split][0][i], "exact_match": scores[name][split][1][i]} for name in scores},
+            }
+            for split in SPLITS
+            for i in range(len(probes[split]))
+        ],
+    }
+    ctx.storage.put_json(key, result)
+    return result
+
+
+def _check_probes(tokenizer: Any, probes: dict[str, list[Probe]]) -> None:
+    for split, items in probes.items():
+        for i, probe in enumerate(items):
+            try:
+                encode_probe(tokenizer, probe)
+            except ValueError as exc:
+                raise JobFailed(f"{split}[{i}]: {exc}") from None
+
+
+def _score(
+    model: Any, tokenizer: Any, probes: dict[str, list[Probe]], progress: Any
+) -> dict[str, tuple[list[float], list[bool]]]:
+    """``split -> (per-probe NLL, per-probe exact match)``, reporting progress every chunk."""
+    scores: dict[str, tuple[list[float], list[bool]]] = {}
+    for split, items in probes.items():
+        nll: list[float] = []
+        em: list[bool] = []
+        for start in range(0, len(items), _CHUNK):
+            chunk = items[start : start + _CHUNK]
+            nll += answer_nll(model, tokenizer, chunk, batch_size=_CHUNK)
+            em += greedy_exact_match(model, tokenizer, chunk, batch_size=_CHUNK)
+            progress.advance(len(chunk))
+        scores[split] = (nll, em)
+    return scores
+
+
+def run_generation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """Greedy continuation of the prompt by each requested model (stops at EOS)."""
+    payload = job["payload"]
+    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
+    _causal(base)
+    models = {"base": base, "variant": variant}
+    progress = _progress(ctx, job, len(payload["models"]))
+    outputs = {}
+    for name in payload["models"]:
+        outputs[name] = greedy_generate(models[name], tokenizer, payload["prompt"], payload["max_new_tokens"])
+        progress.advance(1)
+    return {"variant_id": payload["variant_id"], "prompt": payload["prompt"], "outputs": outputs}
+
+
+def greedy_generate(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    """The greedy continuation (text and token IDs), with ``generate``'s KV cache; stops at EOS."""
+    inputs = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad, top_p=None, top_k=None
+        )
+    new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return {"text": tokenizer.decode(new_tokens, skip_special_tokens=True), "token_ids": new_tokens}
