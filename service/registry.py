@@ -415,3 +415,21 @@ def list_variants(ctx: Context, model_id: str | None = None) -> list[dict[str, A
     ids = {k.split("/")[1] for k in ctx.storage.list("variants/") if k.endswith("/request.json")}
     views = [variant_view(ctx, v) for v in sorted(ids)]
     return [v for v in views if model_id is None or v["model_id"] == model_id]
+
+
+@dataclass(frozen=True)
+class Universe:
+    """The concepts an engram is measured against, resolved to their statistics on one model."""
+
+    names: list[str]  # sorted: reference ∪ terms
+    stats: dict[str, str]  # concept -> statistics prefix
+    prefixes: list[str]  # sorted, without duplicates (two names may share a dataset)
+
+
+def resolve_universe(ctx: Context, model_id: str, terms: Sequence[str], reference: Sequence[str] | None) -> Universe:
+    """``reference ∪ terms`` (reference defaulting to every ready concept); 404/409 naming the missing."""
+    chosen = sorted(set(reference)) if reference is not None else _default_reference(ctx, model_id)
+    names = sorted(set(chosen) | set(terms))
+    resolved = _ready_stats(ctx, model_id, names)
+    stats = {n: resolved[n]["prefix"] for n in names}
+    return Universe(names, stats, sorted(set(stats.values())))

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from service.api.auth import install_auth
 from service.api.problems import BodySizeLimit, install_problem_handlers
-from service.api.routes import concepts, evaluation, jobs, models, ops, variants
+from service.api.routes import concepts, evaluation, jobs, maps, models, ops, variants
 from service.config import Settings, get_settings
 from service.observability import RequestContext
 from service.runtime import build_runtime
@@ -36,6 +36,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_auth(app, settings)
     app.add_middleware(BodySizeLimit, json_limit=settings.max_json_bytes, upload_limit=settings.max_upload_bytes)
     app.add_middleware(RequestContext)  # outermost: every response, even a 401 or 413, gets an ID
-    for module in (models, concepts, jobs, variants, evaluation, ops):
+    for module in (maps, models, concepts, jobs, variants, evaluation, ops):
         app.include_router(module.router)
     return app

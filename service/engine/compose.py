@@ -47,6 +47,23 @@ class LayerEdit:
     scale: float
 
 
+@dataclass(frozen=True)
+class LayerDelta:
+    """One layer's edit before it is applied: what a checkpoint adds and a LoRA adapter factorizes.
+
+    Attributes:
+        spec: the layer.
+        weights: its base parameters, in checkpoint layout and dtype.
+        delta: ``f_l · Σ_k c_k W_k⁺`` as ``[out, in(+1)]`` float64 (bias column last).
+        scale: the layer's ``f_l``.
+    """
+
+    spec: LayerSpec
+    weights: LayerWeights
+    delta: torch.Tensor
+    scale: float
+
+
 @dataclass
 class EngramAlgebra:
     """Combines cached statistics into per-layer edits.
@@ -118,6 +135,17 @@ def relative_norm(spec: LayerSpec, engram: torch.Tensor, weights: LayerWeights) 
     return float(engram[:, : spec.in_features].norm()) / max(w_norm, 1e-30)
 
 
+def relative_norms(
+    layers: Sequence[LayerSpec], algebra: EngramAlgebra, load: Callable[[LayerSpec], LayerWeights]
+) -> dict[str, float]:
+    """``ρ_l`` of the algebra's edit for every layer: where the memory lives (the paper's Fig. 4)."""
+    rho = {}
+    for spec in layers:
+        weights = load(spec)
+        rho[spec.name] = relative_norm(spec, algebra.engram(spec, weights), weights)
+    return rho
+
+
 def layer_scales(
     layers: Sequence[LayerSpec],
     algebra: EngramAlgebra,
@@ -135,21 +163,18 @@ def layer_scales(
         return {spec.name: 1.0 for spec in layers}
     if scaling != "weight_norm":
         raise EditError(f"unknown scaling {scaling!r}")
-    rho = {}
-    for spec in layers:
-        weights = load(spec)
-        rho[spec.name] = relative_norm(spec, algebra.engram(spec, weights), weights)
+    rho = relative_norms(layers, algebra, load)
     top = max(rho.values(), default=0.0)
     return {name: (value / top if top > 0 else 0.0) for name, value in rho.items()}
 
 
-def layer_edits(
+def layer_deltas(
     layers: Sequence[LayerSpec],
     algebra: EngramAlgebra,
     load: Callable[[LayerSpec], LayerWeights],
     scales: Mapping[str, float],
-) -> Iterator[LayerEdit]:
-    """Edited parameters for each layer, one layer at a time (nothing model-sized is held).
+) -> Iterator[LayerDelta]:
+    """The float64 change of each layer, one layer at a time (nothing model-sized is held).
 
     Args:
         layers: the layers to edit now (a subset of those ``scales`` was computed for).
@@ -158,18 +183,32 @@ def layer_edits(
         scales: per-layer ``f_l`` from :func:`layer_scales` over the whole selection.
 
     Yields:
-        One :class:`LayerEdit` per layer with a non-zero scale.
-
-    Raises:
-        EditError: a layer's result is not finite.
+        One :class:`LayerDelta` per layer with a non-zero scale (not yet checked for finiteness).
     """
     for spec in layers:
         scale = scales[spec.name]
         if scale == 0.0:
             continue
         weights = load(spec)
-        delta = scale * algebra.engram(spec, weights)
-        yield _apply_delta(spec, weights, delta, scale)
+        yield LayerDelta(spec, weights, scale * algebra.engram(spec, weights), scale)
+
+
+def layer_edits(
+    layers: Sequence[LayerSpec],
+    algebra: EngramAlgebra,
+    load: Callable[[LayerSpec], LayerWeights],
+    scales: Mapping[str, float],
+) -> Iterator[LayerEdit]:
+    """Edited parameters for each layer, one layer at a time (see :func:`layer_deltas`).
+
+    Yields:
+        One :class:`LayerEdit` per layer with a non-zero scale.
+
+    Raises:
+        EditError: a layer's result is not finite.
+    """
+    for item in layer_deltas(layers, algebra, load, scales):
+        yield _apply_delta(item.spec, item.weights, item.delta, item.scale)
 
 
 def _apply_delta(spec: LayerSpec, weights: LayerWeights, delta: torch.Tensor, scale: float) -> LayerEdit:

@@ -61,6 +61,12 @@ def block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def module_type(name: str) -> str:
+    """The module's path inside its block (``self_attn.q_proj``), or the whole path outside blocks."""
+    match = _LAYER_INDEX.search(name)
+    return name[match.end() :] if match and match.end() < len(name) else name
+
+
 def layer_spec(name: str, module: nn.Module) -> LayerSpec:
     """Describe an editable module.
 

@@ -1,0 +1,135 @@
+"""GET /models/{id}/engram-map(.png) through the live server, against a float64 reference.
+
+The reference recomputes ``ρ_l = ‖W Σ_k Σ_U⁺‖_F / ‖W‖_F`` from the statistics files in the
+server's storage with ``torch.linalg.pinv`` (float64, cut ``D·eps32`` relative to the largest
+eigenvalue, like the service's default), independently of the service's factor code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from service.demo import make_facts
+from service.engine.stats_io import load_statistics
+from tests.api.test_api import assert_problem
+from tests.live import LiveServer, wait_concepts_ready
+
+MODEL = "map/tiny"
+FACTS = make_facts(36, seed=5)
+CONCEPTS = {
+    "map-a": ("target", FACTS[:4]),
+    "map-b": ("target", FACTS[4:8]),
+    "map-ref": ("reference", FACTS[8:36]),
+}
+
+
+@pytest.fixture(scope="module")
+def ready(api: httpx.Client, tiny_llama_dir: Path) -> None:
+    assert api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    for name, (role, facts) in CONCEPTS.items():
+        records = [{"prompt": p, "completion": c} for p, c in facts]
+        response = api.post("/concepts", json={"name": name, "role": role, "models": [MODEL], "records": records})
+        assert response.status_code == 202, response.text
+    wait_concepts_ready(api, list(CONCEPTS), MODEL)
+
+
+def _reference_rho(storage: Path, model_dir: Path, concept: str) -> dict[str, float]:
+    """layer -> ρ of ``concept``'s engram against the universe of every concept, in float64."""
+
+    def stats(name: str) -> Any:
+        prefix = json.loads((storage / "concepts" / f"{name}.json").read_text())["models"][MODEL]["stats"]
+        return load_statistics(storage / prefix / "statistics.safetensors")
+
+    term, universe = stats(concept), [stats(n) for n in CONCEPTS]
+    weights = {}
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            weights[key] = handle.get_tensor(key).double()
+    rho = {}
+    for layer, group in term.layer_group.items():
+        key = f"{layer}.weight" if f"{layer}.weight" in weights else "model.embed_tokens.weight"  # tied lm_head
+        w = weights[key]
+        total = sum(u.sums[u.layer_group[layer]] for u in universe)
+        cut = total.shape[0] * torch.finfo(torch.float32).eps
+        engram = w @ term.sums[group] @ torch.linalg.pinv(total, rtol=cut, hermitian=True)
+        rho[layer] = float(engram.norm() / w.norm())
+    return rho
+
+
+def test_map_json_equals_the_float64_reference(
+    api: httpx.Client, ready: None, live_server: LiveServer, tiny_llama_dir: Path
+) -> None:
+    response = api.get(f"/models/{MODEL}/engram-map", params={"concepts": "map-a,map-b"})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["concepts"] == ["map-a", "map-b"] and data["reference"] == ["map-ref"]
+    assert data["blocks"] == [0, 1]
+    assert data["modules"][:3] == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    assert "mlp.down_proj" in data["modules"]
+    for concept in ("map-a", "map-b"):
+        reference = _reference_rho(live_server.storage_dir, tiny_llama_dir, concept)
+        grid = data["maps"][concept]["rho"]
+        for layer in data["layers"]:
+            if layer["block"] is None:
+                served = data["outside_blocks"][concept][layer["name"]]
+            else:
+                served = grid[data["blocks"].index(layer["block"])][data["modules"].index(layer["module"])]
+            assert served == pytest.approx(reference[layer["name"]], rel=1e-6), (concept, layer)
+        assert data["maps"][concept]["max"] == pytest.approx(max(reference.values()), rel=1e-6)
+    assert data["maps"]["map-a"]["rho"] != data["maps"]["map-b"]["rho"]  # two memories, two maps
+    again = api.get(f"/models/{MODEL}/engram-map", params=[("concepts", "map-a"), ("concepts", "map-b")])
+    assert again.json() == data  # repeated query parameters work too; the second answer is the cached map
+
+
+@pytest.mark.parametrize("size", [None, (640, 300)])
+def test_map_png_renders_at_the_right_size(api: httpx.Client, ready: None, size: tuple[int, int] | None) -> None:
+    params: dict[str, Any] = {"concepts": "map-a,map-b"}
+    if size is not None:
+        params.update(width=size[0], height=size[1])
+    response = api.get(f"/models/{MODEL}/engram-map.png", params=params)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "image/png"
+    image = Image.open(io.BytesIO(response.content))
+    image.load()
+    assert image.format == "PNG"
+    assert image.size == (size or (120 + 420 * 2, 220 + 24 * 2))
+    pixels = torch.tensor(list(image.convert("RGB").getdata()), dtype=torch.float32)
+    assert pixels.std() > 20, "the image is (nearly) one flat colour"
+    assert len({tuple(p) for p in pixels.tolist()}) > 50, "too few colours for two heatmaps with labels"
+
+
+@pytest.mark.parametrize(
+    ("params", "status", "mention"),
+    [
+        ({}, 422, "concepts"),
+        ({"concepts": ""}, 422, "concept"),
+        ({"concepts": "map-a,nope"}, 404, "nope"),
+        ({"concepts": ",".join(f"c{i}" for i in range(9))}, 422, "at most"),
+        ({"concepts": "map-a", "rcond": 2}, 422, "rcond"),
+        ({"concepts": "map-a", "reference": "nope"}, 404, "nope"),
+    ],
+)
+def test_bad_map_requests_are_problems(
+    api: httpx.Client, ready: None, params: dict[str, Any], status: int, mention: str
+) -> None:
+    assert_problem(api.get(f"/models/{MODEL}/engram-map", params=params), status, mention)
+
+
+def test_map_png_size_limits_and_unknown_model(api: httpx.Client, ready: None) -> None:
+    assert_problem(api.get(f"/models/{MODEL}/engram-map.png", params={"concepts": "map-a", "width": 10}), 422)
+    assert_problem(api.get("/models/map/none/engram-map", params={"concepts": "map-a"}), 404, "map/none")
+
+
+def test_concept_not_ready_on_the_model_is_409(api: httpx.Client, ready: None, tiny_llama_dir: Path) -> None:
+    other = "map/other"
+    assert api.post("/models", json={"model_id": other, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    assert_problem(api.get(f"/models/{other}/engram-map", params={"concepts": "map-a"}), 409, "map-a")
