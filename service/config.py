@@ -73,7 +73,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _callbacks_are_signed(self) -> Settings:
-        if self.callback_allowed_hosts and self.callback_secret is None:
+        if self.callback_allowed_hosts and not (self.callback_secret and self.callback_secret.get_secret_value()):
             raise ValueError("ENGRAM_CALLBACK_HOSTS is set: set ENGRAM_CALLBACK_SECRET too (callbacks are always signed)")
         return self
 
