@@ -19,7 +19,7 @@ import torch
 
 from service.engine.collect import LayerStatistics
 from service.engine.layers import LayerSpec
-from service.engine.linalg import PinvFactors, pinv_factors
+from service.engine.linalg import PinvFactors, packed_dim, pinv_factors, unpack_symmetric
 
 COMPUTE_DTYPE = torch.float64
 Scaling = Literal["uniform", "weight_norm"]
@@ -82,6 +82,8 @@ class EngramAlgebra:
     rcond: float | None = None
     universe_key: str | None = None
     factor_cache: MutableMapping[Hashable, PinvFactors] = field(default_factory=dict, repr=False)
+    # Σ_k c_k Σ_k of the last input group: q/k/v (gate/up) come one after another and share it.
+    _last_mixed: tuple[tuple[str, ...], torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.terms:
@@ -92,17 +94,21 @@ class EngramAlgebra:
     def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
         """``Σ_k c_k W_k⁺`` for one layer, as ``[out, in(+1)]`` float64 (bias column last)."""
         w_aug = augmented_weight(spec, weights)
-        mixed = sum(c * self._sum(stats, spec.name) for c, stats in self.terms)
-        assert isinstance(mixed, torch.Tensor)
-        return self.factors(spec.name).apply_right(w_aug @ mixed)
+        return self.factors(spec.name).apply_right(w_aug @ self._mixed(spec.name))
+
+    def _mixed(self, layer: str) -> torch.Tensor:
+        groups = tuple(self._group(stats, layer) for _, stats in self.terms)
+        if self._last_mixed is None or self._last_mixed[0] != groups:
+            pairs = [(c, stats.sums[g]) for (c, stats), g in zip(self.terms, groups, strict=True)]
+            self._last_mixed = (groups, weighted_sum(pairs))
+        return self._last_mixed[1]
 
     def factors(self, layer: str) -> PinvFactors:
         """Pseudo-inverse factors of the universe covariance feeding ``layer`` (cached per group)."""
         key = (self.universe_key or id(self), self.rcond, tuple(self._group(stats, layer) for stats in self.universe))
         cached = self.factor_cache.get(key)
         if cached is None:
-            total = sum(self._sum(stats, layer) for stats in self.universe)
-            assert isinstance(total, torch.Tensor)
+            total = weighted_sum([(1.0, stats.sums[self._group(stats, layer)]) for stats in self.universe])
             cached = self.factor_cache[key] = pinv_factors(total, self.rcond)
         return cached
 
@@ -113,9 +119,27 @@ class EngramAlgebra:
         except KeyError:
             raise EditError(f"no statistics for layer {layer}") from None
 
-    @staticmethod
-    def _sum(stats: LayerStatistics, layer: str) -> torch.Tensor:
-        return stats.sums[EngramAlgebra._group(stats, layer)].to(COMPUTE_DTYPE)
+
+def weighted_sum(pairs: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """``Σ c · Σ`` as a full ``[D, D]`` float64 matrix, from full or packed (1-D upper-triangle) sums.
+
+    Packed sums are added while packed and unpacked once: unpacking is the costly step, and a
+    universe of n concepts would otherwise pay it n times per input group.
+    """
+    packed = [(c, t) for c, t in pairs if t.ndim == 1]
+    total: torch.Tensor | None = None
+    if packed:
+        acc = torch.zeros(packed[0][1].shape, dtype=COMPUTE_DTYPE)
+        for c, t in packed:
+            acc.add_(t.to(COMPUTE_DTYPE), alpha=c)
+        total = unpack_symmetric(acc, packed_dim(acc.numel()))
+    for c, t in pairs:
+        if t.ndim == 2:
+            term = t.to(COMPUTE_DTYPE)
+            total = c * term if total is None else total.add_(term, alpha=c)
+    if total is None:
+        raise EditError("no statistics to combine")
+    return total
 
 
 def augmented_weight(spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:

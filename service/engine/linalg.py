@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -70,6 +71,14 @@ def pack_symmetric(matrix: torch.Tensor) -> torch.Tensor:
     """The upper triangle (diagonal included), row by row: ``D(D+1)/2`` values instead of ``D²``."""
     rows, cols = _upper_indices(matrix.shape[0])
     return matrix[rows, cols].contiguous()
+
+
+def packed_dim(length: int) -> int:
+    """The ``D`` whose upper triangle has ``length`` values (``D(D+1)/2``)."""
+    dim = (math.isqrt(8 * length + 1) - 1) // 2
+    if dim * (dim + 1) // 2 != length:
+        raise ValueError(f"{length} values are not the upper triangle of a square matrix")
+    return dim
 
 
 def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:

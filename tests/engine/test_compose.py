@@ -27,6 +27,7 @@ from service.engine.compose import EngramAlgebra, LayerEdit, LayerWeights, layer
 from service.engine.layers import LayerSpec, select_layers, unmatched_suffixes
 from service.engine.linalg import EPS_FLOAT32, default_rcond, pinv_factors
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from service.engine.stats_io import load_statistics, save_statistics
 from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 MAX_LENGTH = 120
@@ -174,6 +175,28 @@ def test_edit_equals_float64_reference(
     if scaling == "weight_norm":
         assert max(e.scale for e in edits.values()) == pytest.approx(1.0, rel=1e-12)
         assert min(e.scale for e in edits.values()) < 0.9, "the schedule is not flat"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_packed_statistics_give_the_same_engrams(
+    tiny: dict[str, Tiny], forget_retain: dict[str, tuple[LayerStatistics, LayerStatistics]], arch: str, tmp_path: Path
+) -> None:
+    """Sums loaded packed (as workers keep them) are combined packed and unpacked once: same engrams."""
+    forget, retain = forget_retain[arch]
+    files = {}
+    for name, stats in (("forget", forget), ("retain", retain)):
+        files[name] = tmp_path / f"{name}.safetensors"
+        save_statistics(stats, files[name])
+    packed = {name: load_statistics(f, packed=True) for name, f in files.items()}
+    assert all(s.ndim == 1 for stats in packed.values() for s in stats.sums.values())
+    full = EngramAlgebra(terms=[(-0.7, forget), (0.2, retain)], universe=[forget, retain])
+    lean = EngramAlgebra(terms=[(-0.7, packed["forget"]), (0.2, packed["retain"])], universe=list(packed.values()))
+    mixed = EngramAlgebra(terms=[(-0.7, packed["forget"]), (0.2, retain)], universe=[forget, packed["retain"]])
+    for spec in tiny[arch].layout.layers:
+        weights = tiny[arch].weights64(spec)
+        expected = full.engram(spec, weights)
+        assert rel(lean.engram(spec, weights), expected) < 1e-12, spec.name
+        assert rel(mixed.engram(spec, weights), expected) < 1e-12, spec.name
 
 
 def test_llama_case_is_well_conditioned(
