@@ -68,7 +68,7 @@ def compose_variant(
     def stats(file: Path) -> LayerStatistics:
         cached = stats_cache.get(str(file))
         if cached is None:
-            cached = stats_cache[str(file)] = load_statistics(file)
+            cached = stats_cache[str(file)] = load_statistics(file, packed=True)  # as the worker keeps them
         return cached
 
     terms = [(coefficient, stats(f)) for f in term_files]

@@ -82,8 +82,11 @@ class EngramAlgebra:
     rcond: float | None = None
     universe_key: str | None = None
     factor_cache: MutableMapping[Hashable, PinvFactors] = field(default_factory=dict, repr=False)
-    # Σ_k c_k Σ_k of the last input group: q/k/v (gate/up) come one after another and share it.
+    # Σ_k c_k Σ_k and the group-level product of the last input group: the layers of a group
+    # (q/k/v, gate/up) come one after another and share both.
     _last_mixed: tuple[tuple[str, ...], torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _last_product: tuple[tuple[str, ...], str, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _group_sizes: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.terms:
@@ -94,7 +97,32 @@ class EngramAlgebra:
     def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
         """``Σ_k c_k W_k⁺`` for one layer, as ``[out, in(+1)]`` float64 (bias column last)."""
         w_aug = augmented_weight(spec, weights)
-        return self.factors(spec.name).apply_right(w_aug @ self._mixed(spec.name))
+        factors = self.factors(spec.name)
+        order = product_order(spec.out_features * self._group_size(spec.name), spec.stat_dim, factors.rank)
+        if order == "weight_first":
+            return factors.apply_right(w_aug @ self._mixed(spec.name))
+        product = self._group_product(spec.name, order, factors)
+        if order == "projector":
+            return w_aug @ product
+        return (w_aug @ product) @ factors.basis.mT
+
+    def _group_product(self, layer: str, order: Order, factors: PinvFactors) -> torch.Tensor:
+        """The right-hand factor the group's layers share: ``M·V·Λ⁻¹`` ([D, k]), or for
+        ``projector`` the whole ``M·Σ⁺ = M·V·Λ⁻¹·Vᵀ`` ([D, D])."""
+        groups = tuple(self._group(stats, layer) for _, stats in self.terms)
+        if self._last_product is None or self._last_product[:2] != (groups, order):
+            mixed_basis = (self._mixed(layer) @ factors.basis) * factors.inverse_eigenvalues
+            product = mixed_basis @ factors.basis.mT if order == "projector" else mixed_basis
+            self._last_product = (groups, order, product)
+        return self._last_product[2]
+
+    def _group_size(self, layer: str) -> int:
+        """How many layers read this layer's input (1, or 3 for q/k/v, 2 for gate/up)."""
+        stats = self.terms[0][1]
+        group = self._group(stats, layer)
+        if group not in self._group_sizes:
+            self._group_sizes[group] = sum(1 for g in stats.layer_group.values() if g == group)
+        return self._group_sizes[group]
 
     def _mixed(self, layer: str) -> torch.Tensor:
         groups = tuple(self._group(stats, layer) for _, stats in self.terms)
@@ -118,6 +146,31 @@ class EngramAlgebra:
             return stats.layer_group[layer]
         except KeyError:
             raise EditError(f"no statistics for layer {layer}") from None
+
+
+Order = Literal["weight_first", "mixed_basis", "projector"]
+
+
+def product_order(out_total: int, dim: int, rank: int) -> Order:
+    """The cheapest way to compute ``W·M·V·Λ⁻¹·Vᵀ`` for an input group, by multiply-adds.
+
+    Args:
+        out_total: output rows of every layer reading this input (q+k+v, gate+up, or one layer).
+        dim: the input width ``D`` (plus one with a bias column).
+        rank: ``k``, the directions the universe pseudo-inverse keeps.
+
+    Returns:
+        ``weight_first``: ``(W·M)·V·Λ⁻¹·Vᵀ`` per layer (``O·D² + 2·O·D·k``), best for a wide input
+        read by a narrow layer (``down_proj``); ``mixed_basis``: ``M·V·Λ⁻¹`` once per group, then
+        ``(W·that)·Vᵀ`` (``D²·k + 2·O·D·k``), best when ``k < O``; ``projector``: ``M·Σ⁺`` once per
+        group, then ``W·that`` (``2·D²·k + O·D²``), best for many outputs (q/k/v, gate/up, lm_head).
+    """
+    costs: dict[Order, int] = {
+        "weight_first": out_total * dim * dim + 2 * out_total * dim * rank,
+        "mixed_basis": dim * dim * rank + 2 * out_total * dim * rank,
+        "projector": 2 * dim * dim * rank + out_total * dim * dim,
+    }
+    return min(costs, key=lambda order: (costs[order], order != "weight_first"))
 
 
 def weighted_sum(pairs: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:

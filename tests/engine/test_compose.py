@@ -199,6 +199,36 @@ def test_packed_statistics_give_the_same_engrams(
         assert rel(mixed.engram(spec, weights), expected) < 1e-12, spec.name
 
 
+@pytest.mark.parametrize("order", ["weight_first", "mixed_basis", "projector"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_product_order_gives_the_same_engram(
+    tiny: dict[str, Tiny],
+    forget_retain: dict[str, tuple[LayerStatistics, LayerStatistics]],
+    arch: str,
+    order: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The group-level orderings are rearrangements of one product: equal to the float64 reference."""
+    forget, retain = forget_retain[arch]
+    monkeypatch.setattr(compose_module, "product_order", lambda *_: order)
+    algebra = EngramAlgebra(terms=[(-ALPHA, forget)], universe=[forget, retain])
+    for spec in tiny[arch].layout.layers:
+        weights = tiny[arch].weights64(spec)
+        universe = forget.sum_for(spec.name) + retain.sum_for(spec.name)
+        expected = -ALPHA * reference_engram(spec, weights, forget.sum_for(spec.name), universe)
+        assert rel(algebra.engram(spec, weights), expected) < 1e-10, (spec.name, order)
+
+
+def test_product_order_follows_the_multiply_add_counts() -> None:
+    # The bench's ~100M Llama (hidden 768, MLP 2048, vocab 8000), universe rank k at full width.
+    assert compose_module.product_order(3 * 768, 768, 768) == "projector"  # q/k/v
+    assert compose_module.product_order(2 * 2048, 768, 768) == "projector"  # gate/up
+    assert compose_module.product_order(8000, 768, 768) == "projector"  # lm_head
+    assert compose_module.product_order(768, 768, 768) == "weight_first"  # o_proj: a tie keeps the plain order
+    assert compose_module.product_order(768, 2048, 2048) == "weight_first"  # down_proj: narrow output, wide input
+    assert compose_module.product_order(768, 2048, 300) == "mixed_basis"  # down_proj, small universe
+
+
 def test_llama_case_is_well_conditioned(
     tiny: dict[str, Tiny], forget_retain: dict[str, tuple[LayerStatistics, LayerStatistics]]
 ) -> None:
