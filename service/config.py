@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     # the batch size is not (padding never changes a statistic).
     max_length: int = Field(default=512, ge=8, le=32768)
     collect_batch_size: int = Field(default=8, ge=1, le=1024)
+    # How Σ is stored. float64 keeps the sums exactly as accumulated; float32 halves the bytes and
+    # moves an edit by up to ~1e-4 relative on ill-conditioned layers (see service/engine/stats_io.py).
+    stats_dtype: Literal["float64", "float32"] = "float64"
 
     # Distributed mode. The broker's visibility timeout must exceed the hard limit, or Redis would
     # hand a still-running task to a second worker.

@@ -1,9 +1,10 @@
 """Statistics on disk: safetensors with JSON metadata, never pickle.
 
 Each input group's ``Σ`` is stored once, as its packed upper triangle (``D(D+1)/2`` values) in
-float64. Float32 would halve the bytes, but the pseudo-inverse keeps directions down to
-``D·1.2e-7·λ_max``, so a float32 rounding of Σ (6e-8 relative) can move an edit by up to ~1e-2 on an
-ill-conditioned layer; measured on a tiny BERT, 1e-4 absolute. Exactness first.
+float64 by default. Float32 (``ENGRAM_STATS_DTYPE=float32``) halves the bytes, but the
+pseudo-inverse keeps directions down to ``D·1.2e-7·λ_max``, so a float32 rounding of Σ (6e-8
+relative) can move an edit by up to ~1e-2 on an ill-conditioned layer; measured on a tiny BERT,
+1e-4 absolute. Exactness first, half the bytes on request.
 """
 
 from __future__ import annotations
@@ -22,15 +23,20 @@ FORMAT = "engram-stats/1"
 STORAGE_DTYPE = torch.float64
 
 
-def save_statistics(stats: LayerStatistics, path: Path, extra: dict[str, str] | None = None) -> None:
+def save_statistics(
+    stats: LayerStatistics, path: Path, extra: dict[str, str] | None = None, dtype: torch.dtype = STORAGE_DTYPE
+) -> None:
     """Write ``stats`` to ``path`` (a safetensors file).
 
     Args:
         stats: collected statistics.
         path: destination file.
         extra: more metadata to record (model digest, dataset digest, settings).
+        dtype: float64 (default, exact) or float32 (half the bytes; ``ENGRAM_STATS_DTYPE``).
     """
-    tensors = {group: pack_symmetric(s).to(STORAGE_DTYPE) for group, s in stats.sums.items()}
+    if dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"statistics are stored as float64 or float32, not {dtype}")
+    tensors = {group: pack_symmetric(s).to(dtype) for group, s in stats.sums.items()}
     meta = {
         "format": FORMAT,
         "layer_group": json.dumps(stats.layer_group, sort_keys=True),

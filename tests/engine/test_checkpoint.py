@@ -388,6 +388,22 @@ def test_statistics_roundtrip(dirs: dict[str, Path], tmp_path: Path) -> None:
     assert meta["format"] == "engram-stats/1"
 
 
+def test_float32_statistics_take_half_the_bytes_and_one_rounding(dirs: dict[str, Path], tmp_path: Path) -> None:
+    stats = statistics(dirs["gpt2"], n_records=12)
+    exact, half = tmp_path / "f64.safetensors", tmp_path / "f32.safetensors"
+    save_statistics(stats, exact)
+    save_statistics(stats, half, dtype=torch.float32)
+    assert 0.49 < half.stat().st_size / exact.stat().st_size < 0.52  # metadata is the rest
+    loaded = load_statistics(half)
+    for group, sigma in stats.sums.items():
+        back = loaded.sums[group]
+        assert back.dtype == torch.float64  # the algebra always works in float64
+        assert bool(((back - sigma).abs() <= 2.0**-24 * sigma.abs()).all()), group
+        assert not torch.equal(back, sigma), "float32 storage must actually round"
+    with pytest.raises(ValueError, match="float64 or float32"):
+        save_statistics(stats, tmp_path / "x.safetensors", dtype=torch.bfloat16)
+
+
 def test_loading_a_non_statistics_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "other.safetensors"
     save_file({"x": torch.zeros(3)}, str(path))
