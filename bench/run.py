@@ -350,6 +350,24 @@ class ModelBench:
                 "packed": "upper triangle",
             },
         )
+        # The same statistics with ENGRAM_STATS_DTYPE=float32 (what that setting stores).
+        import torch
+
+        from service.engine.stats_io import load_statistics
+
+        half = self.root / "concept0-float32.safetensors"
+        save_statistics(load_statistics(self.stat_files[0]), half, dtype=torch.float32)
+        self.add(
+            "storage",
+            "statistics file per concept, ENGRAM_STATS_DTYPE=float32, vs naive fp32",
+            half.stat().st_size,
+            naive,
+            "B",
+            "<= 0.5x",
+            limit=0.5,
+            details={"storage_dtype": "float32", "packed": "upper triangle", "input_groups_stored": groups},
+        )
+        half.unlink()
         ai_file = self.root / "ai_stats.pt"
         self.ai_stats[0].save(ai_file)
         self.add(
