@@ -1,4 +1,725 @@
-"""The `engram` command line (placeholder until the client lands)."""
-import typer
+"""The ``engram`` command line: register models, upload concepts, unlearn, download variants.
 
-app = typer.Typer()
+Results (tables, or JSON with ``--json``) go to stdout; progress, status lines and errors go to
+stderr, so ``engram --json unlearn ... | jq`` works while the build is being watched. On a terminal,
+progress is a rich progress bar; anywhere else (pipes, CI logs) it is one plain line per change::
+
+    collect 3f2a…e1 120/300 tokens (40%) running
+
+Errors print the service's problem (title and detail) in red and exit 1; an interrupted watch exits
+130 and leaves the job running. ``--url``/``ENGRAM_URL`` and ``--api-key``/``ENGRAM_API_KEY`` say
+which service to talk to and how to authenticate.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic import BaseModel
+from rich import filesize
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Column, Table
+from rich.text import Text
+
+from api_schemas import Concept, Job, Model, Variant, VariantFile, VariantSubmission
+from service.client.client import (
+    DEFAULT_URL,
+    FINISHED,
+    EngramAPIError,
+    EngramClient,
+    EngramConnectionError,
+    EngramError,
+    EngramJobError,
+    EngramOutputExistsError,
+)
+
+SHORT_ID = 8  # characters of a job or variant ID shown in a progress bar
+PLAIN_EVERY_S = 1.0  # at most one plain progress line per second per job: CI logs stay readable
+
+
+def _console(stderr: bool) -> Console:
+    """A console without markup (server text may hold ``[brackets]``); wide when it is not a terminal."""
+    console = Console(stderr=stderr, markup=False, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        # Rich assumes 80 columns off a terminal, which would fold 32-character variant IDs in logs.
+        console = Console(stderr=stderr, markup=False, highlight=False, width=200)
+    return console
+
+
+stdout = _console(stderr=False)  # results
+stderr = _console(stderr=True)  # progress, status, errors
+
+app = typer.Typer(
+    name="engram",
+    help="Make transformers models forget concepts with closed-form AI Engram edits (Engram Service client).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+models_app = typer.Typer(help="Register and inspect models.", no_args_is_help=True)
+concepts_app = typer.Typer(help="Upload concept datasets and watch their collection.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Watch, inspect and cancel jobs.", no_args_is_help=True)
+variants_app = typer.Typer(help="List, inspect and download variants.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(concepts_app, name="concepts")
+app.add_typer(jobs_app, name="jobs")
+app.add_typer(variants_app, name="variants")
+
+
+class Role(str, Enum):
+    target = "target"
+    reference = "reference"
+
+
+class Scaling(str, Enum):
+    uniform = "uniform"
+    weight_norm = "weight_norm"
+
+
+class Format(str, Enum):
+    checkpoint = "checkpoint"
+    delta = "delta"
+    peft = "peft"
+
+
+# Options shared by several commands (Annotated aliases keep the signatures short).
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+NoWait = Annotated[bool, typer.Option("--no-wait", help="Submit and return at once; do not watch the job.")]
+OutDir = Annotated[Path | None, typer.Option("--out", "-o", help="Download the variant into this new directory.")]
+Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty --out directory (only once all files verified).")]
+ScalingOpt = Annotated[Scaling | None, typer.Option(help="Per-layer strength (weight_norm: the paper's W-Norm).")]
+ModuleOpt = Annotated[list[str] | None, typer.Option("--module", help="Edit only modules with this name suffix (repeat).")]
+LayerOpt = Annotated[list[int] | None, typer.Option("--layer", help="Edit only this block index (repeat).")]
+RcondOpt = Annotated[float | None, typer.Option(help="Pseudo-inverse cut: keep eigenvalues above rcond·λmax.")]
+ReferenceOpt = Annotated[
+    list[str] | None, typer.Option("--reference", help="Reference concept (repeat; default: every ready concept).")
+]
+FormatOpt = Annotated[Format | None, typer.Option("--format", help="checkpoint, delta (changed tensors) or peft (LoRA).")]
+LoraRankOpt = Annotated[int | None, typer.Option(help="Format peft: the largest LoRA rank.")]
+CallbackOpt = Annotated[str | None, typer.Option(help="URL the service POSTs the job to when it ends.")]
+
+
+@dataclass
+class State:
+    """The global options, handed to every command through the typer context."""
+
+    url: str
+    api_key: str | None
+    json: bool
+    timeout: float
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        stdout.print(f"engram {_package_version()}")
+        raise typer.Exit()
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("engram-service")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    url: Annotated[str, typer.Option(envvar="ENGRAM_URL", help="The service's base URL.")] = DEFAULT_URL,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="ENGRAM_API_KEY", help="API key (sent as a Bearer token).", show_default=False)
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each HTTP answer.")] = 60.0,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Engram Service client: every command talks to the service at --url (ENGRAM_URL)."""
+    ctx.obj = State(url=url, api_key=api_key or None, json=json_output, timeout=timeout)
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+@contextmanager
+def _session(ctx: typer.Context) -> Iterator[EngramClient]:
+    """A client for the command; every client error becomes a red message on stderr and exit code 1."""
+    state: State = ctx.obj
+    try:
+        with EngramClient(state.url, state.api_key, timeout=state.timeout) as client:
+            yield client
+    except EngramAPIError as exc:
+        _fail(f"{exc.title} ({exc.status})", exc.detail)
+    except EngramJobError as exc:
+        _job_failed(exc.job)
+    except EngramConnectionError as exc:
+        _fail("Connection error", f"{exc}; check --url or ENGRAM_URL")
+    except EngramOutputExistsError as exc:
+        _fail("Error", f"{exc}; choose a new directory or pass --force to replace it")
+    except EngramError as exc:
+        _fail("Error", str(exc))
+    except OSError as exc:  # a local file: the dataset to upload, the download directory
+        _fail("Error", str(exc))
+
+
+def _fail(title: str, detail: str | None = None, code: int = 1) -> NoReturn:
+    message = Text(title, style="bold red")
+    if detail:
+        message.append(f": {detail}", style="red")
+    stderr.print(message)
+    raise typer.Exit(code)
+
+
+def _job_failed(job: Job) -> NoReturn:
+    """Print why a job did not succeed (its problem, when it has one) and exit 1."""
+    if job.error is not None:
+        _fail(f"{job.kind} job {job.job_id} {job.status}: {job.error.title}", job.error.detail)
+    _fail(f"{job.kind} job {job.job_id} {job.status}")
+
+
+def _wants_json(ctx: typer.Context, flag: bool) -> bool:
+    return flag or ctx.obj.json
+
+
+def _jsonable(data: Any) -> Any:
+    if isinstance(data, BaseModel):
+        return data.model_dump(mode="json")
+    if isinstance(data, (list, tuple)):
+        return [_jsonable(item) for item in data]
+    if isinstance(data, dict):
+        return {key: _jsonable(value) for key, value in data.items()}
+    return data
+
+
+def _emit(ctx: typer.Context, as_json: bool, data: Any, render: Callable[[], None]) -> None:
+    """JSON on stdout in ``--json`` mode, the human rendering otherwise."""
+    if _wants_json(ctx, as_json):
+        sys.stdout.write(json.dumps(_jsonable(data), indent=2) + "\n")
+        sys.stdout.flush()
+    else:
+        render()
+
+
+# ---------------------------------------------------------------- progress
+
+
+class _Count(ProgressColumn):
+    """``done/total unit``; sizes in bytes are shown human-readable."""
+
+    def render(self, task: Task) -> Text:
+        unit = task.fields.get("unit", "")
+        if unit == "bytes":
+            total = filesize.decimal(int(task.total)) if task.total else "?"
+            return Text(f"{filesize.decimal(int(task.completed))}/{total}")
+        total = f"{int(task.total)}" if task.total else "?"
+        return Text(f"{int(task.completed)}/{total} {unit}")
+
+
+class ProgressView:
+    """Progress of jobs and downloads: a rich bar on a terminal, throttled plain lines otherwise."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._bars: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._shown: dict[str, tuple[Any, ...]] = {}
+        self._shown_at: dict[str, float] = {}
+
+    def __enter__(self) -> ProgressView:
+        if self.console.is_terminal:
+            columns = (
+                TextColumn("{task.description}"),
+                BarColumn(),
+                _Count(table_column=Column(no_wrap=True)),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+            )
+            self._bars = Progress(*columns, console=self.console)
+            self._bars.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._bars is not None:
+            self._bars.stop()
+
+    def job(self, job: Job) -> None:
+        """Show a job's progress (the callback of ``wait_for_jobs``)."""
+        p = job.progress
+        # A bar has one line: a short ID there; plain lines keep the whole ID for copying from a log.
+        job_id = job.job_id[:SHORT_ID] if self._bars is not None else job.job_id
+        self.show(job.job_id, f"{job.kind} job {job_id}", p.done, p.total, p.unit, job.status, job.status in FINISHED)
+
+    def show(self, key: str, label: str, done: int, total: int, unit: str, note: str = "", final: bool = False) -> None:
+        """Show ``done`` of ``total`` ``unit`` for ``key``; ``final`` forces the plain line out."""
+        if self._bars is not None:
+            self._bar(key, label, done, total, unit, note)
+            return
+        state = (done, total, note)
+        now = time.monotonic()
+        if state == self._shown.get(key) or (not final and now - self._shown_at.get(key, -1e9) < PLAIN_EVERY_S):
+            return
+        self._shown[key], self._shown_at[key] = state, now
+        self.console.print(_plain_progress(label, done, total, unit, note), soft_wrap=True)
+
+    def _bar(self, key: str, label: str, done: int, total: int, unit: str, note: str) -> None:
+        assert self._bars is not None
+        description = f"{label} {note}".strip()
+        if key not in self._tasks:
+            self._tasks[key] = self._bars.add_task(description, total=total or None, unit=unit)
+        self._bars.update(self._tasks[key], description=description, completed=done, total=total or None)
+
+
+def _plain_progress(label: str, done: int, total: int, unit: str, note: str) -> str:
+    """``collect job <id> 120/300 tokens (40%) running``; bytes human-readable; ``?`` while the total is unknown."""
+    shown_total = str(total) if total or note in FINISHED else "?"  # a queued job reports 0/0 until it starts
+    if unit == "bytes":
+        amount = f"{filesize.decimal(done)}/{filesize.decimal(total)}"
+    else:
+        amount = f"{done}/{shown_total} {unit}"
+    percent = f" ({100 * done // total}%)" if total else ""
+    return f"{label} {amount}{percent} {note}".rstrip()
+
+
+def _watch(client: EngramClient, job_ids: Sequence[str]) -> list[Job]:
+    """Watch jobs to the end with progress; Ctrl-C stops watching (exit 130), never the jobs."""
+    try:
+        with ProgressView(stderr) as view:
+            return client.wait_for_jobs(job_ids, on_progress=view.job)
+    except KeyboardInterrupt:
+        hint = "; ".join(f"engram jobs watch {job_id}" for job_id in job_ids)
+        _fail("Stopped watching", f"the service keeps working: {hint}", code=130)
+
+
+def _download(client: EngramClient, variant: Variant, out: Path, force: bool) -> None:
+    """Download a ready variant with one progress bar over all its bytes; say where it went."""
+    total = sum(f.size for f in variant.files)
+    received: dict[str, int] = {}
+
+    with ProgressView(stderr) as view:
+        label = f"download {variant.variant_id[:SHORT_ID] if stderr.is_terminal else variant.variant_id}"
+
+        def progress(entry: VariantFile, done: int) -> None:
+            received[entry.path] = done
+            got = sum(received.values())
+            view.show("download", label, got, total, "bytes", final=got == total)
+
+        client.download_variant(variant.variant_id, out, overwrite=force, on_progress=progress)
+    size = filesize.decimal(total)
+    files = f"{len(variant.files)} file" + ("s" if len(variant.files) != 1 else "")
+    stderr.print(f"variant {variant.variant_id} in {out}: {files}, {size}, sha256 verified")
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _table(*columns: str) -> Table:
+    table = Table(*columns, header_style="bold", show_edge=False, pad_edge=False)
+    for column in table.columns:
+        column.overflow = "fold"  # never cut an ID with an ellipsis: users copy them
+    return table
+
+
+def _render_models(models: Sequence[Model]) -> None:
+    table = _table("model", "architecture", "parameters", "layers", "source")
+    for m in models:
+        table.add_row(m.model_id, m.architecture, f"{m.num_parameters:,}", str(len(m.layers)), m.source)
+    stdout.print(table)
+
+
+def _render_model(model: Model) -> None:
+    stdout.print(f"{model.model_id}: {model.architecture}, {model.num_parameters:,} parameters")
+    stdout.print(f"source {model.source}  digest {model.digest}")
+    table = _table("layer", "in", "out", "bias")
+    for layer in model.layers:
+        table.add_row(layer.name, str(layer.in_features), str(layer.out_features), "yes" if layer.bias else "no")
+    stdout.print(table)
+
+
+def _concept_state_lines(concept: Concept) -> list[str]:
+    lines = []
+    for model_id, state in concept.models.items():
+        tokens = f" ({state.tokens} tokens)" if state.tokens is not None else ""
+        lines.append(f"{concept.name} on {model_id}: {state.status}{tokens}")
+    return lines
+
+
+def _print_lines(lines: Sequence[str]) -> None:
+    for line in lines:
+        stdout.print(line)
+
+
+def _render_concepts(concepts: Sequence[Concept]) -> None:
+    table = _table("concept", "role", "records", "models")
+    for c in concepts:
+        states = ", ".join(f"{m}: {s.status}" + (f" ({s.tokens} tokens)" if s.tokens else "") for m, s in c.models.items())
+        table.add_row(c.name, c.role, str(c.num_records), states)
+    stdout.print(table)
+
+
+def _render_concept(concept: Concept) -> None:
+    stdout.print(f"{concept.name}: {concept.role}, {concept.num_records} records, dataset {concept.dataset_digest}")
+    if concept.description:
+        stdout.print(concept.description)
+    _print_lines(_concept_state_lines(concept))
+
+
+def _render_job(job: Job) -> None:
+    p = job.progress
+    percent = f" ({100 * p.done // p.total}%)" if p.total else ""
+    stdout.print(f"{job.kind} job {job.job_id}: {job.status}, {p.done}/{p.total} {p.unit}{percent}")
+    times = {"created": job.created_at, "started": job.started_at, "finished": job.finished_at}
+    stdout.print("  ".join(f"{k} {v.isoformat(timespec='seconds')}" for k, v in times.items() if v is not None))
+    if job.result:
+        stdout.print(f"result {json.dumps(job.result)}")
+    if job.error is not None:
+        stdout.print(Text(f"{job.error.title}: {job.error.detail}", style="red"))
+
+
+def _terms(variant: Variant) -> str:
+    return ", ".join(f"{name}={coefficient:g}" for name, coefficient in variant.terms.items())
+
+
+def _render_variants(variants: Sequence[Variant]) -> None:
+    table = _table("variant", "model", "terms", "scaling", "format", "status", "size")
+    for v in variants:
+        size = filesize.decimal(sum(f.size for f in v.files)) if v.files else "-"
+        table.add_row(v.variant_id, v.model_id, _terms(v), v.scaling, v.format, v.status, size)
+    stdout.print(table)
+
+
+def _render_variant(variant: Variant) -> None:
+    stdout.print(f"variant {variant.variant_id} of {variant.model_id}: {variant.status}")
+    stdout.print(f"terms {_terms(variant)}  scaling {variant.scaling}  format {variant.format}")
+    stdout.print(f"reference {', '.join(variant.reference) or '-'}")
+    selection = {"modules": variant.modules, "layers": variant.layers, "rcond": variant.rcond}
+    chosen = "  ".join(f"{k} {v}" for k, v in selection.items() if v is not None)
+    if chosen:
+        stdout.print(chosen)
+    if variant.files:
+        table = _table("file", "size", "sha256")
+        for f in variant.files:
+            table.add_row(f.path, str(f.size), f.sha256)
+        stdout.print(table)
+
+
+# ---------------------------------------------------------------- models
+
+
+def _source_uri(source: str) -> str:
+    """A bare local directory becomes ``file:///abs/dir``; URIs pass unchanged."""
+    if "://" not in source and Path(source).is_dir():
+        return Path(source).resolve().as_uri()
+    return source
+
+
+@models_app.command("add")
+def models_add(
+    ctx: typer.Context,
+    model_id: Annotated[str, typer.Argument(help="Hugging Face style ID: name or org/name.")],
+    source: Annotated[str, typer.Argument(help="file:///abs/dir, s3://bucket/prefix/, hf://org/name[@rev] or a local dir.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Register a model checkpoint (the same registration again is a no-op)."""
+    with _session(ctx) as client:
+        model = client.register_model(model_id, _source_uri(source))
+    _emit(
+        ctx,
+        as_json,
+        model,
+        lambda: stdout.print(
+            f"model {model.model_id}: {model.architecture}, {model.num_parameters:,} parameters, "
+            f"{len(model.layers)} editable layers"
+        ),
+    )
+
+
+@models_app.command("list")
+def models_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Every registered model."""
+    with _session(ctx) as client:
+        models = client.list_models()
+    _emit(ctx, as_json, models, lambda: _render_models(models))
+
+
+@models_app.command("show")
+def models_show(ctx: typer.Context, model_id: str, as_json: JsonFlag = False) -> None:
+    """One model and its editable layers."""
+    with _session(ctx) as client:
+        model = client.get_model(model_id)
+    _emit(ctx, as_json, model, lambda: _render_model(model))
+
+
+# ---------------------------------------------------------------- concepts
+
+
+@concepts_app.command("add")
+def concepts_add(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL, one record per line.")],
+    model: Annotated[list[str], typer.Option("--model", "-m", help="Model to collect on (repeat for several).")],
+    name: Annotated[str | None, typer.Option(help="Concept name (default: the file's stem).")] = None,
+    role: Annotated[Role, typer.Option(help="target (to edit) or reference (shapes the universe).")] = Role.target,
+    description: Annotated[str | None, typer.Option(help="Free text kept with the concept.")] = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Upload a concept dataset and watch its statistics being collected on each model."""
+    name = name or file.stem
+    with _session(ctx) as client:
+        submission = client.add_concept(
+            name, model, jsonl_path=file, role=role.value, description=description, callback_url=callback_url
+        )
+        stderr.print(f"concept {name}: {submission.concept.num_records} records, collecting on {', '.join(model)}")
+        jobs = submission.jobs
+        if not no_wait and jobs:
+            jobs = _watch(client, [job.job_id for job in jobs])
+        concept = client.get_concept(name) if not no_wait else submission.concept
+    _emit(ctx, as_json, {"concept": concept, "jobs": jobs}, lambda: _print_lines(_concept_state_lines(concept)))
+    for job in jobs:
+        if job.status in {"failed", "cancelled"}:
+            _job_failed(job)
+
+
+@concepts_app.command("list")
+def concepts_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Every concept with its collection status per model."""
+    with _session(ctx) as client:
+        concepts = client.list_concepts()
+    _emit(ctx, as_json, concepts, lambda: _render_concepts(concepts))
+
+
+@concepts_app.command("show")
+def concepts_show(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
+    """One concept."""
+    with _session(ctx) as client:
+        concept = client.get_concept(name)
+    _emit(ctx, as_json, concept, lambda: _render_concept(concept))
+
+
+@concepts_app.command("delete")
+def concepts_delete(ctx: typer.Context, name: str) -> None:
+    """Delete a concept (its statistics and the variants built from it stay)."""
+    with _session(ctx) as client:
+        client.delete_concept(name)
+    stderr.print(f"deleted concept {name}")
+
+
+# ---------------------------------------------------------------- unlearn and compose
+
+
+def _edit_options(
+    scaling: Scaling | None,
+    module: list[str] | None,
+    layer: list[int] | None,
+    rcond: float | None,
+    reference: list[str] | None,
+    fmt: Format | None,
+    lora_rank: int | None,
+    callback_url: str | None,
+) -> dict[str, Any]:
+    """The client's keyword arguments; an option not given stays None and is not sent."""
+    return {
+        "scaling": scaling.value if scaling else None,
+        "modules": module or None,  # typer gives [] for a repeatable option that was not used
+        "layers": layer or None,
+        "rcond": rcond,
+        "reference": reference or None,
+        "format": fmt.value if fmt else None,
+        "lora_rank": lora_rank,
+        "callback_url": callback_url,
+    }
+
+
+def _build_and_fetch(
+    ctx: typer.Context,
+    client: EngramClient,
+    submission: VariantSubmission,
+    out: Path | None,
+    force: bool,
+    no_wait: bool,
+    as_json: bool,
+) -> None:
+    """Watch a submitted variant's build (unless it exists already), then download it to ``out``."""
+    variant = submission.variant
+    if no_wait and variant.status != "ready":
+        stderr.print(f"variant {variant.variant_id}: {variant.status}")
+        _emit(ctx, as_json, submission, lambda: stdout.print(variant.variant_id))
+        return
+    if variant.status == "ready":
+        stderr.print(f"variant {variant.variant_id} exists already")
+    else:
+        job_id = submission.job.job_id if submission.job else variant.job_id
+        stderr.print(f"building variant {variant.variant_id}")
+        if job_id:
+            job = _watch(client, [job_id])[0]
+            if job.status != "succeeded":
+                _job_failed(job)
+        variant = client.wait_for_variant(variant.variant_id)
+    if out is not None:
+        _download(client, variant, out, force)
+    _emit(ctx, as_json, variant, lambda: _render_variant(variant))
+
+
+@app.command()
+def unlearn(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model to edit.")],
+    concept: Annotated[list[str], typer.Option("--concept", "-c", help="Concept to remove (repeat for several).")],
+    alpha: Annotated[float, typer.Option(help="Strength α in W − α Σ_k f_l W_k⁺.")] = 1.0,
+    out: OutDir = None,
+    force: Force = False,
+    scaling: ScalingOpt = None,
+    module: ModuleOpt = None,
+    layer: LayerOpt = None,
+    rcond: RcondOpt = None,
+    reference: ReferenceOpt = None,
+    fmt: FormatOpt = None,
+    lora_rank: LoraRankOpt = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Remove concepts from a model; watch the build and download the variant with --out."""
+    options = _edit_options(scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url)
+    with _session(ctx) as client:
+        submission = client.unlearn(model, concept, alpha, **options)
+        _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)
+
+
+def _parse_terms(terms: Sequence[str]) -> dict[str, float]:
+    """``NAME=COEFFICIENT`` pairs; a concept given twice is a usage error rather than a silent overwrite."""
+    parsed: dict[str, float] = {}
+    for term in terms:
+        name, sep, value = term.rpartition("=")
+        try:
+            coefficient = float(value)
+        except ValueError:
+            coefficient = None
+        if not sep or not name or coefficient is None:
+            raise typer.BadParameter(f"{term!r} is not NAME=COEFFICIENT (e.g. forget=-0.5)", param_hint="--term")
+        if name in parsed:
+            raise typer.BadParameter(f"concept {name!r} appears twice", param_hint="--term")
+        parsed[name] = coefficient
+    return parsed
+
+
+@app.command()
+def compose(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model to edit.")],
+    term: Annotated[list[str], typer.Option("--term", "-t", help="NAME=COEFFICIENT (repeat); negative removes.")],
+    out: OutDir = None,
+    force: Force = False,
+    scaling: ScalingOpt = None,
+    module: ModuleOpt = None,
+    layer: LayerOpt = None,
+    rcond: RcondOpt = None,
+    reference: ReferenceOpt = None,
+    fmt: FormatOpt = None,
+    lora_rank: LoraRankOpt = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Engram arithmetic W + Σ c_k f_l W_k⁺; watch the build and download the variant with --out."""
+    terms = _parse_terms(term)
+    options = _edit_options(scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url)
+    with _session(ctx) as client:
+        submission = client.compose(model, terms, **options)
+        _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@jobs_app.command("watch")
+def jobs_watch(ctx: typer.Context, job_id: str, as_json: JsonFlag = False) -> None:
+    """Show a job's progress until it ends; exit 0 when it succeeded, 1 when it failed or was cancelled."""
+    with _session(ctx) as client:
+        job = _watch(client, [job_id])[0]
+    _emit(ctx, as_json, job, lambda: _render_job(job))
+    if job.status != "succeeded":
+        _job_failed(job)
+
+
+@jobs_app.command("show")
+def jobs_show(ctx: typer.Context, job_id: str, as_json: JsonFlag = False) -> None:
+    """A job's status and progress."""
+    with _session(ctx) as client:
+        job = client.get_job(job_id)
+    _emit(ctx, as_json, job, lambda: _render_job(job))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(ctx: typer.Context, job_id: str, as_json: JsonFlag = False) -> None:
+    """Cancel a job: a queued one at once, a running one at its next checkpoint."""
+    with _session(ctx) as client:
+        job = client.cancel_job(job_id)
+    if job.status not in FINISHED:
+        stderr.print(f"cancellation of job {job_id} requested; it stops at its next checkpoint")
+    _emit(ctx, as_json, job, lambda: _render_job(job))
+
+
+# ---------------------------------------------------------------- variants
+
+
+@variants_app.command("list")
+def variants_list(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only the variants of this model.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Every variant (or one model's) with its terms, options and status."""
+    with _session(ctx) as client:
+        variants = client.list_variants(model)
+    _emit(ctx, as_json, variants, lambda: _render_variants(variants))
+
+
+@variants_app.command("show")
+def variants_show(ctx: typer.Context, variant_id: str, as_json: JsonFlag = False) -> None:
+    """A variant: terms, options, status and files."""
+    with _session(ctx) as client:
+        variant = client.get_variant(variant_id)
+    _emit(ctx, as_json, variant, lambda: _render_variant(variant))
+
+
+@variants_app.command("download")
+def variants_download(
+    ctx: typer.Context,
+    variant_id: str,
+    out: Annotated[Path, typer.Option("--out", "-o", help="A new directory for the variant's files.")],
+    force: Force = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Download a ready variant; every file's size and sha256 is verified before the directory appears."""
+    with _session(ctx) as client:
+        variant = client.get_variant(variant_id)
+        _download(client, variant, out, force)
+    _emit(ctx, as_json, variant, lambda: None)
+
+
+if __name__ == "__main__":
+    app()

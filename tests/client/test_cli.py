@@ -1,0 +1,327 @@
+"""The ``engram`` CLI, run as a real process against the real server (``live_server``).
+
+Every command runs ``python -m service.client.cli`` in a subprocess with ``ENGRAM_URL`` pointing at
+the session's server, with stdout and stderr captured (not a terminal), so progress shows as the
+plain lines a CI log gets. Module fixtures build on each other the way a user does: register the
+model, upload a target and a reference concept, unlearn. Names are prefixed ``cli`` so they cannot
+collide with other modules on the shared server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.demo import make_facts
+from tests.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
+
+MODEL = "cli/tiny"
+FACTS = make_facts(40, seed=7)
+FORGET = [{"prompt": p, "completion": c} for p, c in FACTS[:12]]
+RETAIN = [{"prompt": p, "completion": c} for p, c in FACTS[12:36]]
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run_cli(
+    url: str, *args: str | Path, api_key: str | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``engram ARGS`` as a subprocess with ENGRAM_URL (and ENGRAM_API_KEY) set; no other ENGRAM_* leaks in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_") and k != "COLUMNS"}
+    env.update(ENGRAM_URL=url, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    if api_key is not None:
+        env["ENGRAM_API_KEY"] = api_key
+    command = [sys.executable, "-m", "service.client.cli", *map(str, args)]
+    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """Assert exit code 0 (showing both streams otherwise) and that nothing printed a traceback."""
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def failed(result: subprocess.CompletedProcess[str], *mentions: str) -> str:
+    """Assert exit code 1, no traceback, and every ``mentions`` on stderr; return stderr."""
+    assert result.returncode == 1, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    for mention in mentions:
+        assert mention in result.stderr, result.stderr
+    return result.stderr
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- the flow, one step per fixture
+
+
+@dataclass
+class Flow:
+    url: str
+    data: Path  # the JSONL files
+    collect_forget: subprocess.CompletedProcess[str]
+    collect_retain: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def registered(live_server: LiveServer, tiny_llama_dir: Path) -> str:
+    """``engram models add cli/tiny file://...``: the service's base URL once it succeeded."""
+    result = ok(run_cli(live_server.base_url, "models", "add", MODEL, f"file://{tiny_llama_dir}"))
+    assert f"model {MODEL}: LlamaForCausalLM" in result.stdout
+    return live_server.base_url
+
+
+@pytest.fixture(scope="module")
+def flow(registered: str, tmp_path_factory: pytest.TempPathFactory) -> Flow:
+    """Both concepts uploaded and collected: ``cli-forget`` (name from the file stem) and ``cli-retain``."""
+    data = tmp_path_factory.mktemp("cli-data")
+    forget = write_jsonl(data / "cli-forget.jsonl", FORGET)
+    retain = write_jsonl(data / "retain.jsonl", RETAIN)
+    collect_forget = ok(run_cli(registered, "concepts", "add", forget, "--model", MODEL))
+    collect_retain = ok(
+        run_cli(registered, "concepts", "add", retain, "-m", MODEL, "--name", "cli-retain", "--role", "reference")
+    )
+    return Flow(registered, data, collect_forget, collect_retain)
+
+
+@pytest.fixture(scope="module")
+def unlearned(flow: Flow, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``engram unlearn cli/tiny --concept cli-forget --alpha 0.8 --out DIR``, its output and DIR."""
+    out = tmp_path_factory.mktemp("cli-variant") / "forgot"
+    result = ok(run_cli(flow.url, "unlearn", MODEL, "--concept", "cli-forget", "--alpha", "0.8", "--out", out))
+    return result, out
+
+
+def variant_json(url: str, *args: str | Path) -> dict[str, Any]:
+    return json.loads(ok(run_cli(url, "--json", *args)).stdout)
+
+
+# ---------------------------------------------------------------- models and concepts
+
+
+def test_models_list_and_show_as_table_and_json(registered: str) -> None:
+    table = ok(run_cli(registered, "models", "list")).stdout
+    assert MODEL in table and "LlamaForCausalLM" in table
+    models = json.loads(ok(run_cli(registered, "--json", "models", "list")).stdout)
+    assert MODEL in {m["model_id"] for m in models}
+    shown = json.loads(ok(run_cli(registered, "models", "show", MODEL, "--json")).stdout)
+    assert shown["model_id"] == MODEL and shown["layers"]
+    assert "model.layers.0.self_attn.q_proj" in ok(run_cli(registered, "models", "show", MODEL)).stdout
+
+
+def test_models_add_again_is_a_no_op(registered: str, tiny_llama_dir: Path) -> None:
+    again = json.loads(ok(run_cli(registered, "--json", "models", "add", MODEL, f"file://{tiny_llama_dir}")).stdout)
+    assert again["model_id"] == MODEL
+
+
+def collect_line(stderr: str) -> re.Match[str]:
+    """The last plain progress line of a collection job, parsed."""
+    lines = [line for line in stderr.splitlines() if line.startswith("collect job ")]
+    assert lines, stderr
+    last = lines[-1]
+    match = re.fullmatch(r"collect job ([0-9a-f]+) (\d+)/(\d+) tokens \((\d+)%\) (\w+)", last)
+    assert match, last
+    return match
+
+
+def test_concepts_add_shows_token_progress_until_ready(flow: Flow) -> None:
+    for result, name in ((flow.collect_forget, "cli-forget"), (flow.collect_retain, "cli-retain")):
+        concept = variant_json(flow.url, "concepts", "show", name)
+        state = concept["models"][MODEL]
+        assert state["status"] == "ready"
+        job_id, done, total, percent, status = collect_line(result.stderr).groups()
+        assert (job_id, status, percent) == (state["job_id"], "succeeded", "100")
+        assert int(done) == int(total) == state["tokens"] > 0
+        assert f"{name} on {MODEL}: ready ({state['tokens']} tokens)" in result.stdout
+    assert "cli-forget: 12 records" in flow.collect_forget.stderr  # the name came from the file's stem
+    assert variant_json(flow.url, "concepts", "show", "cli-retain")["role"] == "reference"
+
+
+def test_concepts_list_and_json_output_of_add(flow: Flow) -> None:
+    listing = ok(run_cli(flow.url, "concepts", "list")).stdout
+    assert "cli-forget" in listing and "cli-retain" in listing
+    # Posting the same dataset again is idempotent: --json gives the concept and its finished job.
+    again = json.loads(
+        ok(run_cli(flow.url, "--json", "concepts", "add", flow.data / "cli-forget.jsonl", "-m", MODEL)).stdout
+    )
+    assert again["concept"]["models"][MODEL]["status"] == "ready"
+    assert [job["status"] for job in again["jobs"]] == ["succeeded"]
+
+
+def test_failed_collection_exits_1_with_its_problem(flow: Flow) -> None:
+    # A prompt longer than the service's max_length leaves no completion token to count: the job fails.
+    path = write_jsonl(flow.data / "cli-truncated.jsonl", [{"prompt": "lorem ipsum " * 400, "completion": "gone"}])
+    stderr = failed(run_cli(flow.url, "concepts", "add", path, "-m", MODEL), "failed", "no record has a token")
+    job_id = variant_json(flow.url, "concepts", "show", "cli-truncated")["models"][MODEL]["job_id"]
+    assert f"collect job {job_id} " in stderr
+    failed(run_cli(flow.url, "jobs", "watch", job_id), f"collect job {job_id} failed", "no record has a token")
+    ok(run_cli(flow.url, "concepts", "delete", "cli-truncated"))
+    failed(run_cli(flow.url, "concepts", "show", "cli-truncated"), "Not found (404)")
+
+
+def test_cancelled_job_watch_exits_1(flow: Flow) -> None:
+    # Long enough (about a million tokens) that the cancel lands long before the collection could end.
+    texts = [f"{p} {c}" for p, c in FACTS]
+    records = [{"text": " ".join(texts[(i + k) % len(texts)] for k in range(12))} for i in range(1500)]
+    path = write_jsonl(flow.data / "cli-long.jsonl", records)
+    submitted = variant_json(flow.url, "concepts", "add", path, "-m", MODEL, "--no-wait")
+    job_id = submitted["jobs"][0]["job_id"]
+    ok(run_cli(flow.url, "jobs", "cancel", job_id))
+    failed(run_cli(flow.url, "jobs", "watch", job_id), f"collect job {job_id} cancelled")
+    ok(run_cli(flow.url, "concepts", "delete", "cli-long"))
+
+
+# ---------------------------------------------------------------- unlearn, jobs, variants
+
+
+def test_unlearn_downloads_a_verified_checkpoint_that_loads(
+    unlearned: tuple[subprocess.CompletedProcess[str], Path], flow: Flow, tiny_llama_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    result, out = unlearned
+    variant_id = re.search(r"variant ([0-9a-f]{32}) in ", result.stderr).group(1)  # type: ignore[union-attr]
+    variant = variant_json(flow.url, "variants", "show", variant_id)
+    assert variant["terms"] == {"cli-forget": -0.8} and variant["alpha"] == 0.8
+    assert sorted(variant["reference"]) == ["cli-forget", "cli-retain"]
+    assert re.search(r"^variant job [0-9a-f]+ (\d+)/\1 layers \(100%\) succeeded$", result.stderr, re.MULTILINE), (
+        result.stderr
+    )
+    assert re.search(r"^download [0-9a-f]{32} .*\(100%\)$", result.stderr, re.MULTILINE), result.stderr
+    assert {p.name for p in out.iterdir()} == {f["path"] for f in variant["files"]}
+    for entry in variant["files"]:
+        assert sha256(out / entry["path"]) == entry["sha256"], entry
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no staging directory left behind
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    edited = AutoModelForCausalLM.from_pretrained(out)
+    base_weights, edited_weights = base.state_dict(), edited.state_dict()
+    assert base_weights.keys() == edited_weights.keys()
+    changed = [k for k in base_weights if not torch.equal(base_weights[k], edited_weights[k])]
+    assert any("q_proj" in k for k in changed), changed
+    assert all(torch.isfinite(edited_weights[k]).all() for k in changed)
+
+
+def test_unlearn_again_downloads_the_existing_variant(
+    unlearned: tuple[subprocess.CompletedProcess[str], Path], flow: Flow, tmp_path: Path
+) -> None:
+    first, out = unlearned
+    again = ok(run_cli(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--alpha", "0.8", "--out", tmp_path / "again"))
+    assert "exists already" in again.stderr and "variant job" not in again.stderr
+    assert {p.name: sha256(p) for p in (tmp_path / "again").iterdir()} == {p.name: sha256(p) for p in out.iterdir()}
+    # The same --out again holds exactly the verified files: nothing to do, exit 0.
+    ok(run_cli(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--alpha", "0.8", "--out", out))
+    # Another directory with other content is refused without --force ...
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    failed(run_cli(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--alpha", "0.8", "--out", other), "--force")
+    assert (other / "keep.txt").read_text() == "mine"
+    # ... and replaced with it.
+    ok(run_cli(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--alpha", "0.8", "--out", other, "--force"))
+    assert {p.name for p in other.iterdir()} == {p.name for p in out.iterdir()}
+
+
+def test_jobs_watch_show_and_cancel_a_finished_build(
+    unlearned: tuple[subprocess.CompletedProcess[str], Path], flow: Flow
+) -> None:
+    job_id = re.search(r"^variant job ([0-9a-f]+) ", unlearned[0].stderr, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    layers = len(variant_json(flow.url, "models", "show", MODEL)["layers"])
+    watched = ok(run_cli(flow.url, "jobs", "watch", job_id))
+    assert f"variant job {job_id} {layers}/{layers} layers (100%) succeeded" in watched.stderr
+    assert f"variant job {job_id}: succeeded" in watched.stdout
+    shown = variant_json(flow.url, "jobs", "show", job_id)
+    assert shown["status"] == "succeeded" and shown["progress"] == {"done": layers, "total": layers, "unit": "layers"}
+    assert variant_json(flow.url, "jobs", "cancel", job_id)["status"] == "succeeded"  # too late: nothing changes
+
+
+def test_variants_list_shows_the_variant(unlearned: tuple[subprocess.CompletedProcess[str], Path], flow: Flow) -> None:
+    variant_id = re.search(r"variant ([0-9a-f]{32}) in ", unlearned[0].stderr).group(1)  # type: ignore[union-attr]
+    table = ok(run_cli(flow.url, "variants", "list")).stdout
+    row = next(line for line in table.splitlines() if variant_id in line)
+    assert MODEL in row and "cli-forget=-0.8" in row and "ready" in row
+    mine = variant_json(flow.url, "variants", "list", "--model", MODEL)
+    assert variant_id in {v["variant_id"] for v in mine} and {v["model_id"] for v in mine} == {MODEL}
+
+
+def test_compose_terms_json_and_download(flow: Flow, tmp_path: Path) -> None:
+    out = tmp_path / "composed"
+    composed = variant_json(
+        flow.url, "compose", MODEL, "--term", "cli-forget=0.5", "--term", "cli-retain=-0.25", "--format", "delta", "-o", out
+    )
+    assert composed["terms"] == {"cli-forget": 0.5, "cli-retain": -0.25} and composed["format"] == "delta"
+    assert [p.name for p in out.iterdir()] == ["delta.safetensors"]
+    downloaded = variant_json(flow.url, "variants", "download", composed["variant_id"], "--out", tmp_path / "again")
+    assert downloaded["variant_id"] == composed["variant_id"]
+    assert sha256(tmp_path / "again" / "delta.safetensors") == sha256(out / "delta.safetensors")
+
+
+def test_bad_term_is_a_usage_error(flow: Flow) -> None:
+    result = run_cli(flow.url, "compose", MODEL, "--term", "cli-forget")
+    assert result.returncode == 2 and "NAME=COEFFICIENT" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("args", "title", "detail"),
+    [
+        (["models", "show", "cli/missing"], "Not found (404)", "cli/missing"),
+        (["models", "add", MODEL, "file:///nowhere/else"], "Conflict (409)", "already registered"),
+        (["unlearn", MODEL, "-c", "cli-forget", "--alpha", "500"], "Invalid input (422)", "alpha"),
+        (["unlearn", MODEL, "-c", "cli-unknown"], "Not found (404)", "cli-unknown"),
+        (["jobs", "watch", "nope"], "Not found (404)", "job nope does not exist"),
+    ],
+    ids=["404-model", "409-model", "422-alpha", "404-concept", "404-job"],
+)
+def test_problem_prints_title_and_detail_and_exits_1(flow: Flow, args: list[str], title: str, detail: str) -> None:
+    stderr = failed(run_cli(flow.url, *args), title, detail)
+    assert stderr.startswith(title), stderr
+
+
+def test_unreachable_service_is_a_clear_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    failed(run_cli(url, "models", "list"), "Connection error", url, "could not be reached", "ENGRAM_URL")
+
+
+# ---------------------------------------------------------------- API keys
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama_dir: Path) -> Iterator[tuple[str, str]]:
+    """A server of this module's own with one ``write`` key (the session's server has no auth): (URL, key)."""
+    root = tmp_path_factory.mktemp("cli-auth")
+    key = secrets.token_urlsafe(24)
+    server = start_server(root / "store", model_root, root / "server.log", ENGRAM_API_KEYS=f"{key}:write")
+    try:
+        yield server.base_url, key
+    finally:
+        stop_server(server)
+
+
+def test_api_key_from_environment_or_option(secured: tuple[str, str], tiny_llama_dir: Path) -> None:
+    url, key = secured
+    failed(run_cli(url, "models", "list"), "Unauthorized (401)")
+    failed(run_cli(url, "models", "list", api_key="wrong-key-of-enough-length"), "Unauthorized (401)")
+    ok(run_cli(url, "models", "add", MODEL, tiny_llama_dir, api_key=key))  # a bare local dir becomes file://
+    assert MODEL in ok(run_cli(url, "models", "list", api_key=key)).stdout
+    assert MODEL in ok(run_cli(url, "--api-key", key, "models", "list")).stdout
+    failed(run_cli(url, "jobs", "cancel", "some-job", api_key=key), "Forbidden (403)")  # cancelling needs admin
