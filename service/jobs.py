@@ -54,9 +54,13 @@ def new_job(kind: JobKind, payload: dict[str, Any], unit: str, callback_urls: li
     }
 
 
+_SUBJECT = ("model_id", "concept", "variant_id")  # what a job is about, from its payload
+
+
 def public_view(job: dict[str, Any]) -> dict[str, Any]:
     """The job as the API shows it (and as callbacks carry it): no payload, no internals."""
-    return {k: job.get(k) for k in Job.model_fields}
+    payload = job.get("payload") or {}
+    return {k: payload.get(k) if k in _SUBJECT else job.get(k) for k in Job.model_fields}
 
 
 def valid_job_id(job_id: str) -> bool:

@@ -26,6 +26,15 @@ def problem_response(status: int, title: str, detail: str, slug: str, **extra: A
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
 
 
+RETRY_AFTER_S = 5  # a dependency that went away usually comes back within seconds (restart, failover)
+
+
+def _unavailable(detail: str) -> JSONResponse:
+    """503 with ``Retry-After``, so clients back off instead of hammering a recovering service."""
+    problem = ServiceUnavailable(detail).to_problem()
+    return JSONResponse(problem, status_code=503, media_type=PROBLEM_JSON, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(_: Request, exc: ProblemError) -> JSONResponse:
@@ -33,12 +42,10 @@ def install_problem_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StorageUnavailable)
     async def _storage(_: Request, exc: StorageUnavailable) -> JSONResponse:
-        problem = ServiceUnavailable(f"storage is unavailable: {exc}")
-        return JSONResponse(problem.to_problem(), status_code=503, media_type=PROBLEM_JSON)
+        return _unavailable(f"storage is unavailable: {exc}")
 
     async def _broker(_: Request, exc: Exception) -> JSONResponse:
-        problem = ServiceUnavailable(f"the job broker is unavailable: {type(exc).__name__}")
-        return JSONResponse(problem.to_problem(), status_code=503, media_type=PROBLEM_JSON)
+        return _unavailable(f"the job broker is unavailable: {type(exc).__name__}")
 
     app.add_exception_handler(redis.exceptions.RedisError, _broker)
     app.add_exception_handler(kombu.exceptions.OperationalError, _broker)  # sending a task failed

@@ -144,6 +144,7 @@ def test_collection_callback_is_signed_and_retried_after_a_failure(server: LiveS
     assert {c["headers"]["webhook-id"] for c in calls} == {job_id}  # idempotency key: the job ID
     data = _assert_signed_job(calls[1], job_id)
     assert data["status"] == job["status"] == "succeeded"
+    assert (data["kind"], data["concept"], data["model_id"]) == ("collect", "cb-forget", MODEL)  # what it was for
     assert data["progress"] == job["progress"]
     time.sleep(1.0)  # delivered once it succeeded: no further POSTs
     assert len(receiver.deliveries(job_id)) == 2
@@ -163,6 +164,7 @@ def test_unlearn_callback_and_an_existing_variant_calls_back_at_once(server: Liv
     assert wait_for_job(server.client, job_id)["status"] == "succeeded"
     data = _assert_signed_job(receiver.wait_for(job_id, count=1)[0], job_id)
     assert data["kind"] == "variant" and data["result"]["variant_id"] == submitted.json()["variant"]["variant_id"]
+    assert data["variant_id"] == data["result"]["variant_id"] and data["model_id"] == MODEL
 
     # The same variant again with another allowed URL: it exists (200), and that URL hears of it too.
     other = receiver.url + "?pipeline=2"

@@ -88,6 +88,8 @@ def test_s3_outage_is_503_and_the_job_survives_it(s3_cluster: Cluster, seaweed: 
             response = client.get(path)
             assert response.status_code == 503, (path, response.text)
             assert response.headers["content-type"].startswith("application/problem+json")
+            if path != "/readyz":  # a probe, not a request to retry
+                assert int(response.headers["retry-after"]) > 0, response.headers
         refused = client.post("/concepts", json={**body, "name": "during-outage"})
         assert refused.status_code == 503, refused.text
         s3_cluster.start_worker()  # it takes the job, fails to reach S3, and retries with backoff
