@@ -188,6 +188,7 @@ class Variant(BaseModel):
     alpha: float | None
     scaling: str
     format: str
+    lora_rank: int | None = None
     modules: list[str] | None = None
     layers: list[int] | None = None
     rcond: float | None = None
@@ -195,6 +196,9 @@ class Variant(BaseModel):
     status: Literal["building", "ready", "failed"]
     job_id: str | None = None
     files: list[VariantFile] = []
+    lora: dict[str, Any] | None = Field(
+        default=None, description='format "peft", once ready: rank and relative error per layer, and totals'
+    )
 
 
 class VariantSubmission(BaseModel):

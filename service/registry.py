@@ -24,6 +24,7 @@ from service import callbacks
 from service.config import Settings
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, unmatched_suffixes
+from service.engine.lora import EXACT_RTOL
 from service.engine.records import Record, RecordError
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import FINISHED, JobStore, new_job, utc_now
@@ -332,6 +333,12 @@ def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: lis
         raise InvalidInput("the modules/layers selection matches no editable layer")
 
 
+def _check_lora_rank(options: dict[str, Any]) -> None:
+    """``lora_rank`` shapes a peft adapter only: with another format it would be silently ignored."""
+    if options.get("lora_rank") is not None and options.get("format") != "peft":
+        raise InvalidInput(f'lora_rank applies to format "peft" only, not {options.get("format")!r}')
+
+
 def submit_variant(
     ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -341,6 +348,7 @@ def submit_variant(
         (variant view, the building job or None when the variant was already there).
     """
     urls = callbacks.check_optional_url(options.get("callback_url"), ctx.settings)
+    _check_lora_rank(options)
     model = get_model(ctx, model_id)
     layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, options.get("modules"), options.get("layers"))
@@ -356,6 +364,8 @@ def submit_variant(
         "stats": sorted({resolved[n]["prefix"] for n in universe_names}),
         **{k: options.get(k) for k in ("scaling", "modules", "layers", "rcond", "format")},
     }
+    if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
+        identity["lora"] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
     variant_id = canonical_digest(identity)[:32]
     request = {
         "variant_id": variant_id,
@@ -364,6 +374,7 @@ def submit_variant(
         "alpha": alpha,
         "reference": reference,
         **{k: options.get(k) for k in ("scaling", "modules", "layers", "rcond", "format")},
+        "lora_rank": options.get("lora_rank"),
         "term_stats": {n: resolved[n]["prefix"] for n in terms},
         "universe_stats": sorted({resolved[n]["prefix"] for n in universe_names}),
     }
@@ -390,7 +401,9 @@ def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
     return ctx.storage.find_json(f"variants/{variant_id}/manifest.json") if variant_id.isalnum() else None
 
 
-VARIANT_FIELDS = ("variant_id", "model_id", "terms", "alpha", "scaling", "format", "modules", "layers", "rcond")
+VARIANT_FIELDS = (
+    "variant_id", "model_id", "terms", "alpha", "scaling", "format", "lora_rank", "modules", "layers", "rcond"
+)
 
 
 def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
@@ -401,7 +414,7 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     view.update(reference=request["reference"], job_id=request.get("job_id"), files=[])
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
-        view.update(status="ready", files=manifest["files"])
+        view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
         return view
     job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
     view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"

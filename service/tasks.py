@@ -34,8 +34,9 @@ from service.engine.checkpoint import (
     write_delta,
 )
 from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
-from service.engine.compose import EditError, EngramAlgebra, layer_edits, layer_scales
+from service.engine.compose import EditError, EngramAlgebra, layer_deltas, layer_edits, layer_scales
 from service.engine.layers import select_layers
+from service.engine.lora import layer_loras, write_adapter
 from service.engine.records import encode_record, make_batches, pad_token_id
 from service.engine.stats_io import load_statistics, save_statistics
 from service.errors import JobFailed, ProblemError
@@ -296,12 +297,14 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         scales = layer_scales(layers, algebra, reader.layer_weights, request["scaling"])
         with scratch_dir("variant") as tmp:
             out = Path(tmp)
-            _write_variant(out, reader, layout, layers, algebra, scales, request, progress)
+            lora = _write_variant(out, reader, layout, layers, algebra, scales, request, progress)
             files = _upload_variant(ctx, variant_id, out)
     except EditError as exc:
         raise JobFailed(str(exc)) from None
     seconds = time.monotonic() - started
     published = {"variant_id": variant_id, "files": files, "scales": scales, "seconds": round(seconds, 3)}
+    if lora is not None:
+        published["lora"] = lora  # per-layer ranks and errors of a peft adapter, shown on the variant
     ctx.storage.put_json(f"variants/{variant_id}/manifest.json", published)  # last: the variant now exists
     return {"variant_id": variant_id, "reused": False, "layers": len(scales), "seconds": round(seconds, 3)}
 
@@ -354,7 +357,8 @@ def _write_variant(
     scales: dict[str, float],
     request: dict[str, Any],
     progress: _Progress,
-) -> None:
+) -> dict[str, Any] | None:
+    """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     selected = {spec.name for spec in layers}
 
     def edits_for(shard_layers: list[Any]) -> Any:
@@ -363,9 +367,17 @@ def _write_variant(
 
     if request["format"] == "checkpoint":
         write_checkpoint(reader.path, out, layout, edits_for, on_layer=progress.advance)
-        return
+        return None
+    if request["format"] == "peft":
+        # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
+        rank = request.get("lora_rank")
+        loras = layer_loras(layer_deltas(layers, algebra, reader.layer_weights, scales), rank)
+        return write_adapter(
+            out, request["model_id"], loras, max_rank=rank, tied=layout.tied_partners, on_layer=progress.advance
+        )
     metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
     write_delta(reader.path, out / "delta.safetensors", layout, edits_for(layers), metadata, on_layer=progress.advance)
+    return None
 
 
 def _upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:

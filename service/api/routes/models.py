@@ -13,7 +13,7 @@ from service.api.routes.jobs import job_view
 from service.engine.compose import coefficients_for_unlearn
 
 router = APIRouter(tags=["models"])
-EDIT_OPTIONS = ("scaling", "modules", "layers", "rcond", "reference", "format", "callback_url")
+EDIT_OPTIONS = ("scaling", "modules", "layers", "rcond", "reference", "format", "lora_rank", "callback_url")
 
 
 @router.post("/models", response_model=Model, status_code=201)

@@ -1,0 +1,314 @@
+"""LoRA adapters of engram edits (``service.engine.lora``), checked against peft itself.
+
+peft is real here: adapters are loaded with ``PeftModel.from_pretrained`` and compared with the
+checkpoint variant of the same edit, and key names with what ``get_peft_model(...).save_pretrained``
+writes for the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from service.demo import make_facts
+from service.engine.checkpoint import (
+    CheckpointReader,
+    ModelLayout,
+    inspect_model_dir,
+    load_model,
+    load_tokenizer,
+    write_checkpoint,
+)
+from service.engine.collect import LayerStatistics, collect_statistics
+from service.engine.compose import EngramAlgebra, LayerDelta, layer_deltas, layer_edits, layer_scales
+from service.engine.layers import LayerSpec
+from service.engine.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    EXACT_RTOL,
+    REPORT_FILE,
+    factorize,
+    layer_lora,
+    layer_loras,
+    write_adapter,
+)
+from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
+
+HIDDEN = 32
+FLOAT64_TOL = 1e-12  # a float64 SVD reproduces its matrix to ~1e-15 relative
+# Float32 factors vs the float64 delta: the EXACT_RTOL cut's tail plus float32 rounding of B·A;
+# measured ≤ 9e-7 on these models.
+STORED_TOL = 1e-5
+# Merged or served adapter vs the checkpoint variant (which rounds W + ΔW to float32 in another
+# order): measured ≤ 8e-7 of ‖ΔW‖ per parameter and ≤ 1.2e-6 relative on logits.
+MERGE_TOL = 1e-5
+LOGIT_TOL = 1e-5
+GPT2_BLOCK_LAYERS = ("c_attn", "c_proj", "c_fc")  # every biased Conv1D; lm_head has no bias
+
+
+# ------------------------------------------------------------------------------------- fixtures
+
+
+class Case:
+    """A tiny checkpoint and an unlearning edit of a few short answers on it."""
+
+    def __init__(self, path: Path, forget: Sequence[Record], retain: Sequence[Record]) -> None:
+        self.path = path
+        self.layout: ModelLayout = inspect_model_dir(path)
+        self.reader = CheckpointReader(path, self.layout)
+        target, others = self._stats(forget), self._stats(retain)
+        self.forget_tokens = target.tokens
+        self.algebra = EngramAlgebra([(-1.0, target)], [target, others])
+
+    def _stats(self, records: Sequence[Record]) -> LayerStatistics:
+        model, tokenizer = load_model(self.path), load_tokenizer(self.path)
+        examples = [encode_record(tokenizer, r, 120) for r in records]
+        return collect_statistics(model, make_batches(examples, 8, pad_token_id(tokenizer)), self.layout.layers)
+
+    def layers(self, suffixes: Sequence[str] | None = None) -> list[LayerSpec]:
+        specs = self.layout.layers
+        return [s for s in specs if suffixes is None or s.name.rsplit(".", 1)[-1] in suffixes]
+
+    def deltas(self, layers: Sequence[LayerSpec]) -> list[LayerDelta]:
+        scales = layer_scales(layers, self.algebra, self.reader.layer_weights, "uniform")
+        return list(layer_deltas(layers, self.algebra, self.reader.layer_weights, scales))
+
+    def checkpoint(self, layers: Sequence[LayerSpec], target: Path) -> Path:
+        """The checkpoint variant of the same edit (what the adapter must reproduce)."""
+        scales = layer_scales(layers, self.algebra, self.reader.layer_weights, "uniform")
+        chosen = {s.name for s in layers}
+
+        def edits_for(specs: list[LayerSpec]) -> Any:
+            picked = [s for s in specs if s.name in chosen]
+            return layer_edits(picked, self.algebra, self.reader.layer_weights, scales)
+
+        target.mkdir()
+        write_checkpoint(self.path, target, self.layout, edits_for)
+        return target
+
+    def adapter(self, layers: Sequence[LayerSpec], target: Path, max_rank: int | None = None) -> dict[str, Any]:
+        target.mkdir()
+        loras = layer_loras(self.deltas(layers), max_rank)
+        return write_adapter(target, "org/tiny", loras, max_rank=max_rank, tied=self.layout.tied_partners)
+
+
+def qa_records(start: int, stop: int) -> list[Record]:
+    """Prompt/completion records: only the short answers enter Σ, so the edit has low rank."""
+    return [Record(prompt=p, completion=c) for p, c in make_facts(60, seed=3)[start:stop]]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("lora-models")
+    tokenizer = make_tokenizer()
+    forget, retain = qa_records(0, 3), qa_records(3, 60)
+    paths = {
+        "llama": make_tiny_llama(root / "llama", hidden=HIDDEN, layers=2, seed=0, tokenizer=tokenizer),
+        "llama_tied": make_tiny_llama(
+            root / "llama-tied", hidden=HIDDEN, layers=2, tie_word_embeddings=True, seed=1, tokenizer=tokenizer
+        ),
+        "gpt2": make_tiny_gpt2(root / "gpt2", hidden=HIDDEN, layers=2, seed=2, tokenizer=tokenizer),
+    }
+    return {name: Case(path, forget, retain) for name, path in paths.items()}
+
+
+def load_peft(base_dir: Path, adapter_dir: Path) -> PeftModel:
+    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    with warnings.catch_warnings():
+        # Expected and documented in service.engine.lora: tied lm_head, per-module fan_in_fan_out,
+        # adapter-wide lora_bias on a bias-free head.
+        warnings.simplefilter("ignore")
+        return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def logits(model: torch.nn.Module, path: Path) -> torch.Tensor:
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer([p + c for p, c in make_facts(6, seed=9)], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return model(**ids).logits
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+# ------------------------------------------------------------------------------------- factorization
+
+
+def low_rank(out: int, inp: int, rank: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(0, -3, rank, dtype=torch.float64)
+    return (torch.randn(out, rank, generator=gen, dtype=torch.float64) * scales) @ torch.randn(
+        rank, inp, generator=gen, dtype=torch.float64
+    )
+
+
+def test_factorize_is_exact_at_the_numerical_rank() -> None:
+    delta = low_rank(40, 30, rank=5)
+    factors = factorize(delta)
+    assert (factors.rank, factors.numerical_rank) == (5, 5)
+    assert factors.relative_error < FLOAT64_TOL
+    assert float((factors.up @ factors.down - delta).norm() / delta.norm()) < FLOAT64_TOL
+    assert factors.kept_energy == pytest.approx(1.0, abs=FLOAT64_TOL)
+    # Symmetric split: Bᵀ B = A Aᵀ = diag(S).
+    assert torch.allclose(factors.up.T @ factors.up, factors.down @ factors.down.T, atol=1e-12)
+
+
+def test_truncation_error_is_the_svd_tail_energy() -> None:
+    delta = low_rank(40, 30, rank=12, seed=1)
+    s = torch.linalg.svdvals(delta)
+    for cap in (1, 4, 8):
+        factors = factorize(delta, max_rank=cap)
+        tail = float(s[cap:].square().sum().sqrt() / s.norm())
+        assert factors.rank == cap and factors.numerical_rank == 12
+        assert factors.relative_error == pytest.approx(tail, rel=1e-9)
+        assert factors.kept_energy == pytest.approx(1.0 - tail**2, rel=1e-9)
+    assert factorize(delta, max_rank=64).rank == 12  # the cap never adds zero directions
+
+
+def test_zero_delta_gives_rank_one_zero_factors() -> None:
+    factors = factorize(torch.zeros(6, 4, dtype=torch.float64))
+    assert (factors.rank, factors.numerical_rank, factors.relative_error) == (1, 0, 0.0)
+    assert not factors.up.any() and not factors.down.any()
+
+
+@pytest.mark.parametrize(
+    ("delta", "max_rank", "message"),
+    [
+        (torch.ones(3), None, "matrix"),
+        (torch.ones(3, 3), 0, "max_rank"),
+        (torch.tensor([[1.0, math.inf]]), None, "finite"),
+    ],
+)
+def test_factorize_rejects_bad_input(delta: torch.Tensor, max_rank: int | None, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        factorize(delta, max_rank)
+
+
+# ------------------------------------------------------------------------------------- engram edits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_layer_lora_is_exact_when_the_concept_is_narrower_than_the_layer(cases: dict[str, Case], arch: str) -> None:
+    case = cases[arch]
+    assert case.forget_tokens < HIDDEN, "the fixture must hold fewer answer tokens than the layers are wide"
+    for item in case.deltas(case.layers()):
+        lora = layer_lora(item)
+        spec = item.spec
+        # Singular values cut at EXACT_RTOL·σ₁ bound the dropped tail by sqrt(D)·EXACT_RTOL.
+        bound = math.sqrt(min(spec.in_features, spec.out_features)) * EXACT_RTOL
+        assert lora.numerical_rank <= case.forget_tokens, spec.name
+        assert lora.relative_error <= bound, (spec.name, lora.relative_error)
+        product = lora.lora_B.double() @ lora.lora_A.double()
+        assert rel(product, item.delta[:, : spec.in_features]) <= STORED_TOL, spec.name
+        assert lora.lora_A.dtype == lora.lora_B.dtype == torch.float32
+        if spec.bias:
+            assert lora.bias is not None
+            assert torch.allclose(lora.bias.double(), item.delta[:, spec.in_features], rtol=1e-6, atol=1e-9)
+
+
+def test_layer_lora_truncates_to_the_cap_with_the_tail_error(cases: dict[str, Case]) -> None:
+    case = cases["llama"]
+    for item in case.deltas(case.layers()):
+        lora = layer_lora(item, max_rank=2)
+        s = torch.linalg.svdvals(item.delta[:, : item.spec.in_features])
+        tail = float(s[2:].square().sum().sqrt() / s.norm())
+        assert lora.rank == 2
+        assert lora.relative_error == pytest.approx(tail, rel=1e-6), item.spec.name
+        assert lora.stored_relative_error == pytest.approx(tail, rel=1e-3), item.spec.name
+
+
+# ------------------------------------------------------------------------------------- with peft
+
+
+def test_adapter_files_load_with_peft_and_match_its_own_keys(cases: dict[str, Case], tmp_path: Path) -> None:
+    """Our keys and shapes equal what get_peft_model(config).save_pretrained writes for our config."""
+    for arch in ("llama", "gpt2"):
+        case = cases[arch]
+        ours = tmp_path / f"{arch}-ours"
+        report = case.adapter(case.layers(), ours, max_rank=3)
+        config = LoraConfig.from_pretrained(str(ours))
+        assert (config.r, config.lora_alpha, config.lora_dropout, config.use_rslora) == (3, 3, 0.0, False)
+        assert config.lora_bias == (arch == "gpt2")
+        base = AutoModelForCausalLM.from_pretrained(case.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = get_peft_model(base, config)
+            reference.save_pretrained(tmp_path / f"{arch}-peft")
+        theirs = load_file(tmp_path / f"{arch}-peft" / ADAPTER_WEIGHTS)
+        mine = load_file(ours / ADAPTER_WEIGHTS)
+        # peft also saves lm_head's base weight ("lm_head" is on its list of embedding names, for
+        # resized vocabularies); an adapter of an unresized model does not need it.
+        theirs = {k: v for k, v in theirs.items() if ".base_layer." not in k}
+        assert {k: tuple(v.shape) for k, v in mine.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+        for name, module in reference.named_modules():
+            if isinstance(module, LoraLayer):
+                assert module.scaling["default"] == 1.0, name
+                assert module.r["default"] == report["layers"][name.removeprefix("base_model.model.")]["rank"]
+        assert json.loads((ours / REPORT_FILE).read_text()) == report
+        assert json.loads((ours / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == "org/tiny"
+
+
+def test_merged_adapter_equals_the_checkpoint_variant_llama(cases: dict[str, Case], tmp_path: Path) -> None:
+    case = cases["llama"]
+    layers = case.layers()
+    report = case.adapter(layers, tmp_path / "adapter")
+    assert report["mergeable"] and report["totals"]["truncated_layers"] == 0
+    variant = AutoModelForCausalLM.from_pretrained(case.checkpoint(layers, tmp_path / "variant"))
+    merged = load_peft(case.path, tmp_path / "adapter").merge_and_unload()
+    assert_same_parameters(merged, variant, AutoModelForCausalLM.from_pretrained(case.path))
+
+
+def test_merged_adapter_equals_the_checkpoint_variant_gpt2_biases(cases: dict[str, Case], tmp_path: Path) -> None:
+    """Conv1D layers with biases (fan_in_fan_out, lora_bias) merge into the checkpoint variant's weights."""
+    case = cases["gpt2"]
+    layers = case.layers(GPT2_BLOCK_LAYERS)
+    report = case.adapter(layers, tmp_path / "adapter")
+    assert report["mergeable"], report["notes"]
+    assert json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())["fan_in_fan_out"] is True
+    variant = AutoModelForCausalLM.from_pretrained(case.checkpoint(layers, tmp_path / "variant"))
+    merged = load_peft(case.path, tmp_path / "adapter").merge_and_unload()
+    changed = assert_same_parameters(merged, variant, AutoModelForCausalLM.from_pretrained(case.path))
+    assert any(name.endswith("c_attn.bias") for name in changed), "the edit must move the biases"
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "gpt2"])
+def test_tied_head_adapter_serves_like_the_checkpoint_variant(cases: dict[str, Case], arch: str, tmp_path: Path) -> None:
+    """LoRA on a tied lm_head changes the head only: unmerged, it reproduces the untied variant."""
+    case = cases[arch]
+    layers = case.layers()
+    report = case.adapter(layers, tmp_path / "adapter")
+    assert "lm_head" in report["layers"] and not report["mergeable"]
+    assert any("lm_head shares its weight" in note for note in report["notes"])
+    variant = AutoModelForCausalLM.from_pretrained(case.checkpoint(layers, tmp_path / "variant")).eval()
+    served = load_peft(case.path, tmp_path / "adapter")
+    embedding = served.get_input_embeddings().weight
+    assert torch.equal(embedding, AutoModelForCausalLM.from_pretrained(case.path).get_input_embeddings().weight)
+    assert rel(logits(served, case.path), logits(variant, case.path)) < LOGIT_TOL
+
+
+def assert_same_parameters(merged: torch.nn.Module, variant: torch.nn.Module, base: torch.nn.Module) -> list[str]:
+    """Every parameter equal to the variant's, to MERGE_TOL of the edit; returns those the edit changed."""
+    base_params, variant_params = dict(base.named_parameters()), dict(variant.named_parameters())
+    changed = []
+    for name, param in merged.named_parameters():
+        expected, original = variant_params[name].detach().double(), base_params[name].detach().double()
+        edit = float((expected - original).norm())
+        if edit == 0.0:
+            assert torch.equal(param.detach().double(), original), name
+            continue
+        changed.append(name)
+        assert float((param.detach().double() - expected).norm()) <= MERGE_TOL * edit, name
+    return changed
