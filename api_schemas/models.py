@@ -122,6 +122,9 @@ class JobProgress(BaseModel):
 class Job(BaseModel):
     job_id: str
     kind: Literal["collect", "variant", "evaluate", "generate"]
+    model_id: str | None = Field(default=None, description="the model a collection or variant build is for")
+    concept: str | None = Field(default=None, description="the concept a collection is for")
+    variant_id: str | None = Field(default=None, description="the variant built, evaluated or generated from")
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     progress: JobProgress
     error: Problem | None = None

@@ -70,7 +70,10 @@ def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -
 
 def collection_settings(settings: Settings) -> dict[str, Any]:
     """Everything that changes a statistic (and so is part of its key)."""
-    return {"max_length": settings.max_length, "engine": ENGINE_VERSION}
+    chosen: dict[str, Any] = {"max_length": settings.max_length, "engine": ENGINE_VERSION}
+    if settings.stats_dtype != "float64":  # only when not the default: existing keys stay valid
+        chosen["stats_dtype"] = settings.stats_dtype
+    return chosen
 
 
 # ---------------------------------------------------------------- models

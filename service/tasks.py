@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.exceptions
+import torch
 
 from service.cache import ByteLRU
 from service.engine.checkpoint import (
@@ -262,7 +263,9 @@ def _publish_statistics(
 ) -> None:
     with scratch_dir("stats") as tmp:
         file = Path(tmp) / "statistics.safetensors"
-        save_statistics(stats, file, {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]})
+        extra = {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]}
+        dtype = getattr(torch, payload["settings"].get("stats_dtype", "float64"))
+        save_statistics(stats, file, extra, dtype=dtype)
         ctx.storage.put_file(prefix + "statistics.safetensors", file)
     manifest = {
         "tokens": stats.tokens,
@@ -328,7 +331,7 @@ def _statistics(ctx: Context, prefix: str) -> LayerStatistics:
         with scratch_dir("load") as tmp:
             file = Path(tmp) / "s.safetensors"
             ctx.storage.download(prefix + "statistics.safetensors", file)
-            cached = STATS_CACHE[prefix] = load_statistics(file)
+            cached = STATS_CACHE[prefix] = load_statistics(file, packed=True)  # the algebra sums them packed
     return cached
 
 
