@@ -94,6 +94,15 @@ def test_flow_runs_in_the_worker_not_the_api(cluster: Cluster) -> None:
     records = [{"prompt": p, "completion": c} for p, c in FACTS[:6]]
     assert_same_statistics(stored_statistics(cluster, jobs[0]), reference_statistics(cluster.models / "tiny", records))
 
+    # Evaluation and generation run the model: in a worker (gpu queue), not in the API.
+    for route, body in (("evaluate", {"forget": records[:3]}), ("generate", {"prompt": records[0]["prompt"]})):
+        answer = client.post(f"/variants/{variant['variant_id']}/{route}", params={"wait": 30}, json=body)
+        assert answer.status_code in (200, 202), answer.text
+        job = wait_for_job(client, answer.json()["job_id"])
+        assert job["status"] == "succeeded", job
+        assert job["result"]["worker"].rsplit(":", 1)[1] != str(cluster.api.process.pid)
+    assert job["result"]["outputs"]["variant"]["token_ids"]
+
 
 def test_identical_concurrent_posts_run_one_collection(cluster: Cluster) -> None:
     client = cluster.api.client
