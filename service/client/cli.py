@@ -1,4 +1,4 @@
-"""The ``engram`` command line: register models, upload concepts, unlearn, download variants.
+"""The ``engram`` command line: register models, upload concepts, unlearn, download, evaluate and map.
 
 Results (tables, or JSON with ``--json``) go to stdout; progress, status lines and errors go to
 stderr, so ``engram --json unlearn ... | jq`` works while the build is being watched. On a terminal,
@@ -16,8 +16,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import struct
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,6 +103,11 @@ class Format(str, Enum):
     checkpoint = "checkpoint"
     delta = "delta"
     peft = "peft"
+
+
+class Generator(str, Enum):
+    base = "base"
+    variant = "variant"
 
 
 # Options shared by several commands (Annotated aliases keep the signatures short).
@@ -424,6 +431,52 @@ def _render_variant(variant: Variant) -> None:
         stdout.print(table)
 
 
+def _numeric_table(*columns: str) -> Table:
+    """A :func:`_table` whose columns after the first are right-aligned numbers."""
+    table = _table(*columns)
+    for column in table.columns[1:]:
+        column.justify = "right"
+    return table
+
+
+def _render_evaluation(result: dict[str, Any]) -> None:
+    """Split × {base, variant}: mean answer NLL, the NLL ratio variant/base, greedy exact match."""
+    summary = result["summary"]
+    table = _numeric_table("split", "probes", "base NLL", "variant NLL", "NLL ratio", "base exact", "variant exact")
+    table.caption = "NLL ratio = variant / base: above 1, the variant finds the answers less likely"
+    for split in ("forget", "retain"):
+        base, edited = summary["base"].get(split), summary["variant"].get(split)
+        if base is None or edited is None:  # no probes of this split were sent
+            continue
+        ratio = f"{edited['mean_nll'] / base['mean_nll']:.4g}" if base["mean_nll"] > 0 else "-"
+        nll = (f"{base['mean_nll']:.4g}", f"{edited['mean_nll']:.4g}", ratio)
+        table.add_row(split, str(base["n"]), *nll, f"{base['exact_match']:.1%}", f"{edited['exact_match']:.1%}")
+    stdout.print(table)
+
+
+def _render_generation(result: dict[str, Any]) -> None:
+    for name, output in result["outputs"].items():
+        line = Text(f"{name}: ", style="bold")
+        line.append(output["text"])
+        stdout.print(line, soft_wrap=True)
+
+
+def _render_map(data: dict[str, Any]) -> None:
+    """Per concept: its largest ρ and where, a blocks × module types table (3 significant digits), the rest."""
+    for n, name in enumerate(data["concepts"]):
+        entry = data["maps"][name]
+        if n:
+            stdout.print()
+        stdout.print(Text(f"{name}: max ρ {entry['max']:.3g} at {entry['argmax']}", style="bold"))
+        table = _numeric_table("block", *data["modules"])
+        for block, row in zip(data["blocks"], entry["rho"], strict=True):
+            table.add_row(str(block), *("-" if rho is None else f"{rho:.3g}" for rho in row))
+        stdout.print(table)
+        outside = data["outside_blocks"].get(name) or {}
+        if outside:
+            stdout.print("outside the blocks: " + "  ".join(f"{layer} {rho:.3g}" for layer, rho in outside.items()))
+
+
 # ---------------------------------------------------------------- models
 
 
@@ -650,6 +703,141 @@ def compose(
     with _session(ctx) as client:
         submission = client.compose(model, terms, **options)
         _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)
+
+
+# ---------------------------------------------------------------- evaluate, generate, map
+
+
+def _read_probes(path: Path) -> list[dict[str, Any]]:
+    """The ``{"prompt", "completion"}`` records of a JSONL file; a bad line is named by its number."""
+    probes = []
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = None
+                if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("prompt", "completion")):
+                    _fail("Error", f'{path} line {number} is not a {{"prompt": ..., "completion": ...}} JSON record')
+                probes.append(record)
+    except UnicodeDecodeError as exc:
+        _fail("Error", f"{path} is not UTF-8 text ({exc})")
+    return probes
+
+
+def _finish_job(ctx: typer.Context, client: EngramClient, job: Job, no_wait: bool, as_json: bool) -> Job | None:
+    """Watch a submitted job to its end and return it; exit 1 unless it succeeded. --no-wait: print it, None."""
+    if no_wait and job.status not in FINISHED:
+        stderr.print(f"{job.kind} job {job.job_id}: {job.status}; engram jobs watch {job.job_id}")
+        _emit(ctx, as_json, job, lambda: stdout.print(job.job_id))
+        return None
+    if job.status not in FINISHED:
+        job = _watch(client, [job.job_id])[0]
+    if job.status != "succeeded":
+        _job_failed(job)
+    return job
+
+
+@app.command()
+def evaluate(
+    ctx: typer.Context,
+    variant: Annotated[str, typer.Argument(help="A ready variant; its base model is scored alongside.")],
+    forget: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion probes it should forget.")
+    ] = None,
+    retain: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion probes it should keep.")
+    ] = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Score a variant and its base model: mean answer NLL and greedy exact match on forget and retain probes."""
+    if forget is None and retain is None:
+        raise typer.BadParameter("give --forget, --retain or both", param_hint="--forget/--retain")
+    with _session(ctx) as client:
+        probes = {split: _read_probes(path) if path else [] for split, path in (("forget", forget), ("retain", retain))}
+        job = client.evaluate(variant, probes["forget"], probes["retain"], callback_url=callback_url)
+        counts = " and ".join(f"{len(items)} {split}" for split, items in probes.items() if items) or "no"
+        stderr.print(f"evaluating variant {variant} and its base model on {counts} probes")
+        job = _finish_job(ctx, client, job, no_wait, as_json)
+    if job is None:
+        return
+    result = job.result or {}
+    if result.get("reused"):
+        stderr.print("answered from storage: the same probes were scored on this variant before")
+    _emit(ctx, as_json, result, lambda: _render_evaluation(result))
+
+
+@app.command()
+def generate(
+    ctx: typer.Context,
+    variant: Annotated[str, typer.Argument(help="A ready variant.")],
+    prompt: Annotated[str, typer.Argument(help="The text to continue.")],
+    max_new_tokens: Annotated[int, typer.Option(help="The most tokens to generate (greedy; stops at EOS).")] = 32,
+    model: Annotated[
+        list[Generator] | None, typer.Option("--model", "-m", help="base or variant (repeat; default: both).")
+    ] = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Greedy continuation of PROMPT by the variant and its base model, one line each."""
+    models = [m.value for m in model] if model else None  # typer gives [] when --model was not used
+    with _session(ctx) as client:
+        job = client.generate(variant, prompt, max_new_tokens, models, callback_url=callback_url)
+        job = _finish_job(ctx, client, job, no_wait, as_json)
+    if job is None:
+        return
+    result = job.result or {}
+    _emit(ctx, as_json, result, lambda: _render_generation(result))
+
+
+@app.command("map")
+def engram_map(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="A registered model.")],
+    concept: Annotated[list[str], typer.Option("--concept", "-c", help="Concept to map (repeat; up to 8).")],
+    reference: ReferenceOpt = None,
+    rcond: RcondOpt = None,
+    png: Annotated[
+        Path | None, typer.Option(dir_okay=False, help="Write the heatmap here instead of printing tables.")
+    ] = None,
+    width: Annotated[int | None, typer.Option(help="--png width in pixels (200 to 4000).")] = None,
+    height: Annotated[int | None, typer.Option(help="--png height in pixels (200 to 4000).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Where each concept's memory lives: ρ = ‖W⁺‖F / ‖W‖F by block and module type (the paper's Fig. 4)."""
+    if png is None and (width is not None or height is not None):
+        raise typer.BadParameter("--width and --height size the --png image", param_hint="--width/--height")
+    with _session(ctx) as client:
+        if png is None:
+            data = client.engram_map(model, concept, reference or None, rcond)
+        else:
+            image = client.engram_map_png(model, concept, reference or None, rcond, width=width, height=height)
+            _write_atomically(png, image)
+    if png is None:
+        _emit(ctx, as_json, data, lambda: _render_map(data))
+        return
+    w, h = struct.unpack(">II", image[16:24])  # the IHDR chunk, right after the PNG signature
+    stderr.print(f"engram map of {model} ({', '.join(concept)}) in {png}: {w}×{h} px, {filesize.decimal(len(image))}")
+    _emit(ctx, as_json, {"path": str(png), "width": w, "height": h, "bytes": len(image)}, lambda: None)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write a hidden sibling, then rename it over ``path``: nobody ever sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
+    try:
+        with partial.open("xb") as sink:  # a new file, so the umask applies as to any other
+            sink.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------- jobs

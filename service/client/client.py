@@ -56,6 +56,9 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 ProgressCallback = Callable[[Job], None]
 DownloadCallback = Callable[[VariantFile, int], None]
+# A probe: ``{"prompt", "completion"}`` (other keys are ignored) or a ``(prompt, completion)`` pair.
+ProbeLike = Mapping[str, Any] | Sequence[str]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------- errors
@@ -163,7 +166,7 @@ class EngramClient:
         headers = {"Accept": "application/json", "User-Agent": "engram-client"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        self.retries, self.backoff_s = retries, backoff_s
+        self.retries, self.backoff_s, self.timeout = retries, backoff_s, timeout
         # Redirects are followed by hand (see _stream): the Authorization header must never reach another host.
         self._http = httpx.Client(
             base_url=self.base_url, headers=headers, timeout=timeout, transport=transport, follow_redirects=False
@@ -443,7 +446,151 @@ class EngramClient:
             raise
         return target
 
+    # ------------------------------------------------------------ evaluation and generation
+    #
+    # Both start a job. One design for both: the call returns the job as the service answered it,
+    # finished when it ended within ``wait_s`` (the service holds the answer up to 60 s), else queued
+    # or running, to be polled with wait_for_job. With ``wait=True`` the client polls until the job
+    # ends and returns it succeeded, or raises EngramJobError, as wait_for_variant does.
+
+    def evaluate(
+        self,
+        variant_id: str,
+        forget: Sequence[ProbeLike] = (),
+        retain: Sequence[ProbeLike] = (),
+        *,
+        callback_url: str | None = None,
+        wait_s: float = 0,
+        wait: bool = False,
+        on_progress: ProgressCallback | None = None,
+        poll_s: float = 0.5,
+        timeout: float | None = None,
+    ) -> Job:
+        """Score a ready variant and its base model on probes: answer NLL and greedy exact match (job kind ``evaluate``).
+
+        Args:
+            forget: what the variant should have forgotten: ``{"prompt", "completion"}`` mappings (other keys
+                are dropped, so JSONL records with an ``id`` pass) or ``(prompt, completion)`` pairs.
+            retain: what it should keep, in the same forms; at least one of the two must hold a probe.
+            callback_url: POSTed the job when it ends (its host must be allowlisted).
+            wait_s: let the service hold its answer up to this many seconds (0 to 60) for the job to end.
+            wait: then poll until the job ends (``on_progress``, ``poll_s`` and ``timeout`` as in
+                :meth:`wait_for_job`).
+
+        Returns:
+            The job; without ``wait`` it may still be queued or running. Its ``result``, once succeeded:
+            ``summary.{base,variant}.{forget,retain}`` = ``{mean_nll, exact_match, n}`` (a split without
+            probes is absent) and ``records``, one per probe in request order with both models' scores.
+
+        Raises:
+            ValueError: a probe is neither such a mapping nor a pair.
+            EngramJobError: with ``wait``, the job failed or was cancelled.
+            EngramTimeoutError: with ``wait``, the timeout passed.
+        """
+        body = _set_only(forget=_probes(forget, "forget"), retain=_probes(retain, "retain"), callback_url=callback_url)
+        path = f"/variants/{_quote(variant_id)}/evaluate"
+        return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
+
+    def generate(
+        self,
+        variant_id: str,
+        prompt: str,
+        max_new_tokens: int = 32,
+        models: Sequence[str] | None = None,
+        *,
+        callback_url: str | None = None,
+        wait_s: float = 0,
+        wait: bool = False,
+        on_progress: ProgressCallback | None = None,
+        poll_s: float = 0.5,
+        timeout: float | None = None,
+    ) -> Job:
+        """Greedy continuation of ``prompt`` by a ready variant and/or its base (job kind ``generate``).
+
+        Args:
+            models: ``base``, ``variant`` or both (the default).
+            callback_url, wait_s, wait, on_progress, poll_s, timeout: as for :meth:`evaluate`.
+
+        Returns:
+            The job; once succeeded, ``result`` is ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
+        """
+        body = _set_only(
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            models=list(models) if models is not None else None,
+            callback_url=callback_url,
+        )
+        path = f"/variants/{_quote(variant_id)}/generate"
+        return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
+
+    # ------------------------------------------------------------ memory-trace maps
+
+    def engram_map(
+        self, model_id: str, concepts: Sequence[str], reference: Sequence[str] | None = None, rcond: float | None = None
+    ) -> dict[str, Any]:
+        """Where each concept's engram lives: ``ρ_l = ‖W_l⁺‖_F / ‖W_l‖_F`` by block and module type.
+
+        Args:
+            concepts: up to 8 concepts ready on the model.
+            reference: the universe's other concepts (default: every concept ready on the model; ``[]``: none).
+            rcond: the pseudo-inverse cut, as for :meth:`unlearn`.
+
+        Returns:
+            ``{model_id, concepts, reference, rcond, blocks, modules, maps: {concept: {rho, max, argmax}},
+            outside_blocks, layers}``; ``rho`` is a blocks × modules grid (``None`` where a block lacks
+            that module).
+        """
+        params = _map_params(concepts, reference, rcond)
+        return self._request("GET", f"/models/{_quote(model_id)}/engram-map", params=params).json()
+
+    def engram_map_png(
+        self,
+        model_id: str,
+        concepts: Sequence[str],
+        reference: Sequence[str] | None = None,
+        rcond: float | None = None,
+        *,
+        width: int | None = None,
+        height: int | None = None,
+    ) -> bytes:
+        """The map as a PNG heatmap, one panel per concept; ``width`` × ``height`` pixels (200 to 4000 each).
+
+        Raises:
+            EngramError: the answer is not a PNG image.
+        """
+        params = _map_params(concepts, reference, rcond) | _set_only(width=width, height=height)
+        headers = {"Accept": "image/png, application/problem+json"}
+        response = self._request("GET", f"/models/{_quote(model_id)}/engram-map.png", params=params, headers=headers)
+        if not response.content.startswith(PNG_SIGNATURE):
+            raise EngramError(f"the engram map of {model_id} is not a PNG ({response.headers.get('content-type')})")
+        return response.content
+
     # ------------------------------------------------------------ transport
+
+    def _submit_job(
+        self,
+        path: str,
+        body: dict[str, Any],
+        wait_s: float,
+        wait: bool,
+        on_progress: ProgressCallback | None,
+        poll_s: float,
+        timeout: float | None,
+    ) -> Job:
+        """POST a job (never retried); with ``wait``, poll it to the end and raise unless it succeeded."""
+        options: dict[str, Any] = {}
+        if wait_s:  # the service holds its answer up to wait_s: the read timeout must outlast the hold
+            options = {"params": {"wait": wait_s}, "timeout": httpx.Timeout(self.timeout, read=self.timeout + wait_s)}
+        job = self._parse(Job, self._request("POST", path, json=body, **options))
+        if not wait:
+            return job
+        if job.status not in FINISHED:
+            job = self.wait_for_job(job.job_id, on_progress, poll_s, timeout)
+        elif on_progress is not None:
+            on_progress(job)  # the caller hears of the end in every case
+        if job.status != "succeeded":
+            raise EngramJobError(job)
+        return job
 
     def _request(self, method: str, path: str, *, retry: bool | None = None, **kwargs: Any) -> httpx.Response:
         """Send one request; a non-2xx answer raises :class:`EngramAPIError`. GETs retry unless ``retry=False``."""
@@ -583,6 +730,28 @@ def _edit_options(
         lora_rank=lora_rank,
         callback_url=callback_url,
     )
+
+
+def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:
+    """``{"prompt", "completion"}`` for each probe, whichever form it came in; a bad one is named by split and index."""
+    out = []
+    for i, probe in enumerate(probes):
+        if isinstance(probe, Mapping) and "prompt" in probe and "completion" in probe:
+            out.append({"prompt": probe["prompt"], "completion": probe["completion"]})
+        elif isinstance(probe, Sequence) and not isinstance(probe, str) and len(probe) == 2:
+            out.append({"prompt": probe[0], "completion": probe[1]})
+        else:
+            raise ValueError(f"{split}[{i}] is neither a {{prompt, completion}} mapping nor a pair: {probe!r:.100}")
+    return out
+
+
+def _names(names: Sequence[str] | str) -> str:
+    """Concept names for a query (``a,b``); one bare name is one name, not its letters."""
+    return names if isinstance(names, str) else ",".join(names)
+
+
+def _map_params(concepts: Sequence[str], reference: Sequence[str] | None, rcond: float | None) -> dict[str, Any]:
+    return _set_only(concepts=_names(concepts), reference=_names(reference) if reference is not None else None, rcond=rcond)
 
 
 def _retry_after(response: httpx.Response) -> float:

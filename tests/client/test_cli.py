@@ -4,7 +4,8 @@ Every command runs ``python -m service.client.cli`` in a subprocess with ``ENGRA
 the session's server, with stdout and stderr captured (not a terminal), so progress shows as the
 plain lines a CI log gets. Module fixtures build on each other the way a user does: register the
 model, upload a target and a reference concept, unlearn. Names are prefixed ``cli`` so they cannot
-collide with other modules on the shared server.
+collide with other modules on the shared server. ``evaluate``, ``generate`` and ``map`` run on the
+``cli2`` variant of ``conftest.py`` (built with the Python client, so they need not wait for the flow).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
+from PIL import Image
 
 from service.demo import make_facts
+from tests.client.conftest import CLI2_MODEL, ReadyVariant
 from tests.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 
 MODEL = "cli/tiny"
@@ -276,6 +280,128 @@ def test_compose_terms_json_and_download(flow: Flow, tmp_path: Path) -> None:
 def test_bad_term_is_a_usage_error(flow: Flow) -> None:
     result = run_cli(flow.url, "compose", MODEL, "--term", "cli-forget")
     assert result.returncode == 2 and "NAME=COEFFICIENT" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- evaluate, generate, map (the cli2 variant)
+
+
+def job_of(stderr: str, kind: str) -> str:
+    """The ID in the last plain progress line of a ``kind`` job, which must have succeeded."""
+    lines = re.findall(rf"^{kind} job ([0-9a-f]+) .*succeeded$", stderr, re.MULTILINE)
+    assert lines, stderr
+    return lines[-1]
+
+
+def table_rows(stdout: str, first: set[str]) -> dict[str, list[str]]:
+    """The cells of a printed table's rows whose first cell is in ``first`` (column rules dropped)."""
+    rows = [[cell for cell in line.split() if cell not in {"│", "┃"}] for line in stdout.splitlines()]
+    return {row[0]: row[1:] for row in rows if row and row[0] in first}
+
+
+def test_evaluate_table_and_json_are_the_jobs_numbers(cli2: ReadyVariant, api: httpx.Client) -> None:
+    args = ("evaluate", cli2.variant_id, "--forget", cli2.forget_jsonl, "--retain", cli2.retain_jsonl)
+    shown = ok(run_cli(cli2.url, *args))
+    assert f"on {len(cli2.forget)} forget and {len(cli2.retain)} retain probes" in shown.stderr
+    summary = api.get(f"/jobs/{job_of(shown.stderr, 'evaluate')}").json()["result"]["summary"]
+    rows = table_rows(shown.stdout, {"forget", "retain"})
+    assert set(rows) == {"forget", "retain"}, shown.stdout
+    for split, (n, base_nll, variant_nll, ratio, base_em, variant_em) in rows.items():
+        base, edited = summary["base"][split], summary["variant"][split]
+        assert int(n) == base["n"] == edited["n"]
+        assert float(base_nll) == pytest.approx(base["mean_nll"], rel=1e-3)
+        assert float(variant_nll) == pytest.approx(edited["mean_nll"], rel=1e-3)
+        assert float(ratio) == pytest.approx(edited["mean_nll"] / base["mean_nll"], rel=1e-3)
+        assert float(base_em.rstrip("%")) == pytest.approx(100 * base["exact_match"], abs=0.05)
+        assert float(variant_em.rstrip("%")) == pytest.approx(100 * edited["exact_match"], abs=0.05)
+    as_json = ok(run_cli(cli2.url, "--json", *args))
+    result = json.loads(as_json.stdout)
+    assert result == api.get(f"/jobs/{job_of(as_json.stderr, 'evaluate')}").json()["result"]
+    assert {model: set(splits) for model, splits in result["summary"].items()} == {
+        "base": {"forget", "retain"},
+        "variant": {"forget", "retain"},
+    }
+    assert len(result["records"]) == len(cli2.forget) + len(cli2.retain)
+
+
+def test_evaluate_no_wait_prints_the_job_to_watch(cli2: ReadyVariant) -> None:
+    submitted = ok(run_cli(cli2.url, "evaluate", cli2.variant_id, "--retain", cli2.retain_jsonl, "--no-wait"))
+    job_id = submitted.stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]+", job_id) and f"engram jobs watch {job_id}" in submitted.stderr
+    watched = ok(run_cli(cli2.url, "jobs", "watch", job_id))
+    assert f"evaluate job {job_id}: succeeded" in watched.stdout
+
+
+def test_generate_prints_each_models_text(cli2: ReadyVariant, api: httpx.Client) -> None:
+    prompt = cli2.forget[0]["prompt"]
+    shown = ok(run_cli(cli2.url, "generate", cli2.variant_id, prompt, "--max-new-tokens", "6"))
+    outputs = api.get(f"/jobs/{job_of(shown.stderr, 'generate')}").json()["result"]["outputs"]
+    assert list(outputs) == ["base", "variant"]
+    assert shown.stdout == "".join(f"{name}: {output['text']}\n" for name, output in outputs.items())
+    one = ok(run_cli(cli2.url, "--json", "generate", cli2.variant_id, prompt, "--max-new-tokens", "6", "-m", "variant"))
+    result = json.loads(one.stdout)
+    assert result == api.get(f"/jobs/{job_of(one.stderr, 'generate')}").json()["result"]
+    assert (result["prompt"], result["outputs"]) == (prompt, {"variant": outputs["variant"]})  # greedy: the same text
+
+
+def test_map_tables_and_json_are_the_http_answer(cli2: ReadyVariant, api: httpx.Client) -> None:
+    concepts = ("-c", "cli2-forget", "-c", "cli2-retain")
+    data = json.loads(ok(run_cli(cli2.url, "--json", "map", cli2.model, *concepts)).stdout)
+    assert data == api.get(f"/models/{cli2.model}/engram-map", params={"concepts": "cli2-forget,cli2-retain"}).json()
+    shown = ok(run_cli(cli2.url, "map", cli2.model, *concepts)).stdout
+    headings = [
+        f"{name}: max ρ {data['maps'][name]['max']:.3g} at {data['maps'][name]['argmax']}" for name in data["concepts"]
+    ]
+    assert all(heading in shown for heading in headings), shown
+    second = shown.index(headings[1])
+    for name, text in zip(data["concepts"], (shown[:second], shown[second:]), strict=True):
+        assert table_rows(text, {"block"}) == {"block": data["modules"]}
+        assert table_rows(text, {str(b) for b in data["blocks"]}) == {
+            str(b): ["-" if rho is None else f"{rho:.3g}" for rho in row]
+            for b, row in zip(data["blocks"], data["maps"][name]["rho"], strict=True)
+        }
+
+
+def test_map_png_is_written_whole_at_the_size_asked(cli2: ReadyVariant, tmp_path: Path) -> None:
+    target = tmp_path / "maps" / "forget.png"
+    result = ok(
+        run_cli(cli2.url, "map", cli2.model, "-c", "cli2-forget", "--png", target, "--width", "400", "--height", "300")
+    )
+    assert f"in {target}: 400×300 px" in result.stderr and result.stdout == ""
+    with Image.open(target) as image:
+        assert (image.format, image.size) == ("PNG", (400, 300))
+    assert os.listdir(target.parent) == ["forget.png"]  # the partial file was renamed, nothing else is left
+    again = json.loads(ok(run_cli(cli2.url, "--json", "map", cli2.model, "-c", "cli2-forget", "--png", target)).stdout)
+    assert (again["path"], again["bytes"]) == (str(target), target.stat().st_size)
+    with Image.open(target) as image:
+        assert image.size == (again["width"], again["height"])  # the service's default size replaced the file
+
+
+@pytest.mark.parametrize(
+    ("args", "title", "detail"),
+    [
+        (["evaluate", "0" * 32, "--forget", "{forget}"], "Not found (404)", "0" * 32),
+        (["generate", "0" * 32, "Q: who? A:"], "Not found (404)", "0" * 32),
+        (["map", CLI2_MODEL, "-c", "cli2-nothing"], "Not found (404)", "cli2-nothing"),
+        (["map", "cli2-missing", "-c", "cli2-forget"], "Not found (404)", "cli2-missing"),
+        (["generate", "{variant}", "Q: who? A:", "--max-new-tokens", "0"], "Invalid input (422)", "max_new_tokens"),
+        (["evaluate", "{variant}", "--forget", "{bad}"], "Error", "line 2"),
+    ],
+    ids=["404-evaluate", "404-generate", "404-concept", "404-model", "422-tokens", "bad-jsonl"],
+)
+def test_new_commands_print_the_problem_and_exit_1(
+    cli2: ReadyVariant, tmp_path: Path, args: list[str], title: str, detail: str
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Q", "completion": "A"}\n{"prompt": "only a prompt"}\n')
+    values = {"forget": str(cli2.forget_jsonl), "variant": cli2.variant_id, "bad": str(bad)}
+    stderr = failed(run_cli(cli2.url, *(arg.format(**values) for arg in args)), title, detail)
+    assert stderr.startswith(title), stderr
+
+
+def test_new_commands_usage_errors_exit_2(cli2: ReadyVariant) -> None:
+    for args in (["evaluate", cli2.variant_id], ["map", cli2.model, "-c", "cli2-forget", "--width", "400"]):
+        result = run_cli(cli2.url, *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
 
 
 # ---------------------------------------------------------------- errors

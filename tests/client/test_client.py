@@ -1,15 +1,17 @@
 """The Python client (:class:`service.client.EngramClient`) against real servers.
 
 Most tests use the session's ``live_server`` (embedded, file storage) with the model ``cli/tiny-client``
-and concepts ``cli-client-*`` of their own. Where a test must see what went over the wire (the
-options sent, the API key not following a redirect to S3), the client gets :class:`Recording`, the
-real network transport that also keeps each request: a spy, not a mock. Only the retry policy is
+and concepts ``cli-client-*`` of their own; evaluation, generation and maps use the ``cli2`` variant
+of ``conftest.py``. Where a test must see what went over the wire (the options sent, the API key not
+following a redirect to S3), the client gets :class:`Recording`, the real network transport that
+also keeps each request: a spy, not a mock. Only the retry policy is
 tested against ``httpx.MockTransport``, because a real server cannot be made to answer 503 on cue.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -21,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from PIL import Image
 
 from api_schemas import Concept, Job, Model, Variant, VariantSubmission
 from service.client import (
@@ -28,10 +31,12 @@ from service.client import (
     EngramClient,
     EngramConnectionError,
     EngramDownloadError,
+    EngramJobError,
     EngramOutputExistsError,
     EngramTimeoutError,
 )
 from service.demo import make_facts
+from tests.client.conftest import ReadyVariant
 from tests.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 from tests.s3 import SeaweedServer
 
@@ -159,6 +164,108 @@ def test_compose_sends_terms(client: EngramClient, concepts: dict[str, Any]) -> 
         "weight_norm",
     )
     assert [f.path for f in built.files] == ["delta.safetensors"]
+
+
+# ---------------------------------------------------------------- evaluation, generation, maps (the cli2 variant)
+
+SCORES = {"mean_nll", "exact_match", "n"}
+
+
+def test_evaluate_with_wait_polls_to_the_summary(client: EngramClient, cli2: ReadyVariant) -> None:
+    seen: list[Job] = []
+    job = client.evaluate(
+        cli2.variant_id, forget=cli2.forget, retain=cli2.retain, wait=True, on_progress=seen.append, poll_s=0.1
+    )
+    assert (job.kind, job.status, job.variant_id) == ("evaluate", "succeeded", cli2.variant_id)
+    assert seen[-1] == job == client.get_job(job.job_id)
+    summary = job.result["summary"]  # type: ignore[index]
+    assert {model: {split: set(s) for split, s in splits.items()} for model, splits in summary.items()} == {
+        model: {"forget": SCORES, "retain": SCORES} for model in ("base", "variant")
+    }
+    assert summary["variant"]["forget"]["n"] == len(cli2.forget) and summary["base"]["retain"]["n"] == len(cli2.retain)
+    records = job.result["records"]  # type: ignore[index]
+    assert [(r["split"], r["index"]) for r in records] == [("forget", i) for i in range(len(cli2.forget))] + [
+        ("retain", i) for i in range(len(cli2.retain))
+    ]
+
+
+def test_evaluate_sends_pairs_as_probes_and_lets_the_service_wait(client: EngramClient, cli2: ReadyVariant) -> None:
+    spy = Recording()
+    forget = [(r["prompt"], r["completion"]) for r in cli2.forget[:3]]
+    retain = [{**r, "id": n} for n, r in enumerate(cli2.retain[:2])]  # extra keys are dropped
+    with EngramClient(client.base_url, transport=spy) as engram:
+        job = engram.evaluate(cli2.variant_id, forget, retain, wait_s=30)
+    request, status = spy.seen[0]
+    assert (request.url.params["wait"], status, job.status) == ("30", 200, "succeeded")  # finished within the hold
+    assert json.loads(request.content) == {"forget": cli2.forget[:3], "retain": cli2.retain[:2]}
+    assert set(job.result["summary"]["variant"]) == {"forget", "retain"}  # type: ignore[index]
+    only_forget = client.evaluate(cli2.variant_id, forget, wait=True, poll_s=0.1)
+    assert set(only_forget.result["summary"]["base"]) == {"forget"}  # type: ignore[index]  # no retain probes: absent
+
+
+def test_evaluate_failures(client: EngramClient, cli2: ReadyVariant) -> None:
+    with pytest.raises(ValueError, match=r"retain\[1\]"):
+        client.evaluate(cli2.variant_id, retain=[("a", "b"), {"prompt": "no completion"}])
+    with pytest.raises(EngramAPIError) as missing:
+        client.evaluate("0" * 32, forget=cli2.forget)
+    assert (missing.value.status, missing.value.title) == (404, "Not found")
+    with pytest.raises(EngramAPIError) as empty:
+        client.evaluate(cli2.variant_id)
+    assert empty.value.status == 422
+    assert empty.value.status == 422
+
+
+def test_evaluate_with_wait_raises_when_the_job_is_cancelled(client: EngramClient, cli2: ReadyVariant) -> None:
+    # Probes of their own (nothing cached) and enough of them that the cancel lands long before the end.
+    probes = make_facts(200, seed=5)
+
+    def cancel(job: Job) -> None:
+        if job.status not in {"succeeded", "failed", "cancelled"}:
+            client.cancel_job(job.job_id)
+
+    with pytest.raises(EngramJobError) as stopped:
+        client.evaluate(cli2.variant_id, forget=probes, wait=True, on_progress=cancel, poll_s=0.1)
+    assert (stopped.value.job.kind, stopped.value.job.status) == ("evaluate", "cancelled")
+
+
+def test_generate_both_models_or_one(client: EngramClient, cli2: ReadyVariant) -> None:
+    prompt = cli2.forget[0]["prompt"]
+    job = client.generate(cli2.variant_id, prompt, max_new_tokens=4, wait=True, poll_s=0.1)
+    assert (job.kind, job.status) == ("generate", "succeeded")
+    result = job.result or {}
+    assert (result["variant_id"], result["prompt"], list(result["outputs"])) == (
+        cli2.variant_id,
+        prompt,
+        ["base", "variant"],
+    )
+    assert all(isinstance(o["text"], str) and len(o["token_ids"]) <= 4 for o in result["outputs"].values())
+    pending = client.generate(cli2.variant_id, prompt, max_new_tokens=4, models=["variant"])
+    assert pending.kind == "generate" and pending.status in {"queued", "running", "succeeded"}
+    done = client.wait_for_job(pending.job_id, poll_s=0.1)
+    assert list(done.result["outputs"]) == ["variant"]  # type: ignore[index]
+    assert done.result["outputs"]["variant"] == result["outputs"]["variant"]  # type: ignore[index]  # greedy: the same
+
+
+def test_engram_map_is_the_http_answer(client: EngramClient, cli2: ReadyVariant, api: httpx.Client) -> None:
+    data = client.engram_map(cli2.model, ["cli2-forget", "cli2-retain"])
+    expected = api.get(f"/models/{cli2.model}/engram-map", params={"concepts": "cli2-forget,cli2-retain"})
+    assert data == expected.json()
+    assert data["concepts"] == ["cli2-forget", "cli2-retain"]
+    grid = data["maps"]["cli2-forget"]["rho"]
+    assert (len(grid), {len(row) for row in grid}) == (len(data["blocks"]), {len(data["modules"])})
+    assert client.engram_map(cli2.model, "cli2-forget", reference=["cli2-retain"])["concepts"] == ["cli2-forget"]
+    with pytest.raises(EngramAPIError) as unknown:
+        client.engram_map(cli2.model, ["cli2-nothing"])
+    assert unknown.value.status == 404 and "cli2-nothing" in unknown.value.detail
+
+
+def test_engram_map_png_has_the_size_asked(client: EngramClient, cli2: ReadyVariant) -> None:
+    png = client.engram_map_png(cli2.model, ["cli2-forget"], width=400, height=300)
+    with Image.open(io.BytesIO(png)) as image:
+        assert (image.format, image.size) == ("PNG", (400, 300))
+    with pytest.raises(EngramAPIError) as tiny:
+        client.engram_map_png(cli2.model, ["cli2-forget"], width=10)
+    assert tiny.value.status == 422
 
 
 # ---------------------------------------------------------------- errors
@@ -301,11 +408,20 @@ def test_retries_run_out_into_the_last_problem() -> None:
     assert (error.value.status, error.value.detail, len(calls)) == (503, "storage is away", 3)
 
 
-def test_post_is_never_retried() -> None:
+@pytest.mark.parametrize(
+    "post",
+    [
+        lambda engram: engram.register_model("org/x", "file:///x"),
+        lambda engram: engram.evaluate("v1", forget=[("Q", "A")], wait=True),
+        lambda engram: engram.generate("v1", "Q", wait_s=5),
+    ],
+    ids=["models", "evaluate", "generate"],
+)
+def test_post_is_never_retried(post: Any) -> None:
     calls: list[httpx.Request] = []
     with EngramClient("http://engram.test", transport=scripted([503, 200], calls), backoff_s=0.01) as engram:
         with pytest.raises(EngramAPIError):
-            engram.register_model("org/x", "file:///x")
+            post(engram)
     assert len(calls) == 1
 
 
