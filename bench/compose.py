@@ -22,7 +22,7 @@ from service.engine.checkpoint import CheckpointReader, ModelLayout, weight_file
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.layers import select_layers
-from service.engine.stats_io import load_statistics
+from service.engine.stats_io import StatisticsFile
 
 
 def service_caches() -> tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None:
@@ -65,10 +65,10 @@ def compose_variant(
     stats_cache, factor_cache = caches if caches is not None else ({}, {})
     t0 = time.perf_counter()
 
-    def stats(file: Path) -> LayerStatistics:
+    def stats(file: Path) -> StatisticsFile:
         cached = stats_cache.get(str(file))
         if cached is None:
-            cached = stats_cache[str(file)] = load_statistics(file, packed=True)  # as the worker keeps them
+            cached = stats_cache[str(file)] = StatisticsFile(file)  # as the worker reads them: per group
         return cached
 
     terms = [(coefficient, stats(f)) for f in term_files]

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     # How Σ is stored. float64 keeps the sums exactly as accumulated; float32 halves the bytes and
     # moves an edit by up to ~1e-4 relative on ill-conditioned layers (see service/engine/stats_io.py).
     stats_dtype: Literal["float64", "float32"] = "float64"
+    # Workers keep downloaded statistics files in ENGRAM_CACHE_DIR/stats/ up to this many bytes.
+    stats_disk_cache_bytes: int = Field(default=64 << 30, ge=0)
 
     # Distributed mode. The broker's visibility timeout must exceed the hard limit, or Redis would
     # hand a still-running task to a second worker.

@@ -7,6 +7,7 @@ publishes content-addressed outputs with the manifest last. Nothing half-written
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from service.engine.compose import EditError, EngramAlgebra, layer_deltas, layer
 from service.engine.layers import select_layers
 from service.engine.lora import layer_loras, write_adapter
 from service.engine.records import encode_record, make_batches, pad_token_id
-from service.engine.stats_io import load_statistics, save_statistics
+from service.engine.stats_io import StatisticsFile, save_statistics
 from service.errors import JobFailed, ProblemError
 from service.jobs import FINISHED, utc_now
 from service.observability import job_context, record_collection
@@ -315,32 +316,62 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
 _BODIES = {"collect": run_collection, "variant": run_variant}
 
 
-# Statistics and universe factors are immutable (content-addressed), so a worker keeps the recent
-# ones between jobs: the variants of one universe then load and decompose each of them once.
-STATS_CACHE: ByteLRU[LayerStatistics] = ByteLRU(
-    2 << 30, lambda s: sum(t.numel() * t.element_size() for t in s.sums.values())
-)
+# Statistics and universe factors are immutable (content-addressed), so a worker keeps them between
+# jobs: statistics as local files read one input group at a time (STATS_CACHE holds open files,
+# not their contents), universe pseudo-inverse factors in memory (each universe decomposed once).
+STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)  # at most 256 open files
 FACTOR_CACHE: ByteLRU[Any] = ByteLRU(
     2 << 30, lambda f: f.basis.numel() * f.basis.element_size() + f.inverse_eigenvalues.numel() * 8
 )
 
 
-def _statistics(ctx: Context, prefix: str) -> LayerStatistics:
+def _statistics(ctx: Context, prefix: str) -> StatisticsFile:
     cached = STATS_CACHE.get(prefix)
     if cached is None:
-        with scratch_dir("load") as tmp:
-            file = Path(tmp) / "s.safetensors"
-            ctx.storage.download(prefix + "statistics.safetensors", file)
-            cached = STATS_CACHE[prefix] = load_statistics(file, packed=True)  # the algebra sums them packed
+        cached = STATS_CACHE[prefix] = StatisticsFile(_local_statistics_file(ctx, prefix))
     return cached
 
 
-def _algebra(ctx: Context, request: dict[str, Any]) -> EngramAlgebra:
-    # Each file is read at most once per request, even when the shared cache is too small to keep
-    # the whole universe (it would otherwise evict the terms and read them again).
-    loaded: dict[str, LayerStatistics] = {}
+def _local_statistics_file(ctx: Context, prefix: str) -> Path:
+    """The statistics file on this machine: in place (file storage) or downloaded once to the cache."""
+    key = prefix + "statistics.safetensors"
+    in_place = ctx.storage.local_path(key)
+    if in_place is not None:
+        return in_place
+    folder = ctx.cache_dir / "stats"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{hashlib.sha256(prefix.encode()).hexdigest()[:40]}.safetensors"
+    if not target.exists():
+        partial = folder / f".{target.name}.{os.getpid()}.{threading.get_ident()}.part"
+        try:
+            ctx.storage.download(key, partial)
+            os.replace(partial, target)  # atomic: a reader sees the whole file or none
+        finally:
+            partial.unlink(missing_ok=True)
+        _trim_disk_cache(folder, ctx.settings.stats_disk_cache_bytes, keep=target)
+    return target
 
-    def stats(prefix: str) -> LayerStatistics:
+
+def _trim_disk_cache(folder: Path, budget: int, keep: Path) -> None:
+    """Delete the least recently modified statistics files beyond ``budget`` bytes (never ``keep``).
+
+    A file still open elsewhere stays readable after deletion (its mmap holds the inode).
+    """
+    files = sorted((p for p in folder.glob("*.safetensors") if p != keep), key=lambda p: p.stat().st_mtime)
+    total = keep.stat().st_size + sum(p.stat().st_size for p in files)
+    for path in files:
+        if total <= budget:
+            return
+        total -= path.stat().st_size
+        path.unlink(missing_ok=True)
+
+
+def _algebra(ctx: Context, request: dict[str, Any]) -> EngramAlgebra:
+    # Each file is opened at most once per request, even when the shared cache is too small to
+    # keep the whole universe.
+    loaded: dict[str, StatisticsFile] = {}
+
+    def stats(prefix: str) -> StatisticsFile:
         if prefix not in loaded:
             loaded[prefix] = _statistics(ctx, prefix)
         return loaded[prefix]

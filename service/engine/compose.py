@@ -11,18 +11,28 @@ dtype once, at the end, after a finiteness check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
-from service.engine.collect import LayerStatistics
 from service.engine.layers import LayerSpec
 from service.engine.linalg import PinvFactors, packed_dim, pinv_factors, unpack_symmetric
 
 COMPUTE_DTYPE = torch.float64
 Scaling = Literal["uniform", "weight_norm"]
+
+
+class GroupedStatistics(Protocol):
+    """What the algebra reads of a concept's statistics: :class:`LayerStatistics` (in memory,
+    full or packed sums) or :class:`~service.engine.stats_io.StatisticsFile` (read per group)."""
+
+    @property
+    def layer_group(self) -> Mapping[str, str]: ...
+
+    @property
+    def sums(self) -> Mapping[str, torch.Tensor]: ...
 
 
 class EditError(ValueError):
@@ -77,8 +87,8 @@ class EngramAlgebra:
         factor_cache: where pseudo-inverse factors are kept, per (universe, rcond, input group).
     """
 
-    terms: Sequence[tuple[float, LayerStatistics]]
-    universe: Sequence[LayerStatistics]
+    terms: Sequence[tuple[float, GroupedStatistics]]
+    universe: Sequence[GroupedStatistics]
     rcond: float | None = None
     universe_key: str | None = None
     factor_cache: MutableMapping[Hashable, PinvFactors] = field(default_factory=dict, repr=False)
@@ -127,7 +137,7 @@ class EngramAlgebra:
     def _mixed(self, layer: str) -> torch.Tensor:
         groups = tuple(self._group(stats, layer) for _, stats in self.terms)
         if self._last_mixed is None or self._last_mixed[0] != groups:
-            pairs = [(c, stats.sums[g]) for (c, stats), g in zip(self.terms, groups, strict=True)]
+            pairs = ((c, stats.sums[g]) for (c, stats), g in zip(self.terms, groups, strict=True))
             self._last_mixed = (groups, weighted_sum(pairs))
         return self._last_mixed[1]
 
@@ -136,12 +146,12 @@ class EngramAlgebra:
         key = (self.universe_key or id(self), self.rcond, tuple(self._group(stats, layer) for stats in self.universe))
         cached = self.factor_cache.get(key)
         if cached is None:
-            total = weighted_sum([(1.0, stats.sums[self._group(stats, layer)]) for stats in self.universe])
+            total = weighted_sum((1.0, stats.sums[self._group(stats, layer)]) for stats in self.universe)
             cached = self.factor_cache[key] = pinv_factors(total, self.rcond)
         return cached
 
     @staticmethod
-    def _group(stats: LayerStatistics, layer: str) -> str:
+    def _group(stats: GroupedStatistics, layer: str) -> str:
         try:
             return stats.layer_group[layer]
         except KeyError:
@@ -173,26 +183,27 @@ def product_order(out_total: int, dim: int, rank: int) -> Order:
     return min(costs, key=lambda order: (costs[order], order != "weight_first"))
 
 
-def weighted_sum(pairs: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+def weighted_sum(pairs: Iterable[tuple[float, torch.Tensor]]) -> torch.Tensor:
     """``Σ c · Σ`` as a full ``[D, D]`` float64 matrix, from full or packed (1-D upper-triangle) sums.
 
     Packed sums are added while packed and unpacked once: unpacking is the costly step, and a
-    universe of n concepts would otherwise pay it n times per input group.
+    universe of n concepts would otherwise pay it n times per input group. ``pairs`` is consumed
+    one at a time, so a generator reading each sum from disk holds one sum in memory, not n.
     """
-    packed = [(c, t) for c, t in pairs if t.ndim == 1]
-    total: torch.Tensor | None = None
-    if packed:
-        acc = torch.zeros(packed[0][1].shape, dtype=COMPUTE_DTYPE)
-        for c, t in packed:
-            acc.add_(t.to(COMPUTE_DTYPE), alpha=c)
-        total = unpack_symmetric(acc, packed_dim(acc.numel()))
+    packed: torch.Tensor | None = None
+    full: torch.Tensor | None = None
     for c, t in pairs:
-        if t.ndim == 2:
-            term = t.to(COMPUTE_DTYPE)
-            total = c * term if total is None else total.add_(term, alpha=c)
-    if total is None:
+        term = t.to(COMPUTE_DTYPE)
+        if t.ndim == 1:
+            packed = c * term if packed is None else packed.add_(term, alpha=c)
+        else:
+            full = c * term if full is None else full.add_(term, alpha=c)
+    if packed is not None:
+        unpacked = unpack_symmetric(packed, packed_dim(packed.numel()))
+        full = unpacked if full is None else full.add_(unpacked)
+    if full is None:
         raise EditError("no statistics to combine")
-    return total
+    return full
 
 
 def augmented_weight(spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
