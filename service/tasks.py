@@ -327,7 +327,7 @@ FACTOR_CACHE: ByteLRU[Any] = ByteLRU(
 
 def _statistics(ctx: Context, prefix: str) -> StatisticsFile:
     cached = STATS_CACHE.get(prefix)
-    if cached is None:
+    if cached is None or not cached.path.exists():  # another process may have trimmed the disk cache
         cached = STATS_CACHE[prefix] = StatisticsFile(_local_statistics_file(ctx, prefix))
     return cached
 
@@ -348,17 +348,16 @@ def _local_statistics_file(ctx: Context, prefix: str) -> Path:
             os.replace(partial, target)  # atomic: a reader sees the whole file or none
         finally:
             partial.unlink(missing_ok=True)
-        _trim_disk_cache(folder, ctx.settings.stats_disk_cache_bytes, keep=target)
+        in_use = {target} | {cached.path for key in STATS_CACHE if (cached := STATS_CACHE.get(key)) is not None}
+        _trim_disk_cache(folder, ctx.settings.stats_disk_cache_bytes, keep=in_use)
     return target
 
 
-def _trim_disk_cache(folder: Path, budget: int, keep: Path) -> None:
-    """Delete the least recently modified statistics files beyond ``budget`` bytes (never ``keep``).
-
-    A file still open elsewhere stays readable after deletion (its mmap holds the inode).
-    """
-    files = sorted((p for p in folder.glob("*.safetensors") if p != keep), key=lambda p: p.stat().st_mtime)
-    total = keep.stat().st_size + sum(p.stat().st_size for p in files)
+def _trim_disk_cache(folder: Path, budget: int, keep: set[Path]) -> None:
+    """Delete the least recently modified statistics files beyond ``budget`` bytes, but not those
+    this process has open (``keep``: the new file and every file in ``STATS_CACHE``)."""
+    files = sorted((p for p in folder.glob("*.safetensors") if p not in keep), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in keep if p.exists()) + sum(p.stat().st_size for p in files)
     for path in files:
         if total <= budget:
             return

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -50,15 +49,20 @@ def save_statistics(
 
 
 class _PackedGroups(Mapping[str, torch.Tensor]):
-    """Input group -> its packed float64 sum, read from the file when asked for (not kept)."""
+    """Input group -> its packed float64 sum, read from the file when asked for (not kept).
 
-    def __init__(self, handle: Any, dims: dict[str, int]) -> None:
-        self._handle, self._dims = handle, dims
+    The file is mapped only for the read: a mapping left open would keep every page read so far
+    resident in this process (and counted in its RSS) for as long as the worker caches the file.
+    """
+
+    def __init__(self, path: Path, dims: dict[str, int]) -> None:
+        self._path, self._dims = path, dims
 
     def __getitem__(self, group: str) -> torch.Tensor:
         if group not in self._dims:
             raise KeyError(group)
-        return self._handle.get_tensor(group).to(torch.float64)
+        with safe_open(str(self._path), framework="pt") as handle:
+            return handle.get_tensor(group).to(torch.float64)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._dims)
@@ -78,14 +82,14 @@ class StatisticsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._handle = safe_open(str(path), framework="pt")  # mmap; kept open for the group reads
-        meta = self._handle.metadata() or {}
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not an {FORMAT} file (format={meta.get('format')!r})")
         self.dims: dict[str, int] = json.loads(meta["dims"])
         self.counts: dict[str, int] = json.loads(meta["counts"])
         self.layer_group: dict[str, str] = json.loads(meta["layer_group"])
-        self.sums = _PackedGroups(self._handle, self.dims)
+        self.sums = _PackedGroups(path, self.dims)
         self.nbytes = path.stat().st_size
 
     @property

@@ -61,5 +61,5 @@ def test_disk_cache_drops_the_oldest_files_beyond_its_budget(tmp_path: Path) -> 
     keep = folder / "just-downloaded.safetensors"
     keep.write_bytes(b"k" * 100)
     os.utime(keep, (now - 1000, now - 1000))  # even when it looks oldest, the file in use stays
-    _trim_disk_cache(folder, budget=250, keep=keep)
+    _trim_disk_cache(folder, budget=250, keep={keep})
     assert sorted(p.stem for p in folder.iterdir()) == ["just-downloaded", "new"]
