@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from service.engine.checkpoint import CheckpointReader, ModelLayout, weight_files, write_checkpoint
 from service.engine.collect import LayerStatistics
-from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
+from service.engine.compose import EngramAlgebra, layer_editor, layer_scales
 from service.engine.layers import select_layers
 from service.engine.stats_io import StatisticsFile
 
@@ -82,13 +82,8 @@ def compose_variant(
     layers = select_layers(layout.layers, None, None)
     scales = layer_scales(layers, algebra, reader.layer_weights, scaling)  # type: ignore[arg-type]
     t2 = time.perf_counter()
-    selected = {spec.name for spec in layers}
-
-    def edits_for(shard_layers: list[Any]) -> Any:
-        chosen = [spec for spec in shard_layers if spec.name in selected]
-        return layer_edits(chosen, algebra, reader.layer_weights, scales)
-
-    write_checkpoint(model_dir, out_dir, layout, edits_for)
+    edited = {name for name, scale in scales.items() if scale != 0.0}
+    write_checkpoint(model_dir, out_dir, layout, layer_editor(algebra, reader.layer_weights, scales), edited)
     t3 = time.perf_counter()
     return {"load_stats_s": t1 - t0, "scales_s": t2 - t1, "edit_and_write_s": t3 - t2, "total_s": t3 - t0}
 

@@ -36,7 +36,7 @@ from service.engine.checkpoint import (
     write_delta,
 )
 from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
-from service.engine.compose import EditError, EngramAlgebra, layer_deltas, layer_edits, layer_scales
+from service.engine.compose import EditError, EngramAlgebra, layer_deltas, layer_editor, layer_scales
 from service.engine.layers import select_layers
 from service.engine.lora import layer_loras, write_adapter
 from service.engine.records import encode_record, make_batches, pad_token_id
@@ -392,14 +392,10 @@ def _write_variant(
     progress: _Progress,
 ) -> dict[str, Any] | None:
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
-    selected = {spec.name for spec in layers}
-
-    def edits_for(shard_layers: list[Any]) -> Any:
-        chosen = [spec for spec in shard_layers if spec.name in selected]
-        return layer_edits(chosen, algebra, reader.layer_weights, scales)
-
+    edit_layer = layer_editor(algebra, reader.layer_weights, scales)
+    edited = {name for name, scale in scales.items() if scale != 0.0}
     if request["format"] == "checkpoint":
-        write_checkpoint(reader.path, out, layout, edits_for, on_layer=progress.advance)
+        write_checkpoint(reader.path, out, layout, edit_layer, edited, on_layer=progress.advance)
         return None
     if request["format"] == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
@@ -409,7 +405,7 @@ def _write_variant(
             out, request["model_id"], loras, max_rank=rank, tied=layout.tied_partners, on_layer=progress.advance
         )
     metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
-    write_delta(reader.path, out / "delta.safetensors", layout, edits_for(layers), metadata, on_layer=progress.advance)
+    write_delta(reader.path, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
     return None
 
 

@@ -15,19 +15,20 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from service.engine.compose import LayerEdit, LayerWeights
 from service.engine.layers import LayerSpec, editable_layers
+from service.engine.safetensors_stream import Planned, TensorEntry, read_header, write_streaming
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 INDEX_FILE = "model.safetensors.index.json"
@@ -258,39 +259,53 @@ class CheckpointReader:
         )
 
 
-def edited_tensors(
-    edit: LayerEdit, layout: ModelLayout, original: Callable[[str], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Checkpoint key -> new value for one layer's edit.
+def edit_plan(spec: LayerSpec, layout: ModelLayout) -> list[tuple[str, str, str]]:
+    """What an edit of ``spec`` writes: ``(key, base key, role)``, role ``weight``, ``partner`` or ``bias``.
 
     A tied weight is untied: the edit goes under the layer's own key, and when the checkpoint
     stored the shared tensor under that very key, the original value is kept for the partners
-    (``embed_tokens``) under their own names, so they never change.
+    (``embed_tokens``) under their own names, so they never change. The base key names the tensor
+    whose dtype, shape and original value the written one starts from.
+    """
+    name = spec.name
+    stored = layout.weight_keys[name]
+    plan = [(layout.own_keys.get(name, stored), stored, "weight")]
+    if name in layout.own_keys and stored == layout.own_keys[name]:
+        plan += [(p, stored, "partner") for p in layout.tied_partners.get(name, []) if p not in layout.key_files]
+    bias_key = layout.bias_keys.get(name)
+    if bias_key is not None:
+        plan.append((bias_key, bias_key, "bias"))
+        if name in layout.own_keys and f"{name}.bias" != bias_key:
+            # Untying can also untie the bias (BERT's decoder.bias <-> predictions.bias): give the
+            # layer's own bias key the edited value too, so both aliases agree however it loads.
+            plan.append((f"{name}.bias", bias_key, "bias"))
+    return plan
+
+
+def edited_tensors(
+    edit: LayerEdit, layout: ModelLayout, original: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> new value for one layer's edit (see :func:`edit_plan`).
 
     Args:
         edit: the layer's new parameters.
         layout: the base checkpoint's layout.
         original: reads a base tensor by checkpoint key.
     """
-    name = edit.spec.name
-    stored = layout.weight_keys[name]
-    out = {layout.own_keys.get(name, stored): edit.weight}
-    if name in layout.own_keys and stored == layout.own_keys[name]:
-        for partner in layout.tied_partners.get(name, []):
-            if partner not in layout.key_files:
-                out[partner] = original(stored).clone()
-    if edit.bias is not None:
-        out[layout.bias_keys[name]] = edit.bias
-        if name in layout.own_keys:
-            # Untying can also untie the bias (BERT's decoder.bias <-> predictions.bias): give the
-            # layer's own bias key the edited value too, so both aliases agree however it loads.
-            out.setdefault(f"{name}.bias", edit.bias.clone())
+    out: dict[str, torch.Tensor] = {}
+    for key, base_key, role in edit_plan(edit.spec, layout):
+        if role == "partner":
+            out[key] = original(base_key).clone()
+        elif role == "weight":
+            out[key] = edit.weight
+        elif edit.bias is not None:  # a second bias alias gets its own copy (no shared storage)
+            out[key] = edit.bias if key == base_key else edit.bias.clone()
     return out
 
 
-def _shard_of(key: str, layout: ModelLayout, edit: LayerEdit) -> str:
+def _shard_of(key: str, layout: ModelLayout, spec: LayerSpec) -> str:
     """Where a written key lives: its own shard, or (a new, untied key) its weight's shard."""
-    return layout.key_files.get(key) or layout.key_files[layout.weight_keys[edit.spec.name]]
+    return layout.key_files.get(key) or layout.key_files[layout.weight_keys[spec.name]]
 
 
 def _layers_touching(shard: str, layout: ModelLayout) -> list[LayerSpec]:
@@ -302,39 +317,83 @@ def _layers_touching(shard: str, layout: ModelLayout) -> list[LayerSpec]:
     return [spec for spec in layout.layers if touches(spec)]
 
 
+class _LayerValues:
+    """Computes one layer's edit when its first tensor is written, and forgets the previous layer's."""
+
+    def __init__(
+        self,
+        edit_layer: Callable[[LayerSpec], LayerEdit | None],
+        layout: ModelLayout,
+        reader: CheckpointReader,
+        on_compute: Callable[[LayerSpec], None] | None = None,
+    ) -> None:
+        self.edit_layer, self.layout, self.reader, self.on_compute = edit_layer, layout, reader, on_compute
+        self._name: str | None = None
+        self._values: dict[str, torch.Tensor] = {}
+
+    def value(self, spec: LayerSpec, key: str, base_key: str) -> torch.Tensor:
+        if self._name != spec.name:
+            edit = self.edit_layer(spec)
+            self._name = spec.name
+            self._values = {} if edit is None else edited_tensors(edit, self.layout, self.reader.tensor)
+            if self.on_compute is not None:
+                self.on_compute(spec)
+        # A layer whose edit came out empty (scale 0) keeps its base values under the planned keys.
+        return self._values[key] if key in self._values else self.reader.tensor(base_key)
+
+
+def _all_entries(source: Path) -> dict[str, TensorEntry]:
+    entries: dict[str, TensorEntry] = {}
+    for shard in weight_files(source):
+        entries.update(read_header(source / shard)[0])
+    return entries
+
+
 def write_checkpoint(
     source: Path,
     target: Path,
     layout: ModelLayout,
-    edits_for: Callable[[list[LayerSpec]], Iterable[LayerEdit]],
+    edit_layer: Callable[[LayerSpec], LayerEdit | None],
+    edited: Collection[str],
     on_layer: Callable[[], None] | None = None,
 ) -> None:
-    """Write a loadable checkpoint directory with the edited layers, one shard at a time.
+    """Write a loadable checkpoint directory with the edited layers, streaming tensor by tensor.
+
+    Each shard's header is written first (an edit keeps dtypes and shapes), then its tensors:
+    the edited layers' in layout order, each computed only when written, then every other tensor
+    copied byte for byte from the source. Memory: one layer's edit, never a shard.
 
     Args:
         source: the base model directory.
         target: an empty directory to fill.
         layout: the base model's layout.
-        edits_for: computes the edits of a list of layers (called once per shard; a layer whose
-            weight and bias sit in two shards is computed for each).
+        edit_layer: computes one layer's edit (``None``: it turned out unchanged).
+        edited: names of the layers to edit (they decide the keys, before any edit is computed).
         on_layer: progress callback, once per edited layer.
     """
+    entries = _all_entries(source)
+    shard = ""
+
+    def progress(spec: LayerSpec) -> None:  # a layer split over two shards counts in its weight's
+        if on_layer is not None and layout.key_files[layout.weight_keys[spec.name]] == shard:
+            on_layer()
+
+    values = _LayerValues(edit_layer, layout, CheckpointReader(source, layout), progress)
     new_keys: dict[str, str] = {}
-    reader = CheckpointReader(source, layout)
     for shard in weight_files(source):
-        tensors = load_file(str(source / shard))
-        for edit in edits_for(_layers_touching(shard, layout)):
-            weight_shard = layout.key_files[layout.weight_keys[edit.spec.name]]
-            for key, value in edited_tensors(edit, layout, reader.tensor).items():
-                if _shard_of(key, layout, edit) != shard:
+        shard_entries, metadata = read_header(source / shard)
+        planned: list[Planned] = []
+        for spec in (s for s in _layers_touching(shard, layout) if s.name in edited):
+            for key, base_key, _role in edit_plan(spec, layout):
+                if _shard_of(key, layout, spec) != shard:
                     continue  # written with the shard that holds it
                 if key not in layout.key_files:
                     new_keys[key] = shard
-                tensors[key] = value
-            if on_layer is not None and weight_shard == shard:
-                on_layer()
-        save_file(tensors, str(target / shard), metadata={"format": "pt"})
-        del tensors
+                produce = partial(values.value, spec, key, base_key)
+                planned.append(Planned(key, entries[base_key], source / shard, produce))
+        claimed = {item.key for item in planned}
+        planned += [Planned(key, entry, source / shard) for key, entry in shard_entries.items() if key not in claimed]
+        write_streaming(target / shard, planned, {**metadata, "format": "pt"})
     _copy_side_files(source, target, bool(new_keys), new_keys)
 
 
@@ -358,22 +417,23 @@ def write_delta(
     source: Path,
     target_file: Path,
     layout: ModelLayout,
-    edits: Iterable[LayerEdit],
+    edit_layer: Callable[[LayerSpec], LayerEdit | None],
+    edited: Collection[str],
     metadata: dict[str, str],
     on_layer: Callable[[], None] | None = None,
 ) -> None:
-    """Write only the changed tensors (their new values, under checkpoint keys) to one file.
+    """Write only the changed tensors (their new values, under checkpoint keys) to one file,
+    streaming layer by layer like :func:`write_checkpoint`.
 
     Loading: read the base model, then ``model.load_state_dict(delta, strict=False)``; when the
     metadata says ``untied``, untie the embeddings first (``config.tie_word_embeddings = False``).
     """
-    tensors: dict[str, torch.Tensor] = {}
-    untied = False
-    reader = CheckpointReader(source, layout)
-    for edit in edits:
-        for key, value in edited_tensors(edit, layout, reader.tensor).items():
-            tensors[key] = value
-            untied = untied or key not in layout.key_files
-        if on_layer is not None:
-            on_layer()
-    save_file(tensors, str(target_file), metadata={**metadata, "untied": json.dumps(untied)})
+    entries = _all_entries(source)
+    values = _LayerValues(edit_layer, layout, CheckpointReader(source, layout), on_layer and (lambda _spec: on_layer()))
+    planned: dict[str, Planned] = {}
+    for spec in (s for s in layout.layers if s.name in edited):
+        for key, base_key, _role in edit_plan(spec, layout):
+            produce = partial(values.value, spec, key, base_key)
+            planned.setdefault(key, Planned(key, entries[base_key], source, produce))
+    untied = any(key not in layout.key_files for key in planned)
+    write_streaming(target_file, list(planned.values()), {**metadata, "untied": json.dumps(untied)})

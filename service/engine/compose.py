@@ -299,6 +299,17 @@ def layer_edits(
         yield _apply_delta(item.spec, item.weights, item.delta, item.scale)
 
 
+def layer_editor(
+    algebra: EngramAlgebra, load: Callable[[LayerSpec], LayerWeights], scales: Mapping[str, float]
+) -> Callable[[LayerSpec], LayerEdit | None]:
+    """One layer's edit on demand (``None`` for a zero scale), for writers that stream layer by layer."""
+
+    def edit(spec: LayerSpec) -> LayerEdit | None:
+        return next(iter(layer_edits([spec], algebra, load, scales)), None)
+
+    return edit
+
+
 def _apply_delta(spec: LayerSpec, weights: LayerWeights, delta: torch.Tensor, scale: float) -> LayerEdit:
     new_w = augmented_weight(spec, weights) + delta
     if not torch.isfinite(new_w).all():

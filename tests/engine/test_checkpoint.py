@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -58,21 +57,33 @@ def statistics(path: Path, n_records: int = 30) -> LayerStatistics:
     return collect_statistics(model, make_batches(examples, 8, pad_token_id(tokenizer)), editable_layers(model))
 
 
-def edit_function(path: Path, layout: ModelLayout, names: tuple[str, ...]) -> tuple[Any, dict[str, LayerEdit]]:
-    """``edits_for`` for write_checkpoint (editing ``names``), and the edits it yields by name."""
-    stats = statistics(path)
-    algebra = EngramAlgebra([(-1.0, stats)], [stats])
-    reader = CheckpointReader(path, layout)
-    chosen = [spec for spec in layout.layers if spec.name in names]
-    scales = layer_scales(chosen, algebra, reader.layer_weights, "uniform")
-    produced: dict[str, LayerEdit] = {}
+class Edits:
+    """Edits of the layers ``names``: all at once (``edits(specs)``, for write_delta) or one layer
+    at a time (``edits.one``, with ``edits.names``, for write_checkpoint); ``produced`` keeps them."""
 
-    def edits_for(specs: list[LayerSpec]) -> list[LayerEdit]:
-        edits = list(layer_edits([s for s in specs if s.name in names], algebra, reader.layer_weights, scales))
-        produced.update({e.spec.name: e for e in edits})
+    def __init__(self, path: Path, layout: ModelLayout, names: tuple[str, ...]) -> None:
+        stats = statistics(path)
+        self.algebra = EngramAlgebra([(-1.0, stats)], [stats])
+        self.reader = CheckpointReader(path, layout)
+        self.names = set(names)
+        chosen = [spec for spec in layout.layers if spec.name in names]
+        self.scales = layer_scales(chosen, self.algebra, self.reader.layer_weights, "uniform")
+        self.produced: dict[str, LayerEdit] = {}
+
+    def __call__(self, specs: list[LayerSpec]) -> list[LayerEdit]:
+        chosen = [s for s in specs if s.name in self.names]
+        edits = list(layer_edits(chosen, self.algebra, self.reader.layer_weights, self.scales))
+        self.produced.update({e.spec.name: e for e in edits})
         return edits
 
-    return edits_for, produced
+    def one(self, spec: LayerSpec) -> LayerEdit | None:
+        return next(iter(self([spec])), None)
+
+
+def edit_function(path: Path, layout: ModelLayout, names: tuple[str, ...]) -> tuple[Edits, dict[str, LayerEdit]]:
+    """The edits of ``names`` and the dict that collects what they produced, by name."""
+    edits = Edits(path, layout, names)
+    return edits, edits.produced
 
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:
@@ -213,7 +224,7 @@ def test_write_checkpoint_unties_an_edited_tied_head(dirs: dict[str, Path], tmp_
     target = tmp_path / "variant"
     target.mkdir()
     edited_layers: list[int] = []
-    write_checkpoint(source, target, layout, edits_for, on_layer=lambda: edited_layers.append(1))
+    write_checkpoint(source, target, layout, edits_for.one, edits_for.names, on_layer=lambda: edited_layers.append(1))
     assert set(produced) == set(EDITED) and len(edited_layers) == 2
 
     config = json.loads((target / "config.json").read_text())
@@ -254,7 +265,7 @@ def test_write_checkpoint_of_a_sharded_tied_model_updates_the_index(
     edits_for, produced = edit_function(source, layout, EDITED)
     target = tmp_path / "variant"
     target.mkdir()
-    write_checkpoint(source, target, layout, edits_for)
+    write_checkpoint(source, target, layout, edits_for.one, edits_for.names)
     new_index = json.loads((target / "model.safetensors.index.json").read_text())
     assert new_index["weight_map"]["lm_head.weight"] == index["weight_map"]["model.embed_tokens.weight"]
     loaded = AutoModelForCausalLM.from_pretrained(str(target))
@@ -276,7 +287,7 @@ def test_write_checkpoint_keeps_biases_in_their_own_shards(dirs: dict[str, Path]
     edits_for, produced = edit_function(source, layout, names)
     target = tmp_path / "variant"
     target.mkdir()
-    write_checkpoint(source, target, layout, edits_for)
+    write_checkpoint(source, target, layout, edits_for.one, edits_for.names)
 
     assert json.loads((target / "config.json").read_text()).get("tie_word_embeddings", True) is True
     assert json.loads((target / "model.safetensors.index.json").read_text())["weight_map"] == index
@@ -303,7 +314,7 @@ def test_write_checkpoint_unties_a_head_stored_under_its_own_key(dirs: dict[str,
     edits_for, produced = edit_function(source, layout, ("lm_head",))
     target = tmp_path / "variant"
     target.mkdir()
-    write_checkpoint(source, target, layout, edits_for)
+    write_checkpoint(source, target, layout, edits_for.one, edits_for.names)
     model = AutoModelForCausalLM.from_pretrained(str(target))
     assert torch.equal(model.lm_head.weight.detach(), produced["lm_head"].weight)
     assert torch.equal(model.model.embed_tokens.weight.detach(), embedding), "the embedding was edited too"
@@ -316,7 +327,7 @@ def test_write_checkpoint_of_bert_keeps_word_embeddings(dirs: dict[str, Path], t
     edits_for, produced = edit_function(source, layout, names)
     target = tmp_path / "variant"
     target.mkdir()
-    write_checkpoint(source, target, layout, edits_for)
+    write_checkpoint(source, target, layout, edits_for.one, edits_for.names)
     model = AutoModelForMaskedLM.from_pretrained(str(target))
     decoder = model.cls.predictions.decoder
     assert torch.equal(decoder.weight.detach(), produced["cls.predictions.decoder"].weight)
@@ -332,7 +343,7 @@ def test_write_delta_holds_exactly_the_changed_tensors(dirs: dict[str, Path], tm
     layout = inspect_model_dir(source)
     edits_for, produced = edit_function(source, layout, EDITED)
     delta_file = tmp_path / "delta.safetensors"
-    write_delta(source, delta_file, layout, edits_for(layout.layers), {"variant_id": "v1"})
+    write_delta(source, delta_file, layout, edits_for.one, edits_for.names, {"variant_id": "v1"})
     delta = load_file(str(delta_file))
     assert set(delta) == {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight"}
     assert torch.equal(delta["lm_head.weight"], produced["lm_head"].weight)
@@ -344,7 +355,7 @@ def test_write_delta_holds_exactly_the_changed_tensors(dirs: dict[str, Path], tm
     # The documented recipe rebuilds exactly the full checkpoint's weights.
     target = tmp_path / "variant"
     target.mkdir()
-    write_checkpoint(source, target, layout, edits_for)
+    write_checkpoint(source, target, layout, edits_for.one, edits_for.names)
     full = AutoModelForCausalLM.from_pretrained(str(target))
     base = AutoModelForCausalLM.from_pretrained(str(source), tie_word_embeddings=False)
     result = base.load_state_dict(delta, strict=False)
@@ -359,7 +370,7 @@ def test_write_delta_of_an_untied_model_says_untied_false(dirs: dict[str, Path],
     layout = inspect_model_dir(source)
     edits_for, _ = edit_function(source, layout, EDITED)
     delta_file = tmp_path / "delta.safetensors"
-    write_delta(source, delta_file, layout, edits_for(layout.layers), {})
+    write_delta(source, delta_file, layout, edits_for.one, edits_for.names, {})
     with safe_open(str(delta_file), framework="pt") as handle:
         assert json.loads(handle.metadata()["untied"]) is False
         assert set(handle.keys()) == {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight"}

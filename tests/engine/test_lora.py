@@ -31,7 +31,7 @@ from service.engine.checkpoint import (
     write_checkpoint,
 )
 from service.engine.collect import LayerStatistics, collect_statistics
-from service.engine.compose import EngramAlgebra, LayerDelta, layer_deltas, layer_edits, layer_scales
+from service.engine.compose import EngramAlgebra, LayerDelta, layer_deltas, layer_editor, layer_scales
 from service.engine.layers import LayerSpec
 from service.engine.lora import (
     ADAPTER_CONFIG,
@@ -88,14 +88,9 @@ class Case:
     def checkpoint(self, layers: Sequence[LayerSpec], target: Path) -> Path:
         """The checkpoint variant of the same edit (what the adapter must reproduce)."""
         scales = layer_scales(layers, self.algebra, self.reader.layer_weights, "uniform")
-        chosen = {s.name for s in layers}
-
-        def edits_for(specs: list[LayerSpec]) -> Any:
-            picked = [s for s in specs if s.name in chosen]
-            return layer_edits(picked, self.algebra, self.reader.layer_weights, scales)
-
+        edit_layer = layer_editor(self.algebra, self.reader.layer_weights, scales)
         target.mkdir()
-        write_checkpoint(self.path, target, self.layout, edits_for)
+        write_checkpoint(self.path, target, self.layout, edit_layer, {s.name for s in layers})
         return target
 
     def adapter(self, layers: Sequence[LayerSpec], target: Path, max_rank: int | None = None) -> dict[str, Any]:

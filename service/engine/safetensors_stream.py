@@ -1,0 +1,114 @@
+"""Write a safetensors file tensor by tensor, so a checkpoint never has to fit in memory twice.
+
+``safetensors.torch.save_file`` takes every tensor of a file at once; an edited shard of a 7B model
+would then sit in memory next to its source. The format allows streaming: an 8-byte little-endian
+header length, a JSON header giving every tensor's dtype, shape and byte range, then the bytes. When
+the dtypes and shapes are known up front (an edit never changes them), the header is written first
+and each tensor's bytes follow as they are produced, or are copied from the source file unread.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+_ALIGN = 8  # the header is padded so the data starts 8-byte aligned, as safetensors itself does
+_COPY_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: dtype (``F32``, ``BF16``…), shape and byte range."""
+
+    dtype: str
+    shape: list[int]
+    start: int  # absolute offset of the first byte in the file
+    nbytes: int
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The tensors of a safetensors file (absolute byte ranges) and its ``__metadata__``."""
+    with path.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    data_start = 8 + length
+    metadata = header.pop("__metadata__", None) or {}
+    entries = {
+        key: TensorEntry(value["dtype"], list(value["shape"]), data_start + value["data_offsets"][0],
+                         value["data_offsets"][1] - value["data_offsets"][0])
+        for key, value in header.items()
+    }
+    return entries, metadata
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A tensor to write: its key, dtype/shape/size (those of ``like``), and where its bytes come from.
+
+    ``produce`` returns the tensor when called (an edit, computed only now); ``None`` means copy the
+    bytes of ``like`` from ``source`` unchanged.
+    """
+
+    key: str
+    like: TensorEntry
+    source: Path
+    produce: Callable[[], torch.Tensor] | None = None
+
+
+def write_streaming(target: Path, planned: Sequence[Planned], metadata: dict[str, str]) -> None:
+    """Write ``planned`` to ``target`` in order: header first, then each tensor's bytes.
+
+    Raises:
+        ValueError: a produced tensor's size differs from the planned entry's.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for item in planned:
+        span = [offset, offset + item.like.nbytes]
+        header[item.key] = {"dtype": item.like.dtype, "shape": item.like.shape, "data_offsets": span}
+        offset += item.like.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    with target.open("wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for item in planned:
+            if item.produce is None:
+                _copy_range(item.source, item.like, out)
+            else:
+                _write_tensor(item, out)
+
+
+def _write_tensor(item: Planned, out: BinaryIO) -> None:
+    tensor = item.produce()  # type: ignore[misc]
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    if data.nbytes != item.like.nbytes or list(tensor.shape) != item.like.shape:
+        raise ValueError(f"{item.key}: produced {list(tensor.shape)} ({data.nbytes} bytes), planned {item.like}")
+    out.write(memoryview(data))
+
+
+def _copy_range(source: Path, entry: TensorEntry, out: BinaryIO) -> None:
+    with source.open("rb") as handle:
+        handle.seek(entry.start)
+        remaining = entry.nbytes
+        for chunk in _chunks(handle, remaining):
+            out.write(chunk)
+            remaining -= len(chunk)
+    if remaining:
+        raise ValueError(f"{source} ended {remaining} bytes early")
+
+
+def _chunks(handle: BinaryIO, length: int) -> Iterator[bytes]:
+    while length > 0:
+        chunk = handle.read(min(_COPY_CHUNK, length))
+        if not chunk:
+            return
+        length -= len(chunk)
+        yield chunk
+
