@@ -238,18 +238,19 @@ def load_tokenizer(path: Path) -> Any:
 
 
 class CheckpointReader:
-    """Reads single tensors of a checkpoint by key, keeping shard handles open."""
+    """Reads single tensors of a checkpoint by key.
+
+    Each read maps the shard only while it copies the tensor out: a mapping kept open would leave
+    every page read so far resident in this process, a whole model's worth after one variant.
+    """
 
     def __init__(self, path: Path, layout: ModelLayout) -> None:
         self.path = path
         self.layout = layout
-        self._handles: dict[str, Any] = {}
 
     def tensor(self, key: str) -> torch.Tensor:
-        file = self.layout.key_files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file].get_tensor(key)
+        with safe_open(str(self.path / self.layout.key_files[key]), framework="pt") as handle:
+            return handle.get_tensor(key)
 
     def layer_weights(self, spec: LayerSpec) -> LayerWeights:
         bias_key = self.layout.bias_keys.get(spec.name)
