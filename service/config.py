@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # How Σ is stored. float64 keeps the sums exactly as accumulated; float32 halves the bytes and
     # moves an edit by up to ~1e-4 relative on ill-conditioned layers (see service/engine/stats_io.py).
     stats_dtype: Literal["float64", "float32"] = "float64"
+    # The dtype the model runs in during collection: as stored, or e.g. bfloat16 on a GPU (about
+    # twice as fast there). Covariances accumulate in float32 products and float64 sums either way.
+    collect_dtype: Literal["stored", "float32", "bfloat16", "float16"] = "stored"
     # Workers keep downloaded statistics files in ENGRAM_CACHE_DIR/stats/ up to this many bytes.
     stats_disk_cache_bytes: int = Field(default=64 << 30, ge=0)
 

@@ -71,8 +71,11 @@ def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -
 def collection_settings(settings: Settings) -> dict[str, Any]:
     """Everything that changes a statistic (and so is part of its key)."""
     chosen: dict[str, Any] = {"max_length": settings.max_length, "engine": ENGINE_VERSION}
-    if settings.stats_dtype != "float64":  # only when not the default: existing keys stay valid
+    # Only when not the default, so existing keys stay valid.
+    if settings.stats_dtype != "float64":
         chosen["stats_dtype"] = settings.stats_dtype
+    if settings.collect_dtype != "stored":  # the activations, and so Σ, depend on it
+        chosen["collect_dtype"] = settings.collect_dtype
     return chosen
 
 

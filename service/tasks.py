@@ -183,14 +183,16 @@ class ModelCache:
         self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, ctx: Context, manifest: dict[str, Any], device: str) -> tuple[Any, Any]:
-        key = f"{manifest['digest']}@{device}"
+    def get(self, ctx: Context, manifest: dict[str, Any], device: str, dtype: str | None = None) -> tuple[Any, Any]:
+        """The model (in ``dtype``, default: as stored) and its tokenizer, loaded on first use."""
+        key = f"{manifest['digest']}@{device}/{dtype or 'stored'}"
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
             path = checked_model_dir(ctx, manifest)
-            item = (load_model(path, device=device), load_tokenizer(path))
+            torch_dtype = getattr(torch, dtype) if dtype else None
+            item = (load_model(path, device=device, dtype=torch_dtype), load_tokenizer(path))
             self._items[key] = item
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
@@ -237,7 +239,10 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     if manifest["digest"] != payload["model_digest"]:
         raise JobFailed(f"model {payload['model_id']} was re-registered with other weights")
     MODELS.capacity = ctx.settings.model_cache_size
-    model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device)
+    # The model may run in bfloat16 (ENGRAM_COLLECT_DTYPE); the covariances still accumulate in
+    # float32 products and float64 sums (see service.engine.collect).
+    dtype = payload["settings"].get("collect_dtype")
+    model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device, dtype)
     records = load_records(ctx, payload["dataset_digest"])
     max_length = int(payload["settings"]["max_length"])
     examples = [encode_record(tokenizer, r, max_length) for r in records]

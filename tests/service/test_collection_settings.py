@@ -20,6 +20,12 @@ def test_float32_storage_is_another_statistic() -> None:
     assert canonical_digest(default) != canonical_digest(half)
 
 
+def test_collect_dtype_is_another_statistic() -> None:
+    half = collection_settings(Settings(collect_dtype="bfloat16"))
+    assert half["collect_dtype"] == "bfloat16"
+    assert canonical_digest(half) != canonical_digest(collection_settings(Settings()))
+
+
 def test_batch_size_is_not_part_of_the_key() -> None:
     # Padding never changes a statistic, so the batch size must not split the cache.
     assert collection_settings(Settings(collect_batch_size=1)) == collection_settings(Settings(collect_batch_size=64))
