@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,9 +29,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from service.background import PeriodicDuty
 from service.config import Settings
 from service.errors import InvalidInput
-from service.storage import ObjectNotFound, Storage, StorageUnavailable
+from service.storage import ObjectNotFound, Storage
 
 log = logging.getLogger("engram.callbacks")
 PENDING_PREFIX = "callbacks/pending/"
@@ -150,48 +150,20 @@ class CallbackDispatcher:
         lock: Callable[[], Any] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.storage, self.settings, self.get_job, self.view, self.lock = storage, settings, get_job, view, lock
+        self.storage, self.settings, self.get_job, self.view = storage, settings, get_job, view
         self._client = httpx.Client(timeout=settings.callback_timeout_s, follow_redirects=False, transport=transport)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engram-callbacks", daemon=True)
+        self._duty = PeriodicDuty("callbacks", self.deliver_due, settings.callback_poll_s, lock)
 
     def start(self) -> None:
-        self._thread.start()
+        self._duty.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=self.settings.callback_timeout_s + 5)
+        self._duty.stop(timeout_s=self.settings.callback_timeout_s + 5)
         self._client.close()
 
     def wake(self) -> None:
         """Look at the outbox now (a job of this process just finished)."""
-        self._wake.set()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.settings.callback_poll_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self._pass_under_lock()
-            except (StorageUnavailable, OSError) as exc:
-                log.warning("callback pass skipped: %s", exc)
-            except Exception:
-                log.exception("callback pass failed")
-
-    def _pass_under_lock(self) -> None:
-        if self.lock is None:
-            self.deliver_due()
-            return
-        lock = self.lock()
-        if lock.acquire(blocking=False):
-            try:
-                self.deliver_due()
-            finally:
-                lock.release()
+        self._duty.wake()
 
     def deliver_due(self) -> int:
         """Attempt every due entry once; returns how many were delivered."""

@@ -146,9 +146,9 @@ def _causal(model: Any) -> None:
 
 
 def _progress(ctx: Context, job: dict[str, Any], total: int) -> Any:
-    from service.tasks import _Progress  # the tasks' throttled progress + cancellation check
+    from service.tasks import JobProgress  # the tasks' throttled progress + cancellation check
 
-    return _Progress(ctx, job["job_id"], total)
+    return JobProgress(ctx, job["job_id"], total)
 
 
 # ---------------------------------------------------------------- job bodies

@@ -14,12 +14,11 @@ Tasks are idempotent and their outputs content-addressed, so a job dispatched tw
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
+from service.background import PeriodicDuty
 from service.jobs import FINISHED, OPEN_PREFIX, RedisJobStore, utc_now
-from service.storage import StorageUnavailable
 
 log = logging.getLogger("engram.reconcile")
 
@@ -56,31 +55,10 @@ def _why_lost(jobs: RedisJobStore, job: dict[str, Any], epoch: str) -> str | Non
     return None
 
 
-class Reconciler:
-    """A daemon thread running :func:`reconcile_once` under a Redis lock."""
+def reconciler(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], None], interval_s: float) -> PeriodicDuty:
+    """:func:`reconcile_once` every ``interval_s``, in one API process at a time (a Redis lock)."""
 
-    def __init__(self, jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], None], interval_s: float) -> None:
-        self.jobs, self.dispatch, self.interval_s = jobs, dispatch, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engram-reconciler", daemon=True)
+    def lock() -> Any:
+        return jobs.redis.lock("engram:lock:reconcile", timeout=max(30, 4 * interval_s))
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            lock = self.jobs.redis.lock("engram:lock:reconcile", timeout=max(30, 4 * self.interval_s))
-            try:
-                if lock.acquire(blocking=False):
-                    try:
-                        reconcile_once(self.jobs, self.dispatch)
-                    finally:
-                        lock.release()
-            except (StorageUnavailable, OSError) as exc:
-                log.warning("reconcile pass skipped: %s", exc)
-            except Exception:
-                log.exception("reconcile pass failed")
+    return PeriodicDuty("reconciler", lambda: reconcile_once(jobs, dispatch), interval_s, lock)

@@ -69,7 +69,7 @@ def _embedded(settings: Settings) -> Runtime:
 def _distributed(settings: Settings, background: bool) -> Runtime:
     import redis
 
-    from service.reconcile import Reconciler, reconcile_once
+    from service.reconcile import reconcile_once, reconciler
     from workers.celery_app import TASK_FOR_KIND, make_celery
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
@@ -90,9 +90,9 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     ctx.queue_depths = lambda: {queue: int(client.llen(queue)) for queue in ("gpu", "cpu")}
     runtime = Runtime(ctx)
     if background:
-        reconciler = Reconciler(jobs, dispatch, settings.reconcile_interval_s)
-        runtime.on_start += [lambda: _safely(lambda: reconcile_once(jobs, dispatch)), reconciler.start]
-        runtime.on_stop.append(reconciler.stop)
+        reconciling = reconciler(jobs, dispatch, settings.reconcile_interval_s)
+        runtime.on_start += [lambda: _safely(lambda: reconcile_once(jobs, dispatch)), reconciling.start]
+        runtime.on_stop.append(reconciling.stop)
         # Workers only write outbox entries; the API processes deliver them, one at a time.
         _deliver_callbacks(runtime, lock=lambda: client.lock("engram:lock:callbacks", timeout=300))
     return runtime

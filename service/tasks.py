@@ -150,7 +150,7 @@ def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
     ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())
 
 
-class _Progress:
+class JobProgress:
     """Throttled progress reporting plus the cancellation check, shared by both task kinds."""
 
     def __init__(self, ctx: Context, job_id: str, total: int) -> None:
@@ -246,7 +246,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     records = load_records(ctx, payload["dataset_digest"])
     max_length = int(payload["settings"]["max_length"])
     examples = [encode_record(tokenizer, r, max_length) for r in records]
-    progress = _Progress(ctx, job["job_id"], sum(sum(e.counted) for e in examples))
+    progress = JobProgress(ctx, job["job_id"], sum(sum(e.counted) for e in examples))
     if progress.total == 0:
         raise JobFailed("no record has a token that enters the statistics (empty completions after truncation?)")
     layout = ModelLayout.from_json(manifest["layout"])
@@ -300,7 +300,7 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     layers = select_layers(layout.layers, request["modules"], request["layers"])
     algebra = _algebra(ctx, request)
     reader = CheckpointReader(checked_model_dir(ctx, manifest), layout)
-    progress = _Progress(ctx, job["job_id"], len(layers))
+    progress = JobProgress(ctx, job["job_id"], len(layers))
     started = time.monotonic()
     try:
         scales = layer_scales(layers, algebra, reader.layer_weights, request["scaling"])
@@ -394,7 +394,7 @@ def _write_variant(
     algebra: EngramAlgebra,
     scales: dict[str, float],
     request: dict[str, Any],
-    progress: _Progress,
+    progress: JobProgress,
 ) -> dict[str, Any] | None:
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     edit_layer = layer_editor(algebra, reader.layer_weights, scales)

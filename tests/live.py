@@ -180,6 +180,16 @@ def wait_variant_ready(client: httpx.Client, variant_id: str, timeout: float = 1
     return variant
 
 
+def download_variant(client: httpx.Client, variant: dict[str, Any], target: Path) -> Path:
+    """Every file of a ready variant into ``target`` (created), as a user would fetch them."""
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in variant["files"]:
+        response = client.get(f"/variants/{variant['variant_id']}/files/{entry['path']}")
+        assert response.status_code == 200, response.text
+        (target / entry["path"]).write_bytes(response.content)
+    return target
+
+
 def wait_idle(server: LiveServer, timeout: float = 120) -> None:
     """Wait until every job the server ever persisted is finished (nothing writes in the background)."""
     for key in sorted((server.storage_dir / "jobs").glob("*.json")):

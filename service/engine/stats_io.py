@@ -97,21 +97,11 @@ class StatisticsFile:
         return max(self.counts.values(), default=0)
 
 
-def load_statistics(path: Path, packed: bool = False) -> LayerStatistics:
-    """Read a file written by :func:`save_statistics`; sums come back as float64 on the CPU.
+def load_statistics(path: Path) -> LayerStatistics:
+    """Read a whole file written by :func:`save_statistics`; full sums, float64, on the CPU.
 
-    Args:
-        path: the safetensors file.
-        packed: keep each sum as its packed upper triangle (1-D, half the memory). The engram
-            algebra adds packed sums as they are and unpacks only the combination it needs.
+    Workers read files one group at a time instead (:class:`StatisticsFile`).
     """
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not an {FORMAT} file (format={meta.get('format')!r})")
-        dims: dict[str, int] = json.loads(meta["dims"])
-        if packed:
-            sums = {g: handle.get_tensor(g).to(torch.float64) for g in dims}
-        else:
-            sums = {g: unpack_symmetric(handle.get_tensor(g), dims[g]).to(torch.float64) for g in dims}
-    return LayerStatistics(sums, json.loads(meta["counts"]), json.loads(meta["layer_group"]))
+    source = StatisticsFile(path)
+    sums = {group: unpack_symmetric(source.sums[group], dim) for group, dim in source.dims.items()}
+    return LayerStatistics(sums, source.counts, source.layer_group)

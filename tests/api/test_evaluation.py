@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from service.demo import make_facts
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from tests.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 MODEL = "eval/tiny"
 FACTS = make_facts(30, seed=3)
@@ -41,15 +41,6 @@ def variants(api: httpx.Client, tiny_llama_dir: Path) -> dict[str, dict[str, Any
         assert response.status_code == 202, response.text
     wait_concepts_ready(api, ["eval-forget", "eval-retain"], MODEL)
     return {fmt: _variant(api, fmt) for fmt in ("checkpoint", "delta", "peft")}
-
-
-def _download(api: httpx.Client, variant: dict[str, Any], target: Path) -> Path:
-    target.mkdir(parents=True, exist_ok=True)
-    for entry in variant["files"]:
-        response = api.get(f"/variants/{variant['variant_id']}/files/{entry['path']}")
-        assert response.status_code == 200
-        (target / entry["path"]).write_bytes(response.content)
-    return target
 
 
 def _evaluate(api: httpx.Client, variant_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +70,7 @@ def test_evaluation_equals_direct_computation(
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     models = {
         "base": AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval(),
-        "variant": AutoModelForCausalLM.from_pretrained(_download(api, checkpoint, tmp_path / "ckpt")).eval(),
+        "variant": AutoModelForCausalLM.from_pretrained(download_variant(api, checkpoint, tmp_path / "ckpt")).eval(),
     }
     records = {s: [r for r in result["records"] if r["split"] == s] for s in ("forget", "retain")}
     for name, model in models.items():
@@ -134,7 +125,7 @@ def test_generate_is_the_greedy_continuation(
     outputs = job["result"]["outputs"]
     assert set(outputs) == {"base", "variant"}
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    directories = {"base": tiny_llama_dir, "variant": _download(api, variant, tmp_path / "v")}
+    directories = {"base": tiny_llama_dir, "variant": download_variant(api, variant, tmp_path / "v")}
     long_enough = Probe(prompt, " x" * 4 * max_new)  # the hand-rolled greedy decoder, no KV cache
     for name, directory in directories.items():
         model = AutoModelForCausalLM.from_pretrained(directory).eval()

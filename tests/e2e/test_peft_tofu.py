@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +23,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from service.demo import read_probes
 from service.engine.evaluate import Probe
 from service.engine.lora import EXACT_RTOL
-from tests.e2e.tofu import _download, _metrics, _post_concept
-from tests.live import LiveServer, start_server, stop_server, wait_for_job
+from tests.e2e.tofu import post_concept, probe_metrics
+from tests.live import LiveServer, download_variant, wait_for_job
 
 MODEL_ID = "demo/peft-tofu"
 NLL_TOL = 0.05  # the issue's bar: forget and retain NLLs within 5% of the checkpoint variant's
 TRUNCATED_RANK = 16
-
-
-@pytest.fixture(scope="module")
-def server(mini_tofu_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    work = tmp_path_factory.mktemp("peft-tofu-server")
-    live = start_server(work / "store", mini_tofu_demo, work / "server.log")
-    try:
-        yield live
-    finally:
-        stop_server(live)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +38,15 @@ def probes(mini_tofu_demo: Path) -> dict[str, list[Probe]]:
 
 
 @pytest.fixture(scope="module")
-def collected(server: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]]) -> LiveServer:
+def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]]) -> LiveServer:
     """The demo model registered, forget (target) and retain (reference) statistics ready."""
-    client = server.client
+    client = tofu_server.client
     source = f"file://{mini_tofu_demo / 'demo' / 'model'}"
     assert client.post("/models", json={"model_id": MODEL_ID, "source": source}).status_code == 201
     for name, role in (("forget", "target"), ("retain", "reference")):
-        job = wait_for_job(client, _post_concept(client, MODEL_ID, f"peft-{name}", role, probes[name]), timeout=300)
+        job = wait_for_job(client, post_concept(client, MODEL_ID, f"peft-{name}", role, probes[name]), timeout=300)
         assert job["status"] == "succeeded", job
-    return server
+    return tofu_server
 
 
 def unlearn(client: httpx.Client, target: Path, **options: Any) -> dict[str, Any]:
@@ -69,13 +58,13 @@ def unlearn(client: httpx.Client, target: Path, **options: Any) -> dict[str, Any
     assert job["status"] == "succeeded", job
     assert job["progress"]["done"] == job["progress"]["total"] > 0, job["progress"]
     variant = client.get(f"/variants/{submitted.json()['variant']['variant_id']}").json()
-    _download(client, variant, target)
+    download_variant(client, variant, target)
     return variant
 
 
 def metrics(model: torch.nn.Module, tokenizer: Any, probes: dict[str, list[Probe]]) -> dict[str, dict[str, float]]:
     """Mean answer NLL and greedy exact match per split, as the mini-TOFU scenario measures them."""
-    return {split: _metrics(model, tokenizer, items) for split, items in probes.items()}
+    return {split: probe_metrics(model, tokenizer, items) for split, items in probes.items()}
 
 
 def with_adapter(model_dir: Path, adapter_dir: Path) -> torch.nn.Module:

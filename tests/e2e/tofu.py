@@ -18,27 +18,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.demo import read_probes
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
-from tests.live import wait_for_job
+from tests.live import download_variant, wait_for_job
 
 
-def _metrics(model: torch.nn.Module, tokenizer: object, probes: list[Probe]) -> dict[str, float]:
+def probe_metrics(model: torch.nn.Module, tokenizer: object, probes: list[Probe]) -> dict[str, float]:
     return summarize(answer_nll(model, tokenizer, probes), greedy_exact_match(model, tokenizer, probes))
 
 
-def _post_concept(client: httpx.Client, model_id: str, name: str, role: str, probes: list[Probe]) -> str:
+def post_concept(client: httpx.Client, model_id: str, name: str, role: str, probes: list[Probe]) -> str:
     records = [{"prompt": p.prompt, "completion": p.completion} for p in probes]
     response = client.post("/concepts", json={"name": name, "role": role, "models": [model_id], "records": records})
     assert response.status_code == 202, response.text
     return response.json()["jobs"][0]["job_id"]
-
-
-def _download(client: httpx.Client, variant: dict[str, Any], target: Path) -> Path:
-    target.mkdir(parents=True)
-    for entry in variant["files"]:
-        response = client.get(f"/variants/{variant['variant_id']}/files/{entry['path']}")
-        assert response.status_code == 200
-        (target / entry["path"]).write_bytes(response.content)
-    return target
 
 
 def run_mini_tofu(client: httpx.Client, demo_root: Path, source: str, work: Path, model_id: str) -> dict[str, Any]:
@@ -61,7 +52,7 @@ def run_mini_tofu(client: httpx.Client, demo_root: Path, source: str, work: Path
     assert client.post("/models", json={"model_id": model_id, "source": source}).status_code == 201
     prefix = model_id.replace("/", "-")
     jobs = [
-        wait_for_job(client, _post_concept(client, model_id, f"{prefix}-{name}", role, probes), timeout=300)
+        wait_for_job(client, post_concept(client, model_id, f"{prefix}-{name}", role, probes), timeout=300)
         for name, role, probes in (("forget", "target", forget), ("retain", "reference", retain))
     ]
     assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], jobs
@@ -70,7 +61,7 @@ def run_mini_tofu(client: httpx.Client, demo_root: Path, source: str, work: Path
     jobs.append(wait_for_job(client, submitted.json()["job"]["job_id"], timeout=300))
     assert jobs[-1]["status"] == "succeeded", jobs[-1]
     variant = client.get(f"/variants/{submitted.json()['variant']['variant_id']}").json()
-    edited_dir = _download(client, variant, work / "variant")
+    edited_dir = download_variant(client, variant, work / "variant")
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -79,7 +70,7 @@ def run_mini_tofu(client: httpx.Client, demo_root: Path, source: str, work: Path
     retain_pairs = [(p.prompt, p.completion) for p in retain]
     oracle = engram.edit_llm(base, tokenizer, forget=forget_pairs, total=forget_pairs + retain_pairs, alpha=1.0)
     figures = {
-        name: {"forget": _metrics(m, tokenizer, forget), "retain": _metrics(m, tokenizer, retain)}
+        name: {"forget": probe_metrics(m, tokenizer, forget), "retain": probe_metrics(m, tokenizer, retain)}
         for name, m in (("base", base), ("service", edited), ("ai-engram", oracle))
     }
     print("\nmini-TOFU figures:\n" + json.dumps(figures, indent=1))  # noqa: T201 - the note's figures
