@@ -202,7 +202,8 @@ class ModelBench:
         log(
             f"{profile.name}: {self.layout.num_parameters / 1e6:.1f}M parameters, {self.model_bytes / 1e6:.0f} MB checkpoint"
         )
-        self.stat_files: list[Path] = []
+        self.stored_stat_files: list[Path] = []  # as object storage keeps them (rows form where smaller)
+        self.stat_files: list[Path] = []  # as a worker reads them: rows expanded once into its disk cache
         self.ai_stats: list[Any] = []
         self.concept_batches: list[list[Any]] = []
 
@@ -310,13 +311,14 @@ class ModelBench:
     def concepts(self) -> None:
         from bench.compose import to_ai_statistics
         from service.engine.collect import collect_statistics
-        from service.engine.stats_io import save_statistics
+        from service.engine.stats_io import StatisticsFile, expand_statistics, save_statistics
 
         p = self.profile
         n = max(p.compose_concepts)
-        stats_dir = self.root / "stats"
+        stats_dir, local_dir = self.root / "stats", self.root / "stats-local"
         stats_dir.mkdir()
-        tokens = []
+        local_dir.mkdir()
+        tokens, expand_s = [], []
         for k in range(n):
             records = text_records(p.concept_records, p.facts_per_record, seed=100 + k)
             batches = batches_of(self.tokenizer, encode(self.tokenizer, records))
@@ -325,16 +327,28 @@ class ModelBench:
             tokens.append(stats.tokens)
             file = stats_dir / f"concept{k}.safetensors"
             save_statistics(stats, file)
-            self.stat_files.append(file)
+            self.stored_stat_files.append(file)
+            local = local_dir / file.name
+            started = time.perf_counter()
+            if StatisticsFile(file).has_rows:  # what service.tasks._local_statistics_file does once
+                expand_statistics(file, local)
+                expand_s.append(time.perf_counter() - started)
+            else:
+                local = file
+            self.stat_files.append(local)
             self.ai_stats.append(to_ai_statistics(stats))
             del stats
         self.info["concept_tokens"] = tokens
         log(f"{p.name}: collected {n} concepts ({sum(tokens)} tokens) and saved their statistics")
 
         # storage: the service's file vs naive fp32 covariances of every Linear layer
-        stats_bytes = self.stat_files[0].stat().st_size
+        stored = self.stored_stat_files[0]
+        stats_bytes = stored.stat().st_size
         naive = sum((spec.stat_dim**2) * 4 for spec in self.layout.layers)
-        groups = len(set(json.loads(_metadata(self.stat_files[0])["layer_group"]).values()))
+        groups = len(set(json.loads(_metadata(stored)["layer_group"]).values()))
+        stored_file = StatisticsFile(stored)
+        forms = stored_file.forms
+        rows_widths = sorted({stored_file.dims[g] for g, form in forms.items() if form == "rows"})
         self.add(
             "storage",
             "statistics file per concept vs naive fp32 covariances",
@@ -348,6 +362,11 @@ class ModelBench:
                 "input_groups_stored": groups,
                 "storage_dtype": "float64",
                 "packed": "upper triangle",
+                "rows_groups": sum(f == "rows" for f in forms.values()),
+                "rows_group_widths": rows_widths,
+                "concept_tokens": tokens[0],
+                "local_expansion_s_per_concept": [round(t, 3) for t in expand_s],
+                "local_expanded_bytes": self.stat_files[0].stat().st_size,
             },
         )
         # The same statistics with ENGRAM_STATS_DTYPE=float32 (what that setting stores).
@@ -356,7 +375,7 @@ class ModelBench:
         from service.engine.stats_io import load_statistics
 
         half = self.root / "concept0-float32.safetensors"
-        save_statistics(load_statistics(self.stat_files[0]), half, dtype=torch.float32)
+        save_statistics(load_statistics(stored), half, dtype=torch.float32)
         self.add(
             "storage",
             "statistics file per concept, ENGRAM_STATS_DTYPE=float32, vs naive fp32",
@@ -365,7 +384,12 @@ class ModelBench:
             "B",
             "<= 0.5x",
             limit=0.5,
-            details={"storage_dtype": "float32", "packed": "upper triangle", "input_groups_stored": groups},
+            details={
+                "storage_dtype": "float32",
+                "packed": "upper triangle",
+                "input_groups_stored": groups,
+                "rows_groups": sum(f == "rows" for f in StatisticsFile(half).forms.values()),
+            },
         )
         half.unlink()
         ai_file = self.root / "ai_stats.pt"

@@ -40,7 +40,7 @@ from service.engine.compose import EditError, EngramAlgebra, layer_deltas, layer
 from service.engine.layers import select_layers
 from service.engine.lora import layer_loras, write_adapter
 from service.engine.records import encode_record, make_batches, pad_token_id
-from service.engine.stats_io import StatisticsFile, save_statistics
+from service.engine.stats_io import StatisticsFile, expand_statistics, save_statistics
 from service.errors import JobFailed, ProblemError
 from service.jobs import FINISHED, utc_now
 from service.observability import job_context, record_collection
@@ -338,21 +338,32 @@ def _statistics(ctx: Context, prefix: str) -> StatisticsFile:
 
 
 def _local_statistics_file(ctx: Context, prefix: str) -> Path:
-    """The statistics file on this machine: in place (file storage) or downloaded once to the cache."""
+    """The statistics file on this machine, ready for per-group reads: in place (file storage) or
+    downloaded once to the cache; a file with low-rank ``rows`` groups is expanded into the cache
+    once (packed sums), so no variant pays the rows' ``T·D²`` products again."""
     key = prefix + "statistics.safetensors"
     in_place = ctx.storage.local_path(key)
-    if in_place is not None:
+    if in_place is not None and not StatisticsFile(in_place).has_rows:
         return in_place
     folder = ctx.cache_dir / "stats"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{hashlib.sha256(prefix.encode()).hexdigest()[:40]}.safetensors"
     if not target.exists():
         partial = folder / f".{target.name}.{os.getpid()}.{threading.get_ident()}.part"
+        downloaded = partial.with_suffix(".download")
         try:
-            ctx.storage.download(key, partial)
+            source = in_place
+            if source is None:
+                ctx.storage.download(key, downloaded)
+                source = downloaded
+            if StatisticsFile(source).has_rows:
+                expand_statistics(source, partial)
+            else:
+                os.replace(source, partial)
             os.replace(partial, target)  # atomic: a reader sees the whole file or none
         finally:
             partial.unlink(missing_ok=True)
+            downloaded.unlink(missing_ok=True)
         in_use = {target} | {cached.path for key in STATS_CACHE if (cached := STATS_CACHE.get(key)) is not None}
         _trim_disk_cache(folder, ctx.settings.stats_disk_cache_bytes, keep=in_use)
     return target

@@ -11,6 +11,11 @@ Precision, on purpose: each batch's product ``XᵀX`` is a float32 GEMM on the m
 TF32 disabled so CUDA keeps full float32 mantissas), and the running sum is float64 on that same
 device, so a million-token sum loses nothing to accumulation order. A bf16 model's activations are
 upcast to float32 before the product.
+
+Low-rank concepts: while an input group has seen no more tokens than it is wide (``T ≤ D``), its
+rows ``X`` are kept as they are (float32, exactly the activations) instead of being summed: ``XᵀX``
+then has rank ``T`` and the ``[T, D]`` rows are smaller to store than any ``D × D`` matrix. The
+first batch that takes the group past ``D`` tokens turns the rows into the running sum.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from service.engine.layers import LayerSpec
+from service.engine.linalg import gram
 from service.engine.records import Batch
 
 PRODUCT_DTYPE = torch.float32
@@ -42,11 +48,14 @@ class LayerStatistics:
         sums: input group key -> ``Σ x xᵀ`` (float64, ``[D, D]``; D includes the bias column).
         counts: input group key -> tokens that entered the sum.
         layer_group: layer name -> its input group key.
+        factors: input group key -> its rows ``X`` (float32, ``[T, D]``, ``sums[g] = XᵀX``), for
+            the groups that saw no more tokens than they are wide; what storage keeps of them.
     """
 
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     layer_group: dict[str, str] = field(default_factory=dict)
+    factors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -68,6 +77,8 @@ class _Collector:
         # id(input tensor), bias -> (tensor kept alive so the id stays unique, group key)
         self._seen: dict[tuple[int, bool], tuple[torch.Tensor, str]] = {}
         self.unaligned: set[str] = set()
+        # group -> its rows so far, while the group has seen no more tokens than it is wide
+        self._rows: dict[str, list[torch.Tensor]] = {}
 
     def start_batch(self, counted: torch.Tensor) -> None:
         self.rows_mask = counted.reshape(-1).to(self.device)
@@ -99,12 +110,18 @@ class _Collector:
         group = self.stats.layer_group.get(spec.name, spec.name)
         self._seen[key] = (raw, group)
         self._assign(spec.name, group)
-        product = x.mT @ x
-        if group not in self.stats.sums:
-            self.stats.sums[group] = torch.zeros(product.shape, dtype=ACCUMULATION_DTYPE, device=self.device)
+        if group not in self.stats.counts:
             self.stats.counts[group] = 0
-        self.stats.sums[group].add_(product.to(ACCUMULATION_DTYPE))
+            self._rows[group] = []
         self.stats.counts[group] += int(x.shape[0])
+        rows = self._rows.get(group)
+        if rows is None:
+            self.stats.sums[group].add_((x.mT @ x).to(ACCUMULATION_DTYPE))
+        elif self.stats.counts[group] <= x.shape[1]:
+            rows.append(x)  # a fresh tensor (masked indexing copies), safe to keep
+        else:  # wider than low-rank now: from here on only the sum is kept
+            self.stats.sums[group] = gram(torch.cat([*rows, x]))
+            del self._rows[group]
 
     def _assign(self, layer: str, group: str) -> None:
         previous = self.stats.layer_group.setdefault(layer, group)
@@ -115,6 +132,11 @@ class _Collector:
         for name in self.unaligned:
             self.stats.layer_group.pop(name, None)
         used = set(self.stats.layer_group.values())
+        for group, rows in self._rows.items():
+            if group in used:
+                factor = torch.cat(rows)
+                self.stats.factors[group] = factor.cpu()
+                self.stats.sums[group] = gram(factor)
         self.stats.sums = {g: s.cpu() for g, s in self.stats.sums.items() if g in used}
         self.stats.counts = {g: c for g, c in self.stats.counts.items() if g in used}
         return self.stats

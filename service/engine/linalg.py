@@ -1,4 +1,4 @@
-"""Spectral pseudo-inverse of symmetric PSD covariances and packed symmetric storage."""
+"""Spectral pseudo-inverse of symmetric PSD covariances, packed symmetric storage, Gram sums."""
 
 from __future__ import annotations
 
@@ -90,3 +90,21 @@ def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
     full[rows, cols] = packed
     full[cols, rows] = packed
     return full
+
+
+# Rows per product in :func:`gram`: the same float32-product / float64-sum split as collection's
+# per-batch products, with a bounded temporary (``D × D`` float32 per chunk).
+GRAM_CHUNK_ROWS = 4096
+
+
+def gram(rows: torch.Tensor, chunk: int = GRAM_CHUNK_ROWS) -> torch.Tensor:
+    """``XᵀX`` of ``rows`` (``[T, D]``) as float64 ``[D, D]``, on ``rows``' device.
+
+    Each chunk's product is a float32 GEMM summed in float64, exactly how collection accumulates
+    its batches, so a concept stored as rows reads back as the sum collection would have kept.
+    """
+    total = torch.zeros((rows.shape[1], rows.shape[1]), dtype=torch.float64, device=rows.device)
+    for start in range(0, rows.shape[0], chunk):
+        part = rows[start : start + chunk].to(torch.float32)
+        total.add_((part.mT @ part).to(torch.float64))
+    return total

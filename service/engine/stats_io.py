@@ -1,10 +1,17 @@
 """Statistics on disk: safetensors with JSON metadata, never pickle.
 
-Each input group's ``Σ`` is stored once, as its packed upper triangle (``D(D+1)/2`` values) in
-float64 by default. Float32 (``ENGRAM_STATS_DTYPE=float32``) halves the bytes, but the
-pseudo-inverse keeps directions down to ``D·1.2e-7·λ_max``, so a float32 rounding of Σ (6e-8
-relative) can move an edit by up to ~1e-2 on an ill-conditioned layer; measured on a tiny BERT,
-1e-4 absolute. Exactness first, half the bytes on request.
+Each input group is stored once, in the smaller of two exact forms:
+
+- ``packed``: the upper triangle of ``Σ`` (``D(D+1)/2`` values), float64 by default. Float32
+  (``ENGRAM_STATS_DTYPE=float32``) halves the bytes, but the pseudo-inverse keeps directions down to
+  ``D·1.2e-7·λ_max``, so a float32 rounding of Σ (6e-8 relative) can move an edit by up to ~1e-2 on
+  an ill-conditioned layer; measured on a tiny BERT, 1e-4 absolute. Exactness first.
+- ``rows``: the concept's activations ``X`` (``[T, D]`` float32, as the model produced them), when
+  the concept has fewer tokens than the group is wide: ``Σ = XᵀX`` has rank ``T`` and ``T·D`` values
+  are fewer than the triangle's bytes. Lossless, whatever ``ENGRAM_STATS_DTYPE`` says.
+
+Reading a ``rows`` group costs a ``T·D²`` product, so workers expand such files once into a packed
+local copy (:func:`expand_statistics`) and read that.
 """
 
 from __future__ import annotations
@@ -12,16 +19,27 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from service.engine.collect import LayerStatistics
-from service.engine.linalg import pack_symmetric, unpack_symmetric
+from service.engine.linalg import gram, pack_symmetric, unpack_symmetric
+from service.engine.safetensors_stream import Planned, TensorEntry, read_header, write_streaming
 
-FORMAT = "engram-stats/1"
+FORMAT = "engram-stats/2"
+READABLE_FORMATS = ("engram-stats/1", FORMAT)  # /1: every group packed, no "forms" entry
 STORAGE_DTYPE = torch.float64
+ROWS_DTYPE = torch.float32
+Form = Literal["packed", "rows"]
+
+
+def rows_are_smaller(tokens: int, dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``tokens`` float32 rows of width ``dim`` take fewer bytes than the packed triangle."""
+    packed_bytes = dim * (dim + 1) // 2 * dtype.itemsize
+    return 0 < tokens and tokens * dim * ROWS_DTYPE.itemsize < packed_bytes
 
 
 def save_statistics(
@@ -37,38 +55,56 @@ def save_statistics(
     """
     if dtype not in (torch.float64, torch.float32):
         raise ValueError(f"statistics are stored as float64 or float32, not {dtype}")
-    tensors = {group: pack_symmetric(s).to(dtype) for group, s in stats.sums.items()}
-    meta = {
+    tensors: dict[str, torch.Tensor] = {}
+    forms: dict[str, Form] = {}
+    for group, sigma in stats.sums.items():
+        factor = stats.factors.get(group)
+        if factor is not None and rows_are_smaller(factor.shape[0], sigma.shape[0], dtype):
+            tensors[group], forms[group] = factor.to(ROWS_DTYPE).contiguous(), "rows"
+        else:
+            tensors[group], forms[group] = pack_symmetric(sigma).to(dtype), "packed"
+    dims = {g: int(s.shape[0]) for g, s in stats.sums.items()}
+    save_file(tensors, str(path), metadata=_metadata(stats.layer_group, stats.counts, dims, forms, extra or {}))
+
+
+def _metadata(
+    layer_group: Mapping[str, str],
+    counts: Mapping[str, int],
+    dims: Mapping[str, int],
+    forms: Mapping[str, Form],
+    extra: Mapping[str, str],
+) -> dict[str, str]:
+    return {
+        **extra,
         "format": FORMAT,
-        "layer_group": json.dumps(stats.layer_group, sort_keys=True),
-        "counts": json.dumps(stats.counts, sort_keys=True),
-        "dims": json.dumps({g: int(s.shape[0]) for g, s in stats.sums.items()}, sort_keys=True),
-        **(extra or {}),
+        "layer_group": json.dumps(layer_group, sort_keys=True),
+        "counts": json.dumps(counts, sort_keys=True),
+        "dims": json.dumps(dims, sort_keys=True),
+        "forms": json.dumps(forms, sort_keys=True),
     }
-    save_file(tensors, str(path), metadata=meta)
 
 
-class _PackedGroups(Mapping[str, torch.Tensor]):
-    """Input group -> its packed float64 sum, read from the file when asked for (not kept).
+class _Groups(Mapping[str, torch.Tensor]):
+    """Input group -> its float64 sum (packed, or full for a ``rows`` group), read when asked for.
 
     The file is mapped only for the read: a mapping left open would keep every page read so far
     resident in this process (and counted in its RSS) for as long as the worker caches the file.
     """
 
-    def __init__(self, path: Path, dims: dict[str, int]) -> None:
-        self._path, self._dims = path, dims
+    def __init__(self, path: Path, forms: dict[str, Form]) -> None:
+        self._path, self._forms = path, forms
 
     def __getitem__(self, group: str) -> torch.Tensor:
-        if group not in self._dims:
-            raise KeyError(group)
+        form = self._forms[group]  # KeyError for an unknown group, as a Mapping should
         with safe_open(str(self._path), framework="pt") as handle:
-            return handle.get_tensor(group).to(torch.float64)
+            stored = handle.get_tensor(group)
+        return gram(stored) if form == "rows" else stored.to(torch.float64)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._dims)
+        return iter(self._forms)
 
     def __len__(self) -> int:
-        return len(self._dims)
+        return len(self._forms)
 
 
 class StatisticsFile:
@@ -76,25 +112,55 @@ class StatisticsFile:
 
     A variant needs one group of every concept at a time, so holding whole files in memory (8
     concepts of a 100M model: 2.2 GB) buys nothing: the page cache keeps hot files close anyway.
-    ``sums[group]`` reads that group's packed upper triangle as float64; ``layer_group`` and
-    ``counts`` come from the header. Duck-compatible with :class:`LayerStatistics` for the algebra.
+    ``sums[group]`` reads that group as float64 (the packed upper triangle, or ``XᵀX`` of stored
+    rows); ``layer_group`` and ``counts`` come from the header. Duck-compatible with
+    :class:`LayerStatistics` for the algebra.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in READABLE_FORMATS:
             raise ValueError(f"{path} is not an {FORMAT} file (format={meta.get('format')!r})")
+        self.metadata = meta
         self.dims: dict[str, int] = json.loads(meta["dims"])
         self.counts: dict[str, int] = json.loads(meta["counts"])
         self.layer_group: dict[str, str] = json.loads(meta["layer_group"])
-        self.sums = _PackedGroups(path, self.dims)
+        self.forms: dict[str, Form] = json.loads(meta.get("forms", "null")) or dict.fromkeys(self.dims, "packed")
+        self.sums = _Groups(path, self.forms)
         self.nbytes = path.stat().st_size
 
     @property
     def tokens(self) -> int:
         return max(self.counts.values(), default=0)
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether some group is stored as rows (worth expanding before repeated reads)."""
+        return "rows" in self.forms.values()
+
+
+def expand_statistics(source: Path, target: Path) -> None:
+    """Write a copy of ``source`` with every ``rows`` group replaced by its packed float64 sum.
+
+    Packed groups are copied byte for byte, and groups are produced one at a time (never the
+    whole file in memory). A worker reads the copy: each read is then a copy, not a ``T·D²``
+    product.
+    """
+    stats = StatisticsFile(source)
+    entries, _ = read_header(source)
+    planned = []
+    for group, form in stats.forms.items():
+        if form == "packed":
+            planned.append(Planned(group, entries[group], source))
+            continue
+        length = stats.dims[group] * (stats.dims[group] + 1) // 2
+        like = TensorEntry("F64", [length], 0, length * 8)
+        planned.append(Planned(group, like, source, produce=lambda g=group: pack_symmetric(stats.sums[g])))
+    meta = {k: v for k, v in stats.metadata.items() if k not in ("format", "layer_group", "counts", "dims", "forms")}
+    forms: dict[str, Form] = dict.fromkeys(stats.forms, "packed")
+    write_streaming(target, planned, _metadata(stats.layer_group, stats.counts, stats.dims, forms, meta))
 
 
 def load_statistics(path: Path) -> LayerStatistics:
@@ -103,5 +169,12 @@ def load_statistics(path: Path) -> LayerStatistics:
     Workers read files one group at a time instead (:class:`StatisticsFile`).
     """
     source = StatisticsFile(path)
-    sums = {group: unpack_symmetric(source.sums[group], dim) for group, dim in source.dims.items()}
-    return LayerStatistics(sums, source.counts, source.layer_group)
+    sums, factors = {}, {}
+    for group, dim in source.dims.items():
+        if source.forms[group] == "rows":
+            with safe_open(str(path), framework="pt") as handle:
+                factors[group] = handle.get_tensor(group)
+            sums[group] = gram(factors[group])
+        else:
+            sums[group] = unpack_symmetric(source.sums[group], dim)
+    return LayerStatistics(sums, source.counts, source.layer_group, factors)

@@ -396,7 +396,7 @@ def test_statistics_roundtrip(dirs: dict[str, Path], tmp_path: Path) -> None:
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata()
     assert meta["model_digest"] == "abc123" and meta["max_length"] == "120"
-    assert meta["format"] == "engram-stats/1"
+    assert meta["format"] == "engram-stats/2"
 
 
 def test_float32_statistics_take_half_the_bytes_and_one_rounding(dirs: dict[str, Path], tmp_path: Path) -> None:

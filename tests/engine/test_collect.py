@@ -237,6 +237,43 @@ def test_bert_biased_linear_has_bias_column(loaded: dict[str, tuple[nn.Module, A
         assert rel_error(sigma[-1, :-1], reference[spec.name][-1, :-1]) < REL_TOL, spec.name
 
 
+# ---------------------------------------------------------------- low-rank concepts (rows kept)
+
+
+def test_concept_with_fewer_tokens_than_a_layer_is_wide_keeps_its_rows(
+    loaded: dict[str, tuple[nn.Module, Any]],
+) -> None:
+    """Two short facts (< 32 tokens, the layers' width): every group keeps its rows X, exactly
+    the activations, and Σ = XᵀX still equals the float64 reference."""
+    model, tokenizer = loaded["llama"]
+    records = [Record(prompt=p, completion=c) for p, c in make_facts(2, seed=11)]
+    stats = collect(model, tokenizer, records, batch_size=1)
+    reference, tokens = reference_statistics(model, tokenizer, records)
+    assert 0 < tokens < 32
+    assert set(stats.factors) == set(stats.sums), "every group is wider than the concept is long"
+    for group, rows in stats.factors.items():
+        assert rows.dtype == torch.float32 and rows.shape == (tokens, stats.sums[group].shape[0])
+        torch.testing.assert_close(rows.double().T @ rows.double(), stats.sums[group], rtol=1e-6, atol=1e-6)
+    assert_matches_reference(stats, reference, tokens)
+
+
+def test_rows_become_a_sum_once_the_concept_outgrows_the_layer(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    """Batch by batch, the first batch past D tokens turns the rows into the running sum: the
+    32-wide groups end dense, the 64-wide MLP input (down_proj) still as rows, all exact."""
+    model, tokenizer = loaded["llama"]
+    facts = [Record(prompt=p, completion=c) for p, c in make_facts(20, seed=12)]
+    answer_tokens = [len(tokenizer(r.completion, add_special_tokens=False)["input_ids"]) for r in facts]
+    records = facts[: next(n for n in range(1, 21) if sum(answer_tokens[:n]) > 40)]  # a few batches past 32
+    stats = collect(model, tokenizer, records, batch_size=1)
+    reference, tokens = reference_statistics(model, tokenizer, records)
+    assert 32 < tokens <= 64, tokens
+    for name, group in stats.layer_group.items():
+        wide = stats.sums[group].shape[0] >= tokens
+        assert (group in stats.factors) == wide, name
+    assert any(name.endswith("down_proj") for name, g in stats.layer_group.items() if g in stats.factors)
+    assert_matches_reference(stats, reference, tokens)
+
+
 # ---------------------------------------------------------------- other dtypes and devices
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; run on a GPU machine)")

@@ -1,4 +1,5 @@
-"""Workers read statistics from local files: in place on file storage, else downloaded once."""
+"""Workers read statistics from local files: in place on file storage, else downloaded once;
+files holding low-rank ``rows`` groups are expanded once into the cache (packed sums)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 from service.config import Settings
+from service.engine.collect import LayerStatistics
+from service.engine.linalg import gram
+from service.engine.stats_io import StatisticsFile, save_statistics
 from service.registry import Context
 from service.storage import LocalStorage
 from service.tasks import _local_statistics_file, _trim_disk_cache
@@ -30,9 +36,19 @@ def _context(storage: LocalStorage, cache: Path, budget: int = 1 << 30) -> Conte
     return Context(settings=settings, storage=storage, jobs=None, dispatch=None, lock=None)  # type: ignore[arg-type]
 
 
+def _store(storage: LocalStorage, tmp_path: Path, prefix: str, tokens: int, dim: int = 16) -> LayerStatistics:
+    """A real statistics file of one 16-wide group: ``rows`` form when ``tokens < 16``."""
+    rows = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(tokens))
+    stats = LayerStatistics({"g": gram(rows)}, {"g": tokens}, {"layer": "g"}, {"g": rows})
+    file = tmp_path / f"{prefix.strip('/').replace('/', '-')}.safetensors"
+    save_statistics(stats, file)
+    storage.put_file(prefix + "statistics.safetensors", file)
+    return stats
+
+
 def test_file_storage_is_read_in_place(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "store")
-    storage.put_bytes("stats/a/statistics.safetensors", b"x" * 10)
+    _store(storage, tmp_path, "stats/a/", tokens=40)
     path = _local_statistics_file(_context(storage, tmp_path / "cache"), "stats/a/")
     assert path == tmp_path / "store" / "stats/a/statistics.safetensors"
     assert not (tmp_path / "cache" / "stats").exists()
@@ -40,14 +56,28 @@ def test_file_storage_is_read_in_place(tmp_path: Path) -> None:
 
 def test_remote_statistics_are_downloaded_once_and_whole(tmp_path: Path) -> None:
     storage = RemoteLikeStorage(tmp_path / "store")
-    storage.put_bytes("stats/b/statistics.safetensors", b"y" * 1000)
+    _store(storage, tmp_path, "stats/b/", tokens=40)
     ctx = _context(storage, tmp_path / "cache")
     before = RemoteLikeStorage.downloads
     first = _local_statistics_file(ctx, "stats/b/")
     again = _local_statistics_file(ctx, "stats/b/")
-    assert first == again and first.read_bytes() == b"y" * 1000
+    assert first == again and first.read_bytes() == storage.get_bytes("stats/b/statistics.safetensors")
     assert RemoteLikeStorage.downloads == before + 1
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial file left behind
+
+
+def test_rows_files_are_expanded_once_into_the_cache(tmp_path: Path) -> None:
+    for storage in (LocalStorage(tmp_path / "local"), RemoteLikeStorage(tmp_path / "remote")):
+        stats = _store(storage, tmp_path, "stats/c/", tokens=5)
+        stored = storage.get_bytes("stats/c/statistics.safetensors")
+        cache = tmp_path / f"cache-{type(storage).__name__}"
+        path = _local_statistics_file(_context(storage, cache), "stats/c/")
+        assert path.parent == cache / "stats", "never read in place: every read would pay XᵀX"
+        local = StatisticsFile(path)
+        assert not local.has_rows and torch.equal(local.sums["g"], stats.sums["g"][torch.triu_indices(16, 16).unbind()])
+        assert storage.get_bytes("stats/c/statistics.safetensors") == stored, "the stored file is untouched"
+        assert _local_statistics_file(_context(storage, cache), "stats/c/") == path
+        assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial or download left
 
 
 def test_disk_cache_drops_the_oldest_files_beyond_its_budget(tmp_path: Path) -> None:
