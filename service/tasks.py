@@ -325,9 +325,7 @@ _BODIES = {"collect": run_collection, "variant": run_variant}
 # jobs: statistics as local files read one input group at a time (STATS_CACHE holds open files,
 # not their contents), universe pseudo-inverse factors in memory (each universe decomposed once).
 STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)  # at most 256 open files
-FACTOR_CACHE: ByteLRU[Any] = ByteLRU(
-    2 << 30, lambda f: f.basis.numel() * f.basis.element_size() + f.inverse_eigenvalues.numel() * 8
-)
+FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)
 
 
 def _statistics(ctx: Context, prefix: str) -> StatisticsFile:

@@ -108,12 +108,14 @@ class EngramAlgebra:
         """``Σ_k c_k W_k⁺`` for one layer, as ``[out, in(+1)]`` float64 (bias column last)."""
         w_aug = augmented_weight(spec, weights)
         factors = self.factors(spec.name)
-        order = product_order(spec.out_features * self._group_size(spec.name), spec.stat_dim, factors.rank)
+        out_total = spec.out_features * self._group_size(spec.name)
+        order = product_order(out_total, spec.stat_dim, factors.rank, factors.explicit)
         if order == "weight_first":
             return factors.apply_right(w_aug @ self._mixed(spec.name))
         product = self._group_product(spec.name, order, factors)
         if order == "projector":
             return w_aug @ product
+        assert factors.basis is not None  # mixed_basis is an order of the factored form only
         return (w_aug @ product) @ factors.basis.mT
 
     def _group_product(self, layer: str, order: Order, factors: PinvFactors) -> torch.Tensor:
@@ -121,8 +123,12 @@ class EngramAlgebra:
         ``projector`` the whole ``M·Σ⁺ = M·V·Λ⁻¹·Vᵀ`` ([D, D])."""
         groups = tuple(self._group(stats, layer) for _, stats in self.terms)
         if self._last_product is None or self._last_product[:2] != (groups, order):
-            mixed_basis = (self._mixed(layer) @ factors.basis) * factors.inverse_eigenvalues
-            product = mixed_basis @ factors.basis.mT if order == "projector" else mixed_basis
+            if factors.explicit:
+                product = factors.apply_right(self._mixed(layer))  # projector: M·Σ⁺
+            else:
+                assert factors.basis is not None
+                mixed_basis = (self._mixed(layer) @ factors.basis) * factors.inverse_eigenvalues
+                product = mixed_basis @ factors.basis.mT if order == "projector" else mixed_basis
             self._last_product = (groups, order, product)
         return self._last_product[2]
 
@@ -161,25 +167,34 @@ class EngramAlgebra:
 Order = Literal["weight_first", "mixed_basis", "projector"]
 
 
-def product_order(out_total: int, dim: int, rank: int) -> Order:
-    """The cheapest way to compute ``W·M·V·Λ⁻¹·Vᵀ`` for an input group, by multiply-adds.
+def product_order(out_total: int, dim: int, rank: int, explicit: bool = False) -> Order:
+    """The cheapest way to compute ``W·M·Σ⁺`` for an input group, by multiply-adds.
 
     Args:
         out_total: output rows of every layer reading this input (q+k+v, gate+up, or one layer).
         dim: the input width ``D`` (plus one with a bias column).
         rank: ``k``, the directions the universe pseudo-inverse keeps.
+        explicit: whether ``Σ⁺`` is held as a ``[D, D]`` matrix (else as factors ``V·Λ⁻¹·Vᵀ``).
 
     Returns:
-        ``weight_first``: ``(W·M)·V·Λ⁻¹·Vᵀ`` per layer (``O·D² + 2·O·D·k``), best for a wide input
-        read by a narrow layer (``down_proj``); ``mixed_basis``: ``M·V·Λ⁻¹`` once per group, then
-        ``(W·that)·Vᵀ`` (``D²·k + 2·O·D·k``), best when ``k < O``; ``projector``: ``M·Σ⁺`` once per
-        group, then ``W·that`` (``2·D²·k + O·D²``), best for many outputs (q/k/v, gate/up, lm_head).
+        Factored: ``weight_first``: ``(W·M)·V·Λ⁻¹·Vᵀ`` per layer (``O·D² + 2·O·D·k``), best for a
+        wide input read by a narrow layer (``down_proj``); ``mixed_basis``: ``M·V·Λ⁻¹`` once per
+        group, then ``(W·that)·Vᵀ`` (``D²·k + 2·O·D·k``), best when ``k < O``; ``projector``:
+        ``M·Σ⁺`` once per group, then ``W·that`` (``2·D²·k + O·D²``), best for many outputs (q/k/v,
+        gate/up, lm_head). Explicit: ``weight_first`` ``(W·M)·Σ⁺`` (``2·O·D²``) or ``projector``
+        (``D³ + O·D²``).
     """
-    costs: dict[Order, int] = {
-        "weight_first": out_total * dim * dim + 2 * out_total * dim * rank,
-        "mixed_basis": dim * dim * rank + 2 * out_total * dim * rank,
-        "projector": 2 * dim * dim * rank + out_total * dim * dim,
-    }
+    if explicit:
+        costs: dict[Order, int] = {
+            "weight_first": 2 * out_total * dim * dim,
+            "projector": dim**3 + out_total * dim * dim,
+        }
+    else:
+        costs = {
+            "weight_first": out_total * dim * dim + 2 * out_total * dim * rank,
+            "mixed_basis": dim * dim * rank + 2 * out_total * dim * rank,
+            "projector": 2 * dim * dim * rank + out_total * dim * dim,
+        }
     return min(costs, key=lambda order: (costs[order], order != "weight_first"))
 
 

@@ -21,31 +21,52 @@ def default_rcond(dim: int) -> float:
 
 @dataclass(frozen=True)
 class PinvFactors:
-    """``pinv(Σ) = basis · diag(inverse_eigenvalues) · basisᵀ`` over the kept directions."""
+    """``pinv(Σ)`` over the kept directions, in whichever form is cheaper to apply.
 
-    basis: torch.Tensor  # [D, k] float64
+    Factored, ``basis · diag(inverse_eigenvalues) · basisᵀ``, when few directions are kept; when
+    more than half are (``2k > D``, the usual case for a universe with more tokens than the layer
+    is wide), the explicit ``[D, D]`` ``matrix``: one product with it costs ``D²`` per row against
+    the factors' ``2·D·k``, in no more memory than twice the basis.
+    """
+
     inverse_eigenvalues: torch.Tensor  # [k] float64
+    basis: torch.Tensor | None = None  # [D, k] float64, factored form
+    matrix: torch.Tensor | None = None  # [D, D] float64, explicit form
 
     @property
     def rank(self) -> int:
         return int(self.inverse_eigenvalues.numel())
 
+    @property
+    def explicit(self) -> bool:
+        return self.matrix is not None
+
+    @property
+    def nbytes(self) -> int:
+        held = (self.inverse_eigenvalues, self.basis, self.matrix)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
     def apply_right(self, matrix: torch.Tensor) -> torch.Tensor:
-        """``matrix · pinv(Σ)`` without forming the ``D × D`` inverse."""
+        """``matrix · pinv(Σ)``, without forming the inverse when it is factored."""
+        if self.matrix is not None:
+            return matrix @ self.matrix.to(matrix.device, matrix.dtype)
+        assert self.basis is not None
         basis = self.basis.to(matrix.device, matrix.dtype)
         inv = self.inverse_eigenvalues.to(matrix.device, matrix.dtype)
         return ((matrix @ basis) * inv) @ basis.mT
 
 
-def pinv_factors(sigma: torch.Tensor, rcond: float | None = None) -> PinvFactors:
+def pinv_factors(sigma: torch.Tensor, rcond: float | None = None, explicit: bool | None = None) -> PinvFactors:
     """Truncated eigen-factors of the pseudo-inverse of a symmetric PSD matrix.
 
     Args:
         sigma: ``[D, D]`` symmetric positive semi-definite (any float dtype; solved in float64).
         rcond: keep eigenvalues ``λ > rcond · λ_max``; ``None`` uses :func:`default_rcond`.
+        explicit: form the ``[D, D]`` matrix (True) or keep the factors (False); ``None`` picks
+            the explicit matrix when more than half the directions are kept.
 
     Returns:
-        The factors of the kept directions (float64). An all-zero ``sigma`` gives rank 0.
+        The kept directions (float64). An all-zero ``sigma`` gives rank 0.
     """
     if sigma.ndim != 2 or sigma.shape[0] != sigma.shape[1]:
         raise ValueError(f"sigma must be square, got shape {tuple(sigma.shape)}")
@@ -57,7 +78,12 @@ def pinv_factors(sigma: torch.Tensor, rcond: float | None = None) -> PinvFactors
     eigenvalues, vectors = torch.linalg.eigh(sym)
     lam_max = eigenvalues[-1].clamp_min(0.0) if eigenvalues.numel() else torch.tensor(0.0)
     keep = (eigenvalues > cut * lam_max) & (eigenvalues > 0)
-    return PinvFactors(vectors[:, keep].contiguous(), 1.0 / eigenvalues[keep])
+    basis, inverse = vectors[:, keep].contiguous(), 1.0 / eigenvalues[keep]
+    if explicit is None:
+        explicit = 2 * basis.shape[1] > sigma.shape[0]
+    if explicit:
+        return PinvFactors(inverse, matrix=(basis * inverse) @ basis.mT)
+    return PinvFactors(inverse, basis=basis)
 
 
 @lru_cache(maxsize=16)

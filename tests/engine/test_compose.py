@@ -8,6 +8,7 @@ the algebra, in float64, with their own eigendecomposition and cut.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -201,18 +202,25 @@ def test_packed_statistics_give_the_same_engrams(
         assert rel(mixed.engram(spec, weights), expected) < 1e-12, spec.name
 
 
-@pytest.mark.parametrize("order", ["weight_first", "mixed_basis", "projector"])
+@pytest.mark.parametrize(
+    ("explicit", "order"),
+    [(False, "weight_first"), (False, "mixed_basis"), (False, "projector"), (True, "weight_first"), (True, "projector")],
+)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_every_product_order_gives_the_same_engram(
     tiny: dict[str, Tiny],
     forget_retain: dict[str, tuple[LayerStatistics, LayerStatistics]],
     arch: str,
+    explicit: bool,
     order: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The group-level orderings are rearrangements of one product: equal to the float64 reference."""
+    """The group-level orderings, with Σ⁺ factored or explicit, are rearrangements of one
+    product: equal to the float64 reference."""
     forget, retain = forget_retain[arch]
     monkeypatch.setattr(compose_module, "product_order", lambda *_: order)
+    forced = functools.partial(compose_module.pinv_factors, explicit=explicit)
+    monkeypatch.setattr(compose_module, "pinv_factors", forced)
     algebra = EngramAlgebra(terms=[(-ALPHA, forget)], universe=[forget, retain])
     for spec in tiny[arch].layout.layers:
         weights = tiny[arch].weights64(spec)
@@ -229,6 +237,24 @@ def test_product_order_follows_the_multiply_add_counts() -> None:
     assert compose_module.product_order(768, 768, 768) == "weight_first"  # o_proj: a tie keeps the plain order
     assert compose_module.product_order(768, 2048, 2048) == "weight_first"  # down_proj: narrow output, wide input
     assert compose_module.product_order(768, 2048, 300) == "mixed_basis"  # down_proj, small universe
+    # Σ⁺ explicit (more than half the directions kept): (W·M)·Σ⁺ for one narrow layer, M·Σ⁺ first
+    # for a group with more outputs than inputs.
+    assert compose_module.product_order(768, 2048, 2048, explicit=True) == "weight_first"  # down_proj
+    assert compose_module.product_order(768, 768, 768, explicit=True) == "weight_first"  # o_proj: a tie
+    assert compose_module.product_order(3 * 768, 768, 768, explicit=True) == "projector"  # q/k/v
+
+
+def test_pinv_is_explicit_when_most_directions_are_kept() -> None:
+    """Same pseudo-inverse either way; the explicit [D, D] form only above half the rank."""
+    gen = torch.Generator().manual_seed(3)
+    for rank, explicit in ((12, True), (5, False)):
+        x = torch.randn(rank, 16, generator=gen, dtype=torch.float64)
+        sigma = x.T @ x
+        factors = pinv_factors(sigma)
+        assert factors.rank == rank and factors.explicit is explicit
+        eye = torch.eye(16, dtype=torch.float64)
+        assert rel(factors.apply_right(eye), torch.linalg.pinv(sigma, hermitian=True)) < 1e-9
+        assert factors.nbytes == 8 * (rank + (16 * 16 if explicit else 16 * rank))
 
 
 def test_llama_case_is_well_conditioned(
