@@ -66,13 +66,13 @@ LLAMA_100M = Profile(
     intermediate=2048,
     heads=12,
     vocab=8000,
-    collect_records=48,
+    collect_records=32,
     facts_per_record=8,
     concept_records=4,
     compose_concepts=(1, 4, 8),
     compose_reps=1,
     collect_reps=3,
-    ai_collect_records=48,
+    ai_collect_records=32,
     subsets=False,
 )
 
@@ -98,12 +98,12 @@ LLAMA_TINY = Profile(
 # the same model with less data and fewer repetitions: a smoke run
 LLAMA_TINY_QUICK = replace(
     LLAMA_TINY,
-    collect_records=48,
+    collect_records=32,
     facts_per_record=4,
     concept_records=8,
     compose_reps=3,
     collect_reps=3,
-    ai_collect_records=48,
+    ai_collect_records=32,
     subset_reps=1,
 )
 

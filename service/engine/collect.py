@@ -7,6 +7,9 @@ input over the counted tokens, and the token count. A layer with a bias uses the
 Layers that read the very same tensor in a forward pass (q/k/v off one norm, gate/up off another)
 have identical statistics: they form one *input group*, computed and stored once.
 
+Only the block upper triangle of each batch's ``XᵀX`` is computed (``Σ`` is symmetric; about 56%
+of the multiply-adds); the lower one is mirrored once, at the end.
+
 Precision, on purpose: each batch's product ``XᵀX`` is a float32 GEMM on the model's device (fast,
 TF32 disabled so CUDA keeps full float32 mantissas), and the running sum is float64 on that same
 device, so a million-token sum loses nothing to accumulation order. A bf16 model's activations are
@@ -29,11 +32,10 @@ import torch
 from torch import nn
 
 from service.engine.layers import LayerSpec
-from service.engine.linalg import gram
+from service.engine.linalg import add_upper_gram_, gram, mirror_upper_
 from service.engine.records import Batch
 
 PRODUCT_DTYPE = torch.float32
-ACCUMULATION_DTYPE = torch.float64
 
 
 class CollectionCancelled(RuntimeError):
@@ -116,11 +118,11 @@ class _Collector:
         self.stats.counts[group] += int(x.shape[0])
         rows = self._rows.get(group)
         if rows is None:
-            self.stats.sums[group].add_((x.mT @ x).to(ACCUMULATION_DTYPE))
+            add_upper_gram_(self.stats.sums[group], x)  # the lower triangle is mirrored at the end
         elif self.stats.counts[group] <= x.shape[1]:
             rows.append(x)  # a fresh tensor (masked indexing copies), safe to keep
         else:  # wider than low-rank now: from here on only the sum is kept
-            self.stats.sums[group] = gram(torch.cat([*rows, x]))
+            self.stats.sums[group] = gram(torch.cat([*rows, x]) if rows else x)
             del self._rows[group]
 
     def _assign(self, layer: str, group: str) -> None:
@@ -132,12 +134,13 @@ class _Collector:
         for name in self.unaligned:
             self.stats.layer_group.pop(name, None)
         used = set(self.stats.layer_group.values())
+        sums = {g: mirror_upper_(s) for g, s in self.stats.sums.items() if g in used}
         for group, rows in self._rows.items():
             if group in used:
                 factor = torch.cat(rows)
                 self.stats.factors[group] = factor.cpu()
-                self.stats.sums[group] = gram(factor)
-        self.stats.sums = {g: s.cpu() for g, s in self.stats.sums.items() if g in used}
+                sums[group] = gram(factor)
+        self.stats.sums = {g: s.cpu() for g, s in sums.items()}
         self.stats.counts = {g: c for g, c in self.stats.counts.items() if g in used}
         return self.stats
 
@@ -194,7 +197,7 @@ def collect_statistics(
                 model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
                 if on_batch is not None:
                     on_batch(batch.num_counted)
+            return collector.finish()  # the sums are inference tensors: completed in that mode
     finally:
         for handle in handles:
             handle.remove()
-    return collector.finish()

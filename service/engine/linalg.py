@@ -119,8 +119,48 @@ def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 # Rows per product in :func:`gram`: the same float32-product / float64-sum split as collection's
-# per-batch products, with a bounded temporary (``D × D`` float32 per chunk).
+# per-batch products, with a bounded temporary.
 GRAM_CHUNK_ROWS = 4096
+
+
+def gram_block(dim: int) -> int:
+    """Column block of :func:`add_upper_gram_`: about an eighth of the width, at least 256 wide
+    (narrower GEMMs lose more speed than the skipped blocks save)."""
+    return max(256, -(-dim // 8))
+
+
+def add_upper_gram_(total: torch.Tensor, rows: torch.Tensor, *, overwrite: bool = False) -> None:
+    """``total += rowsᵀ·rows`` on the block upper triangle only; blocks below it are left as they are.
+
+    ``Σ`` is symmetric, so one block row at a time, ``X[:, i]ᵀ · X[:, i:]`` covers everything
+    :func:`mirror_upper_` needs: with 8 blocks, 56% of the full product's multiply-adds (a GEMM
+    cannot skip half itself; BLAS ``syrk`` would, but torch does not expose it). Products are
+    float32 GEMMs, sums float64. ``overwrite`` stores instead of adding (a fresh, unzeroed total).
+    """
+    x = rows.to(torch.float32)
+    dim = x.shape[1]
+    block = gram_block(dim)
+    for start in range(0, dim, block):
+        product = x[:, start : start + block].mT @ x[:, start:]
+        target = total[start : start + block, start:]
+        if overwrite:
+            target.copy_(product)
+        else:
+            target.add_(product.to(total.dtype))
+
+
+def mirror_upper_(matrix: torch.Tensor) -> torch.Tensor:
+    """Make ``matrix`` symmetric from its block upper triangle (as :func:`add_upper_gram_` fills
+    it), in place, block by block: a whole-matrix ``triu`` and transposed add cost more than the
+    products they complete. Returns ``matrix``."""
+    dim = matrix.shape[0]
+    block = gram_block(dim)
+    for start in range(0, dim, block):
+        end = start + block
+        diagonal = matrix[start:end, start:end]
+        diagonal.copy_(diagonal.triu() + diagonal.triu(1).mT)  # exact symmetry, whatever the GEMM did
+        matrix[end:, start:end].copy_(matrix[start:end, end:].mT)
+    return matrix
 
 
 def gram(rows: torch.Tensor, chunk: int = GRAM_CHUNK_ROWS) -> torch.Tensor:
@@ -129,8 +169,10 @@ def gram(rows: torch.Tensor, chunk: int = GRAM_CHUNK_ROWS) -> torch.Tensor:
     Each chunk's product is a float32 GEMM summed in float64, exactly how collection accumulates
     its batches, so a concept stored as rows reads back as the sum collection would have kept.
     """
-    total = torch.zeros((rows.shape[1], rows.shape[1]), dtype=torch.float64, device=rows.device)
+    dim = rows.shape[1]
+    if rows.shape[0] == 0:
+        return torch.zeros((dim, dim), dtype=torch.float64, device=rows.device)
+    total = torch.empty((dim, dim), dtype=torch.float64, device=rows.device)
     for start in range(0, rows.shape[0], chunk):
-        part = rows[start : start + chunk].to(torch.float32)
-        total.add_((part.mT @ part).to(torch.float64))
-    return total
+        add_upper_gram_(total, rows[start : start + chunk], overwrite=start == 0)
+    return mirror_upper_(total)

@@ -22,7 +22,7 @@ from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerWeights
 from service.engine.layers import editable_layers
-from service.engine.linalg import pack_symmetric
+from service.engine.linalg import gram, pack_symmetric
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import (
     StatisticsFile,
@@ -145,3 +145,14 @@ def test_files_written_before_the_rows_form_still_read(low_rank: LayerStatistics
     loaded = load_statistics(path)
     for group, sigma in low_rank.sums.items():
         assert torch.equal(loaded.sums[group], sigma), group
+
+
+@pytest.mark.parametrize(("tokens", "dim"), [(1000, 300), (50, 700), (3, 257)])
+def test_gram_from_the_block_upper_triangle_equals_the_float64_product(tokens: int, dim: int) -> None:
+    """Widths that are not a multiple of the block, more and fewer rows than columns: the mirrored
+    block triangle is exactly symmetric and within float32-product rounding of XᵀX in float64."""
+    rows = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(dim))
+    sigma = gram(rows, chunk=128)  # several chunks where there are enough rows
+    expected = rows.double().T @ rows.double()
+    assert sigma.dtype == torch.float64 and torch.equal(sigma, sigma.T)
+    assert float((sigma - expected).norm() / expected.norm()) < 1e-6
