@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     collect_dtype: Literal["stored", "float32", "bfloat16", "float16"] = "stored"
     # Workers keep downloaded statistics files in ENGRAM_CACHE_DIR/stats/ up to this many bytes.
     stats_disk_cache_bytes: int = Field(default=64 << 30, ge=0)
+    # Universe pseudo-inverses a worker keeps in memory (float64 [D, D] per input group), in bytes:
+    # a variant of an already-decomposed universe skips every eigendecomposition. One universe of
+    # the bench's 100M Llama takes 0.6 GB; of a Llama-3.2-1B about 10 GB.
+    factor_cache_bytes: int = Field(default=2 << 30, ge=0)
 
     # Distributed mode. The broker's visibility timeout must exceed the hard limit, or Redis would
     # hand a still-running task to a second worker.

@@ -325,7 +325,7 @@ _BODIES = {"collect": run_collection, "variant": run_variant}
 # jobs: statistics as local files read one input group at a time (STATS_CACHE holds open files,
 # not their contents), universe pseudo-inverse factors in memory (each universe decomposed once).
 STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)  # at most 256 open files
-FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)
+FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)  # ENGRAM_FACTOR_CACHE_BYTES
 
 
 def _statistics(ctx: Context, prefix: str) -> StatisticsFile:
@@ -392,6 +392,7 @@ def _algebra(ctx: Context, request: dict[str, Any]) -> EngramAlgebra:
     terms = [(float(request["terms"][n]), stats(prefix)) for n, prefix in request["term_stats"].items()]
     universe = [stats(prefix) for prefix in request["universe_stats"]]
     universe_key = canonical_digest(sorted(request["universe_stats"]))
+    FACTOR_CACHE.max_bytes = ctx.settings.factor_cache_bytes  # module-level: the settings live in ctx
     return EngramAlgebra(terms, universe, request["rcond"], universe_key=universe_key, factor_cache=FACTOR_CACHE)
 
 
