@@ -286,10 +286,13 @@ def stats_manifest(ctx: Context, prefix: str) -> dict[str, Any] | None:
 
 
 def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
+    # The job first, then the manifest: a collection publishes its manifest before its job succeeds,
+    # so a job read as finished guarantees the manifest is found. The other order could read "no
+    # manifest yet", then "succeeded", and report a finished collection as failed.
+    job = ctx.jobs.get(entry["job_id"])
     published = stats_manifest(ctx, entry["stats"])
     if published is not None:
         return {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
-    job = ctx.jobs.get(entry["job_id"])
     status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
     return {"status": status, "tokens": None, "job_id": entry["job_id"]}
 
@@ -418,11 +421,11 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
         raise NotFound(f"variant {variant_id} does not exist")
     view = {k: request.get(k) for k in VARIANT_FIELDS}
     view.update(reference=request["reference"], job_id=request.get("job_id"), files=[])
+    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None  # before the manifest: see concept_model_state
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
         view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
         return view
-    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
     view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"
     return view
 
