@@ -345,8 +345,8 @@ class ModelBench:
         stored = self.stored_stat_files[0]
         stats_bytes = stored.stat().st_size
         naive = sum((spec.stat_dim**2) * 4 for spec in self.layout.layers)
-        groups = len(set(json.loads(_metadata(stored)["layer_group"]).values()))
         stored_file = StatisticsFile(stored)
+        groups = len(set(stored_file.layer_group.values()))
         forms = stored_file.forms
         rows_widths = sorted({stored_file.dims[g] for g, form in forms.items() if form == "rows"})
         self.add(

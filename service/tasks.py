@@ -350,14 +350,14 @@ def _local_statistics_file(ctx: Context, prefix: str) -> Path:
         partial = folder / f".{target.name}.{os.getpid()}.{threading.get_ident()}.part"
         downloaded = partial.with_suffix(".download")
         try:
-            source = in_place
-            if source is None:
-                ctx.storage.download(key, downloaded)
-                source = downloaded
-            if StatisticsFile(source).has_rows:
-                expand_statistics(source, partial)
+            if in_place is not None:  # a rows file (checked above): expand it, never move the stored object
+                expand_statistics(in_place, partial)
             else:
-                os.replace(source, partial)
+                ctx.storage.download(key, downloaded)
+                if StatisticsFile(downloaded).has_rows:
+                    expand_statistics(downloaded, partial)
+                else:
+                    os.replace(downloaded, partial)
             os.replace(partial, target)  # atomic: a reader sees the whole file or none
         finally:
             partial.unlink(missing_ok=True)

@@ -158,9 +158,9 @@ def expand_statistics(source: Path, target: Path) -> None:
         length = stats.dims[group] * (stats.dims[group] + 1) // 2
         like = TensorEntry("F64", [length], 0, length * 8)
         planned.append(Planned(group, like, source, produce=lambda g=group: pack_symmetric(stats.sums[g])))
-    meta = {k: v for k, v in stats.metadata.items() if k not in ("format", "layer_group", "counts", "dims", "forms")}
     forms: dict[str, Form] = dict.fromkeys(stats.forms, "packed")
-    write_streaming(target, planned, _metadata(stats.layer_group, stats.counts, stats.dims, forms, meta))
+    # _metadata writes its own keys over the source's, so the rest (digests, settings) carries over.
+    write_streaming(target, planned, _metadata(stats.layer_group, stats.counts, stats.dims, forms, stats.metadata))
 
 
 def load_statistics(path: Path) -> LayerStatistics:
@@ -170,11 +170,11 @@ def load_statistics(path: Path) -> LayerStatistics:
     """
     source = StatisticsFile(path)
     sums, factors = {}, {}
-    for group, dim in source.dims.items():
-        if source.forms[group] == "rows":
-            with safe_open(str(path), framework="pt") as handle:
-                factors[group] = handle.get_tensor(group)
-            sums[group] = gram(factors[group])
-        else:
-            sums[group] = unpack_symmetric(source.sums[group], dim)
+    with safe_open(str(path), framework="pt") as handle:
+        for group, dim in source.dims.items():
+            stored = handle.get_tensor(group)
+            if source.forms[group] == "rows":
+                factors[group], sums[group] = stored, gram(stored)
+            else:
+                sums[group] = unpack_symmetric(stored.to(torch.float64), dim)
     return LayerStatistics(sums, source.counts, source.layer_group, factors)

@@ -11,7 +11,7 @@ import torch
 
 from service.config import Settings
 from service.engine.collect import LayerStatistics
-from service.engine.linalg import gram
+from service.engine.linalg import gram, pack_symmetric
 from service.engine.stats_io import StatisticsFile, save_statistics
 from service.registry import Context
 from service.storage import LocalStorage
@@ -74,7 +74,7 @@ def test_rows_files_are_expanded_once_into_the_cache(tmp_path: Path) -> None:
         path = _local_statistics_file(_context(storage, cache), "stats/c/")
         assert path.parent == cache / "stats", "never read in place: every read would pay XᵀX"
         local = StatisticsFile(path)
-        assert not local.has_rows and torch.equal(local.sums["g"], stats.sums["g"][torch.triu_indices(16, 16).unbind()])
+        assert not local.has_rows and torch.equal(local.sums["g"], pack_symmetric(stats.sums["g"]))
         assert storage.get_bytes("stats/c/statistics.safetensors") == stored, "the stored file is untouched"
         assert _local_statistics_file(_context(storage, cache), "stats/c/") == path
         assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial or download left
