@@ -66,18 +66,36 @@ def _serve_worker_metrics(port: int) -> None:
 
 
 def _serve(host: str, port: int) -> int:
+    from service.config import get_settings
+
+    settings = get_settings()
+    if settings.embedded:  # jobs run in a child process: its metrics must reach this one's /metrics
+        _gather_metrics_across_processes()
     import uvicorn
 
     from service.api.app import create_app
-    from service.config import get_settings
     from service.observability import configure_logging
 
     configure_logging()
-    settings = get_settings()
     if settings.api_keys is None:
         logging.getLogger("engram").warning("ENGRAM_API_KEYS is unset: the API accepts requests without auth")
     uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
     return 0
+
+
+def _gather_metrics_across_processes() -> None:
+    """Prometheus multiprocess mode, set before prometheus_client is first imported; the folder
+    is this service's own and goes with it."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    folder = tempfile.mkdtemp(prefix="engram-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
     max_records: int = Field(default=1_000_000, ge=1)
+    # Requests waiting with ?wait= hold no thread, but each polls the job: beyond this many at once,
+    # one more is a 429 with Retry-After.
+    max_waiters: int = Field(default=128, ge=0, le=100_000)
 
     # Completion callbacks: only these hosts (``host`` or ``host:port``) may be called back, and
     # every call is signed with the secret (Standard Webhooks: webhook-id/-timestamp/-signature).

@@ -134,6 +134,11 @@ class JobStore:
                 self._persist(job)  # finished, but its last persist failed: finish it now
         return found
 
+    def active(self) -> list[dict[str, Any]]:
+        """Jobs not finished yet, oldest first (from the durable markers: every mode, any restart)."""
+        found = (self.get(key.removeprefix(OPEN_PREFIX)) for key in self.storage.list(OPEN_PREFIX))
+        return sorted((j for j in found if j is not None and j["status"] not in FINISHED), key=lambda j: j["created_at"])
+
     def _load_durable(self, job_id: str) -> dict[str, Any] | None:
         """The persisted record. Not written back to the live store: a record missing there is how
         the reconciler learns that Redis lost it (and its queued message with it)."""

@@ -7,13 +7,15 @@ includes the jobs it runs); a distributed worker serves its own on ``ENGRAM_WORK
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from pythonjsonlogger.json import JsonFormatter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,7 +34,8 @@ COLLECTION_RATE = Histogram(
     "Throughput of each finished collection (counted tokens per second)",
     buckets=(10, 100, 1e3, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7),
 )
-QUEUE_DEPTH = Gauge("engram_queue_depth", "Jobs waiting to run, by queue", ["queue"])
+# "mostrecent": in multiprocess mode (embedded jobs in their own process) the last value set wins.
+QUEUE_DEPTH = Gauge("engram_queue_depth", "Jobs waiting to run, by queue", ["queue"], multiprocess_mode="mostrecent")
 
 
 def record_job_state(kind: str, status: str) -> None:
@@ -49,6 +52,20 @@ def refresh_queue_depth(depths: Callable[[], dict[str, int]]) -> None:
     """Set the queue gauges from the current depths (read at scrape time)."""
     for queue, depth in depths().items():
         QUEUE_DEPTH.labels(queue=queue).set(depth)
+
+
+def exposition() -> bytes:
+    """This service's metrics in the Prometheus text format.
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set (``engram-service serve`` in embedded mode sets it, since
+    jobs run in a child process; a worker sets it for its pool), the values of every process of the
+    service are gathered from that folder; otherwise this process's own.
+    """
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest()
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -25,9 +25,11 @@ from service.config import Settings
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, unmatched_suffixes
 from service.engine.lora import EXACT_RTOL
+from service.engine.model_files import used_files
 from service.engine.records import Record, RecordError
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import FINISHED, JobStore, new_job, utc_now
+from service.read_cache import ReadCache
 from service.sources import local_model_dir
 from service.storage import Storage
 
@@ -45,6 +47,10 @@ class Context:
     lock: Any  # a threading.RLock (embedded) or a Redis lock (distributed): a context manager
     broker_ping: Any = None  # callable raising when the broker is unreachable (distributed mode)
     queue_depths: Any = None  # callable -> {queue: waiting jobs}
+    reads: ReadCache = field(init=False)  # what status views read: recent documents, not a round trip each
+
+    def __post_init__(self) -> None:
+        self.reads = ReadCache(self.storage)
 
     @property
     def cache_dir(self) -> Path:
@@ -83,8 +89,16 @@ def collection_settings(settings: Settings) -> dict[str, Any]:
 
 
 def file_fingerprint(path: Path) -> dict[str, list[int]]:
-    """Sizes and mtimes of a model's files: a cheap check that they did not change under us."""
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.iterdir()) if f.is_file()}
+    """Sizes and mtimes of the files the service uses from a model folder (side files and shards,
+    each resolved and checked to lie inside the folder: nothing outside is ever looked at), a cheap
+    check that they did not change under us.
+
+    Raises:
+        ModelSourceError: a used file breaks a rule of :mod:`service.engine.model_files` (a link
+            leading out of the folder, a bad shard name).
+    """
+    stats = {name: real.stat() for name, real in used_files(path).items()}
+    return {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
 
 
 def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, Any], bool]:
@@ -96,7 +110,10 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
         return existing, False
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     try:
+        # Refuses links leading out of the folder and shard names that are not plain file names
+        # in it (service.engine.model_files), before any of those files is opened.
         layout = inspect_model_dir(path)
+        digest, fingerprint = directory_digest(path), file_fingerprint(path)
     except ModelSourceError as exc:
         raise InvalidInput(str(exc)) from None
     if not layout.layers:
@@ -105,8 +122,8 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
         "model_id": model_id,
         "source": source,
         "path": str(path),
-        "digest": directory_digest(path),
-        "fingerprint": file_fingerprint(path),
+        "digest": digest,
+        "fingerprint": fingerprint,
         "architecture": layout.architecture,
         "num_parameters": layout.num_parameters,
         "layout": layout.to_json(),
@@ -204,6 +221,7 @@ def submit_concept(
             }
         new_jobs = _plan_collections(ctx, concept, manifests, urls)
         ctx.storage.put_json(concept_key(name), concept)
+        ctx.reads.forget(concept_key(name))
     # Enqueue only after the records and the concept are saved: the task reads them.
     for job in new_jobs:
         ctx.dispatch(job)
@@ -255,19 +273,24 @@ def _stats_prefix_for(payload: dict[str, Any]) -> str:
     return stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
 
 
-def find_concept(ctx: Context, name: str) -> dict[str, Any] | None:
-    return ctx.storage.find_json(concept_key(name))
+def find_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any] | None:
+    """The stored concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
+    return ctx.reads.recent_json(concept_key(name)) if recent else ctx.storage.find_json(concept_key(name))
 
 
-def get_concept(ctx: Context, name: str) -> dict[str, Any]:
-    concept = find_concept(ctx, name)
+def get_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any]:
+    concept = find_concept(ctx, name, recent=recent)
     if concept is None:
         raise NotFound(f"concept {name} does not exist")
     return concept
 
 
-def list_concepts(ctx: Context) -> list[dict[str, Any]]:
-    return [ctx.storage.get_json(k) for k in ctx.storage.list("concepts/") if k.endswith(".json")]
+def list_concepts(ctx: Context, *, recent: bool = False) -> list[dict[str, Any]]:
+    """Every concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
+    if not recent:
+        return [ctx.storage.get_json(k) for k in ctx.storage.list("concepts/") if k.endswith(".json")]
+    found = (ctx.reads.recent_json(k) for k in ctx.reads.recent_listing("concepts/") if k.endswith(".json"))
+    return [concept for concept in found if concept is not None]
 
 
 def delete_concept(ctx: Context, name: str) -> None:
@@ -279,10 +302,11 @@ def delete_concept(ctx: Context, name: str) -> None:
             if job is not None and job["status"] not in FINISHED:
                 ctx.jobs.update(job["job_id"], cancel_requested=True)
         ctx.storage.delete(concept_key(name))
+        ctx.reads.forget(concept_key(name))
 
 
 def stats_manifest(ctx: Context, prefix: str) -> dict[str, Any] | None:
-    return ctx.storage.find_json(prefix + "manifest.json")
+    return ctx.reads.immutable_json(prefix + "manifest.json")  # content-addressed: written once
 
 
 def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
@@ -398,16 +422,22 @@ def submit_variant(
         payload = {"variant_id": variant_id, "model_id": model_id}
         job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
         ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
+        ctx.reads.forget(f"variants/{variant_id}/request.json")
     ctx.dispatch(job)
     return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
 
 
-def find_variant_request(ctx: Context, variant_id: str) -> dict[str, Any] | None:
-    return ctx.storage.find_json(f"variants/{variant_id}/request.json") if variant_id.isalnum() else None
+def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+    """The stored request; ``recent``: as of at most a second ago (views only, never a write's input)."""
+    if not variant_id.isalnum():
+        return None
+    key = f"variants/{variant_id}/request.json"
+    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
 
 
 def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
-    return ctx.storage.find_json(f"variants/{variant_id}/manifest.json") if variant_id.isalnum() else None
+    # Content-addressed and written once, last: cached once found.
+    return ctx.reads.immutable_json(f"variants/{variant_id}/manifest.json") if variant_id.isalnum() else None
 
 
 VARIANT_FIELDS = (
@@ -416,7 +446,7 @@ VARIANT_FIELDS = (
 
 
 def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
-    request = find_variant_request(ctx, variant_id)
+    request = find_variant_request(ctx, variant_id, recent=True)
     if request is None:
         raise NotFound(f"variant {variant_id} does not exist")
     view = {k: request.get(k) for k in VARIANT_FIELDS}
@@ -434,7 +464,7 @@ def list_variants(ctx: Context, model_id: str | None = None) -> list[dict[str, A
     """Every variant, or those of one model (404 when that model is not registered)."""
     if model_id is not None:
         get_model(ctx, model_id)
-    ids = {k.split("/")[1] for k in ctx.storage.list("variants/") if k.endswith("/request.json")}
+    ids = {k.split("/")[1] for k in ctx.reads.recent_listing("variants/") if k.endswith("/request.json")}
     views = [variant_view(ctx, v) for v in sorted(ids)]
     return [v for v in views if model_id is None or v["model_id"] == model_id]
 

@@ -1,8 +1,9 @@
 """Wiring of one process: storage, job store, dispatcher and background duties, per mode.
 
-Embedded (no broker): jobs live in memory and run in this process's executor; at start-up, jobs
-interrupted by a restart run again. Distributed (``ENGRAM_BROKER_URL=redis://…``): jobs live in
-Redis, run in Celery workers, and a reconciler re-dispatches anything Redis or a worker lost.
+Embedded (no broker): jobs run in one child process (``service.embedded``), their live records in a
+SQLite file both processes share; at start-up, jobs interrupted by a restart run again.
+Distributed (``ENGRAM_BROKER_URL=redis://…``): jobs live in Redis, run in Celery workers, and a
+reconciler re-dispatches anything Redis or a worker lost.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from service.callbacks import CallbackDispatcher
 from service.config import Settings
-from service.jobs import EmbeddedExecutor, JobStore, RedisJobStore, public_view
+from service.jobs import RedisJobStore, public_view
 from service.registry import Context
 from service.storage import open_storage
 
@@ -47,22 +48,25 @@ def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
 
 
 def _embedded(settings: Settings) -> Runtime:
-    from service.tasks import run_job
+    from service.embedded import ProcessExecutor, SqliteJobStore, live_store_path
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
-    ctx = Context(settings=settings, storage=storage, jobs=JobStore(storage), dispatch=None, lock=threading.RLock())
-    executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
+    jobs = SqliteJobStore(storage, live_store_path(settings))
+    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=None, lock=threading.RLock())
+    executor = ProcessExecutor(settings, jobs)
     ctx.dispatch = executor.submit
     ctx.queue_depths = executor.depths
 
     def requeue_interrupted() -> None:
+        jobs.prune()
         for job in ctx.jobs.unfinished():  # tasks are idempotent: running one again is harmless
             log.info("re-queueing interrupted job %s", job["job_id"])
             ctx.jobs.update(job["job_id"], status="queued")
             executor.submit(job)
 
-    runtime = Runtime(ctx, on_start=[requeue_interrupted], on_stop=[executor.shutdown])
+    runtime = Runtime(ctx, on_start=[executor.start, requeue_interrupted], on_stop=[executor.shutdown])
     _deliver_callbacks(runtime, lock=None)
+    executor.on_finished = jobs.on_finished  # the job process's finished jobs wake the dispatcher too
     return runtime
 
 

@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.api.auth import install_auth
+from service.api.lanes import Lanes
+from service.api.openapi import install_openapi
 from service.api.problems import BodySizeLimit, install_problem_handlers
 from service.api.routes import concepts, evaluation, jobs, maps, models, ops, variants
 from service.config import Settings, get_settings
@@ -30,12 +32,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Closed-form unlearning and engram arithmetic for transformers models.",
         lifespan=lifespan,
+        docs_url=None,  # install_openapi serves /docs and /redoc from local assets
+        redoc_url=None,
     )
     app.state.ctx = runtime.ctx
+    app.state.lanes = Lanes(settings.max_waiters)
     install_problem_handlers(app)
     install_auth(app, settings)
     app.add_middleware(BodySizeLimit, json_limit=settings.max_json_bytes, upload_limit=settings.max_upload_bytes)
     app.add_middleware(RequestContext)  # outermost: every response, even a 401 or 413, gets an ID
     for module in (maps, models, concepts, jobs, variants, evaluation, ops):
         app.include_router(module.router)
+    install_openapi(app, settings)
     return app

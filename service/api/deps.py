@@ -6,11 +6,19 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.lanes import Lanes
 from service.registry import Context
 
 
-def get_context(request: Request) -> Context:
+# async: FastAPI runs a plain-def dependency in the shared thread pool, which waiting requests must
+# never need.
+async def get_context(request: Request) -> Context:
     return request.app.state.ctx
 
 
+async def get_lanes(request: Request) -> Lanes:
+    return request.app.state.lanes
+
+
 ContextDep = Annotated[Context, Depends(get_context)]
+LanesDep = Annotated[Lanes, Depends(get_lanes)]

@@ -38,7 +38,8 @@ def _unavailable(detail: str) -> JSONResponse:
 def install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(_: Request, exc: ProblemError) -> JSONResponse:
-        return JSONResponse(exc.to_problem(), status_code=exc.status, media_type=PROBLEM_JSON)
+        headers = getattr(exc, "headers", None)  # e.g. Retry-After on a 429
+        return JSONResponse(exc.to_problem(), status_code=exc.status, media_type=PROBLEM_JSON, headers=headers)
 
     @app.exception_handler(StorageUnavailable)
     async def _storage(_: Request, exc: StorageUnavailable) -> JSONResponse:

@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 
 from api_schemas import Concept, ConceptCreate, ConceptSubmission
 from service import registry
-from service.api.deps import ContextDep
+from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.errors import InvalidInput, ProblemError
 
@@ -119,15 +119,15 @@ def _parse_jsonl(data: bytes) -> list[Any]:
 
 
 @router.get("/concepts", response_model=list[Concept])
-def list_concepts(ctx: ContextDep) -> list[dict[str, Any]]:
+async def list_concepts(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
     """Every concept with its per-model collection status."""
-    return [registry.concept_view(ctx, c) for c in registry.list_concepts(ctx)]
+    return await lanes.status(lambda: [registry.concept_view(ctx, c) for c in registry.list_concepts(ctx, recent=True)])
 
 
 @router.get("/concepts/{name}", response_model=Concept)
-def get_concept(name: str, ctx: ContextDep) -> dict[str, Any]:
+async def get_concept(name: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """One concept."""
-    return registry.concept_view(ctx, registry.get_concept(ctx, name))
+    return await lanes.status(lambda: registry.concept_view(ctx, registry.get_concept(ctx, name, recent=True)))
 
 
 @router.delete("/concepts/{name}", status_code=204, response_class=Response)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from api_schemas import Job
-from service.api.deps import ContextDep
+from service.api.deps import ContextDep, LanesDep
 from service.errors import NotFound
 from service.jobs import FINISHED, public_view, utc_now
 
@@ -22,10 +22,22 @@ def _job(ctx: Any, job_id: str) -> dict[str, Any]:
     return job
 
 
+@router.get("/jobs", response_model=list[Job])
+async def list_jobs(
+    ctx: ContextDep,
+    lanes: LanesDep,
+    status: Annotated[list[Literal["queued", "running"]] | None, Query(description="only jobs in these states")] = None,
+) -> list[dict[str, Any]]:
+    """Jobs not finished yet (queued or running), oldest first: what the service is working on."""
+    wanted = set(status or ("queued", "running"))
+    jobs = await lanes.status(ctx.jobs.active)
+    return [job_view(job) for job in jobs if job["status"] in wanted]
+
+
 @router.get("/jobs/{job_id}", response_model=Job)
-def get_job(job_id: str, ctx: ContextDep) -> dict[str, Any]:
+async def get_job(job_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """A job's status and progress."""
-    return job_view(_job(ctx, job_id))
+    return job_view(await lanes.status(_job, ctx, job_id))
 
 
 @router.delete("/jobs/{job_id}", response_model=Job)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response
 
 from api_schemas import ComposeRequest, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
 from service import registry
-from service.api.deps import ContextDep
+from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.engine.compose import coefficients_for_unlearn
 
@@ -25,9 +25,9 @@ def register_model(body: ModelCreate, ctx: ContextDep, response: Response) -> di
 
 
 @router.get("/models", response_model=list[Model])
-def list_models(ctx: ContextDep) -> list[dict[str, Any]]:
+async def list_models(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
     """Every registered model."""
-    return [registry.model_view(m) for m in registry.list_models(ctx)]
+    return [registry.model_view(m) for m in await lanes.status(registry.list_models, ctx)]
 
 
 @router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
@@ -57,12 +57,12 @@ def _submit(
 
 
 @router.get("/models/{model_id:path}/variants", response_model=list[Variant])
-def list_variants(model_id: str, ctx: ContextDep) -> list[dict[str, Any]]:
+async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
     """Every variant built from this model."""
-    return registry.list_variants(ctx, model_id)
+    return await lanes.status(registry.list_variants, ctx, model_id)
 
 
 @router.get("/models/{model_id:path}", response_model=Model)
-def get_model(model_id: str, ctx: ContextDep) -> dict[str, Any]:
+async def get_model(model_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """One model and its editable layers."""
-    return registry.model_view(registry.get_model(ctx, model_id))
+    return registry.model_view(await lanes.status(registry.get_model, ctx, model_id))

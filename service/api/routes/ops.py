@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.api.deps import ContextDep
-from service.observability import refresh_queue_depth
+from service.api.deps import ContextDep, LanesDep
+from service.observability import exposition, refresh_queue_depth
+from service.registry import Context
 
 router = APIRouter(tags=["operations"])
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
-    """The process is up."""
+async def healthz() -> dict[str, str]:
+    """The process is up (answered on the event loop: busy threads cannot delay it)."""
     return {"status": "ok"}
 
 
 @router.get("/readyz")
-def readyz(ctx: ContextDep) -> dict[str, str]:
+async def readyz(ctx: ContextDep, lanes: LanesDep) -> dict[str, str]:
     """Storage (and the broker, when configured) can serve requests; 503 otherwise."""
+    await lanes.status(_ping_dependencies, ctx)
+    return {"status": "ready", "mode": "embedded" if ctx.settings.embedded else "distributed"}
+
+
+def _ping_dependencies(ctx: Context) -> None:
     ctx.storage.ping()
     if ctx.broker_ping is not None:
         ctx.broker_ping()
-    return {"status": "ready", "mode": "embedded" if ctx.settings.embedded else "distributed"}
 
 
 @router.get("/metrics", response_class=Response)
@@ -34,4 +39,4 @@ def metrics(ctx: ContextDep) -> Response:
             refresh_queue_depth(ctx.queue_depths)
         except Exception:  # the broker being away must not hide the other metrics
             pass
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return Response(exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -10,7 +10,7 @@ from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from api_schemas import Variant
 from service import registry
-from service.api.deps import ContextDep
+from service.api.deps import ContextDep, LanesDep
 from service.errors import NotFound, ProblemError
 
 router = APIRouter(tags=["variants"])
@@ -22,15 +22,15 @@ class RangeNotSatisfiable(ProblemError):
 
 
 @router.get("/variants", response_model=list[Variant])
-def list_variants(ctx: ContextDep, model_id: str | None = None) -> list[dict[str, Any]]:
+async def list_variants(ctx: ContextDep, lanes: LanesDep, model_id: str | None = None) -> list[dict[str, Any]]:
     """Every variant, or only those of ``?model_id=``."""
-    return registry.list_variants(ctx, model_id)
+    return await lanes.status(registry.list_variants, ctx, model_id)
 
 
 @router.get("/variants/{variant_id}", response_model=Variant)
-def get_variant(variant_id: str, ctx: ContextDep) -> dict[str, Any]:
+async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """A variant: its terms, options, status and files."""
-    return registry.variant_view(ctx, variant_id)
+    return await lanes.status(registry.variant_view, ctx, variant_id)
 
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)

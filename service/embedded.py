@@ -1,0 +1,289 @@
+"""Embedded mode's job process: jobs run in a child process, never in the API's interpreter.
+
+Why a process and not threads of the API: a job thread and the request handlers share one GIL.
+Under heavy polling (hundreds of status requests a second) the event loop holds the GIL most of the
+time, and a collection, which needs the GIL between every torch call, was measured 23-65× slower.
+In a process of its own the job competes for CPU cores only, which the OS shares fairly.
+
+The two processes share the live job records through a SQLite file (WAL mode: readers never wait
+for the writer): the API reads status and writes cancellation, the job process writes progress and
+outcomes. Object storage stays the durable truth, as in distributed mode (``jobs/<id>.json``).
+
+The job process dies with its parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog), so a
+``kill -9`` of the API never leaves an orphan working. If the job process itself dies (out of
+memory, a crash in native code), the API fails the jobs it was running with a problem that says
+so, starts a new one, and hands it the jobs still queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from service.config import Settings
+from service.jobs import JobStore, utc_now
+from service.storage import Storage
+
+log = logging.getLogger("engram.embedded")
+
+_KIND_QUEUE = {"collect": "gpu", "evaluate": "gpu", "generate": "gpu", "variant": "cpu"}
+_KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
+_MONITOR_S = 0.5
+
+
+def live_store_path(settings: Settings) -> Path:
+    """The live-record file of this storage URL on this machine (two services never share one)."""
+    tag = hashlib.sha256(settings.storage_url.encode()).hexdigest()[:16]
+    return settings.cache_dir / "jobs" / f"live-{tag}.sqlite"
+
+
+class SqliteJobStore(JobStore):
+    """Live job records in a SQLite file shared by the API process and its job process.
+
+    Every read-modify-write (``update``, ``set_progress``) runs in one ``BEGIN IMMEDIATE``
+    transaction, so a cancellation written by the API and a progress tick written by the job
+    process can never overwrite each other. Reads take no lock (WAL snapshots).
+    """
+
+    def __init__(self, storage: Storage, path: Path) -> None:
+        super().__init__(storage)
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._lock = _Transaction(self._connection)  # type: ignore[assignment]
+        with self._lock:
+            self._connection().execute(
+                "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, kind TEXT, status TEXT, "
+                "finished_at TEXT, body TEXT NOT NULL)"
+            )
+
+    def _connection(self) -> sqlite3.Connection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            # Autocommit mode: transactions are opened explicitly by _Transaction.
+            connection = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=True)
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")  # storage is the durable record, not this file
+            self._local.connection = connection
+        return connection
+
+    def _read_live(self, job_id: str) -> dict[str, Any] | None:
+        row = self._connection().execute("SELECT body FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def _write_live(self, job: dict[str, Any]) -> None:
+        self._connection().execute(
+            "INSERT OR REPLACE INTO jobs (job_id, kind, status, finished_at, body) VALUES (?, ?, ?, ?, ?)",
+            (job["job_id"], job["kind"], job["status"], job.get("finished_at"), json.dumps(job)),
+        )
+
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        # A status poll: one indexed read of the live file, no lock, no storage round trip.
+        job = self._read_live(job_id) if len(job_id) == 32 and job_id.isalnum() else None
+        return job if job is not None else super().get(job_id)
+
+    def with_status(self, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
+        """Live records in any of ``statuses``, oldest first."""
+        marks = ",".join("?" * len(statuses))
+        rows = self._connection().execute(f"SELECT body FROM jobs WHERE status IN ({marks}) ORDER BY rowid", statuses)
+        return [json.loads(body) for (body,) in rows]
+
+    def active(self) -> list[dict[str, Any]]:
+        return self.with_status(("queued", "running"))
+
+    def queued_by_queue(self) -> dict[str, int]:
+        """Jobs waiting to run, named like the distributed queues (gpu: the model runs; cpu: builds)."""
+        depths = {"gpu": 0, "cpu": 0}
+        rows = self._connection().execute("SELECT kind, COUNT(*) FROM jobs WHERE status = 'queued' GROUP BY kind")
+        for kind, count in rows:
+            depths[_KIND_QUEUE.get(kind, "cpu")] += int(count)
+        return depths
+
+    def prune(self, keep: timedelta = _KEEP_FINISHED) -> None:
+        """Drop live records of jobs finished long ago (their durable records stay in storage)."""
+        cutoff = (datetime.now(UTC) - keep).isoformat()
+        with self._lock:
+            self._connection().execute("DELETE FROM jobs WHERE finished_at IS NOT NULL AND finished_at < ?", (cutoff,))
+
+
+class _Transaction:
+    """A re-entrant lock of this process's threads that is also a SQLite write transaction."""
+
+    def __init__(self, connection: Callable[[], sqlite3.Connection]) -> None:
+        self._connection = connection
+        self._thread_lock = threading.RLock()
+        self._depth = threading.local()
+
+    def __enter__(self) -> None:
+        self._thread_lock.acquire()
+        depth = getattr(self._depth, "value", 0)
+        if depth == 0:
+            try:
+                self._connection().execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self._thread_lock.release()
+                raise
+        self._depth.value = depth + 1
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self._depth.value -= 1
+        try:
+            if self._depth.value == 0:
+                self._connection().execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        finally:
+            self._thread_lock.release()
+
+
+# ---------------------------------------------------------------- the API side
+
+
+class ProcessExecutor:
+    """Hands jobs to the job process, watches it, and replaces it when it dies."""
+
+    def __init__(self, settings: Settings, jobs: SqliteJobStore, on_finished: Callable[[], None] | None = None) -> None:
+        self.settings, self.jobs = settings, jobs
+        self.on_finished = on_finished
+        self._mp = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+        self._process: Any = None
+        self._inbox: Any = None
+        self._events: Any = None
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def start(self) -> None:
+        self._spawn()
+        self._monitor = threading.Thread(target=self._watch, name="engram-job-process-monitor", daemon=True)
+        self._monitor.start()
+
+    def submit(self, job: dict[str, Any]) -> None:
+        with self._start_lock:
+            if self._inbox is None:
+                self._spawn_locked()
+            self._inbox.put({"job_id": job["job_id"], "kind": job["kind"]})
+
+    def depths(self) -> dict[str, int]:
+        return self.jobs.queued_by_queue()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        process, inbox = self._process, self._inbox
+        if process is None:
+            return
+        with contextlib.suppress(Exception):
+            inbox.put(None)
+        process.join(timeout=5)
+        if process.is_alive():  # a job is mid-way: it is re-queued at the next start (tasks are idempotent)
+            process.terminate()
+            process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+
+    def _spawn(self) -> None:
+        with self._start_lock:
+            self._spawn_locked()
+
+    def _spawn_locked(self) -> None:
+        self._inbox, self._events = self._mp.Queue(), self._mp.Queue()
+        self._process = self._mp.Process(
+            target=job_process_main,
+            args=(self.settings, self._inbox, self._events, os.getpid()),
+            name="engram-jobs",
+            daemon=True,
+        )
+        self._process.start()
+        log.info("job process %s started", self._process.pid)
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._events.get(timeout=_MONITOR_S)
+                if self.on_finished is not None:
+                    self.on_finished()
+            except queue.Empty:
+                pass
+            except (EOFError, OSError, ValueError):  # the queue went with a dead process
+                time.sleep(_MONITOR_S)
+            if not self._stopping.is_set() and not self._process.is_alive():
+                self._replace_dead_process()
+
+    def _replace_dead_process(self) -> None:
+        code = self._process.exitcode
+        reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        log.error("the job process died (%s); starting a new one", reason)
+        for job in self.jobs.with_status(("running",)):
+            problem = {
+                "type": "https://engram.dev/problems/job-failed",
+                "title": "Job failed",
+                "status": 500,
+                "detail": f"the job process died while running this job ({reason}; out of memory?)",
+            }
+            self.jobs.update(job["job_id"], status="failed", error=problem, finished_at=utc_now())
+        self._spawn()
+        for job in self.jobs.with_status(("queued",)):
+            self.submit(job)
+
+
+# ---------------------------------------------------------------- the job process
+
+
+def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: int) -> None:
+    """The job process: run every job the API hands over, in its kind's lane, until told to stop."""
+    _die_with_parent(parent_pid)
+    from service.jobs import EmbeddedExecutor
+    from service.observability import configure_logging
+    from service.registry import Context
+    from service.storage import open_storage
+    from service.tasks import run_job
+
+    configure_logging()
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    jobs = SqliteJobStore(storage, live_store_path(settings))
+    jobs.on_finished = lambda: events.put("finished")  # the API's callback dispatcher delivers
+    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=_no_dispatch, lock=threading.RLock())
+    executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
+    for message in _messages(inbox):
+        executor.submit(message)
+    executor.shutdown()
+
+
+def _messages(inbox: Any) -> Iterator[dict[str, Any]]:
+    while True:
+        message = inbox.get()
+        if message is None:
+            return
+        yield message
+
+
+def _no_dispatch(job: dict[str, Any]) -> None:
+    raise RuntimeError(f"job {job['job_id']}: a job body may not start other jobs")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make sure this process never outlives the API that started it."""
+    with contextlib.suppress(Exception):  # Linux only; the watchdog below covers the rest
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watchdog() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="engram-parent-watchdog", daemon=True).start()
