@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$"
 CONCEPT_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+# The schemes service.sources accepts (urlparse lower-cases the scheme, so any case does).
+SOURCE_PATTERN = r"^([Ff][Ii][Ll][Ee]|[Ss]3|[Hh][Ff]):"
+NOT_BLANK = r"\S"  # a non-empty string that is not only whitespace
 
 __all__ = [
     "ComposeRequest",
@@ -37,20 +40,47 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_FIELD_ERROR = {
+    "type": "object",
+    "properties": {
+        "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+        "msg": {"type": "string"},
+        "type": {"type": "string"},
+    },
+}
+
+
 class Problem(BaseModel):
     """RFC 9457 problem details: every error the API returns."""
 
-    type: str
-    title: str
-    status: int
-    detail: str
-    errors: list[dict[str, Any]] | None = None
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "type": "https://engram.dev/problems/invalid-input",
+                    "title": "Invalid input",
+                    "status": 422,
+                    "detail": "body.alpha: Input should be greater than 0",
+                    "errors": [{"loc": ["body", "alpha"], "msg": "Input should be greater than 0", "type": "greater_than"}],
+                }
+            ]
+        }
+    )
+
+    type: str = Field(description="a URI naming the kind of problem (https://engram.dev/problems/<slug>)")
+    title: str = Field(description="a short summary, the same for every problem of this type")
+    status: int = Field(description="the HTTP status code (4xx or 5xx)")
+    detail: str = Field(description="what exactly is wrong with this request")
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="invalid input: each invalid field", json_schema_extra={"items": _FIELD_ERROR}
+    )
 
 
 class ModelCreate(Strict):
     model_id: str = Field(pattern=MODEL_ID_PATTERN, max_length=200, examples=["demo/tiny-llama"])
     source: str = Field(
         max_length=2000,
+        pattern=SOURCE_PATTERN,
         description="file:///abs/dir (inside ENGRAM_MODEL_ROOTS), s3://bucket/prefix/ or hf://org/name[@rev]",
     )
 
@@ -87,10 +117,26 @@ class RecordIn(Strict):
     completion: str | None = None
 
 
+_TEXT = {"type": "string", "pattern": NOT_BLANK}
+RECORD_SCHEMA = {
+    "oneOf": [
+        {"type": "object", "required": ["text"], "properties": {"text": _TEXT}, "additionalProperties": False},
+        {
+            "type": "object",
+            "required": ["prompt", "completion"],
+            "properties": {"prompt": _TEXT, "completion": _TEXT},
+            "additionalProperties": False,
+        },
+    ]
+}
+
+
 class ConceptCreate(Strict):
     name: str = Field(pattern=CONCEPT_NAME_PATTERN)
     models: list[str] = Field(min_length=1, max_length=64)
-    records: list[dict[str, Any]] = Field(min_length=1)
+    # Checked record by record by service.engine.records.Record (its messages name the record);
+    # the schema states the same rule. The most records: ENGRAM_MAX_RECORDS (the OpenAPI document says).
+    records: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": RECORD_SCHEMA})
     role: Literal["target", "reference"] = "target"
     description: str | None = Field(default=None, max_length=4000)
     callback_url: str | None = Field(
@@ -142,8 +188,8 @@ class ConceptSubmission(BaseModel):
 class EditOptions(Strict):
     scaling: Literal["uniform", "weight_norm"] = "uniform"
     modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
-    layers: list[int] | None = Field(default=None, min_length=1, description="block indices")
-    rcond: float | None = Field(default=None, gt=0.0, lt=1.0, description="keep λ > rcond·λmax")
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1, description="block indices")
+    rcond: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False, description="keep λ > rcond·λmax")
     reference: list[str] | None = Field(default=None, description="default: every ready concept")
     format: Literal["checkpoint", "delta", "peft"] = "checkpoint"
     lora_rank: int | None = Field(
@@ -153,21 +199,20 @@ class EditOptions(Strict):
         default=None, max_length=2000, description="POSTed the build job when it ends (host must be allowlisted)"
     )
 
-    @field_validator("layers")
-    @classmethod
-    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(v < 0 for v in value):
-            raise ValueError("layer indices must be >= 0")
-        return value
-
 
 class UnlearnRequest(EditOptions):
     concepts: list[str] = Field(min_length=1, max_length=256)
-    alpha: float = Field(default=1.0, gt=0.0, le=100.0)
+    alpha: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+
+
+Coefficient = Annotated[
+    float,
+    Field(gt=-1e6, lt=1e6, allow_inf_nan=False, json_schema_extra={"not": {"const": 0}}),
+]
 
 
 class ComposeRequest(EditOptions):
-    terms: dict[str, float] = Field(min_length=1, max_length=256, description="concept -> coefficient")
+    terms: dict[str, Coefficient] = Field(min_length=1, max_length=256, description="concept -> coefficient")
 
     @field_validator("terms")
     @classmethod
@@ -220,6 +265,15 @@ class EvaluateRequest(Strict):
     forget: list[Probe] = Field(default_factory=list, max_length=10000, description="what the variant should forget")
     retain: list[Probe] = Field(default_factory=list, max_length=10000, description="what it should keep")
     callback_url: str | None = Field(default=None, max_length=2000)
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["forget"], "properties": {"forget": {"minItems": 1}}},
+                {"required": ["retain"], "properties": {"retain": {"minItems": 1}}},
+            ]
+        }
+    )
 
     @model_validator(mode="after")
     def _some_probes(self) -> EvaluateRequest:
