@@ -332,7 +332,7 @@ def _concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: in
     create = _model_schema(api_schemas.ConceptCreate, schemas)
     create["properties"]["records"]["maxItems"] = max_records
     create["description"] = (
-        "A concept's records inline. Each record is `{\"text\"}` (every token counts) or "
+        'A concept\'s records inline. Each record is `{"text"}` (every token counts) or '
         '`{"prompt", "completion"}` (only the completion tokens enter the statistics); '
         f"at most {max_records} records (`ENGRAM_MAX_RECORDS`)."
     )
@@ -550,7 +550,11 @@ RESPONSE_EXAMPLES: dict[tuple[str, str, str], dict[str, Any]] = {
     },
     ("post", "/concepts", "202"): {
         "concept": _CONCEPT,
-        "jobs": [_job("collect", "queued", model_id=MODEL_ID, concept="forget", progress={"done": 0, "total": 2, "unit": "records"})],
+        "jobs": [
+            _job(
+                "collect", "queued", model_id=MODEL_ID, concept="forget", progress={"done": 0, "total": 2, "unit": "records"}
+            )
+        ],
     },
     ("post", "/models/{model_id}/unlearn", "202"): {
         "variant": {**_VARIANT, "status": "building", "files": []},
