@@ -1,4 +1,10 @@
-"""Where model checkpoints come from: ``file://`` (inside ENGRAM_MODEL_ROOTS), ``s3://`` and ``hf://``."""
+"""Where model checkpoints come from: ``file://`` (inside ENGRAM_MODEL_ROOTS), ``s3://`` and ``hf://``.
+
+Every source ends as a local folder that must pass :mod:`service.engine.model_files`' rules: no
+top-level link leading out of it (for a hub snapshot, out of its cache repo's ``blobs/``), plain
+shard names. A downloaded folder is checked here, as soon as it is fetched or reused; every folder
+is checked again when it is inspected and whenever a job reads it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from service.engine.model_files import ModelSourceError, allowed_dirs, check_links
 from service.errors import InvalidInput
 from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
@@ -21,9 +28,7 @@ HF_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer
 PICKLE_DENY = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt"]
 
 
-def local_model_dir(
-    source: str, model_roots: list[Path], cache_dir: Path, s3_endpoint_url: str | None = None
-) -> Path:
+def local_model_dir(source: str, model_roots: list[Path], cache_dir: Path, s3_endpoint_url: str | None = None) -> Path:
     """The local directory holding the checkpoint named by ``source``.
 
     Args:
@@ -57,11 +62,31 @@ def _file_source(source: str, model_roots: list[Path]) -> Path:
     if not raw.startswith("/") or ".." in Path(raw).parts:
         raise InvalidInput(f"file:// source must be an absolute path without '..', got {raw!r}")
     path = Path(raw).resolve()  # symlinks resolved: a link must not lead out of the roots
-    if not any(path == root or root in path.parents for root in model_roots):
+    if not _within(path, model_roots):
         roots = ", ".join(str(r) for r in model_roots) or "none configured"
         raise InvalidInput(f"{path} is outside ENGRAM_MODEL_ROOTS ({roots})")
     if not path.is_dir():
         raise InvalidInput(f"{path} is not a directory")
+    # A hub cache snapshot's files may link into its repo's blobs/ (model_files' policy): only
+    # when that directory is inside the roots too.
+    if not all(_within(d, model_roots) for d in allowed_dirs(path)):
+        raise InvalidInput(f"{path} is a hub cache snapshot whose blobs/ is outside ENGRAM_MODEL_ROOTS")
+    return path
+
+
+def _within(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _checked_download(path: Path, cache: Path, source: str) -> Path:
+    """``path`` after checking it lies in ``cache`` and has no link leading out of it (a hub
+    snapshot: out of its repo's ``blobs/``)."""
+    if not _within(path.resolve(), [cache.resolve()]):
+        raise InvalidInput(f"the download of {source} is outside the cache directory")
+    try:
+        check_links(path)
+    except ModelSourceError as exc:
+        raise InvalidInput(f"{source}: {exc}") from None
     return path
 
 
@@ -73,12 +98,10 @@ def _hf_source(source: str, cache_dir: Path) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(
-            repo_id, revision=revision, allow_patterns=HF_ALLOW, cache_dir=str(cache_dir / "hf")
-        )
+        path = snapshot_download(repo_id, revision=revision, allow_patterns=HF_ALLOW, cache_dir=str(cache_dir / "hf"))
     except Exception as exc:  # the hub client raises many types (offline, 404, gated)
         raise InvalidInput(f"cannot fetch {repo_id} from the Hugging Face hub: {exc}") from None
-    return Path(path)
+    return _checked_download(Path(path), cache_dir / "hf", source)
 
 
 def _wanted(relative: str) -> bool:
@@ -91,8 +114,8 @@ def _wanted(relative: str) -> bool:
 
 def _safe_relative(relative: str) -> bool:
     """A key below the prefix that maps to a path inside the download directory."""
-    return bool(relative) and not relative.startswith("/") and all(
-        part not in {"", ".", ".."} for part in relative.split("/")
+    return (
+        bool(relative) and not relative.startswith("/") and all(part not in {"", ".", ".."} for part in relative.split("/"))
     )
 
 
@@ -113,14 +136,14 @@ def _s3_source(source: str, cache_dir: Path, endpoint_url: str | None) -> Path:
     root = cache_dir / "s3"
     target = root / hashlib.sha256(normalised.encode()).hexdigest()
     if target.is_dir():
-        return target
+        return _checked_download(target, root, normalised)
     store = S3Storage(make_s3_client(endpoint_url), bucket, prefix)
     try:
         keys = [k for k in store.list("") if _safe_relative(k) and _wanted(k)]
         if not keys:
             raise InvalidInput(f"{normalised} holds no model files (config, safetensors weights, tokenizer)")
         root.mkdir(parents=True, exist_ok=True)
-        return _publish_download(store, keys, root, target)
+        return _checked_download(_publish_download(store, keys, root, target), root, normalised)
     except (BucketNotFound, ObjectNotFound) as exc:  # a typo in the source, not an outage
         raise InvalidInput(f"cannot read {normalised}: {exc!s}") from None
     except StorageUnavailable:
@@ -135,6 +158,8 @@ def _publish_download(store: Storage, keys: list[str], root: Path, target: Path)
     try:
         for key in keys:
             path = partial / key
+            if not _within(path.resolve(), [partial.resolve()]):  # _safe_relative checked it; again, as a writer
+                raise InvalidInput(f"the key {key!r} would be downloaded outside its directory")
             path.parent.mkdir(parents=True, exist_ok=True)
             store.download(key, path)
         try:

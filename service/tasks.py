@@ -39,6 +39,7 @@ from service.engine.collect import CollectionCancelled, LayerStatistics, collect
 from service.engine.compose import EditError, EngramAlgebra, layer_deltas, layer_editor, layer_scales
 from service.engine.layers import select_layers
 from service.engine.lora import layer_loras, write_adapter
+from service.engine.model_files import SIDE_FILES, ModelSourceError, check_links
 from service.engine.records import encode_record, make_batches, pad_token_id
 from service.engine.stats_io import StatisticsFile, expand_statistics, save_statistics
 from service.errors import JobFailed, ProblemError
@@ -211,18 +212,49 @@ def checked_model_dir(ctx: Context, manifest: dict[str, Any]) -> Path:
     A ``file://`` model is read in place (its sizes and mtimes must be as registered). A remote
     one (``s3://``, ``hf://``) is fetched into this machine's cache, which need not be the API's,
     and its content digest checked once per process.
+
+    Either way the folder passes :mod:`service.engine.model_files`' rules again first (no link
+    leading out of it, plain shard names), so a link swapped in since registration fails the job
+    before any file is read or copied.
     """
-    if manifest["source"].startswith("file://"):
-        path = Path(manifest["path"])
-        if not path.is_dir() or file_fingerprint(path) != manifest["fingerprint"]:
-            raise JobFailed(f"the files of model {manifest['model_id']} changed since registration; register it again")
+    model_id = manifest["model_id"]
+    try:
+        if manifest["source"].startswith("file://"):
+            path = Path(manifest["path"])
+            if not path.is_dir() or not _unchanged(path, manifest):
+                raise JobFailed(f"the files of model {model_id} changed since registration; register it again")
+            return path
+        path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
+        digest = manifest["digest"]
+        if _VERIFIED.get(str(path)) != digest:
+            check_links(path)
+            # Registrations made before the allowlist hashed every in-folder file: accept their digest too.
+            if directory_digest(path) != digest and directory_digest(path, every_file=True) != digest:
+                raise JobFailed(f"the source of model {model_id} changed since registration; register it again")
+            _VERIFIED[str(path)] = digest
         return path
-    path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
-    if _VERIFIED.get(str(path)) != manifest["digest"]:
-        if directory_digest(path) != manifest["digest"]:
-            raise JobFailed(f"the source of model {manifest['model_id']} changed since registration; register it again")
-        _VERIFIED[str(path)] = manifest["digest"]
-    return path
+    except ModelSourceError as exc:
+        raise JobFailed(f"the files of model {model_id} are refused: {exc}; register it again") from None
+
+
+def _unchanged(path: Path, manifest: dict[str, Any]) -> bool:
+    """Whether the files the service uses from ``path`` are as registered (sizes and mtimes).
+
+    Raises:
+        ModelSourceError: the folder breaks a rule of :mod:`service.engine.model_files`.
+    """
+    if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
+        raise ModelSourceError("the model folder was replaced by a symbolic link")
+    check_links(path)
+    current = file_fingerprint(path)
+    return current == _registered_fingerprint(manifest, current)
+
+
+def _registered_fingerprint(manifest: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The registered sizes and mtimes of the files the service uses. Registrations made before the
+    allowlist listed every file of the folder; the others (a README) are not compared."""
+    shards = set(manifest["layout"]["key_files"].values())
+    return {k: v for k, v in manifest["fingerprint"].items() if k in SIDE_FILES or k in shards or k in current}
 
 
 # ---------------------------------------------------------------- collection
@@ -308,7 +340,7 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
             out = Path(tmp)
             lora = _write_variant(out, reader, layout, layers, algebra, scales, request, progress)
             files = _upload_variant(ctx, variant_id, out)
-    except EditError as exc:
+    except (EditError, ModelSourceError) as exc:
         raise JobFailed(str(exc)) from None
     seconds = time.monotonic() - started
     published = {"variant_id": variant_id, "files": files, "scales": scales, "seconds": round(seconds, 3)}

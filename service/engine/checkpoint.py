@@ -1,7 +1,9 @@
 """Hugging Face model directories: validation, layout, loading, and writing edited variants.
 
 Only safetensors weights are ever read; pickle weights and remote code are refused, because either
-would run code a user sent us.
+would run code a user sent us. Only the files :mod:`service.engine.model_files` names are read from a
+model folder (side files from one allowlist, shards by checked plain names), each resolved and
+checked to lie inside the folder first; see that module for the symlink policy.
 
 A variant is written without loading the model: each safetensors shard is read, the edited tensors
 are replaced, and the shard is written again, so at most one shard is in memory. Tied weights are
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -28,16 +29,28 @@ from torch import nn
 
 from service.engine.compose import LayerEdit, LayerWeights
 from service.engine.layers import LayerSpec, editable_layers
+from service.engine.model_files import (
+    INDEX_FILE,
+    PICKLE_SUFFIXES,
+    SIDE_FILES,
+    ModelSourceError,
+    allowed_dirs,
+    check_links,
+    check_shard_name,
+    clean_view,
+    copy_file,
+    open_file,
+    present,
+    read_json,
+    resolve_file,
+    target_file,
+    used_files,
+    weight_files,
+)
 from service.engine.safetensors_stream import Planned, TensorEntry, read_header, write_streaming
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-INDEX_FILE = "model.safetensors.index.json"
-WEIGHTS_FILE = "model.safetensors"
 _HASH_CHUNK = 8 * 1024 * 1024
-
-
-class ModelSourceError(ValueError):
-    """A model directory we refuse to use; the message says why."""
+_target_file = target_file  # write_delta's parameter of that name shadows it
 
 
 @dataclass
@@ -81,31 +94,23 @@ class ModelLayout:
         raise KeyError(name)
 
 
-def weight_files(path: Path) -> list[str]:
-    """The safetensors shards of a model directory, from its index or the single file."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted(set(weight_map.values()))
-    if (path / WEIGHTS_FILE).is_file():
-        return [WEIGHTS_FILE]
-    return []
-
-
 def validate_model_dir(path: Path) -> dict[str, Any]:
     """Check a directory is a safe Hugging Face checkpoint and return its ``config.json``.
 
     Raises:
-        ModelSourceError: missing config, pickle-only weights, remote code, unreadable files.
+        ModelSourceError: missing config, pickle-only weights, remote code, unreadable files, a
+            link leading out of the folder, a shard name that is not a plain file name in it.
     """
     if not path.is_dir():
         raise ModelSourceError(f"{path} is not a directory")
-    config_path = path / "config.json"
-    if not config_path.is_file():
+    check_links(path)
+    if not present(path, "config.json"):
         raise ModelSourceError(f"{path} has no config.json")
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = read_json(resolve_file(path, "config.json"))
+    except ModelSourceError:
+        raise
+    except (OSError, ValueError) as exc:
         raise ModelSourceError(f"config.json is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ModelSourceError("config.json is not a JSON object")
@@ -119,17 +124,40 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
     return config
 
 
-def directory_digest(path: Path) -> str:
-    """sha256 over the names and contents of every file a variant depends on (pickles excluded)."""
+def directory_digest(path: Path, every_file: bool = False) -> str:
+    """sha256 over the names and contents of the files the service uses from a model folder
+    (:func:`~service.engine.model_files.used_files`: side files and shards, each checked to lie
+    inside the folder).
+
+    Args:
+        path: the model folder.
+        every_file: hash every top-level regular, non-pickle file that lies inside the folder
+            instead, as registrations made before the allowlist did (links leading out are still
+            refused, never read): only to recognise such a registration's digest.
+
+    Raises:
+        ModelSourceError: a used file breaks a rule of :mod:`service.engine.model_files`.
+    """
+    if every_file:
+        check_links(path)
+        dirs = allowed_dirs(path)
+        files = {}
+        for entry in sorted(path.iterdir()):
+            if entry.suffix in PICKLE_SUFFIXES or not entry.is_file():
+                continue
+            files[entry.name] = resolve_file(path, entry.name, dirs)
+    else:
+        files = used_files(path)
     outer = hashlib.sha256()
-    for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix not in PICKLE_SUFFIXES):
-        outer.update(file.name.encode() + b"\0" + file_sha256(file).encode() + b"\n")
+    for name, real in files.items():
+        outer.update(name.encode() + b"\0" + file_sha256(real, nofollow=True).encode() + b"\n")
     return outer.hexdigest()
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, nofollow: bool = False) -> str:
+    """sha256 of a file's bytes (``nofollow``: ``path`` is resolved and must not be a link now)."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open_file(path) if nofollow else path.open("rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -152,7 +180,8 @@ def inspect_model_dir(path: Path) -> ModelLayout:
     """
     config_dict = validate_model_dir(path)
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        with clean_view(path) as view:
+            config = transformers.AutoConfig.from_pretrained(str(view), trust_remote_code=False)
         cls = model_class(config_dict)
         with torch.device("meta"):
             model = (
@@ -160,6 +189,8 @@ def inspect_model_dir(path: Path) -> ModelLayout:
                 if cls is not transformers.AutoModel
                 else transformers.AutoModel.from_config(config)
             )
+    except ModelSourceError:
+        raise
     except Exception as exc:  # transformers raises many types for unsupported configs
         raise ModelSourceError(f"transformers cannot build this model: {exc}") from None
     key_files = _checkpoint_keys(path)
@@ -169,8 +200,9 @@ def inspect_model_dir(path: Path) -> ModelLayout:
 def _checkpoint_keys(path: Path) -> dict[str, str]:
     key_files: dict[str, str] = {}
     for name in weight_files(path):
+        real = resolve_file(path, name)
         try:
-            with safe_open(str(path / name), framework="pt") as handle:
+            with safe_open(str(real), framework="pt") as handle:
                 key_files.update(dict.fromkeys(handle.keys(), name))  # noqa: SIM118
         except Exception as exc:
             raise ModelSourceError(f"{name} is not a readable safetensors file: {exc}") from None
@@ -215,6 +247,8 @@ def load_model(
 ) -> nn.Module:
     """Load a validated checkpoint (safetensors only, no remote code).
 
+    transformers sees only the checked files (:func:`~service.engine.model_files.clean_view`).
+
     Args:
         path: the checkpoint directory.
         device: where the model goes.
@@ -229,12 +263,16 @@ def load_model(
         kwargs["dtype"] = dtype
     if untie:
         kwargs["tie_word_embeddings"] = False
-    model = cls.from_pretrained(str(path), **kwargs)  # type: ignore[attr-defined]
+    with clean_view(path) as view:
+        model = cls.from_pretrained(str(view), **kwargs)  # type: ignore[attr-defined]
     return model.to(device).eval()
 
 
 def load_tokenizer(path: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    """The checkpoint's tokenizer, read from the checked files only (no remote code)."""
+    check_links(path)
+    with clean_view(path) as view:
+        return transformers.AutoTokenizer.from_pretrained(str(view), trust_remote_code=False)
 
 
 class CheckpointReader:
@@ -242,14 +280,23 @@ class CheckpointReader:
 
     Each read maps the shard only while it copies the tensor out: a mapping kept open would leave
     every page read so far resident in this process, a whole model's worth after one variant.
+    The layout's shard names are checked and resolved once, when the reader is made.
+
+    Raises:
+        ModelSourceError: (at construction) a shard name or file that breaks a rule of
+            :mod:`service.engine.model_files`.
     """
 
     def __init__(self, path: Path, layout: ModelLayout) -> None:
         self.path = path
         self.layout = layout
+        dirs = allowed_dirs(path)
+        self._files = {
+            name: resolve_file(path, check_shard_name(name), dirs) for name in sorted(set(layout.key_files.values()))
+        }
 
     def tensor(self, key: str) -> torch.Tensor:
-        with safe_open(str(self.path / self.layout.key_files[key]), framework="pt") as handle:
+        with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
             return handle.get_tensor(key)
 
     def layer_weights(self, spec: LayerSpec) -> LayerWeights:
@@ -283,9 +330,7 @@ def edit_plan(spec: LayerSpec, layout: ModelLayout) -> list[tuple[str, str, str]
     return plan
 
 
-def edited_tensors(
-    edit: LayerEdit, layout: ModelLayout, original: Callable[[str], torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def edited_tensors(edit: LayerEdit, layout: ModelLayout, original: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint key -> new value for one layer's edit (see :func:`edit_plan`).
 
     Args:
@@ -311,6 +356,7 @@ def _shard_of(key: str, layout: ModelLayout, spec: LayerSpec) -> str:
 
 def _layers_touching(shard: str, layout: ModelLayout) -> list[LayerSpec]:
     """Layers with their weight or bias in ``shard`` (a layer split over two shards is in both)."""
+
     def touches(spec: LayerSpec) -> bool:
         keys = [layout.weight_keys[spec.name], layout.bias_keys.get(spec.name)]
         return any(key is not None and layout.key_files[key] == shard for key in keys)
@@ -343,10 +389,16 @@ class _LayerValues:
         return self._values[key] if key in self._values else self.reader.tensor(base_key)
 
 
-def _all_entries(source: Path) -> dict[str, TensorEntry]:
+def _shard_paths(source: Path) -> dict[str, Path]:
+    """Checked shard name -> resolved path, in shard order."""
+    dirs = allowed_dirs(source)
+    return {shard: resolve_file(source, shard, dirs) for shard in weight_files(source, dirs)}
+
+
+def _all_entries(shards: Mapping[str, Path]) -> dict[str, TensorEntry]:
     entries: dict[str, TensorEntry] = {}
-    for shard in weight_files(source):
-        entries.update(read_header(source / shard)[0])
+    for real in shards.values():
+        entries.update(read_header(real)[0])
     return entries
 
 
@@ -372,7 +424,8 @@ def write_checkpoint(
         edited: names of the layers to edit (they decide the keys, before any edit is computed).
         on_layer: progress callback, once per edited layer.
     """
-    entries = _all_entries(source)
+    shards = _shard_paths(source)
+    entries = _all_entries(shards)
     shard = ""
 
     def progress(spec: LayerSpec) -> None:  # a layer split over two shards counts in its weight's
@@ -381,8 +434,8 @@ def write_checkpoint(
 
     values = _LayerValues(edit_layer, layout, CheckpointReader(source, layout), progress)
     new_keys: dict[str, str] = {}
-    for shard in weight_files(source):
-        shard_entries, metadata = read_header(source / shard)
+    for shard, real in shards.items():
+        shard_entries, metadata = read_header(real)
         planned: list[Planned] = []
         for spec in (s for s in _layers_touching(shard, layout) if s.name in edited):
             for key, base_key, _role in edit_plan(spec, layout):
@@ -391,27 +444,30 @@ def write_checkpoint(
                 if key not in layout.key_files:
                     new_keys[key] = shard
                 produce = partial(values.value, spec, key, base_key)
-                planned.append(Planned(key, entries[base_key], source / shard, produce))
+                planned.append(Planned(key, entries[base_key], real, produce))
         claimed = {item.key for item in planned}
-        planned += [Planned(key, entry, source / shard) for key, entry in shard_entries.items() if key not in claimed]
-        write_streaming(target / shard, planned, {**metadata, "format": "pt"})
+        planned += [Planned(key, entry, real) for key, entry in shard_entries.items() if key not in claimed]
+        write_streaming(target_file(target, shard), planned, {**metadata, "format": "pt"})
     _copy_side_files(source, target, bool(new_keys), new_keys)
 
 
 def _copy_side_files(source: Path, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
-    for file in source.iterdir():
-        if not file.is_file() or file.suffix in PICKLE_SUFFIXES or file.suffix == ".safetensors":
-            continue
-        if file.name == "config.json" and untied:
-            config = json.loads(file.read_text())
+    """Copy the :data:`SIDE_FILES` the source has (only those: never a README or any other file),
+    untying the config and adding the new keys to the index when the edit untied a weight."""
+    for name, real in used_files(source).items():
+        if name not in SIDE_FILES:
+            continue  # a shard: written above
+        out = target_file(target, name)
+        if name == "config.json" and untied:
+            config = read_json(real)
             config["tie_word_embeddings"] = False
-            (target / file.name).write_text(json.dumps(config, indent=2))
-        elif file.name == INDEX_FILE and new_keys:
-            index = json.loads(file.read_text())
+            out.write_text(json.dumps(config, indent=2))
+        elif name == INDEX_FILE and new_keys:
+            index = read_json(real)
             index["weight_map"].update(new_keys)
-            (target / file.name).write_text(json.dumps(index, indent=2))
+            out.write_text(json.dumps(index, indent=2))
         else:
-            shutil.copyfile(file, target / file.name)
+            copy_file(real, out)
 
 
 def write_delta(
@@ -429,7 +485,7 @@ def write_delta(
     Loading: read the base model, then ``model.load_state_dict(delta, strict=False)``; when the
     metadata says ``untied``, untie the embeddings first (``config.tie_word_embeddings = False``).
     """
-    entries = _all_entries(source)
+    entries = _all_entries(_shard_paths(source))
     values = _LayerValues(edit_layer, layout, CheckpointReader(source, layout), on_layer and (lambda _spec: on_layer()))
     planned: dict[str, Planned] = {}
     for spec in (s for s in layout.layers if s.name in edited):
@@ -437,4 +493,5 @@ def write_delta(
             produce = partial(values.value, spec, key, base_key)
             planned.setdefault(key, Planned(key, entries[base_key], source, produce))
     untied = any(key not in layout.key_files for key in planned)
-    write_streaming(target_file, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
+    out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
+    write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
