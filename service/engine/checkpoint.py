@@ -37,6 +37,7 @@ from service.engine.model_files import (
     allowed_dirs,
     check_links,
     check_shard_name,
+    check_tokenizer_config,
     clean_view,
     copy_file,
     open_file,
@@ -116,6 +117,7 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
         raise ModelSourceError("config.json is not a JSON object")
     if "auto_map" in config:
         raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
+    check_tokenizer_config(path)
     if not weight_files(path):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -271,6 +273,7 @@ def load_model(
 def load_tokenizer(path: Path) -> Any:
     """The checkpoint's tokenizer, read from the checked files only (no remote code)."""
     check_links(path)
+    check_tokenizer_config(path)
     with clean_view(path) as view:
         return transformers.AutoTokenizer.from_pretrained(str(view), trust_remote_code=False)
 

@@ -23,7 +23,8 @@ themselves are then read through their resolved paths, and the ones this module 
 
 transformers reads more of a folder than the service asks for (``adapter_config.json``,
 ``additional_chat_templates/``, …): :func:`clean_view` gives it a private directory holding links
-to the checked files and nothing else.
+to the checked files and nothing else; the one file name it takes from a file's content
+(``tokenizer_config.json``'s ``fast_tokenizer_files``) must be plain (:func:`check_tokenizer_config`).
 """
 
 from __future__ import annotations
@@ -220,6 +221,26 @@ def side_files(folder: Path, dirs: tuple[Path, ...] | None = None) -> dict[str, 
     """Name -> resolved path of the :data:`SIDE_FILES` present in ``folder``, each checked."""
     dirs = allowed_dirs(folder) if dirs is None else dirs
     return {name: resolve_file(folder, name, dirs) for name in SIDE_FILES if present(folder, name)}
+
+
+def check_tokenizer_config(folder: Path) -> None:
+    """Refuse a ``tokenizer_config.json`` whose ``fast_tokenizer_files`` are not plain file names:
+    transformers joins them to the folder and opens them (an absolute name would open any file).
+
+    Raises:
+        ModelSourceError: naming the file.
+    """
+    if not present(folder, "tokenizer_config.json"):
+        return
+    try:
+        config = read_json(resolve_file(folder, "tokenizer_config.json"))
+    except ModelSourceError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"tokenizer_config.json is not valid JSON: {exc}") from None
+    names = config.get("fast_tokenizer_files") if isinstance(config, dict) else None
+    if names is not None and (not isinstance(names, list) or not all(is_plain_name(n) for n in names)):
+        raise ModelSourceError("tokenizer_config.json lists fast_tokenizer_files that are not plain file names")
 
 
 def used_files(folder: Path) -> dict[str, Path]:

@@ -215,6 +215,19 @@ def test_an_index_without_a_weight_map_object_is_refused(api: httpx.Client, fold
     assert_refused(api, register(api, "safety/bad-index", folder), "safety/bad-index", INDEX)
 
 
+def test_a_tokenizer_config_naming_fast_tokenizer_files_outside_is_refused(
+    api: httpx.Client, folder: Path, outside: Path
+) -> None:
+    """transformers opens fast_tokenizer_files entries as paths joined to the folder (an absolute one anywhere)."""
+    elsewhere = outside / "tokenizer.0.0.1.json"
+    shutil.copyfile(outside / "tokenizer.json", elsewhere)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": [str(elsewhere)]}))
+    assert_refused(api, register(api, "safety/fast-files", folder), "safety/fast-files", "tokenizer_config.json")
+    with pytest.raises(ModelSourceError, match="fast_tokenizer_files"):
+        load_tokenizer(folder)
+
+
 # ---------------------------------------------------------------- the engine on its own
 
 
