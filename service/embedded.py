@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import Settings
-from service.jobs import JobStore, utc_now
+from service.jobs import JobStore, utc_now, valid_job_id
 from service.storage import Storage
 
 log = logging.getLogger("engram.embedded")
@@ -92,8 +92,10 @@ class SqliteJobStore(JobStore):
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         # A status poll: one indexed read of the live file, no lock, no storage round trip.
-        job = self._read_live(job_id) if len(job_id) == 32 and job_id.isalnum() else None
-        return job if job is not None else super().get(job_id)
+        job = self.get_live(job_id)
+        if job is None and valid_job_id(job_id):
+            job = self._load_durable(job_id)  # pruned from the live file, or from another machine
+        return job
 
     def with_status(self, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
         """Live records in any of ``statuses``, oldest first."""

@@ -70,6 +70,10 @@ def valid_job_id(job_id: str) -> bool:
 class JobStore:
     """Live job records in memory, persisted to storage on every state change."""
 
+    # Whether a live read is a memory or local-file read, cheap enough for the event loop (see
+    # service.api.fast_status); False for Redis, a network round trip.
+    reads_are_local = True
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._live: dict[str, dict[str, Any]] = {}
@@ -100,6 +104,11 @@ class JobStore:
             if job is None:
                 job = self._load_durable(job_id)
             return None if job is None else _copy(job)
+
+    def get_live(self, job_id: str) -> dict[str, Any] | None:
+        """The live record only (no storage read): None when this store does not hold it."""
+        job = self._read_live(job_id) if valid_job_id(job_id) else None
+        return None if job is None else _copy(job)
 
     def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> dict[str, Any]:
         """Set fields of a job; ``persist=False`` for frequent progress ticks."""
@@ -171,6 +180,8 @@ class RedisJobStore(JobStore):
     A state change that cannot reach storage (S3 down) is still recorded in Redis, and the job's
     open marker stays, so the reconciler persists it once storage is back.
     """
+
+    reads_are_local = False
 
     def __init__(self, storage: Storage, redis: Any, heartbeat_ttl_s: int) -> None:
         super().__init__(storage)

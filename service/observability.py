@@ -118,6 +118,22 @@ class _ContextFilter(logging.Filter):
         return True
 
 
+_POLLED_PREFIXES = ("/healthz", "/readyz", "/metrics", "/jobs/", "/concepts/", "/variants/")
+
+
+class _QuietPolls(logging.Filter):
+    """Drops the access-log line of a successful status poll (hundreds a second under heavy
+    polling; the latency histogram still counts each). Errors, writes and downloads are logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:  # uvicorn: client, method, path, version, status
+            return True
+        _client, method, path, _version, status = args
+        polled = method == "GET" and str(path).startswith(_POLLED_PREFIXES) and "/files/" not in str(path)
+        return not (polled and isinstance(status, int) and status < 400)
+
+
 def configure_logging(level: int = logging.INFO) -> None:
     """One JSON object per line on stderr, for the service, uvicorn and Celery alike."""
     handler = logging.StreamHandler()
@@ -131,6 +147,9 @@ def configure_logging(level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _QuietPolls) for f in access.filters):
+        access.addFilter(_QuietPolls())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True

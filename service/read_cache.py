@@ -48,6 +48,11 @@ class ReadCache:
         """``storage.list(prefix)`` as of at most ``ttl_s`` seconds ago."""
         return self._recent("list:" + prefix, lambda: self.storage.list(prefix))
 
+    def peek(self, key: str) -> tuple[bool, Any]:
+        """``(True, value)`` when ``key`` is cached and fresh, else ``(False, None)``; never reads storage."""
+        hit = self._lookup(key)
+        return (False, None) if hit is None else (True, hit[1])
+
     def forget(self, key: str) -> None:
         """This process changed ``key``: the next read goes to storage (listings containing it too)."""
         with self._lock:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service.api.auth import install_auth
+from service.api.fast_status import FastStatus
 from service.api.lanes import Lanes
 from service.api.openapi import install_openapi
 from service.api.problems import BodySizeLimit, install_problem_handlers
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = runtime.ctx
     app.state.lanes = Lanes(settings.max_waiters)
     install_problem_handlers(app)
+    app.add_middleware(FastStatus)  # inside auth: keys and scopes apply to the polls it answers
     install_auth(app, settings)
     app.add_middleware(BodySizeLimit, json_limit=settings.max_json_bytes, upload_limit=settings.max_upload_bytes)
     app.add_middleware(RequestContext)  # outermost: every response, even a 401 or 413, gets an ID

@@ -1,0 +1,108 @@
+"""The hottest polls answered from memory, without the framework's routing, injection and validation.
+
+Clients poll ``GET /jobs/{id}`` and ``GET /concepts/{name}`` in loops; measured with 200 pollers,
+FastAPI's routing, dependency solving and response validation were about three quarters of each
+poll's cost on the event loop. This pure ASGI middleware answers those two (and ``/healthz``)
+itself, but only when everything the answer needs is already in this process's memory or in a
+local file read (:attr:`JobStore.reads_are_local`: the embedded SQLite live store, not Redis);
+otherwise, and for anything else, the request goes on to the routes, which give the same answer
+(``tests/api/test_waiting_and_polling.py`` checks that both agree).
+
+It sits inside the auth middleware (keys and scopes apply as to any route) and inside
+:class:`service.observability.RequestContext` (request ID, latency metric under the route's template).
+The bodies are the routes' response models (:class:`api_schemas.Job`, :class:`api_schemas.Concept`),
+serialised by pydantic as FastAPI would.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api_schemas import Concept, Job
+from service.jobs import public_view, valid_job_id
+from service.registry import Context, concept_key
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_HEALTHY = json.dumps({"status": "ok"}).encode()
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What :class:`RequestContext` reads to label the latency metric (``route.path``)."""
+
+    path: str
+
+
+JOB_ROUTE, CONCEPT_ROUTE, HEALTH_ROUTE = _Route("/jobs/{job_id}"), _Route("/concepts/{name}"), _Route("/healthz")
+
+
+class FastStatus:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and not scope.get("query_string"):
+            answer = self._answer(scope)
+            if answer is not None:
+                route, body = answer
+                scope["route"] = route
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+    def _answer(self, scope: Scope) -> tuple[_Route, bytes] | None:
+        path: str = scope["path"]
+        if path == "/healthz":
+            return HEALTH_ROUTE, _HEALTHY
+        ctx: Context | None = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
+        if ctx is None or not ctx.jobs.reads_are_local:
+            return None
+        if path.startswith("/jobs/"):
+            job = _local_job(ctx, path[len("/jobs/") :])
+            return None if job is None else (JOB_ROUTE, _dump(Job, public_view(job)))
+        if path.startswith("/concepts/"):
+            view = _concept_view(ctx, path[len("/concepts/") :])
+            return None if view is None else (CONCEPT_ROUTE, _dump(Concept, view))
+        return None
+
+
+def _local_job(ctx: Context, job_id: str) -> dict[str, Any] | None:
+    return ctx.jobs.get_live(job_id) if valid_job_id(job_id) else None
+
+
+def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
+    """The concept's view when its document, its jobs and any published manifests are in memory."""
+    hit, concept = ctx.reads.peek(concept_key(name))
+    if not hit or concept is None:
+        return None  # unknown here: the route reads storage (and answers 404 when it is not there)
+    states = {}
+    for model_id, entry in concept["models"].items():
+        job = _local_job(ctx, entry["job_id"])
+        if job is None:
+            return None
+        published_hit, published = ctx.reads.peek(entry["stats"] + "manifest.json")
+        if published_hit and published is not None:
+            states[model_id] = {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
+        elif job["status"] in {"queued", "running"}:
+            status = "collecting" if job["status"] == "running" else "pending"
+            states[model_id] = {"status": status, "tokens": None, "job_id": entry["job_id"]}
+        else:
+            return None  # finished: whether it published is a storage read, the route's to make
+    keys = ("name", "role", "description", "num_records", "dataset_digest")
+    return {**{k: concept[k] for k in keys}, "models": states}
+
+
+def _dump(model: type[BaseModel], view: dict[str, Any]) -> bytes:
+    return model.model_validate(view).model_dump_json().encode()
