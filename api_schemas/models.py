@@ -143,6 +143,15 @@ class ConceptCreate(Strict):
         default=None, max_length=2000, description="POSTed the collection job when it ends (host must be allowlisted)"
     )
 
+    @field_validator("name")
+    @classmethod
+    def _not_a_dot_segment(cls, value: str) -> str:
+        # The pattern admits "." and "..", but URL normalisation makes /concepts/. and /concepts/..
+        # other paths: such a concept could never be read or deleted.
+        if value in {".", ".."}:
+            raise ValueError("a concept name must not be '.' or '..'")
+        return value
+
 
 class ConceptModelState(BaseModel):
     status: Literal["pending", "collecting", "ready", "failed"]

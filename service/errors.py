@@ -38,6 +38,12 @@ class InvalidInput(ProblemError):
     status, title, slug = 422, "Invalid input", "invalid-input"
 
 
+class MalformedBody(ProblemError):
+    """The body cannot be read at all: not JSON, not UTF-8, nested too deeply, a broken JSONL line."""
+
+    status, title, slug = 400, "Malformed body", "malformed-body"
+
+
 class NotFound(ProblemError):
     status, title, slug = 404, "Not found", "not-found"
 

@@ -22,11 +22,12 @@ from urllib.parse import quote
 
 from service import callbacks
 from service.config import Settings
+from service.datasets import SpooledDataset, record_line
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, unmatched_suffixes
 from service.engine.lora import EXACT_RTOL
 from service.engine.model_files import used_files
-from service.engine.records import Record, RecordError
+from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import FINISHED, JobStore, new_job, utc_now
 from service.read_cache import ReadCache
@@ -164,57 +165,57 @@ def model_view(manifest: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------- concepts
 
 
-def parse_records(raw_records: Sequence[Any], max_records: int) -> list[Record]:
-    if not raw_records:
-        raise InvalidInput("records must not be empty")
-    if len(raw_records) > max_records:
-        raise InvalidInput(f"too many records ({len(raw_records)} > {max_records})")
-    try:
-        return [Record.from_mapping(raw, i) for i, raw in enumerate(raw_records)]
-    except RecordError as exc:
-        raise InvalidInput(str(exc)) from None
-
-
 def dataset_bytes(records: Sequence[Record]) -> bytes:
-    return "".join(json.dumps(r.to_json(), sort_keys=True, ensure_ascii=False) + "\n" for r in records).encode()
+    """The stored bytes of a dataset (what :class:`service.datasets.DatasetSpool` writes, record by record)."""
+    return b"".join(record_line(r) for r in records)
 
 
 def load_records(ctx: Context, dataset_digest: str) -> list[Record]:
-    lines = ctx.storage.get_bytes(f"datasets/{dataset_digest}.jsonl").decode().splitlines()
-    return [Record.from_mapping(json.loads(line), i) for i, line in enumerate(lines)]
+    data = ctx.storage.get_bytes(f"datasets/{dataset_digest}.jsonl")
+    # bytes.splitlines cuts at \n only here (json.dumps escapes \r): str.splitlines would also cut
+    # inside a record at a raw U+2028, U+0085 or U+001C, which ensure_ascii=False leaves as they are.
+    return [Record.from_mapping(json.loads(line), i) for i, line in enumerate(data.splitlines())]
 
 
 def submit_concept(
     ctx: Context,
     *,
     name: str,
-    role: str,
+    role: str | None,
     description: str | None,
-    raw_records: Sequence[Any],
+    dataset: SpooledDataset,
     models: Sequence[str],
     callback_url: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Store a concept's records and start one collection per model that lacks one.
 
+    Args:
+        role: ``"target"`` or ``"reference"``; ``None`` keeps an existing concept's role (a new
+            concept is a target).
+        dataset: the records, spooled and hashed (:mod:`service.datasets`); published here.
+
     Returns:
         (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
+
+    Raises:
+        Conflict: the concept exists with other records, or with the other role.
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    records = parse_records(raw_records, ctx.settings.max_records)
     manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
-    data = dataset_bytes(records)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = dataset.digest
     with ctx.lock:
         concept = find_concept(ctx, name)
-        if concept is not None and concept["dataset_digest"] != digest:
-            raise Conflict(f"concept {name} exists with other records; delete it first or use another name")
-        if concept is None:
-            ctx.storage.put_bytes(f"datasets/{digest}.jsonl", data)
+        if concept is not None:
+            _check_same_concept(concept, digest, role)
+        else:
+            key = f"datasets/{digest}.jsonl"
+            if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
+                ctx.storage.put_file(key, dataset.path)
             concept = {
                 "name": name,
-                "role": role,
+                "role": role or "target",
                 "description": description,
-                "num_records": len(records),
+                "num_records": dataset.num_records,
                 "dataset_digest": digest,
                 "models": {},
                 "created_at": utc_now(),
@@ -229,6 +230,18 @@ def submit_concept(
     jobs = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
     jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in jobs if j is not None]
     return concept_view(ctx, concept), jobs
+
+
+def _check_same_concept(concept: dict[str, Any], digest: str, role: str | None) -> None:
+    """Posting a concept again is idempotent only with the same records and role (or no role)."""
+    name = concept["name"]
+    if concept["dataset_digest"] != digest:
+        raise Conflict(f"concept {name} exists with other records; delete it first or use another name")
+    if role is not None and role != concept["role"]:
+        raise Conflict(
+            f"concept {name} exists with role {concept['role']!r}, not {role!r}; "
+            "delete it first to change its role, or omit role"
+        )
 
 
 def attach_callbacks(ctx: Context, job: dict[str, Any], urls: list[str]) -> dict[str, Any]:

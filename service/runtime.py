@@ -16,6 +16,7 @@ from typing import Any
 
 from service.callbacks import CallbackDispatcher
 from service.config import Settings
+from service.janitor import start_janitor
 from service.jobs import RedisJobStore, public_view
 from service.registry import Context
 from service.storage import open_storage
@@ -42,9 +43,9 @@ class Runtime:
 
 def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
     """The runtime of an API process (``background``) or of a worker (no background duties)."""
-    if settings.embedded:
-        return _embedded(settings)
-    return _distributed(settings, background)
+    runtime = _embedded(settings) if settings.embedded else _distributed(settings, background)
+    runtime.on_start.insert(0, lambda: start_janitor(settings, runtime.ctx.storage))  # crashed processes' leftovers
+    return runtime
 
 
 def _embedded(settings: Settings) -> Runtime:

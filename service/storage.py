@@ -7,9 +7,11 @@ variants) publish a manifest last; an artifact exists exactly when its manifest 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
@@ -18,6 +20,14 @@ from pathlib import Path
 from typing import Any
 
 _CHUNK = 1024 * 1024
+# Names every temporary file and folder with its owner, so that service.janitor can tell a live
+# process's from a crashed one's (pids alone are ambiguous where machines share a volume).
+HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def owner_tag() -> str:
+    """``<pid>.<host tag>``: part of the name of every temporary file or folder this process makes."""
+    return f"{os.getpid()}.{HOST_TAG}"
 
 
 class ObjectNotFound(KeyError):
@@ -73,6 +83,11 @@ class Storage(ABC):
         """A path to read the object in place, for backends that have one."""
         return None
 
+    def abort_stale_uploads(self, older_than_s: float) -> int:
+        """Drop unfinished uploads older than ``older_than_s`` that a crashed writer left (S3's
+        multipart uploads); returns how many. Backends that publish by rename have none."""
+        return 0
+
     def put_json(self, key: str, value: Any) -> None:
         self.put_bytes(key, json.dumps(value, sort_keys=True, indent=1).encode())
 
@@ -96,8 +111,8 @@ class LocalStorage(Storage):
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
-        self._tmp = self.root / ".tmp"
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir = self.root / ".tmp"  # files being written, named <owner tag>.<uuid> (service.janitor)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
         if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in key.split("/")):
@@ -109,7 +124,7 @@ class LocalStorage(Storage):
     def _publish(self, key: str, write: Any) -> None:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._tmp / uuid.uuid4().hex
+        tmp = self.tmp_dir / f"{owner_tag()}.{uuid.uuid4().hex}"
         try:
             write(tmp)
             os.replace(tmp, target)
@@ -149,7 +164,7 @@ class LocalStorage(Storage):
             return []
         keys = []
         for path in base.rglob("*"):
-            if path.is_file() and self._tmp not in path.parents:
+            if path.is_file() and self.tmp_dir not in path.parents:
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     keys.append(key)
@@ -182,8 +197,10 @@ class LocalStorage(Storage):
 
 
 def scratch_dir(prefix: str) -> tempfile.TemporaryDirectory[str]:
-    """A private working directory that disappears with its context, whatever happens."""
-    return tempfile.TemporaryDirectory(prefix=f"engram-{prefix}-")
+    """A private working directory that disappears with its context, whatever happens short of a
+    crash: ``engram-<prefix>.<owner tag>.<random>``, which :mod:`service.janitor` removes once its
+    process is gone."""
+    return tempfile.TemporaryDirectory(prefix=f"engram-{prefix}.{owner_tag()}.")
 
 
 def open_storage(storage_url: str, s3_endpoint_url: str | None = None) -> Storage:

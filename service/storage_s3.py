@@ -16,6 +16,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -303,6 +304,22 @@ class S3Storage(Storage):
             yield from body.iter_chunks(self.chunk_size)
         finally:
             body.close()  # a client that stops reading early must not leave the connection half-read
+
+    @_translate_errors
+    def abort_stale_uploads(self, older_than_s: float) -> int:
+        # put_file's multipart uploads are never visible as objects, but one a crashed process left
+        # unfinished keeps its parts (and their cost) until it is aborted.
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=older_than_s)
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        stale = [
+            upload
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix)
+            for upload in page.get("Uploads", [])
+            if upload["Initiated"] < cutoff
+        ]
+        for upload in stale:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        return len(stale)
 
     @_translate_errors
     def ping(self) -> None:

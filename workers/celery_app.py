@@ -13,9 +13,11 @@ from functools import cache
 from typing import Any
 
 from celery import Celery, Task
+from celery.signals import worker_init
 from kombu import Queue
 
 from service.config import Settings, get_settings
+from service.janitor import worker_janitor
 from service.jobs import utc_now
 
 log = logging.getLogger("engram.worker")
@@ -49,6 +51,7 @@ def make_celery(settings: Settings) -> Celery:
 
 settings = get_settings()
 app = make_celery(settings)
+worker_init.connect(worker_janitor(settings), weak=False)  # a crashed worker's leftovers, before the pool starts
 
 
 @cache

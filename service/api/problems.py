@@ -1,29 +1,36 @@
-"""Every error as application/problem+json, and request-size limits that apply before parsing."""
+"""Every error as application/problem+json; request-size limits and the text check of JSON bodies,
+which apply before any route parses a body."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from typing import Any
 
+import anyio.to_thread
 import kombu.exceptions
 import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, ProblemError, ServiceUnavailable
+from service.errors import InvalidInput, PayloadTooLarge, ProblemError, ServiceUnavailable
 from service.storage import StorageUnavailable
 
 log = logging.getLogger("engram.api")
 PROBLEM_JSON = "application/problem+json"
 
 
-def problem_response(status: int, title: str, detail: str, slug: str, **extra: Any) -> JSONResponse:
+def problem_response(
+    status: int, title: str, detail: str, slug: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
     body = {"type": f"https://engram.dev/problems/{slug}", "title": title, "status": status, "detail": detail}
     body.update({k: v for k, v in extra.items() if v is not None})
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
 RETRY_AFTER_S = 5  # a dependency that went away usually comes back within seconds (restart, failover)
@@ -36,6 +43,8 @@ def _unavailable(detail: str) -> JSONResponse:
 
 
 def install_problem_handlers(app: FastAPI) -> None:
+    app.add_middleware(JsonBodyCheck)  # added first, so innermost: inside auth and the size limit
+
     @app.exception_handler(ProblemError)
     async def _problem(_: Request, exc: ProblemError) -> JSONResponse:
         headers = getattr(exc, "headers", None)  # e.g. Retry-After on a 429
@@ -63,14 +72,32 @@ def install_problem_handlers(app: FastAPI) -> None:
         return problem_response(422, "Invalid input", detail, "invalid-input", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")
-        return problem_response(exc.status_code, title, str(exc.detail), title.lower().replace(" ", "-"))
+        slug = title.lower().replace(" ", "-")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110 §15.5.6: Allow lists what the resource supports
+            headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
+        return problem_response(exc.status_code, title, str(exc.detail), slug, headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return problem_response(500, "Internal error", f"{type(exc).__name__}", "internal")
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path: Starlette's 405 names only those of the first
+    route that matched the path (``GET`` where ``GET`` and ``DELETE`` are two routes of one path)."""
+    allowed = [
+        method
+        for method in _METHODS
+        if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in request.app.router.routes)
+    ]
+    return ", ".join(allowed)
 
 
 class BodySizeLimit:
@@ -113,3 +140,113 @@ class BodySizeLimit:
             media_type=PROBLEM_JSON,
         )
         await response(scope, receive, send)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's \ud800-\udfff: half of a UTF-16 pair
+_JSON_TYPE = re.compile(r"^application/(?:[\w.+-]*\+)?json\b", re.IGNORECASE)
+_THREAD_ABOVE_BYTES = 1 << 20
+
+
+class JsonBodyCheck:
+    """Read a JSON request body whole before the route does, and refuse one whose strings are not text.
+
+    ``json.loads`` turns ``"\\ud800"`` (half of a UTF-16 surrogate pair) into a one-character string
+    that no UTF-8 file, tokenizer or response can hold: a model ID, a description or a probe with
+    one used to end in a 500 wherever it was first encoded. The raw body is searched for such an
+    escape (cheap); only a body that has one is decoded (in a thread when large), and a lone
+    surrogate in any string or key is a 422 that names the field, before any route runs.
+
+    Reading the body here also turns a body-size limit hit while it streams into its 413 (routes
+    that let FastAPI read the body would report a 400). Multipart and other bodies pass untouched.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _is_json(scope):
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        try:
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away: nothing to answer
+                    return
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+        except ProblemError as exc:  # BodySizeLimit's 413
+            await _answer(exc, scope, receive, send)
+            return
+        body = b"".join(chunks)
+        problem = await _lone_surrogate(body) if _SURROGATE_ESCAPE.search(body) else None
+        if problem is not None:
+            await _answer(problem, scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _answer(problem: ProblemError, scope: Scope, receive: Receive, send: Send) -> None:
+    await JSONResponse(problem.to_problem(), status_code=problem.status, media_type=PROBLEM_JSON)(scope, receive, send)
+
+
+def _is_json(scope: Scope) -> bool:
+    if scope["method"] in {"GET", "HEAD", "OPTIONS"}:
+        return False
+    content_type = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-type"), "")
+    return not content_type or bool(_JSON_TYPE.match(content_type))  # FastAPI reads an untyped body as JSON
+
+
+async def _lone_surrogate(body: bytes) -> InvalidInput | None:
+    """The 422 naming the first string or key of ``body`` that holds a lone surrogate, if any."""
+    if len(body) > _THREAD_ABOVE_BYTES:
+        return await anyio.to_thread.run_sync(_find_lone_surrogate, body)
+    return _find_lone_surrogate(body)
+
+
+def _find_lone_surrogate(body: bytes) -> InvalidInput | None:
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON at all: the route says so
+        return None
+    stack: list[tuple[tuple[str | int, ...], Any]] = [(("body",), document)]
+    while stack:  # depth-first, in document order, without recursion
+        path, value = stack.pop()
+        if isinstance(value, str):
+            bad = _surrogate_in(value)
+            if bad is not None:
+                return _surrogate_problem(path, bad, "string")
+        elif isinstance(value, dict):
+            for key in value:
+                bad = _surrogate_in(key)
+                if bad is not None:
+                    return _surrogate_problem((*path, key.encode("utf-8", "backslashreplace").decode()), bad, "key")
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def _surrogate_in(text: str) -> str | None:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x}"
+    return None
+
+
+def _surrogate_problem(path: tuple[str | int, ...], escape: str, what: str) -> InvalidInput:
+    loc = ".".join(str(p) for p in path)
+    msg = f"the {what} holds a lone surrogate ({escape}): not Unicode text"
+    return InvalidInput(f"{loc}: {msg}", errors=[{"loc": list(path), "msg": msg, "type": "string_unicode"}])

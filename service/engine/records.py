@@ -57,6 +57,7 @@ class Record:
             value = raw.get(field)
             if not isinstance(value, str) or not value.strip():
                 raise RecordError(f"record {index}: '{field}' must be a non-empty string")
+            _check_unicode(value, f"record {index}: '{field}'")
         return cls(**{f: raw[f] for f in fields})
 
     def to_json(self) -> dict[str, str]:
@@ -64,6 +65,18 @@ class Record:
         if self.text is not None:
             return {"text": self.text}
         return {"prompt": self.prompt or "", "completion": self.completion or ""}
+
+
+def _check_unicode(value: str, name: str) -> None:
+    """Refuse a string that is not Unicode text: JSON's ``"\\ud800"`` decodes to a lone UTF-16
+    surrogate, which no UTF-8 file, tokenizer or response can hold."""
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(value[exc.start])
+        raise RecordError(f"{name} holds a lone surrogate (\\u{code:04x}) at character {exc.start}: not text") from None
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
 
 from api_schemas import Concept, ConceptCreate, ConceptSubmission
 from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
-from service.errors import InvalidInput, ProblemError
+from service.api.uploads import read_upload
+from service.datasets import SpooledDataset, spool_records
+from service.errors import InvalidInput, MalformedBody, ProblemError
+from service.storage import scratch_dir
 
 router = APIRouter(tags=["concepts"])
 
@@ -45,77 +48,77 @@ class UnsupportedMediaType(ProblemError):
     status, title, slug = 415, "Unsupported media type", "unsupported-media-type"
 
 
-class MalformedBody(ProblemError):
-    status, title, slug = 400, "Malformed body", "malformed-body"
+class _UploadFields(ConceptCreate):
+    """A multipart upload's form fields: the records come in the streamed ``dataset`` part."""
+
+    records: list[dict[str, Any]] = Field(default_factory=list)
 
 
 @router.post("/concepts", response_model=ConceptSubmission, status_code=202, openapi_extra=_OPENAPI_BODY)
 async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
-    """Store a concept's records and start collecting its statistics on each listed model."""
+    """Store a concept's records and start collecting its statistics on each listed model.
+
+    A role left out keeps an existing concept's role (a new concept is a ``target``); another role
+    than the stored one is a 409, like other records.
+    """
     content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
-        fields = await _multipart_fields(request)
-    elif content_type.startswith("application/json"):
-        try:
-            fields = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise MalformedBody(f"the request body is not valid JSON: {exc}") from None
-    else:
-        raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
-    body = _validate(fields)
-    concept, jobs = await run_in_threadpool(
-        registry.submit_concept,
-        ctx,
-        name=body.name,
-        role=body.role,
-        description=body.description,
-        raw_records=body.records,
-        models=body.models,
-        callback_url=body.callback_url,
-    )
+    settings = ctx.settings
+    with scratch_dir("upload") as tmp:
+        if content_type.startswith("multipart/form-data"):
+            upload = await read_upload(
+                request, Path(tmp), max_records=settings.max_records, max_bytes=settings.max_upload_bytes
+            )
+            body: ConceptCreate = _validate(_UploadFields, _form_fields(upload.fields))
+            dataset = upload.dataset
+        elif content_type.startswith("application/json"):
+            raw = await request.body()
+            body, dataset = await run_in_threadpool(_json_concept, raw, Path(tmp), settings.max_records)
+        else:
+            raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
+        concept, jobs = await run_in_threadpool(
+            registry.submit_concept,
+            ctx,
+            name=body.name,
+            role=body.role if "role" in body.model_fields_set else None,
+            description=body.description,
+            dataset=dataset,
+            models=body.models,
+            callback_url=body.callback_url,
+        )
     return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
 
 
-def _validate(fields: Any) -> ConceptCreate:
+def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[ConceptCreate, SpooledDataset]:
+    """A JSON body decoded, validated and its records spooled (in a worker thread: bodies run to
+    ``ENGRAM_MAX_JSON_BYTES``)."""
     try:
-        return ConceptCreate.model_validate(fields)
+        fields = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MalformedBody(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MalformedBody("the request body is nested too deeply") from None
+    body = _validate(ConceptCreate, fields)
+    return body, spool_records(body.records, directory / "dataset.jsonl", max_records)
+
+
+def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
+    models = [m.strip() for value in form.get("models", []) for m in value.split(",") if m.strip()]
+    fields: dict[str, Any] = {"name": form["name"][-1] if "name" in form else None, "models": models}
+    for optional in ("role", "description", "callback_url"):
+        if optional in form:
+            fields[optional] = form[optional][-1]
+    return fields
+
+
+def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
+    try:
+        return schema.model_validate(fields)
     except ValidationError as exc:
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
         detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
         raise InvalidInput(detail, errors=errors) from None
-
-
-async def _multipart_fields(request: Request) -> dict[str, Any]:
-    form = await request.form(max_files=1, max_fields=64)
-    try:
-        upload = form.get("dataset")
-        if not isinstance(upload, UploadFile):
-            raise InvalidInput("multipart upload needs a file part named 'dataset' (JSONL)")
-        records = _parse_jsonl(await upload.read())
-        models = [m.strip() for value in form.getlist("models") for m in str(value).split(",") if m.strip()]
-        fields: dict[str, Any] = {"name": form.get("name"), "models": models, "records": records}
-        for optional in ("role", "description", "callback_url"):
-            if form.get(optional) is not None:
-                fields[optional] = form.get(optional)
-        return fields
-    finally:
-        await form.close()
-
-
-def _parse_jsonl(data: bytes) -> list[Any]:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MalformedBody("the dataset is not UTF-8 text") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise MalformedBody(f"dataset line {number} is not valid JSON: {exc.msg}") from None
-    return records
+    except RecursionError:  # a JSON body nested just short of json's limit, then deeper for pydantic
+        raise MalformedBody("the request body is nested too deeply") from None
 
 
 @router.get("/concepts", response_model=list[Concept])

@@ -12,13 +12,20 @@ from api_schemas import Variant
 from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.errors import NotFound, ProblemError
+from service.registry import Context
 
 router = APIRouter(tags=["variants"])
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE_SPEC = re.compile(r"(\d*)-(\d*)")  # int-range "a-" / "a-b" or suffix-range "-n" (RFC 9110 §14.1.1)
 
 
 class RangeNotSatisfiable(ProblemError):
+    """416 with ``Content-Range: bytes */size``, so the client learns the file's length."""
+
     status, title, slug = 416, "Range not satisfiable", "range-not-satisfiable"
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the requested range starts beyond the end of the file ({size} bytes)")
+        self.headers = {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"}
 
 
 @router.get("/variants", response_model=list[Variant])
@@ -35,11 +42,23 @@ async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> dict
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)
 def download_file(variant_id: str, path: str, request: Request, ctx: ContextDep) -> Response:
-    """The bytes of one file of a ready variant; ``Range: bytes=a-b`` gives a 206.
+    """The bytes of one file of a ready variant; ``Range: bytes=a-b`` (or ``a-``, ``-n``) gives a 206.
 
-    With ``ENGRAM_PRESIGN_DOWNLOADS`` on a backend that can presign (S3), the answer is a 307 to a
-    short-lived presigned URL instead: the bytes then flow from S3 to the client, not through the API.
+    A range starting beyond the file is a 416 with ``Content-Range: bytes */size``; several ranges,
+    another unit or a header that is not a range are ignored (200, the whole file), as RFC 9110
+    allows. With ``ENGRAM_PRESIGN_DOWNLOADS`` on a backend that can presign (S3), the answer is a 307
+    to a short-lived presigned URL instead: the bytes then flow from S3 to the client, not through the API.
     """
+    return _file_response(ctx, variant_id, path, request.headers.get("range"), with_body=True)
+
+
+@router.head("/variants/{variant_id}/files/{path:path}", response_class=Response)
+def head_file(variant_id: str, path: str, request: Request, ctx: ContextDep) -> Response:
+    """The headers a GET of the same file and ``Range`` answers with (length, ETag, range), no body."""
+    return _file_response(ctx, variant_id, path, request.headers.get("range"), with_body=False)
+
+
+def _file_response(ctx: Context, variant_id: str, path: str, range_header: str | None, *, with_body: bool) -> Response:
     manifest = registry.variant_manifest(ctx, variant_id)
     if manifest is None:
         raise NotFound(f"variant {variant_id} has no files (unknown or not ready)")
@@ -48,30 +67,65 @@ def download_file(variant_id: str, path: str, request: Request, ctx: ContextDep)
         raise NotFound(f"variant {variant_id} has no file {path!r}")
     key, size = f"variants/{variant_id}/files/{path}", int(entry["size"])
     presign = getattr(ctx.storage, "presigned_url", None)
-    if ctx.settings.presign_downloads and presign is not None:
+    if with_body and ctx.settings.presign_downloads and presign is not None:
         # 307 keeps the method and lets the client resend its Range header to S3, which honours it.
+        # (Not for HEAD: a presigned GET URL is signed for GET only; the headers are known here.)
         return RedirectResponse(presign(key, ctx.settings.presign_expiry_s), status_code=307)
     headers = {"Accept-Ranges": "bytes", "ETag": f'"{entry["sha256"]}"'}
     start, end, status = 0, size - 1, 200
-    header = request.headers.get("range")
-    if header:
-        start, end = _parse_range(header, size)
-        status = 206
+    selected = _parse_range(range_header, size) if range_header else None
+    if selected is not None:
+        (start, end), status = selected, 206
         headers["Content-Range"] = f"bytes {start}-{end}/{size}"
     headers["Content-Length"] = str(max(0, end - start + 1))
+    if not with_body:
+        return Response(status_code=status, headers=headers, media_type="application/octet-stream")
     body = ctx.storage.iter_range(key, start, end) if size else iter([b""])
     return StreamingResponse(body, status_code=status, headers=headers, media_type="application/octet-stream")
 
 
-def _parse_range(header: str, size: int) -> tuple[int, int]:
-    match = _RANGE.match(header.strip())
-    if match is None or match.group(0) == "bytes=-":
-        raise RangeNotSatisfiable(f"unsupported Range {header!r}; use one 'bytes=start-end' range")
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """The byte range ``[start, end]`` a ``Range`` header selects in a file of ``size`` bytes.
+
+    Returns ``None`` where the header is to be ignored (RFC 9110 §14.2): another unit than
+    ``bytes``, not a range, ``last < first``, or several ranges (no multipart/byteranges here).
+    Positions are compared as digit strings and clamped to the file, so a number of any length is
+    never converted whole.
+
+    Raises:
+        RangeNotSatisfiable: the range starts at or beyond the end of the file (or asks for the
+            last 0 bytes).
+    """
+    unit, equals, ranges = header.partition("=")
+    if not equals or unit.strip().lower() != "bytes":
+        return None
+    specs = [spec.strip() for spec in ranges.split(",") if spec.strip()]  # a #list may have empty elements
+    match = _RANGE_SPEC.fullmatch(specs[0]) if len(specs) == 1 else None
+    if match is None:
+        return None
     first, last = match.groups()
+    if first == last == "":
+        return None
     if first == "":  # suffix range: the last N bytes
-        start, end = max(0, size - int(last)), size - 1
-    else:
-        start, end = int(first), min(int(last), size - 1) if last else size - 1
-    if start >= size or start > end:
-        raise RangeNotSatisfiable(f"Range {header!r} is outside the file's {size} bytes")
-    return start, end
+        count = _clamped(last, size)
+        if count == 0:
+            raise RangeNotSatisfiable(size)
+        return size - count, size - 1
+    if last and _digits_key(last) < _digits_key(first):
+        return None
+    start = _clamped(first, size)
+    if start >= size:
+        raise RangeNotSatisfiable(size)
+    return start, min(_clamped(last, size), size - 1) if last else size - 1
+
+
+def _digits_key(digits: str) -> tuple[int, str]:
+    """Orders digit strings by value without converting them."""
+    significant = digits.lstrip("0") or "0"
+    return len(significant), significant
+
+
+def _clamped(digits: str, limit: int) -> int:
+    """``min(int(digits), limit)``, for digit strings of any length (leading zeros included)."""
+    length, significant = _digits_key(digits)
+    return limit if (length, significant) > _digits_key(str(limit)) else min(int(significant), limit)
