@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio.to_thread
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from service.datasets import DatasetSpool, JsonlFeed, SpooledDataset
 from service.errors import InvalidInput, MalformedBody, PayloadTooLarge, ProblemError
@@ -71,6 +71,8 @@ async def read_upload(request: Request, directory: Path, *, max_records: int, ma
             raise
         except FormParserError as exc:
             raise MalformedBody(f"the multipart body is malformed: {exc}") from None
+        except ClientDisconnect:  # nobody reads the answer, but the log says 4xx, not an internal error
+            raise MalformedBody("the client disconnected before the body ended") from None
         if not parts.ended:
             raise MalformedBody("the multipart body ends before its closing boundary")
         if not parts.datasets:
