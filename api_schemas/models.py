@@ -132,7 +132,7 @@ RECORD_SCHEMA = {
 
 
 class ConceptCreate(Strict):
-    name: str = Field(pattern=CONCEPT_NAME_PATTERN)
+    name: str = Field(pattern=CONCEPT_NAME_PATTERN, json_schema_extra={"not": {"enum": [".", ".."]}})
     models: list[str] = Field(min_length=1, max_length=64)
     # Checked record by record by service.engine.records.Record (its messages name the record);
     # the schema states the same rule. The most records: ENGRAM_MAX_RECORDS (the OpenAPI document says).
@@ -195,6 +195,14 @@ class ConceptSubmission(BaseModel):
 
 
 class EditOptions(Strict):
+    # lora_rank shapes a peft adapter only (service.registry refuses it with another format).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
+            "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
+        }
+    )
+
     scaling: Literal["uniform", "weight_norm"] = "uniform"
     modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1, description="block indices")

@@ -90,7 +90,8 @@ EXTRA_RESPONSES: dict[tuple[str, str], dict[int, str]] = {
     ("POST", "/variants/{variant_id}/evaluate"): {409: "The variant is not ready (still building, or failed)"},
     ("POST", "/variants/{variant_id}/generate"): {409: "The variant is not ready (still building, or failed)"},
     ("GET", "/variants"): {404: "`model_id` names a model that is not registered"},
-    ("GET", "/variants/{variant_id}/files/{path}"): {416: "The `Range` header is not one satisfiable `bytes=a-b` range"},
+    ("GET", "/variants/{variant_id}/files/{path}"): {416: "The `Range` starts beyond the end of the file"},
+    ("HEAD", "/variants/{variant_id}/files/{path}"): {416: "The `Range` starts beyond the end of the file"},
 }
 
 # Success statuses a handler sets itself (FastAPI documents only the decorator's status_code).
@@ -123,11 +124,10 @@ def install_openapi(app: FastAPI, settings: Settings) -> None:
     ``app`` must be created with ``docs_url=None, redoc_url=None`` (FastAPI's own pages load
     their assets from a CDN).
     """
-    auth = settings.api_keys is not None
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app, auth=auth, max_records=settings.max_records)
+            app.openapi_schema = build_openapi(app, settings)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -166,14 +166,15 @@ def install_docs(app: FastAPI) -> None:
 # ---------------------------------------------------------------- the document
 
 
-def build_openapi(app: FastAPI, *, auth: bool, max_records: int) -> dict[str, Any]:
+def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     """FastAPI's document for ``app``, completed (see the module docstring).
 
     Args:
         app: the application (its routes, title, version, description).
-        auth: whether ``ENGRAM_API_KEYS`` is set (401/403 are declared, a key is required).
-        max_records: ``ENGRAM_MAX_RECORDS``, the most records a concept may have.
+        settings: what the document depends on: ``ENGRAM_API_KEYS`` (set: 401/403 are declared and
+            a key is required), ``ENGRAM_MAX_RECORDS`` and ``ENGRAM_CALLBACK_HOSTS``.
     """
+    auth, max_records = settings.api_keys is not None, settings.max_records
     doc = get_openapi(
         title=app.title,
         version=app.version,
@@ -202,6 +203,8 @@ def build_openapi(app: FastAPI, *, auth: bool, max_records: int) -> dict[str, An
     for path, method, operation in _operations(doc):
         _complete_operation(path, method.upper(), operation, auth=auth)
     _concepts_body(doc, schemas, max_records)
+    _engram_map_queries(doc)
+    _callback_urls(doc, schemas, settings.callback_allowed_hosts)
     _add_examples(doc)
     _add_missing_schemas(doc, schemas)
     _drop_unused_schemas(doc, schemas, ("HTTPValidationError", "ValidationError"))
@@ -227,6 +230,13 @@ def _error_responses() -> dict[str, Any]:
             response["headers"] = {"Retry-After": {**_RETRY_AFTER, "required": status == 429}}
         if status in (401, 403):
             response["headers"] = {"WWW-Authenticate": {**_WWW_AUTHENTICATE, "required": True}}
+        if status == 416:
+            response["headers"] = {
+                "Content-Range": {
+                    "description": "`bytes */size`: the file's length",
+                    "schema": {"type": "string", "pattern": r"^bytes \*/\d+$"},
+                }
+            }
         responses[_response_name(status)] = response
     return responses
 
@@ -287,31 +297,31 @@ def _complete_operation(path: str, method: str, operation: dict[str, Any], *, au
 
 def _media_types(path: str, method: str, responses: dict[str, Any]) -> None:
     """Success bodies FastAPI cannot type: file bytes, the Prometheus text format, 204, 307."""
-    if (method, path) == ("GET", "/variants/{variant_id}/files/{path}"):
+    if path == "/variants/{variant_id}/files/{path}" and method in ("GET", "HEAD"):
+        body = {"content": {"application/octet-stream": _BINARY}} if method == "GET" else {}
+        etag = {"description": "the file's SHA-256, quoted", "schema": {"type": "string"}}
         responses["200"] = {
-            "description": "The file's bytes",
-            "headers": {
-                "ETag": {"description": "the file's SHA-256, quoted", "schema": {"type": "string"}},
-                "Accept-Ranges": {"schema": {"type": "string", "enum": ["bytes"]}},
-            },
-            "content": {"application/octet-stream": _BINARY},
+            "description": "The file's bytes" if method == "GET" else "The headers a GET answers with, no body",
+            "headers": {"ETag": etag, "Accept-Ranges": {"schema": {"type": "string", "enum": ["bytes"]}}},
+            **body,
         }
         responses["206"] = {
-            "description": "The requested byte range (`Range: bytes=a-b`)",
+            "description": "The requested byte range (`Range: bytes=a-b`, `a-` or `-n`)",
             "headers": {
                 "Content-Range": {
                     "description": "`bytes start-end/size`",
                     "required": True,
                     "schema": {"type": "string", "pattern": r"^bytes \d+-\d+/\d+$"},
                 },
-                "ETag": {"description": "the file's SHA-256, quoted", "schema": {"type": "string"}},
+                "ETag": etag,
             },
-            "content": {"application/octet-stream": _BINARY},
+            **body,
         }
-        responses["307"] = {
-            "description": "With `ENGRAM_PRESIGN_DOWNLOADS` on S3: a short-lived presigned URL to the bytes",
-            "headers": {"Location": {"required": True, "schema": {"type": "string", "format": "uri"}}},
-        }
+        if method == "GET":
+            responses["307"] = {
+                "description": "With `ENGRAM_PRESIGN_DOWNLOADS` on S3: a short-lived presigned URL to the bytes",
+                "headers": {"Location": {"required": True, "schema": {"type": "string", "format": "uri"}}},
+            }
     elif (method, path) == ("GET", "/metrics"):
         responses["200"] = {
             "description": "Prometheus text exposition format",
@@ -342,7 +352,7 @@ def _concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: in
         "type": "object",
         "required": ["name", "models", "dataset"],
         "properties": {
-            "name": _non_null(props["name"]),
+            "name": {"type": "string", "pattern": CONCEPT_NAME_NO_DOTS},
             "models": {
                 "type": "string",
                 "minLength": 1,
@@ -361,6 +371,13 @@ def _concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: in
     content = operation.setdefault("requestBody", {"required": True}).setdefault("content", {})
     content["application/json"] = {"schema": {"$ref": SCHEMA_REF + "ConceptCreate"}}
     content["multipart/form-data"] = {"schema": multipart}
+
+
+# CONCEPT_NAME_PATTERN without "." and ".." (which ConceptCreate refuses), as one regular expression:
+# a name that does not start with ".", or "." and a non-dot, or ".." and at least one more character.
+CONCEPT_NAME_NO_DOTS = (
+    r"^([A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}|\.\.[A-Za-z0-9._-]{1,126})$"
+)
 
 
 def _non_null(schema: dict[str, Any]) -> dict[str, Any]:
@@ -414,6 +431,83 @@ def _drop_unused_schemas(doc: dict[str, Any], schemas: dict[str, Any], names: tu
                 _refs(doc["components"].get("responses", {}))
             ):
                 del schemas[name]
+
+
+def _engram_map_queries(doc: dict[str, Any]) -> None:
+    """``?concepts=``: 1 to 8 names (``service.engram_maps.MAX_CONCEPTS``).
+
+    The service splits every value at commas, so ``?concepts=a,b`` (OpenAPI's ``explode: false``)
+    and ``?concepts=a&concepts=b`` (the exploded form the schema describes) are the same request.
+    """
+    from service.engram_maps import MAX_CONCEPTS
+
+    name = {"type": "string", "pattern": ONE_NAME_PATTERN}
+    for path in ("/models/{model_id}/engram-map", "/models/{model_id}/engram-map.png"):
+        operation = doc["paths"].get(path, {}).get("get")
+        for parameter in (operation or {}).get("parameters", []):
+            if parameter["name"] == "concepts" and parameter["schema"].get("type") == "array":
+                parameter["schema"].update(minItems=1, maxItems=MAX_CONCEPTS, items=dict(name))
+                parameter["schema"].pop("description", None)
+                parameter["description"] = f"1 to {MAX_CONCEPTS} concept names: `?concepts=a&concepts=b` or `?concepts=a,b`"
+            if parameter["name"] == "reference" and parameter["schema"].get("anyOf"):
+                array = next(o for o in parameter["schema"]["anyOf"] if o.get("type") == "array")
+                array["items"] = dict(name)
+
+
+ONE_NAME_PATTERN = r"^[^,]*[^,\s][^,]*$"  # one concept name (values are split at commas and stripped)
+
+
+def _callback_urls(doc: dict[str, Any], schemas: dict[str, Any], allowed: frozenset[str]) -> None:
+    """``callback_url``: an absolute http(s) URL to an allowlisted host (``ENGRAM_CALLBACK_HOSTS``).
+
+    Without an allowlist, callbacks are off and the only value accepted is ``null`` (or none).
+    """
+    if allowed:
+        rule: dict[str, Any] = {
+            "type": "string",
+            "maxLength": 2000,
+            "format": "uri",
+            "pattern": _callback_pattern(allowed),
+            "description": "an http(s) URL on a host of ENGRAM_CALLBACK_HOSTS "
+            f"({', '.join(sorted(allowed))}), POSTed the job when it ends (signed, Standard Webhooks)",
+        }
+    else:
+        rule = {"type": "null", "description": "callbacks are disabled on this server (ENGRAM_CALLBACK_HOSTS is empty)"}
+    for schema in schemas.values():
+        if "callback_url" in schema.get("properties", {}):
+            schema["properties"]["callback_url"] = {"anyOf": [rule, {"type": "null"}]} if allowed else rule
+    body = doc["paths"].get("/concepts", {}).get("post", {}).get("requestBody", {})
+    multipart = body.get("content", {}).get("multipart/form-data")
+    if multipart is not None:
+        if allowed:
+            multipart["schema"]["properties"]["callback_url"] = rule
+        else:
+            multipart["schema"]["properties"].pop("callback_url", None)
+
+
+def _callback_pattern(allowed: frozenset[str]) -> str:
+    """A regular expression for http(s) URLs whose host (and port) an allowlist entry names.
+
+    Like :func:`service.callbacks.check_callback_url`: scheme and host in any case; an entry
+    without a port allows every port, ``host:80`` / ``host:443`` also the scheme's default.
+    """
+
+    def anycase(text: str) -> str:
+        return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else ("\\." if c == "." else c) for c in text)
+
+    http, https, either = "[Hh][Tt][Tt][Pp]://", "[Hh][Tt][Tt][Pp][Ss]://", "[Hh][Tt][Tt][Pp][Ss]?://"
+    options = []
+    for entry in sorted(allowed):
+        host, colon, port = entry.rpartition(":")
+        if not (colon and port.isdigit()):
+            options.append(f"{either}{anycase(entry)}(:[0-9]+)?")
+            continue
+        options.append(f"{either}{anycase(host)}:{port}")
+        if port == "80":
+            options.append(f"{http}{anycase(host)}")
+        if port == "443":
+            options.append(f"{https}{anycase(host)}")
+    return f"^({'|'.join(options)})([/?#]|$)"
 
 
 # ---------------------------------------------------------------- examples
@@ -587,7 +681,15 @@ RESPONSE_EXAMPLES: dict[tuple[str, str, str], dict[str, Any]] = {
     ),
 }
 
-PARAMETER_EXAMPLES: dict[str, str] = {"model_id": MODEL_ID, "variant_id": VARIANT_ID, "job_id": JOB_ID, "name": "forget"}
+# Path parameters: ``model_id`` may hold one "/" (org/name), so its example has one (and tools that
+# generate requests from the document then know that an encoded slash is meant).
+PARAMETER_EXAMPLES: dict[str, str] = {
+    "model_id": MODEL_ID,
+    "variant_id": VARIANT_ID,
+    "job_id": JOB_ID,
+    "name": "forget",
+    "path": "model.safetensors",
+}
 
 
 def _add_examples(doc: dict[str, Any]) -> None:
@@ -601,8 +703,7 @@ def _add_examples(doc: dict[str, Any]) -> None:
         media = response.get("content", {}).get("application/json")
         if media is not None:
             media["example"] = copy.deepcopy(example)
-    for path in ("/variants/{variant_id}", "/jobs/{job_id}"):
-        for operation in paths.get(path, {}).values():
-            for parameter in operation.get("parameters", []):
-                if parameter.get("in") == "path" and parameter["name"] in PARAMETER_EXAMPLES:
-                    parameter["example"] = PARAMETER_EXAMPLES[parameter["name"]]
+    for _, _, operation in _operations(doc):
+        for parameter in operation.get("parameters", []):
+            if parameter.get("in") == "path" and parameter["name"] in PARAMETER_EXAMPLES:
+                parameter["example"] = PARAMETER_EXAMPLES[parameter["name"]]

@@ -17,15 +17,20 @@ import httpx
 import jsonschema
 import pytest
 from openapi_spec_validator import OpenAPIV31SpecValidator
+from pydantic import ValidationError
 
+from api_schemas import ConceptCreate
 from service.api.auth import PUBLIC_PATHS, required_scope
+from service.callbacks import check_callback_url
 from service.config import Settings
+from service.errors import InvalidInput
 from tests.live import LiveServer, start_server, stop_server
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_REF = "#/components/schemas/Problem"
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 ADMIN_KEY = "openapi-test-admin-key-0123456789"
+CALLBACK_HOSTS = "hooks.example.com,127.0.0.1:8443"
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +43,17 @@ def document(live_server: LiveServer) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """A server of this module's own with ``ENGRAM_API_KEYS`` set and a small ``ENGRAM_MAX_RECORDS``."""
+    """A server of this module's own with keys, a small ``ENGRAM_MAX_RECORDS`` and callback hosts."""
     root = tmp_path_factory.mktemp("openapi-keyed")
     (root / "models").mkdir()
     server = start_server(
-        root / "store", root / "models", root / "server.log", ENGRAM_API_KEYS=f"{ADMIN_KEY}:admin", ENGRAM_MAX_RECORDS="5000"
+        root / "store",
+        root / "models",
+        root / "server.log",
+        ENGRAM_API_KEYS=f"{ADMIN_KEY}:admin",
+        ENGRAM_MAX_RECORDS="5000",
+        ENGRAM_CALLBACK_HOSTS=CALLBACK_HOSTS,
+        ENGRAM_CALLBACK_SECRET="openapi-test-callback-secret",
     )
     try:
         yield server
@@ -199,12 +210,20 @@ def test_validation_rules_are_schema_constraints(document: dict[str, Any], keyed
     schemas = document["components"]["schemas"]
     create = schemas["ConceptCreate"]["properties"]
     assert create["name"]["pattern"] == r"^[A-Za-z0-9._-]{1,128}$"
+    assert create["name"]["not"] == {"enum": [".", ".."]}
     assert create["records"]["minItems"] == 1
     assert create["records"]["maxItems"] == Settings().max_records  # the session server's default
     assert keyed_document["components"]["schemas"]["ConceptCreate"]["properties"]["records"]["maxItems"] == 5000
     assert len(create["records"]["items"]["oneOf"]) == 2  # {"text"} or {"prompt", "completion"}
     multipart = document["paths"]["/concepts"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-    assert multipart["properties"]["name"]["pattern"] == create["name"]["pattern"]
+    names = [".", "..", "...", ".a", "..a", "a.", "-", "a" * 128, "a" * 129, "." + "a" * 127, "a b", "", "é"]
+    for name in names:  # the form's one pattern (no `not`) refuses exactly what ConceptCreate refuses
+        try:
+            ConceptCreate(name=name, models=["m"], records=[{"text": "x"}])
+            valid = True
+        except ValidationError:
+            valid = False
+        assert bool(re.search(multipart["properties"]["name"]["pattern"], name)) == valid, name
     assert multipart["properties"]["role"]["enum"] == ["target", "reference"]
     assert schemas["ModelCreate"]["properties"]["source"]["pattern"]
     unlearn = schemas["UnlearnRequest"]["properties"]
@@ -216,6 +235,40 @@ def test_validation_rules_are_schema_constraints(document: dict[str, Any], keyed
     coefficient = options["terms"]["additionalProperties"]
     assert coefficient["exclusiveMaximum"] == 1e6 and coefficient["not"] == {"const": 0}
     assert "anyOf" in schemas["EvaluateRequest"]  # at least one forget or retain probe
+    assert schemas["UnlearnRequest"]["then"]["properties"]["format"] == {"const": "peft"}  # lora_rank: peft only
+    concepts = next(
+        p for p in document["paths"]["/models/{model_id}/engram-map"]["get"]["parameters"] if p["name"] == "concepts"
+    )
+    assert (concepts["schema"]["minItems"], concepts["schema"]["maxItems"]) == (1, 8)
+
+
+def test_callback_url_follows_the_allowlist(document: dict[str, Any], keyed_document: dict[str, Any]) -> None:
+    """No ENGRAM_CALLBACK_HOSTS: only null. With hosts: the pattern accepts what the service accepts."""
+    for name in ("ConceptCreate", "UnlearnRequest", "ComposeRequest", "EvaluateRequest", "GenerateRequest"):
+        assert document["components"]["schemas"][name]["properties"]["callback_url"]["type"] == "null", name
+    multipart = document["paths"]["/concepts"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert "callback_url" not in multipart["properties"]
+    rule = keyed_document["components"]["schemas"]["GenerateRequest"]["properties"]["callback_url"]["anyOf"][0]
+    settings = Settings(callback_hosts=CALLBACK_HOSTS, callback_secret="x" * 20)
+    urls = [
+        "http://hooks.example.com/cb",
+        "HTTPS://Hooks.Example.COM:9000/cb?x=1",
+        "https://127.0.0.1:8443/",
+        "http://127.0.0.1:8443",
+        "http://127.0.0.1/cb",
+        "http://127.0.0.1:8444/cb",
+        "http://user@hooks.example.com/",
+        "ftp://hooks.example.com/",
+        "http://hooks.example.com.evil.test/",
+        "http://evil.test/?hooks.example.com",
+    ]
+    for url in urls:
+        try:
+            check_callback_url(url, settings)
+            accepted = True
+        except InvalidInput:
+            accepted = False
+        assert bool(re.search(rule["pattern"], url)) == accepted, url
 
 
 def _validator(doc: dict[str, Any], schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
