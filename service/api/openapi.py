@@ -12,13 +12,17 @@ is added here, once, when the document is first asked for:
   broker may be away (503, ``Retry-After``); with ``ENGRAM_API_KEYS`` set, every route but the
   probes may answer 401, and 403 where it needs more than the ``read`` scope
   (:func:`service.api.auth.required_scope` decides, as it does for requests). What only a route's
-  body knows (a 409 conflict, a 415, a 416) is listed in :data:`EXTRA_RESPONSES`;
+  body knows (a 409 conflict, a 415, a 416) is listed in :data:`EXTRA_RESPONSES`, or declared on
+  the route (``responses={409: {"description": ...}}``): either way it becomes problem+json;
 * the 422 is the Problem with ``errors`` (see :mod:`service.api.problems`), not FastAPI's
   ``HTTPValidationError``;
 * the ``bearerAuth`` HTTP bearer scheme is declared and applied to every operation but
   ``/healthz`` and ``/readyz``; without keys configured, sending no key is allowed too (``{}``);
-* limits that depend on settings (``ENGRAM_MAX_RECORDS``) appear as schema constraints, and the
-  main routes carry examples.
+* limits that depend on settings appear as schema constraints (``ENGRAM_MAX_RECORDS``; a
+  ``callback_url`` must name a host of ``ENGRAM_CALLBACK_HOSTS``, and is ``null`` when that is
+  empty), and the main routes carry examples.
+
+The document is built from the settings of the process serving it, so it describes that server.
 
 Swagger UI (``/docs``) and ReDoc (``/redoc``) load their JavaScript and CSS from ``/docs/static``,
 files shipped by the ``fastapi-offline`` package: the pages work without internet access. Auth
@@ -202,6 +206,9 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     }
     for path, method, operation in _operations(doc):
         _complete_operation(path, method.upper(), operation, auth=auth)
+    prefix = "#/components/responses/" + _response_name(0)[:-1]
+    for status in sorted({int(r[len(prefix) :]) for r in _refs(doc["paths"]) if r.startswith(prefix)}):
+        components["responses"].setdefault(_response_name(status), _error_response(status, "Error"))
     _concepts_body(doc, schemas, max_records)
     _engram_map_queries(doc)
     _callback_urls(doc, schemas, settings.callback_allowed_hosts)
@@ -220,25 +227,26 @@ def _operations(doc: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]
 
 def _error_responses() -> dict[str, Any]:
     """Reusable ``components.responses``: one per error status, problem+json."""
-    responses: dict[str, Any] = {}
-    for status, description in ERROR_DESCRIPTIONS.items():
-        response: dict[str, Any] = {
-            "description": description,
-            "content": {PROBLEM_JSON: {"schema": {"$ref": SCHEMA_REF + "Problem"}}},
-        }
-        if status in (429, 503):
-            response["headers"] = {"Retry-After": {**_RETRY_AFTER, "required": status == 429}}
-        if status in (401, 403):
-            response["headers"] = {"WWW-Authenticate": {**_WWW_AUTHENTICATE, "required": True}}
-        if status == 416:
-            response["headers"] = {
-                "Content-Range": {
-                    "description": "`bytes */size`: the file's length",
-                    "schema": {"type": "string", "pattern": r"^bytes \*/\d+$"},
-                }
+    return {_response_name(status): _error_response(status, text) for status, text in ERROR_DESCRIPTIONS.items()}
+
+
+def _error_response(status: int, description: str) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": description,
+        "content": {PROBLEM_JSON: {"schema": {"$ref": SCHEMA_REF + "Problem"}}},
+    }
+    if status in (429, 503):
+        response["headers"] = {"Retry-After": {**_RETRY_AFTER, "required": status == 429}}
+    if status in (401, 403):
+        response["headers"] = {"WWW-Authenticate": {**_WWW_AUTHENTICATE, "required": True}}
+    if status == 416:
+        response["headers"] = {
+            "Content-Range": {
+                "description": "`bytes */size`: the file's length",
+                "schema": {"type": "string", "pattern": r"^bytes \*/\d+$"},
             }
-        responses[_response_name(status)] = response
-    return responses
+        }
+    return response
 
 
 def _response_name(status: int) -> str:
@@ -277,6 +285,9 @@ def _complete_operation(path: str, method: str, operation: dict[str, Any], *, au
             errors[403] = f"This request needs the `{required_scope(method, path)}` scope"
     errors.update(EXTRA_RESPONSES.get(key, {}))
     responses.pop("422", None)  # FastAPI's HTTPValidationError: the Problem below replaces it
+    for status_text, declared in list(responses.items()):  # a route's own `responses=` errors: problem+json
+        if status_text.isdigit() and int(status_text) >= 400 and "$ref" not in declared:
+            errors.setdefault(int(status_text), declared.get("description") or None)
     for status in sorted(errors):
         description = errors[status]
         ref = {"$ref": "#/components/responses/" + _response_name(status)}
