@@ -29,6 +29,11 @@ __all__ = [
     "Probe",
     "Problem",
     "RecordIn",
+    "Universe",
+    "UniverseCreate",
+    "UniverseGroups",
+    "UniverseMember",
+    "UniverseSubmission",
     "UnlearnRequest",
     "Variant",
     "VariantFile",
@@ -176,7 +181,7 @@ class JobProgress(BaseModel):
 
 class Job(BaseModel):
     job_id: str
-    kind: Literal["collect", "variant", "evaluate", "generate"]
+    kind: Literal["collect", "variant", "universe", "evaluate", "generate"]
     model_id: str | None = Field(default=None, description="the model a collection or variant build is for")
     concept: str | None = Field(default=None, description="the concept a collection is for")
     variant_id: str | None = Field(default=None, description="the variant built, evaluated or generated from")
@@ -207,7 +212,14 @@ class EditOptions(Strict):
     modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1, description="block indices")
     rcond: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False, description="keep λ > rcond·λmax")
-    reference: list[str] | None = Field(default=None, description="default: every ready concept")
+    reference: list[str] | None = Field(
+        default=None, description="the universe is reference ∪ concepts (default: the model's current universe)"
+    )
+    universe: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="a universe of this model (GET /models/{id}/universes); default: the model's current universe",
+    )
     format: Literal["checkpoint", "delta", "peft"] = "checkpoint"
     lora_rank: int | None = Field(
         default=None, ge=1, le=65536, description='format "peft": the largest LoRA rank (default: exact rank)'
@@ -258,6 +270,7 @@ class Variant(BaseModel):
     layers: list[int] | None = None
     rcond: float | None = None
     reference: list[str]
+    universe_id: str | None = Field(default=None, description="the universe the engrams are measured against")
     status: Literal["building", "ready", "failed"]
     job_id: str | None = None
     files: list[VariantFile] = []
@@ -268,6 +281,47 @@ class Variant(BaseModel):
 
 class VariantSubmission(BaseModel):
     variant: Variant
+    job: Job | None = None
+
+
+class UniverseCreate(Strict):
+    concepts: list[str] | None = Field(
+        default=None, min_length=1, max_length=256, description="default: every concept ready on the model"
+    )
+    rcond: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False, description="keep λ > rcond·λmax")
+    callback_url: str | None = Field(
+        default=None, max_length=2000, description="POSTed the build job when it ends (host must be allowlisted)"
+    )
+
+
+class UniverseMember(BaseModel):
+    name: str
+    dataset_digest: str
+
+
+class UniverseGroups(BaseModel):
+    done: int
+    total: int | None = Field(default=None, description="known once the build has planned its input groups")
+
+
+class Universe(BaseModel):
+    universe_id: str
+    model_id: str
+    members: list[UniverseMember]
+    rcond: float | None = None
+    current: bool = Field(description="requests without universe or reference use this universe")
+    status: Literal["building", "ready", "failed"]
+    groups: UniverseGroups = Field(description="input groups whose pseudo-inverse is stored")
+    bytes: int | None = Field(default=None, description="stored factors and engrams, once ready")
+    build_seconds: dict[str, float] | None = Field(
+        default=None, description="once ready: decomposition, engrams and total seconds of the build"
+    )
+    job_id: str | None = None
+    created_at: datetime | None = None
+
+
+class UniverseSubmission(BaseModel):
+    universe: Universe
     job: Job | None = None
 
 

@@ -8,6 +8,7 @@ Storage layout (every key content-addressed where the content determines it):
 - ``stats/<model digest>/<dataset digest>/<settings digest>/``: ``statistics.safetensors`` and
   ``manifest.json`` (written last: statistics exist exactly when it does)
 - ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
+  (submitted by :mod:`service.variants.service`; universes: :mod:`service.universes.service`)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from service.config import Settings
 from service.datasets import SpooledDataset, record_line
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, unmatched_suffixes
-from service.engine.lora import EXACT_RTOL
 from service.engine.model_files import used_files
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
@@ -385,61 +385,6 @@ def _check_lora_rank(options: dict[str, Any]) -> None:
         raise InvalidInput(f'lora_rank applies to format "peft" only, not {options.get("format")!r}')
 
 
-def submit_variant(
-    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
-
-    Returns:
-        (variant view, the building job or None when the variant was already there).
-    """
-    urls = callbacks.check_optional_url(options.get("callback_url"), ctx.settings)
-    _check_lora_rank(options)
-    model = get_model(ctx, model_id)
-    layout = ModelLayout.from_json(model["layout"])
-    _check_selection(layout, options.get("modules"), options.get("layers"))
-    reference = options.get("reference")
-    reference = sorted(set(reference)) if reference is not None else _default_reference(ctx, model_id)
-    universe_names = sorted(set(reference) | set(terms))
-    resolved = _ready_stats(ctx, model_id, universe_names)
-    identity = {
-        "engine": ENGINE_VERSION,
-        "model_digest": model["digest"],
-        "terms": sorted((resolved[n]["dataset_digest"], float(c)) for n, c in terms.items()),
-        "universe": sorted({resolved[n]["dataset_digest"] for n in universe_names}),
-        "stats": sorted({resolved[n]["prefix"] for n in universe_names}),
-        **{k: options.get(k) for k in ("scaling", "modules", "layers", "rcond", "format")},
-    }
-    if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
-        identity["lora"] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
-    variant_id = canonical_digest(identity)[:32]
-    request = {
-        "variant_id": variant_id,
-        "model_id": model_id,
-        "terms": {n: float(c) for n, c in terms.items()},
-        "alpha": alpha,
-        "reference": reference,
-        **{k: options.get(k) for k in ("scaling", "modules", "layers", "rcond", "format")},
-        "lora_rank": options.get("lora_rank"),
-        "term_stats": {n: resolved[n]["prefix"] for n in terms},
-        "universe_stats": sorted({resolved[n]["prefix"] for n in universe_names}),
-    }
-    with ctx.lock:
-        existing = find_variant_request(ctx, variant_id)
-        if existing is not None:
-            job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
-            if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
-                if job is not None:  # the same variant again: its build calls this URL back too
-                    job = attach_callbacks(ctx, job, urls)
-                return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
-        payload = {"variant_id": variant_id, "model_id": model_id}
-        job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
-        ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
-        ctx.reads.forget(f"variants/{variant_id}/request.json")
-    ctx.dispatch(job)
-    return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
-
-
 def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False) -> dict[str, Any] | None:
     """The stored request; ``recent``: as of at most a second ago (views only, never a write's input)."""
     if not variant_id.isalnum():
@@ -454,7 +399,8 @@ def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
 
 
 VARIANT_FIELDS = (
-    "variant_id", "model_id", "terms", "alpha", "scaling", "format", "lora_rank", "modules", "layers", "rcond"
+    "variant_id", "model_id", "terms", "alpha", "scaling", "format", "lora_rank", "modules", "layers", "rcond",
+    "universe_id",
 )
 
 

@@ -24,6 +24,7 @@ log = logging.getLogger("engram.worker")
 TASK_FOR_KIND = {
     "collect": ("engram.collect", "gpu"),
     "variant": ("engram.build_variant", "cpu"),
+    "universe": ("engram.build_universe", "cpu"),
     "evaluate": ("engram.evaluate", "gpu"),
     "generate": ("engram.generate", "gpu"),
 }
@@ -100,6 +101,12 @@ def collect(self: Task, *, job_id: str) -> None:
 @cpu_task("engram.build_variant")
 def build_variant(self: Task, *, job_id: str) -> None:
     """Build one variant from cached statistics."""
+    _run(self, job_id)
+
+
+@cpu_task("engram.build_universe")
+def build_universe(self: Task, *, job_id: str) -> None:
+    """Decompose a universe's input groups once and store every member's engrams."""
     _run(self, job_id)
 
 

@@ -302,6 +302,11 @@ class CheckpointReader:
         with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
             return handle.get_tensor(key)
 
+    def stored_dtype(self, key: str) -> str:
+        """A tensor's dtype as the file stores it (``F32``, ``BF16``, ``F64``…), from the header only."""
+        with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
+            return str(handle.get_slice(key).get_dtype())
+
     def layer_weights(self, spec: LayerSpec) -> LayerWeights:
         bias_key = self.layout.bias_keys.get(spec.name)
         return LayerWeights(

@@ -39,6 +39,13 @@ class EditError(ValueError):
     """The requested edit cannot be computed (missing statistics, non-finite result)."""
 
 
+class EngramSource(Protocol):
+    """Where a layer's ``Σ_k c_k W_k⁺`` comes from: :class:`EngramAlgebra` (computed from
+    statistics) or a universe's stored engrams (:class:`service.engrams.store.StoredEngrams`)."""
+
+    def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """A layer's stored parameters: ``weight`` in checkpoint layout, ``bias`` or ``None``."""
@@ -85,6 +92,8 @@ class EngramAlgebra:
         universe_key: names the universe's statistics; with it, ``factor_cache`` may be shared by
             every edit of the same universe (all 2ⁿ−1 subsets decompose each input group once).
         factor_cache: where pseudo-inverse factors are kept, per (universe, rcond, input group).
+        factor_source: layer name -> the universe's factors for that layer's input group, when they
+            are stored (a universe built once): then nothing is decomposed and ``universe`` may be empty.
     """
 
     terms: Sequence[tuple[float, GroupedStatistics]]
@@ -92,6 +101,7 @@ class EngramAlgebra:
     rcond: float | None = None
     universe_key: str | None = None
     factor_cache: MutableMapping[Hashable, PinvFactors] = field(default_factory=dict, repr=False)
+    factor_source: Callable[[str], PinvFactors] | None = field(default=None, repr=False)
     # Σ_k c_k Σ_k and the group-level product of the last input group: the layers of a group
     # (q/k/v, gate/up) come one after another and share both.
     _last_mixed: tuple[tuple[str, ...], torch.Tensor] | None = field(default=None, init=False, repr=False)
@@ -101,7 +111,7 @@ class EngramAlgebra:
     def __post_init__(self) -> None:
         if not self.terms:
             raise EditError("an edit needs at least one term")
-        if not self.universe:
+        if not self.universe and self.factor_source is None:
             raise EditError("the universe is empty")
 
     def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
@@ -149,6 +159,8 @@ class EngramAlgebra:
 
     def factors(self, layer: str) -> PinvFactors:
         """Pseudo-inverse factors of the universe covariance feeding ``layer`` (cached per group)."""
+        if self.factor_source is not None:
+            return self.factor_source(layer)
         key = (self.universe_key or id(self), self.rcond, tuple(self._group(stats, layer) for stats in self.universe))
         cached = self.factor_cache.get(key)
         if cached is None:
@@ -239,7 +251,7 @@ def relative_norm(spec: LayerSpec, engram: torch.Tensor, weights: LayerWeights) 
 
 
 def relative_norms(
-    layers: Sequence[LayerSpec], algebra: EngramAlgebra, load: Callable[[LayerSpec], LayerWeights]
+    layers: Sequence[LayerSpec], algebra: EngramSource, load: Callable[[LayerSpec], LayerWeights]
 ) -> dict[str, float]:
     """``ρ_l`` of the algebra's edit for every layer: where the memory lives (the paper's Fig. 4)."""
     rho = {}
@@ -251,7 +263,7 @@ def relative_norms(
 
 def layer_scales(
     layers: Sequence[LayerSpec],
-    algebra: EngramAlgebra,
+    algebra: EngramSource,
     load: Callable[[LayerSpec], LayerWeights],
     scaling: Scaling,
 ) -> dict[str, float]:
@@ -266,14 +278,18 @@ def layer_scales(
         return {spec.name: 1.0 for spec in layers}
     if scaling != "weight_norm":
         raise EditError(f"unknown scaling {scaling!r}")
-    rho = relative_norms(layers, algebra, load)
+    return normalized_scales(relative_norms(layers, algebra, load))
+
+
+def normalized_scales(rho: Mapping[str, float]) -> dict[str, float]:
+    """W-Norm's ``f_l = ρ_l / max_l ρ_l`` (all zero when every ``ρ_l`` is)."""
     top = max(rho.values(), default=0.0)
     return {name: (value / top if top > 0 else 0.0) for name, value in rho.items()}
 
 
 def layer_deltas(
     layers: Sequence[LayerSpec],
-    algebra: EngramAlgebra,
+    algebra: EngramSource,
     load: Callable[[LayerSpec], LayerWeights],
     scales: Mapping[str, float],
 ) -> Iterator[LayerDelta]:
@@ -298,7 +314,7 @@ def layer_deltas(
 
 def layer_edits(
     layers: Sequence[LayerSpec],
-    algebra: EngramAlgebra,
+    algebra: EngramSource,
     load: Callable[[LayerSpec], LayerWeights],
     scales: Mapping[str, float],
 ) -> Iterator[LayerEdit]:
@@ -315,7 +331,7 @@ def layer_edits(
 
 
 def layer_editor(
-    algebra: EngramAlgebra, load: Callable[[LayerSpec], LayerWeights], scales: Mapping[str, float]
+    algebra: EngramSource, load: Callable[[LayerSpec], LayerWeights], scales: Mapping[str, float]
 ) -> Callable[[LayerSpec], LayerEdit | None]:
     """One layer's edit on demand (``None`` for a zero scale), for writers that stream layer by layer."""
 
@@ -338,6 +354,59 @@ def _apply_delta(spec: LayerSpec, weights: LayerWeights, delta: torch.Tensor, sc
         None if bias is None or weights.bias is None else bias.contiguous().to(weights.bias.dtype),
         scale,
     )
+
+
+# Rows per block of :func:`apply_engrams`: about 1 MB of float64, so a block's conversions stay in cache.
+APPLY_BLOCK_VALUES = 1 << 17
+
+
+def apply_engrams(
+    spec: LayerSpec, weights: LayerWeights, terms: Sequence[tuple[float, torch.Tensor]], scale: float
+) -> LayerEdit:
+    """``[W | b] + Σ_k c_k · E_k`` for one layer, cast back to the checkpoint's dtype.
+
+    The same arithmetic as :func:`layer_edits` (float64 sums, one cast at the end, a finiteness
+    check), for engrams already computed (a universe's stored ``E_k``, ``[out, in(+1)]``, any float
+    dtype): done a block of rows at a time, so a layer costs one read of ``W`` and of each engram.
+
+    Args:
+        spec: the layer.
+        weights: its base parameters, in checkpoint layout and dtype.
+        terms: ``(c_k · f_l, E_k)`` per engram.
+        scale: the layer's ``f_l``, recorded on the edit.
+
+    Raises:
+        EditError: a term's shape does not fit the layer, or the result is not finite.
+    """
+    w = weights.weight.mT if spec.transposed else weights.weight
+    out_features, width = spec.out_features, spec.stat_dim
+    for _, engram in terms:
+        if tuple(engram.shape) != (out_features, width):
+            raise EditError(f"the engram of layer {spec.name} is {tuple(engram.shape)}, not {(out_features, width)}")
+    if spec.bias and weights.bias is None:
+        raise EditError(f"layer {spec.name} has statistics with a bias column but no bias tensor")
+    new_w = torch.empty((out_features, spec.in_features), dtype=weights.weight.dtype)
+    new_b = torch.empty(out_features, dtype=weights.bias.dtype) if spec.bias and weights.bias is not None else None
+    rows = max(1, APPLY_BLOCK_VALUES // width)
+    block = torch.empty((rows, width), dtype=COMPUTE_DTYPE)
+    term = torch.empty_like(block)
+    for start in range(0, out_features, rows):
+        end = min(start + rows, out_features)
+        acc, buf = block[: end - start], term[: end - start]
+        acc[:, : spec.in_features].copy_(w[start:end])
+        if new_b is not None:
+            assert weights.bias is not None
+            acc[:, spec.in_features].copy_(weights.bias[start:end])
+        for coefficient, engram in terms:
+            buf.copy_(engram[start:end])
+            acc.add_(buf, alpha=coefficient)
+        if not torch.isfinite(acc).all():
+            raise EditError(f"the edit of layer {spec.name} is not finite; try a larger rcond")
+        new_w[start:end].copy_(acc[:, : spec.in_features])
+        if new_b is not None:
+            new_b[start:end].copy_(acc[:, spec.in_features])
+    weight = new_w.mT.contiguous() if spec.transposed else new_w
+    return LayerEdit(spec, weight, new_b, scale)
 
 
 def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> Mapping[str, float]:

@@ -11,9 +11,10 @@ from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.engine.compose import coefficients_for_unlearn
+from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
-EDIT_OPTIONS = ("scaling", "modules", "layers", "rcond", "reference", "format", "lora_rank", "callback_url")
+EDIT_OPTIONS = ("scaling", "modules", "layers", "rcond", "reference", "universe", "format", "lora_rank", "callback_url")
 
 
 @router.post("/models", response_model=Model, status_code=201)
@@ -51,7 +52,7 @@ def _submit(
     options: dict[str, Any],
     response: Response,
 ) -> dict[str, Any]:
-    variant, job = registry.submit_variant(ctx, model_id, terms, alpha, options)
+    variant, job = variants.submit_variant(ctx, model_id, terms, alpha, options)
     response.status_code = 200 if variant["status"] == "ready" else 202
     return {"variant": variant, "job": job_view(job) if job else None}
 

@@ -1,0 +1,153 @@
+"""Reading a built universe's engrams: ``Σ_k c_k E_k,l`` one layer at a time, and W-Norm's ``ρ_l``.
+
+A variant of a built universe is arithmetic on these files: no statistics are read, nothing is
+decomposed, and no ``O·D²`` product is computed. Each read maps a member's file only while it copies
+one layer out (as :class:`~service.engine.checkpoint.CheckpointReader` does for weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from service.cache import ByteLRU
+from service.engine.compose import (
+    COMPUTE_DTYPE,
+    EditError,
+    EngramAlgebra,
+    EngramSource,
+    LayerEdit,
+    LayerWeights,
+    apply_engrams,
+    layer_editor,
+)
+from service.engine.layers import LayerSpec
+from service.engine.stats_io import StatisticsFile
+from service.local_copies import local_object, statistics
+from service.registry import Context, canonical_digest
+from service.universes.service import engram_key
+
+
+class StoredEngrams:
+    """``Σ_k c_k E_k,l`` of a built universe, read from its members' engram files.
+
+    Args:
+        terms: ``(c_k, engram file)`` per term; a file named twice has its coefficients added.
+        layers: the layers the universe has engrams for (any other is refused by name).
+        members: engram file -> its member key in the universe's manifest (where its norms are).
+    """
+
+    def __init__(
+        self, terms: Sequence[tuple[float, Path]], layers: Collection[str], members: Mapping[Path, str] | None = None
+    ) -> None:
+        self.members = dict(members or {})
+        merged: dict[Path, float] = {}
+        for coefficient, path in terms:
+            merged[path] = merged.get(path, 0.0) + float(coefficient)
+        self.terms = [(c, p) for p, c in merged.items()]
+        self.layers = set(layers)
+
+    def read(self, spec: LayerSpec) -> list[tuple[float, torch.Tensor]]:
+        """``(c_k, E_k,l)`` per term, as stored (float32 or float64)."""
+        if spec.name not in self.layers:
+            raise EditError(f"no statistics for layer {spec.name}")
+        read = []
+        for coefficient, path in self.terms:
+            with safe_open(str(path), framework="pt") as handle:
+                read.append((coefficient, handle.get_tensor(spec.name)))
+        return read
+
+    def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
+        """``Σ_k c_k E_k,l`` as ``[out, in(+1)]`` float64 (what :class:`EngramAlgebra` computes)."""
+        total: torch.Tensor | None = None
+        for coefficient, engram in self.read(spec):
+            term = engram.to(COMPUTE_DTYPE)
+            total = term.mul_(coefficient) if total is None else total.add_(term, alpha=coefficient)
+        assert total is not None, "a variant has at least one term"
+        return total
+
+    def edit(self, spec: LayerSpec, weights: LayerWeights, scale: float) -> LayerEdit:
+        """The layer's edited parameters, ``[W | b] + f_l · Σ_k c_k E_k,l``, streamed by row blocks."""
+        return apply_engrams(spec, weights, [(scale * c, e) for c, e in self.read(spec)], scale)
+
+
+def stored_engrams(ctx: Context, manifest: Mapping[str, Any], terms: Mapping[str, float]) -> StoredEngrams:
+    """The engrams of ``terms`` (statistics prefix -> coefficient) in a built universe, as local files.
+
+    Raises:
+        EditError: a term is not a member of the universe.
+    """
+    keys = {m["stats"]: m["key"] for m in manifest["members"]}
+    outside = sorted(p for p in terms if p not in keys)
+    if outside:
+        raise EditError(f"statistics {', '.join(outside)} are not members of universe {manifest['universe_id']}")
+    paths = {p: local_object(ctx, engram_key(manifest["universe_id"], keys[p])) for p in terms}
+    members = {paths[p]: keys[p] for p in terms}
+    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest["layers"], members)
+
+
+def stored_editor(
+    source: EngramSource, load: Callable[[LayerSpec], LayerWeights], scales: Mapping[str, float]
+) -> Callable[[LayerSpec], LayerEdit | None]:
+    """One layer's edit on demand for the streaming writers (``None`` for a zero scale)."""
+    if not isinstance(source, StoredEngrams):
+        return layer_editor(source, load, scales)
+
+    def edit(spec: LayerSpec) -> LayerEdit | None:
+        scale = scales[spec.name]
+        return None if scale == 0.0 else source.edit(spec, load(spec), scale)
+
+    return edit
+
+
+def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest: Mapping[str, Any]) -> dict[str, float]:
+    """W-Norm's ``ρ_l = ‖Σ_k c_k E_k,l[:, :in]‖_F / ‖W_l‖_F`` of every layer.
+
+    One member: from the norms recorded when the universe was built (nothing read). Several: the
+    norm of the summed stored engram, one layer at a time.
+    """
+    rho = {}
+    for spec in layers:
+        if spec.name not in engrams.layers:
+            raise EditError(f"no statistics for layer {spec.name}")
+        weight_norm = max(float(manifest["layers"][spec.name]["weight_norm"]), 1e-30)
+        if len(engrams.terms) == 1 and engrams.terms[0][1] in engrams.members:
+            coefficient, path = engrams.terms[0]
+            norm = abs(coefficient) * float(manifest["engrams"][engrams.members[path]]["norms"][spec.name])
+        else:
+            norm = float(engrams.engram(spec, _NO_WEIGHTS)[:, : spec.in_features].norm())
+        rho[spec.name] = norm / weight_norm
+    return rho
+
+
+_NO_WEIGHTS = LayerWeights(torch.empty(0), None)  # StoredEngrams.engram does not read the weights
+
+
+# ---------------------------------------------------------------- from statistics
+
+# Universe pseudo-inverse factors kept in memory for what still combines statistics directly (the
+# memory-trace maps of service.engram_maps; variants requested before universes were stored).
+FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)  # ENGRAM_FACTOR_CACHE_BYTES
+
+
+def algebra_from_statistics(ctx: Context, request: Mapping[str, Any]) -> EngramAlgebra:
+    """An :class:`EngramAlgebra` over the request's statistics (``terms``, ``term_stats``,
+    ``universe_stats``, ``rcond``), sharing this process's factor cache."""
+    # Each file is opened at most once per request, even when the shared cache is too small to
+    # keep the whole universe.
+    loaded: dict[str, StatisticsFile] = {}
+
+    def stats(prefix: str) -> StatisticsFile:
+        if prefix not in loaded:
+            loaded[prefix] = statistics(ctx, prefix)
+        return loaded[prefix]
+
+    terms = [(float(request["terms"][n]), stats(prefix)) for n, prefix in request["term_stats"].items()]
+    universe = [stats(prefix) for prefix in request["universe_stats"]]
+    universe_key = canonical_digest(sorted(request["universe_stats"]))
+    FACTOR_CACHE.max_bytes = ctx.settings.factor_cache_bytes  # module-level: the settings live in ctx
+    return EngramAlgebra(terms, universe, request["rcond"], universe_key=universe_key, factor_cache=FACTOR_CACHE)

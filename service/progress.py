@@ -1,0 +1,64 @@
+"""A running job's progress counter and its cancellation check, shared by every job body."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+_PROGRESS_EVERY_S = 1.0
+
+
+class JobCancelled(RuntimeError):
+    pass
+
+
+class Progress(Protocol):
+    """What a job body's steps report to: one step done (raises :class:`JobCancelled` when asked to stop)."""
+
+    def advance(self, amount: int = 1) -> None: ...
+
+
+class JobProgress:
+    """Throttled progress reporting plus the cancellation check, shared by every job kind."""
+
+    def __init__(self, ctx: Any, job_id: str, total: int) -> None:
+        self.ctx, self.job_id, self.done, self.total = ctx, job_id, 0, total
+        self._last = 0.0
+        ctx.jobs.update(job_id, progress={**ctx.jobs.get(job_id)["progress"], "done": 0, "total": total})
+
+    def advance(self, amount: int = 1) -> None:
+        self.done += amount
+        now = time.monotonic()
+        if now - self._last >= _PROGRESS_EVERY_S or self.done >= self.total:
+            self._last = now
+            self.ctx.jobs.set_progress(self.job_id, self.done, self.total)
+        if self.cancelled():
+            raise JobCancelled()
+
+    def restart(self, total: int) -> None:
+        """Count again from zero towards ``total`` (a job's next phase)."""
+        self.done, self.total, self._last = 0, total, 0.0
+        self.ctx.jobs.set_progress(self.job_id, 0, total)
+
+    def cancelled(self) -> bool:
+        job = self.ctx.jobs.get(self.job_id)
+        return bool(job and job["cancel_requested"])
+
+
+class CancelOnly:
+    """Checks cancellation at every step without counting: work a job does before what its
+    progress counts (a variant building its universe first)."""
+
+    def __init__(self, progress: JobProgress) -> None:
+        self._progress = progress
+
+    def advance(self, amount: int = 1) -> None:
+        if self._progress.cancelled():
+            raise JobCancelled()
+
+
+class NoProgress:
+    """Nobody listens (the bench, tests)."""
+
+    def advance(self, amount: int = 1) -> None:
+        return None

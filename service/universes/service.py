@@ -1,0 +1,369 @@
+"""Universes: the concept statistics an edit is measured against, as stored objects.
+
+A universe is a set of concept statistics on one model plus the pseudo-inverse cut: its ID is a
+content hash of the model digest, the members' statistics prefixes (which carry the dataset and
+collection-settings digests) and ``rcond``, so it is never mutated. Its build (a ``universe`` job,
+or the first variant that needs it) decomposes each input group of ``Σ_U`` once and stores every
+member's engram; variants are then arithmetic on those (:mod:`service.variants.build`).
+
+Storage layout:
+
+- ``universes/<id>/request.json``: model, members (names, statistics, dataset digests), ``rcond``,
+  the job building it (written when first asked for; the only mutable part: its ``job_id``)
+- ``universes/<id>/plan.json``: written first by the build: its input groups and layers
+- ``universes/<id>/groups/<quoted group>.safetensors``: the group's pseudo-inverse factors (float64)
+- ``universes/<id>/engrams/<member key>.safetensors`` (+ ``.json``: per-layer norms): ``E_k,l``
+- ``universes/<id>/manifest.json``: written last; the universe exists exactly when it does
+- ``model-universes/<quoted model id>/current.json``: the model's current universe
+- ``model-universes/<quoted model id>/known/<id>``: one empty marker per universe of the model
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from service import callbacks
+from service.errors import Conflict, InvalidInput, NotFound
+from service.jobs import FINISHED, new_job, utc_now
+from service.registry import (
+    Context,
+    _default_reference,
+    _ready_stats,
+    attach_callbacks,
+    canonical_digest,
+    get_model,
+)
+
+UNIVERSE_FORMAT = "engram-universe/1"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A concept of a universe: its name when the universe was made, and its statistics."""
+
+    name: str
+    stats: str  # statistics prefix: stats/<model digest>/<dataset digest>/<settings digest>/
+    dataset_digest: str
+
+
+@dataclass(frozen=True)
+class UniverseSpec:
+    """Everything that determines a universe's factors and engrams (and so its ID)."""
+
+    model_id: str
+    model_digest: str
+    members: tuple[Member, ...]  # sorted by name; two names may share one statistics prefix
+    rcond: float | None
+
+    @property
+    def prefixes(self) -> list[str]:
+        return sorted({m.stats for m in self.members})
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(m.name for m in self.members)
+
+    def identity(self) -> dict[str, Any]:
+        """What the ID hashes: names are labels, the statistics are the content."""
+        return {
+            "format": UNIVERSE_FORMAT,
+            "model_digest": self.model_digest,
+            "stats": self.prefixes,
+            "settings": sorted({settings_digest(p) for p in self.prefixes}),
+            "rcond": self.rcond,
+        }
+
+    @property
+    def universe_id(self) -> str:
+        return canonical_digest(self.identity())[:32]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "universe_id": self.universe_id,
+            "model_id": self.model_id,
+            "model_digest": self.model_digest,
+            "members": [{"name": m.name, "stats": m.stats, "dataset_digest": m.dataset_digest} for m in self.members],
+            "stats": self.prefixes,
+            "rcond": self.rcond,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> UniverseSpec:
+        members = tuple(Member(m["name"], m["stats"], m["dataset_digest"]) for m in data["members"])
+        return cls(data["model_id"], data["model_digest"], members, data["rcond"])
+
+
+def make_spec(model: Mapping[str, Any], resolved: Mapping[str, Mapping[str, str]], rcond: float | None) -> UniverseSpec:
+    """A universe of ``resolved`` (name -> {prefix, dataset_digest}, from ``_ready_stats``)."""
+    members = tuple(Member(n, r["prefix"], r["dataset_digest"]) for n, r in sorted(resolved.items()))
+    return UniverseSpec(model["model_id"], model["digest"], members, rcond)
+
+
+def settings_digest(prefix: str) -> str:
+    """The collection-settings digest of a statistics prefix (its last segment)."""
+    return prefix.rstrip("/").rsplit("/", 1)[-1]
+
+
+def member_keys(prefixes: Sequence[str]) -> dict[str, str]:
+    """prefix -> the name of its engram file: the dataset digest, plus the settings digest where
+    two members hold the same records collected with other settings."""
+    digests = [p.rstrip("/").split("/")[-2] for p in prefixes]
+    return {p: d if digests.count(d) == 1 else f"{d}-{settings_digest(p)}" for p, d in zip(prefixes, digests, strict=True)}
+
+
+# ---------------------------------------------------------------- keys
+
+
+def universe_prefix(universe_id: str) -> str:
+    return f"universes/{universe_id}/"
+
+
+def group_key(universe_id: str, group: str) -> str:
+    return f"universes/{universe_id}/groups/{quote(group, safe='')}.safetensors"
+
+
+def engram_key(universe_id: str, member: str, suffix: str = ".safetensors") -> str:
+    return f"universes/{universe_id}/engrams/{member}{suffix}"
+
+
+def _model_prefix(model_id: str) -> str:
+    return f"model-universes/{quote(model_id, safe='')}/"
+
+
+def valid_universe_id(universe_id: str) -> bool:
+    return len(universe_id) == 32 and all(c in "0123456789abcdef" for c in universe_id)
+
+
+def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+    if not valid_universe_id(universe_id):
+        return None
+    key = universe_prefix(universe_id) + "request.json"
+    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+
+
+def find_manifest(ctx: Context, universe_id: str) -> dict[str, Any] | None:
+    if not valid_universe_id(universe_id):
+        return None
+    return ctx.reads.immutable_json(universe_prefix(universe_id) + "manifest.json")  # written once, last
+
+
+def current_pointer(ctx: Context, model_id: str) -> dict[str, Any] | None:
+    """The model's current universe: ``{universe_id, members, rcond, since}``, or None."""
+    return ctx.storage.find_json(_model_prefix(model_id) + "current.json")
+
+
+# ---------------------------------------------------------------- recording
+
+
+def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dict[str, Any]:
+    """Store what ``spec`` is (once) and which job builds it; call under ``ctx.lock``.
+
+    The job is replaced only when the recorded one can no longer build it (failed, cancelled, gone).
+    """
+    uid = spec.universe_id
+    existing = find_request(ctx, uid)
+    if existing is not None:
+        job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
+        if job is not None and job["status"] not in {"failed", "cancelled"} or job_id is None:
+            return existing
+        record = {**existing, "job_id": job_id}
+    else:
+        record = {**spec.to_json(), "job_id": job_id, "created_at": utc_now()}
+        ctx.storage.put_bytes(_model_prefix(spec.model_id) + f"known/{uid}", b"")
+    ctx.storage.put_json(universe_prefix(uid) + "request.json", record)
+    ctx.reads.forget(universe_prefix(uid) + "request.json")
+    return record
+
+
+def set_current(ctx: Context, spec: UniverseSpec) -> None:
+    """Make ``spec`` the model's current universe (call under ``ctx.lock``)."""
+    pointer = {
+        "universe_id": spec.universe_id,
+        "members": {m.name: m.stats for m in spec.members},
+        "rcond": spec.rcond,
+        "since": utc_now(),
+    }
+    previous = current_pointer(ctx, spec.model_id)
+    if previous is None or previous["universe_id"] != spec.universe_id:
+        ctx.storage.put_json(_model_prefix(spec.model_id) + "current.json", pointer)
+
+
+# ---------------------------------------------------------------- the universe of an edit
+
+
+@dataclass(frozen=True)
+class EditUniverse:
+    """The universe an edit request resolves to.
+
+    Attributes:
+        spec: the universe.
+        terms: each term's statistics prefix.
+        reference: the names shown as the variant's ``reference`` (the reference set before the terms joined).
+        becomes_current: the model had no current universe: this request makes ``reference`` current.
+    """
+
+    spec: UniverseSpec
+    terms: dict[str, str]
+    reference: list[str]
+    becomes_current: UniverseSpec | None = None
+
+
+def resolve_for_edit(
+    ctx: Context,
+    model: Mapping[str, Any],
+    terms: Sequence[str],
+    *,
+    reference: Sequence[str] | None,
+    universe_id: str | None,
+    rcond: float | None,
+) -> EditUniverse:
+    """The universe of an unlearn/compose request; reads only, writes nothing.
+
+    - ``universe``: that universe (404 unknown, 409 another model's, 422 a term not a member or
+      another ``rcond``);
+    - ``reference``: ``reference ∪ terms`` (its meaning before universes were stored);
+    - neither: the model's current universe ∪ terms; a model without one gets every concept ready
+      on it now (``becomes_current``).
+
+    Raises:
+        NotFound, Conflict, InvalidInput: as above; unknown or not-ready concepts name themselves.
+    """
+    model_id = model["model_id"]
+    term_stats = _ready_stats(ctx, model_id, sorted(set(terms)))
+    prefixes = {n: r["prefix"] for n, r in term_stats.items()}
+    if universe_id is not None:
+        if reference is not None:
+            raise InvalidInput("give either universe or reference, not both")
+        spec = _named_universe(ctx, model, universe_id, term_stats, rcond)
+        return EditUniverse(spec, prefixes, spec.names)
+    if reference is not None:
+        chosen = sorted(set(reference))
+        resolved = _ready_stats(ctx, model_id, sorted(set(chosen) | set(terms)))
+        return EditUniverse(make_spec(model, resolved, rcond), prefixes, chosen)
+    pointer = current_pointer(ctx, model_id)
+    new_current = None
+    if pointer is None:
+        names = _default_reference(ctx, model_id)
+        new_current = make_spec(model, _ready_stats(ctx, model_id, names), None)
+        pointer = {"members": {m.name: m.stats for m in new_current.members}, "rcond": None}
+    members = {n: {"prefix": p, "dataset_digest": p.rstrip("/").split("/")[-2]} for n, p in pointer["members"].items()}
+    members.update({n: r for n, r in term_stats.items() if r["prefix"] not in {m["prefix"] for m in members.values()}})
+    chosen_rcond = rcond if rcond is not None else pointer["rcond"]
+    spec = make_spec(model, members, chosen_rcond)
+    return EditUniverse(spec, prefixes, sorted(pointer["members"]), new_current)
+
+
+def _named_universe(
+    ctx: Context,
+    model: Mapping[str, Any],
+    universe_id: str,
+    term_stats: Mapping[str, Mapping[str, str]],
+    rcond: float | None,
+) -> UniverseSpec:
+    request = find_request(ctx, universe_id)
+    if request is None:
+        raise NotFound(f"universe {universe_id} does not exist")
+    spec = UniverseSpec.from_json(request)
+    if spec.model_id != model["model_id"] or spec.model_digest != model["digest"]:
+        raise Conflict(f"universe {universe_id} belongs to model {spec.model_id}, not {model['model_id']}")
+    outside = sorted(n for n, r in term_stats.items() if r["prefix"] not in spec.prefixes)
+    if outside:
+        raise InvalidInput(f"concept(s) not in universe {universe_id}: {', '.join(outside)}")
+    if rcond is not None and rcond != spec.rcond:
+        raise InvalidInput(f"universe {universe_id} has rcond {spec.rcond}; omit rcond or pass the same value")
+    return spec
+
+
+# ---------------------------------------------------------------- POST /models/{id}/universes
+
+
+def submit_universe(
+    ctx: Context, model_id: str, concepts: Sequence[str] | None, rcond: float | None, callback_url: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Build the universe of ``concepts`` (default: every concept ready on the model) and make it
+    the model's current one.
+
+    Returns:
+        (universe view, its build job; None when it is built already).
+
+    Raises:
+        NotFound, Conflict: an unknown model or concept, a concept without ready statistics, or no
+            ready concept at all.
+    """
+    urls = callbacks.check_optional_url(callback_url, ctx.settings)
+    model = get_model(ctx, model_id)
+    names = sorted(set(concepts)) if concepts else _default_reference(ctx, model_id)
+    if not names:
+        raise Conflict(f"no concept has ready statistics on model {model_id}")
+    spec = make_spec(model, _ready_stats(ctx, model_id, names), rcond)
+    uid = spec.universe_id
+    job = created = None
+    with ctx.lock:
+        set_current(ctx, spec)
+        if find_manifest(ctx, uid) is not None:
+            record_universe(ctx, spec, None)
+        else:
+            record = find_request(ctx, uid)
+            running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
+            if running is not None and running["status"] not in FINISHED:
+                job = attach_callbacks(ctx, running, urls)  # already building: that job calls back too
+            else:
+                payload = {"universe_id": uid, "model_id": model_id}
+                created = ctx.jobs.create(new_job("universe", payload, unit="steps", callback_urls=urls))
+                record_universe(ctx, spec, created["job_id"])
+    if created is not None:  # enqueued only after the request it reads is saved
+        ctx.dispatch(created)
+        job = ctx.jobs.get(created["job_id"])
+    return universe_view(ctx, uid), job
+
+
+# ---------------------------------------------------------------- views
+
+
+def universe_view(ctx: Context, universe_id: str, current: str | None = None) -> dict[str, Any]:
+    """A universe as the API shows it: members, status, groups done/total, bytes."""
+    request = find_request(ctx, universe_id, recent=True)
+    if request is None:
+        raise NotFound(f"universe {universe_id} does not exist")
+    if current is None:
+        pointer = current_pointer(ctx, request["model_id"])
+        current = pointer["universe_id"] if pointer else ""
+    # The job first, then the manifest: see registry.concept_model_state.
+    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+    manifest = find_manifest(ctx, universe_id)
+    view: dict[str, Any] = {
+        "universe_id": universe_id,
+        "model_id": request["model_id"],
+        "members": [{"name": m["name"], "dataset_digest": m["dataset_digest"]} for m in request["members"]],
+        "rcond": request["rcond"],
+        "current": universe_id == current,
+        "job_id": request.get("job_id"),
+        "created_at": request.get("created_at"),
+    }
+    if manifest is not None:
+        groups = len(manifest["groups"])
+        return {
+            **view,
+            "status": "ready",
+            "groups": {"done": groups, "total": groups},
+            "bytes": manifest["bytes"]["total"],
+            "build_seconds": manifest["seconds"],
+        }
+    plan = ctx.reads.immutable_json(universe_prefix(universe_id) + "plan.json")
+    done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
+    status = "building" if job is not None and job["status"] not in FINISHED else "failed"
+    total = len(plan["groups"]) if plan else None
+    return {**view, "status": status, "groups": {"done": done, "total": total}, "bytes": None, "build_seconds": None}
+
+
+def list_universes(ctx: Context, model_id: str) -> list[dict[str, Any]]:
+    """Every universe of a model (404 when it is not registered), the current one marked."""
+    get_model(ctx, model_id)
+    pointer = current_pointer(ctx, model_id)
+    current = pointer["universe_id"] if pointer else ""
+    ids = [k.rsplit("/", 1)[-1] for k in ctx.storage.list(_model_prefix(model_id) + "known/")]
+    views = [universe_view(ctx, uid, current) for uid in ids if valid_universe_id(uid)]
+    return sorted(views, key=lambda v: v["created_at"] or "")

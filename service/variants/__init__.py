@@ -1,0 +1,1 @@
+"""Variants: submission, and the build by arithmetic on a universe's stored engrams."""

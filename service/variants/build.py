@@ -1,0 +1,166 @@
+"""The variant job body: ``W + f_l · Σ_k c_k · E_k,l`` from a universe's stored engrams.
+
+The variant's universe is built first when it is not yet (on first need, in this job, by the same
+functions a ``universe`` job runs); then each layer is one read of ``W`` and of each term's engram,
+summed in float64 and written through the streaming checkpoint, delta or PEFT writers. W-Norm's
+``ρ_l`` comes from the norms recorded with the engrams (one term) or from the summed engram's norm.
+No statistics are read, nothing is decomposed, and no ``O·D²`` product runs once the universe exists.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256, write_checkpoint, write_delta
+from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
+from service.engine.layers import LayerSpec, select_layers
+from service.engine.lora import layer_loras, write_adapter
+from service.engine.model_files import ModelSourceError
+from service.engrams.store import (
+    StoredEngrams,
+    algebra_from_statistics,
+    relative_norms,
+    stored_editor,
+    stored_engrams,
+)
+from service.errors import JobFailed
+from service.local_copies import checked_model_dir
+from service.progress import CancelOnly, JobProgress, NoProgress, Progress
+from service.registry import Context, get_model
+from service.storage import scratch_dir
+from service.universes.build import ensure_universe
+
+
+def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition."""
+    variant_id = job["payload"]["variant_id"]
+    request = ctx.storage.get_json(f"variants/{variant_id}/request.json")
+    if ctx.storage.exists(f"variants/{variant_id}/manifest.json"):
+        return {"variant_id": variant_id, "reused": True}
+    progress = JobProgress(ctx, job["job_id"], 0)
+    started = time.monotonic()
+    with scratch_dir("variant") as tmp:
+        built = build_variant_files(ctx, request, Path(tmp), progress)
+        files = upload_variant(ctx, variant_id, Path(tmp))
+    seconds = round(time.monotonic() - started, 3)
+    published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
+    published["universe_id"] = request.get("universe_id")
+    if built.lora is not None:
+        published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
+    ctx.storage.put_json(f"variants/{variant_id}/manifest.json", published)  # last: the variant now exists
+    result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
+    return {**result, "universe_built_s": built.universe_built_s}
+
+
+@dataclass(frozen=True)
+class BuiltVariant:
+    """What :func:`build_variant_files` wrote: per-layer scales, a peft report, and the seconds spent
+    building the universe first (None when it existed)."""
+
+    scales: dict[str, float]
+    lora: dict[str, Any] | None
+    universe_built_s: float | None
+
+
+def build_variant_files(
+    ctx: Context, request: Mapping[str, Any], out: Path, progress: Progress | None = None
+) -> BuiltVariant:
+    """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
+
+    Args:
+        request: the stored variant request (``variants/<id>/request.json``).
+        progress: told of each layer written (a :class:`JobProgress` is given the layer count; the
+            universe build before it only checks for cancellation).
+
+    Raises:
+        JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
+    """
+    model = get_model(ctx, request["model_id"])
+    layout = ModelLayout.from_json(model["layout"])
+    layers = select_layers(layout.layers, request["modules"], request["layers"])
+    steps = progress or NoProgress()
+    try:
+        source, universe, built_s = _engram_source(ctx, request, steps)
+        reader = CheckpointReader(checked_model_dir(ctx, model), layout)
+        if isinstance(steps, JobProgress):
+            steps.restart(len(layers))
+        scales = variant_scales(layers, source, universe, request["scaling"], reader)
+        lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
+    except (EditError, ModelSourceError) as exc:
+        raise JobFailed(str(exc)) from None
+    return BuiltVariant(scales, lora, built_s)
+
+
+def _engram_source(
+    ctx: Context, request: Mapping[str, Any], progress: Progress
+) -> tuple[EngramSource, dict[str, Any] | None, float | None]:
+    """The variant's terms as stored engrams of its universe (built now if missing), or, for a
+    request stored before universes were (no ``universe_id``), as algebra on the statistics."""
+    if "universe_id" not in request:
+        return algebra_from_statistics(ctx, request), None, None
+    started = time.monotonic()
+    cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
+    universe, existed = ensure_universe(ctx, request["universe_id"], cancel_only)
+    built_s = None if existed else round(time.monotonic() - started, 3)
+    terms: dict[str, float] = {}
+    for name, coefficient in request["terms"].items():
+        prefix = request["term_stats"][name]
+        terms[prefix] = terms.get(prefix, 0.0) + float(coefficient)
+    return stored_engrams(ctx, universe, terms), universe, built_s
+
+
+def variant_scales(
+    layers: Sequence[LayerSpec],
+    source: EngramSource,
+    universe: Mapping[str, Any] | None,
+    scaling: str,
+    reader: CheckpointReader,
+) -> dict[str, float]:
+    """Per-layer ``f_l``: 1 (uniform) or W-Norm's ``ρ_l / max ρ`` over the selection."""
+    if not isinstance(source, StoredEngrams) or universe is None or scaling == "uniform":
+        return layer_scales(layers, source, reader.layer_weights, scaling)  # type: ignore[arg-type]
+    if scaling != "weight_norm":
+        raise EditError(f"unknown scaling {scaling!r}")
+    return normalized_scales(relative_norms(layers, source, universe))
+
+
+def write_variant(
+    out: Path,
+    reader: CheckpointReader,
+    layout: ModelLayout,
+    layers: Sequence[LayerSpec],
+    source: EngramSource,
+    scales: dict[str, float],
+    request: Mapping[str, Any],
+    progress: Progress,
+) -> dict[str, Any] | None:
+    """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
+    edit_layer = stored_editor(source, reader.layer_weights, scales)
+    edited = {name for name, scale in scales.items() if scale != 0.0}
+    if request["format"] == "checkpoint":
+        write_checkpoint(reader.path, out, layout, edit_layer, edited, on_layer=progress.advance)
+        return None
+    if request["format"] == "peft":
+        # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
+        rank = request.get("lora_rank")
+        loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank)
+        return write_adapter(
+            out, request["model_id"], loras, max_rank=rank, tied=layout.tied_partners, on_layer=progress.advance
+        )
+    metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
+    write_delta(reader.path, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
+    return None
+
+
+def upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:
+    files = []
+    for file in sorted(p for p in out.rglob("*") if p.is_file()):
+        rel = file.relative_to(out).as_posix()
+        ctx.storage.put_file(f"variants/{variant_id}/files/{rel}", file)
+        files.append({"path": rel, "size": file.stat().st_size, "sha256": file_sha256(file)})
+    return files

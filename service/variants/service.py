@@ -1,0 +1,124 @@
+"""Submitting a variant: resolve its universe, name it by content, and build it when it is new.
+
+The variant ID is a content hash of everything that determines the weights, the universe's ID
+included, so the same request keeps giving the same variant while the model's current universe
+stays the same (uploading an unrelated concept changes nothing until the universe is advanced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from service import callbacks
+from service.engine.checkpoint import ModelLayout
+from service.engine.lora import EXACT_RTOL
+from service.jobs import new_job
+from service.registry import (
+    ENGINE_VERSION,
+    Context,
+    _check_lora_rank,
+    _check_selection,
+    attach_callbacks,
+    canonical_digest,
+    find_variant_request,
+    get_model,
+    variant_manifest,
+    variant_view,
+)
+from service.universes.service import (
+    EditUniverse,
+    current_pointer,
+    find_manifest,
+    record_universe,
+    resolve_for_edit,
+    set_current,
+)
+
+_OPTIONS = ("scaling", "modules", "layers", "format")
+
+
+def submit_variant(
+    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
+
+    Returns:
+        (variant view, the building job or None when the variant was already there).
+    """
+    urls = callbacks.check_optional_url(options.get("callback_url"), ctx.settings)
+    _check_lora_rank(options)
+    model = get_model(ctx, model_id)
+    _check_selection(ModelLayout.from_json(model["layout"]), options.get("modules"), options.get("layers"))
+    resolved = _resolve(ctx, model, terms, options)
+    with ctx.lock:
+        if resolved.becomes_current is not None:
+            if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
+                set_current(ctx, resolved.becomes_current)
+            else:  # another request fixed it first: use that one
+                resolved = _resolve(ctx, model, terms, options)
+        variant_id, request = _variant_request(model, terms, alpha, options, resolved)
+        existing = find_variant_request(ctx, variant_id)
+        if existing is not None:
+            job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
+            if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
+                if job is not None:  # the same variant again: its build calls this URL back too
+                    job = attach_callbacks(ctx, job, urls)
+                return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
+        payload = {"variant_id": variant_id, "model_id": model_id}
+        job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
+        # The universe names the job that builds it: this one, on first need, unless built already.
+        built = find_manifest(ctx, resolved.spec.universe_id) is not None
+        record_universe(ctx, resolved.spec, None if built else job["job_id"])
+        ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
+        ctx.reads.forget(f"variants/{variant_id}/request.json")
+    ctx.dispatch(job)
+    return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
+
+
+def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: Mapping[str, Any]) -> EditUniverse:
+    return resolve_for_edit(
+        ctx,
+        model,
+        list(terms),
+        reference=options.get("reference"),
+        universe_id=options.get("universe"),
+        rcond=options.get("rcond"),
+    )
+
+
+def _variant_request(
+    model: Mapping[str, Any],
+    terms: Mapping[str, float],
+    alpha: float | None,
+    options: Mapping[str, Any],
+    resolved: EditUniverse,
+) -> tuple[str, dict[str, Any]]:
+    """The variant's ID and its stored request (what the build job reads)."""
+    spec = resolved.spec
+    term_stats = resolved.terms
+    identity = {
+        "engine": ENGINE_VERSION,
+        "model_digest": model["digest"],
+        "terms": sorted((term_stats[n], float(c)) for n, c in terms.items()),
+        "universe_id": spec.universe_id,
+        "rcond": spec.rcond,
+        **{k: options.get(k) for k in _OPTIONS},
+    }
+    if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
+        identity["lora"] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
+    variant_id = canonical_digest(identity)[:32]
+    request = {
+        "variant_id": variant_id,
+        "model_id": model["model_id"],
+        "terms": {n: float(c) for n, c in terms.items()},
+        "alpha": alpha,
+        "reference": resolved.reference,
+        **{k: options.get(k) for k in _OPTIONS},
+        "rcond": spec.rcond,
+        "lora_rank": options.get("lora_rank"),
+        "term_stats": term_stats,
+        "universe_id": spec.universe_id,
+        "universe_stats": spec.prefixes,
+    }
+    return variant_id, request

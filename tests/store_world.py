@@ -1,0 +1,112 @@
+"""An in-process service for the universe, engram and variant tests: real file storage, real job
+records and the real job bodies, with jobs run when the test says so (``run_pending``).
+
+Concepts are published as a collection job would publish them (statistics file, its manifest, the
+concept record), from statistics collected here by ``collect_statistics``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.config import Settings
+from service.demo import make_facts
+from service.engine.checkpoint import ModelLayout, load_model, load_tokenizer
+from service.engine.collect import LayerStatistics, collect_statistics
+from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from service.engine.stats_io import save_statistics
+from service.jobs import JobStore, utc_now
+from service.registry import Context, canonical_digest, collection_settings, register_model, stats_prefix
+from service.storage import LocalStorage
+from service.tasks import run_job
+
+MAX_LENGTH = 120
+
+
+def text_records(start: int, stop: int, seed: int = 11) -> list[Record]:
+    return [Record(text=p + c) for p, c in make_facts(200, seed=seed)[start:stop]]
+
+
+def float64_copy(source: Path, target: Path) -> Path:
+    """The same checkpoint with every floating tensor stored as float64."""
+    target.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.suffix == ".safetensors":
+            tensors = {k: v.double() if v.is_floating_point() else v for k, v in load_file(str(file)).items()}
+            save_file(tensors, str(target / file.name), metadata={"format": "pt"})
+        else:
+            (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+class StoreWorld:
+    """One storage, its job store, registered models and published concepts."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "models").mkdir(parents=True, exist_ok=True)
+        settings = Settings(
+            storage_url=f"file://{root / 'store'}", model_roots=str(root / "models"), cache_dir=root / "cache"
+        )
+        storage = LocalStorage(root / "store")
+        self.pending: list[dict[str, Any]] = []
+        self.ctx = Context(
+            settings=settings, storage=storage, jobs=JobStore(storage), dispatch=self.pending.append, lock=threading.RLock()
+        )
+        self._models: dict[str, tuple[Any, Any, ModelLayout]] = {}
+
+    def register(self, model_id: str, path: Path) -> dict[str, Any]:
+        manifest, _ = register_model(self.ctx, model_id, f"file://{path}")
+        return manifest
+
+    def collect(self, model_id: str, records: Sequence[Record]) -> LayerStatistics:
+        model, tokenizer, layout = self._loaded(model_id)
+        examples = [encode_record(tokenizer, r, MAX_LENGTH) for r in records]
+        return collect_statistics(model, make_batches(examples, 16, pad_token_id(tokenizer)), layout.layers)
+
+    def publish(self, model_id: str, name: str, records: Sequence[Record], role: str = "target") -> LayerStatistics:
+        """Collect and publish concept ``name`` on ``model_id`` as a collection job would."""
+        stats = self.collect(model_id, records)
+        manifest = self.ctx.storage.get_json(f"models/{model_id.replace('/', '%2F')}.json")
+        digest = hashlib.sha256("\n".join(repr(r) for r in records).encode()).hexdigest()
+        prefix = stats_prefix(manifest["digest"], digest, canonical_digest(collection_settings(self.ctx.settings)))
+        file = self.root / f"{digest}.safetensors"
+        save_statistics(stats, file)
+        self.ctx.storage.put_file(prefix + "statistics.safetensors", file)
+        self.ctx.storage.put_json(prefix + "manifest.json", {"tokens": stats.tokens})
+        concept = self.ctx.storage.find_json(f"concepts/{name}.json") or {
+            "name": name,
+            "role": role,
+            "description": None,
+            "num_records": len(records),
+            "dataset_digest": digest,
+            "models": {},
+            "created_at": utc_now(),
+        }
+        concept["models"][model_id] = {"job_id": "0" * 32, "stats": prefix}
+        self.ctx.storage.put_json(f"concepts/{name}.json", concept)
+        return stats
+
+    def run_pending(self) -> list[dict[str, Any]]:
+        """Run every dispatched job to its end; returns their final records."""
+        done = []
+        while self.pending:
+            job = self.pending.pop(0)
+            run_job(self.ctx, job["job_id"])
+            done.append(self.ctx.jobs.get(job["job_id"]))
+        return done
+
+    def _loaded(self, model_id: str) -> tuple[Any, Any, ModelLayout]:
+        if model_id not in self._models:
+            manifest = self.ctx.storage.get_json(f"models/{model_id.replace('/', '%2F')}.json")
+            path = Path(manifest["path"])
+            layout = ModelLayout.from_json(manifest["layout"])
+            self._models[model_id] = (load_model(path, dtype=torch.float32), load_tokenizer(path), layout)
+        return self._models[model_id]

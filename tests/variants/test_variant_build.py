@@ -1,0 +1,259 @@
+"""Variants by arithmetic on a universe's stored engrams, through the real job bodies.
+
+Exactness is held to tests/engine/test_compose.py's bars: new weights within 1e-6 of the float64
+formula (relative), the edit itself within 1e-4; the measured gap to today's statistics path
+(:class:`EngramAlgebra`) is at the float32 rounding of the result (float32 engram storage adds
+~3e-8 relative to an engram, see tests/universes). A float64 checkpoint's variant is held to 1e-10.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from service.engine import compose as compose_module
+from service.engine.checkpoint import ModelLayout
+from service.engine.collect import LayerStatistics
+from service.engine.compose import EngramAlgebra, layer_edits
+from service.engine.layers import LayerSpec
+from service.registry import variant_view
+from service.universes import build as build_module
+from service.universes.service import find_manifest, find_request, submit_universe
+from service.variants.service import submit_variant
+from tests.engine.test_compose import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
+from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
+from tests.store_world import StoreWorld, float64_copy, text_records
+
+ALPHA = 0.8
+FLOAT64_TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("variant-build")
+    w = StoreWorld(root)
+    tokenizer = make_tokenizer()
+    llama = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=tokenizer)
+    paths = {
+        "v/llama": llama,
+        "v/llama64": float64_copy(llama, root / "models" / "llama64"),
+        "v/gpt2": make_tiny_gpt2(root / "models" / "gpt2", hidden=32, layers=2, seed=0, tokenizer=tokenizer),
+    }
+    stats: dict[str, dict[str, LayerStatistics]] = {}
+    for model_id, path in paths.items():
+        w.register(model_id, path)
+        stats[model_id] = {
+            "forget": w.publish(model_id, "forget", text_records(0, 40)),
+            "retain": w.publish(model_id, "retain", text_records(40, 120)),
+            "other": w.publish(model_id, "other", text_records(0, 30, seed=5)),
+        }
+    return {"world": w, "paths": paths, "stats": stats}
+
+
+def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any) -> dict[str, Any]:
+    """Submit a variant and run its job; returns the variant view."""
+    options = {"scaling": "uniform", "format": "checkpoint", **options}
+    view, job = submit_variant(w.ctx, model_id, terms, None, options)
+    if job is not None:
+        [done] = w.run_pending()
+        assert done["status"] == "succeeded", done
+        view = variant_view(w.ctx, view["variant_id"])
+    return {**view, "manifest": w.ctx.storage.get_json(f"variants/{view['variant_id']}/manifest.json")}
+
+
+def checkpoint_of(w: StoreWorld, variant: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return load_file(str(w.ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")))
+
+
+def layout_of(w: StoreWorld, model_id: str) -> ModelLayout:
+    return ModelLayout.from_json(w.ctx.storage.get_json(f"models/{model_id.replace('/', '%2F')}.json")["layout"])
+
+
+def new_weights(spec: LayerSpec, layout: ModelLayout, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A written layer's ``[W | b]`` as ``[out, in(+1)]`` float64 (its own key when the edit untied it)."""
+    key = layout.own_keys.get(spec.name, layout.weight_keys[spec.name])
+    w = tensors[key].double()
+    w = w.T if spec.transposed else w
+    if spec.bias:
+        w = torch.cat([w, tensors[layout.bias_keys[spec.name]].double()[:, None]], dim=1)
+    return w
+
+
+def reference_deltas(
+    world: dict[str, Any], model_id: str, terms: dict[str, float], universe: list[str], scaling: str
+) -> dict[str, torch.Tensor]:
+    """``f_l · Σ_k c_k W Σ_k Σ_U⁺`` per layer, float64, with W-Norm's ρ from the float64 engram."""
+    engrams, scales = reference_edit(world, model_id, terms, universe, scaling)
+    return {n: scales[n] * e for n, e in engrams.items()}
+
+
+def reference_edit(
+    world: dict[str, Any], model_id: str, terms: dict[str, float], universe: list[str], scaling: str
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``Σ_k c_k W Σ_k Σ_U⁺`` per layer (float64) and the layers' ``f_l``."""
+    from service.engine.checkpoint import CheckpointReader
+
+    stats = world["stats"][model_id]
+    layout = layout_of(world["world"], model_id)
+    reader = CheckpointReader(world["paths"][model_id], layout)
+    engrams, rho = {}, {}
+    for spec in layout.layers:
+        weights = reader.layer_weights(spec)
+        total = sum(stats[n].sum_for(spec.name) for n in universe)
+        engrams[spec.name] = sum(
+            c * reference_engram(spec, weights, stats[n].sum_for(spec.name), total) for n, c in terms.items()
+        )
+        rho[spec.name] = float(engrams[spec.name][:, : spec.in_features].norm() / weights.weight.double().norm())
+    top = max(rho.values())
+    return engrams, {n: (1.0 if scaling == "uniform" else rho[n] / top) for n in engrams}
+
+
+def assert_matches(
+    world: dict[str, Any], model_id: str, variant: dict[str, Any], expected: dict[str, torch.Tensor], tol: float = WEIGHT_TOL
+) -> float:
+    """The written checkpoint equals base + expected delta; returns the worst relative delta error."""
+    from service.engine.checkpoint import CheckpointReader
+
+    w: StoreWorld = world["world"]
+    layout = layout_of(w, model_id)
+    reader = CheckpointReader(world["paths"][model_id], layout)
+    written = checkpoint_of(w, variant)
+    worst = 0.0
+    for spec in layout.layers:
+        old = augmented(spec, reader.layer_weights(spec))
+        new = new_weights(spec, layout, written)
+        assert rel(new, old + expected[spec.name]) < tol, spec.name
+        error = rel(new - old, expected[spec.name])
+        assert error < max(DELTA_TOL, tol), (spec.name, error)
+        worst = max(worst, error)
+    return worst
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("scaling", ["uniform", "weight_norm"])
+@pytest.mark.parametrize("model_id", ["v/llama", "v/gpt2", "v/llama64"])
+def test_variant_from_stored_engrams_equals_the_float64_formula(world: dict[str, Any], model_id: str, scaling: str) -> None:
+    w: StoreWorld = world["world"]
+    terms = {"forget": -ALPHA}
+    variant = build(w, model_id, terms, reference=["forget", "retain"], scaling=scaling)
+    assert variant["universe_id"] and find_manifest(w.ctx, variant["universe_id"]) is not None
+    expected = reference_deltas(world, model_id, terms, ["forget", "retain"], scaling)
+    tol = FLOAT64_TOL if model_id.endswith("64") else WEIGHT_TOL
+    worst = assert_matches(world, model_id, variant, expected, tol)
+    print(f"{model_id} {scaling}: worst relative edit error {worst:.2e}")  # noqa: T201
+    _, reference_scales = reference_edit(world, model_id, terms, ["forget", "retain"], scaling)
+    scales = variant["manifest"]["scales"]
+    assert scales == pytest.approx(reference_scales, rel=1e-6), "ρ of the stored (float32) engrams"
+    if scaling == "weight_norm":
+        assert max(scales.values()) == pytest.approx(1.0, rel=1e-12)
+        assert min(scales.values()) < 0.9, "the schedule is not flat"
+
+
+def test_variant_equals_the_statistics_path(world: dict[str, Any]) -> None:
+    """The stored-engram variant and EngramAlgebra's (today's path) differ by float32 rounding only."""
+    w: StoreWorld = world["world"]
+    stats = world["stats"]["v/llama"]
+    variant = build(w, "v/llama", {"forget": -ALPHA, "other": 0.3}, reference=["forget", "retain", "other"])
+    layout = layout_of(w, "v/llama")
+    from service.engine.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(world["paths"]["v/llama"], layout)
+    algebra = EngramAlgebra([(-ALPHA, stats["forget"]), (0.3, stats["other"])], list(stats.values()))
+    edits = {
+        e.spec.name: e
+        for e in layer_edits(
+            layout.layers, algebra, reader.layer_weights, dict.fromkeys((s.name for s in layout.layers), 1.0)
+        )
+    }
+    written = checkpoint_of(w, variant)
+    for spec in layout.layers:
+        ours, theirs = new_weights(spec, layout, written), canonical(edits[spec.name])
+        ulp = torch.finfo(torch.float32).eps * theirs.abs().max()
+        assert float((ours - theirs).abs().max()) <= float(ulp), spec.name
+
+
+def test_any_subset_is_the_sum_of_its_members(world: dict[str, Any]) -> None:
+    """One universe, every subset of two targets: each edit is the sum of the members' engrams."""
+    w: StoreWorld = world["world"]
+    universe = ["forget", "other", "retain"]
+    singles = {k: reference_deltas(world, "v/gpt2", {k: -1.0}, universe, "uniform") for k in ("forget", "other")}
+    for subset in (["forget"], ["other"], ["forget", "other"]):
+        variant = build(w, "v/gpt2", dict.fromkeys(subset, -1.0), reference=universe)
+        expected = {n: sum(singles[k][n] for k in subset) for n in singles["forget"]}
+        assert_matches(world, "v/gpt2", variant, expected)
+    ids = {build(w, "v/gpt2", dict.fromkeys(s, -1.0), reference=universe)["universe_id"] for s in (["forget"], ["other"])}
+    assert len(ids) == 1, "every subset of one universe uses its one set of engrams"
+
+
+def test_signed_composition(world: dict[str, Any]) -> None:
+    w: StoreWorld = world["world"]
+    terms = {"forget": 0.5, "other": -1.25}
+    variant = build(w, "v/llama", terms, reference=["retain"], scaling="weight_norm")
+    assert variant["terms"] == terms
+    assert_matches(
+        world, "v/llama", variant, reference_deltas(world, "v/llama", terms, ["forget", "other", "retain"], "weight_norm")
+    )
+
+
+def test_delta_and_peft_formats_carry_the_same_edit(world: dict[str, Any]) -> None:
+    w: StoreWorld = world["world"]
+    common = {"reference": ["forget", "retain"], "modules": ["q_proj", "down_proj"]}
+    full = checkpoint_of(w, build(w, "v/llama", {"forget": -1.0}, **common))
+    delta_variant = build(w, "v/llama", {"forget": -1.0}, format="delta", **common)
+    delta = load_file(str(w.ctx.storage.local_path(f"variants/{delta_variant['variant_id']}/files/delta.safetensors")))
+    assert sorted(delta) == sorted(
+        f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "mlp.down_proj")
+    )
+    for key, value in delta.items():
+        assert torch.equal(value, full[key]), key
+    peft = build(w, "v/llama", {"forget": -1.0}, format="peft", **common)
+    report = peft["manifest"]["lora"]
+    assert report and all(layer["relative_error"] < 1e-5 for layer in report["layers"].values())
+
+
+# ---------------------------------------------------------------- no decomposition once built
+
+
+def _forbid(monkeypatch: pytest.MonkeyPatch, target: Any, name: str) -> None:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError(f"{name} ran on a variant of a built universe")
+
+    monkeypatch.setattr(target, name, refuse)
+
+
+def test_variants_of_a_built_universe_decompose_nothing_and_multiply_no_engram(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a universe is built, variants read engrams: no eigh, no pseudo-inverse, no W·Σ·Σ⁺."""
+    w: StoreWorld = world["world"]
+    universe = ["forget", "other", "retain"]
+    view, job = submit_universe(w.ctx, "v/llama", universe, None)
+    w.run_pending()
+    assert find_manifest(w.ctx, view["universe_id"]) is not None
+    for target, name in (
+        (torch.linalg, "eigh"),
+        (build_module, "pinv_factors"),
+        (compose_module, "pinv_factors"),
+        (compose_module.EngramAlgebra, "engram"),
+        (compose_module.EngramAlgebra, "factors"),
+    ):
+        _forbid(monkeypatch, target, name)
+    for terms, scaling in (({"retain": -0.4}, "uniform"), ({"forget": -1.0, "other": -1.0}, "weight_norm")):
+        variant = build(w, "v/llama", terms, universe=view["universe_id"], scaling=scaling)
+        assert variant["status"] == "ready" and variant["universe_id"] == view["universe_id"]
+
+
+def test_the_first_variant_of_a_new_universe_builds_it(world: dict[str, Any]) -> None:
+    w: StoreWorld = world["world"]
+    variant = build(w, "v/gpt2", {"other": -1.0}, reference=["other"])
+    record = find_request(w.ctx, variant["universe_id"])
+    assert record is not None and record["job_id"] == variant["job_id"], "the variant job built its universe"
+    assert find_manifest(w.ctx, variant["universe_id"]) is not None
+    job = w.ctx.jobs.get(variant["job_id"])
+    assert job["result"]["universe_built_s"] is not None
+    assert job["progress"]["done"] == job["progress"]["total"] == len(layout_of(w, "v/gpt2").layers)
