@@ -1,8 +1,9 @@
 """Universes: the concept statistics an edit is measured against, as stored objects.
 
 A universe is a set of concept statistics on one model plus the pseudo-inverse cut: its ID is a
-content hash of the model digest, the members' statistics prefixes (which carry the dataset and
-collection-settings digests) and ``rcond``, so it is never mutated. Its build (a ``universe`` job,
+content hash of the model digest (model IDs of the same weights share universes), the members'
+statistics prefixes (which carry the dataset and collection-settings digests) and ``rcond``, so it
+is never mutated. Its build (a ``universe`` job,
 or the first variant that needs it) decomposes each input group of ``Σ_U`` once and stores every
 member's engram; variants are then arithmetic on those (:mod:`service.variants.build`).
 
@@ -164,6 +165,9 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
     The job is replaced only when the recorded one can no longer build it (failed, cancelled, gone).
     """
     uid = spec.universe_id
+    marker = _model_prefix(spec.model_id) + f"known/{uid}"
+    if not ctx.storage.exists(marker):  # listed under every model ID (of the same weights) that used it
+        ctx.storage.put_bytes(marker, b"")
     existing = find_request(ctx, uid)
     if existing is not None:
         job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
@@ -172,7 +176,6 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
         record = {**existing, "job_id": job_id}
     else:
         record = {**spec.to_json(), "job_id": job_id, "created_at": utc_now()}
-        ctx.storage.put_bytes(_model_prefix(spec.model_id) + f"known/{uid}", b"")
     ctx.storage.put_json(universe_prefix(uid) + "request.json", record)
     ctx.reads.forget(universe_prefix(uid) + "request.json")
     return record
@@ -267,7 +270,7 @@ def _named_universe(
     if request is None:
         raise NotFound(f"universe {universe_id} does not exist")
     spec = UniverseSpec.from_json(request)
-    if spec.model_id != model["model_id"] or spec.model_digest != model["digest"]:
+    if spec.model_digest != model["digest"]:  # model IDs of the same weights share their universes
         raise Conflict(f"universe {universe_id} belongs to model {spec.model_id}, not {model['model_id']}")
     outside = sorted(n for n, r in term_stats.items() if r["prefix"] not in spec.prefixes)
     if outside:
@@ -365,5 +368,5 @@ def list_universes(ctx: Context, model_id: str) -> list[dict[str, Any]]:
     pointer = current_pointer(ctx, model_id)
     current = pointer["universe_id"] if pointer else ""
     ids = [k.rsplit("/", 1)[-1] for k in ctx.storage.list(_model_prefix(model_id) + "known/")]
-    views = [universe_view(ctx, uid, current) for uid in ids if valid_universe_id(uid)]
+    views = [{**universe_view(ctx, uid, current), "model_id": model_id} for uid in ids if valid_universe_id(uid)]
     return sorted(views, key=lambda v: v["created_at"] or "")

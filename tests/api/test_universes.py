@@ -1,0 +1,111 @@
+"""Universes through the real server: build one, see it, use it; the same request keeps its variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.demo import make_facts
+from tests.api.test_api import assert_problem
+from tests.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+
+MODEL = "uni/tiny"
+FACTS = make_facts(60, seed=4)
+
+
+def records(start: int, stop: int) -> list[dict[str, str]]:
+    return [{"prompt": p, "completion": c} for p, c in FACTS[start:stop]]
+
+
+@pytest.fixture(scope="module")
+def api(live_server: LiveServer, tiny_llama_dir: Path) -> httpx.Client:
+    """``uni/tiny`` registered with concepts ``uni-forget`` and ``uni-retain`` ready on it."""
+    client = live_server.client
+    response = client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
+    assert response.status_code in (200, 201), response.text
+    for name, (start, stop) in (("uni-forget", (0, 4)), ("uni-retain", (4, 20))):
+        response = client.post("/concepts", json={"name": name, "models": [MODEL], "records": records(start, stop)})
+        assert response.status_code == 202, response.text
+    wait_concepts_ready(client, ["uni-forget", "uni-retain"], MODEL)
+    return client
+
+
+@pytest.fixture(scope="module")
+def built(api: httpx.Client) -> dict[str, Any]:
+    """The first POST /models/uni/tiny/universes (every ready concept) and its finished job."""
+    response = api.post(f"/models/{MODEL}/universes", json={})
+    assert response.status_code == 202, response.text
+    return {"response": response.json(), "job": wait_for_job(api, response.json()["job"]["job_id"])}
+
+
+def test_posting_a_universe_builds_it_and_makes_it_current(api: httpx.Client, built: dict[str, Any]) -> None:
+    submitted = built["response"]
+    universe = submitted["universe"]
+    assert universe["status"] == "building" and universe["current"] is True
+    assert sorted(m["name"] for m in universe["members"]) == ["uni-forget", "uni-retain"]
+    assert submitted["job"]["kind"] == "universe" and submitted["job"]["model_id"] == MODEL
+    job = built["job"]
+    assert job["status"] == "succeeded", job
+    assert job["progress"]["done"] == job["progress"]["total"] > 0
+    shown = api.get(f"/universes/{universe['universe_id']}")
+    assert shown.status_code == 200, shown.text
+    ready = shown.json()
+    assert ready["status"] == "ready" and ready["current"] is True
+    assert ready["groups"]["done"] == ready["groups"]["total"] > 0
+    assert ready["bytes"] > 0
+    assert set(ready["build_seconds"]) == {"decomposition", "engrams", "total"}
+    listed = api.get(f"/models/{MODEL}/universes")
+    assert listed.status_code == 200, listed.text
+    assert [u["universe_id"] for u in listed.json() if u["current"]] == [universe["universe_id"]]
+    again = api.post(f"/models/{MODEL}/universes", json={})
+    assert again.status_code == 200, again.text
+    assert again.json()["job"] is None and again.json()["universe"]["universe_id"] == universe["universe_id"]
+
+
+def test_an_unrelated_upload_does_not_change_the_answer(api: httpx.Client, built: dict[str, Any]) -> None:
+    current = built["response"]["universe"]["universe_id"]
+    body = {"concepts": ["uni-forget"], "alpha": 1.0}
+    first = api.post(f"/models/{MODEL}/unlearn", json=body)
+    assert first.status_code == 202, first.text
+    variant = wait_variant_ready(api, first.json()["variant"]["variant_id"])
+    assert variant["universe_id"] == current
+    assert variant["reference"] == ["uni-forget", "uni-retain"]
+    upload = api.post("/concepts", json={"name": "uni-unrelated", "models": [MODEL], "records": records(20, 40)})
+    assert upload.status_code == 202, upload.text
+    wait_concepts_ready(api, ["uni-unrelated"], MODEL)
+    again = api.post(f"/models/{MODEL}/unlearn", json=body)
+    assert again.status_code == 200, again.text
+    assert again.json()["variant"]["variant_id"] == variant["variant_id"]
+
+    advanced = api.post(f"/models/{MODEL}/universes", json={})  # now with uni-unrelated
+    assert advanced.status_code == 202, advanced.text
+    wait_for_job(api, advanced.json()["job"]["job_id"])
+    moved = api.post(f"/models/{MODEL}/unlearn", json=body)
+    assert moved.status_code == 202, moved.text
+    assert moved.json()["variant"]["universe_id"] == advanced.json()["universe"]["universe_id"]
+    assert wait_variant_ready(api, moved.json()["variant"]["variant_id"])["variant_id"] != variant["variant_id"]
+    old = api.post(f"/models/{MODEL}/unlearn", json={**body, "universe": current})
+    assert old.status_code == 200 and old.json()["variant"]["variant_id"] == variant["variant_id"], old.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "mention"),
+    [
+        ("GET", "/universes/0123456789abcdef0123456789abcdef", None, 404, "0123456789abcdef"),
+        ("GET", "/universes/not-a-universe", None, 404, ""),
+        ("GET", "/models/uni/missing/universes", None, 404, "uni/missing"),
+        ("POST", "/models/uni/missing/universes", {}, 404, "uni/missing"),
+        ("POST", f"/models/{MODEL}/universes", {"concepts": ["uni-ghost"]}, 404, "uni-ghost"),
+        ("POST", f"/models/{MODEL}/universes", {"concepts": []}, 422, "concepts"),
+        ("POST", f"/models/{MODEL}/universes", {"rcond": 2.0}, 422, "rcond"),
+        ("POST", f"/models/{MODEL}/unlearn", {"concepts": ["uni-forget"], "universe": "0" * 32}, 404, "0" * 32),
+        ("POST", f"/models/{MODEL}/unlearn", {"concepts": ["uni-forget"], "universe": "latest"}, 422, "universe"),
+    ],
+)
+def test_bad_universe_requests_are_problems(
+    api: httpx.Client, built: dict[str, Any], method: str, path: str, body: Any, status: int, mention: str
+) -> None:
+    assert_problem(api.request(method, path, json=body), status, *([mention] if mention else []))
