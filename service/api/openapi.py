@@ -89,6 +89,7 @@ EXTRA_RESPONSES: dict[tuple[str, str], dict[int, str]] = {
     },
     ("POST", "/models/{model_id}/unlearn"): {409: "A concept has no ready statistics on this model"},
     ("POST", "/models/{model_id}/compose"): {409: "A concept has no ready statistics on this model"},
+    ("POST", "/models/{model_id}/universes"): {409: "A concept (or every one) has no ready statistics on this model"},
     ("GET", "/models/{model_id}/engram-map"): {409: "A concept has no ready statistics on this model"},
     ("GET", "/models/{model_id}/engram-map.png"): {409: "A concept has no ready statistics on this model"},
     ("POST", "/variants/{variant_id}/evaluate"): {409: "The variant is not ready (still building, or failed)"},
@@ -103,6 +104,7 @@ EXTRA_SUCCESS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("POST", "/models"): {"200": {"description": "The identical registration existed already"}},
     ("POST", "/models/{model_id}/unlearn"): {"200": {"description": "The variant exists already (ready)"}},
     ("POST", "/models/{model_id}/compose"): {"200": {"description": "The variant exists already (ready)"}},
+    ("POST", "/models/{model_id}/universes"): {"200": {"description": "The universe exists already (ready)"}},
     ("POST", "/variants/{variant_id}/evaluate"): {"200": {"description": "The job finished within `wait` seconds"}},
     ("POST", "/variants/{variant_id}/generate"): {"200": {"description": "The job finished within `wait` seconds"}},
 }
@@ -111,6 +113,7 @@ _SUCCESS_DESCRIPTIONS: dict[tuple[str, str], dict[str, str]] = {
     ("POST", "/concepts"): {"202": "Stored; a collection job per listed model that lacks statistics"},
     ("POST", "/models/{model_id}/unlearn"): {"202": "The variant is building: poll it, or its job"},
     ("POST", "/models/{model_id}/compose"): {"202": "The variant is building: poll it, or its job"},
+    ("POST", "/models/{model_id}/universes"): {"202": "The universe is building: poll it, or its job"},
     ("POST", "/variants/{variant_id}/evaluate"): {"202": "The job is queued or running: poll `GET /jobs/{job_id}`"},
     ("POST", "/variants/{variant_id}/generate"): {"202": "The job is queued or running: poll `GET /jobs/{job_id}`"},
     ("DELETE", "/concepts/{name}"): {"204": "Deleted"},
@@ -700,6 +703,7 @@ PARAMETER_EXAMPLES: dict[str, str] = {
     "job_id": JOB_ID,
     "name": "forget",
     "path": "model.safetensors",
+    "universe_id": "5b0e7d21c9a84f36a1d2e3f4a5b6c7d8",
 }
 
 

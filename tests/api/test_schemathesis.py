@@ -25,8 +25,8 @@ answered 413 before anything else (auth included): a rejection like the others f
 it does not:
 
 * ``use_after_free`` on ``GET /jobs/{id}``: ``DELETE /jobs/{id}`` cancels a job and keeps its record;
-* ``ensure_resource_availability`` on ``unlearn``/``compose``: their 404 also names an unknown
-  concept of the body (one deleted earlier in the run), not only an unknown model;
+* ``ensure_resource_availability`` on ``unlearn``/``compose``/``universes``: their 404 also names an
+  unknown concept of the body (one deleted earlier in the run), not only an unknown model;
 * ``allow_header_conformance`` on ``unlearn``/``compose``: model IDs hold a "/", so
   ``/models/a/compose`` is also ``GET /models/{model_id}`` of the model ``a/compose``, and the
   ``Allow`` of a 405 there rightly lists GET, which the template ``/models/{model_id}/compose``
@@ -67,6 +67,7 @@ class Target:
     variant_id: str
     files: list[str]
     job_id: str
+    universe_ids: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,14 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
             f"/variants/{variant['variant_id']}/generate?wait=60", json={"prompt": "Q:", "max_new_tokens": 2}
         )
         assert response.status_code == 200, response.text
+        universes = api.get(f"/models/{MODEL}/universes")  # the unlearn built the model's universe
+        assert universes.status_code == 200, universes.text
+        universe_ids = [u["universe_id"] for u in universes.json()]
         document = root / "openapi.json"
         document.write_text(api.get("/openapi.json").text)
         del api.headers["Authorization"]
-        yield Target(
-            server, document, variant["variant_id"], [f["path"] for f in variant["files"]], response.json()["job_id"]
-        )
+        files = [f["path"] for f in variant["files"]]
+        yield Target(server, document, variant["variant_id"], files, response.json()["job_id"], universe_ids)
     finally:
         stop_server(server)
 
@@ -111,7 +114,9 @@ def config(target: Target) -> str:
         "job_id": [target.job_id],
         "name": ["forget", "retain"],
         "path": target.files,
+        "universe_id": target.universe_ids,
     }
+    dictionaries = {name: values for name, values in dictionaries.items() if values}
     lines = []
     for parameter, values in dictionaries.items():
         lines += [f"[dictionaries.{parameter}]", f"values = {json.dumps(values)}", ""]
@@ -131,6 +136,10 @@ def config(target: Target) -> str:
         "[[operations]]",
         'include-name = ["POST /models/{model_id}/unlearn", "POST /models/{model_id}/compose"]',
         "checks.allow_header_conformance.enabled = false",
+        "",
+        "[[operations]]",
+        'include-name = ["POST /models/{model_id}/unlearn", "POST /models/{model_id}/compose", '
+        '"POST /models/{model_id}/universes"]',
         "checks.ensure_resource_availability.enabled = false",
         "",
         "[[operations]]",
