@@ -153,6 +153,23 @@ def test_identical_concurrent_variant_requests_build_once(cluster: Cluster) -> N
     assert wait_for_job(client, job_ids.pop())["status"] == "succeeded"
 
 
+def test_a_worker_builds_a_universe_and_the_next_variant_only_reads_it(cluster: Cluster) -> None:
+    client = cluster.api.client
+    for name, lo, hi in (("u-forget", 40, 44), ("u-retain", 44, 50)):
+        wait_for_job(client, post_concept(client, name, [{"text": p + c} for p, c in FACTS[lo:hi]])["jobs"][0]["job_id"])
+    response = client.post(f"/models/{MODEL}/universes", json={"concepts": ["u-forget", "u-retain"], "rcond": 1e-3})
+    assert response.status_code == 202, response.text
+    job = wait_for_job(client, response.json()["job"]["job_id"])
+    assert job["status"] == "succeeded" and job["kind"] == "universe", job
+    universe = client.get(f"/universes/{response.json()['universe']['universe_id']}").json()
+    assert universe["status"] == "ready" and universe["current"] is True and universe["rcond"] == 1e-3
+    variant = client.post(f"/models/{MODEL}/unlearn", json={"concepts": ["u-forget"]})
+    assert variant.status_code == 202, variant.text
+    assert variant.json()["variant"]["universe_id"] == universe["universe_id"], "the current universe"
+    built = wait_for_job(client, variant.json()["job"]["job_id"])
+    assert built["status"] == "succeeded" and built["result"]["universe_built_s"] is None, built
+
+
 def test_worker_killed_mid_collection_is_recovered(cluster: Cluster) -> None:
     client = cluster.api.client
     submitted = post_concept(client, "long", LONG_RECORDS)
