@@ -6,7 +6,9 @@ Every builder writes an ordinary model directory (``config.json`` +
 tiny and seeds fixed so tests are fast and deterministic.  The three architectures
 cover the layer kinds an editor must handle: Llama (bias-free ``nn.Linear``, untied or
 tied head), GPT-2 (``Conv1D`` with bias, ``lm_head`` tied to ``wte``) and BERT
-(``nn.Linear`` with bias, masked LM).
+(``nn.Linear`` with bias, masked LM). A BERT encoder with a pooler (``BertModel``, as
+all-MiniLM-L6-v2 ships) adds a layer that reads one row per sequence; a Qwen3-MoE and a Mixtral
+(experts fused into 3-D parameters by transformers 5) are what the service must refuse by name.
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import (
     BertConfig,
     BertForMaskedLM,
+    BertModel,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from service.demo import make_facts, tiny_llama_config, train_tokenizer
@@ -33,8 +40,11 @@ __all__ = [
     "default_corpus",
     "make_bert_tokenizer",
     "make_tiny_bert",
+    "make_tiny_bert_encoder",
     "make_tiny_gpt2",
     "make_tiny_llama",
+    "make_tiny_mixtral",
+    "make_tiny_qwen3_moe",
     "make_tokenizer",
 ]
 
@@ -212,3 +222,130 @@ def make_tiny_bert(
     )
     torch.manual_seed(seed)
     return _save(BertForMaskedLM(config), tokenizer, path)
+
+
+def make_tiny_bert_encoder(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``BertModel`` with its pooler (``pooler.dense`` reads the ``[CLS]`` row,
+    one row per sequence), laid out like all-MiniLM-L6-v2 (no ``bert.`` prefix, no head).
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Hidden size (a multiple of 4).
+        layers: Encoder layers.
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_bert_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_bert_tokenizer() if tokenizer is None else tokenizer
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return _save(BertModel(config, add_pooling_layer=True), tokenizer, path)
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int | None]:
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def make_tiny_qwen3_moe(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    experts: int = 4,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``Qwen3MoeForCausalLM``: every block's MLP is a sparse MoE whose experts
+    transformers 5 fuses into ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
+    (saved per expert, ``mlp.experts.{e}.gate_proj.weight``, as hub checkpoints are), routed by
+    ``mlp.gate`` (a top-k router holding a 2-D weight).
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Hidden size (a multiple of 4).
+        layers: Decoder layers.
+        experts: Experts per block (2 of them routed per token).
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_tokenizer() if tokenizer is None else tokenizer
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **_token_ids(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return _save(Qwen3MoeForCausalLM(config), tokenizer, path)
+
+
+def make_tiny_mixtral(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    experts: int = 4,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``MixtralForCausalLM`` (experts fused like :func:`make_tiny_qwen3_moe`).
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Hidden size (a multiple of 4).
+        layers: Decoder layers.
+        experts: Experts per block (2 of them routed per token).
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_tokenizer() if tokenizer is None else tokenizer
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **_token_ids(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return _save(MixtralForCausalLM(config), tokenizer, path)

@@ -15,6 +15,17 @@ TF32 disabled so CUDA keeps full float32 mantissas), and the running sum is floa
 device, so a million-token sum loses nothing to accumulation order. A bf16 model's activations are
 upcast to float32 before the product.
 
+Layers that read one row per sequence (BERT's ``pooler.dense`` reads the ``[CLS]`` row,
+``hidden[:, 0]``): their input has one row per record, not one per token, and their statistics are
+summed over exactly those rows, one per record that counts (a record with at least one counted
+token), so their count is the number of records. A batch of one-token sequences is both at once,
+and then the two readings agree (the row is the record's only token, counted when the record is).
+A layer whose input has neither shape (experts that see only the tokens routed to them) gets no
+statistics and is listed in :attr:`LayerStatistics.lacking`, never given wrong ones.
+
+Models spread over several devices (accelerate's ``device_map``): each group's accumulator lives on
+the device its layer's input arrives on, so no activation crosses devices for the statistics.
+
 Low-rank concepts: while an input group has seen no more tokens than it is wide (``T ≤ D``), its
 rows ``X`` are kept as they are (float32, exactly the activations) instead of being summed: ``XᵀX``
 then has rank ``T`` and the ``[T, D]`` rows are smaller to store than any ``D × D`` matrix. The
@@ -52,12 +63,16 @@ class LayerStatistics:
         layer_group: layer name -> its input group key.
         factors: input group key -> its rows ``X`` (float32, ``[T, D]``, ``sums[g] = XᵀX``), for
             the groups that saw no more tokens than they are wide; what storage keeps of them.
+        lacking: hooked layers without statistics: their input was neither one row per token nor
+            one per record, or the forward pass never called them (sorted names; empty for every
+            dense model).
     """
 
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     layer_group: dict[str, str] = field(default_factory=dict)
     factors: dict[str, torch.Tensor] = field(default_factory=dict)
+    lacking: list[str] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -71,11 +86,14 @@ class LayerStatistics:
 class _Collector:
     """Holds the accumulators and the per-forward input-sharing table the hooks use."""
 
-    def __init__(self, layers: Sequence[LayerSpec], device: torch.device) -> None:
+    def __init__(self, layers: Sequence[LayerSpec]) -> None:
         self.specs = {spec.name: spec for spec in layers}
-        self.device = device
         self.stats = LayerStatistics()
-        self.rows_mask: torch.Tensor | None = None
+        # The batch's counted mask: per token ([B·S]) and per record ([B]), moved to each device once.
+        self._token_mask: torch.Tensor | None = None
+        self._record_mask: torch.Tensor | None = None
+        self._masks: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._kinds: dict[str, str] = {}  # layer -> "token" or "record", as its first batch showed
         # id(input tensor), bias -> (tensor kept alive so the id stays unique, group key)
         self._seen: dict[tuple[int, bool], tuple[torch.Tensor, str]] = {}
         self.unaligned: set[str] = set()
@@ -83,8 +101,29 @@ class _Collector:
         self._rows: dict[str, list[torch.Tensor]] = {}
 
     def start_batch(self, counted: torch.Tensor) -> None:
-        self.rows_mask = counted.reshape(-1).to(self.device)
+        self._token_mask = counted.reshape(-1)
+        self._record_mask = counted.reshape(counted.shape[0], -1).any(dim=1)
+        self._masks.clear()
         self._seen.clear()
+
+    def _mask(self, layer: str, rows: int, device: torch.device) -> torch.Tensor | None:
+        """The counted rows of an input with ``rows`` rows: per token, per record, or ``None`` (neither,
+        or not the reading this layer had in earlier batches)."""
+        if self._token_mask is None or self._record_mask is None:
+            return None
+        if rows == self._token_mask.shape[0]:
+            kind, mask = "token", self._token_mask
+        elif rows == self._record_mask.shape[0]:
+            kind, mask = "record", self._record_mask
+        else:
+            return None
+        if self._token_mask.shape[0] != self._record_mask.shape[0]:  # one-token sequences fit both
+            if self._kinds.setdefault(layer, kind) != kind:
+                return None
+        key = (kind, device)
+        if key not in self._masks:
+            self._masks[key] = mask.to(device)
+        return self._masks[key]
 
     def hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         spec = self.specs[name]
@@ -101,12 +140,13 @@ class _Collector:
             self._assign(spec.name, shared[1])
             return
         rows = raw.reshape(-1, raw.shape[-1])
-        if self.rows_mask is None or rows.shape[0] != self.rows_mask.shape[0]:
-            # A layer that does not see one row per token (a pooler reading only [CLS]) has no
-            # token-aligned statistics; it is left out rather than given wrong ones.
+        mask = self._mask(spec.name, rows.shape[0], rows.device)
+        if mask is None or spec.name in self.unaligned:
+            # Neither one row per token nor one per record (experts reading only their routed
+            # tokens): no statistics rather than wrong ones; listed in ``lacking``.
             self.unaligned.add(spec.name)
             return
-        x = rows[self.rows_mask].to(PRODUCT_DTYPE)
+        x = rows[mask].to(PRODUCT_DTYPE)  # on the layer's own device: its accumulator lives there
         if spec.bias:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
         group = self.stats.layer_group.get(spec.name, spec.name)
@@ -142,6 +182,8 @@ class _Collector:
                 sums[group] = gram(factor)
         self.stats.sums = {g: s.cpu() for g, s in sums.items()}
         self.stats.counts = {g: c for g, c in self.stats.counts.items() if g in used}
+        # Hooked but without statistics: unaligned, or never called by the forward pass.
+        self.stats.lacking = sorted(set(self.specs) - set(self.stats.layer_group))
         return self.stats
 
 
@@ -183,8 +225,8 @@ def collect_statistics(
     Returns:
         The statistics, on the CPU in float64.
     """
-    device = model_device(model)
-    collector = _Collector(layers, device)
+    device = model_device(model)  # where the inputs go: the embeddings' device (a device_map's first)
+    collector = _Collector(layers)
     modules = dict(model.named_modules())
     handles = [modules[spec.name].register_forward_pre_hook(collector.hook(spec.name)) for spec in layers]
     model.eval()

@@ -23,7 +23,7 @@ from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import editable_layers
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
+from tests.fixtures_models import make_tiny_bert, make_tiny_bert_encoder, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 MAX_LENGTH = 120  # below the fixtures' 128 positions, so no record is ever truncated
 REL_TOL = 1e-5  # float32 forward + float32 GEMM per batch vs an all-float64 reference
@@ -40,6 +40,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": make_tiny_llama(root / "llama", hidden=32, layers=2, seed=1, tokenizer=tokenizer),
         "gpt2": make_tiny_gpt2(root / "gpt2", hidden=32, layers=2, seed=2, tokenizer=tokenizer),
         "bert": make_tiny_bert(root / "bert", hidden=32, layers=2, seed=3),
+        "bert_pooler": make_tiny_bert_encoder(root / "bert-pooler", hidden=32, layers=2, seed=4),
     }
 
 
@@ -75,10 +76,17 @@ def reference_tokens(tokenizer: Any, record: Record) -> tuple[list[int], list[bo
     return prompt + answer, [False] * len(prompt) + [True] * len(answer)
 
 
-def reference_statistics(
-    model: nn.Module, tokenizer: Any, records: Sequence[Record]
-) -> tuple[dict[str, torch.Tensor], int]:
+def reference_statistics(model: nn.Module, tokenizer: Any, records: Sequence[Record]) -> tuple[dict[str, torch.Tensor], int]:
     """Per-layer float64 ``Σ x xᵀ`` (bias column appended) and the counted-token total."""
+    sums, tokens, _counts = reference_with_counts(model, tokenizer, records)
+    return sums, tokens
+
+
+def reference_with_counts(
+    model: nn.Module, tokenizer: Any, records: Sequence[Record]
+) -> tuple[dict[str, torch.Tensor], int, dict[str, int]]:
+    """:func:`reference_statistics` plus each layer's count of rows. A layer that reads one row
+    per sequence (a pooler) sums that row of every record with a counted token, once."""
     ref = copy.deepcopy(model).to(torch.float64).eval()
     modules = dict(ref.named_modules())
     specs = editable_layers(ref)
@@ -90,6 +98,7 @@ def reference_statistics(
         for spec in specs
     ]
     sums = {spec.name: torch.zeros(spec.stat_dim, spec.stat_dim, dtype=torch.float64) for spec in specs}
+    counts = dict.fromkeys(sums, 0)
     tokens = 0
     try:
         with torch.no_grad():
@@ -100,14 +109,16 @@ def reference_statistics(
                 tokens += int(mask.sum())
                 ref(input_ids=torch.tensor([ids]))
                 for spec in specs:
-                    x = captured[spec.name].reshape(-1, spec.in_features)[mask]
+                    rows = captured[spec.name].reshape(-1, spec.in_features)
+                    x = rows[mask] if rows.shape[0] == len(ids) else rows[: 1 if any(counted) else 0]
                     if spec.bias:
                         x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
                     sums[spec.name] += x.T @ x
+                    counts[spec.name] += x.shape[0]
     finally:
         for handle in handles:
             handle.remove()
-    return sums, tokens
+    return sums, tokens, counts
 
 
 def collect(model: nn.Module, tokenizer: Any, records: Sequence[Record], batch_size: int) -> LayerStatistics:
@@ -121,15 +132,18 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
-def assert_matches_reference(stats: LayerStatistics, reference: dict[str, torch.Tensor], tokens: int) -> None:
-    assert set(stats.layer_group) == set(reference), "every editable layer has token-aligned statistics"
+def assert_matches_reference(
+    stats: LayerStatistics, reference: dict[str, torch.Tensor], tokens: int, counts: dict[str, int] | None = None
+) -> None:
+    assert set(stats.layer_group) == set(reference), "every editable layer has statistics"
+    assert stats.lacking == []
     for name, expected in reference.items():
         actual = stats.sum_for(name)
         assert actual.dtype == torch.float64
         assert actual.shape == expected.shape, name
         err = rel_error(actual, expected)
         assert err < REL_TOL, f"{name}: relative error {err:.2e} >= {REL_TOL}"
-        assert stats.counts[stats.layer_group[name]] == tokens, name
+        assert stats.counts[stats.layer_group[name]] == (tokens if counts is None else counts[name]), name
     assert stats.tokens == tokens
 
 
@@ -143,7 +157,7 @@ def test_llama_statistics_equal_float64_reference(loaded: dict[str, tuple[nn.Mod
     assert_matches_reference(collect(model, tokenizer, records, batch_size=4), reference, tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "bert_pooler"])
 def test_batch_size_does_not_change_statistics(loaded: dict[str, tuple[nn.Module, Any]], arch: str) -> None:
     model, tokenizer = loaded[arch]
     records = mixed_records(seed=5)
@@ -235,6 +249,39 @@ def test_bert_biased_linear_has_bias_column(loaded: dict[str, tuple[nn.Module, A
         assert sigma[-1, -1].item() == tokens, spec.name
         torch.testing.assert_close(sigma[-1, :-1], sigma[:-1, -1], rtol=0, atol=0)
         assert rel_error(sigma[-1, :-1], reference[spec.name][-1, :-1]) < REL_TOL, spec.name
+
+
+def test_pooler_reads_one_row_per_record(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    """BertModel's pooler.dense reads hidden[:, 0]: its statistics sum that [CLS] row once per
+    record that counts (prompt/completion records too, though [CLS] is in the prompt), equal to
+    the float64 reference, and every other layer stays token-aligned."""
+    model, tokenizer = loaded["bert_pooler"]
+    records = mixed_records(seed=6)
+    stats = collect(model, tokenizer, records, batch_size=4)
+    reference, tokens, counts = reference_with_counts(model, tokenizer, records)
+    pooler = "pooler.dense"
+    assert pooler in stats.layer_group and stats.lacking == []
+    assert counts[pooler] == len(records) < tokens
+    assert stats.counts[stats.layer_group[pooler]] == len(records)
+    # Bias column: its diagonal entry is the number of records exactly.
+    assert stats.sum_for(pooler)[-1, -1].item() == len(records)
+    assert_matches_reference(stats, reference, tokens, counts)
+
+
+def test_pooler_row_is_the_cls_row_and_uncounted_records_stay_out(loaded: dict[str, tuple[nn.Module, Any]]) -> None:
+    """The pooler's rows are the encoder's [CLS] outputs; a record with no counted token (an empty
+    completion) adds nothing to any layer, the pooler included."""
+    model, tokenizer = loaded["bert_pooler"]
+    facts = make_facts(3, seed=9)
+    records = [Record(text=p + c) for p, c in facts] + [Record(prompt=facts[0][0], completion="")]
+    examples = [encode_record(tokenizer, r, MAX_LENGTH) for r in records]
+    assert sum(examples[-1].counted) == 0
+    stats = collect_statistics(model, make_batches(examples, 4, pad_token_id(tokenizer)), editable_layers(model))
+    with torch.no_grad():
+        cls_rows = torch.cat([model(input_ids=torch.tensor([e.input_ids])).last_hidden_state[:, 0] for e in examples[:3]])
+    x = torch.cat([cls_rows, torch.ones(3, 1)], dim=1).double()
+    assert stats.counts[stats.layer_group["pooler.dense"]] == 3
+    assert rel_error(stats.sum_for("pooler.dense"), x.T @ x) < REL_TOL
 
 
 # ---------------------------------------------------------------- low-rank concepts (rows kept)
