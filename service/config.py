@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     # The dtype the model runs in during collection: as stored, or e.g. bfloat16 on a GPU (about
     # twice as fast there). Covariances accumulate in float32 products and float64 sums either way.
     collect_dtype: Literal["stored", "float32", "bfloat16", "float16"] = "stored"
+    # Where collection puts the model: "none", the whole model on ENGRAM_DEVICE (as before); "auto",
+    # accelerate's placement across the node's GPUs, then CPU offload, for models larger than one
+    # device. Each layer's accumulators live on its own device; the statistics do not change.
+    device_map: Literal["none", "auto"] = "none"
     # Workers keep downloaded statistics files in ENGRAM_CACHE_DIR/stats/ up to this many bytes.
     stats_disk_cache_bytes: int = Field(default=64 << 30, ge=0)
     # Universe pseudo-inverses a worker keeps in memory (float64 [D, D] per input group), in bytes:
@@ -78,6 +82,14 @@ class Settings(BaseSettings):
         if scheme == "file" and not urlparse(value).path.startswith("/"):
             raise ValueError(f"ENGRAM_STORAGE_URL needs an absolute path, got {value!r}")
         return value
+
+    @field_validator("device_map", mode="before")
+    @classmethod
+    def _device_map_unset(cls, value: object) -> object:
+        # An empty ENGRAM_DEVICE_MAP= (docker-compose's ${ENGRAM_DEVICE_MAP:-}) means unset.
+        if isinstance(value, str):
+            value = value.strip().lower()
+        return "none" if value in ("", None) else value
 
     @field_validator("broker_url")
     @classmethod

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from service.engine.compose import LayerEdit, LayerWeights
-from service.engine.layers import LayerSpec, editable_layers
+from service.engine.layers import LayerSpec, editable_layers, is_editable, summarize_names
 from service.engine.model_files import (
     INDEX_FILE,
     PICKLE_SUFFIXES,
@@ -117,6 +117,7 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
         raise ModelSourceError("config.json is not a JSON object")
     if "auto_map" in config:
         raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
+    check_not_quantized(config)
     check_tokenizer_config(path)
     if not weight_files(path):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -124,6 +125,111 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
             raise ModelSourceError(f"pickle weights are refused ({', '.join(pickles)}); convert to safetensors")
         raise ModelSourceError(f"{path} has no safetensors weights")
     return config
+
+
+# Where config.json declares quantization: transformers' key, compressed-tensors' older one, and
+# the same keys inside a multimodal model's text config.
+_QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+QUANTIZED_ADVICE = (
+    "the service edits full-precision weights only: register the unquantized model (its float16, bfloat16 or "
+    "float32 checkpoint) and quantize the variant afterwards"
+)
+
+
+def check_not_quantized(config: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose config declares quantization, naming the method.
+
+    Packed integer weights (GPTQ, AWQ, bitsandbytes) are not matrices the engram can edit, and an
+    edit cast back to FP8 or int8 would round away; only unquantized checkpoints are registered.
+
+    Raises:
+        ModelSourceError: ``quantization_config`` (or ``compression_config``) is present, top-level
+            or in ``text_config``; the message names ``quant_method`` (``unknown`` when missing).
+    """
+    scopes: list[tuple[str, Mapping[str, Any]]] = [("", config)]
+    text_config = config.get("text_config")
+    if isinstance(text_config, Mapping):
+        scopes.append(("text_config.", text_config))
+    for scope, values in scopes:
+        for key in _QUANTIZATION_KEYS:
+            if values.get(key) is None:
+                continue
+            quant = values[key]
+            method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+            method = method[:64] if isinstance(method, str) and method.strip() else "unknown"
+            raise ModelSourceError(
+                f"the checkpoint is quantized (config.json {scope}{key}.quant_method: {method!r}); {QUANTIZED_ADVICE}"
+            )
+
+
+# Stored weight dtypes an edit can be written back in; anything else (int8/uint8/int32 packs,
+# FP8, FP4) is a quantized tensor, refused when the config does not say so.
+_EDITABLE_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_DTYPE_NAMES = {
+    "I8": "int8", "U8": "uint8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
+    "I64": "int64", "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "F6_E2M3": "float6_e2m3", "F6_E3M2": "float6_e3m2",
+}  # fmt: skip
+# Keys of packed quantized weights that replace ``<layer>.weight`` (GPTQ/AWQ, compressed-tensors).
+_PACKED_SUFFIXES = (".qweight", ".weight_packed")
+
+
+def check_weight_dtypes(path: Path, layout: ModelLayout, key_files: Mapping[str, str], names: Collection[str]) -> None:
+    """Refuse packed or 8-bit weights for editable layers that a config without quantization hides.
+
+    Args:
+        path: the model folder.
+        layout: its layout (the layers whose weights are in the checkpoint).
+        key_files: every checkpoint key -> its shard.
+        names: every editable layer of the model, in the checkpoint or not.
+
+    Raises:
+        ModelSourceError: naming each such layer and its stored dtype (or its packed key).
+    """
+    found: dict[str, list[str]] = {}
+    dirs = allowed_dirs(path)
+    by_shard: dict[str, list[tuple[str, str]]] = {}
+    for spec in layout.layers:
+        key = layout.weight_keys[spec.name]
+        by_shard.setdefault(key_files[key], []).append((spec.name, key))
+    for shard, entries in by_shard.items():
+        with safe_open(str(resolve_file(path, check_shard_name(shard), dirs)), framework="pt") as handle:
+            for layer, key in entries:
+                dtype = str(handle.get_slice(key).get_dtype())
+                if dtype not in _EDITABLE_DTYPES:
+                    found.setdefault(_DTYPE_NAMES.get(dtype, dtype.lower()), []).append(layer)
+    for name in names:
+        packed = next((name + suffix for suffix in _PACKED_SUFFIXES if name + suffix in key_files), None)
+        if packed is not None and name not in layout.weight_keys:
+            found.setdefault(f"packed as {packed.rsplit('.', 1)[1]}", []).append(name)
+    if found:
+        listed = "; ".join(f"{summarize_names(layers)} ({dtype})" for dtype, layers in found.items())
+        raise ModelSourceError(
+            "the checkpoint stores quantized weights for editable layers though config.json declares no "
+            f"quantization_config: {listed}; {QUANTIZED_ADVICE}"
+        )
+
+
+def unsupported_experts(model: nn.Module) -> list[str]:
+    """Parameters of a mixture of experts that the engram cannot edit yet: every parameter of a
+    module inside an ``experts`` container (fused ``gate_up_proj``/``down_proj`` [E, ·, ·], or per-
+    expert Linears, which only see the tokens routed to them), and any other weight of 3 or more
+    dimensions outside a convolution (``ParallelExperts``-style packs). Linears named by module
+    path, other parameters by parameter path.
+
+    A router (``mlp.gate``) and shared experts (``shared_expert(s)``) see every token: they are not
+    listed (a router that is an ``nn.Linear`` is an ordinary editable layer).
+    """
+    found: list[str] = []
+    for module_name, module in model.named_modules():
+        inside = "experts" in module_name.split(".")
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if inside:
+                found.append(module_name if is_editable(module) else full)
+            elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd) and not is_editable(module):
+                found.append(full)
+    return list(dict.fromkeys(found))
 
 
 def directory_digest(path: Path, every_file: bool = False) -> str:
@@ -195,8 +301,17 @@ def inspect_model_dir(path: Path) -> ModelLayout:
         raise
     except Exception as exc:  # transformers raises many types for unsupported configs
         raise ModelSourceError(f"transformers cannot build this model: {exc}") from None
+    experts = unsupported_experts(model)
+    if experts:
+        raise ModelSourceError(
+            f"mixture-of-experts editing is not supported yet: the expert layers {summarize_names(experts)} "
+            "cannot be edited, and an edit of the other layers alone would leave every expert unchanged; "
+            "register a dense model"
+        )
     key_files = _checkpoint_keys(path)
-    return _layout(model, key_files)
+    layout = _layout(model, key_files)
+    check_weight_dtypes(path, layout, key_files, [spec.name for spec in editable_layers(model)])
+    return layout
 
 
 def _checkpoint_keys(path: Path) -> dict[str, str]:
@@ -245,7 +360,12 @@ def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
 
 
 def load_model(
-    path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, untie: bool = False
+    path: Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    untie: bool = False,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: dict[Any, Any] | None = None,
 ) -> nn.Module:
     """Load a validated checkpoint (safetensors only, no remote code).
 
@@ -253,10 +373,14 @@ def load_model(
 
     Args:
         path: the checkpoint directory.
-        device: where the model goes.
+        device: where the model goes (ignored with a ``device_map``).
         dtype: override of the stored dtype.
         untie: load with ``tie_word_embeddings=False`` (a delta variant that edited a tied head
             carries the head's new values; the embedding stays as it was).
+        device_map: accelerate's placement (``"auto"``: the GPUs in order, then the CPU, each
+            module's weights where it runs or offloaded to the CPU); ``None``: all on ``device``.
+            A placement that would need disk offload is refused by transformers (no offload folder).
+        max_memory: with ``device_map``, accelerate's per-device budget (``{0: "10GiB", "cpu": …}``).
     """
     config = validate_model_dir(path)
     cls = model_class(config)
@@ -265,9 +389,24 @@ def load_model(
         kwargs["dtype"] = dtype
     if untie:
         kwargs["tie_word_embeddings"] = False
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
     with clean_view(path) as view:
         model = cls.from_pretrained(str(view), **kwargs)  # type: ignore[attr-defined]
-    return model.to(device).eval()
+    placed = set((getattr(model, "hf_device_map", None) or {}).values())
+    if "disk" in placed:
+        # Disk-offloaded weights would be read at each forward through the private view, gone now.
+        raise ModelTooLarge(
+            "the model does not fit the GPUs and CPU memory of this worker (accelerate's device_map "
+            "would offload part of it to disk, which collection does not do); use a worker with more memory"
+        )
+    return (model if device_map is not None else model.to(device)).eval()
+
+
+class ModelTooLarge(RuntimeError):
+    """A ``device_map`` placement that would need disk offload."""
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -73,6 +73,7 @@ class LayerStatistics:
     layer_group: dict[str, str] = field(default_factory=dict)
     factors: dict[str, torch.Tensor] = field(default_factory=dict)
     lacking: list[str] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)  # group -> where it was accumulated ("cuda:1")
 
     @property
     def tokens(self) -> int:
@@ -155,6 +156,7 @@ class _Collector:
         if group not in self.stats.counts:
             self.stats.counts[group] = 0
             self._rows[group] = []
+            self.stats.devices[group] = str(x.device)
         self.stats.counts[group] += int(x.shape[0])
         rows = self._rows.get(group)
         if rows is None:
@@ -182,6 +184,7 @@ class _Collector:
                 sums[group] = gram(factor)
         self.stats.sums = {g: s.cpu() for g, s in sums.items()}
         self.stats.counts = {g: c for g, c in self.stats.counts.items() if g in used}
+        self.stats.devices = {g: d for g, d in self.stats.devices.items() if g in used}
         # Hooked but without statistics: unaligned, or never called by the forward pass.
         self.stats.lacking = sorted(set(self.specs) - set(self.stats.layer_group))
         return self.stats

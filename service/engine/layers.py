@@ -131,3 +131,39 @@ def unmatched_suffixes(layers: Sequence[LayerSpec], modules: Sequence[str]) -> l
 
 def _suffix_matches(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
+
+
+def summarize_names(names: Iterable[str]) -> str:
+    """Module or parameter paths in a short, readable form, numbered segments merged:
+    ``model.layers.{0..3}.mlp.experts.gate_up_proj, down_proj`` for 8 names. Groups (same path up
+    to the last segment, numbers aside) are joined by ``"; "``, in order of first appearance."""
+    groups: dict[tuple[str, ...], tuple[dict[int, set[int]], list[str]]] = {}
+    for name in dict.fromkeys(names):
+        *parent, leaf = name.split(".")
+        template = tuple("#" if part.isdigit() else part for part in parent)
+        numbers, leaves = groups.setdefault(template, ({}, []))
+        for position, part in enumerate(parent):
+            if part.isdigit():
+                numbers.setdefault(position, set()).add(int(part))
+        if leaf not in leaves:
+            leaves.append(leaf)
+    rendered = []
+    for template, (numbers, leaves) in groups.items():
+        parts = [_number_set(numbers[i]) if part == "#" else part for i, part in enumerate(template)]
+        rendered.append(".".join([*parts, ", ".join(leaves)]))
+    return "; ".join(rendered)
+
+
+def _number_set(values: set[int]) -> str:
+    """``{0..3,5}`` (a single number as itself)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return str(ordered[0])
+    runs: list[list[int]] = []
+    for value in ordered:
+        if runs and value == runs[-1][-1] + 1:
+            runs[-1].append(value)
+        else:
+            runs.append([value])
+    text = ",".join(f"{run[0]}..{run[-1]}" if len(run) > 2 else ",".join(map(str, run)) for run in runs)
+    return "{" + text + "}"

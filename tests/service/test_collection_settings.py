@@ -34,3 +34,28 @@ def test_batch_size_is_not_part_of_the_key() -> None:
 def test_unknown_stats_dtype_is_refused() -> None:
     with pytest.raises(ValidationError):
         Settings(stats_dtype="bfloat16")
+
+
+def test_modules_enter_the_key_only_when_given() -> None:
+    """A concept posted with modules is another statistic; without them the key is the old one."""
+    default = collection_settings(Settings())
+    assert collection_settings(Settings(), None) == default
+    some = collection_settings(Settings(), ["v_proj", "q_proj", "q_proj"])
+    assert some["modules"] == ["q_proj", "v_proj"], "sorted, each suffix once"
+    assert canonical_digest(some) != canonical_digest(default)
+    assert canonical_digest(some) == canonical_digest(collection_settings(Settings(), ["q_proj", "v_proj"]))
+
+
+def test_device_map_is_not_part_of_the_key() -> None:
+    # Spreading the model over devices does not change Σ (tests/engine/test_device_map.py).
+    assert collection_settings(Settings(device_map="auto")) == collection_settings(Settings())
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", "none"), ("none", "none"), ("auto", "auto"), ("AUTO", "auto")])
+def test_device_map_values(value: str, expected: str) -> None:
+    assert Settings(device_map=value).device_map == expected
+
+
+def test_unknown_device_map_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        Settings(device_map="balanced")
