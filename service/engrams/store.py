@@ -23,6 +23,7 @@ from service.engine.compose import (
     LayerEdit,
     LayerWeights,
     apply_engrams,
+    combined_norm,
     layer_editor,
 )
 from service.engine.layers import LayerSpec
@@ -69,6 +70,10 @@ class StoredEngrams:
             total = term.mul_(coefficient) if total is None else total.add_(term, alpha=coefficient)
         assert total is not None, "a variant has at least one term"
         return total
+
+    def norm(self, spec: LayerSpec) -> float:
+        """``‖Σ_k c_k E_k,l[:, :in]‖_F`` (W-Norm's numerator), float64."""
+        return combined_norm(spec, self.read(spec))
 
     def edit(self, spec: LayerSpec, weights: LayerWeights, scale: float) -> LayerEdit:
         """The layer's edited parameters, ``[W | b] + f_l · Σ_k c_k E_k,l``, streamed by row blocks."""
@@ -119,12 +124,9 @@ def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest
             coefficient, path = engrams.terms[0]
             norm = abs(coefficient) * float(manifest["engrams"][engrams.members[path]]["norms"][spec.name])
         else:
-            norm = float(engrams.engram(spec, _NO_WEIGHTS)[:, : spec.in_features].norm())
+            norm = engrams.norm(spec)
         rho[spec.name] = norm / weight_norm
     return rho
-
-
-_NO_WEIGHTS = LayerWeights(torch.empty(0), None)  # StoredEngrams.engram does not read the weights
 
 
 # ---------------------------------------------------------------- from statistics
