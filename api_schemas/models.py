@@ -147,6 +147,15 @@ class ConceptCreate(Strict):
     callback_url: str | None = Field(
         default=None, max_length=2000, description="POSTed the collection job when it ends (host must be allowlisted)"
     )
+    modules: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description=(
+            "module-name suffixes (as on unlearn): collect only these layers' input groups; an edit that needs "
+            "another layer is then a 409 naming it. Default: every editable layer"
+        ),
+    )
 
     @field_validator("name")
     @classmethod

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from service import callbacks
 from service.config import Settings
 from service.datasets import SpooledDataset, record_line
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
-from service.engine.layers import select_layers, unmatched_suffixes
+from service.engine.layers import select_layers, summarize_names, unmatched_suffixes
 from service.engine.model_files import used_files
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
@@ -75,15 +75,27 @@ def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -
     return f"stats/{model_digest}/{dataset_digest}/{settings_digest}/"
 
 
-def collection_settings(settings: Settings) -> dict[str, Any]:
-    """Everything that changes a statistic (and so is part of its key)."""
+def collection_settings(settings: Settings, modules: Sequence[str] | None = None) -> dict[str, Any]:
+    """Everything that changes a statistic (and so is part of its key).
+
+    Args:
+        modules: the module suffixes a concept was posted with (only their input groups are
+            collected); part of the key only when given, so keys without them stay as they were.
+    """
     chosen: dict[str, Any] = {"max_length": settings.max_length, "engine": ENGINE_VERSION}
+    if modules is not None:
+        chosen["modules"] = canonical_modules(modules)
     # Only when not the default, so existing keys stay valid.
     if settings.stats_dtype != "float64":
         chosen["stats_dtype"] = settings.stats_dtype
     if settings.collect_dtype != "stored":  # the activations, and so Σ, depend on it
         chosen["collect_dtype"] = settings.collect_dtype
     return chosen
+
+
+def canonical_modules(modules: Sequence[str]) -> list[str]:
+    """A module selection in the form that enters a statistics key: sorted, each suffix once."""
+    return sorted(set(modules))
 
 
 # ---------------------------------------------------------------- models
@@ -186,6 +198,7 @@ def submit_concept(
     dataset: SpooledDataset,
     models: Sequence[str],
     callback_url: str | None = None,
+    modules: Sequence[str] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Store a concept's records and start one collection per model that lacks one.
 
@@ -193,6 +206,9 @@ def submit_concept(
         role: ``"target"`` or ``"reference"``; ``None`` keeps an existing concept's role (a new
             concept is a target).
         dataset: the records, spooled and hashed (:mod:`service.datasets`); published here.
+        modules: module suffixes (as ``modules`` on unlearn): collect only those layers' input
+            groups; ``None`` collects every editable layer. A suffix that matches no layer of a
+            listed model is a 422; a model already collecting or collected with other modules, a 409.
 
     Returns:
         (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
@@ -202,6 +218,12 @@ def submit_concept(
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
+    if modules is not None:
+        modules = canonical_modules(modules)
+        for model_id, manifest in manifests.items():
+            missing = unmatched_suffixes(ModelLayout.from_json(manifest["layout"]).layers, modules)
+            if missing:
+                raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
     digest = dataset.digest
     with ctx.lock:
         concept = find_concept(ctx, name)
@@ -220,7 +242,7 @@ def submit_concept(
                 "models": {},
                 "created_at": utc_now(),
             }
-        new_jobs = _plan_collections(ctx, concept, manifests, urls)
+        new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
         ctx.storage.put_json(concept_key(name), concept)
         ctx.reads.forget(concept_key(name))
     # Enqueue only after the records and the concept are saved: the task reads them.
@@ -260,7 +282,11 @@ def attach_callbacks(ctx: Context, job: dict[str, Any], urls: list[str]) -> dict
 
 
 def _plan_collections(
-    ctx: Context, concept: dict[str, Any], manifests: dict[str, Any], callback_urls: list[str]
+    ctx: Context,
+    concept: dict[str, Any],
+    manifests: dict[str, Any],
+    callback_urls: list[str],
+    modules: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     created = []
     for model_id, manifest in manifests.items():
@@ -268,16 +294,25 @@ def _plan_collections(
         if entry is not None:
             job = ctx.jobs.get(entry["job_id"])
             if job is not None and job["status"] not in {"failed", "cancelled"}:
+                if modules is not None and entry.get("modules") != modules:
+                    held = entry.get("modules")
+                    raise Conflict(
+                        f"concept {concept['name']} is collected on model {model_id} with "
+                        f"{'modules ' + ', '.join(held) if held else 'every module'}, not modules {', '.join(modules)}; "
+                        "delete it first to collect other modules, or omit modules"
+                    )
                 continue  # already collecting or collected: posting again changes nothing
         payload = {
             "model_id": model_id,
             "model_digest": manifest["digest"],
             "dataset_digest": concept["dataset_digest"],
-            "settings": collection_settings(ctx.settings),
+            "settings": collection_settings(ctx.settings, modules),
             "concept": concept["name"],
         }
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
         concept["models"][model_id] = {"job_id": job["job_id"], "stats": _stats_prefix_for(payload)}
+        if modules is not None:
+            concept["models"][model_id]["modules"] = modules
         created.append(job)
     return created
 
@@ -377,6 +412,65 @@ def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: lis
             raise InvalidInput(f"module suffix(es) match no layer: {', '.join(missing)}")
     if not select_layers(layout.layers, modules, layers):
         raise InvalidInput("the modules/layers selection matches no editable layer")
+
+
+def check_statistics_cover(
+    ctx: Context,
+    layout: ModelLayout,
+    members: Iterable[tuple[str, str]],
+    modules: Sequence[str] | None,
+    layers: Sequence[int] | None,
+) -> None:
+    """Refuse an edit that needs a layer some member's statistics lack (collected with ``modules``,
+    or a layer collection could not read).
+
+    Args:
+        layout: the model's layout.
+        members: ``(concept name, statistics prefix)`` of every concept of the edit's universe.
+        modules, layers: the edit's selection.
+
+    Raises:
+        Conflict: naming each concept and the layers it has no statistics for.
+    """
+    needed = select_layers(layout.layers, modules, layers)
+    problems = []
+    for name, prefix in sorted(set(members)):
+        manifest = stats_manifest(ctx, prefix)
+        if manifest is None:
+            continue  # not ready: refused by name where the universe is resolved
+        held = statistics_layers(ctx, prefix, manifest, layout)
+        missing = [spec.name for spec in needed if spec.name not in held]
+        if missing:
+            collected = manifest.get("settings", {}).get("modules")
+            how = f" (collected with modules {', '.join(collected)})" if collected else ""
+            problems.append(f"concept {name} has no statistics for {summarize_names(missing)}{how}")
+    if problems:
+        raise Conflict(
+            f"the edit needs layers that its concepts' statistics lack: {'; '.join(problems)}. Choose modules/layers "
+            "they cover, or post the concept with modules that include those layers"
+        )
+
+
+_STATS_LAYERS: dict[str, frozenset[str]] = {}  # statistics prefix -> its layers (statistics never change)
+
+
+def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layout: ModelLayout) -> frozenset[str]:
+    """The layers a published statistics file holds: those its ``modules`` selected minus the ones
+    collection could not read (``lacking``). Statistics published before ``lacking`` was recorded
+    and holding fewer layers than that are read from the file's header (a few kilobytes)."""
+    chosen = select_layers(layout.layers, manifest.get("settings", {}).get("modules"))
+    if "lacking" in manifest or int(manifest.get("layers", len(chosen))) >= len(chosen):
+        return frozenset(spec.name for spec in chosen) - set(manifest.get("lacking", ()))
+    if prefix not in _STATS_LAYERS:
+        _STATS_LAYERS[prefix] = frozenset(_header_metadata(ctx, prefix + "statistics.safetensors")["layer_group"])
+    return _STATS_LAYERS[prefix]
+
+
+def _header_metadata(ctx: Context, key: str) -> dict[str, Any]:
+    """A stored safetensors file's metadata (JSON values decoded), read by range: its header only."""
+    length = int.from_bytes(b"".join(ctx.storage.iter_range(key, 0, 7)), "little")
+    header = json.loads(b"".join(ctx.storage.iter_range(key, 8, 8 + length - 1)))
+    return {k: json.loads(v) if k == "layer_group" else v for k, v in (header.get("__metadata__") or {}).items()}
 
 
 def _check_lora_rank(options: dict[str, Any]) -> None:

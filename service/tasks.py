@@ -22,8 +22,9 @@ from typing import Any
 import redis.exceptions
 import torch
 
-from service.engine.checkpoint import ModelLayout, load_model, load_tokenizer
+from service.engine.checkpoint import ModelLayout, ModelTooLarge, load_model, load_tokenizer
 from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
+from service.engine.layers import select_layers
 from service.engine.records import encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
 from service.engrams.store import FACTOR_CACHE, algebra_from_statistics
@@ -146,16 +147,21 @@ class ModelCache:
         self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, ctx: Context, manifest: dict[str, Any], device: str, dtype: str | None = None) -> tuple[Any, Any]:
-        """The model (in ``dtype``, default: as stored) and its tokenizer, loaded on first use."""
-        key = f"{manifest['digest']}@{device}/{dtype or 'stored'}"
+    def get(
+        self, ctx: Context, manifest: dict[str, Any], device: str, dtype: str | None = None, device_map: str | None = None
+    ) -> tuple[Any, Any]:
+        """The model (in ``dtype``, default: as stored; on ``device``, or placed by accelerate's
+        ``device_map``) and its tokenizer, loaded on first use."""
+        placement = f"map:{device_map}" if device_map else device
+        key = f"{manifest['digest']}@{placement}/{dtype or 'stored'}"
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
             path = checked_model_dir(ctx, manifest)
             torch_dtype = getattr(torch, dtype) if dtype else None
-            item = (load_model(path, device=device, dtype=torch_dtype), load_tokenizer(path))
+            model = load_model(path, device=device, dtype=torch_dtype, device_map=device_map)
+            item = (model, load_tokenizer(path))
             self._items[key] = item
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
@@ -182,7 +188,13 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     # The model may run in bfloat16 (ENGRAM_COLLECT_DTYPE); the covariances still accumulate in
     # float32 products and float64 sums (see service.engine.collect).
     dtype = payload["settings"].get("collect_dtype")
-    model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device, dtype)
+    # ENGRAM_DEVICE_MAP=auto: a model bigger than one GPU is spread over the node's GPUs (and the
+    # CPU); each layer's accumulators stay on its device, the statistics are the same.
+    device_map = None if ctx.settings.device_map == "none" else ctx.settings.device_map
+    try:
+        model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device, dtype, device_map)
+    except ModelTooLarge as exc:
+        raise JobFailed(str(exc)) from None
     records = load_records(ctx, payload["dataset_digest"])
     max_length = int(payload["settings"]["max_length"])
     examples = [encode_record(tokenizer, r, max_length) for r in records]
@@ -190,11 +202,13 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     if progress.total == 0:
         raise JobFailed("no record has a token that enters the statistics (empty completions after truncation?)")
     layout = ModelLayout.from_json(manifest["layout"])
+    # A concept posted with modules collects only those layers' input groups.
+    layers = select_layers(layout.layers, payload["settings"].get("modules"))
     started = time.monotonic()
     stats = collect_statistics(
         model,
         make_batches(examples, ctx.settings.collect_batch_size, pad_token_id(tokenizer)),
-        layout.layers,
+        layers,
         on_batch=progress.advance,
         should_stop=progress.cancelled,
     )
@@ -217,6 +231,8 @@ def _publish_statistics(
         "tokens": stats.tokens,
         "groups": len(stats.sums),
         "layers": len(stats.layer_group),
+        # Hooked layers without statistics (an edit that needs one is refused by name).
+        "lacking": stats.lacking,
         "model_digest": payload["model_digest"],
         "dataset_digest": payload["dataset_digest"],
         "settings": payload["settings"],

@@ -21,6 +21,7 @@ from service.registry import (
     _check_selection,
     attach_callbacks,
     canonical_digest,
+    check_statistics_cover,
     find_variant_request,
     get_model,
     variant_manifest,
@@ -49,14 +50,22 @@ def submit_variant(
     urls = callbacks.check_optional_url(options.get("callback_url"), ctx.settings)
     _check_lora_rank(options)
     model = get_model(ctx, model_id)
-    _check_selection(ModelLayout.from_json(model["layout"]), options.get("modules"), options.get("layers"))
+    layout = ModelLayout.from_json(model["layout"])
+    _check_selection(layout, options.get("modules"), options.get("layers"))
     resolved = _resolve(ctx, model, terms, options)
+
+    def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
+        members = [(m.name, m.stats) for m in universe.spec.members]
+        check_statistics_cover(ctx, layout, members, options.get("modules"), options.get("layers"))
+
+    check_cover(resolved)  # before anything is written: a refused request fixes no current universe
     with ctx.lock:
         if resolved.becomes_current is not None:
             if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
                 set_current(ctx, resolved.becomes_current)
             else:  # another request fixed it first: use that one
                 resolved = _resolve(ctx, model, terms, options)
+                check_cover(resolved)
         variant_id, request = _variant_request(model, terms, alpha, options, resolved)
         existing = find_variant_request(ctx, variant_id)
         if existing is not None:

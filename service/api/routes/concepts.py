@@ -30,6 +30,7 @@ _MULTIPART_SCHEMA = {
         "role": {"type": "string", "enum": ["target", "reference"]},
         "description": {"type": "string"},
         "callback_url": {"type": "string", "description": "POSTed each collection job when it ends"},
+        "modules": {"type": "string", "description": "module-name suffixes to collect, repeated or comma-separated"},
         "dataset": {"type": "string", "format": "binary", "description": "JSONL, one record per line"},
     },
 }
@@ -84,6 +85,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             dataset=dataset,
             models=body.models,
             callback_url=body.callback_url,
+            modules=body.modules,
         )
     return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
 
@@ -107,6 +109,8 @@ def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
     for optional in ("role", "description", "callback_url"):
         if optional in form:
             fields[optional] = form[optional][-1]
+    if "modules" in form:
+        fields["modules"] = [m.strip() for value in form["modules"] for m in value.split(",") if m.strip()]
     return fields
 
 
