@@ -1,9 +1,10 @@
-"""Variant building as the service does it, the safetensors copy floor, and ai-engram's recompute.
+"""Variants from statistics, the safetensors copy floor, and ai-engram's recompute.
 
-``compose_variant`` is ``service.tasks.run_variant`` minus HTTP, job bookkeeping and storage
-transfers: read the statistics files (through the worker's statistics cache), build the
-:class:`EngramAlgebra` (with the worker's factor cache), compute the per-layer scales, and write
-the checkpoint directory shard by shard with ``write_checkpoint``.
+``compose_variant`` is the statistics path (``service.engrams.store.algebra_from_statistics``): read
+the statistics files, build the :class:`EngramAlgebra` (with the worker's factor cache), compute the
+per-layer scales, and write the checkpoint directory shard by shard with ``write_checkpoint``. It is
+what variants did before universes were stored, and what the memory-trace maps still do; variants of
+a built universe are arithmetic on its stored engrams, measured by :mod:`bench.universe`.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ SCRATCH_UNOWNED = re.compile(r"^engram-(?!metrics-)[a-z][a-z-]*-[a-z0-9_]{8}$")
 # LocalStorage's <root>/.tmp/<pid>.<host tag>.<uuid hex> (or a bare uuid hex from older versions).
 STORAGE_TMP = re.compile(r"^(?:(?P<pid>\d+)\.(?P<host>[0-9a-f]{8})\.)?[0-9a-f]{32}$")
 PARTIAL_DOWNLOAD = re.compile(r"^\.partial-")  # service.sources: ENGRAM_CACHE_DIR/s3/.partial-*
-STATS_PARTIAL = re.compile(r"^\..+\.(?:part|download)$")  # service.tasks: ENGRAM_CACHE_DIR/stats/
+STATS_PARTIAL = re.compile(r"^\..+\.(?:part|download)$")  # service.local_copies: ENGRAM_CACHE_DIR/stats/, universes/
 _CLOCK_SLACK_S = 2.0  # /proc's boot time has a resolution of a second
 
 
@@ -70,6 +70,7 @@ def clean_leftovers(settings: Settings, storage: Storage | None = None, *, stale
         (Path(tempfile.gettempdir()), SCRATCH_UNOWNED),
         (cache / "s3", PARTIAL_DOWNLOAD),
         (cache / "stats", STATS_PARTIAL),
+        (cache / "universes", STATS_PARTIAL),  # service.local_copies: a universe's downloaded parts
     ]
     if isinstance(storage, LocalStorage):
         places.append((storage.tmp_dir, STORAGE_TMP))
