@@ -536,6 +536,9 @@ def concepts_add(
     role: Annotated[Role, typer.Option(help="target (to edit) or reference (shapes the universe).")] = Role.target,
     description: Annotated[str | None, typer.Option(help="Free text kept with the concept.")] = None,
     callback_url: CallbackOpt = None,
+    module: Annotated[
+        list[str] | None, typer.Option("--module", help="Collect only modules with this name suffix (repeat).")
+    ] = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -543,7 +546,13 @@ def concepts_add(
     name = name or file.stem
     with _session(ctx) as client:
         submission = client.add_concept(
-            name, model, jsonl_path=file, role=role.value, description=description, callback_url=callback_url
+            name,
+            model,
+            jsonl_path=file,
+            role=role.value,
+            description=description,
+            callback_url=callback_url,
+            modules=module,
         )
         stderr.print(f"concept {name}: {submission.concept.num_records} records, collecting on {', '.join(model)}")
         jobs = submission.jobs

@@ -217,6 +217,7 @@ class EngramClient:
         role: str = "target",
         description: str | None = None,
         callback_url: str | None = None,
+        modules: Sequence[str] | None = None,
     ) -> ConceptSubmission:
         """Store a concept and start collecting its statistics on each model.
 
@@ -228,6 +229,8 @@ class EngramClient:
             role: ``target`` (to be edited) or ``reference`` (only shapes the universe).
             description: free text kept with the concept.
             callback_url: POSTed each collection job when it ends (its host must be allowlisted).
+            modules: module-name suffixes: collect only these layers' input groups (an edit must then
+                select among them); default every editable layer.
 
         Returns:
             The concept and its collection jobs (already finished ones too, when the post repeats).
@@ -238,6 +241,8 @@ class EngramClient:
         if (records is None) == (jsonl_path is None):
             raise ValueError("pass exactly one of records= (inline) and jsonl_path= (multipart upload)")
         fields = _set_only(name=name, models=list(models), role=role, description=description, callback_url=callback_url)
+        if modules is not None:
+            fields["modules"] = list(modules)
         if records is not None:
             response = self._request("POST", "/concepts", json={**fields, "records": list(records)})
             return self._parse(ConceptSubmission, response)

@@ -299,3 +299,23 @@ def test_multipart_upload_takes_modules(api: httpx.Client, modules_model: str, e
     wait_concepts_ready(api, ["wild-upload"], modules_model)
     manifest = _stats_manifest(engram_root, api, "wild-upload", modules_model)
     assert manifest["settings"]["modules"] == ["down_proj", "o_proj"] and manifest["layers"] == 4
+
+
+def test_client_and_cli_send_modules(api: httpx.Client, modules_model: str, engram_root: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from service.client import EngramClient
+    from service.client.cli import app
+
+    with EngramClient(str(api.base_url)) as client:
+        submission = client.add_concept("wild-client", [modules_model], records=TARGET[:3], modules=["o_proj"])
+    assert submission.jobs
+    data = tmp_path / "wild-cli.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TARGET[3:]))
+    result = CliRunner().invoke(
+        app, ["--url", str(api.base_url), "concepts", "add", str(data), "-m", modules_model, "--module", "down_proj"]
+    )
+    assert result.exit_code == 0, result.output
+    wait_concepts_ready(api, ["wild-client", "wild-cli"], modules_model)
+    assert _stats_manifest(engram_root, api, "wild-client", modules_model)["settings"]["modules"] == ["o_proj"]
+    assert _stats_manifest(engram_root, api, "wild-cli", modules_model)["settings"]["modules"] == ["down_proj"]
