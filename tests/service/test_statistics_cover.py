@@ -1,0 +1,41 @@
+"""Which layers published statistics hold (``registry.statistics_layers``), new and legacy manifests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from service.engine.checkpoint import inspect_model_dir
+from service.engine.collect import LayerStatistics
+from service.engine.stats_io import save_statistics
+from service.registry import statistics_layers
+from service.storage import LocalStorage
+from tests.fixtures_models import make_tiny_bert_encoder
+
+
+def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_path: Path) -> None:
+    """Statistics published before per-record layers were collected hold no pooler and their
+    manifest has no ``lacking``: the layers come from the file's header, so an edit names the pooler."""
+    layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
+    names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
+    stats = LayerStatistics(
+        sums={n: torch.eye(33, dtype=torch.float64) for n in names},
+        counts=dict.fromkeys(names, 40),
+        layer_group={n: n for n in names},
+    )
+    storage = LocalStorage(tmp_path / "store")
+    prefix = "stats/m/d/s/"
+    save_statistics(stats, tmp_path / "stats.safetensors")
+    storage.put_file(prefix + "statistics.safetensors", tmp_path / "stats.safetensors")
+    ctx = SimpleNamespace(storage=storage)
+    legacy = {"layers": len(names), "settings": {"max_length": 512}}
+    assert statistics_layers(ctx, prefix, legacy, layout) == frozenset(names)  # type: ignore[arg-type]
+    # New manifests say it themselves (no file read): modules selected, minus the lacking ones.
+    current = {"layers": 2, "lacking": ["encoder.layer.0.attention.self.key"], "settings": {"modules": ["key", "query"]}}
+    assert statistics_layers(ctx, "stats/none/", current, layout) == {  # type: ignore[arg-type]
+        "encoder.layer.0.attention.self.query",
+        "encoder.layer.1.attention.self.query",
+        "encoder.layer.1.attention.self.key",
+    }
