@@ -43,6 +43,7 @@ from service.engine.model_files import (
     open_file,
     present,
     read_json,
+    read_side_json,
     resolve_file,
     target_file,
     used_files,
@@ -107,12 +108,7 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
     check_links(path)
     if not present(path, "config.json"):
         raise ModelSourceError(f"{path} has no config.json")
-    try:
-        config = read_json(resolve_file(path, "config.json"))
-    except ModelSourceError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise ModelSourceError(f"config.json is not valid JSON: {exc}") from None
+    config = read_side_json(path, "config.json")
     if not isinstance(config, dict):
         raise ModelSourceError("config.json is not a JSON object")
     if "auto_map" in config:

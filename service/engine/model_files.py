@@ -159,6 +159,17 @@ def read_json(path: Path) -> Any:
     return json.loads(read_bytes(path))
 
 
+def read_side_json(folder: Path, name: str, dirs: tuple[Path, ...] | None = None) -> Any:
+    """A side file's JSON, after the folder's rules (:func:`resolve_file`); anything unreadable is a
+    :class:`ModelSourceError` naming the file."""
+    try:
+        return read_json(resolve_file(folder, name, dirs))
+    except ModelSourceError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"{name} is not valid JSON: {exc}") from None
+
+
 def read_bytes(path: Path) -> bytes:
     with open_file(path) as handle:
         return handle.read()
@@ -187,12 +198,7 @@ def weight_map(folder: Path, dirs: tuple[Path, ...] | None = None) -> dict[str, 
     """
     if not present(folder, INDEX_FILE):
         return {}
-    try:
-        index = read_json(resolve_file(folder, INDEX_FILE, dirs))
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, ModelSourceError):
-            raise
-        raise ModelSourceError(f"{INDEX_FILE} is not valid JSON: {exc}") from None
+    index = read_side_json(folder, INDEX_FILE, dirs)
     mapping = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
         raise ModelSourceError(f"{INDEX_FILE} has no weight_map object")
@@ -232,12 +238,7 @@ def check_tokenizer_config(folder: Path) -> None:
     """
     if not present(folder, "tokenizer_config.json"):
         return
-    try:
-        config = read_json(resolve_file(folder, "tokenizer_config.json"))
-    except ModelSourceError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise ModelSourceError(f"tokenizer_config.json is not valid JSON: {exc}") from None
+    config = read_side_json(folder, "tokenizer_config.json")
     names = config.get("fast_tokenizer_files") if isinstance(config, dict) else None
     if names is not None and (not isinstance(names, list) or not all(is_plain_name(n) for n in names)):
         raise ModelSourceError("tokenizer_config.json lists fast_tokenizer_files that are not plain file names")
