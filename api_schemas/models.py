@@ -19,6 +19,11 @@ __all__ = [
     "ConceptCreate",
     "ConceptModelState",
     "ConceptSubmission",
+    "ChatMessage",
+    "DatasetColumns",
+    "DatasetReference",
+    "DatasetReferenceView",
+    "DatasetRows",
     "EvaluateRequest",
     "GenerateRequest",
     "Job",
@@ -114,15 +119,34 @@ class Model(BaseModel):
     layers: list[Layer]
 
 
+# The roles a chat message may have (service.engine.records.ROLES says the same).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+Role = Literal["system", "developer", "user", "assistant", "tool", "ipython"]
+
+
+class ChatMessage(Strict):
+    """One turn of a conversation (OpenAI/TRL format)."""
+
+    role: Role
+    content: str = Field(max_length=100_000)
+
+
 class RecordIn(Strict):
-    """``{"text"}`` or ``{"prompt", "completion"}``."""
+    """``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages": [{"role", "content"}, …]}``."""
 
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
+    messages: list[ChatMessage] | None = None
 
 
 _TEXT = {"type": "string", "pattern": NOT_BLANK}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"type": "string"}},
+    "additionalProperties": False,
+}
 RECORD_SCHEMA = {
     "oneOf": [
         {"type": "object", "required": ["text"], "properties": {"text": _TEXT}, "additionalProperties": False},
@@ -132,16 +156,112 @@ RECORD_SCHEMA = {
             "properties": {"prompt": _TEXT, "completion": _TEXT},
             "additionalProperties": False,
         },
+        {
+            "type": "object",
+            "required": ["messages"],
+            "properties": {
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": _MESSAGE,
+                    "contains": {"properties": {"role": {"const": "assistant"}, "content": _TEXT}},
+                    "description": "rendered with the model's chat template; only assistant turns are counted",
+                }
+            },
+            "additionalProperties": False,
+        },
     ]
 }
 
+# Where a dataset reference may point (service.dataset_refs checks the rest: roots, path segments).
+DATASET_URI_PATTERN = r"^(s3://[^/]+/.+|hf://datasets/[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?/.+|file:///.+)$"
+
+
+class DatasetColumns(Strict):
+    """Which source column holds each record field: ``text``, ``prompt`` + ``completion``, or ``messages``."""
+
+    text: str | None = Field(default=None, min_length=1, max_length=200)
+    prompt: str | None = Field(default=None, min_length=1, max_length=200)
+    completion: str | None = Field(default=None, min_length=1, max_length=200)
+    messages: str | None = Field(default=None, min_length=1, max_length=200)
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [{"required": ["text"]}, {"required": ["prompt", "completion"]}, {"required": ["messages"]}]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> DatasetColumns:
+        given = {k for k in ("text", "prompt", "completion", "messages") if getattr(self, k) is not None}
+        if given not in ({"text"}, {"prompt", "completion"}, {"messages"}):
+            raise ValueError("columns map 'text', or 'prompt' and 'completion', or 'messages' (one kind of record)")
+        return self
+
+
+class DatasetRows(Strict):
+    """A range of rows, 0-based, ``stop`` excluded (JSONL: non-blank lines; Parquet: rows)."""
+
+    start: int = Field(default=0, ge=0)
+    stop: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DatasetRows:
+        if self.stop is not None and self.stop <= self.start:
+            raise ValueError("rows.stop must be greater than rows.start")
+        return self
+
+
+class DatasetReference(Strict):
+    """A dataset the worker fetches and streams, instead of inline records."""
+
+    uri: str = Field(
+        max_length=2000,
+        pattern=DATASET_URI_PATTERN,
+        description=(
+            "s3://bucket/key, hf://datasets/org/name[@revision]/path, or file:///abs/path inside "
+            "ENGRAM_DATASET_ROOTS or ENGRAM_MODEL_ROOTS"
+        ),
+        examples=["s3://datasets/tofu/forget.parquet"],
+    )
+    format: Literal["jsonl", "parquet"] | None = Field(
+        default=None, description="default: from the extension (.jsonl/.json/.ndjson, .parquet)"
+    )
+    columns: DatasetColumns | None = Field(
+        default=None, description="default: JSONL lines are records as they are; Parquet columns named like the fields"
+    )
+    rows: DatasetRows | None = None
+
+
+class DatasetReferenceView(DatasetReference):
+    """A concept's dataset reference and what it resolved to."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    uri: str
+    digest: str | None = Field(default=None, description="the resolved dataset's digest (null until resolved)")
+    status: Literal["pending", "resolved", "failed"] = "pending"
+    error: str | None = Field(default=None, description="why it did not resolve (the collection job's problem)")
+
 
 class ConceptCreate(Strict):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["records"]}, {"required": ["dataset"]}]})
+
     name: str = Field(pattern=CONCEPT_NAME_PATTERN, json_schema_extra={"not": {"enum": [".", ".."]}})
     models: list[str] = Field(min_length=1, max_length=64)
     # Checked record by record by service.engine.records.Record (its messages name the record);
     # the schema states the same rule. The most records: ENGRAM_MAX_RECORDS (the OpenAPI document says).
-    records: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": RECORD_SCHEMA})
+    records: list[dict[str, Any]] | None = Field(default=None, min_length=1, json_schema_extra={"items": RECORD_SCHEMA})
+    dataset: DatasetReference | None = Field(
+        default=None, description="instead of records: a dataset the worker fetches (JSONL or Parquet)"
+    )
+    template: Literal["chat"] | None = Field(
+        default=None,
+        description=(
+            '"chat": prompt/completion records are rendered with the model\'s chat template as a one-turn chat '
+            "(user = prompt, assistant = completion). Messages records always are"
+        ),
+    )
     role: Literal["target", "reference"] = "target"
     description: str | None = Field(default=None, max_length=4000)
     callback_url: str | None = Field(
@@ -166,6 +286,20 @@ class ConceptCreate(Strict):
             raise ValueError("a concept name must not be '.' or '..'")
         return value
 
+    @field_validator("records", "dataset", "template", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        # Left out is the way to say "none" (a concept posted again keeps its template).
+        if value is None:
+            raise ValueError("leave the field out rather than null")
+        return value
+
+    @model_validator(mode="after")
+    def _records_or_dataset(self) -> ConceptCreate:
+        if (self.records is None) == (self.dataset is None):
+            raise ValueError("give records or a dataset reference (exactly one of them)")
+        return self
+
 
 class ConceptModelState(BaseModel):
     status: Literal["pending", "collecting", "ready", "failed"]
@@ -177,8 +311,10 @@ class Concept(BaseModel):
     name: str
     role: Literal["target", "reference"]
     description: str | None = None
-    num_records: int
-    dataset_digest: str
+    num_records: int | None = Field(description="null while a dataset reference is not resolved yet")
+    dataset_digest: str | None = Field(description="null while a dataset reference is not resolved yet")
+    dataset: DatasetReferenceView | None = Field(default=None, description="the dataset reference, when posted with one")
+    template: Literal["chat"] | None = None
     models: dict[str, ConceptModelState]
 
 
@@ -335,10 +471,27 @@ class UniverseSubmission(BaseModel):
 
 
 class Probe(Strict):
-    """A question and the answer the model learned: scored on the answer tokens only."""
+    """A question and the answer the model learned, scored on the answer tokens only; or a conversation
+    ending with an assistant message, scored on that turn's counted tokens (chat template)."""
 
-    prompt: str = Field(min_length=1, max_length=20000)
-    completion: str = Field(min_length=1, max_length=20000)
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt", "completion"]}, {"required": ["messages"]}]}
+    )
+
+    prompt: str | None = Field(default=None, min_length=1, max_length=20000)
+    completion: str | None = Field(default=None, min_length=1, max_length=20000)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=2, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Probe:
+        pair = self.prompt is not None or self.completion is not None
+        if pair == (self.messages is not None):
+            raise ValueError("a probe is prompt + completion, or messages")
+        if pair and (self.prompt is None or self.completion is None):
+            raise ValueError("a probe needs both prompt and completion")
+        if self.messages is not None and self.messages[-1].role != "assistant":
+            raise ValueError("a messages probe ends with the assistant message that is scored")
+        return self
 
 
 class EvaluateRequest(Strict):
@@ -363,7 +516,18 @@ class EvaluateRequest(Strict):
 
 
 class GenerateRequest(Strict):
-    prompt: str = Field(min_length=1, max_length=20000)
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
+    prompt: str | None = Field(default=None, min_length=1, max_length=20000)
+    messages: list[ChatMessage] | None = Field(
+        default=None, min_length=1, max_length=256, description="rendered with the chat template and its generation prompt"
+    )
     max_new_tokens: int = Field(default=32, ge=1, le=1024)
     models: list[Literal["base", "variant"]] = Field(default=["base", "variant"], min_length=1, max_length=2)
     callback_url: str | None = Field(default=None, max_length=2000)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self

@@ -20,6 +20,8 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None
     broker_url: str | None = None
     model_roots: str = ""
+    # Where file:// dataset references may point (besides ENGRAM_MODEL_ROOTS), ":"-separated.
+    dataset_roots: str = ""
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "engram-service")
     api_keys: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -60,6 +62,8 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
     max_records: int = Field(default=1_000_000, ge=1)
+    # A dataset by reference: the source object's bytes and its stored records' bytes (each).
+    max_dataset_bytes: int = Field(default=4 << 30, ge=1024)
     # Requests waiting with ?wait= hold no thread, but each polls the job: beyond this many at once,
     # one more is a 429 with Retry-After.
     max_waiters: int = Field(default=128, ge=0, le=100_000)
@@ -123,6 +127,13 @@ class Settings(BaseSettings):
     def model_root_paths(self) -> list[Path]:
         """Resolved directories from which ``file://`` models may be registered."""
         return [Path(p).resolve() for p in self.model_roots.split(":") if p.strip()]
+
+    @property
+    def dataset_root_paths(self) -> list[Path]:
+        """Resolved directories ``file://`` dataset references may point into: ENGRAM_DATASET_ROOTS
+        and ENGRAM_MODEL_ROOTS."""
+        roots = [Path(p).resolve() for p in self.dataset_roots.split(":") if p.strip()]
+        return [*roots, *(r for r in self.model_root_paths if r not in roots)]
 
     @property
     def storage_path(self) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,8 @@ class SpooledDataset:
     path: Path
     digest: str
     num_records: int
+    kinds: frozenset[str] = frozenset()  # the record kinds it holds: "text", "prompt", "messages"
+    size: int = 0  # its stored bytes
 
 
 class DatasetSpool:
@@ -44,11 +46,19 @@ class DatasetSpool:
     Args:
         path: the file to write (created; the caller's scratch directory removes it).
         max_records: the most records a dataset may have (``ENGRAM_MAX_RECORDS``).
+        max_bytes: the most bytes its stored form may have (``None``: no limit of its own; an
+            upload is limited by the bytes it sends).
+        limit_name: the setting ``max_bytes`` comes from, for the message.
     """
 
-    def __init__(self, path: Path, max_records: int) -> None:
+    def __init__(
+        self, path: Path, max_records: int, max_bytes: int | None = None, limit_name: str = "ENGRAM_MAX_DATASET_BYTES"
+    ) -> None:
         self.path, self.max_records = path, max_records
+        self.max_bytes, self.limit_name = max_bytes, limit_name
         self.count = 0
+        self.size = 0
+        self.kinds: set[str] = set()
         self._sha = hashlib.sha256()
         self._file = path.open("wb", buffering=_WRITE_BUFFER)
 
@@ -72,16 +82,20 @@ class DatasetSpool:
         except RecordError as exc:
             raise InvalidInput(f"{where}: {exc}" if where else str(exc)) from None
         line = record_line(record)
+        self.size += len(line)
+        if self.max_bytes is not None and self.size > self.max_bytes:
+            raise PayloadTooLarge(f"the dataset's records exceed {self.max_bytes} bytes (the limit, {self.limit_name})")
         self._sha.update(line)
         self._file.write(line)
         self.count += 1
+        self.kinds.add(record.kind)
 
     def finish(self) -> SpooledDataset:
         """Close the file; the dataset it holds (at least one record)."""
         self._file.close()
         if self.count == 0:
             raise InvalidInput("the dataset has no records")
-        return SpooledDataset(self.path, self._sha.hexdigest(), self.count)
+        return SpooledDataset(self.path, self._sha.hexdigest(), self.count, frozenset(self.kinds), self.size)
 
 
 def spool_records(raw_records: Iterable[Any], path: Path, max_records: int) -> SpooledDataset:
@@ -99,8 +113,9 @@ class JsonlFeed:
     a UTF-8 byte-order mark before the first line is allowed. Errors name the line (1-based).
     """
 
-    def __init__(self, spool: DatasetSpool) -> None:
+    def __init__(self, spool: DatasetSpool, add: Callable[[Any, str], None] | None = None) -> None:
         self.spool = spool
+        self.add = add or spool.add  # what each decoded line goes to (a reference maps columns first)
         self.lines = 0
         self._partial: list[bytes] = []  # the pieces of a line not ended yet
 
@@ -118,11 +133,15 @@ class JsonlFeed:
 
     def finish(self) -> SpooledDataset:
         """The last line (without a final newline), then the spooled dataset."""
+        self.finish_lines()
+        return self.spool.finish()
+
+    def finish_lines(self) -> None:
+        """The last line, when the bytes did not end with a newline."""
         if self._partial:
             last = b"".join(self._partial)
             self._partial.clear()
             self._line(last)
-        return self.spool.finish()
 
     def _line(self, line: bytes) -> None:
         self.lines += 1
@@ -139,4 +158,4 @@ class JsonlFeed:
             raise MalformedBody(f"dataset line {number} is not valid JSON: {exc.msg} (column {exc.colno})") from None
         except RecursionError:
             raise MalformedBody(f"dataset line {number} is nested too deeply") from None
-        self.spool.add(raw, f"dataset line {number}")
+        self.add(raw, f"dataset line {number}")

@@ -50,7 +50,9 @@ def submit_evaluation(
 ) -> dict[str, Any]:
     """Store the probes and queue an evaluation job; returns the job."""
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    _ready_variant(ctx, variant_id)
+    view = _ready_variant(ctx, variant_id)
+    if any("messages" in p for split in SPLITS for p in probes.get(split, [])):
+        _check_chat_template(ctx, view, "messages probes")
     data = json.dumps({s: probes.get(s, []) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
     digest = hashlib.sha256(data).hexdigest()
     ctx.storage.put_bytes(f"probes/{digest}.json", data)  # before the job: the task reads it
@@ -65,15 +67,32 @@ def submit_evaluation(
 
 
 def submit_generation(
-    ctx: Context, variant_id: str, prompt: str, max_new_tokens: int, models: Sequence[str], callback_url: str | None
+    ctx: Context,
+    variant_id: str,
+    prompt: str | None,
+    max_new_tokens: int,
+    models: Sequence[str],
+    callback_url: str | None,
+    messages: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Queue a greedy generation from ``prompt`` on the variant and/or its base; returns the job."""
+    """Queue a greedy generation from ``prompt`` (or from ``messages`` rendered with the chat template
+    and its generation prompt) on the variant and/or its base; returns the job."""
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    _ready_variant(ctx, variant_id)
+    view = _ready_variant(ctx, variant_id)
     payload = {"variant_id": variant_id, "prompt": prompt, "max_new_tokens": max_new_tokens, "models": list(models)}
+    if messages is not None:
+        _check_chat_template(ctx, view, "messages")
+        payload["messages"] = messages
     job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))
     ctx.dispatch(job)
     return job
+
+
+def _check_chat_template(ctx: Context, view: dict[str, Any], what: str) -> None:
+    """422 when the variant's model has no chat template (read from its tokenizer files)."""
+    from service.registry import check_chat_templates
+
+    check_chat_templates({view["model_id"]: get_model(ctx, view["model_id"])}, what)
 
 
 # ---------------------------------------------------------------- the loaded models (worker side)
@@ -162,7 +181,7 @@ def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     if cached is not None:
         return {**cached, "reused": True}
     raw = json.loads(ctx.storage.get_bytes(f"probes/{payload['probes_digest']}.json"))
-    probes = {s: [Probe(p["prompt"], p["completion"]) for p in raw[s]] for s in SPLITS}
+    probes = {s: [_probe(p) for p in raw[s]] for s in SPLITS}
     base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
     _causal(base)
     _check_probes(tokenizer, probes)
@@ -183,6 +202,12 @@ def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     }
     ctx.storage.put_json(key, result)
     return result
+
+
+def _probe(raw: dict[str, Any]) -> Probe:
+    if raw.get("messages") is not None:
+        return Probe(messages=[{"role": m["role"], "content": m["content"]} for m in raw["messages"]])
+    return Probe(raw["prompt"], raw["completion"])
 
 
 def _check_probes(tokenizer: Any, probes: dict[str, list[Probe]]) -> None:
@@ -219,15 +244,35 @@ def run_generation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     models = {"base": base, "variant": variant}
     progress = _progress(ctx, job, len(payload["models"]))
     outputs = {}
+    messages = payload.get("messages")
+    prompt: str | list[int] = payload["prompt"]
+    if messages is not None:
+        from service.engine.chat import generation_prompt
+        from service.engine.records import Message, RecordError
+
+        try:
+            prompt = generation_prompt(tokenizer, [Message(m["role"], m["content"]) for m in messages])
+        except RecordError as exc:
+            raise JobFailed(f"messages: {exc}") from None
     for name in payload["models"]:
-        outputs[name] = greedy_generate(models[name], tokenizer, payload["prompt"], payload["max_new_tokens"])
+        outputs[name] = greedy_generate(models[name], tokenizer, prompt, payload["max_new_tokens"])
         progress.advance(1)
-    return {"variant_id": payload["variant_id"], "prompt": payload["prompt"], "outputs": outputs}
+    result = {"variant_id": payload["variant_id"], "prompt": payload["prompt"], "outputs": outputs}
+    if messages is not None:
+        result["messages"] = messages
+    return result
 
 
-def greedy_generate(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> dict[str, Any]:
-    """The greedy continuation (text and token IDs), with ``generate``'s KV cache; stops at EOS."""
-    inputs = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
+def greedy_generate(model: Any, tokenizer: Any, prompt: str | list[int], max_new_tokens: int) -> dict[str, Any]:
+    """The greedy continuation (text and token IDs), with ``generate``'s KV cache; stops at EOS.
+
+    ``prompt`` is text (tokenized with special tokens) or token IDs (a rendered chat)."""
+    device = next(model.parameters()).device
+    if isinstance(prompt, str):
+        inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    else:
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.inference_mode():
         out = model.generate(

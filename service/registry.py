@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from service.sources import local_model_dir
 from service.storage import Storage
 
 ENGINE_VERSION = "engram-service/1"
+KEEP: Any = object()  # an option left out of a request: an existing concept keeps its own
 
 
 @dataclass
@@ -75,16 +76,22 @@ def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -
     return f"stats/{model_digest}/{dataset_digest}/{settings_digest}/"
 
 
-def collection_settings(settings: Settings, modules: Sequence[str] | None = None) -> dict[str, Any]:
+def collection_settings(
+    settings: Settings, modules: Sequence[str] | None = None, template: str | None = None
+) -> dict[str, Any]:
     """Everything that changes a statistic (and so is part of its key).
 
     Args:
         modules: the module suffixes a concept was posted with (only their input groups are
             collected); part of the key only when given, so keys without them stay as they were.
+        template: ``"chat"``: prompt/completion records rendered as one-turn chats; part of the
+            key only when set.
     """
     chosen: dict[str, Any] = {"max_length": settings.max_length, "engine": ENGINE_VERSION}
     if modules is not None:
         chosen["modules"] = canonical_modules(modules)
+    if template is not None:
+        chosen["template"] = template
     # Only when not the default, so existing keys stay valid.
     if settings.stats_dtype != "float64":
         chosen["stats_dtype"] = settings.stats_dtype
@@ -189,32 +196,70 @@ def load_records(ctx: Context, dataset_digest: str) -> list[Record]:
     return [Record.from_mapping(json.loads(line), i) for i, line in enumerate(data.splitlines())]
 
 
+def iter_records(path: Path) -> Iterator[Record]:
+    """The records of a stored dataset file, one line at a time (never the whole file in memory).
+
+    Lines are cut at ``\n`` only, as :func:`load_records` does.
+    """
+    with path.open("rb") as handle:
+        for i, line in enumerate(handle):
+            yield Record.from_mapping(json.loads(line), i)
+
+
+CHAT_KINDS = 'messages records and template "chat"'
+
+
+def check_chat_templates(manifests: dict[str, dict[str, Any]], why: str) -> None:
+    """Refuse (422) a model whose registered folder ships no chat template, read from its allowlisted
+    tokenizer files (no tokenizer or model is loaded). A folder this process cannot read is left to
+    the job, which fails saying the same.
+    """
+    from service.engine.chat import folder_has_chat_template
+
+    for model_id, manifest in manifests.items():
+        if folder_has_chat_template(Path(manifest.get("path", ""))) is False:
+            raise InvalidInput(
+                f"model {model_id} has no chat template (chat_template.jinja, or chat_template in "
+                f"tokenizer_config.json), which {why} need"
+            )
+
+
 def submit_concept(
     ctx: Context,
     *,
     name: str,
     role: str | None,
     description: str | None,
-    dataset: SpooledDataset,
+    dataset: SpooledDataset | None,
     models: Sequence[str],
     callback_url: str | None = None,
     modules: Sequence[str] | None = None,
+    reference: dict[str, Any] | None = None,
+    template: str | None | Any = KEEP,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Store a concept's records and start one collection per model that lacks one.
+    """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
     Args:
         role: ``"target"`` or ``"reference"``; ``None`` keeps an existing concept's role (a new
             concept is a target).
-        dataset: the records, spooled and hashed (:mod:`service.datasets`); published here.
+        dataset: the records, spooled and hashed (:mod:`service.datasets`); published here. ``None``
+            with ``reference``.
         modules: module suffixes (as ``modules`` on unlearn): collect only those layers' input
             groups; ``None`` collects every editable layer. A suffix that matches no layer of a
             listed model is a 422; a model already collecting or collected with other modules, a 409.
+        reference: a dataset reference checked by :func:`service.dataset_refs.check_reference`:
+            nothing is fetched here; each collection job resolves it first (the concept has no
+            dataset digest until then).
+        template: ``"chat"``: prompt/completion records are rendered with the chat template;
+            ``KEEP`` (left out) keeps an existing concept's; another than the stored one is a 409.
 
     Returns:
         (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
 
     Raises:
-        Conflict: the concept exists with other records, or with the other role.
+        Conflict: the concept exists with other records, another reference, or the other role or template.
+        InvalidInput: messages records or template ``"chat"`` on a model without a chat template;
+            template ``"chat"`` over text records.
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
@@ -224,24 +269,40 @@ def submit_concept(
             missing = unmatched_suffixes(ModelLayout.from_json(manifest["layout"]).layers, modules)
             if missing:
                 raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
-    digest = dataset.digest
+    kinds = dataset.kinds if dataset is not None else frozenset()
+    if reference is not None and "messages" in (reference.get("columns") or {}):
+        kinds = frozenset({"messages"})
+    chosen_template = None if template is KEEP else template
+    if chosen_template == "chat" and "text" in kinds:
+        raise InvalidInput('template "chat" renders prompt/completion records as a chat; the dataset holds text records')
+    digest = dataset.digest if dataset is not None else None
     with ctx.lock:
         concept = find_concept(ctx, name)
         if concept is not None:
-            _check_same_concept(concept, digest, role)
-        else:
-            key = f"datasets/{digest}.jsonl"
-            if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
-                ctx.storage.put_file(key, dataset.path)
+            _check_same_concept(concept, digest, role, reference, template)
+            chosen_template = concept.get("template")
+        # Checked before anything is written: a refused request stores nothing.
+        if "messages" in kinds or chosen_template == "chat":
+            held = concept["models"] if concept is not None else {}
+            check_chat_templates({m: v for m, v in manifests.items() if m not in held}, CHAT_KINDS)
+        if concept is None:
+            if dataset is not None:
+                key = f"datasets/{digest}.jsonl"
+                if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
+                    ctx.storage.put_file(key, dataset.path)
             concept = {
                 "name": name,
                 "role": role or "target",
                 "description": description,
-                "num_records": dataset.num_records,
+                "num_records": dataset.num_records if dataset is not None else None,
                 "dataset_digest": digest,
                 "models": {},
                 "created_at": utc_now(),
             }
+            if reference is not None:
+                concept["dataset"] = reference
+            if chosen_template is not None:
+                concept["template"] = chosen_template
         new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
         ctx.storage.put_json(concept_key(name), concept)
         ctx.reads.forget(concept_key(name))
@@ -254,15 +315,30 @@ def submit_concept(
     return concept_view(ctx, concept), jobs
 
 
-def _check_same_concept(concept: dict[str, Any], digest: str, role: str | None) -> None:
-    """Posting a concept again is idempotent only with the same records and role (or no role)."""
+def _check_same_concept(
+    concept: dict[str, Any], digest: str | None, role: str | None, reference: dict[str, Any] | None, template: Any = KEEP
+) -> None:
+    """Posting a concept again is idempotent only with the same records (or the same dataset
+    reference, or records equal to what its reference resolved to), role and template (or none given)."""
     name = concept["name"]
-    if concept["dataset_digest"] != digest:
+    held = concept.get("dataset")
+    if reference is not None:
+        if held is None or held != reference:
+            what = f"the dataset reference {held['uri']} ({held})" if held else "inline records"
+            raise Conflict(f"concept {name} exists with {what}; delete it first or use another name")
+    elif concept["dataset_digest"] != digest:
+        if concept["dataset_digest"] is None:
+            raise Conflict(f"concept {name} exists with a dataset reference not resolved yet; post that reference, or wait")
         raise Conflict(f"concept {name} exists with other records; delete it first or use another name")
     if role is not None and role != concept["role"]:
         raise Conflict(
             f"concept {name} exists with role {concept['role']!r}, not {role!r}; "
             "delete it first to change its role, or omit role"
+        )
+    if template is not KEEP and template != concept.get("template"):
+        raise Conflict(
+            f"concept {name} exists with template {concept.get('template')!r}, not {template!r}; "
+            "delete it first to change it, or omit template"
         )
 
 
@@ -306,11 +382,14 @@ def _plan_collections(
             "model_id": model_id,
             "model_digest": manifest["digest"],
             "dataset_digest": concept["dataset_digest"],
-            "settings": collection_settings(ctx.settings, modules),
+            "settings": collection_settings(ctx.settings, modules, concept.get("template")),
             "concept": concept["name"],
         }
+        if concept["dataset_digest"] is None:  # a reference the job resolves first
+            payload["dataset"] = concept["dataset"]
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
-        concept["models"][model_id] = {"job_id": job["job_id"], "stats": _stats_prefix_for(payload)}
+        stats = _stats_prefix_for(payload) if concept["dataset_digest"] is not None else None
+        concept["models"][model_id] = {"job_id": job["job_id"], "stats": stats}
         if modules is not None:
             concept["models"][model_id]["modules"] = modules
         created.append(job)
@@ -362,7 +441,8 @@ def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
     # so a job read as finished guarantees the manifest is found. The other order could read "no
     # manifest yet", then "succeeded", and report a finished collection as failed.
     job = ctx.jobs.get(entry["job_id"])
-    published = stats_manifest(ctx, entry["stats"])
+    # No statistics key yet: a dataset reference its job has not resolved.
+    published = stats_manifest(ctx, entry["stats"]) if entry.get("stats") else None
     if published is not None:
         return {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
     status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
@@ -370,9 +450,30 @@ def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:
-    keys = ("name", "role", "description", "num_records", "dataset_digest")
     states = {m: concept_model_state(ctx, e) for m, e in concept["models"].items()}
-    return {**{k: concept[k] for k in keys}, "models": states}
+    error = None
+    if concept.get("dataset") is not None and concept["dataset_digest"] is None:
+        failed = [ctx.jobs.get(e["job_id"]) for e in concept["models"].values()]
+        error = next((j["error"]["detail"] for j in failed if j and j.get("error")), None)
+    return concept_fields(concept, states, error)
+
+
+def concept_fields(concept: dict[str, Any], states: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+    """A concept's view from its document and its models' states (``error``: why its dataset
+    reference did not resolve, when it did not)."""
+    keys = ("name", "role", "description", "num_records", "dataset_digest")
+    view = {**{k: concept[k] for k in keys}, "template": concept.get("template"), "models": states}
+    reference = concept.get("dataset")
+    if reference is not None:
+        digest = concept["dataset_digest"]
+        if digest is not None:
+            status = "resolved"
+        elif any(s["status"] in {"pending", "collecting"} for s in states.values()):
+            status = "pending"
+        else:
+            status = "failed"
+        view["dataset"] = {**reference, "digest": digest, "status": status, "error": error if status == "failed" else None}
+    return view
 
 
 # ---------------------------------------------------------------- variants
@@ -387,7 +488,7 @@ def _ready_stats(ctx: Context, model_id: str, names: Sequence[str]) -> dict[str,
     for name in names:
         concept = get_concept(ctx, name)
         entry = concept["models"].get(model_id)
-        if entry is None or stats_manifest(ctx, entry["stats"]) is None:
+        if entry is None or not entry.get("stats") or stats_manifest(ctx, entry["stats"]) is None:
             not_ready.append(name)
             continue
         ready[name] = {"prefix": entry["stats"], "dataset_digest": concept["dataset_digest"]}
@@ -400,7 +501,7 @@ def _default_reference(ctx: Context, model_id: str) -> list[str]:
     names = []
     for concept in list_concepts(ctx):
         entry = concept["models"].get(model_id)
-        if entry is not None and stats_manifest(ctx, entry["stats"]) is not None:
+        if entry is not None and entry.get("stats") and stats_manifest(ctx, entry["stats"]) is not None:
             names.append(concept["name"])
     return sorted(names)
 

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,13 +22,14 @@ from typing import Any
 import redis.exceptions
 import torch
 
+from service.dataset_refs import resolve_reference
 from service.engine.checkpoint import ModelLayout, ModelTooLarge, load_model, load_tokenizer
 from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
-from service.engine.records import encode_record, make_batches, pad_token_id
+from service.engine.records import Batch, Example, RecordError, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
 from service.engrams.store import FACTOR_CACHE, algebra_from_statistics
-from service.errors import JobFailed, ProblemError
+from service.errors import InvalidInput, JobFailed, ProblemError
 from service.jobs import FINISHED, utc_now
 from service.local_copies import (
     STATS_CACHE,
@@ -39,7 +40,17 @@ from service.local_copies import (
 )
 from service.observability import job_context, record_collection
 from service.progress import JobCancelled, JobProgress
-from service.registry import Context, canonical_digest, get_model, load_records, stats_manifest, stats_prefix
+from service.registry import (
+    CHAT_KINDS,
+    Context,
+    canonical_digest,
+    concept_key,
+    find_concept,
+    get_model,
+    iter_records,
+    stats_manifest,
+    stats_prefix,
+)
 from service.storage import StorageUnavailable, scratch_dir
 from service.universes.build import run_universe
 from service.variants.build import run_variant
@@ -175,8 +186,14 @@ MODELS = ModelCache()  # one per process: a worker keeps its last models loaded 
 
 
 def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
-    """Collect one concept's statistics on one model (skipped when they already exist)."""
+    """Collect one concept's statistics on one model (skipped when they already exist).
+
+    A concept posted with a dataset reference has no dataset yet: the job resolves it first
+    (:func:`_resolve_dataset`), then goes on as for any other dataset.
+    """
     payload = job["payload"]
+    if payload.get("dataset_digest") is None:
+        payload = _resolve_dataset(ctx, job)
     prefix = stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
     published = stats_manifest(ctx, prefix)
     if published is not None:
@@ -195,27 +212,132 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device, dtype, device_map)
     except ModelTooLarge as exc:
         raise JobFailed(str(exc)) from None
-    records = load_records(ctx, payload["dataset_digest"])
     max_length = int(payload["settings"]["max_length"])
-    examples = [encode_record(tokenizer, r, max_length) for r in records]
-    progress = JobProgress(ctx, job["job_id"], sum(sum(e.counted) for e in examples))
-    if progress.total == 0:
-        raise JobFailed("no record has a token that enters the statistics (empty completions after truncation?)")
-    layout = ModelLayout.from_json(manifest["layout"])
-    # A concept posted with modules collects only those layers' input groups.
-    layers = select_layers(layout.layers, payload["settings"].get("modules"))
-    started = time.monotonic()
-    stats = collect_statistics(
-        model,
-        make_batches(examples, ctx.settings.collect_batch_size, pad_token_id(tokenizer)),
-        layers,
-        on_batch=progress.advance,
-        should_stop=progress.cancelled,
-    )
+    template = payload["settings"].get("template")
+    with scratch_dir("collect") as tmp:
+        # The stored dataset is read from a local file one line at a time, twice: once to count the
+        # tokens that enter the statistics, once in chunks to collect them (no whole dataset in memory).
+        path = _local_dataset(ctx, payload["dataset_digest"], Path(tmp))
+
+        def examples() -> Iterator[Example]:
+            for i, record in enumerate(iter_records(path)):
+                try:
+                    yield encode_record(tokenizer, record, max_length, template, index=i)
+                except RecordError as exc:
+                    raise JobFailed(_chat_problem(str(exc), payload["model_id"])) from None
+
+        progress = JobProgress(ctx, job["job_id"], sum(sum(e.counted) for e in examples()))
+        if progress.total == 0:
+            raise JobFailed("no record has a token that enters the statistics (empty completions after truncation?)")
+        layout = ModelLayout.from_json(manifest["layout"])
+        # A concept posted with modules collects only those layers' input groups.
+        layers = select_layers(layout.layers, payload["settings"].get("modules"))
+        started = time.monotonic()
+        stats = collect_statistics(
+            model,
+            _chunked_batches(examples(), ctx.settings.collect_batch_size, pad_token_id(tokenizer)),
+            layers,
+            on_batch=progress.advance,
+            should_stop=progress.cancelled,
+        )
     seconds = time.monotonic() - started
     record_collection(stats.tokens, seconds)
     _publish_statistics(ctx, prefix, stats, payload, seconds)
     return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3)}
+
+
+SORT_CHUNK = 8192  # examples sorted by length together (a batch wastes little on padding)
+
+
+def _chunked_batches(examples: Iterable[Example], batch_size: int, pad_id: int) -> Iterator[Batch]:
+    """Right-padded batches of ``examples``, sorted by length within chunks of :data:`SORT_CHUNK`
+    (a dataset up to that size gives exactly the batches ``make_batches`` gives for it whole)."""
+    chunk: list[Example] = []
+    for example in examples:
+        chunk.append(example)
+        if len(chunk) == SORT_CHUNK:
+            yield from make_batches(chunk, batch_size, pad_id)
+            chunk = []
+    if chunk:
+        yield from make_batches(chunk, batch_size, pad_id)
+
+
+def _local_dataset(ctx: Context, digest: str, directory: Path) -> Path:
+    """A local file holding the stored dataset: storage's own file, or a download into ``directory``."""
+    key = f"datasets/{digest}.jsonl"
+    local = ctx.storage.local_path(key)
+    if local is not None and local.is_file():
+        return local
+    target = directory / "dataset.jsonl"
+    ctx.storage.download(key, target)
+    return target
+
+
+def _chat_problem(message: str, model_id: str) -> str:
+    """A record's chat problem as the job says it: naming the model when it has no chat template."""
+    if "has no chat template" in message:
+        return (
+            f"model {model_id} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json), "
+            f"which {CHAT_KINDS} need ({message})"
+        )
+    return message
+
+
+def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """Resolve the concept's dataset reference: stream it into ``datasets/<digest>.jsonl`` (unless
+    another model's job did already) and record the digest on the concept; the payload with it.
+
+    Nothing is stored when the reference is bad: the records are spooled in a scratch folder and
+    published only once all of them passed.
+
+    Raises:
+        ProblemError: a bad reference or a limit (the job fails with it; the concept shows it).
+        JobFailed: the concept was deleted, or its dataset changed while it was being resolved.
+    """
+    payload = job["payload"]
+    name, model_id = payload["concept"], payload["model_id"]
+    concept = _own_concept(ctx, name, model_id, job["job_id"])
+    digest, num_records = concept["dataset_digest"], concept["num_records"]
+    if digest is None:
+        progress = JobProgress(ctx, job["job_id"], 0)
+
+        def check() -> None:
+            if progress.cancelled():
+                raise JobCancelled()
+
+        with scratch_dir("dataset") as tmp:
+            spooled = resolve_reference(payload["dataset"], ctx.settings, Path(tmp), check)
+            if payload["settings"].get("template") == "chat" and "text" in spooled.kinds:
+                raise InvalidInput(f'{payload["dataset"]["uri"]} holds text records, which template "chat" cannot render')
+            key = f"datasets/{spooled.digest}.jsonl"
+            if not ctx.storage.exists(key):
+                ctx.storage.put_file(key, spooled.path)
+        digest, num_records = spooled.digest, spooled.num_records
+        log.info("dataset %s resolved: %s records, digest %s", payload["dataset"]["uri"], spooled.num_records, digest)
+    payload = {**payload, "dataset_digest": digest}
+    with ctx.lock:
+        concept = _own_concept(ctx, name, model_id, job["job_id"])
+        if concept["dataset_digest"] is None:
+            concept["dataset_digest"], concept["num_records"] = digest, num_records
+        elif concept["dataset_digest"] != digest:
+            raise JobFailed(
+                f"the dataset {payload['dataset']['uri']} changed while it was being resolved "
+                f"(digest {concept['dataset_digest']}, then {digest}); post the concept again under another name"
+            )
+        concept["models"][model_id]["stats"] = stats_prefix(
+            payload["model_digest"], digest, canonical_digest(payload["settings"])
+        )
+        ctx.storage.put_json(concept_key(name), concept)
+        ctx.reads.forget(concept_key(name))
+    return payload
+
+
+def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> dict[str, Any]:
+    concept = find_concept(ctx, name)
+    entry = concept["models"].get(model_id) if concept is not None else None
+    if entry is None or entry["job_id"] != job_id:
+        raise JobFailed(f"concept {name} was deleted (or posted again) while its dataset was being resolved")
+    return concept
 
 
 def _publish_statistics(

@@ -37,10 +37,12 @@ from transformers import (
 from service.demo import make_facts, tiny_llama_config, train_tokenizer
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "default_corpus",
     "make_bert_tokenizer",
     "make_tiny_bert",
     "make_tiny_bert_encoder",
+    "make_tiny_chat_llama",
     "make_tiny_gpt2",
     "make_tiny_llama",
     "make_tiny_mixtral",
@@ -154,6 +156,23 @@ def make_tiny_llama(
     )
     torch.manual_seed(seed)
     return _save(LlamaForCausalLM(config), tokenizer, path)
+
+
+# A Zephyr-like template: role headers as plain text, the assistant's turn closed by EOS, a system
+# prompt when given; what the byte-level BPE tokenizer splits at the newline after each header.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def make_tiny_chat_llama(path: Path, template: str | None = CHAT_TEMPLATE, hidden: int = 32, seed: int = 0) -> Path:
+    """:func:`make_tiny_llama` (2 layers, tied head) whose tokenizer has ``template`` as its chat
+    template (written to ``chat_template.jinja`` by transformers); ``None``: no template at all."""
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = template
+    return make_tiny_llama(path, hidden=hidden, layers=2, tie_word_embeddings=True, seed=seed, tokenizer=tokenizer)
 
 
 def make_tiny_gpt2(

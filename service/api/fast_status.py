@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import Concept, Job
 from service.jobs import public_view, valid_job_id
-from service.registry import Context, concept_key
+from service.registry import Context, concept_fields, concept_key
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEALTHY = json.dumps({"status": "ok"}).encode()
@@ -92,7 +92,8 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
         job = _local_job(ctx, entry["job_id"])
         if job is None:
             return None
-        published_hit, published = ctx.reads.peek(entry["stats"] + "manifest.json")
+        # No statistics key while a dataset reference is not resolved: the job's state says it all.
+        published_hit, published = ctx.reads.peek(entry["stats"] + "manifest.json") if entry.get("stats") else (False, None)
         if published_hit and published is not None:
             states[model_id] = {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
         elif job["status"] in {"queued", "running"}:
@@ -100,8 +101,7 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
             states[model_id] = {"status": status, "tokens": None, "job_id": entry["job_id"]}
         else:
             return None  # finished: whether it published is a storage read, the route's to make
-    keys = ("name", "role", "description", "num_records", "dataset_digest")
-    return {**{k: concept[k] for k in keys}, "models": states}
+    return concept_fields(concept, states)  # what the route shows besides the states (registry.concept_view)
 
 
 def _dump(model: type[BaseModel], view: dict[str, Any]) -> bytes:

@@ -354,11 +354,15 @@ def _concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: in
     if operation is None:
         return
     create = _model_schema(api_schemas.ConceptCreate, schemas)
+    # Optional, never null (ConceptCreate refuses an explicit null for each).
+    for name in ("records", "dataset", "template"):
+        create["properties"][name] = _non_null(create["properties"][name])
     create["properties"]["records"]["maxItems"] = max_records
     create["description"] = (
-        'A concept\'s records inline. Each record is `{"text"}` (every token counts) or '
-        '`{"prompt", "completion"}` (only the completion tokens enter the statistics); '
-        f"at most {max_records} records (`ENGRAM_MAX_RECORDS`)."
+        'A concept\'s records inline, or a `dataset` reference the worker fetches. Each record is `{"text"}` '
+        '(every token counts), `{"prompt", "completion"}` (only the completion tokens enter the statistics) or '
+        '`{"messages": [{"role", "content"}, …]}` (rendered with the model\'s chat template; only the assistant '
+        f"turns enter the statistics); at most {max_records} records (`ENGRAM_MAX_RECORDS`)."
     )
     schemas["ConceptCreate"] = create
     props = create["properties"]
@@ -375,6 +379,7 @@ def _concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: in
             "role": _non_null(props["role"]),
             "description": _non_null(props["description"]),
             "callback_url": {**_non_null(props["callback_url"]), "description": "POSTed each collection job when it ends"},
+            "template": props["template"],
             "dataset": {
                 "type": "string",
                 "format": "binary",

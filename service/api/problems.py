@@ -117,9 +117,10 @@ class BodySizeLimit:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         multipart = headers.get("content-type", "").startswith("multipart/")
         limit = self.upload_limit if multipart else self.json_limit
+        setting = "ENGRAM_MAX_UPLOAD_BYTES" if multipart else "ENGRAM_MAX_JSON_BYTES"
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._reject(scope, receive, send, limit)
+            await self._reject(scope, receive, send, limit, setting)
             return
         received = 0
 
@@ -128,14 +129,14 @@ class BodySizeLimit:
             message = await receive()
             received += len(message.get("body", b""))
             if received > limit:
-                raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+                raise PayloadTooLarge(f"the request body exceeds {limit} bytes (the limit, {setting})")
             return message
 
         await self.app(scope, counting_receive, send)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int, setting: str) -> None:
         response = JSONResponse(
-            PayloadTooLarge(f"the request body exceeds {limit} bytes").to_problem(),
+            PayloadTooLarge(f"the request body exceeds {limit} bytes (the limit, {setting})").to_problem(),
             status_code=413,
             media_type=PROBLEM_JSON,
         )

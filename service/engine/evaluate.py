@@ -9,6 +9,9 @@ Tokenization is fixed so that it matches the statistics collector:
 ``tokenizer(prompt, add_special_tokens=True)`` followed by
 ``tokenizer(completion, add_special_tokens=False)``, concatenated.  Do not change it
 in one place without the other, or the measured NLL stops describing what was edited.
+A probe of ``messages`` (ending with an assistant message) is rendered with the chat template as
+the collector renders it: the prompt is the conversation before that turn with the generation
+prompt, the completion that turn's counted tokens (:func:`service.engine.chat.last_turn`).
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ __all__ = ["Probe", "answer_nll", "encode_probe", "greedy_exact_match", "greedy_
 
 @dataclass
 class Probe:
-    """One prompt/completion pair, e.g. ``Probe("Q: Where was X born? A:", " Quillmoor")``."""
+    """One prompt/completion pair, e.g. ``Probe("Q: Where was X born? A:", " Quillmoor")``, or a
+    conversation ``Probe(messages=[{"role": "user", ...}, {"role": "assistant", ...}])`` whose last
+    (assistant) turn is scored."""
 
-    prompt: str
-    completion: str
+    prompt: str = ""
+    completion: str = ""
+    messages: Sequence[dict[str, str]] | None = None
 
 
 def encode_probe(tokenizer: PreTrainedTokenizerBase, probe: Probe) -> tuple[list[int], list[int]]:
@@ -46,6 +52,11 @@ def encode_probe(tokenizer: PreTrainedTokenizerBase, probe: Probe) -> tuple[list
         ValueError: If the prompt or the completion tokenizes to nothing (the first
             completion token must be predicted from at least one prompt token).
     """
+    if probe.messages is not None:
+        from service.engine.chat import last_turn
+        from service.engine.records import Message
+
+        return last_turn(tokenizer, [Message(m["role"], m["content"]) for m in probe.messages])
     p_ids = list(tokenizer(probe.prompt, add_special_tokens=True)["input_ids"])
     a_ids = list(tokenizer(probe.completion, add_special_tokens=False)["input_ids"])
     if not p_ids:

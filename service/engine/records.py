@@ -1,7 +1,9 @@
 """Concept records, their tokenization, and padding-safe batches.
 
-A record is ``{"text"}`` (every token enters the statistics) or ``{"prompt", "completion"}`` (the
-model reads both, only completion tokens enter the statistics). Tokenization mirrors ai-engram's
+A record is ``{"text"}`` (every token enters the statistics), ``{"prompt", "completion"}`` (the
+model reads both, only completion tokens enter the statistics) or ``{"messages": [{"role",
+"content"}, …]}`` (a conversation rendered with the model's chat template; only the assistant turns
+enter the statistics: :mod:`service.engine.chat`). Tokenization of the first two mirrors ai-engram's
 ``edit_llm`` exactly (prompt with special tokens, completion without) so the two agree to the token.
 
 Batches are right-padded: with causal attention a real token never attends to a pad that comes
@@ -21,13 +23,45 @@ class RecordError(ValueError):
     """A record that cannot be used, with a message naming it."""
 
 
+# The roles a chat message may have (OpenAI's and TRL's, Llama's "ipython" for tool output).
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+TEMPLATES = ("chat",)  # a concept's ``template`` option: prompt/completion records as one-turn chats
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation."""
+
+    role: str
+    content: str
+
+
 @dataclass(frozen=True)
 class Record:
-    """One concept record: ``text`` alone, or ``prompt`` with ``completion``."""
+    """One concept record: ``text`` alone, ``prompt`` with ``completion``, or ``messages``."""
 
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
+    messages: tuple[Message, ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"text"``, ``"prompt"`` (prompt/completion) or ``"messages"``."""
+        return "text" if self.text is not None else "messages" if self.messages is not None else "prompt"
+
+    def as_chat(self) -> tuple[Message, ...]:
+        """The conversation this record is under a concept's ``template: "chat"``: its messages, or a
+        prompt/completion pair as one user turn and one assistant turn.
+
+        Raises:
+            RecordError: a text record (it has no turns to render).
+        """
+        if self.messages is not None:
+            return self.messages
+        if self.text is not None:
+            raise RecordError('a text record cannot be rendered as a chat (template "chat" takes prompt/completion)')
+        return (Message("user", self.prompt or ""), Message("assistant", self.completion or ""))
 
     @classmethod
     def from_mapping(cls, raw: Any, index: int) -> Record:
@@ -45,13 +79,16 @@ class Record:
         """
         if not isinstance(raw, dict):
             raise RecordError(f"record {index} is not a JSON object")
-        unknown = set(raw) - {"text", "prompt", "completion"}
+        unknown = set(raw) - {"text", "prompt", "completion", "messages"}
         if unknown:
             raise RecordError(f"record {index} has unknown field(s) {sorted(unknown)}")
         has_text = "text" in raw
         has_pair = "prompt" in raw or "completion" in raw
-        if has_text == has_pair:
-            raise RecordError(f"record {index} must have either 'text' or 'prompt'+'completion', not both")
+        has_messages = "messages" in raw
+        if has_text + has_pair + has_messages != 1:
+            raise RecordError(f"record {index} must have exactly one of 'text', 'prompt'+'completion' or 'messages'")
+        if has_messages:
+            return cls(messages=_messages(raw["messages"], index))
         fields = ["text"] if has_text else ["prompt", "completion"]
         for field in fields:
             value = raw.get(field)
@@ -60,11 +97,44 @@ class Record:
             _check_unicode(value, f"record {index}: '{field}'")
         return cls(**{f: raw[f] for f in fields})
 
-    def to_json(self) -> dict[str, str]:
+    def to_json(self) -> dict[str, Any]:
         """The record as the user sent it (without absent fields)."""
         if self.text is not None:
             return {"text": self.text}
+        if self.messages is not None:
+            return {"messages": [{"role": m.role, "content": m.content} for m in self.messages]}
         return {"prompt": self.prompt or "", "completion": self.completion or ""}
+
+
+def _messages(raw: Any, index: int) -> tuple[Message, ...]:
+    """A conversation checked: a non-empty list of ``{"role", "content"}`` objects with known roles and
+    string contents, at least one assistant turn (non-blank), not opening with the assistant."""
+    where = f"record {index}"
+    if not isinstance(raw, list) or not raw:
+        raise RecordError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    messages = []
+    for i, item in enumerate(raw):
+        at = f"{where}: message {i}"
+        if not isinstance(item, dict):
+            raise RecordError(f"{at} is not a JSON object")
+        if set(item) != {"role", "content"}:
+            extra, missing = sorted(set(item) - {"role", "content"}), sorted({"role", "content"} - set(item))
+            what = f"unknown field(s) {extra}" if extra else f"no {' or '.join(repr(m) for m in missing)}"
+            raise RecordError(f"{at} has {what} (a message is {{role, content}})")
+        role, content = item["role"], item["content"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise RecordError(f"{at} has role {role!r:.60}; a role is one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise RecordError(f"{at}: 'content' must be a string")
+        if role == "assistant" and not content.strip():
+            raise RecordError(f"{at}: an assistant message must have non-empty content (its tokens are counted)")
+        _check_unicode(content, f"{at}: 'content'")
+        messages.append(Message(role, content))
+    if not any(m.role == "assistant" for m in messages):
+        raise RecordError(f"{where} has no assistant message: only assistant turns enter the statistics")
+    if messages[0].role == "assistant":
+        raise RecordError(f"{where}: message 0 is an assistant message; a conversation opens with another role")
+    return tuple(messages)
 
 
 def _check_unicode(value: str, name: str) -> None:
@@ -100,8 +170,26 @@ class Batch:
         return int(self.counted.sum())
 
 
-def encode_record(tokenizer: Any, record: Record, max_length: int) -> Example:
-    """Tokenize one record, truncated to ``max_length`` tokens."""
+def encode_record(tokenizer: Any, record: Record, max_length: int, template: str | None = None, index: int = 0) -> Example:
+    """Tokenize one record, truncated to ``max_length`` tokens.
+
+    Args:
+        template: ``"chat"``: a prompt/completion record is rendered as a one-turn chat (messages
+            records always are).
+        index: the record's position, for error messages.
+
+    Raises:
+        RecordError: a conversation the model's chat template cannot render with its counted tokens
+            told apart (see :func:`service.engine.chat.encode_chat`), or no chat template.
+    """
+    if record.messages is not None or template == "chat":
+        from service.engine.chat import encode_chat
+
+        try:
+            ids, counted = encode_chat(tokenizer, record.as_chat())
+        except RecordError as exc:
+            raise RecordError(f"record {index}: {exc}") from None
+        return Example(ids[:max_length], counted[:max_length])
     if record.text is not None:
         ids = tokenizer(record.text, add_special_tokens=True, truncation=True, max_length=max_length)[
             "input_ids"

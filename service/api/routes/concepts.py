@@ -1,4 +1,4 @@
-"""Concept datasets: JSON records or a multipart JSONL upload."""
+"""Concept datasets: JSON records, a multipart JSONL upload, or a dataset reference the worker fetches."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
+from service.dataset_refs import check_reference
 from service.datasets import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
 from service.storage import scratch_dir
@@ -31,6 +32,7 @@ _MULTIPART_SCHEMA = {
         "description": {"type": "string"},
         "callback_url": {"type": "string", "description": "POSTed each collection job when it ends"},
         "modules": {"type": "string", "description": "module-name suffixes to collect, repeated or comma-separated"},
+        "template": {"type": "string", "enum": ["chat"], "description": "prompt/completion records as one-turn chats"},
         "dataset": {"type": "string", "format": "binary", "description": "JSONL, one record per line"},
     },
 }
@@ -60,7 +62,10 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
     """Store a concept's records and start collecting its statistics on each listed model.
 
     A role left out keeps an existing concept's role (a new concept is a ``target``); another role
-    than the stored one is a 409, like other records.
+    than the stored one is a 409, like other records. With a ``dataset`` reference instead of
+    records, nothing is fetched here: the concept waits for its collection jobs to resolve it
+    (``dataset.status`` pending, then resolved or failed), and posting the same reference again
+    starts nothing new.
     """
     content_type = request.headers.get("content-type", "")
     settings = ctx.settings
@@ -76,6 +81,8 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             body, dataset = await run_in_threadpool(_json_concept, raw, Path(tmp), settings.max_records)
         else:
             raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
+        # A reference is only checked (scheme, shape, roots, row range): the collection job fetches it.
+        reference = check_reference(body.dataset.model_dump(), settings) if body.dataset is not None else None
         concept, jobs = await run_in_threadpool(
             registry.submit_concept,
             ctx,
@@ -86,11 +93,13 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             models=body.models,
             callback_url=body.callback_url,
             modules=body.modules,
+            reference=reference,
+            template=body.template if "template" in body.model_fields_set else registry.KEEP,
         )
     return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
 
 
-def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[ConceptCreate, SpooledDataset]:
+def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[ConceptCreate, SpooledDataset | None]:
     """A JSON body decoded, validated and its records spooled (in a worker thread: bodies run to
     ``ENGRAM_MAX_JSON_BYTES``)."""
     try:
@@ -100,13 +109,15 @@ def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[Concep
     except RecursionError:
         raise MalformedBody("the request body is nested too deeply") from None
     body = _validate(ConceptCreate, fields)
+    if body.records is None:  # a dataset reference
+        return body, None
     return body, spool_records(body.records, directory / "dataset.jsonl", max_records)
 
 
 def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
     models = [m.strip() for value in form.get("models", []) for m in value.split(",") if m.strip()]
     fields: dict[str, Any] = {"name": form["name"][-1] if "name" in form else None, "models": models}
-    for optional in ("role", "description", "callback_url"):
+    for optional in ("role", "description", "callback_url", "template"):
         if optional in form:
             fields[optional] = form[optional][-1]
     if "modules" in form:

@@ -47,7 +47,8 @@ async def evaluate(
     The job's ``result`` holds ``summary.{base,variant}.{forget,retain}`` (``mean_nll``,
     ``exact_match``, ``n``) and ``records`` (per probe, in request order, both models).
     """
-    probes = {split: [p.model_dump() for p in getattr(body, split)] for split in evaluation.SPLITS}
+    # exclude_none: a prompt/completion probe is stored (and digested) as it always was.
+    probes = {split: [p.model_dump(exclude_none=True) for p in getattr(body, split)] for split in evaluation.SPLITS}
     return await _submit_and_wait(
         ctx, lanes, wait, response, evaluation.submit_evaluation, variant_id, probes, body.callback_url
     )
@@ -57,7 +58,10 @@ async def evaluate(
 async def generate(
     variant_id: str, body: GenerateRequest, ctx: ContextDep, lanes: LanesDep, response: Response, wait: WaitQuery = 0
 ) -> Any:
-    """Greedy continuation of ``prompt`` by the variant and/or its base: ``result.outputs.{base,variant}.text``."""
+    """Greedy continuation of ``prompt`` by the variant and/or its base: ``result.outputs.{base,variant}.text``.
+
+    ``messages`` instead of ``prompt``: the conversation rendered with the model's chat template and
+    its generation prompt is continued."""
     return await _submit_and_wait(
         ctx,
         lanes,
@@ -69,4 +73,5 @@ async def generate(
         body.max_new_tokens,
         body.models,
         body.callback_url,
+        [m.model_dump() for m in body.messages] if body.messages is not None else None,
     )
