@@ -10,6 +10,7 @@ probe sets, so the service can be exercised end to end on it.
 Usage::
 
     python -m service.demo --out demo
+    python -m service.demo --out demo-chat --chat   # the same facts as one-turn chats (a chat template)
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ __all__ = [
 ]
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+# The chat demo's template: role headers as text, the assistant's turn closed by EOS.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 # Tuned on a 2-core CPU for the default 200 facts: 400 steps of 16 (32 epochs) take ~25 s on
 # 2 idle threads (~43 s on 1) and give greedy exact match 1.0 with mean answer NLL ~0.01 for
@@ -191,8 +198,22 @@ def tiny_llama_config(
     )
 
 
-def _encode_fact(tokenizer: PreTrainedTokenizerFast, prompt: str, completion: str) -> tuple[list[int], int]:
-    """Ids of ``prompt + completion`` tokenized like the evaluator, and the prompt length."""
+def chat_messages(prompt: str, completion: str) -> list[dict[str, str]]:
+    """A fact as a one-turn chat: the question from the user, the answer (without its leading space)
+    from the assistant."""
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion.strip()}]
+
+
+def _encode_fact(
+    tokenizer: PreTrainedTokenizerFast, prompt: str, completion: str, chat: bool = False
+) -> tuple[list[int], int]:
+    """Ids of ``prompt + completion`` tokenized like the evaluator, and the prompt length (``chat``:
+    the fact rendered as a one-turn chat, and the length of its generation prompt)."""
+    if chat:
+        messages = chat_messages(prompt, completion)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        before = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids), len(before)
     p_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     a_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
     return p_ids + a_ids, len(p_ids)
@@ -229,6 +250,7 @@ def train_on_facts(
     batch_size: int = DEFAULT_BATCH_SIZE,
     seed: int = 0,
     completion_only: bool = False,
+    chat: bool = False,
 ) -> list[float]:
     """Memorize facts by causal-LM training of ``prompt + completion`` with AdamW.
 
@@ -245,6 +267,7 @@ def train_on_facts(
         seed: Seeds torch and the batch order.
         completion_only: Take the loss on the completion tokens only instead of on
             every token after BOS.
+        chat: Train on the facts rendered as one-turn chats (the tokenizer's chat template).
 
     Returns:
         The training loss of each step.
@@ -252,7 +275,7 @@ def train_on_facts(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = [_encode_fact(tokenizer, p, c) for p, c in facts]
+    rows = [_encode_fact(tokenizer, p, c, chat) for p, c in facts]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, steps, warmup=max(1, steps // 20)))
     order: list[int] = []
@@ -286,14 +309,16 @@ class DemoPaths:
     retain: Path
 
 
-def _write_jsonl(path: Path, facts: Sequence[tuple[str, str]]) -> None:
+def _write_jsonl(path: Path, facts: Sequence[tuple[str, str]], chat: bool = False) -> None:
     with path.open("w", encoding="utf-8") as fh:
         for prompt, completion in facts:
-            fh.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+            pair = {"prompt": prompt, "completion": completion}
+            record = {"messages": chat_messages(prompt, completion)} if chat else pair
+            fh.write(json.dumps(record) + "\n")
 
 
 def read_probes(path: Path) -> list[Probe]:
-    """Read a ``{"prompt", "completion"}`` JSON-lines file into probes."""
+    """Read a ``{"prompt", "completion"}`` (or ``{"messages"}``) JSON-lines file into probes."""
     with path.open(encoding="utf-8") as fh:
         return [Probe(**json.loads(line)) for line in fh if line.strip()]
 
@@ -315,6 +340,7 @@ def build_demo(
     forget_fraction: float = 0.1,
     seed: int = 0,
     steps: int | None = None,
+    chat: bool = False,
 ) -> DemoPaths:
     """Train the demo model and write it with its forget/retain probe sets.
 
@@ -328,16 +354,20 @@ def build_demo(
         forget_fraction: Fraction of facts placed in the forget set (seeded random pick).
         seed: Seed of the facts, split, initialisation and batch order.
         steps: Training steps; defaults to :data:`DEFAULT_STEPS`.
+        chat: A chat model: the tokenizer gets :data:`CHAT_TEMPLATE`, the model is trained on the
+            facts rendered as one-turn chats, and the probe files hold ``{"messages"}`` records.
 
     Returns:
         The written paths.
     """
     out_dir = Path(out_dir)
     facts = make_facts(n_facts, seed)
-    tokenizer = train_tokenizer([p + c for p, c in facts])
+    tokenizer = train_tokenizer([p + c for p, c in facts] + (["<|user|>\n<|assistant|>\n"] * 20 if chat else []))
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer=tokenizer))
-    train_on_facts(model, tokenizer, facts, steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
+    train_on_facts(model, tokenizer, facts, steps=DEFAULT_STEPS if steps is None else steps, seed=seed, chat=chat)
 
     paths = DemoPaths(out_dir, out_dir / "model", out_dir / "forget.jsonl", out_dir / "retain.jsonl")
     paths.model_dir.mkdir(parents=True, exist_ok=True)
@@ -350,8 +380,8 @@ def build_demo(
     for file in paths.model_dir.iterdir():
         file.chmod(0o644)
     forget, retain = split_forget(facts, forget_fraction, seed)
-    _write_jsonl(paths.forget, forget)
-    _write_jsonl(paths.retain, retain)
+    _write_jsonl(paths.forget, forget, chat)
+    _write_jsonl(paths.retain, retain, chat)
     return paths
 
 
@@ -373,12 +403,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--chat", action="store_true", help="a chat model: facts as one-turn chats, messages probes")
     args = parser.parse_args(args_list)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     start = time.perf_counter()
-    paths = build_demo(args.out, args.n_facts, args.forget_fraction, args.seed, args.steps)
+    paths = build_demo(args.out, args.n_facts, args.forget_fraction, args.seed, args.steps, chat=args.chat)
     elapsed = time.perf_counter() - start
     sys.stdout.write(f"wrote {paths.root} (model: {paths.model_dir}) in {elapsed:.1f}s\nbefore edit:\n")
     _print_metrics(paths.model_dir, paths.root)

@@ -1,0 +1,79 @@
+"""Mini-TOFU in chat format: a tiny Llama with a chat template memorised 200 facts as one-turn chats.
+
+Through the live API (embedded mode) the forget and retain sets are posted as ``{"messages"}``
+records (only the assistant turns are counted), the 10% forget set is unlearned (α=1, uniform, the
+universe forget ∪ retain), and the service's own evaluation scores the variant on messages probes
+(the assistant turn's answer NLL and greedy exact match): the forget answers' NLL must rise 10× or
+more while the retain set moves far less.
+
+Run ``pytest tests/e2e/test_chat_tofu.py -s`` to see the figures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
+
+pytestmark = pytest.mark.slow
+MODEL_ID = "demo/chat-tofu"
+
+
+@pytest.fixture(scope="module")
+def chat_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chat demo (trained on the facts rendered with its chat template); the model root holding it."""
+    from service.demo import build_demo
+
+    root = tmp_path_factory.mktemp("chat-tofu")
+    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, chat=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(chat_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    work = tmp_path_factory.mktemp("chat-tofu-server")
+    live = start_server(work / "store", chat_demo, work / "server.log")
+    try:
+        yield live
+    finally:
+        stop_server(live)
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_chat_mini_tofu_forgets_its_forget_set(chat_demo: Path, server: LiveServer) -> None:
+    api = server.client
+    demo = chat_demo / "demo"
+    forget, retain = records(demo / "forget.jsonl"), records(demo / "retain.jsonl")
+    assert all(list(r) == ["messages"] for r in forget + retain)
+    source = f"file://{demo / 'model'}"
+    assert api.post("/models", json={"model_id": MODEL_ID, "source": source}).status_code == 201
+    for name, role, data in (("chat-forget", "target", forget), ("chat-retain", "reference", retain)):
+        response = api.post("/concepts", json={"name": name, "role": role, "models": [MODEL_ID], "records": data})
+        assert response.status_code == 202, response.text
+    concepts = wait_concepts_ready(api, ["chat-forget", "chat-retain"], MODEL_ID, timeout=300)
+    # Each one-turn chat counts its answer and the EOS that closes the turn.
+    assert concepts["chat-forget"]["models"][MODEL_ID]["tokens"] > len(forget)
+    submitted = api.post(f"/models/{MODEL_ID}/unlearn", json={"concepts": ["chat-forget"], "alpha": 1.0})
+    assert submitted.status_code == 202, submitted.text
+    variant = wait_variant_ready(api, submitted.json()["variant"]["variant_id"], timeout=300)
+
+    response = api.post(f"/variants/{variant['variant_id']}/evaluate", json={"forget": forget, "retain": retain})
+    assert response.status_code == 202, response.text
+    job = wait_for_job(api, response.json()["job_id"], timeout=600)
+    assert job["status"] == "succeeded", job
+    figures = job["result"]["summary"]
+    print("\nchat mini-TOFU figures:\n" + json.dumps(figures, indent=1))  # noqa: T201 - the note's figures
+    before, after = figures["base"], figures["variant"]
+    assert before["forget"]["exact_match"] >= 0.9 and before["retain"]["exact_match"] >= 0.9, "not memorised"
+    forget_rise = after["forget"]["mean_nll"] / before["forget"]["mean_nll"]
+    retain_rise = after["retain"]["mean_nll"] / before["retain"]["mean_nll"]
+    assert forget_rise >= 10.0, figures
+    assert forget_rise >= 3.0 * retain_rise, figures
