@@ -218,33 +218,42 @@ class EngramClient:
         description: str | None = None,
         callback_url: str | None = None,
         modules: Sequence[str] | None = None,
+        dataset: Mapping[str, Any] | None = None,
+        template: str | None = None,
     ) -> ConceptSubmission:
         """Store a concept and start collecting its statistics on each model.
 
         Args:
             name: the concept's name (letters, digits, ``.``, ``_``, ``-``).
             models: model IDs to collect on.
-            records: inline records, ``{"text"}`` or ``{"prompt", "completion"}``; for small datasets.
+            records: inline records, ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages": [...]}``;
+                for small datasets.
             jsonl_path: a JSONL file, one record per line, streamed as a multipart upload; for large ones.
+            dataset: a dataset reference the service's worker fetches: ``{"uri": "s3://…" | "hf://datasets/…"
+                | "file:///…", "format"?, "columns"?, "rows"?}``.
             role: ``target`` (to be edited) or ``reference`` (only shapes the universe).
             description: free text kept with the concept.
             callback_url: POSTed each collection job when it ends (its host must be allowlisted).
             modules: module-name suffixes: collect only these layers' input groups (an edit must then
                 select among them); default every editable layer.
+            template: ``"chat"``: prompt/completion records rendered with the model's chat template.
 
         Returns:
             The concept and its collection jobs (already finished ones too, when the post repeats).
 
         Raises:
-            ValueError: neither or both of ``records`` and ``jsonl_path``.
+            ValueError: not exactly one of ``records``, ``jsonl_path`` and ``dataset``.
         """
-        if (records is None) == (jsonl_path is None):
-            raise ValueError("pass exactly one of records= (inline) and jsonl_path= (multipart upload)")
-        fields = _set_only(name=name, models=list(models), role=role, description=description, callback_url=callback_url)
+        if sum(x is not None for x in (records, jsonl_path, dataset)) != 1:
+            raise ValueError("pass exactly one of records= (inline), jsonl_path= (multipart upload), dataset= (reference)")
+        fields = _set_only(
+            name=name, models=list(models), role=role, description=description, callback_url=callback_url, template=template
+        )
         if modules is not None:
             fields["modules"] = list(modules)
-        if records is not None:
-            response = self._request("POST", "/concepts", json={**fields, "records": list(records)})
+        if records is not None or dataset is not None:
+            body = {"records": list(records)} if records is not None else {"dataset": dict(dataset or {})}
+            response = self._request("POST", "/concepts", json={**fields, **body})
             return self._parse(ConceptSubmission, response)
         path = Path(jsonl_path)  # type: ignore[arg-type]  # checked above
         with path.open("rb") as dataset:  # streamed from disk: a large dataset is never held in memory
@@ -499,7 +508,7 @@ class EngramClient:
     def generate(
         self,
         variant_id: str,
-        prompt: str,
+        prompt: str | Sequence[Mapping[str, str]],
         max_new_tokens: int = 32,
         models: Sequence[str] | None = None,
         *,
@@ -513,14 +522,18 @@ class EngramClient:
         """Greedy continuation of ``prompt`` by a ready variant and/or its base (job kind ``generate``).
 
         Args:
+            prompt: text, or chat messages (``[{"role", "content"}, …]``) that the service renders with
+                the model's chat template and its generation prompt.
             models: ``base``, ``variant`` or both (the default).
             callback_url, wait_s, wait, on_progress, poll_s, timeout: as for :meth:`evaluate`.
 
         Returns:
             The job; once succeeded, ``result`` is ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
         """
+        text = prompt if isinstance(prompt, str) else None
         body = _set_only(
-            prompt=prompt,
+            prompt=text,
+            messages=[dict(m) for m in prompt] if text is None else None,
             max_new_tokens=max_new_tokens,
             models=list(models) if models is not None else None,
             callback_url=callback_url,
@@ -741,7 +754,9 @@ def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:
     """``{"prompt", "completion"}`` for each probe, whichever form it came in; a bad one is named by split and index."""
     out = []
     for i, probe in enumerate(probes):
-        if isinstance(probe, Mapping) and "prompt" in probe and "completion" in probe:
+        if isinstance(probe, Mapping) and "messages" in probe:
+            out.append({"messages": [dict(m) for m in probe["messages"]]})
+        elif isinstance(probe, Mapping) and "prompt" in probe and "completion" in probe:
             out.append({"prompt": probe["prompt"], "completion": probe["completion"]})
         elif isinstance(probe, Sequence) and not isinstance(probe, str) and len(probe) == 2:
             out.append({"prompt": probe[0], "completion": probe[1]})

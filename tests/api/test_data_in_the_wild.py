@@ -566,3 +566,24 @@ def test_bad_references_fail_their_job_and_store_nothing(
     assert concept["dataset"]["status"] == "failed" and concept["dataset"]["error"] == job["error"]["detail"]
     assert concept["dataset_digest"] is None and concept["num_records"] is None
     assert stored_datasets(server) == before, "a bad reference stored a dataset"
+
+
+def test_the_python_client_posts_references_templates_and_messages(
+    server: LiveServer, sources: dict[str, str], chat_variant: dict[str, Any]
+) -> None:
+    from service.client import EngramClient
+
+    with EngramClient(server.base_url) as client:
+        reference = {"uri": sources["file"] + "facts.parquet", "columns": MAPPED, "rows": {"stop": 10}}
+        submission = client.add_concept("client-ref", [CHAT], dataset=reference, template="chat")
+        assert submission.concept.dataset is not None and submission.concept.dataset.uri == reference["uri"]
+        assert submission.concept.template == "chat" and submission.concept.dataset_digest is None
+        job = wait_for_job(server.client, submission.jobs[0].job_id)
+        assert job["status"] == "succeeded", job
+        concept = client.get_concept("client-ref")
+        assert concept.dataset_digest == digest_of(PAIRS[:10]) and concept.dataset.status == "resolved"
+        messages = conversations(FACTS[48:50])[0]["messages"]
+        generated = client.generate(chat_variant["variant_id"], messages[:-1], 4, ["variant"], wait=True)
+        assert generated.result is not None and generated.result["messages"] == messages[:-1]
+        evaluated = client.evaluate(chat_variant["variant_id"], forget=[{"messages": messages}], wait=True)
+        assert evaluated.status == "succeeded" and evaluated.result["summary"]["base"]["forget"]["n"] == 1
