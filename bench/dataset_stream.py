@@ -73,7 +73,7 @@ def job_process(server_pid: int, timeout: float = 60) -> psutil.Process:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for child in psutil.Process(server_pid).children(recursive=True):
-            if any("multiprocessing" in part for part in child.cmdline()):
+            if any("spawn_main" in part for part in child.cmdline()):  # not the resource tracker
                 return child
         time.sleep(0.1)
     raise RuntimeError("no job process found under the server")
