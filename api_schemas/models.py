@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)?$"
 CONCEPT_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
@@ -131,6 +132,17 @@ class ChatMessage(Strict):
     content: str = Field(max_length=100_000)
 
 
+# What a conversation that is scored needs: an assistant message. (That it does not open with the
+# assistant is checked where it is rendered: JSON Schema's prefixItems would exempt the first
+# message from `items`.)
+CONVERSATION_RULES: dict[str, Any] = {"contains": {"properties": {"role": {"const": "assistant"}}}}
+
+
+def _conversation(messages: list[ChatMessage]) -> None:
+    if not any(m.role == "assistant" for m in messages):
+        raise ValueError("the messages have no assistant message (the turn that is scored)")
+
+
 class RecordIn(Strict):
     """``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages": [{"role", "content"}, …]}``."""
 
@@ -177,6 +189,17 @@ RECORD_SCHEMA = {
 DATASET_URI_PATTERN = r"^(s3://[^/]+/.+|hf://datasets/[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?/.+|file:///.+)$"
 
 
+def exactly_one_of(*groups: tuple[str, ...]) -> dict[str, Any]:
+    """JSON Schema for "exactly one of these groups of fields, and no field of another group"."""
+    names = [name for group in groups for name in group]
+    return {
+        "oneOf": [
+            {"required": list(group), "not": {"anyOf": [{"required": [n]} for n in names if n not in group]}}
+            for group in groups
+        ]
+    }
+
+
 class DatasetColumns(Strict):
     """Which source column holds each record field: ``text``, ``prompt`` + ``completion``, or ``messages``."""
 
@@ -185,11 +208,7 @@ class DatasetColumns(Strict):
     completion: str | None = Field(default=None, min_length=1, max_length=200)
     messages: str | None = Field(default=None, min_length=1, max_length=200)
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "oneOf": [{"required": ["text"]}, {"required": ["prompt", "completion"]}, {"required": ["messages"]}]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=exactly_one_of(("text",), ("prompt", "completion"), ("messages",)))
 
     @model_validator(mode="after")
     def _one_kind(self) -> DatasetColumns:
@@ -474,13 +493,16 @@ class Probe(Strict):
     """A question and the answer the model learned, scored on the answer tokens only; or a conversation
     ending with an assistant message, scored on that turn's counted tokens (chat template)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={"oneOf": [{"required": ["prompt", "completion"]}, {"required": ["messages"]}]}
-    )
+    model_config = ConfigDict(json_schema_extra=exactly_one_of(("prompt", "completion"), ("messages",)))
 
-    prompt: str | None = Field(default=None, min_length=1, max_length=20000)
-    completion: str | None = Field(default=None, min_length=1, max_length=20000)
-    messages: list[ChatMessage] | None = Field(default=None, min_length=2, max_length=256)
+    # Optional, not nullable in the document (SkipJsonSchema): null is as good as left out.
+    prompt: Annotated[str, Field(min_length=1, max_length=20000)] | SkipJsonSchema[None] = None
+    completion: Annotated[str, Field(min_length=1, max_length=20000)] | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=2, max_length=256)] | SkipJsonSchema[None] = Field(
+        default=None,
+        description="the last assistant message is the turn scored (messages after it are not read)",
+        json_schema_extra=CONVERSATION_RULES,
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> Probe:
@@ -489,8 +511,8 @@ class Probe(Strict):
             raise ValueError("a probe is prompt + completion, or messages")
         if pair and (self.prompt is None or self.completion is None):
             raise ValueError("a probe needs both prompt and completion")
-        if self.messages is not None and self.messages[-1].role != "assistant":
-            raise ValueError("a messages probe ends with the assistant message that is scored")
+        if self.messages is not None:
+            _conversation(self.messages)
         return self
 
 
@@ -518,9 +540,9 @@ class EvaluateRequest(Strict):
 class GenerateRequest(Strict):
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
 
-    prompt: str | None = Field(default=None, min_length=1, max_length=20000)
-    messages: list[ChatMessage] | None = Field(
-        default=None, min_length=1, max_length=256, description="rendered with the chat template and its generation prompt"
+    prompt: Annotated[str, Field(min_length=1, max_length=20000)] | SkipJsonSchema[None] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=256)] | SkipJsonSchema[None] = Field(
+        default=None, description="rendered with the chat template and its generation prompt"
     )
     max_new_tokens: int = Field(default=32, ge=1, le=1024)
     models: list[Literal["base", "variant"]] = Field(default=["base", "variant"], min_length=1, max_length=2)

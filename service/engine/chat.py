@@ -133,15 +133,17 @@ def turn_span(tokenizer: Any, messages: Sequence[Message], i: int, whole: list[i
 
 
 def last_turn(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-    """A probe's ``(prompt_ids, answer_ids)``: the conversation up to its last message (an assistant
-    message) with the generation prompt, and that turn's counted tokens.
+    """A probe's ``(prompt_ids, answer_ids)``: the conversation before its last assistant message,
+    with the generation prompt, and that turn's counted tokens (messages after it are not read).
 
     Raises:
-        RecordError: the last message is not the assistant's, or as :func:`turn_span`.
+        RecordError: no assistant message, or as :func:`turn_span`.
     """
-    if not messages or messages[-1].role != "assistant":
-        raise RecordError("the last message must be an assistant message (the turn that is scored)")
-    i = len(messages) - 1
+    turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    if not turns:
+        raise RecordError("the messages have no assistant message (the turn that is scored)")
+    i = turns[-1]
+    messages = messages[: i + 1]
     through = render_ids(tokenizer, messages)
     start, stop = turn_span(tokenizer, messages, i, through)
     return through[:start], through[start:stop]

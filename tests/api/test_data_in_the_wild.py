@@ -379,8 +379,9 @@ def test_evaluate_and_generate_take_messages(
         for name, model in (("base", base), ("variant", variant)):
             expected = turn_nll(model, tokenizer, messages)
             assert abs(record[name]["nll"] - expected) <= 1e-4 * max(1.0, expected), (name, record, expected)
-    # A probe whose last message is not the assistant's is refused before any job.
-    bad = api.post(f"/variants/{chat_variant['variant_id']}/evaluate", json={"forget": [{"messages": probes[0][:-1]}]})
+    # A probe without an assistant message is refused before any job.
+    no_turn = [m for m in probes[0] if m["role"] != "assistant"]
+    bad = api.post(f"/variants/{chat_variant['variant_id']}/evaluate", json={"forget": [{"messages": no_turn}]})
     assert_problem(bad, 422, "assistant")
 
     conversation = probes[0][:-1]

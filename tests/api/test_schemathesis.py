@@ -18,8 +18,9 @@ reach real models, variants, files and jobs, not only 404s.
 
 Where the document cannot say what the service checks (a model source must be a checkpoint inside
 ``ENGRAM_MODEL_ROOTS``; ``modules``/``layers`` must select layers of that model; a multipart
-dataset must be UTF-8 JSONL), schema-valid requests may be refused, so ``positive_data_acceptance``
-also expects 422 (and 400 for the upload) on those operations. A body over the size limit is
+dataset must be UTF-8 JSONL; chat messages need a model with a chat template), schema-valid
+requests may be refused, so ``positive_data_acceptance`` also expects 422 (and 400 for the upload)
+on those operations. A body over the size limit is
 answered 413 before anything else (auth included): a rejection like the others for
 ``negative_data_rejection``. Checks whose premise the API's contract does not meet are off where
 it does not:
@@ -143,7 +144,8 @@ def config(target: Target) -> str:
         "checks.ensure_resource_availability.enabled = false",
         "",
         "[[operations]]",
-        'include-name = ["POST /models", "POST /models/{model_id}/unlearn", "POST /models/{model_id}/compose"]',
+        'include-name = ["POST /models", "POST /models/{model_id}/unlearn", "POST /models/{model_id}/compose", '
+        '"POST /variants/{variant_id}/evaluate", "POST /variants/{variant_id}/generate"]',
         f"checks.positive_data_acceptance.expected-statuses = {json.dumps(refused)}",
         "",
         "[[operations]]",

@@ -124,8 +124,11 @@ def test_probe_and_generation_prompt(tokenizer: Any) -> None:
     assert generation_prompt(tokenizer, TWO_TURNS[:-1]) == prompt_ids
     probe = Probe(messages=[{"role": m.role, "content": m.content} for m in TWO_TURNS])
     assert encode_probe(tokenizer, probe) == (prompt_ids, answer_ids)
-    with pytest.raises(RecordError, match="last message must be an assistant"):
-        last_turn(tokenizer, TWO_TURNS[:-1])
+    # The last assistant turn is scored; what follows it is not read.
+    assert last_turn(tokenizer, (*TWO_TURNS, Message("user", "Thanks!"))) == (prompt_ids, answer_ids)
+    assert tokenizer.decode(last_turn(tokenizer, TWO_TURNS[:-1])[1]) == "Papa</s>"
+    with pytest.raises(RecordError, match="no assistant message"):
+        last_turn(tokenizer, TWO_TURNS[:2])
 
 
 def test_messages_are_stored_in_their_canonical_form() -> None:
