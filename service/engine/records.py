@@ -18,22 +18,13 @@ from typing import Any
 
 import torch
 
+from service.engine.chat import encode_chat
+from service.engine.messages import ROLES, Message, RecordError
 
-class RecordError(ValueError):
-    """A record that cannot be used, with a message naming it."""
+__all__ = ["ROLES", "TEMPLATES", "Message", "Record", "RecordError"]
 
 
-# The roles a chat message may have (OpenAI's and TRL's, Llama's "ipython" for tool output).
-ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 TEMPLATES = ("chat",)  # a concept's ``template`` option: prompt/completion records as one-turn chats
-
-
-@dataclass(frozen=True)
-class Message:
-    """One turn of a conversation."""
-
-    role: str
-    content: str
 
 
 @dataclass(frozen=True)
@@ -183,17 +174,13 @@ def encode_record(tokenizer: Any, record: Record, max_length: int, template: str
             told apart (see :func:`service.engine.chat.encode_chat`), or no chat template.
     """
     if record.messages is not None or template == "chat":
-        from service.engine.chat import encode_chat
-
         try:
             ids, counted = encode_chat(tokenizer, record.as_chat())
         except RecordError as exc:
             raise RecordError(f"record {index}: {exc}") from None
         return Example(ids[:max_length], counted[:max_length])
     if record.text is not None:
-        ids = tokenizer(record.text, add_special_tokens=True, truncation=True, max_length=max_length)[
-            "input_ids"
-        ]
+        ids = tokenizer(record.text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
         return Example(list(ids), [True] * len(ids))
     prompt_ids = tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
     answer_ids = tokenizer(record.completion, add_special_tokens=False)["input_ids"]
