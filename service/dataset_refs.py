@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlparse
 from service.config import Settings
 from service.datasets import DatasetSpool, JsonlFeed, SpooledDataset
 from service.errors import InvalidInput, PayloadTooLarge
+from service.sources import file_uri_path
 from service.storage import ObjectNotFound, StorageUnavailable
 
 HF_DATASET = re.compile(r"^hf://datasets/([A-Za-z0-9._-]+/[A-Za-z0-9._-]+)(?:@([A-Za-z0-9._-]+))?/(.+)$")
@@ -92,14 +93,7 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
 
 def _file_path(uri: str, roots: list[Path], *, strict: bool = False) -> Path:
     """The path of a ``file://`` reference, checked to lie inside ``roots`` (links resolved)."""
-    parsed = urlparse(uri)
-    if parsed.netloc not in {"", "localhost"}:
-        raise InvalidInput(f"file:// datasets must be local paths, got host {parsed.netloc!r}")
-    raw = unquote(parsed.path)
-    if "\x00" in raw:
-        raise InvalidInput("dataset.uri contains a NUL byte")
-    if not raw.startswith("/") or ".." in PurePosixPath(raw).parts:
-        raise InvalidInput(f"a file:// dataset must be an absolute path without '..', got {raw!r}")
+    raw = file_uri_path(uri, "file:// dataset")
     try:
         path = Path(raw).resolve(strict=strict)  # links resolved: one must not lead out of the roots
     except FileNotFoundError:

@@ -14,7 +14,7 @@ import re
 import shutil
 import tempfile
 from fnmatch import fnmatch
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
 
 from service.engine.model_files import ModelSourceError, allowed_dirs, check_links
@@ -52,15 +52,22 @@ def local_model_dir(source: str, model_roots: list[Path], cache_dir: Path, s3_en
     raise InvalidInput(f"source must be file:///abs/dir, s3://bucket/prefix/ or hf://org/name, got {source!r}")
 
 
-def _file_source(source: str, model_roots: list[Path]) -> Path:
-    parsed = urlparse(source)
+def file_uri_path(uri: str, what: str) -> str:
+    """The local path a ``file://`` URI names, before any link is resolved: absolute, no ``..``,
+    no NUL, no host. ``what`` names the URI in the 422 (``"file:// source"``)."""
+    parsed = urlparse(uri)
     if parsed.netloc not in {"", "localhost"}:
-        raise InvalidInput(f"file:// sources must be local paths, got host {parsed.netloc!r}")
+        raise InvalidInput(f"{what}s must be local paths, got host {parsed.netloc!r}")
     raw = unquote(parsed.path)
     if "\x00" in raw:
-        raise InvalidInput("file:// source contains a NUL byte")
-    if not raw.startswith("/") or ".." in Path(raw).parts:
-        raise InvalidInput(f"file:// source must be an absolute path without '..', got {raw!r}")
+        raise InvalidInput(f"{what} contains a NUL byte")
+    if not raw.startswith("/") or ".." in PurePosixPath(raw).parts:
+        raise InvalidInput(f"{what} must be an absolute path without '..', got {raw!r}")
+    return raw
+
+
+def _file_source(source: str, model_roots: list[Path]) -> Path:
+    raw = file_uri_path(source, "file:// source")
     path = Path(raw).resolve()  # symlinks resolved: a link must not lead out of the roots
     if not _within(path, model_roots):
         roots = ", ".join(str(r) for r in model_roots) or "none configured"

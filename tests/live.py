@@ -13,7 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,16 @@ def start_server(storage_dir: Path, model_root: Path, log_path: Path, **env: str
             stop_server(server)
             raise RuntimeError(f"the server did not answer /healthz within {STARTUP_TIMEOUT_S:.0f}s:\n{server.log_tail()}")
         time.sleep(0.1)
+
+
+@contextmanager
+def running_server(root: Path, model_root: Path, **env: str) -> Iterator[LiveServer]:
+    """A server of its own (storage under ``root``) for a test module, stopped afterwards."""
+    server = start_server(root / "store", model_root, root / "server.log", **env)
+    try:
+        yield server
+    finally:
+        stop_server(server)
 
 
 def stop_server(server: LiveServer, grace_s: float = 10.0) -> None:

@@ -20,7 +20,7 @@ from service.demo import make_facts
 from service.engine.records import Record
 from service.registry import dataset_bytes
 from tests.api.test_api import assert_problem, jsonl, unchanged
-from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_variant_ready
+from tests.live import LiveServer, running_server, wait_concepts_ready, wait_variant_ready
 
 MODEL = "hostile/tiny"
 MAX_RECORDS = 50
@@ -31,12 +31,8 @@ HUGE = "9" * 5000  # beyond Python's 4300-digit int() limit
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama_dir: Path) -> Iterator[LiveServer]:
-    root = tmp_path_factory.mktemp("hostile")
-    live = start_server(root / "store", model_root, root / "server.log", ENGRAM_MAX_RECORDS=str(MAX_RECORDS))
-    try:
+    with running_server(tmp_path_factory.mktemp("hostile"), model_root, ENGRAM_MAX_RECORDS=str(MAX_RECORDS)) as live:
         yield live
-    finally:
-        stop_server(live)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,15 @@ import pytest
 
 from service.demo import make_facts
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
+from tests.live import (
+    LiveServer,
+    running_server,
+    start_server,
+    stop_server,
+    wait_concepts_ready,
+    wait_for_job,
+    wait_variant_ready,
+)
 
 MODEL = "poll/tiny"
 MAX_WAITERS = 64
@@ -70,12 +78,8 @@ def paused(pid: int) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, model_root: Path) -> Iterator[LiveServer]:
-    root = tmp_path_factory.mktemp("polling")
-    live = start_server(root / "store", model_root, root / "server.log", ENGRAM_MAX_WAITERS=str(MAX_WAITERS))
-    try:
+    with running_server(tmp_path_factory.mktemp("polling"), model_root, ENGRAM_MAX_WAITERS=str(MAX_WAITERS)) as live:
         yield live
-    finally:
-        stop_server(live)
 
 
 @pytest.fixture(scope="module")
