@@ -70,17 +70,65 @@ def pinv_factors(sigma: torch.Tensor, rcond: float | None = None, explicit: bool
     """
     if sigma.ndim != 2 or sigma.shape[0] != sigma.shape[1]:
         raise ValueError(f"sigma must be square, got shape {tuple(sigma.shape)}")
-    cut = default_rcond(sigma.shape[0]) if rcond is None else rcond
-    if not 0.0 <= cut < 1.0:
-        raise ValueError(f"rcond must be in [0, 1), got {cut}")
+    cut = _checked_cut(sigma.shape[0], rcond)
     sym = sigma.to(torch.float64)
     sym = (sym + sym.mT) * 0.5  # eigh assumes exact symmetry; accumulation leaves ~1e-16 skew
     eigenvalues, vectors = torch.linalg.eigh(sym)
-    lam_max = eigenvalues[-1].clamp_min(0.0) if eigenvalues.numel() else torch.tensor(0.0)
-    keep = (eigenvalues > cut * lam_max) & (eigenvalues > 0)
-    basis, inverse = vectors[:, keep].contiguous(), 1.0 / eigenvalues[keep]
+    keep = _kept(eigenvalues, cut)
+    return _factors(vectors[:, keep].contiguous(), eigenvalues[keep], sigma.shape[0], explicit)
+
+
+def pinv_factors_from_rows(rows: torch.Tensor, rcond: float | None = None, explicit: bool | None = None) -> PinvFactors:
+    """:func:`pinv_factors` of ``XᵀX`` from the rows ``X`` (``[T, D]``), never forming a ``D × D`` matrix
+    to decompose: ``T²·D`` multiply-adds for ``X·Xᵀ`` and ``T³`` for its ``eigh``, against ``D³``.
+
+    ``XᵀX`` and the Gram matrix ``G = X·Xᵀ`` have the same nonzero eigenvalues, and an eigenvector
+    ``u`` of ``G`` (eigenvalue ``λ``) gives ``XᵀX``'s as ``v = Xᵀu / √λ``. The cut is that of
+    ``XᵀX``: ``λ > rcond · λ_max`` with ``rcond`` defaulting to ``D · eps32`` (the width, not ``T``),
+    so the same directions are kept as :func:`pinv_factors` keeps of the explicit ``XᵀX``. Worth it
+    while ``T < D`` (a universe of few tokens on a wide layer); correct for any ``T``.
+
+    Args:
+        rows: ``[T, D]`` (any float dtype; float32 activations are exact in float64, where every
+            product here runs).
+        rcond: as for :func:`pinv_factors`.
+        explicit: as for :func:`pinv_factors` (the rule compares the kept rank with ``D``).
+
+    Returns:
+        The kept directions of ``pinv(XᵀX)`` (float64). No rows, or all-zero rows, give rank 0.
+    """
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be a [T, D] matrix, got shape {tuple(rows.shape)}")
+    dim = rows.shape[1]
+    cut = _checked_cut(dim, rcond)
+    x = rows.to(torch.float64)
+    gram_rows = x @ x.mT  # [T, T]
+    gram_rows = (gram_rows + gram_rows.mT) * 0.5
+    eigenvalues, vectors = torch.linalg.eigh(gram_rows)
+    keep = _kept(eigenvalues, cut)
+    kept = eigenvalues[keep]
+    basis = (x.mT @ vectors[:, keep]) / kept.sqrt()  # [D, k]: Xᵀu/√λ has unit length
+    return _factors(basis.contiguous(), kept, dim, explicit)
+
+
+def _checked_cut(dim: int, rcond: float | None) -> float:
+    cut = default_rcond(dim) if rcond is None else rcond
+    if not 0.0 <= cut < 1.0:
+        raise ValueError(f"rcond must be in [0, 1), got {cut}")
+    return cut
+
+
+def _kept(eigenvalues: torch.Tensor, cut: float) -> torch.Tensor:
+    """Which eigenvalues (ascending, as ``eigh`` gives them) a pseudo-inverse keeps: ``λ > cut · λ_max``."""
+    lam_max = eigenvalues[-1].clamp_min(0.0) if eigenvalues.numel() else torch.tensor(0.0, dtype=eigenvalues.dtype)
+    return (eigenvalues > cut * lam_max) & (eigenvalues > 0)
+
+
+def _factors(basis: torch.Tensor, eigenvalues: torch.Tensor, dim: int, explicit: bool | None) -> PinvFactors:
+    """The kept directions (``basis`` ``[D, k]``, their eigenvalues) in the form :class:`PinvFactors` holds."""
+    inverse = 1.0 / eigenvalues
     if explicit is None:
-        explicit = 2 * basis.shape[1] > sigma.shape[0]
+        explicit = 2 * basis.shape[1] > dim
     if explicit:
         return PinvFactors(inverse, matrix=(basis * inverse) @ basis.mT)
     return PinvFactors(inverse, basis=basis)
