@@ -49,6 +49,8 @@ class Context:
     lock: Any  # a threading.RLock (embedded) or a Redis lock (distributed): a context manager
     broker_ping: Any = None  # callable raising when the broker is unreachable (distributed mode)
     queue_depths: Any = None  # callable -> {queue: waiting jobs}
+    # callable(universe_id, job_id, count): ask idle workers to help build a universe (distributed mode)
+    universe_helpers: Any = None
     reads: ReadCache = field(init=False)  # what status views read: recent documents, not a round trip each
 
     def __post_init__(self) -> None:
