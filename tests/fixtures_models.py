@@ -8,7 +8,8 @@ cover the layer kinds an editor must handle: Llama (bias-free ``nn.Linear``, unt
 tied head), GPT-2 (``Conv1D`` with bias, ``lm_head`` tied to ``wte``) and BERT
 (``nn.Linear`` with bias, masked LM). A BERT encoder with a pooler (``BertModel``, as
 all-MiniLM-L6-v2 ships) adds a layer that reads one row per sequence; a Qwen3-MoE and a Mixtral
-(experts fused into 3-D parameters by transformers 5) are what the service must refuse by name.
+(experts fused into 3-D parameters by transformers 5) are edited expert by expert, saved per expert
+as hub checkpoints are or fused as the model holds them (``fused_on_disk``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     BertConfig,
@@ -120,6 +122,15 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def _save_fused(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
+    """Save like :func:`_save`, then rewrite the weights under the model's own parameter names:
+    fused experts stay ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] on disk
+    (transformers loads such keys as they are: its per-expert converters match nothing)."""
+    _save(model, tokenizer, path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"), {"format": "pt"})
     return path
 
 
@@ -292,6 +303,7 @@ def make_tiny_qwen3_moe(
     experts: int = 4,
     seed: int = 0,
     tokenizer: PreTrainedTokenizerFast | None = None,
+    fused_on_disk: bool = False,
 ) -> Path:
     """Write a random tiny ``Qwen3MoeForCausalLM``: every block's MLP is a sparse MoE whose experts
     transformers 5 fuses into ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
@@ -305,6 +317,7 @@ def make_tiny_qwen3_moe(
         experts: Experts per block (2 of them routed per token).
         seed: Seed of the random initialisation.
         tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+        fused_on_disk: Store the experts fused, as the model holds them, not one key per expert.
 
     Returns:
         ``path``.
@@ -328,7 +341,7 @@ def make_tiny_qwen3_moe(
         **_token_ids(tokenizer),
     )
     torch.manual_seed(seed)
-    return _save(Qwen3MoeForCausalLM(config), tokenizer, path)
+    return (_save_fused if fused_on_disk else _save)(Qwen3MoeForCausalLM(config), tokenizer, path)
 
 
 def make_tiny_mixtral(
@@ -338,6 +351,7 @@ def make_tiny_mixtral(
     experts: int = 4,
     seed: int = 0,
     tokenizer: PreTrainedTokenizerFast | None = None,
+    fused_on_disk: bool = False,
 ) -> Path:
     """Write a random tiny ``MixtralForCausalLM`` (experts fused like :func:`make_tiny_qwen3_moe`).
 
@@ -348,6 +362,7 @@ def make_tiny_mixtral(
         experts: Experts per block (2 of them routed per token).
         seed: Seed of the random initialisation.
         tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+        fused_on_disk: Store the experts fused, as the model holds them, not one key per expert.
 
     Returns:
         ``path``.
@@ -367,4 +382,4 @@ def make_tiny_mixtral(
         **_token_ids(tokenizer),
     )
     torch.manual_seed(seed)
-    return _save(MixtralForCausalLM(config), tokenizer, path)
+    return (_save_fused if fused_on_disk else _save)(MixtralForCausalLM(config), tokenizer, path)

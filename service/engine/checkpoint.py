@@ -28,7 +28,14 @@ from safetensors import safe_open
 from torch import nn
 
 from service.engine.compose import LayerEdit, LayerWeights
-from service.engine.layers import LayerSpec, editable_layers, is_editable, summarize_names
+from service.engine.experts import (
+    expert_storage,
+    find_fused_experts,
+    fused_tensor_with_edits,
+    read_expert_slice,
+    unsupported_experts,
+)
+from service.engine.layers import LayerSpec, editable_layers, summarize_names
 from service.engine.model_files import (
     INDEX_FILE,
     PICKLE_SUFFIXES,
@@ -67,6 +74,8 @@ class ModelLayout:
         own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
         tied_partners: layer -> the other parameter names sharing its weight (``embed_tokens``).
         key_files: checkpoint key -> shard file name.
+        expert_slices: expert layer -> ``[expert, first row, row stop]`` of its fused weight key
+            (:mod:`service.engine.experts`); experts stored one key each are ordinary layers here.
     """
 
     architecture: str
@@ -77,6 +86,7 @@ class ModelLayout:
     own_keys: dict[str, str] = field(default_factory=dict)
     tied_partners: dict[str, list[str]] = field(default_factory=dict)
     key_files: dict[str, str] = field(default_factory=dict)
+    expert_slices: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -206,28 +216,6 @@ def check_weight_dtypes(path: Path, layout: ModelLayout, key_files: Mapping[str,
         )
 
 
-def unsupported_experts(model: nn.Module) -> list[str]:
-    """Parameters of a mixture of experts that the engram cannot edit yet: every parameter of a
-    module inside an ``experts`` container (fused ``gate_up_proj``/``down_proj`` [E, ·, ·], or per-
-    expert Linears, which only see the tokens routed to them), and any other weight of 3 or more
-    dimensions outside a convolution (``ParallelExperts``-style packs). Linears named by module
-    path, other parameters by parameter path.
-
-    A router (``mlp.gate``) and shared experts (``shared_expert(s)``) see every token: they are not
-    listed (a router that is an ``nn.Linear`` is an ordinary editable layer).
-    """
-    found: list[str] = []
-    for module_name, module in model.named_modules():
-        inside = "experts" in module_name.split(".")
-        for param_name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if inside:
-                found.append(module_name if is_editable(module) else full)
-            elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd) and not is_editable(module):
-                found.append(full)
-    return list(dict.fromkeys(found))
-
-
 def directory_digest(path: Path, every_file: bool = False) -> str:
     """sha256 over the names and contents of the files the service uses from a model folder
     (:func:`~service.engine.model_files.used_files`: side files and shards, each checked to lie
@@ -300,12 +288,14 @@ def inspect_model_dir(path: Path) -> ModelLayout:
     experts = unsupported_experts(model)
     if experts:
         raise ModelSourceError(
-            f"mixture-of-experts editing is not supported yet: the expert layers {summarize_names(experts)} "
+            f"mixture-of-experts layers in a layout the service does not edit: {summarize_names(experts)} "
             "cannot be edited, and an edit of the other layers alone would leave every expert unchanged; "
-            "register a dense model"
+            "register a model whose experts are fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] (transformers 5), "
+            "or a dense model"
         )
     key_files = _checkpoint_keys(path)
     layout = _layout(model, key_files)
+    _add_expert_layers(layout, model, path)
     check_weight_dtypes(path, layout, key_files, [spec.name for spec in editable_layers(model)])
     return layout
 
@@ -353,6 +343,24 @@ def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
         layout.weight_keys[spec.name] = stored
         layout.layers.append(spec)
     return layout
+
+
+def _add_expert_layers(layout: ModelLayout, model: nn.Module, path: Path) -> None:
+    """Each expert of every fused experts module as layers of its own, in module order, with the key
+    (and for a fused key, the slice) holding its weight (:mod:`service.engine.experts`)."""
+    experts = find_fused_experts(model)
+    if not experts:
+        return
+    shapes = {
+        key: entry.shape for name in weight_files(path) for key, entry in read_header(resolve_file(path, name))[0].items()
+    }
+    storage = expert_storage(model, experts, shapes)
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    specs = [spec for module in experts for spec in module.layer_specs()]
+    position = {spec.name: order[spec.name.rsplit(".", 2)[0]] for spec in specs}
+    layout.layers = sorted([*layout.layers, *specs], key=lambda spec: position.get(spec.name, order.get(spec.name, 0)))
+    layout.weight_keys.update(storage.weight_keys)
+    layout.expert_slices.update(storage.slices)
 
 
 def load_model(
@@ -442,7 +450,15 @@ class CheckpointReader:
         with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
             return str(handle.get_slice(key).get_dtype())
 
+    def expert_slice(self, key: str, where: list[int]) -> torch.Tensor:
+        """One expert's ``[out, in]`` weight from a fused experts key (``where``: expert, row range)."""
+        with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
+            return read_expert_slice(handle, key, where)
+
     def layer_weights(self, spec: LayerSpec) -> LayerWeights:
+        where = self.layout.expert_slices.get(spec.name)
+        if where is not None:
+            return LayerWeights(self.expert_slice(self.layout.weight_keys[spec.name], where), None)
         bias_key = self.layout.bias_keys.get(spec.name)
         return LayerWeights(
             self.tensor(self.layout.weight_keys[spec.name]),
@@ -504,7 +520,8 @@ def _layers_touching(shard: str, layout: ModelLayout) -> list[LayerSpec]:
         keys = [layout.weight_keys[spec.name], layout.bias_keys.get(spec.name)]
         return any(key is not None and layout.key_files[key] == shard for key in keys)
 
-    return [spec for spec in layout.layers if touches(spec)]
+    # Experts held in fused keys are written by _expert_slice_plans, one fused tensor for them all.
+    return [spec for spec in layout.layers if spec.name not in layout.expert_slices and touches(spec)]
 
 
 class _LayerValues:
@@ -588,6 +605,7 @@ def write_checkpoint(
                     new_keys[key] = shard
                 produce = partial(values.value, spec, key, base_key)
                 planned.append(Planned(key, entries[base_key], real, produce))
+        planned += _expert_slice_plans(shard_entries, real, layout, edit_layer, edited, values.reader, on_layer)
         claimed = {item.key for item in planned}
         planned += [Planned(key, entry, real) for key, entry in shard_entries.items() if key not in claimed]
         write_streaming(target_file(target, shard), planned, {**metadata, "format": "pt"})
@@ -631,10 +649,42 @@ def write_delta(
     entries = _all_entries(_shard_paths(source))
     values = _LayerValues(edit_layer, layout, CheckpointReader(source, layout), on_layer and (lambda _spec: on_layer()))
     planned: dict[str, Planned] = {}
-    for spec in (s for s in layout.layers if s.name in edited):
+    for spec in (s for s in layout.layers if s.name in edited and s.name not in layout.expert_slices):
         for key, base_key, _role in edit_plan(spec, layout):
             produce = partial(values.value, spec, key, base_key)
             planned.setdefault(key, Planned(key, entries[base_key], source, produce))
+    for item in _expert_slice_plans(entries, source, layout, edit_layer, edited, values.reader, on_layer):
+        planned[item.key] = item
     untied = any(key not in layout.key_files for key in planned)
     out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
     write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
+
+
+def _expert_slice_plans(
+    entries: Mapping[str, TensorEntry],
+    source: Path,
+    layout: ModelLayout,
+    edit_layer: Callable[[LayerSpec], LayerEdit | None],
+    edited: Collection[str],
+    reader: CheckpointReader,
+    on_layer: Callable[[], None] | None,
+) -> list[Planned]:
+    """The fused experts keys among ``entries`` that hold edited experts, each produced as its stored
+    tensor with those experts' slices replaced (every other expert byte for byte as stored).
+    Memory: one fused tensor and one expert's edit."""
+    held: dict[str, list[tuple[LayerSpec, list[int]]]] = {}
+    for spec in layout.layers:
+        where = layout.expert_slices.get(spec.name)
+        if where is not None and spec.name in edited and layout.weight_keys[spec.name] in entries:
+            held.setdefault(layout.weight_keys[spec.name], []).append((spec, where))
+
+    def edited_weight(spec: LayerSpec) -> torch.Tensor | None:
+        edit = edit_layer(spec)
+        if on_layer is not None:
+            on_layer()
+        return None if edit is None else edit.weight
+
+    def produce(key: str) -> torch.Tensor:
+        return fused_tensor_with_edits(reader.tensor(key), held[key], edited_weight)
+
+    return [Planned(key, entries[key], source, partial(produce, key)) for key in held]

@@ -20,8 +20,13 @@ Layers that read one row per sequence (BERT's ``pooler.dense`` reads the ``[CLS]
 summed over exactly those rows, one per record that counts (a record with at least one counted
 token), so their count is the number of records. A batch of one-token sequences is both at once,
 and then the two readings agree (the row is the record's only token, counted when the record is).
-A layer whose input has neither shape (experts that see only the tokens routed to them) gets no
-statistics and is listed in :attr:`LayerStatistics.lacking`, never given wrong ones.
+A layer whose input has neither shape gets no statistics and is listed in
+:attr:`LayerStatistics.lacking`, never given wrong ones.
+
+Fused experts (:mod:`service.engine.experts`): one pre-hook on the experts module reads the call's
+hidden states and top-k routing; each expert's gate/up group sums the counted tokens routed to it,
+its down group ``act(gate)·up`` of those tokens, recomputed as the forward does. An expert no counted
+token reached has a group with count 0 and a zero sum (stored as zero rows), not a missing one.
 
 Models spread over several devices (accelerate's ``device_map``): each group's accumulator lives on
 the device its layer's input arrives on, so no activation crosses devices for the statistics.
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.engine.experts import DOWN, ExpertRequest, down_input, expert_requests, experts_call, routed_to
 from service.engine.layers import LayerSpec
 from service.engine.linalg import add_upper_gram_, gram, mirror_upper_
 from service.engine.records import Batch
@@ -153,6 +159,10 @@ class _Collector:
         group = self.stats.layer_group.get(spec.name, spec.name)
         self._seen[key] = (raw, group)
         self._assign(spec.name, group)
+        self._add(group, x)
+
+    def _add(self, group: str, x: torch.Tensor) -> None:
+        """Add the counted rows ``x`` (float32) to ``group`` (created by its first call, even empty)."""
         if group not in self.stats.counts:
             self.stats.counts[group] = 0
             self._rows[group] = []
@@ -166,6 +176,41 @@ class _Collector:
         else:  # wider than low-rank now: from here on only the sum is kept
             self.stats.sums[group] = gram(torch.cat([*rows, x]) if rows else x)
             del self._rows[group]
+
+    def experts_hook(self, request: ExpertRequest) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hidden, top_k_index = experts_call(args, kwargs)
+            self._accumulate_experts(request, module, hidden, top_k_index)
+
+        return pre_hook
+
+    def _accumulate_experts(
+        self, request: ExpertRequest, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor
+    ) -> None:
+        """Each requested expert's groups from the counted tokens routed to it (not weighted by the
+        routing weight: the expert's maps read the token itself; see :mod:`service.engine.experts`)."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        names = [request.experts.layer_name(e, p) for e, projections in request.wanted.items() for p in projections]
+        token_mask = self._token_mask
+        if token_mask is None or rows.shape[0] != token_mask.shape[0] or self.unaligned.intersection(names):
+            self.unaligned.update(names)  # not one row per token: no statistics rather than wrong ones
+            return
+        key = ("token", rows.device)
+        if key not in self._masks:
+            self._masks[key] = token_mask.to(rows.device)
+        counted = self._masks[key]
+        tokens, routing = rows[counted], top_k_index.reshape(rows.shape[0], -1)[counted.to(top_k_index.device)]
+        for expert, projections in request.wanted.items():
+            x = tokens[routed_to(routing, expert).to(tokens.device)]
+            group = request.input_group(expert)
+            if group is not None:
+                for projection in (p for p in projections if p != DOWN):
+                    self._assign(request.experts.layer_name(expert, projection), group)
+                self._add(group, x.to(PRODUCT_DTYPE))
+            if DOWN in projections:
+                down = request.experts.layer_name(expert, DOWN)
+                self._assign(down, down)
+                self._add(down, down_input(module, x, expert).to(PRODUCT_DTYPE))
 
     def _assign(self, layer: str, group: str) -> None:
         previous = self.stats.layer_group.setdefault(layer, group)
@@ -231,7 +276,14 @@ def collect_statistics(
     device = model_device(model)  # where the inputs go: the embeddings' device (a device_map's first)
     collector = _Collector(layers)
     modules = dict(model.named_modules())
-    handles = [modules[spec.name].register_forward_pre_hook(collector.hook(spec.name)) for spec in layers]
+    experts = expert_requests(layers, modules)  # fused experts: one hook per experts module
+    handles = [
+        modules[spec.name].register_forward_pre_hook(collector.hook(spec.name)) for spec in layers if spec.name in modules
+    ]
+    handles += [
+        modules[name].register_forward_pre_hook(collector.experts_hook(request), with_kwargs=True)
+        for name, request in experts.items()
+    ]
     model.eval()
     try:
         with torch.inference_mode(), _full_precision_matmul():
