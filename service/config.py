@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     task_max_retries: int = Field(default=5, ge=0, le=100)
     reconcile_interval_s: float = Field(default=15.0, gt=0)
     heartbeat_ttl_s: int = Field(default=60, ge=2, description="a running job whose worker is silent this long is re-queued")
+    # A universe build asks up to this many idle workers to decompose its input groups (and write its
+    # members' engrams) alongside it, each part claimed through a Redis lease; 0: the job builds alone.
+    universe_helpers: int = Field(default=8, ge=0, le=256)
     model_cache_size: int = Field(default=1, ge=1, le=16)
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535, description="a worker's /metrics port")
     presign_downloads: bool = False
