@@ -44,6 +44,7 @@ __all__ = [
     "Variant",
     "VariantFile",
     "VariantSubmission",
+    "VLLM_LORA_RANKS",
 ]
 
 
@@ -363,12 +364,30 @@ class ConceptSubmission(BaseModel):
     jobs: list[Job]
 
 
+# The values vLLM's --max-lora-rank accepts. vLLM refuses an adapter whose r exceeds the server's
+# max_lora_rank, and loads no lora_B.bias; lora_target "vllm" writes one of these ranks for every layer.
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class EditOptions(Strict):
-    # lora_rank shapes a peft adapter only (service.registry refuses it with another format).
+    # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
+    # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
     model_config = ConfigDict(
         json_schema_extra={
             "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
             "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
+            "allOf": [
+                {
+                    "if": {"required": ["lora_target"], "properties": {"lora_target": {"const": "vllm"}}},
+                    "then": {
+                        "required": ["format"],
+                        "properties": {
+                            "format": {"const": "peft"},
+                            "lora_rank": {"anyOf": [{"enum": list(VLLM_LORA_RANKS)}, {"type": "null"}]},
+                        },
+                    },
+                }
+            ],
         }
     )
 
@@ -386,11 +405,35 @@ class EditOptions(Strict):
     )
     format: Literal["checkpoint", "delta", "peft"] = "checkpoint"
     lora_rank: int | None = Field(
-        default=None, ge=1, le=65536, description='format "peft": the largest LoRA rank (default: exact rank)'
+        default=None,
+        ge=1,
+        le=65536,
+        description=(
+            'format "peft": the largest LoRA rank (default: each layer\'s exact rank); with lora_target "vllm", '
+            "the one rank of every layer, one of " + ", ".join(map(str, VLLM_LORA_RANKS)) + " (default: the smallest "
+            "of these that holds every layer's edit whole, at most 512)"
+        ),
+    )
+    lora_target: Literal["peft", "vllm"] = Field(
+        default="peft",
+        description=(
+            'format "peft": what will load the adapter. "peft": PeftModel.from_pretrained, each layer at its own '
+            'rank, bias edits in lora_bias. "vllm": servable by vLLM (--enable-lora --max-lora-rank r): one rank r '
+            "for every layer, lora_alpha = r (scaling 1), no lora_bias, so a selected layer with a bias (Qwen2's "
+            "q/k/v, GPT-2, BERT) is a 422 naming it; the variant's lora report gives each layer's kept energy"
+        ),
     )
     callback_url: str | None = Field(
         default=None, max_length=2000, description="POSTed the build job when it ends (host must be allowlisted)"
     )
+
+    @model_validator(mode="after")
+    def _servable_rank(self) -> EditOptions:
+        if self.lora_target == "vllm" and self.lora_rank is not None and self.lora_rank not in VLLM_LORA_RANKS:
+            allowed = ", ".join(map(str, VLLM_LORA_RANKS))
+            rank = self.lora_rank
+            raise ValueError(f'lora_rank {rank} is not a rank vLLM serves: with lora_target "vllm", one of {allowed}')
+        return self
 
 
 class UnlearnRequest(EditOptions):
@@ -430,6 +473,9 @@ class Variant(BaseModel):
     scaling: str
     format: str
     lora_rank: int | None = None
+    lora_target: Literal["peft", "vllm"] | None = Field(
+        default=None, description='format "peft": what the adapter is written for (null: "peft")'
+    )
     modules: list[str] | None = None
     layers: list[int] | None = None
     rcond: float | None = None
@@ -439,7 +485,11 @@ class Variant(BaseModel):
     job_id: str | None = None
     files: list[VariantFile] = []
     lora: dict[str, Any] | None = Field(
-        default=None, description='format "peft", once ready: rank and relative error per layer, and totals'
+        default=None,
+        description=(
+            'format "peft", once ready: per layer its rank, kept rank, relative error and kept energy (the share '
+            "of the edit's squared Frobenius norm the rank keeps), and totals"
+        ),
     )
 
 

@@ -596,8 +596,8 @@ def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
 
 
 VARIANT_FIELDS = (
-    "variant_id", "model_id", "terms", "alpha", "scaling", "format", "lora_rank", "modules", "layers", "rcond",
-    "universe_id",
+    "variant_id", "model_id", "terms", "alpha", "scaling", "format", "lora_rank", "lora_target", "modules", "layers",
+    "rcond", "universe_id",
 )
 
 

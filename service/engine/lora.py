@@ -23,6 +23,17 @@ Conventions, checked against peft 0.21 in ``tests/engine/test_lora.py``:
 Everything is computed in float64 and cast to the checkpoint's dtype at the end; the report gives
 the error before and after that cast, and compares the adapter's size with the dense edit's (past
 ``r = out·in / (out + in)`` an exact adapter is the larger of the two).
+
+``lora_target="vllm"`` writes what vLLM's LoRA loader takes (checked against its ``PEFTHelper``
+and ``LoRAModel.from_local_checkpoint``): vLLM reads the global ``r`` and ``lora_alpha`` only
+(scaling ``lora_alpha / r`` for the whole adapter, no rank or alpha patterns), refuses an ``r``
+above the server's ``--max-lora-rank`` (one of :data:`VLLM_LORA_RANKS`), and knows no
+``lora_B.bias`` key. So every layer gets the same rank ``r`` from that set, ``lora_alpha = r``, and
+no bias: a layer whose edit moves a bias cannot be served and is refused by name
+(:func:`vllm_bias_refusal`); a LoRA computes ``B·A·x`` and cannot add a constant. A layer whose
+edit has fewer directions than ``r`` (or a matrix narrower than ``r``) is padded with zero
+directions, which change nothing; one with more is truncated to its top ``r`` singular directions,
+and the report gives the share of ``‖ΔW‖_F²`` they keep.
 """
 
 from __future__ import annotations
@@ -31,14 +42,16 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
 
+from api_schemas.models import VLLM_LORA_RANKS
 from service.engine.compose import COMPUTE_DTYPE, EditError, LayerDelta
+from service.engine.layers import LayerSpec
 
 # Singular values at or below EXACT_RTOL · σ₁ are taken as zero. The collector's per-batch float32
 # products leave a rounding floor near 1e-7 · σ₁ under a concept's directions; on mini-TOFU this cut
@@ -49,6 +62,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 REPORT_FILE = "lora_report.json"
 KEY_PREFIX = "base_model.model."
+LoraTarget = Literal["peft", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,8 @@ class LayerLora:
         kept_energy: the share of ``‖ΔW‖_F²`` in the kept singular values.
         delta_norm: ``‖ΔW‖_F``.
         transposed: the base layer stores ``[in, out]`` (GPT-2 ``Conv1D``).
+        kept_rank: the singular directions the factors carry; past it, up to ``rank``, zero padding
+            (``None``: no padding, ``rank``).
     """
 
     name: str
@@ -155,14 +171,25 @@ class LayerLora:
     kept_energy: float
     delta_norm: float
     transposed: bool
+    kept_rank: int | None = None
 
     @property
     def rank(self) -> int:
         return int(self.lora_A.shape[0])
 
+    @property
+    def directions(self) -> int:
+        """The singular directions kept (the rank without zero padding)."""
+        return self.rank if self.kept_rank is None else self.kept_rank
+
+    @property
+    def truncated(self) -> bool:
+        return self.directions < self.numerical_rank
+
     def report(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "kept_rank": self.directions,
             "numerical_rank": self.numerical_rank,
             "relative_error": self.relative_error,
             "stored_relative_error": self.stored_relative_error,
@@ -173,25 +200,31 @@ class LayerLora:
         }
 
 
-def layer_lora(item: LayerDelta, max_rank: int | None = None, rtol: float = EXACT_RTOL) -> LayerLora:
+def layer_lora(
+    item: LayerDelta, max_rank: int | None = None, rtol: float = EXACT_RTOL, lora_target: LoraTarget = "peft"
+) -> LayerLora:
     """Factorize one layer's edit (its weight columns; the bias column is kept whole).
 
     Args:
         item: the layer's float64 delta from :func:`service.engine.compose.layer_deltas`.
-        max_rank: rank cap (``None``: the numerical rank).
+        max_rank: rank cap (``None``: the numerical rank; for vLLM, at most the largest rank it serves).
         rtol: relative singular-value cut of the numerical rank.
+        lora_target: ``"vllm"``: a layer with a bias is refused (vLLM loads no LoRA bias).
 
     Returns:
         The layer's factors in the checkpoint weight's dtype.
 
     Raises:
-        EditError: the edit is not finite.
+        EditError: the edit is not finite, or a biased layer for vLLM.
+        ValueError: a rank vLLM does not serve.
     """
     spec = item.spec
+    if lora_target == "vllm" and spec.bias:
+        raise EditError(vllm_bias_refusal([spec]))
     if not torch.isfinite(item.delta).all():
         raise EditError(f"the edit of layer {spec.name} is not finite; try a larger rcond")
     weight_delta = item.delta[:, : spec.in_features]
-    factors = factorize(weight_delta, max_rank, rtol)
+    factors = factorize(weight_delta, rank_cap(max_rank, lora_target), rtol)
     # One nn.Linear holds lora_B's weight and bias, so both take the weight's dtype.
     dtype = item.weights.weight.dtype
     lora_a, lora_b = factors.down.to(dtype), factors.up.to(dtype)
@@ -211,10 +244,82 @@ def layer_lora(item: LayerDelta, max_rank: int | None = None, rtol: float = EXAC
     )
 
 
-def layer_loras(deltas: Iterable[LayerDelta], max_rank: int | None = None, rtol: float = EXACT_RTOL) -> Iterator[LayerLora]:
+def layer_loras(
+    deltas: Iterable[LayerDelta],
+    max_rank: int | None = None,
+    rtol: float = EXACT_RTOL,
+    lora_target: LoraTarget = "peft",
+) -> Iterator[LayerLora]:
     """:func:`layer_lora` over a stream of deltas, one layer in memory at a time."""
+    rank_cap(max_rank, lora_target)  # a bad rank is refused before the first delta is computed
     for item in deltas:
-        yield layer_lora(item, max_rank, rtol)
+        yield layer_lora(item, max_rank, rtol, lora_target)
+
+
+# ---------------------------------------------------------------- vLLM's rules
+
+
+def rank_cap(max_rank: int | None, lora_target: LoraTarget) -> int | None:
+    """The factorization's rank cap: ``max_rank``; for vLLM one of its ranks, at most the largest.
+
+    Raises:
+        ValueError: an unknown target, or for vLLM a rank it does not serve.
+    """
+    if lora_target == "peft":
+        return max_rank
+    if lora_target != "vllm":
+        raise ValueError(f"unknown lora_target {lora_target!r}: 'peft' or 'vllm'")
+    if max_rank is None:
+        return VLLM_LORA_RANKS[-1]
+    if max_rank not in VLLM_LORA_RANKS:
+        allowed = ", ".join(map(str, VLLM_LORA_RANKS))
+        raise ValueError(f"lora_rank {max_rank} is not a rank vLLM serves; use one of {allowed}")
+    return max_rank
+
+
+def vllm_rank(directions: Iterable[int]) -> int:
+    """The smallest rank vLLM serves that holds every layer's kept directions (at most the largest)."""
+    need = max(directions, default=1)
+    return next((rank for rank in VLLM_LORA_RANKS if rank >= need), VLLM_LORA_RANKS[-1])
+
+
+def vllm_biased_layers(layers: Iterable[LayerSpec]) -> list[LayerSpec]:
+    """The layers vLLM cannot take an edit of: those with a bias (the edit moves it; vLLM has no LoRA bias)."""
+    return [spec for spec in layers if spec.bias]
+
+
+def vllm_bias_refusal(biased: Sequence[LayerSpec], selected: Sequence[LayerSpec] = ()) -> str:
+    """What to tell a user whose vLLM adapter would need ``lora_bias``: the layers, and what to do.
+
+    Args:
+        biased: the selected layers with a bias.
+        selected: the whole selection, to suggest the ``modules`` that have no bias.
+    """
+    names = ", ".join(spec.name for spec in biased)
+    biased_suffixes = {spec.name.rsplit(".", 1)[-1] for spec in biased}
+    bias_free = list(dict.fromkeys(s.name.rsplit(".", 1)[-1] for s in selected if not s.bias))
+    keep = [suffix for suffix in bias_free if suffix not in biased_suffixes]
+    suggestion = f'select bias-free layers ("modules": {json.dumps(keep)}), ' if keep else ""
+    return (
+        f'lora_target "vllm": vLLM loads no LoRA bias (lora_bias), and the edit changes the bias of '
+        f"{len(biased)} selected layer(s): {names}. To serve it with vLLM, {suggestion}or use format "
+        '"checkpoint" or "delta" (the whole edit, biases included); lora_target "peft" keeps the bias edits in '
+        "lora_bias for PeftModel"
+    )
+
+
+def pad_rank(lora: LayerLora, rank: int) -> LayerLora:
+    """The layer's factors widened to ``rank`` with zero directions (``B·A`` unchanged).
+
+    Raises:
+        ValueError: the layer already has more than ``rank`` directions.
+    """
+    if lora.rank > rank:
+        raise ValueError(f"layer {lora.name} has rank {lora.rank}, more than {rank}")
+    extra = rank - lora.rank
+    lora_a = torch.cat([lora.lora_A, lora.lora_A.new_zeros(extra, lora.lora_A.shape[1])])
+    lora_b = torch.cat([lora.lora_B, lora.lora_B.new_zeros(lora.lora_B.shape[0], extra)], dim=1)
+    return replace(lora, lora_A=lora_a.contiguous(), lora_B=lora_b.contiguous(), kept_rank=lora.directions)
 
 
 # ---------------------------------------------------------------- the adapter directory
@@ -243,19 +348,20 @@ def exact_pattern(names: Iterable[str]) -> str:
     return "^(?:" + "|".join(re.escape(name) for name in names) + ")$"
 
 
-def adapter_config(model_id: str, loras: Sequence[LayerLora]) -> dict[str, Any]:
+def adapter_config(model_id: str, loras: Sequence[LayerLora], lora_target: LoraTarget = "peft") -> dict[str, Any]:
     """``adapter_config.json`` for the layers: LoRA with scaling 1 and one rank per layer.
 
     Args:
         model_id: the base model's ID (``base_model_name_or_path``).
         loras: the adapter's layers (at least one).
+        lora_target: ``"vllm"``: every layer has rank ``r``, so no rank/alpha patterns (vLLM reads none).
 
     Returns:
         The config as peft's ``LoraConfig`` reads it (unlisted fields take peft's defaults).
     """
     top = max(lora.rank for lora in loras)
     # peft matches a pattern key k as r"(.*\.)?(k)$": escaped full paths match one module each.
-    ranks = {re.escape(lora.name): lora.rank for lora in loras}
+    ranks = {re.escape(lora.name): lora.rank for lora in loras} if lora_target == "peft" else {}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -282,22 +388,30 @@ def adapter_config(model_id: str, loras: Sequence[LayerLora]) -> dict[str, Any]:
 
 
 def adapter_report(
-    loras: Sequence[LayerLora], max_rank: int | None, rtol: float, tied: Mapping[str, Sequence[str]]
+    loras: Sequence[LayerLora],
+    max_rank: int | None,
+    rtol: float,
+    tied: Mapping[str, Sequence[str]],
+    lora_target: LoraTarget = "peft",
 ) -> dict[str, Any]:
-    """Per-layer ranks and errors, totals, and whether peft can merge the adapter safely.
+    """Per-layer ranks, errors and kept energy, totals, and whether peft can merge the adapter safely.
 
     Args:
         loras: the adapter's layers.
-        max_rank: the rank cap that was asked for (``None``: exact).
+        max_rank: the rank cap that was asked for (``None``: exact, or for vLLM the smallest rank
+            that holds every layer).
         rtol: the numerical-rank cut.
         tied: layer -> the parameters sharing its base weight (``lm_head`` -> ``model.embed_tokens.weight``).
+        lora_target: what the adapter was written for.
     """
     delta_energy = sum(lora.delta_norm**2 for lora in loras)
     error_energy = sum((lora.relative_error * lora.delta_norm) ** 2 for lora in loras)
+    kept = sum(lora.kept_energy * lora.delta_norm**2 for lora in loras)
     parameters = sum(t.numel() for t in adapter_tensors(loras).values())
     dense = sum(lora.lora_B.shape[0] * (lora.lora_A.shape[1] + int(lora.bias is not None)) for lora in loras)
     notes = _merge_notes(loras, tied)
     return {
+        "lora_target": lora_target,
         "max_rank": max_rank,
         "rtol": rtol,
         "r": max(lora.rank for lora in loras),
@@ -305,10 +419,11 @@ def adapter_report(
         "layers": {lora.name: lora.report() for lora in loras},
         "totals": {
             "layers": len(loras),
-            "truncated_layers": sum(lora.rank < lora.numerical_rank for lora in loras),
+            "truncated_layers": sum(lora.truncated for lora in loras),
             "relative_error": math.sqrt(error_energy / delta_energy) if delta_energy > 0 else 0.0,
             "max_relative_error": max(lora.relative_error for lora in loras),
             "max_stored_relative_error": max(lora.stored_relative_error for lora in loras),
+            "kept_energy": kept / delta_energy if delta_energy > 0 else 1.0,
             "min_kept_energy": min(lora.kept_energy for lora in loras),
             "parameters": parameters,
             "dense_parameters": dense,
@@ -343,6 +458,7 @@ def write_adapter(
     rtol: float = EXACT_RTOL,
     tied: Mapping[str, Sequence[str]] | None = None,
     on_layer: Callable[[], None] | None = None,
+    lora_target: LoraTarget = "peft",
 ) -> dict[str, Any]:
     """Write a PEFT adapter directory: config, safetensors weights and ``lora_report.json``.
 
@@ -351,17 +467,19 @@ def write_adapter(
     Args:
         target: an existing, empty directory.
         model_id: the base model's ID, written as ``base_model_name_or_path``.
-        loras: the layers' factors (from :func:`layer_loras`).
-        max_rank: the rank cap ``loras`` used, for the report.
+        loras: the layers' factors (from :func:`layer_loras`, with the same ``lora_target``).
+        max_rank: the rank cap ``loras`` used, for the report; for vLLM the adapter's rank (``None``:
+            the smallest rank vLLM serves that holds every layer's kept directions).
         rtol: the numerical-rank cut ``loras`` used, for the report.
         tied: layer -> the parameters sharing its base weight.
         on_layer: progress callback, once per layer.
+        lora_target: ``"vllm"``: every layer padded to the one rank, no bias (see the module notes).
 
     Returns:
         The report (also written to ``lora_report.json``).
 
     Raises:
-        EditError: no layer to adapt.
+        EditError: no layer to adapt, or a layer with a bias edit for vLLM.
     """
     kept = []
     for lora in loras:
@@ -370,8 +488,25 @@ def write_adapter(
             on_layer()
     if not kept:
         raise EditError("the edit changes no layer, so there is no adapter to write")
+    if lora_target == "vllm":
+        kept = servable_by_vllm(kept, max_rank)
     save_file(adapter_tensors(kept), str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model_id, kept), indent=2))
-    report = adapter_report(kept, max_rank, rtol, tied or {})
+    (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model_id, kept, lora_target), indent=2))
+    report = adapter_report(kept, max_rank, rtol, tied or {}, lora_target)
     (target / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report
+
+
+def servable_by_vllm(loras: Sequence[LayerLora], rank: int | None) -> list[LayerLora]:
+    """Every layer at one rank vLLM serves (``rank``, or the smallest that holds them all), zero-padded.
+
+    Raises:
+        EditError: a layer carries a bias change (vLLM has no LoRA bias).
+        ValueError: a rank vLLM does not serve, or a layer with more directions than ``rank``.
+    """
+    biased = [lora.name for lora in loras if lora.bias is not None]
+    if biased:
+        raise EditError(f"vLLM loads no LoRA bias, and the edit changes the bias of {', '.join(biased)}")
+    rank_cap(rank, "vllm")
+    chosen = vllm_rank(lora.rank for lora in loras) if rank is None else rank
+    return [pad_rank(lora, chosen) for lora in loras]

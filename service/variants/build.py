@@ -147,10 +147,16 @@ def write_variant(
         return None
     if request["format"] == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
-        rank = request.get("lora_rank")
-        loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank)
+        rank, target = request.get("lora_rank"), request.get("lora_target") or "peft"
+        loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank, lora_target=target)
         return write_adapter(
-            out, request["model_id"], loras, max_rank=rank, tied=layout.tied_partners, on_layer=progress.advance
+            out,
+            request["model_id"],
+            loras,
+            max_rank=rank,
+            tied=layout.tied_partners,
+            on_layer=progress.advance,
+            lora_target=target,
         )
     metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
     write_delta(reader.path, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)

@@ -12,7 +12,9 @@ from typing import Any
 
 from service import callbacks
 from service.engine.checkpoint import ModelLayout
-from service.engine.lora import EXACT_RTOL
+from service.engine.layers import select_layers
+from service.engine.lora import EXACT_RTOL, rank_cap, vllm_bias_refusal, vllm_biased_layers
+from service.errors import InvalidInput
 from service.jobs import new_job
 from service.registry import (
     ENGINE_VERSION,
@@ -52,6 +54,7 @@ def submit_variant(
     model = get_model(ctx, model_id)
     layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, options.get("modules"), options.get("layers"))
+    _check_servable(layout, options)
     resolved = _resolve(ctx, model, terms, options)
 
     def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
@@ -85,6 +88,28 @@ def submit_variant(
     return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
 
 
+def _check_servable(layout: ModelLayout, options: Mapping[str, Any]) -> None:
+    """``lora_target: "vllm"``: a peft adapter at a rank vLLM serves, of layers without a bias edit
+    (vLLM loads no lora_bias); anything else is refused by name before anything is written."""
+    target = _lora_target(options)
+    if target == "peft":
+        return
+    if options.get("format") != "peft":
+        raise InvalidInput(f'lora_target {target!r} applies to format "peft" only, not {options.get("format")!r}')
+    try:
+        rank_cap(options.get("lora_rank"), target)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    selected = select_layers(layout.layers, options.get("modules"), options.get("layers"))
+    biased = vllm_biased_layers(selected)
+    if biased:
+        raise InvalidInput(vllm_bias_refusal(biased, selected))
+
+
+def _lora_target(options: Mapping[str, Any]) -> Any:
+    return options.get("lora_target") or "peft"
+
+
 def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: Mapping[str, Any]) -> EditUniverse:
     return resolve_for_edit(
         ctx,
@@ -116,6 +141,8 @@ def _variant_request(
     }
     if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
         identity["lora"] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
+        if _lora_target(options) != "peft":  # peft adapters keep the IDs they had
+            identity["lora"]["target"] = _lora_target(options)
     variant_id = canonical_digest(identity)[:32]
     request = {
         "variant_id": variant_id,
@@ -126,6 +153,7 @@ def _variant_request(
         **{k: options.get(k) for k in _OPTIONS},
         "rcond": spec.rcond,
         "lora_rank": options.get("lora_rank"),
+        "lora_target": _lora_target(options) if options.get("format") == "peft" else None,
         "term_stats": term_stats,
         "universe_id": spec.universe_id,
         "universe_stats": spec.prefixes,

@@ -21,6 +21,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from api_schemas.models import VLLM_LORA_RANKS
 from service.demo import make_facts
 from service.engine.checkpoint import (
     CheckpointReader,
@@ -31,16 +32,19 @@ from service.engine.checkpoint import (
     write_checkpoint,
 )
 from service.engine.collect import LayerStatistics, collect_statistics
-from service.engine.compose import EngramAlgebra, LayerDelta, layer_deltas, layer_editor, layer_scales
+from service.engine.compose import EditError, EngramAlgebra, LayerDelta, layer_deltas, layer_editor, layer_scales
 from service.engine.layers import LayerSpec
 from service.engine.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     EXACT_RTOL,
     REPORT_FILE,
+    LoraTarget,
     factorize,
     layer_lora,
     layer_loras,
+    vllm_bias_refusal,
+    vllm_rank,
     write_adapter,
 )
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
@@ -93,10 +97,13 @@ class Case:
         write_checkpoint(self.path, target, self.layout, edit_layer, {s.name for s in layers})
         return target
 
-    def adapter(self, layers: Sequence[LayerSpec], target: Path, max_rank: int | None = None) -> dict[str, Any]:
+    def adapter(
+        self, layers: Sequence[LayerSpec], target: Path, max_rank: int | None = None, lora_target: LoraTarget = "peft"
+    ) -> dict[str, Any]:
         target.mkdir()
-        loras = layer_loras(self.deltas(layers), max_rank)
-        return write_adapter(target, "org/tiny", loras, max_rank=max_rank, tied=self.layout.tied_partners)
+        loras = layer_loras(self.deltas(layers), max_rank, lora_target=lora_target)
+        tied = self.layout.tied_partners
+        return write_adapter(target, "org/tiny", loras, max_rank=max_rank, tied=tied, lora_target=lora_target)
 
 
 def qa_records(start: int, stop: int) -> list[Record]:
@@ -307,3 +314,115 @@ def assert_same_parameters(merged: torch.nn.Module, variant: torch.nn.Module, ba
         changed.append(name)
         assert float((param.detach().double() - expected).norm()) <= MERGE_TOL * edit, name
     return changed
+
+
+# ------------------------------------------------------------------------------------- servable by vLLM
+
+# What vLLM's loader reads of adapter_config.json (vllm/lora/peft_helper.py: PEFTHelper fields and
+# validate_legal) and which tensor names it parses (vllm/lora/utils.py: parse_fine_tuned_lora_name
+# takes "<module>.lora_A.weight" / "<module>.lora_B.weight" only; a "lora_B.bias" is "unsupported").
+VLLM_REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")
+
+
+def assert_vllm_adapter(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    """The adapter at ``path`` is what vLLM loads at ``--max-lora-rank rank``; returns its tensors."""
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    assert all(field in config for field in VLLM_REQUIRED_FIELDS)
+    assert config["r"] == config["lora_alpha"] == rank and rank in VLLM_LORA_RANKS  # scaling lora_alpha/r = 1
+    assert config["bias"] == "none" and config["lora_bias"] is False
+    assert (config["use_dora"], config["use_rslora"], config["modules_to_save"]) == (False, False, None)
+    assert config["rank_pattern"] == config["alpha_pattern"] == {}  # vLLM reads neither: one rank for all
+    tensors = load_file(path / ADAPTER_WEIGHTS)
+    for key, tensor in tensors.items():
+        assert key.startswith("base_model.model.") and key.endswith((".lora_A.weight", ".lora_B.weight")), key
+        assert tensor.shape[0 if key.endswith("lora_A.weight") else 1] == rank, (key, tuple(tensor.shape))
+    return tensors
+
+
+def test_vllm_rank_is_the_smallest_served_rank_that_holds_every_layer() -> None:
+    assert [vllm_rank([n]) for n in (1, 8, 9, 33, 257, 320, 321, 512)] == [8, 8, 16, 64, 320, 320, 512, 512]
+    assert vllm_rank([3, 17, 5]) == 32
+
+
+def test_vllm_adapter_is_exact_at_one_served_rank_and_serves_like_the_checkpoint(
+    cases: dict[str, Case], tmp_path: Path
+) -> None:
+    """Default rank: the smallest vLLM rank holding every layer's edit, zero-padded; peft serves and
+    merges it into the checkpoint variant's weights, as the per-layer-rank adapter does."""
+    case = cases["llama_tied"]
+    layers = case.layers()
+    report = case.adapter(layers, tmp_path / "adapter", lora_target="vllm")
+    kept = [layer["kept_rank"] for layer in report["layers"].values()]
+    assert report["r"] == vllm_rank(kept) and report["lora_target"] == "vllm"
+    assert max(kept) > VLLM_LORA_RANKS[0] // 2, "the fixture should need more than a token rank"
+    assert_vllm_adapter(tmp_path / "adapter", report["r"])
+    assert report["totals"]["truncated_layers"] == 0 and report["totals"]["max_stored_relative_error"] < STORED_TOL
+    assert all(layer["rank"] == report["r"] for layer in report["layers"].values())
+    variant = AutoModelForCausalLM.from_pretrained(case.checkpoint(layers, tmp_path / "variant")).eval()
+    served = load_peft(case.path, tmp_path / "adapter")
+    for name, module in served.named_modules():
+        if isinstance(module, LoraLayer):
+            assert (module.r["default"], module.scaling["default"]) == (report["r"], 1.0), name
+    assert rel(logits(served, case.path), logits(variant, case.path)) < LOGIT_TOL
+
+
+def test_vllm_adapter_at_a_smaller_rank_keeps_the_svd_energy(cases: dict[str, Case], tmp_path: Path) -> None:
+    """lora_rank 8 truncates the wider edits: each layer's kept energy is the float64 SVD's top-8 share,
+    its error the tail, and the rank is 8 everywhere (padded where the edit is narrower)."""
+    case = cases["llama"]
+    layers = case.layers()
+    report = case.adapter(layers, tmp_path / "adapter", max_rank=8, lora_target="vllm")
+    tensors = assert_vllm_adapter(tmp_path / "adapter", 8)
+    assert report["totals"]["truncated_layers"] > 0, "the fixture's edits should be wider than 8"
+    energy = total = 0.0
+    for item in case.deltas(layers):
+        s = torch.linalg.svdvals(item.delta[:, : item.spec.in_features]).square()  # float64
+        layer = report["layers"][item.spec.name]
+        kept = min(8, layer["numerical_rank"])
+        assert layer["kept_rank"] == kept, item.spec.name
+        assert layer["kept_energy"] == pytest.approx(float(s[:kept].sum() / s.sum()), rel=1e-12), item.spec.name
+        # Directions under the EXACT_RTOL cut hold at most D·rtol² of the energy.
+        assert layer["kept_energy"] == pytest.approx(float(s[:8].sum() / s.sum()), abs=1e-10), item.spec.name
+        assert layer["relative_error"] == pytest.approx(math.sqrt(1.0 - layer["kept_energy"]), rel=1e-6, abs=1e-9)
+        energy, total = energy + float(s[:kept].sum()), total + float(s.sum())
+        padding = tensors[f"base_model.model.{item.spec.name}.lora_A.weight"][kept:]
+        assert not padding.any(), item.spec.name
+    assert report["totals"]["kept_energy"] == pytest.approx(energy / total, rel=1e-12)
+    assert report["totals"]["min_kept_energy"] == min(layer["kept_energy"] for layer in report["layers"].values())
+    assert load_peft(case.path, tmp_path / "adapter") is not None
+
+
+def test_vllm_rank_wider_than_the_layers_is_zero_padded(cases: dict[str, Case], tmp_path: Path) -> None:
+    """r = 64 on 32-wide layers: B·A is the same edit, padded with zero directions; peft loads it."""
+    case = cases["llama"]
+    layers = case.layers(("q_proj", "down_proj"))
+    exact = case.adapter(layers, tmp_path / "exact")
+    padded = case.adapter(layers, tmp_path / "padded", max_rank=64, lora_target="vllm")
+    assert_vllm_adapter(tmp_path / "padded", 64)
+    ours, theirs = load_file(tmp_path / "padded" / ADAPTER_WEIGHTS), load_file(tmp_path / "exact" / ADAPTER_WEIGHTS)
+    for name in exact["layers"]:
+        key = f"base_model.model.{name}"
+        product = ours[f"{key}.lora_B.weight"].double() @ ours[f"{key}.lora_A.weight"].double()
+        expected = theirs[f"{key}.lora_B.weight"].double() @ theirs[f"{key}.lora_A.weight"].double()
+        assert torch.equal(product, expected), name
+        assert padded["layers"][name]["kept_rank"] == exact["layers"][name]["rank"]
+    assert load_peft(case.path, tmp_path / "padded") is not None
+
+
+def test_vllm_adapter_refuses_a_bias_edit_by_layer_name(cases: dict[str, Case], tmp_path: Path) -> None:
+    case = cases["gpt2"]
+    with pytest.raises(EditError, match=r"transformer\.h\.0\.attn\.c_attn"):
+        case.adapter(case.layers(GPT2_BLOCK_LAYERS), tmp_path / "adapter", lora_target="vllm")
+    biased = [s for s in case.layers() if s.bias]
+    message = vllm_bias_refusal(biased, case.layers())
+    assert all(spec.name in message for spec in biased)
+    assert '"modules": ["lm_head"]' in message  # the selection's bias-free layers, as a request can say it
+    head = case.adapter(case.layers(("lm_head",)), tmp_path / "head", lora_target="vllm")
+    assert_vllm_adapter(tmp_path / "head", head["r"])
+
+
+@pytest.mark.parametrize("rank", [4, 24, 1024])
+def test_vllm_adapter_refuses_a_rank_vllm_does_not_serve(cases: dict[str, Case], rank: int) -> None:
+    case = cases["llama"]
+    with pytest.raises(ValueError, match=rf"lora_rank {rank} .*8, 16, 32, 64, 128, 256, 320, 512"):
+        next(layer_loras(iter(case.deltas(case.layers())), rank, lora_target="vllm"))

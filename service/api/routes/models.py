@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from api_schemas import ComposeRequest, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
+from api_schemas.models import EditOptions
 from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
@@ -14,7 +15,7 @@ from service.engine.compose import coefficients_for_unlearn
 from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
-EDIT_OPTIONS = ("scaling", "modules", "layers", "rcond", "reference", "universe", "format", "lora_rank", "callback_url")
+EDIT_OPTIONS = tuple(EditOptions.model_fields)  # every edit option, named once in api_schemas
 
 
 @router.post("/models", response_model=Model, status_code=201)
