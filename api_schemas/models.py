@@ -36,10 +36,13 @@ __all__ = [
     "Problem",
     "RecordIn",
     "Universe",
+    "UniverseBytes",
     "UniverseCreate",
     "UniverseGroups",
     "UniverseMember",
+    "UniverseStatusCounts",
     "UniverseSubmission",
+    "UniverseUsage",
     "UnlearnRequest",
     "Variant",
     "VariantFile",
@@ -518,20 +521,55 @@ class UniverseGroups(BaseModel):
     total: int | None = Field(default=None, description="known once the build has planned its input groups")
 
 
+class UniverseBytes(BaseModel):
+    groups: int = Field(description="the input groups' pseudo-inverse factors (float64)")
+    engrams: int = Field(description="every member's engrams")
+    total: int
+
+
 class Universe(BaseModel):
     universe_id: str
     model_id: str
     members: list[UniverseMember]
     rcond: float | None = None
     current: bool = Field(description="requests without universe or reference use this universe")
-    status: Literal["building", "ready", "failed"]
+    status: Literal["building", "ready", "failed", "evicted"] = Field(
+        description="evicted: the retention rule deleted its factors and engrams; requesting it again rebuilds it"
+    )
     groups: UniverseGroups = Field(description="input groups whose pseudo-inverse is stored")
-    bytes: int | None = Field(default=None, description="stored factors and engrams, once ready")
+    bytes: int | None = Field(default=None, description="stored factors and engrams, once ready (0 once evicted)")
+    bytes_detail: UniverseBytes | None = Field(default=None, description="once ready: bytes of the factors and engrams")
+    projected_bytes: int | None = Field(
+        default=None, description="what the build was projected to store when requested (checked against the budget)"
+    )
     build_seconds: dict[str, float] | None = Field(
         default=None, description="once ready: decomposition, engrams and total seconds of the build"
     )
     job_id: str | None = None
     created_at: datetime | None = None
+    last_used: datetime | None = Field(
+        default=None, description="requested, built, or a variant requested from it (the retention rule's clock)"
+    )
+    evicted_at: datetime | None = Field(default=None, description="when the retention rule deleted it (status evicted)")
+
+
+class UniverseStatusCounts(BaseModel):
+    ready: int
+    building: int
+    failed: int
+    evicted: int
+
+
+class UniverseUsage(BaseModel):
+    """What universes hold in storage against ``ENGRAM_UNIVERSE_BYTES_BUDGET``."""
+
+    model_id: str | None = Field(default=None, description="the model these totals are of; null: every universe")
+    budget_bytes: int = Field(description="ENGRAM_UNIVERSE_BYTES_BUDGET (0: no limit)")
+    retention_s: float = Field(description="ENGRAM_UNIVERSE_RETENTION_S: unused this long, a universe may be evicted")
+    bytes: UniverseBytes = Field(description="stored now: factors and engrams of every universe (partial builds too)")
+    reserved_bytes: int = Field(description="projected bytes of builds still running beyond what they stored so far")
+    evictable_bytes: int = Field(description="what the retention rule may delete now (universes nobody uses)")
+    universes: UniverseStatusCounts
 
 
 class UniverseSubmission(BaseModel):

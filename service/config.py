@@ -46,6 +46,17 @@ class Settings(BaseSettings):
     # a variant of an already-decomposed universe skips every eigendecomposition. One universe of
     # the bench's 100M Llama takes 0.6 GB; of a Llama-3.2-1B about 10 GB.
     factor_cache_bytes: int = Field(default=2 << 30, ge=0)
+    # Stored universes (pseudo-inverse factors and engrams) together, in bytes; 0: no limit. A new
+    # universe is projected before it is built and refused (409) when it does not fit, once unused
+    # universes are evicted (service/universes/retention.py). One universe of the bench's 100M
+    # Llama with 4 concepts takes 1.6 GB; of a Llama-3.2-1B with 3 concepts about 25 GB.
+    universe_bytes_budget: int = Field(default=256 << 30, ge=0)
+    # A universe used within this many seconds (requested, a variant requested from it, built) is
+    # kept, as is any model's current universe or one a running job builds or reads; any other
+    # may be evicted: to make room within the budget, and by the janitor.
+    universe_retention_s: float = Field(default=7 * 24 * 3600, ge=0)
+    # How often each API process's janitor applies the retention rule (0: at start-up only).
+    janitor_interval_s: float = Field(default=3600, ge=0)
 
     # Distributed mode. The broker's visibility timeout must exceed the hard limit, or Redis would
     # hand a still-running task to a second worker.

@@ -20,6 +20,11 @@ so a leftover is removed only when no live process can be using it:
 Only names this service makes are matched; what cannot be removed (a file of another user) is
 logged and left. In the API the sweep runs in a background thread, so a slow storage backend never
 delays start-up; a Celery worker sweeps before its pool starts.
+
+The API's janitor thread then applies the universes' retention rule
+(:func:`service.universes.retention.expire_unused`: universes nobody uses are deleted, least
+recently used first) at start-up and every ``ENGRAM_JANITOR_INTERVAL_S`` (0: at start-up only).
+Workers do not: one pass per API process is enough, and each pass holds the registry lock.
 """
 
 from __future__ import annotations
@@ -34,9 +39,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.config import Settings
 from service.storage import HOST_TAG, LocalStorage, Storage, open_storage
+from service.universes.retention import expire_unused
+
+if TYPE_CHECKING:
+    from service.registry import Context
 
 log = logging.getLogger("engram.janitor")
 
@@ -89,19 +99,52 @@ def clean_leftovers(settings: Settings, storage: Storage | None = None, *, stale
     return sweep
 
 
-def start_janitor(settings: Settings, storage: Storage | None = None) -> threading.Thread:
-    """Run :func:`clean_leftovers` in a daemon thread (one pass); returns the thread."""
+def start_janitor(settings: Settings, storage: Storage | None = None, ctx: Context | None = None) -> Janitor:
+    """Run :func:`clean_leftovers` once in a daemon thread, then, given the API's ``ctx``, the
+    universes' retention rule at once and every ``ENGRAM_JANITOR_INTERVAL_S``; returns the thread."""
+    janitor = Janitor(settings, storage, ctx)
+    janitor.start()
+    return janitor
 
-    def run() -> None:
+
+class Janitor(threading.Thread):
+    """The start-up sweep, then the periodic retention passes (a daemon thread; :meth:`stop` ends it)."""
+
+    def __init__(self, settings: Settings, storage: Storage | None, ctx: Context | None) -> None:
+        super().__init__(name="engram-janitor", daemon=True)
+        self.settings, self.storage, self.ctx = settings, storage, ctx
+        self._stopped = threading.Event()
+        self.passes = 0  # retention passes done (tests wait on it)
+
+    def run(self) -> None:
         try:
-            clean_leftovers(settings, storage)
+            clean_leftovers(self.settings, self.storage)
         except Exception:  # never take the process down for a clean-up
             log.exception("janitor: the start-up sweep failed")
         log.info("janitor: start-up sweep done")
+        if self.ctx is None:
+            return
+        interval = self.settings.janitor_interval_s
+        while True:
+            self.retention_pass()
+            if interval <= 0 or self._stopped.wait(interval):
+                return
 
-    thread = threading.Thread(target=run, name="engram-janitor", daemon=True)
-    thread.start()
-    return thread
+    def retention_pass(self) -> list[str]:
+        """One pass of the retention rule; a failure is logged and the next pass tries again."""
+        assert self.ctx is not None
+        try:
+            evicted = expire_unused(self.ctx)
+        except Exception:
+            log.exception("janitor: the universe retention pass failed")
+            evicted = []
+        if evicted:
+            log.info("janitor: evicted %d unused universe(s): %s", len(evicted), evicted)
+        self.passes += 1
+        return evicted
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def worker_janitor(settings: Settings) -> Callable[..., None]:

@@ -36,6 +36,25 @@ COLLECTION_RATE = Histogram(
 )
 # "mostrecent": in multiprocess mode (embedded jobs in their own process) the last value set wins.
 QUEUE_DEPTH = Gauge("engram_queue_depth", "Jobs waiting to run, by queue", ["queue"], multiprocess_mode="mostrecent")
+# Universe storage: set at scrape time from storage itself (service.universes.retention.refresh_metrics),
+# so they hold whichever process built or evicted what; "mostrecent" keeps the scraping process's values.
+UNIVERSE_BYTES = Gauge(
+    "engram_universe_bytes",
+    "Bytes stored by universes, by part: groups (pseudo-inverse factors) and engrams; reserved: projected bytes "
+    "of builds still running beyond what they stored so far",
+    ["part"],
+    multiprocess_mode="mostrecent",
+)
+UNIVERSE_BUDGET = Gauge(
+    "engram_universe_budget_bytes", "ENGRAM_UNIVERSE_BYTES_BUDGET (0: no limit)", multiprocess_mode="mostrecent"
+)
+UNIVERSES = Gauge("engram_universes", "Universes by status", ["status"], multiprocess_mode="mostrecent")
+UNIVERSE_EVICTIONS = Counter(
+    "engram_universe_evictions_total", "Universes deleted by the retention rule: to make room, or expired", ["reason"]
+)
+UNIVERSE_REFUSALS = Counter(
+    "engram_universe_budget_refusals_total", "Universe requests refused because they would exceed the budget"
+)
 
 
 def record_job_state(kind: str, status: str) -> None:
@@ -52,6 +71,24 @@ def refresh_queue_depth(depths: Callable[[], dict[str, int]]) -> None:
     """Set the queue gauges from the current depths (read at scrape time)."""
     for queue, depth in depths().items():
         QUEUE_DEPTH.labels(queue=queue).set(depth)
+
+
+def set_universe_gauges(*, groups: int, engrams: int, reserved: int, budget: int, statuses: dict[str, int]) -> None:
+    """Set the universe storage gauges (from a read of storage, at scrape time)."""
+    UNIVERSE_BYTES.labels(part="groups").set(groups)
+    UNIVERSE_BYTES.labels(part="engrams").set(engrams)
+    UNIVERSE_BYTES.labels(part="reserved").set(reserved)
+    UNIVERSE_BUDGET.set(budget)
+    for status, count in statuses.items():
+        UNIVERSES.labels(status=status).set(count)
+
+
+def record_universe_eviction(reason: str) -> None:
+    UNIVERSE_EVICTIONS.labels(reason=reason).inc()
+
+
+def record_universe_refusal() -> None:
+    UNIVERSE_REFUSALS.inc()
 
 
 def exposition() -> bytes:

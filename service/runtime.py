@@ -44,7 +44,9 @@ class Runtime:
 def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
     """The runtime of an API process (``background``) or of a worker (no background duties)."""
     runtime = _embedded(settings) if settings.embedded else _distributed(settings, background)
-    runtime.on_start.insert(0, lambda: start_janitor(settings, runtime.ctx.storage))  # crashed processes' leftovers
+    # Crashed processes' leftovers; an API process also applies the universes' retention rule.
+    janitor_ctx = runtime.ctx if background else None
+    runtime.on_start.insert(0, lambda: start_janitor(settings, runtime.ctx.storage, janitor_ctx))
     return runtime
 
 

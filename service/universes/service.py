@@ -15,6 +15,8 @@ Storage layout:
 - ``universes/<id>/groups/<quoted group>.safetensors``: the group's pseudo-inverse factors (float64)
 - ``universes/<id>/engrams/<member key>.safetensors`` (+ ``.json``: per-layer norms): ``E_k,l``
 - ``universes/<id>/manifest.json``: written last; the universe exists exactly when it does
+- ``universes/<id>/usage.json``: when it was last used, its projected bytes, when it was evicted
+  (:mod:`service.universes.retention`: the storage budget and the retention rule)
 - ``model-universes/<quoted model id>/current.json``: the model's current universe
 - ``model-universes/<quoted model id>/known/<id>``: one empty marker per universe of the model
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 from service import callbacks
 from service.errors import Conflict, InvalidInput, NotFound
@@ -37,6 +38,14 @@ from service.registry import (
     canonical_digest,
     get_model,
 )
+from service.universes import retention
+from service.universes.keys import current_pointer as current_pointer
+from service.universes.keys import engram_key as engram_key
+from service.universes.keys import find_manifest as find_manifest
+from service.universes.keys import find_request as find_request
+from service.universes.keys import find_usage, model_prefix, model_universe_ids, universe_prefix
+from service.universes.keys import group_key as group_key
+from service.universes.keys import valid_universe_id as valid_universe_id
 
 UNIVERSE_FORMAT = "engram-universe/1"
 
@@ -115,63 +124,24 @@ def member_keys(prefixes: Sequence[str]) -> dict[str, str]:
     return {p: d if digests.count(d) == 1 else f"{d}-{settings_digest(p)}" for p, d in zip(prefixes, digests, strict=True)}
 
 
-# ---------------------------------------------------------------- keys
-
-
-def universe_prefix(universe_id: str) -> str:
-    return f"universes/{universe_id}/"
-
-
-def group_key(universe_id: str, group: str) -> str:
-    return f"universes/{universe_id}/groups/{quote(group, safe='')}.safetensors"
-
-
-def engram_key(universe_id: str, member: str, suffix: str = ".safetensors") -> str:
-    return f"universes/{universe_id}/engrams/{member}{suffix}"
-
-
-def _model_prefix(model_id: str) -> str:
-    return f"model-universes/{quote(model_id, safe='')}/"
-
-
-def valid_universe_id(universe_id: str) -> bool:
-    return len(universe_id) == 32 and all(c in "0123456789abcdef" for c in universe_id)
-
-
-def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
-    if not valid_universe_id(universe_id):
-        return None
-    key = universe_prefix(universe_id) + "request.json"
-    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
-
-
-def find_manifest(ctx: Context, universe_id: str) -> dict[str, Any] | None:
-    if not valid_universe_id(universe_id):
-        return None
-    return ctx.reads.immutable_json(universe_prefix(universe_id) + "manifest.json")  # written once, last
-
-
-def current_pointer(ctx: Context, model_id: str) -> dict[str, Any] | None:
-    """The model's current universe: ``{universe_id, members, rcond, since}``, or None."""
-    return ctx.storage.find_json(_model_prefix(model_id) + "current.json")
-
-
 # ---------------------------------------------------------------- recording
 
 
 def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dict[str, Any]:
     """Store what ``spec`` is (once) and which job builds it; call under ``ctx.lock``.
 
-    The job is replaced only when the recorded one can no longer build it (failed, cancelled, gone).
+    The job is replaced only when the recorded one can no longer build it: it failed, was
+    cancelled or is gone, or it finished and the universe was evicted since (the callers pass a
+    job only when no manifest exists).
     """
     uid = spec.universe_id
-    marker = _model_prefix(spec.model_id) + f"known/{uid}"
+    marker = model_prefix(spec.model_id) + f"known/{uid}"
     if not ctx.storage.exists(marker):  # listed under every model ID (of the same weights) that used it
         ctx.storage.put_bytes(marker, b"")
     existing = find_request(ctx, uid)
     if existing is not None:
         job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
-        if job is not None and job["status"] not in {"failed", "cancelled"} or job_id is None:
+        if job is not None and job["status"] not in FINISHED or job_id is None:
             return existing
         record = {**existing, "job_id": job_id}
     else:
@@ -191,7 +161,7 @@ def set_current(ctx: Context, spec: UniverseSpec) -> None:
     }
     previous = current_pointer(ctx, spec.model_id)
     if previous is None or previous["universe_id"] != spec.universe_id:
-        ctx.storage.put_json(_model_prefix(spec.model_id) + "current.json", pointer)
+        ctx.storage.put_json(model_prefix(spec.model_id) + "current.json", pointer)
 
 
 # ---------------------------------------------------------------- the universe of an edit
@@ -289,12 +259,16 @@ def submit_universe(
     """Build the universe of ``concepts`` (default: every concept ready on the model) and make it
     the model's current one.
 
+    A universe that is not stored (new, or evicted) must fit ``ENGRAM_UNIVERSE_BYTES_BUDGET``,
+    after evicting unused universes if need be; that is checked before anything is written.
+
     Returns:
         (universe view, its build job; None when it is built already).
 
     Raises:
         NotFound, Conflict: an unknown model or concept, a concept without ready statistics, or no
             ready concept at all.
+        UniverseBudgetExceeded: a 409 stating the projected bytes and the budget; nothing changed.
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     model = get_model(ctx, model_id)
@@ -305,18 +279,22 @@ def submit_universe(
     uid = spec.universe_id
     job = created = None
     with ctx.lock:
+        projected = retention.make_room(ctx, spec)  # first: a refusal leaves everything as it was
         set_current(ctx, spec)
         if find_manifest(ctx, uid) is not None:
             record_universe(ctx, spec, None)
+            retention.note_use(ctx, uid)
         else:
             record = find_request(ctx, uid)
             running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
             if running is not None and running["status"] not in FINISHED:
                 job = attach_callbacks(ctx, running, urls)  # already building: that job calls back too
+                retention.note_use(ctx, uid)
             else:
                 payload = {"universe_id": uid, "model_id": model_id}
                 created = ctx.jobs.create(new_job("universe", payload, unit="steps", callback_urls=urls))
                 record_universe(ctx, spec, created["job_id"])
+                retention.note_use(ctx, uid, projected=projected, rebuilding=True)
     if created is not None:  # enqueued only after the request it reads is saved
         ctx.dispatch(created)
         job = ctx.jobs.get(created["job_id"])
@@ -327,7 +305,12 @@ def submit_universe(
 
 
 def universe_view(ctx: Context, universe_id: str, current: str | None = None) -> dict[str, Any]:
-    """A universe as the API shows it: members, status, groups done/total, bytes."""
+    """A universe as the API shows it: members, status, groups done/total, bytes, last use.
+
+    Status: ``ready`` (its manifest exists), ``building`` (a job builds it), ``evicted`` (the
+    retention rule deleted its parts: ``bytes`` 0, ``evicted_at`` set; requesting it again rebuilds
+    it under the same ID), or ``failed``.
+    """
     request = find_request(ctx, universe_id, recent=True)
     if request is None:
         raise NotFound(f"universe {universe_id} does not exist")
@@ -336,7 +319,8 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
         current = pointer["universe_id"] if pointer else ""
     # The job first, then the manifest: see registry.concept_model_state.
     job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
-    manifest = find_manifest(ctx, universe_id)
+    manifest = find_manifest(ctx, universe_id, recent=True)
+    usage = find_usage(ctx, universe_id, recent=True)
     view: dict[str, Any] = {
         "universe_id": universe_id,
         "model_id": request["model_id"],
@@ -345,28 +329,50 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
         "current": universe_id == current,
         "job_id": request.get("job_id"),
         "created_at": request.get("created_at"),
+        "last_used": usage.get("last_used"),
+        "projected_bytes": (usage.get("projected") or {}).get("total"),
+        "evicted_at": None,
     }
     if manifest is not None:
         groups = len(manifest["groups"])
+        parts = manifest["bytes"]
         return {
             **view,
             "status": "ready",
             "groups": {"done": groups, "total": groups},
-            "bytes": manifest["bytes"]["total"],
+            "bytes": parts["total"],
+            "bytes_detail": {"groups": parts["groups"], "engrams": parts["engrams"], "total": parts["total"]},
             "build_seconds": manifest["seconds"],
+        }
+    building = job is not None and job["status"] not in FINISHED
+    if not building and usage.get("evicted_at"):
+        return {
+            **view,
+            "status": "evicted",
+            "groups": {"done": 0, "total": None},
+            "bytes": 0,
+            "bytes_detail": None,
+            "build_seconds": None,
+            "evicted_at": usage["evicted_at"],
         }
     plan = ctx.reads.immutable_json(universe_prefix(universe_id) + "plan.json")
     done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
-    status = "building" if job is not None and job["status"] not in FINISHED else "failed"
     total = len(plan["groups"]) if plan else None
-    return {**view, "status": status, "groups": {"done": done, "total": total}, "bytes": None, "build_seconds": None}
+    status = "building" if building else "failed"
+    return {
+        **view,
+        "status": status,
+        "groups": {"done": done, "total": total},
+        "bytes": None,
+        "bytes_detail": None,
+        "build_seconds": None,
+    }
 
 
 def list_universes(ctx: Context, model_id: str) -> list[dict[str, Any]]:
     """Every universe of a model (404 when it is not registered), the current one marked."""
-    get_model(ctx, model_id)
+    ids = model_universe_ids(ctx, model_id)
     pointer = current_pointer(ctx, model_id)
     current = pointer["universe_id"] if pointer else ""
-    ids = [k.rsplit("/", 1)[-1] for k in ctx.storage.list(_model_prefix(model_id) + "known/")]
-    views = [{**universe_view(ctx, uid, current), "model_id": model_id} for uid in ids if valid_universe_id(uid)]
+    views = [{**universe_view(ctx, uid, current), "model_id": model_id} for uid in ids]
     return sorted(views, key=lambda v: v["created_at"] or "")

@@ -29,6 +29,7 @@ from service.registry import (
     variant_manifest,
     variant_view,
 )
+from service.universes.retention import Projection, make_room, note_use
 from service.universes.service import (
     EditUniverse,
     current_pointer,
@@ -63,12 +64,14 @@ def submit_variant(
 
     check_cover(resolved)  # before anything is written: a refused request fixes no current universe
     with ctx.lock:
+        projected = _room_for(ctx, model, terms, alpha, options, resolved)  # a 409 here changes nothing
         if resolved.becomes_current is not None:
             if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
                 set_current(ctx, resolved.becomes_current)
             else:  # another request fixed it first: use that one
                 resolved = _resolve(ctx, model, terms, options)
                 check_cover(resolved)
+                projected = _room_for(ctx, model, terms, alpha, options, resolved)
         variant_id, request = _variant_request(model, terms, alpha, options, resolved)
         existing = find_variant_request(ctx, variant_id)
         if existing is not None:
@@ -82,6 +85,7 @@ def submit_variant(
         # The universe names the job that builds it: this one, on first need, unless built already.
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
         record_universe(ctx, resolved.spec, None if built else job["job_id"])
+        note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
         ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
         ctx.reads.forget(f"variants/{variant_id}/request.json")
     ctx.dispatch(job)
@@ -108,6 +112,20 @@ def _check_servable(layout: ModelLayout, options: Mapping[str, Any]) -> None:
 
 def _lora_target(options: Mapping[str, Any]) -> Any:
     return options.get("lora_target") or "peft"
+
+
+def _room_for(
+    ctx: Context,
+    model: Mapping[str, Any],
+    terms: Mapping[str, float],
+    alpha: float | None,
+    options: Mapping[str, Any],
+    resolved: EditUniverse,
+) -> Projection | None:
+    """A variant whose job will build its universe must fit ENGRAM_UNIVERSE_BYTES_BUDGET (a 409
+    otherwise; :func:`make_room`); a variant already built is served without reading its universe."""
+    variant_id, _ = _variant_request(model, terms, alpha, options, resolved)
+    return None if variant_manifest(ctx, variant_id) is not None else make_room(ctx, resolved.spec)
 
 
 def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: Mapping[str, Any]) -> EditUniverse:

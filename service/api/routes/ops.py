@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from service.api.deps import ContextDep, LanesDep
 from service.observability import exposition, refresh_queue_depth
 from service.registry import Context
+from service.universes.retention import refresh_metrics as refresh_universe_metrics
 
 router = APIRouter(tags=["operations"])
 
@@ -33,10 +34,11 @@ def _ping_dependencies(ctx: Context) -> None:
 
 @router.get("/metrics", response_class=Response)
 def metrics(ctx: ContextDep) -> Response:
-    """Prometheus metrics of this process (request latency, jobs, collection throughput, queues)."""
+    """Prometheus metrics of this process (request latency, jobs, collection throughput, queues, universe bytes)."""
     if ctx.queue_depths is not None:
         try:
             refresh_queue_depth(ctx.queue_depths)
         except Exception:  # the broker being away must not hide the other metrics
             pass
+    refresh_universe_metrics(ctx)  # bytes from storage itself: right whichever process built or evicted
     return Response(exposition(), media_type=CONTENT_TYPE_LATEST)

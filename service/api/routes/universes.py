@@ -1,22 +1,26 @@
-"""Universes: build one ahead of a burst of requests, make it a model's current one, list and show them."""
+"""Universes: build one ahead of a burst of requests, make it a model's current one, list and show
+them, and what they hold in storage against the budget."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 
-from api_schemas import Universe, UniverseCreate, UniverseSubmission
+from api_schemas import Universe, UniverseCreate, UniverseSubmission, UniverseUsage
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
+from service.universes import retention
 from service.universes import service as universes
 
 router = APIRouter(tags=["universes"])
+ModelQuery = Annotated[str | None, Query(max_length=200, description="only this model's universes")]
 
 
 @router.post("/models/{model_id:path}/universes", response_model=UniverseSubmission, status_code=202)
 def create_universe(model_id: str, body: UniverseCreate, ctx: ContextDep, response: Response) -> dict[str, Any]:
-    """Build the universe of these concepts (default: every ready one) and make it the model's current one."""
+    """Build the universe of these concepts (default: every ready one) and make it the model's current one;
+    409 when it would not fit ENGRAM_UNIVERSE_BYTES_BUDGET even after evicting unused universes."""
     universe, job = universes.submit_universe(ctx, model_id, body.concepts, body.rcond, body.callback_url)
     response.status_code = 200 if universe["status"] == "ready" else 202
     return {"universe": universe, "job": job_view(job) if job else None}
@@ -28,7 +32,15 @@ async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep) -> lis
     return await lanes.status(universes.list_universes, ctx, model_id)
 
 
+# Before /universes/{universe_id}: "usage" is no universe ID, and this route must match first.
+@router.get("/universes/usage", response_model=UniverseUsage)
+async def universe_usage(ctx: ContextDep, lanes: LanesDep, model_id: ModelQuery = None) -> dict[str, Any]:
+    """Bytes stored by universes (factors, engrams), builds' reserved bytes, the budget and statuses;
+    ``?model_id=`` for one model's universes (404 when it is not registered)."""
+    return await lanes.status(retention.storage_summary, ctx, model_id)
+
+
 @router.get("/universes/{universe_id}", response_model=Universe)
 async def get_universe(universe_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
-    """A universe: its members, status, groups decomposed so far, and bytes once built."""
+    """A universe: its members, status, groups decomposed so far, bytes once built, last use."""
     return await lanes.status(universes.universe_view, ctx, universe_id)

@@ -1,0 +1,96 @@
+"""Where a universe's parts live in storage, and the reads of them that both the submit path
+(:mod:`service.universes.service`) and the retention rule (:mod:`service.universes.retention`) need.
+
+See :mod:`service.universes.service` for the layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+from service.registry import Context, get_model
+
+MODEL_UNIVERSES = "model-universes/"
+
+
+def universe_prefix(universe_id: str) -> str:
+    return f"universes/{universe_id}/"
+
+
+def group_key(universe_id: str, group: str) -> str:
+    return f"universes/{universe_id}/groups/{quote(group, safe='')}.safetensors"
+
+
+def engram_key(universe_id: str, member: str, suffix: str = ".safetensors") -> str:
+    return f"universes/{universe_id}/engrams/{member}{suffix}"
+
+
+def usage_key(universe_id: str) -> str:
+    return universe_prefix(universe_id) + "usage.json"
+
+
+def model_prefix(model_id: str) -> str:
+    return f"{MODEL_UNIVERSES}{quote(model_id, safe='')}/"
+
+
+def valid_universe_id(universe_id: str) -> bool:
+    return len(universe_id) == 32 and all(c in "0123456789abcdef" for c in universe_id)
+
+
+def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+    if not valid_universe_id(universe_id):
+        return None
+    key = universe_prefix(universe_id) + "request.json"
+    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+
+
+def find_manifest(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+    """The universe's manifest: it is built exactly when this exists.
+
+    Read from storage itself (a job deciding whether to build, a request deciding whether to
+    dispatch one), or, for views (``recent``), as of at most a second ago. Never cached for longer:
+    the manifest is written once, but the retention rule may delete it, and a process must not go
+    on reading a universe that another one evicted.
+    """
+    if not valid_universe_id(universe_id):
+        return None
+    key = universe_prefix(universe_id) + "manifest.json"
+    if not recent:
+        return ctx.storage.find_json(key)
+    hit, manifest = ctx.reads.peek(key)
+    if hit and manifest is not None:
+        return manifest
+    ctx.reads.forget(key)  # a cached miss is never trusted: a build's publication shows at once
+    return ctx.reads.recent_json(key)
+
+
+def find_usage(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any]:
+    """The universe's usage record (``{}`` when none was written: a universe from before them)."""
+    key = usage_key(universe_id)
+    found = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    return dict(found or {})
+
+
+def current_pointer(ctx: Context, model_id: str) -> dict[str, Any] | None:
+    """The model's current universe: ``{universe_id, members, rcond, since}``, or None."""
+    return ctx.storage.find_json(model_prefix(model_id) + "current.json")
+
+
+def current_universe_ids(ctx: Context) -> set[str]:
+    """The universes that are some model's current one."""
+    keys = [k for k in ctx.storage.list(MODEL_UNIVERSES) if k.endswith("/current.json")]
+    return {pointer["universe_id"] for key in keys if (pointer := ctx.storage.find_json(key))}
+
+
+def known_universe_ids(ctx: Context) -> set[str]:
+    """Every universe ever requested (each has a marker under the model IDs that used it)."""
+    ids = {k.rsplit("/", 1)[-1] for k in ctx.storage.list(MODEL_UNIVERSES) if "/known/" in k}
+    return {uid for uid in ids if valid_universe_id(uid)}
+
+
+def model_universe_ids(ctx: Context, model_id: str) -> list[str]:
+    """The universes requested on ``model_id`` (404 when the model is not registered)."""
+    get_model(ctx, model_id)
+    ids = [k.rsplit("/", 1)[-1] for k in ctx.storage.list(model_prefix(model_id) + "known/")]
+    return [uid for uid in ids if valid_universe_id(uid)]

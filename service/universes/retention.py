@@ -1,0 +1,575 @@
+"""What universes take in storage, the budget they must fit in, and the retention rule.
+
+Bytes. A universe's stored parts are its input groups' pseudo-inverse factors (float64) and every
+member's engrams (one file per member). Before a new universe is built, :func:`project_universe`
+estimates both from what is already known, reading no tensor: the model's layout and its checkpoint
+headers (each layer's stored dtype), and the members' statistics headers (each input group's width
+and token count). The estimate is an upper bound of what the build stores:
+
+- per input group of width ``D`` whose members hold ``T`` tokens in all: at most ``k = min(D, T)``
+  directions are kept, stored as the explicit ``[D, D]`` matrix when ``2k > D`` and as the ``[D, k]``
+  basis otherwise, plus ``k`` inverse eigenvalues, all float64;
+- per member and layer: the dense ``[out, in(+1)]`` engram at its stored precision
+  (:func:`service.engrams.build.engram_dtype`: float64 for float64 weights, float32 otherwise); the
+  file's header is computed exactly as the writer lays it out.
+
+Budget. ``ENGRAM_UNIVERSE_BYTES_BUDGET`` bounds the bytes of every universe together (0: no bound).
+A request that would build a new universe (``POST /models/{id}/universes``, a variant whose universe
+is not stored) is checked under the registry lock before anything is written: stored universes,
+plus the projected bytes of builds still running, plus the new projection must fit. When they do
+not, the retention rule is applied first (least recently used first, only as many as needed); when
+even evicting every evictable universe would not make room, nothing is deleted or written and the
+request is a 409 (:class:`UniverseBudgetExceeded`).
+
+Retention. A universe is *in use*, and never deleted, while it is the current universe of some
+model, a job not finished yet builds it or reads it (a ``universe`` job, a ``variant`` job of it),
+or it was used within ``ENGRAM_UNIVERSE_RETENTION_S`` (requested, a variant requested from it, or
+built: :func:`note_use`). Any other universe with stored parts is *evictable*: deleted to make room,
+and by the API's janitor every ``ENGRAM_JANITOR_INTERVAL_S`` (:func:`expire_unused`). Eviction
+deletes the manifest first (the universe stops existing at once), then the plan, the groups, the
+engrams and the build's part records; it keeps ``request.json`` and ``usage.json``, so ``GET /universes/{id}`` shows it as
+``evicted`` (bytes 0, ``evicted_at``) and requesting it again (a POST, or a variant of it) rebuilds
+it under the same ID, with the same groups and member keys.
+
+Usage record: ``universes/<id>/usage.json`` ``{last_used, projected, evicted_at, evicted_bytes}``,
+the only mutable part of a universe besides its request's ``job_id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from service.engine.checkpoint import ModelLayout
+from service.engine.layers import LayerSpec
+from service.engrams.build import ENGRAMS_FORMAT, engram_dtype
+from service.errors import Conflict
+from service.jobs import FINISHED, utc_now
+from service.observability import record_universe_eviction, record_universe_refusal, set_universe_gauges
+from service.registry import Context, find_model
+from service.universes.keys import (
+    current_universe_ids,
+    find_manifest,
+    find_request,
+    find_usage,
+    known_universe_ids,
+    model_universe_ids,
+    universe_prefix,
+    usage_key,
+)
+
+if TYPE_CHECKING:  # service.universes.service calls make_room and note_use: the types only, no cycle
+    from service.universes.service import UniverseSpec
+
+log = logging.getLogger("engram.universes")
+
+_ITEMSIZE = {"F64": 8, "F32": 4}
+_FLOAT64 = 8
+# A use is written at most this often per universe: a burst of variant requests costs one write.
+_USE_WRITE_INTERVAL_S = 60.0
+# A factors file's header is the safetensors library's JSON of the same entries (its own key order):
+# room for metadata the build may add beyond what is projected here.
+_FACTORS_HEADER_SLACK = 64
+FACTORS_FORMAT = "engram-factors/1"  # service.universes.build.FACTORS_FORMAT (build imports this package)
+
+Status = Literal["ready", "building", "failed", "evicted"]
+
+
+class UniverseBudgetExceeded(Conflict):
+    """A new universe does not fit ``ENGRAM_UNIVERSE_BYTES_BUDGET`` even after evicting unused ones.
+
+    A 409, not a 413 or 507: the request itself is fine (its body is tiny, and 5xx would say the
+    service failed); it conflicts with what storage holds now, and the user can resolve it.
+    """
+
+    title, slug = "Universe storage budget exceeded", "universe-budget-exceeded"
+
+    def __init__(self, detail: str, *, numbers: Mapping[str, int]) -> None:
+        super().__init__(detail)
+        self.numbers = dict(numbers)
+
+    def to_problem(self) -> dict[str, Any]:
+        """The problem with its figures as extension members (RFC 9457 §3.2): ``projected_bytes``,
+        ``budget_bytes``, ``held_bytes`` (universes in use) and ``evictable_bytes``."""
+        return {**super().to_problem(), **self.numbers}
+
+
+# ---------------------------------------------------------------- projection
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A universe's bytes before it is built (an upper bound of what the build stores).
+
+    Attributes:
+        groups: its input groups' pseudo-inverse factors.
+        engrams: every member's engram file.
+        assumed_float64: layers whose weight dtype could not be read here (a checkpoint not on this
+            machine): their engrams were counted as float64, the largest they can be.
+    """
+
+    groups: int
+    engrams: int
+    assumed_float64: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.groups + self.engrams
+
+    def to_json(self) -> dict[str, int]:
+        return {"groups": self.groups, "engrams": self.engrams, "total": self.total}
+
+
+@dataclass(frozen=True)
+class _StatsHeader:
+    layer_group: dict[str, str]
+    dims: dict[str, int]
+    counts: dict[str, int]
+
+
+_STATS_HEADERS: dict[str, _StatsHeader] = {}  # statistics prefix -> its header (statistics never change)
+
+
+def project_universe(ctx: Context, spec: UniverseSpec) -> Projection:
+    """The bytes a build of ``spec`` will store, from the model layout and the headers of its
+    members' statistics and of the checkpoint (no tensor is read).
+
+    Raises:
+        ObjectNotFound: a member's statistics are gone (their manifest was checked when resolved).
+    """
+    model = find_model(ctx, spec.model_id)
+    if model is None:
+        return Projection(0, 0)
+    layout = ModelLayout.from_json(model["layout"])
+    headers = {prefix: _stats_header(ctx, prefix) for prefix in spec.prefixes}
+    layers = [s for s in layout.layers if all(s.name in h.layer_group for h in headers.values())]
+    if not layers:
+        return Projection(0, 0)  # the build refuses it by name
+    groups = _group_bytes(layers, headers, spec.rcond)
+    dtypes, assumed = _engram_dtypes(model, layout, layers)
+    per_member = _safetensors_size(
+        [(s.name, dtypes[s.name], [s.out_features, s.stat_dim]) for s in layers], {"format": ENGRAMS_FORMAT}
+    )
+    return Projection(groups, per_member * len(spec.prefixes), assumed)
+
+
+def _group_bytes(layers: Sequence[LayerSpec], headers: Mapping[str, _StatsHeader], rcond: float | None) -> int:
+    """Upper bound of every input group's factors file (see the module docstring)."""
+    prefixes = sorted(headers)
+    first = headers[prefixes[0]]
+    total = 0
+    seen: set[str] = set()
+    for spec in layers:
+        group = first.layer_group[spec.name]
+        if group in seen:
+            continue
+        seen.add(group)
+        dim = int(first.dims.get(group, spec.stat_dim))
+        tokens = sum(int(headers[p].counts.get(headers[p].layer_group[spec.name], dim)) for p in prefixes)
+        kept = min(dim, tokens)
+        held = ("matrix", [dim, dim]) if 2 * kept > dim else ("basis", [dim, kept])
+        metadata = {  # as service.universes.build.save_factors writes it, with room for a longer cut
+            "format": FACTORS_FORMAT,
+            "group": group,
+            "dim": str(dim),
+            "rank": str(kept),
+            "explicit": "false",
+            "rcond": "default" if rcond is None else repr(rcond),
+            "source": "sums",
+        }
+        tensors = [("inverse_eigenvalues", "F64", [kept]), (held[0], "F64", held[1])]
+        total += _safetensors_size(tensors, metadata) + _FACTORS_HEADER_SLACK
+    return total
+
+
+def _engram_dtypes(model: Mapping[str, Any], layout: ModelLayout, layers: Sequence[LayerSpec]) -> tuple[dict[str, str], int]:
+    """layer -> its engram's stored dtype, from the checkpoint's shard headers where this machine
+    has them (the API registered the model, so it usually does); float64 where it does not."""
+    headers: dict[str, dict[str, Any]] = {}
+    folder = Path(model.get("path") or "")
+    dtypes, assumed = {}, 0
+    for spec in layers:
+        key = layout.weight_keys.get(spec.name, "")
+        shard = layout.key_files.get(key, "")
+        if shard not in headers:
+            headers[shard] = _shard_header(folder / shard) if shard else {}
+        stored = headers[shard].get(key, {}).get("dtype")
+        if stored is None:
+            assumed += 1
+        dtypes[spec.name] = "F64" if stored is None else engram_dtype(stored)
+    return dtypes, assumed
+
+
+def _shard_header(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            return dict(json.loads(handle.read(length)))
+    except (OSError, ValueError, struct.error):
+        return {}
+
+
+def _safetensors_size(tensors: Sequence[tuple[str, str, list[int]]], metadata: Mapping[str, str]) -> int:
+    """The size of a safetensors file of ``tensors`` (name, dtype, shape) laid out as
+    :func:`service.engine.safetensors_stream.write_streaming` writes it (compact JSON header,
+    padded to 8 bytes)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        nbytes = _ITEMSIZE[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = len(json.dumps(header, separators=(",", ":")).encode())
+    raw += -(8 + raw) % 8
+    return 8 + raw + offset
+
+
+def _stats_header(ctx: Context, prefix: str) -> _StatsHeader:
+    """A published statistics file's layer groups, widths and token counts, read by range."""
+    if prefix not in _STATS_HEADERS:
+        key = prefix + "statistics.safetensors"
+        length = int.from_bytes(b"".join(ctx.storage.iter_range(key, 0, 7)), "little")
+        meta = json.loads(b"".join(ctx.storage.iter_range(key, 8, 8 + length - 1))).get("__metadata__") or {}
+        _STATS_HEADERS[prefix] = _StatsHeader(
+            json.loads(meta.get("layer_group", "{}")),
+            json.loads(meta.get("dims", "{}")),
+            json.loads(meta.get("counts", "{}")),
+        )
+    return _STATS_HEADERS[prefix]
+
+
+# ---------------------------------------------------------------- use
+
+
+def note_use(ctx: Context, universe_id: str, *, projected: Projection | None = None, rebuilding: bool = False) -> None:
+    """Record that ``universe_id`` was used now: requested, a variant requested from it, or built.
+
+    Call it under ``ctx.lock`` where a write decision depends on it (the submit paths); the build
+    job's call at its end may run without (a lost race costs at most one ``last_used`` update).
+
+    Args:
+        projected: the estimate the budget checked (recorded with a request that builds it).
+        rebuilding: a build of it was just requested: an earlier eviction no longer describes it.
+    """
+    usage = find_usage(ctx, universe_id)
+    changed = projected is not None or (rebuilding and usage.get("evicted_at") is not None)
+    last = _parse_time(usage.get("last_used"))
+    if not changed and last is not None and (datetime.now(UTC) - last).total_seconds() < _USE_WRITE_INTERVAL_S:
+        return
+    usage["last_used"] = utc_now()
+    if projected is not None:
+        usage["projected"] = projected.to_json()
+    if rebuilding:
+        usage["evicted_at"] = None
+    ctx.storage.put_json(usage_key(universe_id), usage)
+    ctx.reads.forget(usage_key(universe_id))
+
+
+def mark_built(ctx: Context, universe_id: str) -> None:
+    """The build job's hook at its end (after ``manifest.json``): the universe was just used."""
+    note_use(ctx, universe_id, rebuilding=True)
+
+
+# ---------------------------------------------------------------- what is stored
+
+
+@dataclass(frozen=True)
+class StoredUniverse:
+    """One universe's share of storage.
+
+    Attributes:
+        groups, engrams: bytes stored now (from the manifest once ready; the parts stored so far
+            while building or after a failed build; 0 once evicted).
+        reserved: bytes an unfinished build is projected to add beyond what it stored so far.
+        last_used: when it was last used (its request's time for universes without a usage record).
+        current: the current universe of some model.
+        busy: a job not finished yet builds it or reads it.
+    """
+
+    universe_id: str
+    status: Status
+    groups: int
+    engrams: int
+    reserved: int
+    last_used: datetime
+    current: bool
+    busy: bool
+
+    @property
+    def stored(self) -> int:
+        return self.groups + self.engrams
+
+    @property
+    def held(self) -> int:
+        """What it counts against the budget: stored, plus what a running build will add."""
+        return self.stored + self.reserved
+
+    def evictable(self, now: datetime, retention_s: float) -> bool:
+        """Nobody uses it (see the module docstring) and it holds bytes to free."""
+        idle = (now - self.last_used).total_seconds() >= retention_s
+        return idle and not self.current and not self.busy and self.stored > 0
+
+
+@dataclass(frozen=True)
+class UniverseStorage:
+    """Every universe's share of storage, and the budget."""
+
+    universes: list[StoredUniverse]
+    budget: int
+    retention_s: float
+
+    def held(self, excluding: str | None = None) -> int:
+        return sum(u.held for u in self.universes if u.universe_id != excluding)
+
+    def evictable(self, now: datetime | None = None, excluding: str | None = None) -> list[StoredUniverse]:
+        """Evictable universes, least recently used first."""
+        moment = now or datetime.now(UTC)
+        found = [u for u in self.universes if u.universe_id != excluding and u.evictable(moment, self.retention_s)]
+        return sorted(found, key=lambda u: (u.last_used, u.universe_id))
+
+    def summary(self) -> dict[str, Any]:
+        """What ``GET /universes/usage`` shows and ``/metrics`` exports."""
+        groups = sum(u.groups for u in self.universes)
+        engrams = sum(u.engrams for u in self.universes)
+        statuses: dict[str, int] = dict.fromkeys(("ready", "building", "failed", "evicted"), 0)
+        for u in self.universes:
+            statuses[u.status] += 1
+        return {
+            "budget_bytes": self.budget,
+            "retention_s": self.retention_s,
+            "bytes": {"groups": groups, "engrams": engrams, "total": groups + engrams},
+            "reserved_bytes": sum(u.reserved for u in self.universes),
+            "evictable_bytes": sum(u.stored for u in self.evictable()),
+            "universes": statuses,
+        }
+
+
+def universe_storage(ctx: Context, universe_ids: Iterable[str] | None = None) -> UniverseStorage:
+    """What every known universe (or those of ``universe_ids``) holds now, read from storage."""
+    ids = sorted(set(universe_ids) if universe_ids is not None else known_universe_ids(ctx))
+    current = current_universe_ids(ctx)
+    busy = busy_universes(ctx)
+    settings = ctx.settings
+    found = [u for uid in ids if (u := stored_universe(ctx, uid, current=uid in current, busy=uid in busy))]
+    return UniverseStorage(found, settings.universe_bytes_budget, settings.universe_retention_s)
+
+
+def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool) -> StoredUniverse | None:
+    """One universe's share of storage (None when it was never requested)."""
+    request = find_request(ctx, universe_id)
+    if request is None:
+        return None
+    usage = find_usage(ctx, universe_id)
+    last_used = _parse_time(usage.get("last_used")) or _parse_time(request.get("created_at")) or datetime.now(UTC)
+    manifest = find_manifest(ctx, universe_id)
+    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+    building = busy or (job is not None and job["status"] not in FINISHED)
+    if manifest is not None:
+        parts = manifest["bytes"]
+        return StoredUniverse(universe_id, "ready", parts["groups"], parts["engrams"], 0, last_used, current, building)
+    groups, engrams = _stored_parts(ctx, universe_id)
+    if building:
+        projected = int((usage.get("projected") or {}).get("total", 0))
+        reserved = max(0, projected - groups - engrams)
+        return StoredUniverse(universe_id, "building", groups, engrams, reserved, last_used, current, True)
+    status: Status = "evicted" if usage.get("evicted_at") and groups + engrams == 0 else "failed"
+    return StoredUniverse(universe_id, status, groups, engrams, 0, last_used, current, False)
+
+
+def _stored_parts(ctx: Context, universe_id: str) -> tuple[int, int]:
+    """Bytes of the groups and engram files stored so far (a build running, or one that failed)."""
+    prefix = universe_prefix(universe_id)
+    groups = sum(ctx.storage.size(k) for k in ctx.storage.list(prefix + "groups/"))
+    engrams = sum(ctx.storage.size(k) for k in ctx.storage.list(prefix + "engrams/") if k.endswith(".safetensors"))
+    return groups, engrams
+
+
+def busy_universes(ctx: Context) -> set[str]:
+    """Universes that an unfinished job builds or reads: ``universe`` jobs and ``variant`` jobs."""
+    busy = set()
+    for job in ctx.jobs.active():
+        payload = job.get("payload") or {}
+        if job["kind"] == "universe" and payload.get("universe_id"):
+            busy.add(payload["universe_id"])
+        elif job["kind"] == "variant" and payload.get("variant_id"):
+            request = ctx.storage.find_json(f"variants/{payload['variant_id']}/request.json") or {}
+            if request.get("universe_id"):
+                busy.add(request["universe_id"])
+    return busy
+
+
+# ---------------------------------------------------------------- budget
+
+
+def make_room(ctx: Context, spec: UniverseSpec) -> Projection | None:
+    """Check that a new build of ``spec`` fits the budget, evicting unused universes if it must;
+    call under ``ctx.lock``, before anything of the request is written.
+
+    A universe already stored, or being built, needs no room. Evicts only when that makes room.
+
+    Returns:
+        The projection of the build (None when it needs none: stored, or being built).
+
+    Raises:
+        UniverseBudgetExceeded: it does not fit even after every evictable universe is gone
+            (nothing is deleted or written then).
+    """
+    uid = spec.universe_id
+    if find_manifest(ctx, uid) is not None or _build_running(ctx, uid):
+        return None
+    projection = project_universe(ctx, spec)
+    budget = ctx.settings.universe_bytes_budget
+    if budget <= 0:
+        return projection
+    storage = universe_storage(ctx)
+    held = storage.held(excluding=uid)
+    if held + projection.total <= budget:
+        return projection
+    chosen, freed = [], 0
+    for candidate in storage.evictable(excluding=uid):
+        if held - freed + projection.total <= budget:
+            break
+        chosen.append(candidate)
+        freed += candidate.held
+    if held - freed + projection.total > budget:
+        record_universe_refusal()
+        numbers = {"projected_bytes": projection.total, "budget_bytes": budget, "held_bytes": held, "evictable_bytes": freed}
+        raise UniverseBudgetExceeded(_refusal(spec, projection, storage, held, freed), numbers=numbers)
+    for candidate in chosen:
+        evict_universe(ctx, candidate.universe_id, reason="room")
+    return projection
+
+
+def _build_running(ctx: Context, universe_id: str) -> bool:
+    request = find_request(ctx, universe_id)
+    job = ctx.jobs.get(request["job_id"]) if request and request.get("job_id") else None
+    return job is not None and job["status"] not in FINISHED
+
+
+def _refusal(spec: UniverseSpec, projection: Projection, storage: UniverseStorage, held: int, freed: int) -> str:
+    in_use = [
+        u
+        for u in storage.universes
+        if u.universe_id != spec.universe_id and u.held and not u.evictable(datetime.now(UTC), storage.retention_s)
+    ]
+    assumed = (
+        f" ({projection.assumed_float64} layer(s) counted as float64: their checkpoint is not on this machine)"
+        if projection.assumed_float64
+        else ""
+    )
+    return (
+        f"universe {spec.universe_id} of model {spec.model_id} ({len(spec.prefixes)} member(s)) would store about "
+        f"{_size(projection.total)} (factors {_size(projection.groups)}, engrams {_size(projection.engrams)}){assumed}, "
+        f"but ENGRAM_UNIVERSE_BYTES_BUDGET is {_size(storage.budget)} and {_size(held)} of it is held by "
+        f"{len(in_use)} universe(s) in use (a model's current universe, a build or variant job running, or used "
+        f"within ENGRAM_UNIVERSE_RETENTION_S={storage.retention_s:g}s); evicting every unused universe would free only "
+        f"{_size(freed)}. Nothing was built or changed. Use a universe that exists (GET /models/{spec.model_id}/universes, "
+        f'"universe" on the request), build one of fewer concepts, wait until universes fall out of use, or raise '
+        "ENGRAM_UNIVERSE_BYTES_BUDGET"
+    )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"
+
+
+# ---------------------------------------------------------------- eviction
+
+
+def evict_universe(ctx: Context, universe_id: str, *, reason: str) -> int:
+    """Delete a universe's stored parts (call under ``ctx.lock``, after checking it is evictable).
+
+    The manifest goes first, so from then on the universe is not built and anything that needs it
+    builds it again; then everything else under its prefix (plan, groups, engrams, the build's part
+    records) but ``request.json`` and ``usage.json`` (see the module docstring).
+
+    Returns:
+        The bytes it stored.
+    """
+    prefix = universe_prefix(universe_id)
+    manifest = find_manifest(ctx, universe_id)
+    groups, engrams = _stored_parts(ctx, universe_id)
+    freed = groups + engrams
+    ctx.storage.delete(prefix + "manifest.json")
+    ctx.reads.forget(prefix + "manifest.json")
+    kept = {prefix + "request.json", usage_key(universe_id)}
+    parts = [k for k in ctx.storage.list(prefix) if k not in kept]  # plan, groups, engrams, part records
+    for key in parts:
+        ctx.storage.delete(key)
+    _drop_local_copies(ctx, parts)
+    usage = find_usage(ctx, universe_id)
+    usage.update(evicted_at=utc_now(), evicted_bytes=freed)
+    ctx.storage.put_json(usage_key(universe_id), usage)
+    ctx.reads.forget(usage_key(universe_id))
+    record_universe_eviction(reason)
+    members = len(manifest["members"]) if manifest else None
+    log.info("evicted universe %s (%s, %d bytes, %s members)", universe_id, reason, freed, members)
+    return freed
+
+
+def _drop_local_copies(ctx: Context, keys: Sequence[str]) -> None:
+    """Remove this machine's downloaded copies of deleted parts (service.local_copies' names), so
+    a rebuild is read from storage, not from a copy of the parts it replaced."""
+    folder = ctx.cache_dir / "universes"
+    for key in keys:
+        (folder / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.safetensors").unlink(missing_ok=True)
+
+
+def expire_unused(ctx: Context) -> list[str]:
+    """The retention rule's periodic pass: evict every universe nobody uses (LRU first).
+
+    Takes ``ctx.lock`` itself; the janitor calls it every ``ENGRAM_JANITOR_INTERVAL_S``.
+    """
+    with ctx.lock:
+        evicted = [u.universe_id for u in universe_storage(ctx).evictable()]
+        for uid in evicted:
+            evict_universe(ctx, uid, reason="expired")
+    return evicted
+
+
+# ---------------------------------------------------------------- views and metrics
+
+
+def storage_summary(ctx: Context, model_id: str | None = None) -> dict[str, Any]:
+    """``GET /universes/usage``: bytes of every universe (or one model's), the budget, statuses."""
+    ids = model_universe_ids(ctx, model_id) if model_id is not None else None
+    summary = universe_storage(ctx, ids).summary()
+    return {**summary, "model_id": model_id}
+
+
+def refresh_metrics(ctx: Context) -> None:
+    """Set the universe gauges from storage (at scrape time: right whichever process built or
+    evicted what); a storage error leaves the last values and never hides the other metrics."""
+    try:
+        summary = universe_storage(ctx).summary()
+    except Exception as exc:  # /metrics must answer while storage is away
+        log.warning("universe metrics not refreshed: %s", exc)
+        return
+    set_universe_gauges(
+        groups=summary["bytes"]["groups"],
+        engrams=summary["bytes"]["engrams"],
+        reserved=summary["reserved_bytes"],
+        budget=summary["budget_bytes"],
+        statuses=summary["universes"],
+    )
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
