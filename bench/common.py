@@ -51,6 +51,9 @@ class Profile:
     ai_collect_records: int  # records for the ai-engram collection comparison (prefix of the above)
     subsets: bool  # run the 2^n-1 subsets benchmark on this model
     subset_reps: int = 1
+    kv_heads: int | None = None  # grouped-query attention (None: as many as heads)
+    tied: bool = False  # lm_head shares the embedding
+    dtype: str = "float32"  # the checkpoint's dtype
 
     @property
     def num_parameters_estimate(self) -> int:
@@ -95,6 +98,29 @@ LLAMA_TINY = Profile(
     subset_reps=3,
 )
 
+# Llama-3.2-1B's exact shapes (hidden 2048, MLP 8192, 32 heads / 8 KV heads, vocab 128256, tied
+# head, bf16) with 2 of its 16 decoder layers: 0.38B parameters here, 767 MB. Concepts of about
+# 2.7k tokens each (34 records of 8 facts), the size issue 12 was measured with.
+LLAMA_1B_SLICE = Profile(
+    name="llama-1b-slice",
+    hidden=2048,
+    layers=2,
+    intermediate=8192,
+    heads=32,
+    vocab=128256,
+    collect_records=32,
+    facts_per_record=8,
+    concept_records=34,
+    compose_concepts=(1, 3),
+    compose_reps=1,
+    collect_reps=1,
+    ai_collect_records=32,
+    subsets=False,
+    kv_heads=8,
+    tied=True,
+    dtype="bfloat16",
+)
+
 # the same model with less data and fewer repetitions: a smoke run
 LLAMA_TINY_QUICK = replace(
     LLAMA_TINY,
@@ -121,16 +147,16 @@ def build_model(profile: Profile, path: Path, seed: int = 0) -> Path:
         hidden_size=profile.hidden,
         num_hidden_layers=profile.layers,
         num_attention_heads=profile.heads,
-        num_key_value_heads=profile.heads,
+        num_key_value_heads=profile.kv_heads or profile.heads,
         intermediate_size=profile.intermediate,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=profile.tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, profile.dtype))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

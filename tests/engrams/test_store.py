@@ -32,15 +32,20 @@ def layer(transposed: bool, bias: bool, dtype: torch.dtype) -> tuple[LayerSpec, 
     return spec, LayerWeights(weight.to(dtype), torch.randn(37, generator=GEN).to(dtype) if bias else None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 3])
 @pytest.mark.parametrize(("transposed", "bias"), [(False, False), (True, True), (False, True)])
 def test_applying_stored_engrams_equals_the_float64_edit(
-    transposed: bool, bias: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    transposed: bool, bias: bool, count: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Float32 and 16-bit checkpoints are edited in float32 from float32 engrams (what universes
+    store for them), float64 ones in float64: each within four of its dtype's ulps of the summands'
+    size from the float64 formula rounded once."""
     monkeypatch.setattr(compose_module, "APPLY_BLOCK_VALUES", 100)  # many blocks, the last one short
     spec, weights = layer(transposed, bias, dtype)
-    engrams = [torch.randn(37, spec.stat_dim, generator=GEN).to(dtype) * 0.1 for _ in range(3)]
-    coefficients, scale = [-0.8, 0.3, 1.7], 0.6
+    stored = torch.float64 if dtype == torch.float64 else torch.float32
+    engrams = [torch.randn(37, spec.stat_dim, generator=GEN).to(stored) * 0.1 for _ in range(count)]
+    coefficients, scale = [-0.8, 0.3, 1.7][:count], 0.6
     delta = sum(c * e.double() for c, e in zip(coefficients, engrams, strict=True))  # layer_edits scales it
     [expected] = layer_edits([spec], Fixed(delta), lambda _s: weights, {spec.name: scale})
     edit = apply_engrams(spec, weights, [(scale * c, e) for c, e in zip(coefficients, engrams, strict=True)], scale)
