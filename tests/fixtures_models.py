@@ -26,6 +26,8 @@ from transformers import (
     BertModel,
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
@@ -46,6 +48,7 @@ __all__ = [
     "make_tiny_bert_encoder",
     "make_tiny_chat_llama",
     "make_tiny_gpt2",
+    "make_tiny_gpt_oss",
     "make_tiny_llama",
     "make_tiny_mixtral",
     "make_tiny_qwen3_moe",
@@ -383,3 +386,45 @@ def make_tiny_mixtral(
     )
     torch.manual_seed(seed)
     return (_save_fused if fused_on_disk else _save)(MixtralForCausalLM(config), tokenizer, path)
+
+
+def make_tiny_gpt_oss(
+    path: Path,
+    hidden: int = 32,
+    layers: int = 2,
+    experts: int = 4,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> Path:
+    """Write a random tiny ``GptOssForCausalLM``: fused experts in a layout the service does not edit
+    (``gate_up_proj`` [E, H, 2I] transposed with gate and up interleaved, biases, a clamped gate).
+
+    Args:
+        path: Output directory (created if missing).
+        hidden: Hidden size (a multiple of 4).
+        layers: Decoder layers.
+        experts: Experts per block (2 of them routed per token).
+        seed: Seed of the random initialisation.
+        tokenizer: Tokenizer to use; defaults to :func:`make_tokenizer`.
+
+    Returns:
+        ``path``.
+    """
+    tokenizer = make_tokenizer() if tokenizer is None else tokenizer
+    config = GptOssConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        layer_types=["full_attention"] * layers,
+        tie_word_embeddings=False,
+        **_token_ids(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return _save(GptOssForCausalLM(config), tokenizer, path)
