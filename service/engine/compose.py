@@ -95,6 +95,9 @@ class EngramAlgebra:
         factor_cache: where pseudo-inverse factors are kept, per (universe, rcond, input group).
         factor_source: layer name -> the universe's factors for that layer's input group, when they
             are stored (a universe built once): then nothing is decomposed and ``universe`` may be empty.
+        device: where the float64 products run (``"cuda"`` on a GPU with strong FP64); weights,
+            statistics and factors are moved there once per layer or group, and every engram comes
+            back to the CPU.
     """
 
     terms: Sequence[tuple[float, GroupedStatistics]]
@@ -103,11 +106,13 @@ class EngramAlgebra:
     universe_key: str | None = None
     factor_cache: MutableMapping[Hashable, PinvFactors] = field(default_factory=dict, repr=False)
     factor_source: Callable[[str], PinvFactors] | None = field(default=None, repr=False)
+    device: str = "cpu"
     # Σ_k c_k Σ_k and the group-level product of the last input group: the layers of a group
     # (q/k/v, gate/up) come one after another and share both.
     _last_mixed: tuple[tuple[str, ...], torch.Tensor] | None = field(default=None, init=False, repr=False)
     _last_product: tuple[tuple[str, ...], str, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _group_sizes: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    _moved_factors: tuple[int, PinvFactors] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.terms:
@@ -116,18 +121,27 @@ class EngramAlgebra:
             raise EditError("the universe is empty")
 
     def engram(self, spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
-        """``Σ_k c_k W_k⁺`` for one layer, as ``[out, in(+1)]`` float64 (bias column last)."""
-        w_aug = augmented_weight(spec, weights)
-        factors = self.factors(spec.name)
+        """``Σ_k c_k W_k⁺`` for one layer, as ``[out, in(+1)]`` float64 (bias column last), on the CPU."""
+        w_aug = augmented_weight(spec, weights).to(self.device)
+        factors = self._on_device(self.factors(spec.name))
         out_total = spec.out_features * self._group_size(spec.name)
         order = product_order(out_total, spec.stat_dim, factors.rank, factors.explicit)
         if order == "weight_first":
-            return factors.apply_right(w_aug @ self._mixed(spec.name))
+            return factors.apply_right(w_aug @ self._mixed(spec.name)).cpu()
         product = self._group_product(spec.name, order, factors)
         if order == "projector":
-            return w_aug @ product
+            return (w_aug @ product).cpu()
         assert factors.basis is not None  # mixed_basis is an order of the factored form only
-        return (w_aug @ product) @ factors.basis.mT
+        return ((w_aug @ product) @ factors.basis.mT).cpu()
+
+    def _on_device(self, factors: PinvFactors) -> PinvFactors:
+        """``factors`` on :attr:`device` (moved once per group: a group's layers come in a row)."""
+        if self.device == "cpu":
+            return factors
+        if self._moved_factors is None or self._moved_factors[0] != id(factors):
+            self._moved_factors = None
+            self._moved_factors = (id(factors), _factors_on(factors, self.device))
+        return self._moved_factors[1]
 
     def _group_product(self, layer: str, order: Order, factors: PinvFactors) -> torch.Tensor:
         """The right-hand factor the group's layers share: ``M·V·Λ⁻¹`` ([D, k]), or for
@@ -155,7 +169,8 @@ class EngramAlgebra:
         groups = tuple(self._group(stats, layer) for _, stats in self.terms)
         if self._last_mixed is None or self._last_mixed[0] != groups:
             pairs = ((c, stats.sums[g]) for (c, stats), g in zip(self.terms, groups, strict=True))
-            self._last_mixed = (groups, weighted_sum(pairs))
+            self._last_mixed = None  # let the previous group's go first (a GPU holds one at a time)
+            self._last_mixed = (groups, weighted_sum(pairs).to(self.device))
         return self._last_mixed[1]
 
     def factors(self, layer: str) -> PinvFactors:
@@ -175,6 +190,14 @@ class EngramAlgebra:
             return stats.layer_group[layer]
         except KeyError:
             raise EditError(f"no statistics for layer {layer}") from None
+
+
+def _factors_on(factors: PinvFactors, device: str) -> PinvFactors:
+    def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(device)
+
+    inverse = factors.inverse_eigenvalues.to(device)
+    return PinvFactors(inverse, basis=moved(factors.basis), matrix=moved(factors.matrix))
 
 
 Order = Literal["weight_first", "mixed_basis", "projector"]

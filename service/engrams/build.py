@@ -70,6 +70,7 @@ def write_member_engrams(
     load: Callable[[LayerSpec], LayerWeights],
     weight_dtype: Callable[[LayerSpec], str],
     on_layer: Callable[[], None] | None = None,
+    device: str = "cpu",
 ) -> MemberEngrams:
     """Compute and write one member's engram of every layer in ``layers`` (keys: layer names).
 
@@ -81,11 +82,13 @@ def write_member_engrams(
         load: reads a layer's weights from the checkpoint.
         weight_dtype: a layer's stored weight dtype (``F32``, ``BF16``, ``F64``…), from the header.
         on_layer: called after each layer.
+        device: where the float64 products run (``"cuda"`` when a GPU is there; see
+            :class:`~service.engine.compose.EngramAlgebra`).
 
     Returns:
         The norms and sizes of what was written.
     """
-    algebra = EngramAlgebra([(1.0, stats)], [], factor_source=factors_of)
+    algebra = EngramAlgebra([(1.0, stats)], [], factor_source=factors_of, device=device)
     info = MemberEngrams()
     planned = []
     for spec in layers:

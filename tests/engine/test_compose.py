@@ -202,31 +202,38 @@ def test_packed_statistics_give_the_same_engrams(
         assert rel(mixed.engram(spec, weights), expected) < 1e-12, spec.name
 
 
+GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+
+
 @pytest.mark.parametrize(
     ("explicit", "order"),
     [(False, "weight_first"), (False, "mixed_basis"), (False, "projector"), (True, "weight_first"), (True, "projector")],
 )
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("device", ["cpu", GPU])
 def test_every_product_order_gives_the_same_engram(
     tiny: dict[str, Tiny],
     forget_retain: dict[str, tuple[LayerStatistics, LayerStatistics]],
     arch: str,
     explicit: bool,
     order: str,
+    device: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The group-level orderings, with Σ⁺ factored or explicit, are rearrangements of one
-    product: equal to the float64 reference."""
+    product: equal to the float64 reference, on the CPU and (float64) on a GPU."""
     forget, retain = forget_retain[arch]
     monkeypatch.setattr(compose_module, "product_order", lambda *_: order)
     forced = functools.partial(compose_module.pinv_factors, explicit=explicit)
     monkeypatch.setattr(compose_module, "pinv_factors", forced)
-    algebra = EngramAlgebra(terms=[(-ALPHA, forget)], universe=[forget, retain])
+    algebra = EngramAlgebra(terms=[(-ALPHA, forget)], universe=[forget, retain], device=device)
     for spec in tiny[arch].layout.layers:
         weights = tiny[arch].weights64(spec)
         universe = forget.sum_for(spec.name) + retain.sum_for(spec.name)
         expected = -ALPHA * reference_engram(spec, weights, forget.sum_for(spec.name), universe)
-        assert rel(algebra.engram(spec, weights), expected) < 1e-10, (spec.name, order)
+        engram = algebra.engram(spec, weights)
+        assert engram.device.type == "cpu"
+        assert rel(engram, expected) < 1e-10, (spec.name, order)
 
 
 def test_product_order_follows_the_multiply_add_counts() -> None:
