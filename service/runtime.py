@@ -77,7 +77,7 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     import redis
 
     from service.reconcile import reconcile_once, reconciler
-    from workers.celery_app import TASK_FOR_KIND, make_celery
+    from workers.celery_app import TASK_FOR_KIND, UNIVERSE_HELPER, make_celery
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)
@@ -90,9 +90,16 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
         jobs.update(job["job_id"], persist=False, dispatch_epoch=jobs.epoch())
         celery.send_task(name, kwargs={"job_id": job["job_id"]}, queue=queue)
 
+    def universe_helpers(universe_id: str, job_id: str, count: int) -> None:
+        # Not jobs: messages any idle worker may take; each claims parts by lease (service.universes.build).
+        name, queue = UNIVERSE_HELPER
+        for _ in range(count):
+            celery.send_task(name, kwargs={"universe_id": universe_id, "job_id": job_id}, queue=queue)
+
     # One registry lock for every API process: concurrent identical requests create one job.
     lock = client.lock("engram:lock:registry", timeout=120, blocking_timeout=60)
     ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=dispatch, lock=lock, broker_ping=client.ping)
+    ctx.universe_helpers = universe_helpers
     # Celery's Redis transport keeps each queue as a list named after it.
     ctx.queue_depths = lambda: {queue: int(client.llen(queue)) for queue in ("gpu", "cpu")}
     runtime = Runtime(ctx)

@@ -8,8 +8,6 @@ publishes content-addressed outputs with the manifest last. Nothing half-written
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 import traceback
@@ -31,6 +29,7 @@ from service.engine.stats_io import save_statistics
 from service.engrams.store import FACTOR_CACHE, algebra_from_statistics
 from service.errors import InvalidInput, JobFailed, ProblemError
 from service.jobs import FINISHED, utc_now
+from service.leases import worker_name
 from service.local_copies import (
     STATS_CACHE,
     checked_model_dir,
@@ -52,7 +51,7 @@ from service.registry import (
     stats_prefix,
 )
 from service.storage import StorageUnavailable, scratch_dir
-from service.universes.build import run_universe
+from service.universes.build import help_build_universe, run_universe
 from service.variants.build import run_variant
 
 # Re-exported for the callers that import them from here.
@@ -89,7 +88,7 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         with job_context(job_id), _heartbeat(ctx, job_id):
             log.info("%s job started", job["kind"])
             body = _BODIES.get(job["kind"]) or _inference_body(job["kind"])
-            result = {**body(ctx, job), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+            result = {**body(ctx, job), "worker": worker_name()}
             log.info("%s job succeeded", job["kind"])
     except (JobCancelled, CollectionCancelled):
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
@@ -109,6 +108,24 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         _fail(ctx, job_id, problem)
     else:
         ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+
+
+def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
+    """Help job ``job_id`` build universe ``universe_id``: compute the parts no one holds, then stop.
+
+    A helper is not a job: it has no record and its failure fails nothing. Whatever it could not do
+    (it failed, or its worker died and its lease expired) the job computes itself, and a job that
+    ended or was cancelled stops its helpers at their next part or layer.
+    """
+    with job_context(job_id):
+        try:
+            done = help_build_universe(ctx, universe_id, job_id)
+        except JobCancelled:
+            log.info("universe %s: stopped helping, job %s ended", universe_id, job_id)
+        except Exception as exc:  # the job redoes the part; say why here
+            log.warning("universe %s: helper of job %s failed, the job takes over: %s", universe_id, job_id, exc)
+        else:
+            log.info("universe %s: helper of job %s done (%s)", universe_id, job_id, done)
 
 
 def _inference_body(kind: str) -> Any:

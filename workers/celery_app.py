@@ -28,6 +28,8 @@ TASK_FOR_KIND = {
     "evaluate": ("engram.evaluate", "gpu"),
     "generate": ("engram.generate", "gpu"),
 }
+# A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
+UNIVERSE_HELPER = ("engram.help_universe", TASK_FOR_KIND["universe"][1])
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -108,6 +110,14 @@ def build_variant(self: Task, *, job_id: str) -> None:
 def build_universe(self: Task, *, job_id: str) -> None:
     """Decompose a universe's input groups once and store every member's engrams."""
     _run(self, job_id)
+
+
+@cpu_task(UNIVERSE_HELPER[0])
+def help_universe(self: Task, *, universe_id: str, job_id: str) -> None:
+    """Decompose input groups (then write members' engrams) of a universe that job ``job_id`` builds."""
+    from service.tasks import run_universe_helper
+
+    run_universe_helper(worker_context(), universe_id, job_id)
 
 
 @gpu_task("engram.evaluate")

@@ -3,11 +3,19 @@
 Phases (the job's progress counts steps: one per group, then one per member and layer):
 
 1. ``plan.json``: the layers every member has statistics for and their input groups.
-2. Per input group: ``Σ_U = Σ_k Σ_k`` and its pseudo-inverse factors (:func:`pinv_factors`,
-   float64 ``eigh``), published as ``groups/<group>.safetensors``.
+2. Per input group: ``Σ_U = Σ_k Σ_k`` and its pseudo-inverse factors, published as
+   ``groups/<group>.safetensors``: from the members' rows when all of them kept rows and together
+   have fewer tokens than the group is wide (``T²·D``), else from the sums (float64 ``eigh``, ``D³``).
 3. Per member: ``E_k,l`` of every layer (:mod:`service.engrams.build`), published as
    ``engrams/<member>.safetensors`` and its ``.json`` sidecar (norms).
 4. ``manifest.json``, last.
+
+The groups, then the members, are parts that any process may compute, each claimed through a lease
+(:mod:`service.leases`: Redis in distributed mode, where the universe job also asks idle workers to
+help, :func:`help_build_universe`; granted at once in embedded mode, where the job builds alone).
+Whoever computes a part writes ``parts/<kind>-<name>.json`` (who, how long, from what) before
+publishing it. A part is computed once: a claimed part is skipped by the others, and a worker that
+dies holding one stops renewing its lease, which expires, and the part is claimed again.
 
 Every part is content-addressed by the universe, so a build that was cut short (a worker killed, a
 redelivered message) publishes only what is missing: groups and members already stored are read,
@@ -16,26 +24,40 @@ not computed again. A build whose manifest exists finishes at once.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-from safetensors import safe_open
-from safetensors.torch import save_file
+import torch
 
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.compose import GroupedStatistics, weighted_sum
 from service.engine.layers import LayerSpec
-from service.engine.linalg import PinvFactors, pinv_factors
+from service.engine.linalg import PinvFactors, pinv_factors, pinv_factors_from_rows
+from service.engine.stats_io import StatisticsFile
 from service.engrams.build import write_member_engrams
 from service.errors import JobFailed
-from service.jobs import utc_now
+from service.jobs import FINISHED, utc_now
+from service.leases import Leases, LocalLeases, RedisLeases, worker_name
 from service.local_copies import checked_model_dir, local_object, statistics
-from service.progress import JobProgress, NoProgress, Progress
+from service.progress import JobCancelled, JobProgress, NoProgress, Progress
 from service.registry import Context, get_model
 from service.storage import scratch_dir
+from service.universes.factors import (
+    FACTORS_FORMAT,
+    GroupFile,
+    RowsExact,
+    group_file,
+    group_rows,
+    load_factors,
+    member_group_keys,
+    rows_groups,
+    save_factors,
+)
 from service.universes.service import (
     UNIVERSE_FORMAT,
     UniverseSpec,
@@ -47,13 +69,18 @@ from service.universes.service import (
     universe_prefix,
 )
 
-FACTORS_FORMAT = "engram-factors/1"
+__all__ = ["FACTORS_FORMAT", "ensure_universe", "help_build_universe", "load_factors", "run_universe", "save_factors"]
+
+log = logging.getLogger("engram.universes")
+
+# How often a builder waiting on parts others hold looks again (one listing of the universe's folders).
+POLL_S = 0.25
 
 
 def run_universe(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
-    """The ``universe`` job: build it (or find it built)."""
+    """The ``universe`` job: build it (or find it built), with idle workers' help where there are any."""
     progress = JobProgress(ctx, job["job_id"], 0)
-    manifest, reused = ensure_universe(ctx, job["payload"]["universe_id"], progress)
+    manifest, reused = ensure_universe(ctx, job["payload"]["universe_id"], progress, job_id=job["job_id"])
     return {
         "universe_id": manifest["universe_id"],
         "reused": reused,
@@ -62,11 +89,15 @@ def run_universe(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def ensure_universe(ctx: Context, universe_id: str, progress: Progress | None = None) -> tuple[dict[str, Any], bool]:
+def ensure_universe(
+    ctx: Context, universe_id: str, progress: Progress | None = None, *, job_id: str | None = None
+) -> tuple[dict[str, Any], bool]:
     """The universe's manifest, building whatever of it is missing first.
 
     Args:
         progress: told of each step; a :class:`JobProgress` is first given the number of steps.
+        job_id: the job building it; given, idle workers are asked to help (``ctx.universe_helpers``,
+            distributed mode), and they stop when that job ends or is cancelled.
 
     Returns:
         (manifest, whether it existed already).
@@ -77,37 +108,68 @@ def ensure_universe(ctx: Context, universe_id: str, progress: Progress | None = 
     existing = find_manifest(ctx, universe_id)
     if existing is not None:
         return existing, True
-    request = find_request(ctx, universe_id)
-    if request is None:
-        raise JobFailed(f"universe {universe_id} does not exist")
-    spec = UniverseSpec.from_json(request)
-    model = get_model(ctx, spec.model_id)
-    if model["digest"] != spec.model_digest:
-        raise JobFailed(f"model {spec.model_id} was re-registered with other weights")
-    layout = ModelLayout.from_json(model["layout"])
-    members = {prefix: statistics(ctx, prefix) for prefix in spec.prefixes}
-    plan = plan_universe(layout, members)
+    build = UniverseBuild.open(ctx, universe_id)
     plan_key = universe_prefix(universe_id) + "plan.json"
     if not ctx.storage.exists(plan_key):
-        ctx.storage.put_json(plan_key, plan.to_json())
+        ctx.storage.put_json(plan_key, build.plan.to_json())
     steps = progress or NoProgress()
     if isinstance(steps, JobProgress):
-        steps.restart(len(plan.groups) + len(plan.layers) * len(members))
-    reader = CheckpointReader(checked_model_dir(ctx, model), layout)
-    started = time.perf_counter()
+        steps.restart(build.total_steps)
+    helpers = _ask_for_helpers(ctx, build, job_id)
+    log.info(
+        "building universe %s (job %s): %d groups, %d members, %d helpers asked",
+        universe_id, job_id, len(build.plan.groups), len(build.members), helpers,
+    )  # fmt: skip
     with scratch_dir("universe") as tmp:
-        groups = decompose_groups(ctx, universe_id, spec.rcond, plan, members, Path(tmp), steps)
-        decomposed = time.perf_counter()
-        engrams = store_engrams(ctx, universe_id, plan, members, groups, reader, Path(tmp), steps)
-    finished = time.perf_counter()
-    seconds = {
-        "decomposition": round(decomposed - started, 3),
-        "engrams": round(finished - decomposed, 3),
-        "total": round(finished - started, 3),
-    }
-    manifest = _manifest(spec, plan, members, groups, engrams, seconds)
+        seconds = build.run(Path(tmp), steps, finish=True)
+        manifest = build.manifest(seconds)
     ctx.storage.put_json(universe_prefix(universe_id) + "manifest.json", manifest)  # last: the universe now exists
     return manifest, False
+
+
+def help_build_universe(ctx: Context, universe_id: str, job_id: str) -> dict[str, int]:
+    """A helper's share of a universe that job ``job_id`` builds: claim and compute parts until none
+    is left to claim (what others hold is theirs: if they die, the job itself takes it over).
+
+    Returns:
+        How many groups and members this helper computed.
+
+    Raises:
+        JobCancelled: the job ended or was cancelled (checked between parts and layers).
+    """
+    watch = _JobWatch(ctx, job_id)
+    watch.advance(0)
+    if find_manifest(ctx, universe_id) is not None:
+        return {"groups": 0, "members": 0}
+    build = UniverseBuild.open(ctx, universe_id)
+    with scratch_dir("universe-helper") as tmp:
+        build.run(Path(tmp), watch, finish=False)
+    return dict(build.computed)
+
+
+def _ask_for_helpers(ctx: Context, build: UniverseBuild, job_id: str | None) -> int:
+    """Send helper tasks (at most ``ENGRAM_UNIVERSE_HELPERS``, one fewer than the parts left: the job
+    computes parts too); returns how many."""
+    if job_id is None or ctx.universe_helpers is None:
+        return 0
+    groups, members = build.published()
+    missing = len(build.plan.groups) - len(groups) + len(build.member_of) - len(members)
+    count = min(ctx.settings.universe_helpers, missing - 1)
+    if count > 0:
+        ctx.universe_helpers(build.universe_id, job_id, count)
+    return max(count, 0)
+
+
+class _JobWatch:
+    """A helper's progress: counts nothing, stops when the job it helps has ended or is cancelled."""
+
+    def __init__(self, ctx: Context, job_id: str) -> None:
+        self.ctx, self.job_id = ctx, job_id
+
+    def advance(self, amount: int = 1) -> None:
+        job = self.ctx.jobs.get(self.job_id)
+        if job is None or job["status"] in FINISHED or job["cancel_requested"]:
+            raise JobCancelled()
 
 
 # ---------------------------------------------------------------- plan
@@ -155,84 +217,297 @@ def plan_universe(layout: ModelLayout, members: Mapping[str, GroupedStatistics])
     return UniversePlan(layers, groups, member_groups)
 
 
-# ---------------------------------------------------------------- phase 1: factors
+# ---------------------------------------------------------------- the parts
 
 
-@dataclass(frozen=True)
-class GroupFile:
-    """A published group's factors as a local file, and what they are."""
+def decompose_group(
+    ctx: Context, members: Mapping[str, GroupedStatistics], keys: Mapping[str, str], rcond: float | None
+) -> tuple[PinvFactors, str]:
+    """The universe's pseudo-inverse factors of one input group, and what they came from.
 
-    path: Path
-    dim: int
-    rank: int
-    explicit: bool
-    nbytes: int
+    Args:
+        members: statistics prefix -> that member's statistics.
+        keys: statistics prefix -> the member's own key for this group.
+
+    Returns:
+        (factors, ``"rows"``: from the members' rows, ``T²·D``; or ``"sums"``: ``eigh`` of ``Σ_U``, ``D³``).
+    """
+    rows = group_rows(ctx, members, keys)
+    if rows is not None:
+        return pinv_factors_from_rows(torch.cat(rows), rcond), "rows"
+    total = weighted_sum((1.0, members[prefix].sums[group]) for prefix, group in keys.items())
+    return pinv_factors(total, rcond), "sums"
 
 
-def decompose_groups(
-    ctx: Context,
-    universe_id: str,
-    rcond: float | None,
-    plan: UniversePlan,
-    members: Mapping[str, GroupedStatistics],
-    scratch: Path,
-    progress: Progress,
-) -> dict[str, GroupFile]:
-    """Decompose each input group of ``Σ_U`` once (skipping groups already published) and publish
-    its factors; returns group -> its local file."""
-    files = {}
-    for index, (group, keys) in enumerate(plan.member_groups.items()):
-        key = group_key(universe_id, group)
-        if ctx.storage.exists(key):  # a build cut short decomposed it already
-            files[group] = _group_file(local_object(ctx, key))
+def part_key(universe_id: str, kind: str, name: str) -> str:
+    """Where the record of who computed a part is kept (``kind``: ``group`` or ``member``)."""
+    return f"{universe_prefix(universe_id)}parts/{kind}-{quote(name, safe='')}.json"
+
+
+@dataclass
+class UniverseBuild:
+    """One process's view of a universe being built: what it holds, what is published, and the
+    computation of each part (an input group's factors, a member's engrams)."""
+
+    ctx: Context
+    universe_id: str
+    spec: UniverseSpec
+    model: dict[str, Any]
+    plan: UniversePlan
+    members: dict[str, StatisticsFile]  # statistics prefix -> its statistics
+    member_of: dict[str, str]  # member key -> statistics prefix
+    leases: Leases
+    computed: dict[str, int] = field(default_factory=lambda: {"groups": 0, "members": 0})
+    _local: dict[str, Path] = field(default_factory=dict)  # groups this process computed, as scratch files
+    _reader: CheckpointReader | None = None
+
+    @classmethod
+    def open(cls, ctx: Context, universe_id: str) -> UniverseBuild:
+        """Read the universe's request, its model and its members' statistics (local copies).
+
+        Raises:
+            JobFailed: the universe is unknown, its model changed, or its members share no layer.
+        """
+        request = find_request(ctx, universe_id)
+        if request is None:
+            raise JobFailed(f"universe {universe_id} does not exist")
+        spec = UniverseSpec.from_json(request)
+        model = get_model(ctx, spec.model_id)
+        if model["digest"] != spec.model_digest:
+            raise JobFailed(f"model {spec.model_id} was re-registered with other weights")
+        members = {prefix: statistics(ctx, prefix) for prefix in spec.prefixes}
+        plan = plan_universe(ModelLayout.from_json(model["layout"]), members)
+        member_of = {key: prefix for prefix, key in member_keys(sorted(members)).items()}
+        return cls(ctx, universe_id, spec, model, plan, members, member_of, _leases(ctx, universe_id))
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.plan.groups) + len(self.plan.layers) * len(self.members)
+
+    def group_order(self) -> list[str]:
+        """The groups, widest first: the longest decompositions start first, so the last one to finish
+        is a short one (the build's wall time is closest to its work divided among the builders)."""
+        first = self.members[min(self.members)]  # the plan names each group by the first member's key
+        return sorted(self.plan.groups, key=lambda g: -first.dims.get(g, 0))
+
+    def published(self) -> tuple[set[str], set[str]]:
+        """The groups and members published so far (two listings)."""
+        prefix = universe_prefix(self.universe_id)
+        stored = set(self.ctx.storage.list(prefix + "groups/"))
+        groups = {g for g in self.plan.groups if group_key(self.universe_id, g) in stored}
+        stored = set(self.ctx.storage.list(prefix + "engrams/"))
+        members = {m for m in self.member_of if engram_key(self.universe_id, m, ".json") in stored}
+        return groups, members
+
+    def _is_published(self, kind: str, name: str) -> bool:
+        key = group_key(self.universe_id, name) if kind == "group" else engram_key(self.universe_id, name, ".json")
+        return self.ctx.storage.exists(key)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, scratch: Path, progress: Progress, *, finish: bool) -> dict[str, float]:
+        """Claim and compute parts until every one is published (``finish``: the job) or none is left
+        to claim that this process could take (a helper: what others hold is theirs).
+
+        Returns:
+            Seconds spent: ``decomposition`` (until every group was published), ``engrams``, ``total``.
+        """
+        credit = _Credit(progress, len(self.plan.layers))
+        order = self.group_order()
+        started = time.perf_counter()
+        decomposed: float | None = None
+        while True:
+            groups, members = self.published()
+            credit.observe([("group", g) for g in groups] + [("member", m) for m in members])
+            missing = [("group", g) for g in order if g not in groups]
+            if not missing and decomposed is None:
+                decomposed = time.perf_counter()
+            todo = missing or [("member", m) for m in sorted(self.member_of) if m not in members]
+            if not todo:
+                break
+            if self._claim_one(todo, scratch, credit):
+                continue
+            if not finish and not missing:
+                break  # a helper: only members others hold are left
+            progress.advance(0)  # waiting for parts others hold: still honour a cancellation
+            time.sleep(POLL_S)
+        finished = time.perf_counter()
+        assert decomposed is not None or not finish
+        split = decomposed or finished
+        return {
+            "decomposition": round(split - started, 3),
+            "engrams": round(finished - split, 3),
+            "total": round(finished - started, 3),
+        }
+
+    def _claim_one(self, todo: list[tuple[str, str]], scratch: Path, credit: _Credit) -> bool:
+        """Compute the first part of ``todo`` no one else holds; False when others hold them all."""
+        for kind, name in todo:
+            with self.leases.claim(f"{kind}:{name}") as held:
+                if not held:
+                    continue
+                if not self._is_published(kind, name):  # another may have published it since the listing
+                    if kind == "group":
+                        self.compute_group(name, scratch)
+                    else:
+                        self.compute_member(name, scratch, lambda n=name: credit.partial(("member", n)))
+                return True
+        return False
+
+    # ------------------------------------------------------------ groups
+
+    def compute_group(self, group: str, scratch: Path) -> None:
+        """Decompose one input group and publish its factors (its record first)."""
+        started = time.perf_counter()
+        factors, source = decompose_group(self.ctx, self.members, self.plan.member_groups[group], self.spec.rcond)
+        file = scratch / f"group-{self.computed['groups']}.safetensors"
+        save_factors(factors, file, group, self.spec.rcond, source)
+        seconds = round(time.perf_counter() - started, 3)
+        info = group_file(file)
+        record = {
+            "part": "group", "name": group, "worker": worker_name(), "seconds": seconds, "source": source,
+            "dim": info.dim, "rank": info.rank, "explicit": info.explicit, "bytes": info.nbytes,
+        }  # fmt: skip
+        self.ctx.storage.put_json(part_key(self.universe_id, "group", group), record)
+        self.ctx.storage.put_file(group_key(self.universe_id, group), file)
+        if self.ctx.storage.local_path(group_key(self.universe_id, group)) is not None:
+            file.unlink()  # file storage: read the published object in place
         else:
-            total = weighted_sum((1.0, members[prefix].sums[g]) for prefix, g in keys.items())
-            factors = pinv_factors(total, rcond)
-            del total
-            file = scratch / f"group-{index}.safetensors"
-            save_factors(factors, file, group, rcond)
-            ctx.storage.put_file(key, file)
-            in_place = ctx.storage.local_path(key)
-            if in_place is not None:  # file storage: read the published object, drop the scratch copy
-                file.unlink()
-            files[group] = _group_file(in_place or file)
-        progress.advance()
-    return files
+            self._local[group] = file  # kept for this process's own members: no download back
+        self.computed["groups"] += 1
+        log.info(
+            "universe %s: group %s decomposed from %s by %s (D=%d, rank %d) in %.3fs",
+            self.universe_id, group, source, worker_name(), info.dim, info.rank, seconds,
+        )  # fmt: skip
+
+    def group_files(self) -> dict[str, GroupFile]:
+        """Every group's factors as a local file (call once every group is published)."""
+        files = {}
+        for group in self.plan.groups:
+            path = self._local.get(group) or local_object(self.ctx, group_key(self.universe_id, group))
+            files[group] = group_file(path)
+        return files
+
+    # ------------------------------------------------------------ members
+
+    def compute_member(self, member: str, scratch: Path, on_layer: Callable[[], None]) -> None:
+        """Compute one member's engrams of every layer and publish them (the sidecar last)."""
+        started = time.perf_counter()
+        prefix = self.member_of[member]
+        files = self.group_files()
+        stats: GroupedStatistics = self.members[prefix]
+        exact = rows_groups(files)
+        if exact:  # groups decomposed from rows: this member's Σ_k from its rows too (as Σ_U saw them)
+            stats = RowsExact(self.ctx, prefix, stats, member_group_keys(self.plan.member_groups, prefix, exact))
+        reader = self.reader()
+        file = scratch / f"{member}.safetensors"
+        info = write_member_engrams(
+            file,
+            stats,
+            self.plan.layers,
+            _LastGroup(self.plan, files),
+            reader.layer_weights,
+            lambda spec: reader.stored_dtype(reader.layout.weight_keys[spec.name]),
+            on_layer=on_layer,
+        )
+        seconds = round(time.perf_counter() - started, 3)
+        record = {"part": "member", "name": member, "worker": worker_name(), "seconds": seconds, "bytes": info.nbytes}
+        self.ctx.storage.put_json(part_key(self.universe_id, "member", member), record)
+        self.ctx.storage.put_file(engram_key(self.universe_id, member), file)
+        file.unlink()
+        self.ctx.storage.put_json(engram_key(self.universe_id, member, ".json"), info.to_json())  # last: published
+        self.computed["members"] += 1
+        log.info(
+            "universe %s: engrams of member %s written by %s in %.3fs", self.universe_id, member, worker_name(), seconds
+        )
+
+    def reader(self) -> CheckpointReader:
+        if self._reader is None:
+            layout = ModelLayout.from_json(self.model["layout"])
+            self._reader = CheckpointReader(checked_model_dir(self.ctx, self.model), layout)
+        return self._reader
+
+    # ------------------------------------------------------------ manifest
+
+    def manifest(self, seconds: Mapping[str, float]) -> dict[str, Any]:
+        """The universe's manifest (every part published): members, groups, layers, bytes, seconds."""
+        spec, plan = self.spec, self.plan
+        keys = member_keys(sorted(self.members))
+        engrams = {m: self.ctx.storage.get_json(engram_key(self.universe_id, m, ".json")) for m in sorted(self.member_of)}
+        groups = {g: self._group_info(g) for g in plan.groups}
+        first = next(iter(engrams.values()))
+        group_bytes = sum(int(g["bytes"]) for g in groups.values())
+        engram_bytes = sum(int(e["bytes"]) for e in engrams.values())
+        return {
+            "format": UNIVERSE_FORMAT,
+            "universe_id": spec.universe_id,
+            "model_id": spec.model_id,
+            "model_digest": spec.model_digest,
+            "rcond": spec.rcond,
+            "members": [
+                {
+                    "names": sorted(m.name for m in spec.members if m.stats == prefix),
+                    "stats": prefix,
+                    "dataset_digest": prefix.rstrip("/").split("/")[-2],
+                    "key": keys[prefix],
+                    "tokens": self.members[prefix].tokens,
+                }
+                for prefix in sorted(self.members)
+            ],
+            "groups": {name: {"layers": plan.groups[name], **info} for name, info in groups.items()},
+            "layers": {
+                s.name: {
+                    "group": plan.group_of(s.name),
+                    "dtype": first["dtypes"][s.name],
+                    "weight_norm": first["weight_norms"][s.name],
+                }
+                for s in plan.layers
+            },
+            "engrams": {key: {"bytes": e["bytes"], "norms": e["norms"]} for key, e in engrams.items()},
+            "bytes": {"groups": group_bytes, "engrams": engram_bytes, "total": group_bytes + engram_bytes},
+            "seconds": dict(seconds),
+            "created_at": utc_now(),
+        }
+
+    def _group_info(self, group: str) -> dict[str, Any]:
+        """A group's shape and origin: from its part record (no download), else from its file."""
+        record = self.ctx.storage.find_json(part_key(self.universe_id, "group", group))
+        if record is None:  # published before part records were kept
+            found = group_file(self._local.get(group) or local_object(self.ctx, group_key(self.universe_id, group)))
+            record = {"dim": found.dim, "rank": found.rank, "explicit": found.explicit, "bytes": found.nbytes}
+            record["source"] = found.source
+        fields = ("dim", "rank", "explicit", "bytes", "source", "worker", "seconds")
+        return {k: record[k] for k in fields if k in record}
 
 
-def save_factors(factors: PinvFactors, path: Path, group: str, rcond: float | None) -> None:
-    """Write pseudo-inverse factors (float64, explicit ``matrix`` or ``basis``) with what they are."""
-    tensors = {"inverse_eigenvalues": factors.inverse_eigenvalues.contiguous()}
-    held = factors.matrix if factors.matrix is not None else factors.basis
-    assert held is not None
-    tensors["matrix" if factors.explicit else "basis"] = held.contiguous()
-    metadata = {
-        "format": FACTORS_FORMAT,
-        "group": group,
-        "dim": str(held.shape[0]),
-        "rank": str(factors.rank),
-        "explicit": str(factors.explicit).lower(),
-        "rcond": "default" if rcond is None else repr(rcond),
-    }
-    save_file(tensors, str(path), metadata=metadata)
+def _leases(ctx: Context, universe_id: str) -> Leases:
+    """Redis leases where the job store is Redis (distributed mode); else every claim is granted."""
+    client = getattr(ctx.jobs, "redis", None)
+    if client is None:
+        return LocalLeases()
+    return RedisLeases(client, f"universe:{universe_id}", ctx.settings.heartbeat_ttl_s)
 
 
-def load_factors(path: Path) -> PinvFactors:
-    """Read what :func:`save_factors` wrote."""
-    with safe_open(str(path), framework="pt") as handle:
-        keys = set(handle.keys())
-        inverse = handle.get_tensor("inverse_eigenvalues")
-        if "matrix" in keys:
-            return PinvFactors(inverse, matrix=handle.get_tensor("matrix"))
-        return PinvFactors(inverse, basis=handle.get_tensor("basis"))
+class _Credit:
+    """The job's progress per part: a group is one step, a member one per layer. A part this process
+    computes is credited as it goes; one another worker published, when it is seen."""
 
+    def __init__(self, progress: Progress, member_steps: int) -> None:
+        self.progress, self.member_steps = progress, member_steps
+        self.given: dict[tuple[str, str], int] = {}
 
-def _group_file(path: Path) -> GroupFile:
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata() or {}
-    if meta.get("format") != FACTORS_FORMAT:
-        raise JobFailed(f"{path.name} is not a factors file ({meta.get('format')!r})")
-    return GroupFile(path, int(meta["dim"]), int(meta["rank"]), meta["explicit"] == "true", path.stat().st_size)
+    def partial(self, part: tuple[str, str]) -> None:
+        self.given[part] = self.given.get(part, 0) + 1
+        self.progress.advance()
+
+    def observe(self, parts: list[tuple[str, str]]) -> None:
+        owed = 0
+        for part in parts:
+            weight = 1 if part[0] == "group" else self.member_steps
+            owed += max(0, weight - self.given.get(part, 0))
+            self.given[part] = max(weight, self.given.get(part, 0))
+        if owed:
+            self.progress.advance(owed)
 
 
 class _LastGroup:
@@ -249,99 +524,3 @@ class _LastGroup:
             self._held = None  # let the previous group's factors go before reading the next
             self._held = (group, load_factors(self.files[group].path))
         return self._held[1]
-
-
-# ---------------------------------------------------------------- phase 2: engrams
-
-
-def store_engrams(
-    ctx: Context,
-    universe_id: str,
-    plan: UniversePlan,
-    members: Mapping[str, GroupedStatistics],
-    groups: Mapping[str, GroupFile],
-    reader: CheckpointReader,
-    scratch: Path,
-    progress: Progress,
-) -> dict[str, dict[str, Any]]:
-    """Compute and publish every member's engram file (skipping members already published);
-    returns member key -> its sidecar (norms, dtypes, bytes)."""
-    layout = reader.layout
-    stored: dict[str, dict[str, Any]] = {}
-    for prefix, member in member_keys(sorted(members)).items():
-        sidecar = engram_key(universe_id, member, ".json")
-        found = ctx.storage.find_json(sidecar)  # written after its tensors: the member is complete
-        if found is not None:
-            stored[member] = found
-            progress.advance(len(plan.layers))
-            continue
-        file = scratch / f"{member}.safetensors"
-        info = write_member_engrams(
-            file,
-            members[prefix],
-            plan.layers,
-            _LastGroup(plan, groups),
-            reader.layer_weights,
-            lambda spec: reader.stored_dtype(layout.weight_keys[spec.name]),
-            on_layer=progress.advance,
-        )
-        ctx.storage.put_file(engram_key(universe_id, member), file)
-        file.unlink()
-        stored[member] = info.to_json()
-        ctx.storage.put_json(sidecar, stored[member])
-    return stored
-
-
-# ---------------------------------------------------------------- manifest
-
-
-def _manifest(
-    spec: UniverseSpec,
-    plan: UniversePlan,
-    members: Mapping[str, GroupedStatistics],
-    groups: Mapping[str, GroupFile],
-    engrams: Mapping[str, Mapping[str, Any]],
-    seconds: Mapping[str, float],
-) -> dict[str, Any]:
-    keys = member_keys(sorted(members))
-    first = next(iter(engrams.values()))
-    group_bytes = sum(g.nbytes for g in groups.values())
-    engram_bytes = sum(int(e["bytes"]) for e in engrams.values())
-    return {
-        "format": UNIVERSE_FORMAT,
-        "universe_id": spec.universe_id,
-        "model_id": spec.model_id,
-        "model_digest": spec.model_digest,
-        "rcond": spec.rcond,
-        "members": [
-            {
-                "names": sorted(m.name for m in spec.members if m.stats == prefix),
-                "stats": prefix,
-                "dataset_digest": prefix.rstrip("/").split("/")[-2],
-                "key": keys[prefix],
-                "tokens": _tokens(members[prefix]),
-            }
-            for prefix in sorted(members)
-        ],
-        "groups": {
-            name: {"layers": plan.groups[name], "dim": g.dim, "rank": g.rank, "explicit": g.explicit, "bytes": g.nbytes}
-            for name, g in groups.items()
-        },
-        "layers": {
-            s.name: {
-                "group": plan.group_of(s.name),
-                "dtype": first["dtypes"][s.name],
-                "weight_norm": first["weight_norms"][s.name],
-            }
-            for s in plan.layers
-        },
-        "engrams": {key: {"bytes": e["bytes"], "norms": e["norms"]} for key, e in engrams.items()},
-        "bytes": {"groups": group_bytes, "engrams": engram_bytes, "total": group_bytes + engram_bytes},
-        "seconds": dict(seconds),
-        "created_at": utc_now(),
-    }
-
-
-def _tokens(stats: GroupedStatistics) -> int | None:
-    counts: Sequence[int] = list(getattr(stats, "counts", {}).values())
-    return max(counts) if counts else None
