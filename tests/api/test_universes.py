@@ -1,4 +1,5 @@
-"""Universes through the real server: build one, see it, use it; the same request keeps its variant."""
+"""Universes through the real server: build one, see it, use it; the same request keeps its variant;
+their bytes in the API and /metrics; a universe over the storage budget is a 409 that changes nothing."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.demo import make_facts
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from tests.live import LiveServer, running_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 MODEL = "uni/tiny"
 FACTS = make_facts(60, seed=4)
@@ -103,9 +105,87 @@ def test_an_unrelated_upload_does_not_change_the_answer(api: httpx.Client, built
         ("POST", f"/models/{MODEL}/universes", {"rcond": 2.0}, 422, "rcond"),
         ("POST", f"/models/{MODEL}/unlearn", {"concepts": ["uni-forget"], "universe": "0" * 32}, 404, "0" * 32),
         ("POST", f"/models/{MODEL}/unlearn", {"concepts": ["uni-forget"], "universe": "latest"}, 422, "universe"),
+        ("GET", "/universes/usage?model_id=uni/missing", None, 404, "uni/missing"),
     ],
 )
 def test_bad_universe_requests_are_problems(
     api: httpx.Client, built: dict[str, Any], method: str, path: str, body: Any, status: int, mention: str
 ) -> None:
     assert_problem(api.request(method, path, json=body), status, *([mention] if mention else []))
+
+
+def _gauges(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_bytes_show_on_universes_their_totals_and_metrics(api: httpx.Client, built: dict[str, Any]) -> None:
+    universe = api.get(f"/universes/{built['response']['universe']['universe_id']}").json()
+    detail = universe["bytes_detail"]
+    assert detail["groups"] > 0 and detail["engrams"] > 0
+    assert detail["groups"] + detail["engrams"] == detail["total"] == universe["bytes"]
+    assert universe["projected_bytes"] >= universe["bytes"], "the projection is an upper bound"
+    assert universe["last_used"] is not None and universe["evicted_at"] is None
+
+    listed = api.get(f"/models/{MODEL}/universes").json()
+    usage = api.get("/universes/usage", params={"model_id": MODEL})
+    assert usage.status_code == 200, usage.text
+    totals = usage.json()
+    ready = [u for u in listed if u["status"] == "ready"]
+    assert totals["model_id"] == MODEL and totals["universes"]["ready"] == len(ready) >= 1
+    assert totals["bytes"]["groups"] == sum(u["bytes_detail"]["groups"] for u in ready)
+    assert totals["bytes"]["engrams"] == sum(u["bytes_detail"]["engrams"] for u in ready)
+    assert totals["budget_bytes"] == 256 << 30, "the default budget"
+
+    everything = api.get("/universes/usage").json()
+    gauges = _gauges(api.get("/metrics").text)
+    assert gauges[("engram_universe_bytes", (("part", "groups"),))] == everything["bytes"]["groups"]
+    assert gauges[("engram_universe_bytes", (("part", "engrams"),))] == everything["bytes"]["engrams"]
+    assert gauges[("engram_universe_budget_bytes", ())] == 256 << 30
+    assert gauges[("engram_universes", (("status", "ready"),))] == everything["universes"]["ready"]
+
+
+# ---------------------------------------------------------------- over the budget
+
+
+def _stored(root: Path) -> dict[str, int]:
+    """Every stored object and its size (what a refused request must leave as it was)."""
+    files = (p for p in root.rglob("*") if p.is_file() and ".tmp" not in p.parts)
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
+
+
+BUDGET = 4096  # bytes: less than any universe of the tiny model
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama_dir: Path) -> Any:
+    """A server of its own with a 4 KiB universe budget, ``tight/tiny`` and one concept ready on it."""
+    root = tmp_path_factory.mktemp("tight")
+    with running_server(root, model_root, ENGRAM_UNIVERSE_BYTES_BUDGET=str(BUDGET)) as live:
+        client = live.client
+        response = client.post("/models", json={"model_id": "tight/tiny", "source": f"file://{tiny_llama_dir}"})
+        assert response.status_code in (200, 201), response.text
+        response = client.post("/concepts", json={"name": "tight-c", "models": ["tight/tiny"], "records": records(0, 4)})
+        assert response.status_code == 202, response.text
+        wait_concepts_ready(client, ["tight-c"], "tight/tiny")
+        yield live
+
+
+def test_a_universe_over_the_budget_is_a_409_and_nothing_is_built(tight: LiveServer) -> None:
+    client = tight.client
+    before = _stored(tight.storage_dir)
+    refused = client.post("/models/tight/tiny/universes", json={})
+    problem = assert_problem(refused, 409, "ENGRAM_UNIVERSE_BYTES_BUDGET", "tight/tiny", "Nothing was built")
+    assert problem["type"].endswith("/universe-budget-exceeded")
+    assert problem["budget_bytes"] == BUDGET and problem["projected_bytes"] > BUDGET
+    assert f"{problem['projected_bytes']} bytes" in problem["detail"]
+    unlearn = client.post("/models/tight/tiny/unlearn", json={"concepts": ["tight-c"]})  # would build it too
+    assert_problem(unlearn, 409, "ENGRAM_UNIVERSE_BYTES_BUDGET")
+    assert _stored(tight.storage_dir) == before, "no job, no universe request, no current universe, no variant"
+    assert client.get("/models/tight/tiny/universes").json() == []
+    usage = client.get("/universes/usage").json()
+    assert usage["bytes"]["total"] == usage["reserved_bytes"] == 0 and usage["budget_bytes"] == BUDGET
+    assert _gauges(client.get("/metrics").text)[("engram_universe_budget_refusals_total", ())] == 2

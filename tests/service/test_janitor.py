@@ -1,12 +1,15 @@
-"""Crash leftovers are removed when a process starts (service.janitor), and nothing live is.
+"""Crash leftovers are removed when a process starts (service.janitor), and nothing live is; the
+API's janitor applies the universes' retention rule at start-up and periodically.
 
 Leftovers are made by hand, named the way the service names them, for owners that are dead, alive,
 or whose pid now belongs to a younger process; then the real server (and a real Celery worker)
-starts with ``TMPDIR`` and ``ENGRAM_CACHE_DIR`` pointing at them.
+starts with ``TMPDIR`` and ``ENGRAM_CACHE_DIR`` pointing at them. Universes are made by hand too,
+as a build stores them (request, parts, manifest, usage record), used long ago or recently.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -191,3 +195,71 @@ def test_unfinished_s3_multipart_uploads_are_aborted(
     uploads = client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
     assert [u["UploadId"] for u in uploads] == [outside["UploadId"]]
     client.abort_multipart_upload(Bucket=s3_bucket, Key="elsewhere/object", UploadId=outside["UploadId"])
+
+
+# ---------------------------------------------------------------- the universes' retention rule
+
+
+def stored_universe(store: Path, universe_id: str, *, days_ago: float, current_of: str | None = None) -> Path:
+    """A built universe as the build stores it (two groups, one member), last used ``days_ago``;
+    ``current_of``: the current universe of that model. Returns its folder."""
+    folder = store / "universes" / universe_id
+    used = (datetime.now(UTC) - timedelta(days=days_ago)).isoformat()
+    request = {"universe_id": universe_id, "model_id": "m", "model_digest": "d", "members": [], "rcond": None}
+    write_json(folder / "request.json", {**request, "job_id": None, "created_at": used})
+    write_json(folder / "usage.json", {"last_used": used})
+    write_json(folder / "plan.json", {"groups": {}, "layers": []})
+    parts = {"groups/g1.safetensors": 300, "groups/g2.safetensors": 200, "engrams/k.safetensors": 500}
+    for name, size in parts.items():
+        file(folder / name).write_bytes(b"z" * size)
+    write_json(folder / "engrams/k.json", {"bytes": 500})
+    write_json(
+        folder / "manifest.json", {"universe_id": universe_id, "bytes": {"groups": 500, "engrams": 500, "total": 1000}}
+    )
+    file(store / "model-universes" / "m" / "known" / universe_id).write_bytes(b"")
+    if current_of is not None:
+        write_json(store / "model-universes" / current_of / "current.json", {"universe_id": universe_id})
+    return folder
+
+
+def write_json(path: Path, value: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))
+
+
+def evicted(folder: Path) -> bool:
+    """Only the request and the usage record (now saying when) are left."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    return names == ["request.json", "usage.json"] and json.loads((folder / "usage.json").read_text())["evicted_at"]
+
+
+def test_the_api_janitor_evicts_unused_universes_at_start_up_and_periodically(tmp_path: Path, model_root: Path) -> None:
+    store = tmp_path / "store"
+    old = stored_universe(store, "a" * 32, days_ago=30)
+    current = stored_universe(store, "b" * 32, days_ago=30, current_of="m")
+    recent = stored_universe(store, "c" * 32, days_ago=0)
+    env = {
+        "ENGRAM_UNIVERSE_RETENTION_S": str(86400),
+        "ENGRAM_JANITOR_INTERVAL_S": "0.5",
+        "ENGRAM_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    server = start_server(store, model_root, tmp_path / "server.log", **env)
+    try:
+        deadline = time.monotonic() + 30
+        while not evicted(old):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        later = stored_universe(store, "d" * 32, days_ago=2)  # falls out of use after start-up
+        while not evicted(later):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        time.sleep(1.5)  # a few more passes
+        view = server.client.get(f"/universes/{'a' * 32}").json()
+        assert (view["status"], view["bytes"]) == ("evicted", 0)
+        usage = server.client.get("/universes/usage").json()
+        assert usage["bytes"]["total"] == 2 * 1000 and usage["universes"]["evicted"] == 2
+    finally:
+        stop_server(server)
+    assert not evicted(current) and (current / "manifest.json").exists(), "a model's current universe is kept"
+    assert not evicted(recent) and (recent / "engrams/k.safetensors").exists(), "used within the retention age"
+    assert json.loads((old / "usage.json").read_text())["evicted_bytes"] == 1000
