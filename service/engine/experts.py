@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.engine.compose import EditError
 from service.engine.layers import LayerSpec, block_index, is_editable, summarize_names
 from service.engine.model_files import ModelSourceError
 
@@ -125,6 +126,23 @@ def is_expert_layer(name: str) -> bool:
     (per-expert ``nn.Linear`` modules inside an ``experts`` container are refused at registration,
     so a layout holds no other layer with such a name)."""
     return expert_layer(name) is not None
+
+
+def check_adapter_layers(layers: Iterable[LayerSpec]) -> None:
+    """Refuse expert layers in a peft adapter: LoRA wraps modules, and an expert of a fused module is
+    a slice of a 3-D parameter that no module holds, so peft would load the adapter without its
+    expert weights (a silent half-edit).
+
+    Raises:
+        EditError: naming the expert layers and what to do instead.
+    """
+    experts = [spec.name for spec in layers if is_expert_layer(spec.name)]
+    if experts:
+        raise EditError(
+            f'format "peft" cannot carry the expert layers {summarize_names(experts)} (each is a slice of a fused '
+            'parameter, which no LoRA module wraps); use format "checkpoint" or "delta", or modules that leave the '
+            "experts out"
+        )
 
 
 def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:

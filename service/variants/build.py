@@ -18,6 +18,7 @@ from typing import Any
 
 from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256, write_checkpoint, write_delta
 from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
+from service.engine.experts import check_adapter_layers
 from service.engine.layers import LayerSpec, select_layers
 from service.engine.lora import layer_loras, write_adapter
 from service.engine.model_files import ModelSourceError
@@ -85,6 +86,8 @@ def build_variant_files(
     layers = select_layers(layout.layers, request["modules"], request["layers"])
     steps = progress or NoProgress()
     try:
+        if request["format"] == "peft":
+            check_adapter_layers(layers)  # before the universe is built
         source, universe, built_s = _engram_source(ctx, request, steps)
         reader = CheckpointReader(checked_model_dir(ctx, model), layout)
         if isinstance(steps, JobProgress):

@@ -257,6 +257,13 @@ def test_mixture_of_experts_unlearns_every_routed_expert(
     variant_dir = download_variant(api, variant, tmp_path / "variant")
     assert _stored_shapes(variant_dir) == _stored_shapes(model_dir), "the variant keeps the checkpoint's layout"
     assert_experts_match(model_dir, variant_dir, experts)
+    if arch == "qwen3-moe" and not fused:  # a peft adapter cannot wrap an expert slice: refused by name
+        body = {"concepts": [f"wild-{label}-t"], "format": "peft"}
+        submitted = api.post(f"/models/wild/{label}/unlearn", json=body)
+        assert submitted.status_code in (200, 202), submitted.text
+        job = wait_for_job(api, submitted.json()["job"]["job_id"], timeout=120)
+        assert job["status"] == "failed", job
+        assert 'format "peft" cannot carry the expert layers model.layers.{0,1}.mlp.experts.{0..3}' in str(job["error"])
 
 
 def test_fused_experts_in_another_layout_are_refused_naming_them(api: httpx.Client, model_root: Path) -> None:
