@@ -33,7 +33,11 @@ async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep) -> lis
 
 
 # Before /universes/{universe_id}: "usage" is no universe ID, and this route must match first.
-@router.get("/universes/usage", response_model=UniverseUsage)
+@router.get(
+    "/universes/usage",
+    response_model=UniverseUsage,
+    responses={404: {"description": "`model_id` names a model that is not registered"}},
+)
 async def universe_usage(ctx: ContextDep, lanes: LanesDep, model_id: ModelQuery = None) -> dict[str, Any]:
     """Bytes stored by universes (factors, engrams), builds' reserved bytes, the budget and statuses;
     ``?model_id=`` for one model's universes (404 when it is not registered)."""
