@@ -566,6 +566,7 @@ _VARIANT = {
     "scaling": "uniform",
     "format": "checkpoint",
     "lora_rank": None,
+    "lora_target": None,
     "modules": None,
     "layers": None,
     "rcond": None,
@@ -638,6 +639,10 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
                 "format": "peft",
                 "lora_rank": 16,
             },
+        },
+        "vllm": {
+            "summary": "A LoRA adapter vLLM serves: rank 64 in every layer, lora_alpha 64, no lora_bias",
+            "value": {"concepts": ["forget"], "alpha": 1.0, "format": "peft", "lora_target": "vllm", "lora_rank": 64},
         },
     },
     ("post", "/models/{model_id}/compose"): {
