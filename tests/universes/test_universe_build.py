@@ -10,6 +10,7 @@ value: measured ~6e-8); a float64 checkpoint's engrams are stored float64 (1e-10
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,10 @@ def test_manifest_says_what_was_built(world: dict[str, Any]) -> None:
     seconds = manifest["seconds"]
     assert seconds["total"] >= seconds["decomposition"] + seconds["engrams"] - 1e-3
     assert {layer["dtype"] for layer in manifest["layers"].values()} == {"F32"}
+    # Every group says how it was decomposed and by whom (this process: the job built alone).
+    assert {(g["source"], g["worker"].rsplit(":", 1)[1]) for g in manifest["groups"].values()} == {
+        ("sums", str(os.getpid()))
+    }
     assert {layer["dtype"] for layer in _manifest(world, "u/llama64")["layers"].values()} == {"F64"}
 
 
