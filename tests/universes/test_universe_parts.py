@@ -1,0 +1,179 @@
+"""Parts of a universe claimed through Redis leases, in this process against a private redis-server:
+a lease is exclusive, renewed while held and expires when its holder stops; two builders share a
+universe's parts and compute each once; a builder waits for a part another holds, takes it over
+when that holder's lease expires, and stops waiting when its job is cancelled.
+
+(The same against real worker processes, killed and all: ``tests/distributed/test_universe_distributed.py``.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from service.jobs import new_job
+from service.leases import RedisLeases, worker_name
+from service.progress import JobCancelled, JobProgress, NoProgress
+from service.universes import build as build_module
+from service.universes.build import UniverseBuild, part_key
+from service.universes.service import submit_universe
+from tests.fixtures_models import make_tiny_llama, make_tokenizer
+from tests.live import RedisServer, start_redis, stop_redis
+from tests.store_world import StoreWorld, text_records
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    process = start_redis()
+    try:
+        yield process
+    finally:
+        stop_redis(process)
+
+
+@pytest.fixture
+def client(server: RedisServer) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(server.url)
+    connection.flushdb()
+    yield connection
+    connection.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
+    root = tmp_path_factory.mktemp("universe-parts")
+    w = StoreWorld(root)
+    path = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=2, tokenizer=make_tokenizer())
+    w.register("p/llama", path)
+    w.publish("p/llama", "a", text_records(0, 30))
+    w.publish("p/llama", "b", text_records(30, 60))
+    return w
+
+
+def fresh_universe(w: StoreWorld, rcond: float) -> str:
+    """A universe recorded (its job created, never run): nothing of it is built yet."""
+    view, job = submit_universe(w.ctx, "p/llama", ["a", "b"], rcond)
+    assert job is not None and view["status"] == "building"
+    w.pending.clear()
+    return str(view["universe_id"])
+
+
+def builder(w: StoreWorld, client: redis.Redis, universe_id: str, ttl_s: float = 2) -> UniverseBuild:
+    build = UniverseBuild.open(w.ctx, universe_id)
+    build.leases = RedisLeases(client, f"universe:{universe_id}", ttl_s)
+    return build
+
+
+# ---------------------------------------------------------------- the lease
+
+
+def test_a_lease_is_exclusive_names_its_holder_and_is_released(client: redis.Redis) -> None:
+    leases = RedisLeases(client, f"test:{uuid.uuid4().hex}", ttl_s=5)
+    with leases.claim("group:x") as held:
+        assert held
+        holder = leases.holder("group:x")
+        assert holder is not None and holder.startswith(worker_name() + ":")
+        with leases.claim("group:x") as again:
+            assert not again, "held: a second claim is refused"
+        with leases.claim("group:y") as other:
+            assert other, "another part is free"
+    assert leases.holder("group:x") is None
+    with leases.claim("group:x") as held:
+        assert held
+
+
+def test_a_held_lease_is_renewed_past_its_expiry(client: redis.Redis) -> None:
+    leases = RedisLeases(client, f"test:{uuid.uuid4().hex}", ttl_s=1)
+    with leases.claim("group:x") as held:
+        assert held
+        time.sleep(2.5)  # 2.5 expiries
+        assert leases.holder("group:x") is not None
+        assert 0 < client.pttl(leases.key("group:x")) <= 1000
+
+
+def test_a_dead_holders_lease_expires_and_its_release_cannot_touch_the_next(client: redis.Redis) -> None:
+    leases = RedisLeases(client, f"test:{uuid.uuid4().hex}", ttl_s=1)
+    client.set(leases.key("group:x"), "gone:1:dead", px=600)  # a holder that died: no one renews it
+    with leases.claim("group:x") as held:
+        assert not held
+    time.sleep(0.8)
+    with leases.claim("group:x") as held:
+        assert held
+        leases._release(keys=[leases.key("group:x")], args=["gone:1:dead"])  # the dead holder, late
+        assert leases.holder("group:x") is not None, "only the holder's own token releases a lease"
+
+
+# ---------------------------------------------------------------- builders sharing a universe
+
+
+def test_two_builders_share_the_parts_and_compute_each_once(
+    world: StoreWorld, client: redis.Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    universe_id = fresh_universe(world, rcond=1e-4)
+    computed: list[tuple[str, str]] = []
+    real = build_module.decompose_group
+
+    def slow_decompose(*args: Any) -> Any:
+        time.sleep(0.05)  # long enough that both builders are at work at once
+        computed.append(("group", threading.current_thread().name))
+        return real(*args)
+
+    monkeypatch.setattr(build_module, "decompose_group", slow_decompose)
+    builds = [builder(world, client, universe_id) for _ in range(2)]
+    threads = [
+        threading.Thread(target=b.run, args=(tmp_path / str(i), NoProgress()), kwargs={"finish": True}, name=f"b{i}")
+        for i, b in enumerate(builds)
+    ]
+    for i, thread in enumerate(threads):
+        (tmp_path / str(i)).mkdir()
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    groups = len(builds[0].plan.groups)
+    assert len(computed) == groups, "each group decomposed once"
+    assert {name for _, name in computed} == {"b0", "b1"}, "both builders decomposed some"
+    assert sum(b.computed["groups"] for b in builds) == groups
+    assert sum(b.computed["members"] for b in builds) == len(builds[0].member_of)
+    assert builds[0].published() == (set(builds[0].plan.groups), set(builds[0].member_of))
+
+
+def test_a_part_held_by_a_dead_worker_is_taken_over_when_its_lease_expires(
+    world: StoreWorld, client: redis.Redis, tmp_path: Path
+) -> None:
+    universe_id = fresh_universe(world, rcond=1e-3)
+    build = builder(world, client, universe_id)
+    held = build.group_order()[0]
+    client.set(build.leases.key(f"group:{held}"), "gone:1:dead", px=1500)  # a worker that died holding it
+    started = time.monotonic()
+    seconds = build.run(tmp_path, NoProgress(), finish=True)
+    assert time.monotonic() - started >= 1.2, "the part was not taken before its lease expired"
+    assert build.computed["groups"] == len(build.plan.groups)
+    record = world.ctx.storage.get_json(part_key(universe_id, "group", held))
+    assert record["worker"] == worker_name()
+    assert seconds["decomposition"] >= 1.2
+
+
+def test_a_builder_waiting_on_another_stops_when_its_job_is_cancelled(
+    world: StoreWorld, client: redis.Redis, tmp_path: Path
+) -> None:
+    universe_id = fresh_universe(world, rcond=1e-2)
+    build = builder(world, client, universe_id)
+    held = build.group_order()[0]
+    client.set(build.leases.key(f"group:{held}"), "busy:1:alive", px=60_000)  # held, and kept, elsewhere
+    job = world.ctx.jobs.create(new_job("universe", {"universe_id": universe_id}, unit="steps"))
+    progress = JobProgress(world.ctx, job["job_id"], build.total_steps)
+    cancel = threading.Timer(1.0, lambda: world.ctx.jobs.update(job["job_id"], cancel_requested=True))
+    cancel.start()
+    started = time.monotonic()
+    with pytest.raises(JobCancelled):
+        build.run(tmp_path, progress, finish=True)
+    assert time.monotonic() - started < 5
+    assert build.computed["groups"] == len(build.plan.groups) - 1, "everything else was done meanwhile"
+    assert progress.done == len(build.plan.groups) - 1, "the job counted the groups done, not the one held"
