@@ -5,8 +5,9 @@ two Celery workers sharing one storage directory (``tests.distributed.cluster``)
   each part it computes (``universe <id>: group <g> decomposed ... by host:pid``) and records it
   (``parts/group-<g>.json``); across both logs every group appears exactly once, and both workers
   computed some.
-- A worker killed (SIGKILL) while it holds a group's lease: the lease expires (``ENGRAM_HEARTBEAT_TTL_S``
-  is 3 s here), another worker computes that group, and the universe equals one built in this
+- A worker killed (SIGKILL) while it holds a group's lease, a helper or the one running the job: the
+  lease expires (``ENGRAM_HEARTBEAT_TTL_S`` is 3 s here; the job's heartbeat too, and the reconciler
+  dispatches it again), another worker computes that group, and the universe equals one built in this
   process from a copy of the same storage without any kill: factors to 1e-9 relative (float64 on both
   sides; only the threads' summation order differs), engrams to 1e-6 relative (stored float32: the
   float64 products round to the same float32 values but for an ulp here and there, 6e-8 each).
@@ -137,12 +138,16 @@ def test_two_workers_decompose_one_universe_in_parallel_each_group_once(cluster:
     )
 
 
-def test_a_worker_killed_holding_a_group_is_recovered(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("role", "rcond"), [("helper", 1e-4), ("coordinator", 2e-4)])
+def test_a_worker_killed_holding_a_group_is_recovered(cluster: Cluster, tmp_path: Path, role: str, rcond: float) -> None:
+    """``helper``: the job takes the group over once the lease expires. ``coordinator``: the worker
+    running the job dies; the reconciler re-dispatches the job when its heartbeat expires, and the
+    group is taken over (by the helper, or the job run again) once its lease expires."""
     client = cluster.api.client
     leases = redis.Redis.from_url(cluster.redis.url)
-    universe_id, job_id = build_universe(client, rcond=1e-4)
+    universe_id, job_id = build_universe(client, rcond=rcond)
     coordinator = wait_for_coordinator(cluster, universe_id)
-    victim, group, killed_pid = wait_for_helper_lease(cluster, leases, universe_id, coordinator)
+    victim, group, killed_pid = wait_for_lease(cluster, leases, universe_id, coordinator, role)
     kill_worker(cluster.workers[victim])
     killed_at = time.monotonic()
     cluster.start_worker()
@@ -155,7 +160,7 @@ def test_a_worker_killed_holding_a_group_is_recovered(cluster: Cluster, tmp_path
     groups, _ = logged_parts(cluster, universe_id)
     assert sorted(g for g, _ in groups) == sorted(built["groups"]), "each group decomposed once, the lost one included"
     assert not leases.keys(f"engram:lease:universe:{universe_id}:*"), "no lease outlives the build"
-    print(f"\nworker SIGKILLed holding group {group}: universe done {recovered_s:.1f}s later")  # noqa: T201
+    print(f"\n{role} SIGKILLed holding group {group}: universe done {recovered_s:.1f}s later")  # noqa: T201
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1): 2 threads were 10x slower on a busy box
     try:
@@ -201,10 +206,10 @@ def wait_for_coordinator(cluster: Cluster, universe_id: str, timeout: float = 12
     raise AssertionError("no worker started the universe job")
 
 
-def wait_for_helper_lease(
-    cluster: Cluster, leases: redis.Redis, universe_id: str, coordinator: int, timeout: float = 120
+def wait_for_lease(
+    cluster: Cluster, leases: redis.Redis, universe_id: str, coordinator: int, role: str, timeout: float = 120
 ) -> tuple[int, str, int]:
-    """(worker index, group, pid) as soon as a worker other than the coordinator holds a group's lease."""
+    """(worker index, group, pid) as soon as the coordinator (``role``), or another worker, holds a group's lease."""
     prefix = f"engram:lease:universe:{universe_id}:group:"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -214,13 +219,13 @@ def wait_for_helper_lease(
                 continue
             pid = int(token.decode().rsplit(":", 2)[1])
             worker = worker_of(cluster, pid)
-            if worker != coordinator:
+            if (worker == coordinator) == (role == "coordinator"):
                 return worker, key.decode().removeprefix(prefix), pid
         assert not (cluster.storage / universe_prefix(universe_id) / "manifest.json").exists(), (
-            "the universe was built before a helper held a group"
+            f"the universe was built before the {role} held a group"
         )
         time.sleep(0.01)
-    raise AssertionError("no helper held a group's lease")
+    raise AssertionError(f"the {role} held no group's lease")
 
 
 def stored_parts(cluster: Cluster, universe_id: str) -> dict[Path, int]:
