@@ -26,7 +26,7 @@ A layer whose input has neither shape gets no statistics and is listed in
 Fused experts (:mod:`service.engine.experts`): one pre-hook on the experts module reads the call's
 hidden states and top-k routing; each expert's gate/up group sums the counted tokens routed to it,
 its down group ``act(gate)·up`` of those tokens, recomputed as the forward does. An expert no counted
-token reached has a group with count 0 and a zero sum (stored as zero rows), not a missing one.
+token reached has a group with count 0 and a zero sum, not a missing one.
 
 Models spread over several devices (accelerate's ``device_map``): each group's accumulator lives on
 the device its layer's input arrives on, so no activation crosses devices for the statistics.
