@@ -72,13 +72,13 @@ if TYPE_CHECKING:  # service.universes.service calls make_room and note_use: the
 log = logging.getLogger("engram.universes")
 
 _ITEMSIZE = {"F64": 8, "F32": 4}
-_FLOAT64 = 8
 # A use is written at most this often per universe: a burst of variant requests costs one write.
 _USE_WRITE_INTERVAL_S = 60.0
 # A factors file's header is the safetensors library's JSON of the same entries (its own key order):
 # room for metadata the build may add beyond what is projected here.
 _FACTORS_HEADER_SLACK = 64
-FACTORS_FORMAT = "engram-factors/1"  # service.universes.build.FACTORS_FORMAT (build imports this package)
+# The build's FACTORS_FORMAT, restated: the build imports service.universes.service, which imports this module.
+FACTORS_FORMAT = "engram-factors/1"
 
 Status = Literal["ready", "building", "failed", "evicted"]
 
@@ -98,7 +98,8 @@ class UniverseBudgetExceeded(Conflict):
 
     def to_problem(self) -> dict[str, Any]:
         """The problem with its figures as extension members (RFC 9457 §3.2): ``projected_bytes``,
-        ``budget_bytes``, ``held_bytes`` (universes in use) and ``evictable_bytes``."""
+        ``budget_bytes``, ``held_bytes`` (stored and reserved by the other universes) and
+        ``evictable_bytes`` (what evicting every unused one would free)."""
         return {**super().to_problem(), **self.numbers}
 
 
@@ -455,11 +456,8 @@ def _build_running(ctx: Context, universe_id: str) -> bool:
 
 
 def _refusal(spec: UniverseSpec, projection: Projection, storage: UniverseStorage, held: int, freed: int) -> str:
-    in_use = [
-        u
-        for u in storage.universes
-        if u.universe_id != spec.universe_id and u.held and not u.evictable(datetime.now(UTC), storage.retention_s)
-    ]
+    others = [u for u in storage.universes if u.universe_id != spec.universe_id and u.held]
+    in_use = held - freed
     assumed = (
         f" ({projection.assumed_float64} layer(s) counted as float64: their checkpoint is not on this machine)"
         if projection.assumed_float64
@@ -468,12 +466,12 @@ def _refusal(spec: UniverseSpec, projection: Projection, storage: UniverseStorag
     return (
         f"universe {spec.universe_id} of model {spec.model_id} ({len(spec.prefixes)} member(s)) would store about "
         f"{_size(projection.total)} (factors {_size(projection.groups)}, engrams {_size(projection.engrams)}){assumed}, "
-        f"but ENGRAM_UNIVERSE_BYTES_BUDGET is {_size(storage.budget)} and {_size(held)} of it is held by "
-        f"{len(in_use)} universe(s) in use (a model's current universe, a build or variant job running, or used "
-        f"within ENGRAM_UNIVERSE_RETENTION_S={storage.retention_s:g}s); evicting every unused universe would free only "
-        f"{_size(freed)}. Nothing was built or changed. Use a universe that exists (GET /models/{spec.model_id}/universes, "
-        f'"universe" on the request), build one of fewer concepts, wait until universes fall out of use, or raise '
-        "ENGRAM_UNIVERSE_BYTES_BUDGET"
+        f"but ENGRAM_UNIVERSE_BYTES_BUDGET is {_size(storage.budget)}, {len(others)} other universe(s) hold "
+        f"{_size(held)}, and {_size(in_use)} of that is in use (a model's current universe, a build or a variant job "
+        f"running, or used within ENGRAM_UNIVERSE_RETENTION_S={storage.retention_s:g}s): evicting every unused universe "
+        f"would free only {_size(freed)}. Nothing was built or changed. Use a universe that exists "
+        f'(GET /models/{spec.model_id}/universes, "universe" on the request), build one of fewer concepts, wait until '
+        "universes fall out of use, or raise ENGRAM_UNIVERSE_BYTES_BUDGET"
     )
 
 
