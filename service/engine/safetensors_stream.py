@@ -10,6 +10,7 @@ and each tensor's bytes follow as they are produced, or are copied from the sour
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 
 _ALIGN = 8  # the header is padded so the data starts 8-byte aligned, as safetensors itself does
 _COPY_CHUNK = 16 << 20
+_KERNEL_CHUNK = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,11 @@ def write_streaming(target: Path, planned: Sequence[Planned], metadata: dict[str
         offset += item.like.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % _ALIGN)
-    with target.open("wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
+    # Unbuffered: the unchanged tensors are copied by the kernel (os.copy_file_range) at the file
+    # descriptor's own position, which a buffered writer would not see move.
+    with target.open("wb", buffering=0) as out:
+        _write_all(out, struct.pack("<Q", len(raw)))
+        _write_all(out, raw)
         for item in planned:
             if item.produce is None:
                 _copy_range(item.source, item.like, out)
@@ -90,18 +94,53 @@ def _write_tensor(item: Planned, out: BinaryIO) -> None:
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     if data.nbytes != item.like.nbytes or list(tensor.shape) != item.like.shape:
         raise ValueError(f"{item.key}: produced {list(tensor.shape)} ({data.nbytes} bytes), planned {item.like}")
-    out.write(memoryview(data))
+    _write_all(out, memoryview(data))
+
+
+def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:
+    """Write every byte: an unbuffered file's ``write`` may take fewer (Linux moves at most ~2 GiB
+    per call), so a large tensor is written in as many calls as it takes."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = out.write(view)
+        if not written:
+            raise OSError("the target file took no bytes")
+        view = view[written:]
 
 
 def _copy_range(source: Path, entry: TensorEntry, out: BinaryIO) -> None:
+    """Append ``entry``'s bytes of ``source`` to ``out``: in the kernel where it can (no pass
+    through this process's memory), else read and written in chunks."""
     with source.open("rb") as handle:
-        handle.seek(entry.start)
-        remaining = entry.nbytes
+        remaining = _kernel_copy(handle.fileno(), out, entry.start, entry.nbytes)
+        handle.seek(entry.start + entry.nbytes - remaining)
         for chunk in _chunks(handle, remaining):
-            out.write(chunk)
+            _write_all(out, chunk)
             remaining -= len(chunk)
     if remaining:
         raise ValueError(f"{source} ended {remaining} bytes early")
+
+
+def _kernel_copy(source_fd: int, out: BinaryIO, start: int, length: int) -> int:
+    """Copy with ``os.copy_file_range`` from ``start``; returns the bytes left for the caller to
+    copy (all of them where the kernel or the file systems refuse, or the source ends early)."""
+    if not hasattr(os, "copy_file_range") or not hasattr(out, "fileno"):
+        return length
+    try:
+        out_fd = out.fileno()
+    except (OSError, ValueError):  # not a real file (an in-memory buffer)
+        return length
+    offset = start
+    while length > 0:
+        try:
+            copied = os.copy_file_range(source_fd, out_fd, min(length, _KERNEL_CHUNK), offset)
+        except OSError:  # EXDEV, ENOSYS, EINVAL...: fall back to read and write
+            return length
+        if copied == 0:  # end of the source: the caller's read finds it too and says so
+            return length
+        offset += copied
+        length -= copied
+    return 0
 
 
 def _chunks(handle: BinaryIO, length: int) -> Iterator[bytes]:

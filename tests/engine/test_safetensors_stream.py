@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from service.engine import safetensors_stream as stream_module
 from service.engine.safetensors_stream import Planned, read_header, write_streaming
 
 
@@ -57,3 +62,52 @@ def test_a_produced_tensor_of_another_shape_is_refused(source: Path, tmp_path: P
         write_streaming(tmp_path / "x.safetensors", planned, {})
     with pytest.raises(ValueError, match="planned"):
         write_streaming(tmp_path / "y.safetensors", planned_wrong_size, {})
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "refused", "short"])
+def test_unchanged_tensors_are_copied_exactly_by_the_kernel_or_by_hand(
+    source: Path, tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unchanged tensors go through ``os.copy_file_range``; where the kernel refuses (EXDEV on some
+    file systems) or copies only part, the rest is read and written: the same bytes either way."""
+    real = os.copy_file_range
+    calls: list[int] = []
+
+    def refused(*_args: object) -> int:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    def short(src: int, dst: int, count: int, offset_src: int | None = None) -> int:
+        calls.append(count)
+        return real(src, dst, min(count, 3), offset_src) if len(calls) == 1 else 0
+
+    if kernel != "copy_file_range":
+        monkeypatch.setattr(stream_module.os, "copy_file_range", refused if kernel == "refused" else short)
+    entries, metadata = read_header(source)
+    target = tmp_path / "copy.safetensors"
+    write_streaming(target, [Planned(key, entries[key], source) for key in entries], metadata)
+    original, back = load_file(str(source)), load_file(str(target))
+    assert list(back) == list(original)
+    for key, value in original.items():
+        assert torch.equal(back[key], value), key
+    assert kernel != "short" or calls
+
+
+def test_every_byte_is_written_when_the_file_takes_fewer_per_call() -> None:
+    class Stingy(io.RawIOBase):
+        """A raw file that takes at most 5 bytes per write, as a file descriptor may."""
+
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            taken = bytes(memoryview(b)[:5])
+            self.data += taken
+            return len(taken)
+
+    out = Stingy()
+    payload = torch.arange(100, dtype=torch.float32).view(torch.uint8).numpy()
+    stream_module._write_all(out, memoryview(payload))  # type: ignore[arg-type]
+    assert bytes(out.data) == payload.tobytes()
