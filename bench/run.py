@@ -565,6 +565,68 @@ class ModelBench:
                 )
         self.compose_cold, self.compose_warm = cold, warm
 
+    # ------------------------------------------------------------ 2b. engram store
+
+    def universes(self) -> None:
+        """A universe of 4 concepts built once (decomposition, engrams, bytes), then variants of 1
+        and 3 concepts from its stored engrams in a fresh process on the same storage (a restarted
+        service), against the copy floor measured in that process (``bench.universe``)."""
+        from bench.universe import CONCEPTS, measure
+
+        log(f"{self.profile.name}: engram store: universe of {CONCEPTS} concepts, variants after a restart")
+        reps = 3 if self.quick or self.profile.name != LLAMA_100M.name else 5
+        result = measure(self.profile, self.root / "universe", reps)
+        built, floor = result["universe"], result["median_s"]["copy_floor"]
+        self.add(
+            "universe",
+            f"universe build, one time ({built['members']} concepts, {built['groups']} input groups)",
+            built["seconds"]["total"],
+            None,
+            "s",
+            "info",
+            details={"seconds": built["seconds"], "tokens": built["tokens"], "layers": built["layers"]},
+        )
+        self.add("universe", "universe bytes (factors + engrams)", built["bytes"]["total"], None, "B", "info",
+                 details=built["bytes"])
+        self.add(
+            "universe",
+            "first variant after a restart (1 concept) vs copy floor",
+            result["first_variant_after_restart_s"],
+            floor,
+            "s",
+            "info",
+        )
+        for k, limit in ((1, 2.0), (3, 3.0)):
+            self.add(
+                "universe",
+                f"variant of {k} concept(s) from stored engrams vs copy floor",
+                result["median_s"][f"variant_{k}"],
+                floor,
+                "s",
+                f"<= {limit:g}x",
+                limit=limit,
+                details={"times_s": result["times_s"][f"variant_{k}"], "floor_times_s": result["times_s"]["copy_floor"]},
+            )
+        self.add(
+            "universe",
+            "variant of 3 concepts, weight_norm scaling, vs copy floor",
+            result["median_s"]["variant_3_weight_norm"],
+            floor,
+            "s",
+            "info",
+        )
+        if "float32_storage" in result:
+            self.add(
+                "universe",
+                "float32 engrams: max relative edit difference to the float64 path",
+                result["float32_storage"]["max_rel_edit_diff"],
+                None,
+                "rel",
+                "info",
+                details=result["float32_storage"],
+            )
+        self.info["universe"] = {k: v for k, v in result.items() if k not in ("times_s",)}
+
     # ------------------------------------------------------------ 3. all subsets
 
     def subsets(self) -> None:
@@ -795,7 +857,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             profile = profiles[name]
             mb = ModelBench(profile, Path(tmp) / profile.name, args.quick)
-            steps = [mb.collection, mb.concepts, mb.compose, mb.subsets if profile.subsets else mb.subsets_estimate]
+            steps = [mb.collection, mb.concepts, mb.compose, mb.universes]
+            steps.append(mb.subsets if profile.subsets else mb.subsets_estimate)
             for step in steps:
                 monitored(mb, step)
             del mb.model  # free the parent's copy before the memory children
