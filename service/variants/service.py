@@ -79,6 +79,7 @@ def submit_variant(
             if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
                 if job is not None:  # the same variant again: its build calls this URL back too
                     job = attach_callbacks(ctx, job, urls)
+                note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
                 return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
         payload = {"variant_id": variant_id, "model_id": model_id}
         job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))

@@ -311,3 +311,14 @@ def _part_digests(w: StoreWorld, universe_id: str) -> dict[str, Any]:
                 tensors = {k: hashlib.sha256(handle.get_tensor(k).numpy().tobytes()).hexdigest() for k in handle.keys()}
                 digests[key] = (handle.metadata(), tensors)
     return digests
+
+
+def test_asking_for_a_variant_again_counts_as_a_use(world: StoreWorld) -> None:
+    uid = build(world, MODEL, ["a", "b"])
+    first, _ = submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "universe": uid})
+    world.run_pending()
+    used_at(world, uid, 30)
+    again, job = submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "universe": uid})
+    assert job is None and again["variant_id"] == first["variant_id"]
+    written = datetime.fromisoformat(find_usage(world.ctx, uid)["last_used"])
+    assert abs((datetime.now(UTC) - written).total_seconds()) < 60, "served from it: the retention clock restarts"
