@@ -159,9 +159,10 @@ def _variant_request(
         **{k: options.get(k) for k in _OPTIONS},
     }
     if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
-        identity["lora"] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
+        lora: dict[str, Any] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
         if _lora_target(options) != "peft":  # peft adapters keep the IDs they had
-            identity["lora"]["target"] = _lora_target(options)
+            lora["target"] = _lora_target(options)
+        identity["lora"] = lora
     variant_id = canonical_digest(identity)[:32]
     request = {
         "variant_id": variant_id,
