@@ -35,6 +35,7 @@ from service.progress import CancelOnly, JobProgress, NoProgress, Progress
 from service.registry import Context, get_model
 from service.storage import scratch_dir
 from service.universes.build import ensure_universe
+from service.universes.retention import note_use
 
 
 def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +55,8 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     if built.lora is not None:
         published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
     ctx.storage.put_json(f"variants/{variant_id}/manifest.json", published)  # last: the variant now exists
+    if request.get("universe_id"):
+        note_use(ctx, request["universe_id"])  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
     return {**result, "universe_built_s": built.universe_built_s}
 
