@@ -306,8 +306,9 @@ class UniverseBuild:
     # ------------------------------------------------------------ the loop
 
     def run(self, scratch: Path, progress: Progress, *, finish: bool) -> dict[str, float]:
-        """Claim and compute parts until every one is published (``finish``: the job) or none is left
-        to claim that this process could take (a helper: what others hold is theirs).
+        """Claim and compute parts until every one is published (``finish``: the job), or, for a
+        helper, until only members others hold are left (what others hold is theirs; while groups
+        are held elsewhere a helper waits, since the members come after them).
 
         Returns:
             Seconds spent: ``decomposition`` (until every group was published), ``engrams``, ``total``.
