@@ -51,6 +51,7 @@ class Context:
     queue_depths: Any = None  # callable -> {queue: waiting jobs}
     # callable(universe_id, job_id, count): ask idle workers to help build a universe (distributed mode)
     universe_helpers: Any = None
+    live_workers: Any = None  # callable -> {queue: workers with a live heartbeat consuming it} (distributed)
     reads: ReadCache = field(init=False)  # what status views read: recent documents, not a round trip each
 
     def __post_init__(self) -> None:

@@ -77,6 +77,7 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     import redis
 
     from service.reconcile import reconcile_once, reconciler
+    from service.worker_presence import live_workers
     from workers.celery_app import TASK_FOR_KIND, UNIVERSE_HELPER, make_celery
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
@@ -102,6 +103,8 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     ctx.universe_helpers = universe_helpers
     # Celery's Redis transport keeps each queue as a list named after it.
     ctx.queue_depths = lambda: {queue: int(client.llen(queue)) for queue in ("gpu", "cpu")}
+    queues = sorted({queue for _, queue in TASK_FOR_KIND.values()})
+    ctx.live_workers = lambda: live_workers(client, queues)  # /readyz: no consumer, not ready
     runtime = Runtime(ctx)
     if background:
         reconciling = reconciler(jobs, dispatch, settings.reconcile_interval_s)

@@ -13,12 +13,13 @@ from functools import cache
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_init
+from celery.signals import worker_init, worker_ready, worker_shutdown
 from kombu import Queue
 
 from service.config import Settings, get_settings
 from service.janitor import worker_janitor
 from service.jobs import utc_now
+from service.worker_presence import worker_presence
 
 log = logging.getLogger("engram.worker")
 TASK_FOR_KIND = {
@@ -55,6 +56,9 @@ def make_celery(settings: Settings) -> Celery:
 settings = get_settings()
 app = make_celery(settings)
 worker_init.connect(worker_janitor(settings), weak=False)  # a crashed worker's leftovers, before the pool starts
+_announce, _withdraw = worker_presence(settings)  # the API's /readyz: which queues have a live consumer
+worker_ready.connect(_announce, weak=False)
+worker_shutdown.connect(_withdraw, weak=False)
 
 
 @cache

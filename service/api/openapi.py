@@ -81,6 +81,10 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
 
 # Statuses only the handler's code knows: (METHOD, path) -> {status: description}.
 EXTRA_RESPONSES: dict[tuple[str, str], dict[int, str]] = {
+    ("GET", "/readyz"): {
+        503: "Not ready: storage or the job broker is unavailable, or (distributed mode) no worker with a live "
+        "heartbeat consumes one of the queues (the detail names it)"
+    },
     ("POST", "/models"): {409: "The model ID is already registered with another source"},
     ("POST", "/concepts"): {
         404: "A listed model is not registered",

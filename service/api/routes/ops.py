@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.deps import ContextDep, LanesDep
+from service.errors import ServiceUnavailable
 from service.observability import exposition, refresh_queue_depth
 from service.registry import Context
 from service.universes.retention import refresh_metrics as refresh_universe_metrics
@@ -20,16 +23,32 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(ctx: ContextDep, lanes: LanesDep) -> dict[str, str]:
-    """Storage (and the broker, when configured) can serve requests; 503 otherwise."""
-    await lanes.status(_ping_dependencies, ctx)
-    return {"status": "ready", "mode": "embedded" if ctx.settings.embedded else "distributed"}
+async def readyz(ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+    """Storage can serve requests and, in distributed mode, the broker answers and every queue has a
+    worker with a live heartbeat; 503 naming what is missing otherwise."""
+    workers = await lanes.status(_check_dependencies, ctx)
+    ready: dict[str, Any] = {"status": "ready", "mode": "embedded" if ctx.settings.embedded else "distributed"}
+    if workers is not None:
+        ready["workers"] = workers
+    return ready
 
 
-def _ping_dependencies(ctx: Context) -> None:
+def _check_dependencies(ctx: Context) -> dict[str, int] | None:
+    """Raises when a dependency is away; returns the live workers per queue (distributed mode)."""
     ctx.storage.ping()
     if ctx.broker_ping is not None:
         ctx.broker_ping()
+    if ctx.live_workers is None:  # embedded: the job process is the API's own child
+        return None
+    workers: dict[str, int] = ctx.live_workers()
+    idle = [queue for queue, count in workers.items() if count == 0]
+    if idle:
+        raise ServiceUnavailable(
+            f"no live worker consumes queue{'s' if len(idle) > 1 else ''} {', '.join(idle)}: its jobs would wait "
+            f"forever. Start `engram-service worker` (`--queues {','.join(idle)}`); a worker counts as live while "
+            f"its heartbeat is younger than ENGRAM_HEARTBEAT_TTL_S={ctx.settings.heartbeat_ttl_s}s"
+        )
+    return workers
 
 
 @router.get("/metrics", response_class=Response)
