@@ -39,7 +39,7 @@ from service.storage import Storage
 
 log = logging.getLogger("engram.embedded")
 
-_KIND_QUEUE = {"collect": "gpu", "evaluate": "gpu", "generate": "gpu", "variant": "cpu"}
+_KIND_QUEUE = {"collect": "gpu", "evaluate": "gpu", "generate": "gpu", "calibrate": "gpu", "variant": "cpu"}
 _KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
 _MONITOR_S = 0.5
 

@@ -26,7 +26,7 @@ from service import callbacks
 from service.observability import record_job_state
 from service.storage import ObjectNotFound, Storage, StorageUnavailable
 
-JobKind = Literal["collect", "variant", "universe", "evaluate", "generate"]
+JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate"]
 FINISHED = {"succeeded", "failed", "cancelled"}
 OPEN_PREFIX = "jobs/open/"
 log = logging.getLogger("engram.jobs")
@@ -221,6 +221,7 @@ class RedisJobStore(JobStore):
 
 # Evaluation gets a lane of its own, so a quick check never waits behind a long collection.
 _LANE_OF_KIND = {"collect": "collect", "variant": "variant", "universe": "variant", "evaluate": "inference", "generate": "inference"}  # noqa: E501
+_LANE_OF_KIND["calibrate"] = "inference"  # it runs the model over probes, candidate after candidate
 
 
 class EmbeddedExecutor:

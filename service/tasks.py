@@ -20,6 +20,7 @@ from typing import Any
 import redis.exceptions
 import torch
 
+from service.calibration.build import run_calibration
 from service.dataset_refs import resolve_reference
 from service.engine.checkpoint import ModelLayout, ModelTooLarge, load_model, load_tokenizer
 from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
@@ -385,6 +386,8 @@ def _publish_statistics(
 
 # Variant and universe bodies live in their domains (service.variants.build, service.universes.build).
 _BODIES = {"collect": run_collection, "variant": run_variant, "universe": run_universe}
+# A calibration runs its recommended variant's job inline, through this module's runner.
+_BODIES["calibrate"] = lambda ctx, job: run_calibration(ctx, job, run_job)
 
 # The names older callers (tests, bench, the memory-trace maps) use for helpers now in their domains.
 _statistics, _local_statistics_file, _trim_disk_cache = statistics, local_statistics_file, trim_disk_cache

@@ -28,6 +28,7 @@ TASK_FOR_KIND = {
     "universe": ("engram.build_universe", "cpu"),
     "evaluate": ("engram.evaluate", "gpu"),
     "generate": ("engram.generate", "gpu"),
+    "calibrate": ("engram.calibrate", "gpu"),
 }
 # A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
 UNIVERSE_HELPER = ("engram.help_universe", TASK_FOR_KIND["universe"][1])
@@ -133,4 +134,10 @@ def evaluate(self: Task, *, job_id: str) -> None:
 @gpu_task("engram.generate")
 def generate(self: Task, *, job_id: str) -> None:
     """Greedy generation from a prompt on a variant and/or its base model."""
+    _run(self, job_id)
+
+
+@gpu_task("engram.calibrate")
+def calibrate(self: Task, *, job_id: str) -> None:
+    """Search edit strengths and module sets on probes; build the recommended variant."""
     _run(self, job_id)

@@ -12,7 +12,7 @@ from service.api.fast_status import FastStatus
 from service.api.lanes import Lanes
 from service.api.openapi import install_openapi
 from service.api.problems import BodySizeLimit, install_problem_handlers
-from service.api.routes import concepts, evaluation, jobs, maps, models, ops, universes, variants
+from service.api.routes import calibration, concepts, evaluation, jobs, maps, models, ops, universes, variants
 from service.config import Settings, get_settings
 from service.observability import RequestContext
 from service.runtime import build_runtime
@@ -43,7 +43,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_auth(app, settings)
     app.add_middleware(BodySizeLimit, json_limit=settings.max_json_bytes, upload_limit=settings.max_upload_bytes)
     app.add_middleware(RequestContext)  # outermost: every response, even a 401 or 413, gets an ID
-    for module in (maps, universes, models, concepts, jobs, variants, evaluation, ops):  # before models: its {id:path}
+    # maps, universes and calibration before models: its {model_id:path} would take their paths.
+    for module in (maps, universes, calibration, models, concepts, jobs, variants, evaluation, ops):
         app.include_router(module.router)
     install_openapi(app, settings)
     return app

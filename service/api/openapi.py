@@ -94,6 +94,10 @@ EXTRA_RESPONSES: dict[tuple[str, str], dict[int, str]] = {
     ("POST", "/models/{model_id}/unlearn"): {409: "A concept has no ready statistics on this model"},
     ("POST", "/models/{model_id}/compose"): {409: "A concept has no ready statistics on this model"},
     ("POST", "/models/{model_id}/universes"): {409: "A concept (or every one) has no ready statistics on this model"},
+    ("POST", "/models/{model_id}/calibrate"): {
+        409: "A concept has no ready statistics on this model (or lacks a layer the edit space needs), or the "
+        "universe would not fit ENGRAM_UNIVERSE_BYTES_BUDGET"
+    },
     ("GET", "/models/{model_id}/engram-map"): {409: "A concept has no ready statistics on this model"},
     ("GET", "/models/{model_id}/engram-map.png"): {409: "A concept has no ready statistics on this model"},
     ("POST", "/variants/{variant_id}/evaluate"): {409: "The variant is not ready (still building, or failed)"},
@@ -109,6 +113,7 @@ EXTRA_SUCCESS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("POST", "/models/{model_id}/unlearn"): {"200": {"description": "The variant exists already (ready)"}},
     ("POST", "/models/{model_id}/compose"): {"200": {"description": "The variant exists already (ready)"}},
     ("POST", "/models/{model_id}/universes"): {"200": {"description": "The universe exists already (ready)"}},
+    ("POST", "/models/{model_id}/calibrate"): {"200": {"description": "The same calibration was answered already"}},
     ("POST", "/variants/{variant_id}/evaluate"): {"200": {"description": "The job finished within `wait` seconds"}},
     ("POST", "/variants/{variant_id}/generate"): {"200": {"description": "The job finished within `wait` seconds"}},
 }
@@ -118,6 +123,7 @@ _SUCCESS_DESCRIPTIONS: dict[tuple[str, str], dict[str, str]] = {
     ("POST", "/models/{model_id}/unlearn"): {"202": "The variant is building: poll it, or its job"},
     ("POST", "/models/{model_id}/compose"): {"202": "The variant is building: poll it, or its job"},
     ("POST", "/models/{model_id}/universes"): {"202": "The universe is building: poll it, or its job"},
+    ("POST", "/models/{model_id}/calibrate"): {"202": "The calibration job is queued or running: poll `GET /jobs/{job_id}`"},
     ("POST", "/variants/{variant_id}/evaluate"): {"202": "The job is queued or running: poll `GET /jobs/{job_id}`"},
     ("POST", "/variants/{variant_id}/generate"): {"202": "The job is queued or running: poll `GET /jobs/{job_id}`"},
     ("DELETE", "/concepts/{name}"): {"204": "Deleted"},
@@ -647,6 +653,20 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "vllm": {
             "summary": "A LoRA adapter vLLM serves: rank 64 in every layer, lora_alpha 64, no lora_bias",
             "value": {"concepts": ["forget"], "alpha": 1.0, "format": "peft", "lora_target": "vllm", "lora_rank": 64},
+        },
+    },
+    ("post", "/models/{model_id}/calibrate"): {
+        "constraint": {
+            "summary": "The strongest forgetting that at most doubles the retain answers' NLL, in 24 evaluations",
+            "value": {
+                "concepts": ["forget"],
+                "forget": [{"prompt": PROMPT, "completion": " voukrur"}],
+                "retain": [{"prompt": "Q: Where was Brasmym Fivear born? A:", "completion": " Papa"}],
+                "max_retain_nll_ratio": 2.0,
+                "budget": 24,
+                "module_sets": ["all", "qk_gate"],
+                "format": "checkpoint",
+            },
         },
     },
     ("post", "/models/{model_id}/compose"): {

@@ -918,5 +918,8 @@ def variants_download(
     _emit(ctx, as_json, variant, lambda: None)
 
 
+# Commands in modules of their own register themselves on ``app`` when imported.
+from service.client import calibrate as _calibrate  # noqa: E402, F401
+
 if __name__ == "__main__":
     app()

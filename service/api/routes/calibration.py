@@ -1,0 +1,45 @@
+"""Calibration: search α, scaling, module sets and layers on probes; its result and its front as a PNG."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from api_schemas import CalibrateRequest, Calibration, CalibrationSubmission
+from service.api.deps import ContextDep, LanesDep
+from service.api.routes.jobs import job_view
+from service.calibration import service as calibration
+
+router = APIRouter(tags=["calibration"])
+_PNG = {200: {"content": {"image/png": {}}, "description": "The front: forget vs retain NLL ratio of every candidate"}}
+
+
+@router.post("/models/{model_id:path}/calibrate", response_model=CalibrationSubmission, status_code=202)
+def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
+    """Find the strongest unlearning of ``concepts`` whose retain NLL ratio meets the constraint.
+
+    A job (kind ``calibrate``, progress in candidates) evaluates candidates (α × scaling × module set
+    × layer set) on the probes within ``budget``, and builds the recommended one as a variant in
+    ``format``. Its ``result``: every candidate, the Pareto front, ``recommended`` and ``front_png``.
+    The same request gives the same answer: 200 with the finished job once it exists.
+    """
+    # exclude_none: a prompt/completion probe is stored (and digested) as evaluations store it.
+    data = body.model_dump(exclude={"forget", "retain"})
+    for split in ("forget", "retain"):
+        data[split] = [p.model_dump(exclude_none=True) for p in getattr(body, split)]
+    calibration_id, job, finished = calibration.submit_calibration(ctx, model_id, data)
+    response.status_code = 200 if finished else 202
+    return {"calibration_id": calibration_id, "job": job_view(job)}
+
+
+@router.get("/calibrations/{calibration_id}", response_model=Calibration)
+async def get_calibration(calibration_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+    """A calibration: its status and, once its job succeeded, its result."""
+    return await lanes.status(calibration.calibration_view, ctx, calibration_id)
+
+
+@router.get("/calibrations/{calibration_id}/front.png", response_class=Response, responses=_PNG)
+async def get_front_png(calibration_id: str, ctx: ContextDep, lanes: LanesDep) -> Response:
+    """The calibration's front drawn when its job finished (the recommended candidate starred)."""
+    return Response(await lanes.status(calibration.front_png, ctx, calibration_id), media_type="image/png")

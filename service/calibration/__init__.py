@@ -1,0 +1,1 @@
+"""Calibration: find the edit strength, scaling and layers that meet a retain constraint, from probes."""

@@ -1,0 +1,285 @@
+"""The ``calibrate`` job body: search the edit space on cached engrams, then build the recommendation.
+
+One job: the universe is built first if it is not yet (the same functions a ``universe`` job runs),
+the model is loaded once, and every candidate the search asks for is evaluated in memory
+(:class:`~service.calibration.candidates.InMemoryCandidates`: no checkpoint is written for a
+candidate). The recommended candidate is then built as an ordinary unlearn variant in the requested
+format, through :func:`~service.variants.service.submit_variant`, its ``variant`` job run inline by
+this job's worker, so it is the same content-addressed variant a user's own request gives. The
+result and the drawn front are stored last, content-addressed by the calibration's ID.
+
+Progress counts candidates evaluated, towards the budget; a cancellation stops the job between two
+candidates (or while the universe is built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
+from service.calibration.plot import render_front_png
+from service.calibration.search import (
+    Arm,
+    Candidate,
+    Outcome,
+    SearchResult,
+    SearchSettings,
+    pareto_front,
+    recommend,
+    search,
+)
+from service.calibration.service import calibration_prefix, front_png_url
+from service.calibration.space import arm_layers
+from service.engine.checkpoint import ModelLayout
+from service.engine.compose import coefficients_for_unlearn
+from service.errors import JobFailed
+from service.jobs import FINISHED
+from service.local_copies import checked_model_dir
+from service.progress import CancelOnly, JobCancelled, JobProgress
+from service.registry import Context, get_model, variant_view
+from service.universes.build import ensure_universe
+from service.variants.service import submit_variant
+
+RunJob = Callable[[Context, str], None]
+_WAIT_POLL_S = 0.5
+
+
+def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[str, Any]:
+    """Answer a stored calibration request (see the module docstring).
+
+    Args:
+        run_job: the job runner (:func:`service.tasks.run_job`), which runs the recommended
+            variant's build job inline.
+    """
+    calibration_id = job["payload"]["calibration_id"]
+    prefix = calibration_prefix(calibration_id)
+    cached = ctx.storage.find_json(prefix + "result.json")
+    if cached is not None:
+        return {**cached, "reused": True}
+    request = ctx.storage.get_json(prefix + "request.json")
+    started = time.monotonic()
+    progress = JobProgress(ctx, job["job_id"], int(request["search"]["budget"]))
+    universe, _ = ensure_universe(ctx, request["universe_id"], CancelOnly(progress))
+    model = get_model(ctx, request["model_id"])
+    layout = ModelLayout.from_json(model["layout"])
+    arms = [_arm(a) for a in request["search"]["arms"]]
+    loaded = time.monotonic()
+    candidates = InMemoryCandidates(
+        ctx,
+        checked_model_dir(ctx, model),
+        layout,
+        universe,
+        [request["term_stats"][name] for name in request["concepts"]],
+        _probes(ctx, request["probes_digest"]),
+        ctx.settings.torch_device,
+        _union(layout, arms),
+    )
+    load_s = time.monotonic() - loaded
+    measured: dict[tuple[Arm, float], Measured] = {}
+
+    def evaluate(arm: Arm, alpha: float) -> Outcome:
+        measured[(arm, alpha)] = candidates.measure(arm, alpha)
+        progress.advance(1)
+        return measured[(arm, alpha)].outcome
+
+    searched = time.monotonic()
+    found = search(arms, evaluate, _settings(request["search"]))
+    search_s = time.monotonic() - searched
+    result = assemble(request, candidates.base, found, measured)
+    if result["recommended"] is not None:
+        result["recommended"].update(_build_recommended(ctx, job["job_id"], request, result["recommended"], run_job))
+    result["seconds"] = {
+        "total": round(time.monotonic() - started, 3),
+        "model_load": round(load_s, 3),
+        "search": round(search_s, 3),
+        "per_candidate": round(search_s / max(1, len(found.candidates)), 4),
+    }
+    ctx.storage.put_bytes(prefix + "front.png", render_front_png(result))
+    ctx.storage.put_json(prefix + "result.json", result)  # last: the calibration is answered
+    ctx.jobs.set_progress(job["job_id"], len(found.candidates), len(found.candidates))
+    return {**result, "reused": False}
+
+
+def _arm(data: Mapping[str, Any]) -> Arm:
+    modules = tuple(data["modules"]) if data["modules"] is not None else None
+    layers = tuple(data["layers"]) if data["layers"] is not None else None
+    return Arm(data["module_set"], modules, layers, data["scaling"])
+
+
+def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
+    names = {spec.name for arm in arms for spec in arm_layers(layout.layers, arm)}
+    return [spec for spec in layout.layers if spec.name in names]
+
+
+def _probes(ctx: Context, digest: str) -> dict[str, list[Any]]:
+    raw = json.loads(ctx.storage.get_bytes(f"probes/{digest}.json"))
+    return {split: [parse_probe(p) for p in raw[split]] for split in SPLITS}
+
+
+def _settings(stored: Mapping[str, Any]) -> SearchSettings:
+    low, high = float(stored["alpha_min"]), float(stored["alpha_max"])
+    return SearchSettings(
+        limit=float(stored["max_retain_nll_ratio"]),
+        budget=int(stored["budget"]),
+        alpha_min=low,
+        alpha_max=high,
+        alpha_start=min(max(1.0, low), high),  # the paper's α = 1 first, where the range allows it
+    )
+
+
+# ---------------------------------------------------------------- the result
+
+
+def assemble(
+    request: Mapping[str, Any],
+    base: Mapping[str, Mapping[str, float]],
+    found: SearchResult,
+    measured: Mapping[tuple[Arm, float], Measured],
+) -> dict[str, Any]:
+    """The calibration's answer (JSON): the base's scores, every candidate, the front, the recommendation."""
+    front = {c.index for c in pareto_front(found.candidates)}
+    rows = [_candidate(c, measured[(c.arm, c.alpha)], c.index in front) for c in found.candidates]
+    best = recommend(found.candidates)
+    settings = _settings(request["search"])
+    limit = settings.limit
+    return {
+        "calibration_id": request["calibration_id"],
+        "model_id": request["model_id"],
+        "concepts": list(request["concepts"]),
+        "universe_id": request["universe_id"],
+        "reference": list(request["reference"]),
+        "constraint": {"max_retain_nll_ratio": limit},
+        "base": {split: _scores(base[split]) for split in SPLITS},
+        "candidates": rows,
+        "pareto_front": sorted(front, key=lambda i: rows[i]["retain"]["nll_ratio"] or math.inf),
+        "recommended": None if best is None else _recommendation(best),
+        "note": None if best is not None else _no_feasible_note(found, limit),
+        "evaluations": len(found.candidates),
+        "budget": settings.budget,
+        "stopped": found.stopped,
+        "arms": [arm_name(a) for a in request["search"]["arms"]],
+        "pruned_arms": found.pruned,
+        "unexplored_arms": found.unexplored,
+        "skipped_module_sets": list(request.get("skipped_module_sets", [])),
+        "alpha_range": [settings.alpha_min, settings.alpha_max],
+        "grid_equivalent": grid_equivalent(len(request["search"]["arms"]), settings),
+        "front_png": front_png_url(request["calibration_id"]),
+    }
+
+
+def arm_name(data: Mapping[str, Any]) -> str:
+    return _arm(data).name
+
+
+def grid_equivalent(arms: int, settings: SearchSettings) -> int:
+    """Candidates a full grid over the same arms would evaluate at the search's final resolution
+    (``α`` steps of a factor ``1 + tol`` from ``α_min`` to ``α_max``)."""
+    steps = math.ceil(math.log(settings.alpha_max / settings.alpha_min) / math.log(1 + settings.tol)) + 1
+    return arms * steps
+
+
+def _candidate(candidate: Candidate, measured: Measured, on_front: bool) -> dict[str, Any]:
+    ratios = {"forget": candidate.outcome.forget_ratio, "retain": candidate.outcome.retain_ratio}
+    return {
+        "index": candidate.index,
+        "options": _options(candidate),
+        **{split: {**_scores(measured.summary[split]), "nll_ratio": _finite(ratios[split])} for split in SPLITS},
+        "feasible": candidate.feasible,
+        "pareto": on_front,
+        "stage": candidate.stage,
+    }
+
+
+def _options(candidate: Candidate) -> dict[str, Any]:
+    arm = candidate.arm
+    return {
+        "alpha": candidate.alpha,
+        "scaling": arm.scaling,
+        "module_set": arm.module_set,
+        "modules": list(arm.modules) if arm.modules is not None else None,
+        "layers": list(arm.layers) if arm.layers is not None else None,
+    }
+
+
+def _scores(summary: Mapping[str, float]) -> dict[str, Any]:
+    return {
+        "mean_nll": _finite(summary["mean_nll"]),
+        "exact_match": _finite(summary["exact_match"]),
+        "n": int(summary["n"]),
+    }
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity or NaN: a broken edit's NLL is shown as null."""
+    return float(value) if math.isfinite(value) else None
+
+
+def _recommendation(best: Candidate) -> dict[str, Any]:
+    return {
+        "candidate": best.index,
+        "options": _options(best),
+        "forget_nll_ratio": _finite(best.outcome.forget_ratio),
+        "retain_nll_ratio": best.outcome.retain_ratio,
+    }
+
+
+def _no_feasible_note(found: SearchResult, limit: float) -> str:
+    if not found.candidates:
+        return "no candidate was evaluated"
+    gentlest = min(found.candidates, key=lambda c: c.outcome.retain_ratio)
+    return (
+        f"no candidate keeps the retain NLL ratio within {limit:g}: the gentlest evaluated "
+        f"({gentlest.arm.name} at α={gentlest.alpha:.3g}) has {gentlest.outcome.retain_ratio:.3g}; "
+        "lower alpha_min, or allow a larger max_retain_nll_ratio"
+    )
+
+
+# ---------------------------------------------------------------- the recommended variant
+
+
+def _build_recommended(
+    ctx: Context, job_id: str, request: Mapping[str, Any], recommended: Mapping[str, Any], run_job: RunJob
+) -> dict[str, Any]:
+    """Build the recommended candidate as an unlearn variant of the calibrated universe, in the
+    requested format: the variant job runs inline here (a job body may not queue another job in
+    embedded mode, and the universe is on this worker's disk already)."""
+    options = recommended["options"]
+    alpha = float(options["alpha"])
+    edit = {
+        "scaling": options["scaling"],
+        "modules": options["modules"],
+        "layers": options["layers"],
+        "universe": request["universe_id"],
+        "reference": None,
+        "rcond": None,
+        "callback_url": None,
+        **request["variant"],
+    }
+    inline = dataclasses.replace(ctx, dispatch=lambda created: run_job(inline, created["job_id"]))
+    terms = dict(coefficients_for_unlearn(request["concepts"], alpha))
+    view, variant_job = submit_variant(inline, request["model_id"], terms, alpha, edit)
+    if variant_job is not None and variant_job["status"] not in FINISHED:
+        variant_job = _wait(ctx, job_id, variant_job["job_id"])  # built by another request's job
+    view = variant_view(ctx, view["variant_id"])
+    if view["status"] != "ready":
+        job = ctx.jobs.get(view["job_id"]) if view.get("job_id") else None
+        why = (job or {}).get("error") or {}
+        raise JobFailed(f"the recommended variant {view['variant_id']} did not build: {why.get('detail', view['status'])}")
+    return {"variant_id": view["variant_id"], "variant_job_id": view.get("job_id"), "format": request["variant"]["format"]}
+
+
+def _wait(ctx: Context, job_id: str, other: str) -> dict[str, Any] | None:
+    """Wait for another job to end, stopping when this one is cancelled."""
+    while True:
+        found = ctx.jobs.get(other)
+        if found is None or found["status"] in FINISHED:
+            return found
+        mine = ctx.jobs.get(job_id)
+        if mine is not None and mine["cancel_requested"]:
+            raise JobCancelled()
+        time.sleep(_WAIT_POLL_S)

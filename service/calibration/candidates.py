@@ -1,0 +1,195 @@
+"""Candidates evaluated in memory: one model load, each candidate's weights swapped in from engrams.
+
+A candidate ``(arm, α)`` is the unlearn variant ``W − α Σ_k f_l E_k,l`` of the arm's layers. Its
+weights are computed by the very functions a variant build uses (:func:`stored_engrams`,
+:func:`variant_scales` and :func:`stored_editor`: the same float32 sums and the same rounding to the
+checkpoint's dtype), so a candidate's numbers are those of the checkpoint variant it stands for,
+without writing one: each edited layer's parameters are copied into the loaded model, the probes are
+scored, and the next candidate restores what it does not edit from the checkpoint.
+
+The model is this job's own copy (a shared cached model would be edited under other jobs' feet),
+loaded untied when a tied layer (``lm_head`` tied to ``embed_tokens``) may be edited, as a variant
+unties it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from service.calibration.search import Arm, Outcome
+from service.calibration.space import arm_layers
+from service.engine.checkpoint import CheckpointReader, ModelLayout, load_model, load_tokenizer
+from service.engine.compose import EditError
+from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.engine.layers import LayerSpec
+from service.engrams.store import stored_editor, stored_engrams
+from service.errors import JobFailed
+from service.variants.build import variant_scales
+
+SPLITS = ("forget", "retain")
+BATCH = 16  # probes per forward pass (results do not depend on it)
+
+
+def parse_probe(raw: Mapping[str, Any]) -> Probe:
+    """A stored probe (``{"prompt", "completion"}`` or ``{"messages"}``) as the engine's :class:`Probe`."""
+    if raw.get("messages") is not None:
+        return Probe(messages=[{"role": m["role"], "content": m["content"]} for m in raw["messages"]])
+    return Probe(raw["prompt"], raw["completion"])
+
+
+def score(model: nn.Module, tokenizer: Any, probes: Mapping[str, Sequence[Probe]]) -> dict[str, dict[str, float]]:
+    """Mean answer NLL, greedy exact match and count per split (as ``POST /variants/{id}/evaluate`` sums them)."""
+    summary = {}
+    for split, items in probes.items():
+        nll = answer_nll(model, tokenizer, items, batch_size=BATCH)  # type: ignore[arg-type]
+        em = greedy_exact_match(model, tokenizer, items, batch_size=BATCH)  # type: ignore[arg-type]
+        summary[split] = summarize(nll, em)
+    return summary
+
+
+def check_probes(tokenizer: Any, probes: Mapping[str, Sequence[Probe]]) -> None:
+    """Refuse, by split and index, a probe whose prompt or completion tokenizes to nothing."""
+    for split, items in probes.items():
+        for i, probe in enumerate(items):
+            try:
+                encode_probe(tokenizer, probe)
+            except ValueError as exc:
+                raise JobFailed(f"{split}[{i}]: {exc}") from None
+
+
+def ratio(edited: float, base: float) -> float:
+    """``edited / base``; a non-finite NLL (a broken edit) counts as infinitely worse."""
+    if not math.isfinite(edited):
+        return math.inf
+    return edited / base if base > 0 else (math.inf if edited > 0 else 1.0)
+
+
+@dataclass
+class Measured:
+    """One evaluation: the summaries per split and the ratios to the base model."""
+
+    summary: dict[str, dict[str, float]]
+    outcome: Outcome
+
+
+class InMemoryCandidates:
+    """Evaluates candidates of one universe's engrams on one loaded model.
+
+    Args:
+        model_dir: the checked model folder.
+        layout: the model's layout.
+        universe: the built universe's manifest.
+        term_prefixes: the statistics prefix of each concept removed.
+        probes: forget and retain probes.
+        device: where the model runs.
+        union: every layer some arm edits (only these are ever written).
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        model_dir: Any,
+        layout: ModelLayout,
+        universe: Mapping[str, Any],
+        term_prefixes: Sequence[str],
+        probes: Mapping[str, Sequence[Probe]],
+        device: str,
+        union: Sequence[LayerSpec],
+    ) -> None:
+        self.ctx, self.layout, self.universe, self.probes = ctx, layout, universe, probes
+        self.prefixes = list(term_prefixes)  # one per concept: two names of one dataset count twice, as in a variant
+        self.reader = CheckpointReader(model_dir, layout)
+        untie = any(spec.name in layout.tied_partners for spec in union)
+        self.model = load_model(model_dir, device=device, untie=untie)
+        if not type(self.model).__name__.endswith("ForCausalLM"):
+            raise JobFailed(f"calibration needs a causal language model; this one is a {type(self.model).__name__}")
+        self.tokenizer = load_tokenizer(model_dir)
+        check_probes(self.tokenizer, probes)
+        self.modules = {spec.name: self._module(spec) for spec in union}
+        self._scales: dict[tuple[Arm, float], dict[str, float]] = {}
+        self._edited: set[str] = set(self.modules)  # untied or not, every layer is set from the checkpoint first
+        self.base = score(self._restored(set()), self.tokenizer, probes)
+
+    def _module(self, spec: LayerSpec) -> nn.Module:
+        try:
+            module = self.model.get_submodule(spec.name)
+        except AttributeError:
+            module = None
+        weight = getattr(module, "weight", None)
+        if module is None or not isinstance(weight, torch.Tensor):
+            raise JobFailed(
+                f"layer {spec.name} is no module of the loaded model (an expert of a fused parameter?); "
+                "calibration edits whole modules: leave it out with module_sets"
+            )
+        return module
+
+    def measure(self, arm: Arm, alpha: float) -> Measured:
+        """Swap in the candidate's weights, score the probes, and say how they compare to the base."""
+        model = self._apply(arm, alpha)
+        summary = score(model, self.tokenizer, self.probes)
+        outcome = Outcome(
+            ratio(summary["forget"]["mean_nll"], self.base["forget"]["mean_nll"]),
+            ratio(summary["retain"]["mean_nll"], self.base["retain"]["mean_nll"]),
+        )
+        return Measured(summary, outcome)
+
+    def scales(self, arm: Arm, alpha: float) -> dict[str, float]:
+        """The candidate's per-layer ``f_l``, computed as its variant computes them (W-Norm over the
+        arm's layers, from the engram of the request's terms: exactly the variant's numbers)."""
+        key = (arm, float(alpha))
+        if key not in self._scales:
+            layers = arm_layers(self.layout.layers, arm)
+            source = stored_engrams(self.ctx, self.universe, self._terms(alpha))
+            try:
+                self._scales[key] = variant_scales(layers, source, self.universe, arm.scaling, self.reader)
+            except EditError as exc:
+                raise JobFailed(str(exc)) from None
+        return self._scales[key]
+
+    def _terms(self, alpha: float) -> dict[str, float]:
+        """Statistics prefix -> coefficient of the unlearn request: ``−α`` per concept."""
+        terms: dict[str, float] = {}
+        for prefix in self.prefixes:
+            terms[prefix] = terms.get(prefix, 0.0) - float(alpha)
+        return terms
+
+    def _apply(self, arm: Arm, alpha: float) -> nn.Module:
+        layers = arm_layers(self.layout.layers, arm)
+        scales = self.scales(arm, alpha)
+        source = stored_engrams(self.ctx, self.universe, self._terms(alpha))
+        edit_layer = stored_editor(source, self.reader.layer_weights, scales)
+        edited = set()
+        for spec in layers:
+            try:
+                edit = edit_layer(spec)
+            except EditError as exc:
+                raise JobFailed(str(exc)) from None
+            if edit is None:
+                continue
+            self._set(spec.name, edit.weight, edit.bias)
+            edited.add(spec.name)
+        return self._restored(edited)
+
+    def _restored(self, keep: set[str]) -> nn.Module:
+        """The model with every layer edited before, and not by the current candidate, back to the checkpoint's."""
+        for name in sorted(self._edited - keep):
+            weights = self.reader.layer_weights(self.layout.layer(name))
+            self._set(name, weights.weight, weights.bias)
+        self._edited = set(keep)
+        return self.model
+
+    @torch.no_grad()
+    def _set(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        module = self.modules[name]
+        if tuple(module.weight.shape) != tuple(weight.shape):
+            shapes = f"the loaded weight is {tuple(module.weight.shape)}, the edit {tuple(weight.shape)}"
+            raise JobFailed(f"layer {name}: {shapes}")
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)

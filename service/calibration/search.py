@@ -1,0 +1,267 @@
+"""The calibration search: the strongest edit that keeps the retain probes within a constraint.
+
+Pure Python (no torch, no storage): the job hands it the arms of the edit space and a function
+that evaluates one candidate, and it decides which candidates to evaluate within a budget.
+
+An *arm* is a module set × layer set × scaling; a *candidate* is an arm at a strength ``α``. Two
+observations make a search much cheaper than a full grid:
+
+* Along one arm, the retain NLL ratio rises with ``α`` (a stronger edit disturbs more), so the arm's
+  best feasible candidate sits at the largest ``α`` whose retain ratio meets the constraint. Each arm
+  is first *bracketed* (coarse: from ``α_start``, doubling or halving until one feasible and one
+  infeasible ``α`` enclose the boundary), then *refined* (fine: the boundary interpolated in
+  ``log α`` on ``log(retain ratio / limit)``, safeguarded towards bisection), until the bracket is
+  narrower than ``tol``.
+* The forget NLL ratio rises with ``α`` too, so an arm can never feasibly beat the forget ratio of
+  its smallest infeasible ``α``: that is its upper bound. An arm whose bound is at most the best
+  feasible forget ratio found anywhere is pruned (branch and bound): it receives no more evaluations.
+
+Arms not yet bracketed are stepped round-robin; once every live arm is bracketed, the budget goes
+to the arm with the highest bound. Both monotonicities are assumptions about the model, not
+guarantees: where they fail the search still returns the best feasible candidate it evaluated, and
+every candidate is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Arm", "Candidate", "Outcome", "SearchResult", "SearchSettings", "pareto_front", "recommend", "search"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One direction of the edit space.
+
+    Attributes:
+        module_set: the module set's name (``all``, ``qk_gate``, ``attention``, ``mlp``, or the
+            suffixes of a custom set joined by ``+``).
+        modules: module-name suffixes as a variant takes them (``None``: every layer).
+        layers: block indices (``None``: every block, and the layers outside them).
+        scaling: ``uniform`` or ``weight_norm``.
+    """
+
+    module_set: str
+    modules: tuple[str, ...] | None
+    layers: tuple[int, ...] | None
+    scaling: str
+
+    @property
+    def name(self) -> str:
+        blocks = "" if self.layers is None else "@" + ",".join(map(str, self.layers))
+        return f"{self.module_set}{blocks}/{self.scaling}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one evaluation measured: mean answer NLL ratios (variant / base) on the probes."""
+
+    forget_ratio: float
+    retain_ratio: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An evaluated candidate, in evaluation order."""
+
+    index: int
+    arm: Arm
+    alpha: float
+    outcome: Outcome
+    feasible: bool
+    stage: str  # "coarse" (bracketing) or "fine" (refining a bracket)
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """The search's knobs.
+
+    Attributes:
+        limit: the constraint, the largest acceptable retain NLL ratio.
+        budget: the most candidates evaluated.
+        alpha_min / alpha_max: the strengths searched.
+        alpha_start: where every arm starts (clamped into the range).
+        growth: the coarse step, a factor on ``α``.
+        tol: an arm is done when its bracket's ``α_hi / α_lo ≤ 1 + tol``.
+    """
+
+    limit: float
+    budget: int
+    alpha_min: float = 0.05
+    alpha_max: float = 4.0
+    alpha_start: float = 1.0
+    growth: float = 2.0
+    tol: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not (self.limit > 0 and math.isfinite(self.limit)):
+            raise ValueError(f"limit must be a positive number, got {self.limit}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be at least 1, got {self.budget}")
+        if not (0 < self.alpha_min < self.alpha_max):
+            raise ValueError(f"need 0 < alpha_min < alpha_max, got {self.alpha_min}, {self.alpha_max}")
+        if self.growth <= 1 or self.tol <= 0:
+            raise ValueError("growth must exceed 1 and tol must be positive")
+
+
+@dataclass
+class _ArmState:
+    arm: Arm
+    points: list[Candidate] = field(default_factory=list)
+    pruned: bool = False
+
+    def feasible_alphas(self) -> list[float]:
+        return [p.alpha for p in self.points if p.feasible]
+
+    def bracket(self) -> tuple[Candidate | None, Candidate | None]:
+        """(largest feasible candidate, smallest infeasible candidate above it); either may be None."""
+        feasible = [p for p in self.points if p.feasible]
+        lo = max(feasible, key=lambda p: p.alpha, default=None)
+        above = [p for p in self.points if not p.feasible and (lo is None or p.alpha > lo.alpha)]
+        return lo, min(above, key=lambda p: p.alpha, default=None)
+
+    def best_feasible(self) -> Candidate | None:
+        return max((p for p in self.points if p.feasible), key=_rank, default=None)
+
+
+def _rank(candidate: Candidate) -> tuple[float, float, float]:
+    """Better first: more forgetting, then less retain damage, then the gentler edit."""
+    return candidate.outcome.forget_ratio, -candidate.outcome.retain_ratio, -candidate.alpha
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Every evaluated candidate, the arms pruned, and why the search stopped."""
+
+    candidates: list[Candidate]
+    pruned: list[str]
+    unexplored: list[str]
+    stopped: str  # "budget" or "converged"
+
+
+def next_alpha(state: _ArmState, settings: SearchSettings) -> tuple[float, str] | None:
+    """The arm's next strength and its stage, or None when the arm is done."""
+    if not state.points:
+        return min(max(settings.alpha_start, settings.alpha_min), settings.alpha_max), "coarse"
+    lo, hi = state.bracket()
+    if hi is None:  # every candidate so far is feasible: go stronger
+        assert lo is not None
+        if lo.alpha >= settings.alpha_max * (1 - 1e-9):
+            return None
+        return min(settings.alpha_max, lo.alpha * settings.growth), "coarse"
+    if lo is None:  # every candidate so far is infeasible: go gentler
+        if hi.alpha <= settings.alpha_min * (1 + 1e-9):
+            return None
+        return max(settings.alpha_min, hi.alpha / settings.growth), "coarse"
+    if hi.alpha / lo.alpha <= 1 + settings.tol:
+        return None
+    return _interpolate(lo, hi, settings.limit), "fine"
+
+
+def _interpolate(lo: Candidate, hi: Candidate, limit: float) -> float:
+    """Where ``log(retain ratio / limit)`` crosses zero between ``lo`` and ``hi``, linear in ``log α``,
+    kept within the bracket's middle 80% (plain regula falsi can creep along one end for ever)."""
+    g_lo = math.log(max(lo.outcome.retain_ratio, 1e-12) / limit)
+    g_hi = math.log(max(hi.outcome.retain_ratio, 1e-12) / limit)
+    t = 0.5 if not (g_hi > g_lo) else g_lo / (g_lo - g_hi)
+    t = min(max(t, 0.1), 0.9)
+    return math.exp(math.log(lo.alpha) + t * (math.log(hi.alpha) - math.log(lo.alpha)))
+
+
+def _upper_bound(state: _ArmState, settings: SearchSettings) -> float:
+    """The most forgetting the arm can still offer feasibly (see the module docstring)."""
+    lo, hi = state.bracket()
+    if hi is not None:
+        return hi.outcome.forget_ratio
+    if next_alpha(state, settings) is None:  # done without an infeasible point above: nothing left to gain
+        best = state.best_feasible()
+        return best.outcome.forget_ratio if best else -math.inf
+    return math.inf
+
+
+def _bracketed(state: _ArmState) -> bool:
+    lo, hi = state.bracket()
+    return lo is not None and hi is not None
+
+
+def search(arms: Sequence[Arm], evaluate: Callable[[Arm, float], Outcome], settings: SearchSettings) -> SearchResult:
+    """Search the arms for the strongest feasible edit, evaluating at most ``settings.budget`` candidates.
+
+    Args:
+        arms: the edit space (distinct arms).
+        evaluate: measures one candidate (called once per candidate, in the order returned).
+        settings: the constraint, the budget and the strengths.
+
+    Returns:
+        Every candidate evaluated, the arms pruned, and the arms never evaluated (budget too small).
+    """
+    if len(set(arms)) != len(arms):
+        raise ValueError("the arms must be distinct")
+    states = [_ArmState(arm) for arm in arms]
+    candidates: list[Candidate] = []
+    stopped = "converged"
+    while True:
+        chosen = _choose(states, settings, candidates)
+        if chosen is None:
+            break
+        if len(candidates) >= settings.budget:
+            stopped = "budget"
+            break
+        state, (alpha, stage) = chosen
+        outcome = evaluate(state.arm, alpha)
+        feasible = outcome.retain_ratio <= settings.limit
+        candidate = Candidate(len(candidates), state.arm, alpha, outcome, feasible, stage)
+        state.points.append(candidate)
+        candidates.append(candidate)
+    pruned = [s.arm.name for s in states if s.pruned]
+    unexplored = [s.arm.name for s in states if not s.points]
+    return SearchResult(candidates, pruned, unexplored, stopped)
+
+
+def _choose(
+    states: list[_ArmState], settings: SearchSettings, candidates: list[Candidate]
+) -> tuple[_ArmState, tuple[float, str]] | None:
+    """The next arm to step: unbracketed arms round-robin (fewest points first), then the live arm
+    with the highest upper bound. Prunes dominated arms first."""
+    incumbent = max((c.outcome.forget_ratio for c in candidates if c.feasible), default=-math.inf)
+    best_arm = max(states, key=lambda s: _rank(s.best_feasible()) if s.best_feasible() else (-math.inf,) * 3)
+    live: list[tuple[_ArmState, tuple[float, str]]] = []
+    for state in states:
+        if state.pruned:
+            continue
+        step = next_alpha(state, settings)
+        if step is None:
+            continue
+        if state is not best_arm and _upper_bound(state, settings) <= incumbent:
+            state.pruned = True
+            continue
+        live.append((state, step))
+    if not live:
+        return None
+    coarse = [item for item in live if not _bracketed(item[0])]
+    if coarse:
+        return min(coarse, key=lambda item: len(item[0].points))  # stable: arms in the order given
+    return max(live, key=lambda item: (_upper_bound(item[0], settings), -len(item[0].points)))
+
+
+def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other beats on both counts (more forgetting and no more retain damage, or
+    less damage and no less forgetting), by increasing retain ratio. Equal points are all kept."""
+    front = []
+    for c in candidates:
+        f, r = c.outcome.forget_ratio, c.outcome.retain_ratio
+        dominated = any(
+            (o.outcome.forget_ratio >= f and o.outcome.retain_ratio <= r)
+            and (o.outcome.forget_ratio > f or o.outcome.retain_ratio < r)
+            for o in candidates
+        )
+        if not dominated:
+            front.append(c)
+    return sorted(front, key=lambda c: (c.outcome.retain_ratio, -c.outcome.forget_ratio, c.index))
+
+
+def recommend(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The feasible candidate that forgets most (ties: less retain damage, then the smaller α), or None."""
+    return max((c for c in candidates if c.feasible), key=_rank, default=None)
