@@ -140,7 +140,7 @@ class EngramAlgebra:
             return factors
         if self._moved_factors is None or self._moved_factors[0] != id(factors):
             self._moved_factors = None
-            self._moved_factors = (id(factors), _factors_on(factors, self.device))
+            self._moved_factors = (id(factors), factors.to(self.device))
         return self._moved_factors[1]
 
     def _group_product(self, layer: str, order: Order, factors: PinvFactors) -> torch.Tensor:
@@ -190,14 +190,6 @@ class EngramAlgebra:
             return stats.layer_group[layer]
         except KeyError:
             raise EditError(f"no statistics for layer {layer}") from None
-
-
-def _factors_on(factors: PinvFactors, device: str) -> PinvFactors:
-    def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.to(device)
-
-    inverse = factors.inverse_eigenvalues.to(device)
-    return PinvFactors(inverse, basis=moved(factors.basis), matrix=moved(factors.matrix))
 
 
 Order = Literal["weight_first", "mixed_basis", "projector"]

@@ -46,6 +46,16 @@ class PinvFactors:
         held = (self.inverse_eigenvalues, self.basis, self.matrix)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
+    def to(self, device: str | torch.device) -> PinvFactors:
+        """The same factors on ``device`` (itself when they are there already)."""
+
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        if self.inverse_eigenvalues.device == torch.device(device):
+            return self
+        return PinvFactors(self.inverse_eigenvalues.to(device), basis=moved(self.basis), matrix=moved(self.matrix))
+
     def apply_right(self, matrix: torch.Tensor) -> torch.Tensor:
         """``matrix · pinv(Σ)``, without forming the inverse when it is factored."""
         if self.matrix is not None:

@@ -47,6 +47,7 @@ from service.local_copies import checked_model_dir, local_object, statistics
 from service.progress import JobCancelled, JobProgress, NoProgress, Progress
 from service.registry import Context, get_model
 from service.storage import scratch_dir
+from service.universes import retention
 from service.universes.factors import (
     FACTORS_FORMAT,
     GroupFile,
@@ -124,6 +125,7 @@ def ensure_universe(
         seconds = build.run(Path(tmp), steps, finish=True)
         manifest = build.manifest(seconds)
     ctx.storage.put_json(universe_prefix(universe_id) + "manifest.json", manifest)  # last: the universe now exists
+    retention.mark_built(ctx, universe_id)
     return manifest, False
 
 
@@ -223,7 +225,9 @@ def plan_universe(layout: ModelLayout, members: Mapping[str, GroupedStatistics])
 def decompose_group(
     ctx: Context, members: Mapping[str, GroupedStatistics], keys: Mapping[str, str], rcond: float | None
 ) -> tuple[PinvFactors, str]:
-    """The universe's pseudo-inverse factors of one input group, and what they came from.
+    """The universe's pseudo-inverse factors of one input group (on the CPU), and what they came from.
+
+    The float64 ``eigh`` runs on ``ctx.settings.torch_device``: a GPU when one is there (``ENGRAM_DEVICE``).
 
     Args:
         members: statistics prefix -> that member's statistics.
@@ -232,11 +236,12 @@ def decompose_group(
     Returns:
         (factors, ``"rows"``: from the members' rows, ``T²·D``; or ``"sums"``: ``eigh`` of ``Σ_U``, ``D³``).
     """
+    device = ctx.settings.torch_device
     rows = group_rows(ctx, members, keys)
     if rows is not None:
-        return pinv_factors_from_rows(torch.cat(rows), rcond), "rows"
+        return pinv_factors_from_rows(torch.cat(rows).to(device), rcond).to("cpu"), "rows"
     total = weighted_sum((1.0, members[prefix].sums[group]) for prefix, group in keys.items())
-    return pinv_factors(total, rcond), "sums"
+    return pinv_factors(total.to(device), rcond).to("cpu"), "sums"
 
 
 def part_key(universe_id: str, kind: str, name: str) -> str:
@@ -410,6 +415,7 @@ class UniverseBuild:
             reader.layer_weights,
             lambda spec: reader.stored_dtype(reader.layout.weight_keys[spec.name]),
             on_layer=on_layer,
+            device=self.ctx.settings.torch_device,
         )
         seconds = round(time.perf_counter() - started, 3)
         record = {"part": "member", "name": member, "worker": worker_name(), "seconds": seconds, "bytes": info.nbytes}

@@ -47,7 +47,7 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     progress = JobProgress(ctx, job["job_id"], 0)
     started = time.monotonic()
     with scratch_dir("variant") as tmp:
-        built = build_variant_files(ctx, request, Path(tmp), progress)
+        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job["job_id"])
         files = upload_variant(ctx, variant_id, Path(tmp))
     seconds = round(time.monotonic() - started, 3)
     published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
@@ -72,7 +72,7 @@ class BuiltVariant:
 
 
 def build_variant_files(
-    ctx: Context, request: Mapping[str, Any], out: Path, progress: Progress | None = None
+    ctx: Context, request: Mapping[str, Any], out: Path, progress: Progress | None = None, *, job_id: str | None = None
 ) -> BuiltVariant:
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
@@ -80,6 +80,7 @@ def build_variant_files(
         request: the stored variant request (``variants/<id>/request.json``).
         progress: told of each layer written (a :class:`JobProgress` is given the layer count; the
             universe build before it only checks for cancellation).
+        job_id: the variant job; given, a universe built first asks idle workers to help with it.
 
     Raises:
         JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
@@ -91,7 +92,7 @@ def build_variant_files(
     try:
         if request["format"] == "peft":
             check_adapter_layers(layers)  # before the universe is built
-        source, universe, built_s = _engram_source(ctx, request, steps)
+        source, universe, built_s = _engram_source(ctx, request, steps, job_id)
         reader = CheckpointReader(checked_model_dir(ctx, model), layout)
         if isinstance(steps, JobProgress):
             steps.restart(len(layers))
@@ -103,7 +104,7 @@ def build_variant_files(
 
 
 def _engram_source(
-    ctx: Context, request: Mapping[str, Any], progress: Progress
+    ctx: Context, request: Mapping[str, Any], progress: Progress, job_id: str | None
 ) -> tuple[EngramSource, dict[str, Any] | None, float | None]:
     """The variant's terms as stored engrams of its universe (built now if missing), or, for a
     request stored before universes were (no ``universe_id``), as algebra on the statistics."""
@@ -111,7 +112,7 @@ def _engram_source(
         return algebra_from_statistics(ctx, request), None, None
     started = time.monotonic()
     cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
-    universe, existed = ensure_universe(ctx, request["universe_id"], cancel_only)
+    universe, existed = ensure_universe(ctx, request["universe_id"], cancel_only, job_id=job_id)
     built_s = None if existed else round(time.monotonic() - started, 3)
     terms: dict[str, float] = {}
     for name, coefficient in request["terms"].items():

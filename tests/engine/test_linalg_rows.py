@@ -98,3 +98,29 @@ def test_no_rows_or_zero_rows_give_rank_zero() -> None:
 def test_bad_input_is_refused_by_what_is_wrong(rows: torch.Tensor, rcond: float | None) -> None:
     with pytest.raises(ValueError, match="rows must be|rcond must be"):
         pinv_factors_from_rows(rows, rcond)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("from_rows", [False, True])
+def test_a_gpu_decomposes_like_the_cpu(from_rows: bool) -> None:
+    """The universe's float64 eigh on a GPU (what ``decompose_group`` runs where ENGRAM_DEVICE finds
+    one) keeps the same directions as the CPU, to 1e-10 of the pseudo-inverse."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(300, 96, generator=gen, dtype=torch.float64)
+    if from_rows:
+        cpu, gpu = pinv_factors_from_rows(rows), pinv_factors_from_rows(rows.to("cuda")).to("cpu")
+    else:
+        sigma = rows.mT @ rows
+        cpu, gpu = pinv_factors(sigma), pinv_factors(sigma.to("cuda")).to("cpu")
+    assert gpu.rank == cpu.rank
+    eye = torch.eye(96, dtype=torch.float64)
+    expected, got = cpu.apply_right(eye), gpu.apply_right(eye)
+    assert float((got - expected).norm() / expected.norm()) < 1e-10
+
+
+def test_factors_move_between_devices_unchanged() -> None:
+    factors = pinv_factors(torch.diag(torch.tensor([4.0, 2.0, 0.0], dtype=torch.float64)), explicit=False)
+    assert factors.to("cpu") is factors
+    assert factors.basis is not None
+    moved = factors.to("meta")
+    assert moved.basis is not None and moved.basis.device.type == "meta" and moved.rank == factors.rank
