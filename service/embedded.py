@@ -39,7 +39,7 @@ from service.storage import Storage
 
 log = logging.getLogger("engram.embedded")
 
-_KIND_QUEUE = {"collect": "gpu", "evaluate": "gpu", "generate": "gpu", "calibrate": "gpu", "variant": "cpu"}
+_KIND_QUEUE = {"collect": "gpu", "evaluate": "gpu", "generate": "gpu", "calibrate": "gpu", "universe": "gpu", "variant": "cpu"}
 _KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
 _MONITOR_S = 0.5
 
@@ -111,7 +111,7 @@ class SqliteJobStore(JobStore):
         depths = {"gpu": 0, "cpu": 0}
         rows = self._connection().execute("SELECT kind, COUNT(*) FROM jobs WHERE status = 'queued' GROUP BY kind")
         for kind, count in rows:
-            depths[_KIND_QUEUE.get(kind, "cpu")] += int(count)
+            depths[_KIND_QUEUE.get(kind, "cpu")] += int(count)  # (a variant building its universe counts as cpu)
         return depths
 
     def prune(self, keep: timedelta = _KEEP_FINISHED) -> None:

@@ -87,6 +87,7 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
 
     def dispatch(job: dict[str, Any]) -> None:
         name, queue = TASK_FOR_KIND[job["kind"]]
+        queue = job["payload"].get("queue", queue)  # a variant that must build its universe first: gpu
         # The epoch tells the reconciler later whether this message could have died with Redis.
         jobs.update(job["job_id"], persist=False, dispatch_epoch=jobs.epoch())
         celery.send_task(name, kwargs={"job_id": job["job_id"]}, queue=queue)

@@ -25,7 +25,8 @@ log = logging.getLogger("engram.worker")
 TASK_FOR_KIND = {
     "collect": ("engram.collect", "gpu"),
     "variant": ("engram.build_variant", "cpu"),
-    "universe": ("engram.build_universe", "cpu"),
+    # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
+    "universe": ("engram.build_universe", "gpu"),
     "evaluate": ("engram.evaluate", "gpu"),
     "generate": ("engram.generate", "gpu"),
     "calibrate": ("engram.calibrate", "gpu"),
@@ -111,13 +112,13 @@ def build_variant(self: Task, *, job_id: str) -> None:
     _run(self, job_id)
 
 
-@cpu_task("engram.build_universe")
+@gpu_task("engram.build_universe")
 def build_universe(self: Task, *, job_id: str) -> None:
     """Decompose a universe's input groups once and store every member's engrams."""
     _run(self, job_id)
 
 
-@cpu_task(UNIVERSE_HELPER[0])
+@gpu_task(UNIVERSE_HELPER[0])
 def help_universe(self: Task, *, universe_id: str, job_id: str) -> None:
     """Decompose input groups (then write members' engrams) of a universe that job ``job_id`` builds."""
     from service.tasks import run_universe_helper

@@ -42,8 +42,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     data_start = 8 + length
     metadata = header.pop("__metadata__", None) or {}
     entries = {
-        key: TensorEntry(value["dtype"], list(value["shape"]), data_start + value["data_offsets"][0],
-                         value["data_offsets"][1] - value["data_offsets"][0])
+        key: TensorEntry(
+            value["dtype"],
+            list(value["shape"]),
+            data_start + value["data_offsets"][0],
+            value["data_offsets"][1] - value["data_offsets"][0],
+        )
         for key, value in header.items()
     }
     return entries, metadata
@@ -150,4 +154,3 @@ def _chunks(handle: BinaryIO, length: int) -> Iterator[bytes]:
             return
         length -= len(chunk)
         yield chunk
-

@@ -81,10 +81,12 @@ def submit_variant(
                     job = attach_callbacks(ctx, job, urls)
                 note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
                 return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
+        built = find_manifest(ctx, resolved.spec.universe_id) is not None
         payload = {"variant_id": variant_id, "model_id": model_id}
+        if not built:  # it builds its universe first: far more than a copy, a GPU worker's work
+            payload["queue"] = "gpu"
         job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
         # The universe names the job that builds it: this one, on first need, unless built already.
-        built = find_manifest(ctx, resolved.spec.universe_id) is not None
         record_universe(ctx, resolved.spec, None if built else job["job_id"])
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
         ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})

@@ -1,0 +1,64 @@
+"""Which queue a variant job goes to: a variant that must build its universe first is GPU work (the
+float64 decomposition and products), one of a built universe is arithmetic for a CPU worker; universe
+jobs and their helpers go to the GPU queue. Dispatched for real onto a private Redis (Celery's Redis
+transport keeps each queue as a list named after it)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from service.config import Settings
+from service.runtime import build_runtime
+from service.variants.service import submit_variant
+from tests.fixtures_models import make_tiny_llama, make_tokenizer
+from tests.live import RedisServer, start_redis, stop_redis
+from tests.store_world import StoreWorld, text_records
+
+MODEL = "q/llama"
+OPTIONS = {"scaling": "uniform", "format": "checkpoint"}
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[RedisServer]:
+    server = start_redis()
+    yield server
+    stop_redis(server)
+
+
+def queued_tasks(client: redis.Redis, queue: str) -> list[str]:
+    """The task names waiting in ``queue`` (sorted: kombu pushes at the head)."""
+    return sorted(json.loads(raw)["headers"]["task"] for raw in client.lrange(queue, 0, -1))
+
+
+def test_a_variant_that_builds_its_universe_goes_to_the_gpu_queue(tmp_path: Path, broker: RedisServer) -> None:
+    world = StoreWorld(tmp_path)
+    world.register(
+        MODEL, make_tiny_llama(tmp_path / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=make_tokenizer())
+    )
+    world.publish(MODEL, "forget", text_records(0, 20))
+    world.publish(MODEL, "retain", text_records(20, 60))
+    _, first = submit_variant(world.ctx, MODEL, {"forget": -1.0}, 1.0, OPTIONS)
+    assert first is not None and first["payload"]["queue"] == "gpu"
+    world.run_pending()  # builds the universe inside the variant job
+    _, second = submit_variant(world.ctx, MODEL, {"forget": -0.5}, 1.0, OPTIONS)
+    assert second is not None and "queue" not in second["payload"]
+
+    settings = Settings(
+        storage_url=f"file://{tmp_path / 'store'}",
+        broker_url=broker.url,
+        model_roots=str(tmp_path),
+        cache_dir=tmp_path / "cache",
+    )
+    runtime = build_runtime(settings, background=False)
+    client = redis.Redis.from_url(broker.url)
+    client.delete("gpu", "cpu")
+    runtime.ctx.dispatch(first)
+    runtime.ctx.dispatch(second)
+    runtime.ctx.universe_helpers("u" * 32, first["job_id"], 2)
+    assert queued_tasks(client, "gpu") == ["engram.build_variant", "engram.help_universe", "engram.help_universe"]
+    assert queued_tasks(client, "cpu") == ["engram.build_variant"]
