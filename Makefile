@@ -1,29 +1,62 @@
-# Engram Service: set up, serve, test.
+# Engram Service: set up, serve, test. `make help` lists the targets and the settings.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint demo bench clean
+# Where `make run` listens.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+# PyTorch is installed first, on its own, so that no package pulls in the CUDA build (several GB).
+# TORCH_INDEX_URL empty: pip's own configuration decides where torch comes from (on the project's
+# machines, a local CPU wheel). For a CPU-only install anywhere else:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# For a GPU machine, the CUDA build of your driver, e.g. https://download.pytorch.org/whl/cu130.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
+
+.PHONY: help install run test test-deps lint demo bench api-docs distributed validate-deploy clean
+
+help:
+	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
+	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
+	@echo "make test             the whole test suite (needs redis-server on PATH)"
+	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo"
+	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
+	@echo "make lint             ruff check"
+	@echo "make bench            the performance goals (bench/README.md); BENCH_ARGS=--quick for a smoke run"
+	@echo "make api-docs         regenerate docs/API.md from the OpenAPI document"
+	@echo "make validate-deploy  docker-compose.yml, Dockerfiles and k8s/ checked without Docker or a cluster"
+	@echo "settings: HOST=$(HOST) PORT=$(PORT) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
 
 install: $(STAMP)
 
-# torch first, from the local CPU wheel: a plain "torch" requirement would pull GBs of CUDA packages.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 # The demo folder is an allowed model root unless you say otherwise.
 run: install
-	ENGRAM_MODEL_ROOTS="$${ENGRAM_MODEL_ROOTS:-$(CURDIR)/demo}" $(VENV)/bin/engram-service serve --host 127.0.0.1 --port 8000
+	ENGRAM_MODEL_ROOTS="$${ENGRAM_MODEL_ROOTS:-$(CURDIR)/demo}" $(VENV)/bin/engram-service serve --host $(HOST) --port $(PORT)
 
 demo: install
 	$(PY) -m service.demo --out demo
 
-test: install
+# The suite starts private redis-server processes (and restarts them, to test a Redis that lost
+# everything), so the binary itself must be on PATH; a Redis answering somewhere is not enough.
+test-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "make test: no redis-server on PATH. The tests start private Redis servers of their own." >&2; \
+	  echo "  Debian/Ubuntu: sudo apt-get install redis-server    macOS: brew install redis" >&2; \
+	  echo "  (any Redis 6 or newer; it is only run by the tests, on free ports, without persistence)" >&2; \
+	  exit 1; }
+
+test: test-deps install
 	$(PY) -m pytest -q
 
 # Performance goals of issue 4 (bench/README.md): prints a table, writes bench/results/latest.json.
@@ -33,6 +66,16 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check service workers api_schemas tests
+
+api-docs: install
+	$(PY) scripts/gen_api_docs.py --out docs/API.md
+
+# Distributed mode on this machine, without Docker: see "Run distributed" in README.md.
+distributed: install
+	HOST=$(HOST) PORT=$(PORT) bash scripts/local-distributed.sh
+
+validate-deploy: install
+	bash .ci/validate-deploy
 
 clean:
 	rm -rf $(VENV) .engram .pytest_cache
