@@ -12,6 +12,8 @@ from typing import Any
 
 from service import callbacks
 from service.engine.checkpoint import ModelLayout
+from service.engine.compose import EditError
+from service.engine.experts import check_adapter_layers
 from service.engine.layers import select_layers
 from service.engine.lora import EXACT_RTOL, rank_cap, vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput
@@ -56,6 +58,7 @@ def submit_variant(
     layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, options.get("modules"), options.get("layers"))
     _check_servable(layout, options)
+    _check_adapter_layers(layout, options)
     resolved = _resolve(ctx, model, terms, options)
 
     def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
@@ -93,6 +96,17 @@ def submit_variant(
         ctx.reads.forget(f"variants/{variant_id}/request.json")
     ctx.dispatch(job)
     return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
+
+
+def _check_adapter_layers(layout: ModelLayout, options: Mapping[str, Any]) -> None:
+    """A peft adapter cannot carry expert layers (slices of fused parameters): a 422 naming them,
+    before anything is written (the job checks again, for requests stored before this check)."""
+    if options.get("format") != "peft":
+        return
+    try:
+        check_adapter_layers(select_layers(layout.layers, options.get("modules"), options.get("layers")))
+    except EditError as exc:
+        raise InvalidInput(str(exc)) from None
 
 
 def _check_servable(layout: ModelLayout, options: Mapping[str, Any]) -> None:
