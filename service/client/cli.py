@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -108,6 +108,18 @@ class Format(str, Enum):
 class Generator(str, Enum):
     base = "base"
     variant = "variant"
+
+
+class DatasetFormat(str, Enum):
+    jsonl = "jsonl"
+    parquet = "parquet"
+
+
+class Template(str, Enum):
+    chat = "chat"
+
+
+DATASET_FIELDS = ("text", "prompt", "completion", "messages")  # what --column may map
 
 
 # Options shared by several commands (Annotated aliases keep the signatures short).
@@ -366,6 +378,14 @@ def _render_model(model: Model) -> None:
 
 def _concept_state_lines(concept: Concept) -> list[str]:
     lines = []
+    if concept.dataset is not None:  # a reference: where it is and what it resolved to
+        reference = concept.dataset
+        resolved = f"{concept.num_records} records, " if concept.num_records is not None else ""
+        lines.append(f"{concept.name}: {reference.uri} ({resolved}{reference.status})")
+        if reference.error:
+            lines.append(f"{concept.name}: {reference.error}")
+    if concept.template:
+        lines.append(f"{concept.name}: records rendered with the chat template ({concept.template})")
     for model_id, state in concept.models.items():
         tokens = f" ({state.tokens} tokens)" if state.tokens is not None else ""
         lines.append(f"{concept.name} on {model_id}: {state.status}{tokens}")
@@ -527,12 +547,81 @@ def models_show(ctx: typer.Context, model_id: str, as_json: JsonFlag = False) ->
 # ---------------------------------------------------------------- concepts
 
 
+def _parse_columns(columns: Sequence[str]) -> dict[str, str] | None:
+    """``["prompt=question", "completion=answer"]`` as the reference's column mapping (record field to
+    source column); the service says which combinations it takes."""
+    mapping: dict[str, str] = {}
+    for item in columns:
+        field, sep, column = item.partition("=")
+        field, column = field.strip(), column.strip()
+        if not sep or field not in DATASET_FIELDS or not column:
+            raise typer.BadParameter(
+                f"{item!r} is not FIELD=COLUMN with FIELD one of {', '.join(DATASET_FIELDS)}", param_hint="--column"
+            )
+        if field in mapping:
+            raise typer.BadParameter(f"{field} is mapped twice", param_hint="--column")
+        mapping[field] = column
+    return mapping or None
+
+
+def _parse_rows(rows: str | None) -> dict[str, int] | None:
+    """``START:STOP`` (either may be left out; STOP excluded) as the reference's row range."""
+    if rows is None:
+        return None
+    start, sep, stop = rows.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        bounds = {"start": int(start) if start.strip() else 0}
+        if stop.strip():
+            bounds["stop"] = int(stop)
+    except ValueError:
+        raise typer.BadParameter(f"{rows!r} is not START:STOP (e.g. 0:5000, :100 or 100:)", param_hint="--rows") from None
+    return bounds
+
+
+def _reference_name(uri: str) -> str:
+    """The default concept name of a reference: its last path segment's stem (``facts`` of ``…/facts.parquet``)."""
+    return PurePosixPath(uri.split("?", 1)[0].rstrip("/")).stem
+
+
 @concepts_app.command("add")
 def concepts_add(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL, one record per line.")],
     model: Annotated[list[str], typer.Option("--model", "-m", help="Model to collect on (repeat for several).")],
-    name: Annotated[str | None, typer.Option(help="Concept name (default: the file's stem).")] = None,
+    file: Annotated[
+        Path | None,
+        typer.Argument(exists=True, dir_okay=False, readable=True, help="JSONL, one record per line (or --dataset-uri)."),
+    ] = None,
+    dataset_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--dataset-uri",
+            help="Instead of FILE: a dataset the service's worker fetches, s3://bucket/key, "
+            "hf://datasets/org/name[@revision]/path or file:///abs/path (JSONL or Parquet).",
+        ),
+    ] = None,
+    dataset_format: Annotated[
+        DatasetFormat | None, typer.Option("--dataset-format", help="--dataset-uri's format (default: its extension).")
+    ] = None,
+    column: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--column",
+            help="--dataset-uri: FIELD=COLUMN, the source column of a record field (repeat): text, "
+            "prompt and completion, or messages.",
+        ),
+    ] = None,
+    rows: Annotated[
+        str | None, typer.Option(help="--dataset-uri: START:STOP, the rows to read (0-based, STOP excluded).")
+    ] = None,
+    template: Annotated[
+        Template | None,
+        typer.Option(help="chat: render prompt/completion records with the model's chat template as one-turn chats."),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Concept name (default: the stem of the file or of the URI's last segment).")
+    ] = None,
     role: Annotated[Role, typer.Option(help="target (to edit) or reference (shapes the universe).")] = Role.target,
     description: Annotated[str | None, typer.Option(help="Free text kept with the concept.")] = None,
     callback_url: CallbackOpt = None,
@@ -542,19 +631,40 @@ def concepts_add(
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Upload a concept dataset and watch its statistics being collected on each model."""
-    name = name or file.stem
+    """Upload a concept dataset (or name one the service fetches) and watch its statistics being collected."""
+    if (file is None) == (dataset_uri is None):
+        raise typer.BadParameter("give a JSONL FILE or --dataset-uri (one of them)", param_hint="FILE/--dataset-uri")
+    if dataset_uri is None and (dataset_format is not None or column or rows is not None):
+        raise typer.BadParameter(
+            "--dataset-format, --column and --rows describe a --dataset-uri", param_hint="--dataset-uri"
+        )
+    reference = None
+    if dataset_uri is not None:
+        reference = {"uri": dataset_uri}
+        for key, value in (
+            ("format", dataset_format.value if dataset_format else None),
+            ("columns", _parse_columns(column or [])),
+            ("rows", _parse_rows(rows)),
+        ):
+            if value is not None:
+                reference[key] = value
+    name = name or (file.stem if file is not None else _reference_name(dataset_uri or ""))
     with _session(ctx) as client:
         submission = client.add_concept(
             name,
             model,
             jsonl_path=file,
+            dataset=reference,
+            template=template.value if template else None,
             role=role.value,
             description=description,
             callback_url=callback_url,
             modules=module,
         )
-        stderr.print(f"concept {name}: {submission.concept.num_records} records, collecting on {', '.join(model)}")
+        if reference is None:
+            stderr.print(f"concept {name}: {submission.concept.num_records} records, collecting on {', '.join(model)}")
+        else:
+            stderr.print(f"concept {name}: {dataset_uri}, fetched by the worker, collecting on {', '.join(model)}")
         jobs = submission.jobs
         if not no_wait and jobs:
             jobs = _watch(client, [job.job_id for job in jobs])
@@ -717,8 +827,17 @@ def compose(
 # ---------------------------------------------------------------- evaluate, generate, map
 
 
+def _is_probe(record: Any) -> bool:
+    """``{"prompt", "completion"}`` strings, or ``{"messages": [...]}`` (the service checks the turns)."""
+    if not isinstance(record, dict):
+        return False
+    if "messages" in record:
+        return isinstance(record["messages"], list)
+    return all(isinstance(record.get(k), str) for k in ("prompt", "completion"))
+
+
 def _read_probes(path: Path) -> list[dict[str, Any]]:
-    """The ``{"prompt", "completion"}`` records of a JSONL file; a bad line is named by its number."""
+    """The ``{"prompt", "completion"}`` or ``{"messages"}`` records of a JSONL file; a bad line is named."""
     probes = []
     try:
         with path.open(encoding="utf-8") as lines:
@@ -729,8 +848,12 @@ def _read_probes(path: Path) -> list[dict[str, Any]]:
                     record = json.loads(line)
                 except ValueError:
                     record = None
-                if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("prompt", "completion")):
-                    _fail("Error", f'{path} line {number} is not a {{"prompt": ..., "completion": ...}} JSON record')
+                if not _is_probe(record):
+                    _fail(
+                        "Error",
+                        f'{path} line {number} is not a {{"prompt": ..., "completion": ...}} or {{"messages": [...]}} '
+                        "JSON record",
+                    )
                 probes.append(record)
     except UnicodeDecodeError as exc:
         _fail("Error", f"{path} is not UTF-8 text ({exc})")
@@ -755,10 +878,12 @@ def evaluate(
     ctx: typer.Context,
     variant: Annotated[str, typer.Argument(help="A ready variant; its base model is scored alongside.")],
     forget: Annotated[
-        Path | None, typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion probes it should forget.")
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion (or messages) probes it should forget."),
     ] = None,
     retain: Annotated[
-        Path | None, typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion probes it should keep.")
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion (or messages) probes it should keep."),
     ] = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
@@ -785,8 +910,12 @@ def evaluate(
 def generate(
     ctx: typer.Context,
     variant: Annotated[str, typer.Argument(help="A ready variant.")],
-    prompt: Annotated[str, typer.Argument(help="The text to continue.")],
+    prompt: Annotated[str, typer.Argument(help="The text to continue (--chat: the user's message).")],
     max_new_tokens: Annotated[int, typer.Option(help="The most tokens to generate (greedy; stops at EOS).")] = 32,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Send PROMPT as a user message, rendered with the model's chat template.")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="--chat: a system message before PROMPT.")] = None,
     model: Annotated[
         list[Generator] | None, typer.Option("--model", "-m", help="base or variant (repeat; default: both).")
     ] = None,
@@ -796,8 +925,12 @@ def generate(
 ) -> None:
     """Greedy continuation of PROMPT by the variant and its base model, one line each."""
     models = [m.value for m in model] if model else None  # typer gives [] when --model was not used
+    if system is not None and not chat:
+        raise typer.BadParameter("--system is a chat message: add --chat", param_hint="--system")
+    turns = [{"role": "system", "content": system}] if system is not None else []
+    request: str | list[dict[str, str]] = [*turns, {"role": "user", "content": prompt}] if chat else prompt
     with _session(ctx) as client:
-        job = client.generate(variant, prompt, max_new_tokens, models, callback_url=callback_url)
+        job = client.generate(variant, request, max_new_tokens, models, callback_url=callback_url)
         job = _finish_job(ctx, client, job, no_wait, as_json)
     if job is None:
         return
