@@ -1,48 +1,81 @@
 """Memory-trace maps: where each concept's engram lives, by block and module type (paper Fig. 4).
 
-For every editable layer, ``ρ_l = ‖W_l⁺‖_F / ‖W_l‖_F`` of one concept's engram (coefficient 1)
-relative to the universe ``reference ∪ concepts``. The numbers come from cached statistics only (no
-forward pass); a map is content-addressed by everything that determines it and kept in storage
-(``maps/<digest>.json``), so drawing it again, or as a PNG, costs nothing.
+For every editable layer (the head and anything else outside the blocks included), one number per
+concept, of its engram ``E_l = W_l Σ_k Σ_U⁺`` (coefficient 1) relative to the universe
+``reference ∪ concepts``. Two measures:
+
+- ``data`` (the default): ``‖E_l X_U‖_F / ‖W_l X_U‖_F`` over the universe's inputs ``X_U``, i.e.
+  ``sqrt(tr(E Σ_U Eᵀ) / tr(W Σ_U Wᵀ))`` with ``[W | b]`` and the augmented input for a layer with a
+  bias: the share of the layer's output, on the data it sees, that the concept's engram accounts for
+  (what removing the concept there takes away). It lies between 0 and 1 (``Σ_k ≤ Σ_U``), so it
+  compares across layers, across concepts and across models: a concept that is a tenth of the
+  universe's tokens but owns a layer's directions stands out there;
+- ``weight``: the paper's W-Norm ``ρ_l = ‖E_l‖_F / ‖W_l‖_F``, which weighs every input direction
+  alike, the rare ones the universe hardly sees included (it can exceed 1, and is what ``scaling:
+  "weight_norm"`` scales by).
+
+The numbers come from cached statistics only (no forward pass); a map is content-addressed by
+everything that determines it and kept in storage (``maps/<digest>.json``), so drawing it again, or
+as a PNG, costs nothing.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from service.engine.checkpoint import CheckpointReader, ModelLayout
-from service.engine.compose import EditError, relative_norms
-from service.engine.layers import module_type
+from service.engine.compose import EditError, LayerWeights, augmented_weight, relative_norm, weighted_sum
+from service.engine.layers import LayerSpec, module_type
+from service.engine.stats_io import StatisticsFile
+from service.engrams.store import algebra_from_statistics
 from service.errors import InvalidInput, JobFailed
+from service.local_copies import checked_model_dir, statistics
 from service.registry import Context, canonical_digest, get_model, resolve_universe
 
 MAX_CONCEPTS = 8
+MEASURES = ("data", "weight")
+MEASURE_LABELS = {
+    "data": "‖W⁺X‖F / ‖WX‖F over the universe's inputs",
+    "weight": "ρ = ‖W⁺‖F / ‖W‖F",
+}
 
 
 def engram_map(
-    ctx: Context, model_id: str, concepts: Sequence[str], reference: Sequence[str] | None, rcond: float | None
+    ctx: Context,
+    model_id: str,
+    concepts: Sequence[str],
+    reference: Sequence[str] | None,
+    rcond: float | None,
+    measure: str = "data",
 ) -> dict[str, Any]:
-    """The ρ grid of each concept on a model (computed once, then read from storage).
+    """The grid of each concept on a model (computed once, then read from storage).
 
     Returns:
-        ``{model_id, concepts, reference, rcond, blocks, modules, maps: {concept: {rho: [[ρ|None]]
-        (blocks × modules), max, argmax}}, outside_blocks: {concept: {layer: ρ}}, layers: [...]}``.
+        ``{model_id, concepts, reference, rcond, measure, blocks, modules, maps: {concept: {rho: [[value|None]]
+        (blocks × modules), max, argmax}}, outside_blocks: {concept: {layer: value}}, layers: [...]}``.
     """
     names = list(dict.fromkeys(concepts))
     if not names:
         raise InvalidInput("name at least one concept: ?concepts=a,b")
     if len(names) > MAX_CONCEPTS:
         raise InvalidInput(f"at most {MAX_CONCEPTS} concepts per map, got {len(names)}")
+    if measure not in MEASURES:
+        raise InvalidInput(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
     model = get_model(ctx, model_id)
     universe = resolve_universe(ctx, model_id, names, reference)
     identity = {"model": model["digest"], "concepts": {n: universe.stats[n] for n in names}, "rcond": rcond}
+    if measure != "weight":  # the weight-norm maps keep the keys they were stored under
+        identity["measure"] = measure
     key = f"maps/{canonical_digest({**identity, 'universe': universe.prefixes})}.json"
     cached = ctx.storage.find_json(key)
     if cached is not None:
-        return {**cached, "model_id": model_id}
-    result = _compute(ctx, model, names, universe.names, universe.stats, universe.prefixes, rcond)
+        return {**cached, "model_id": model_id, "measure": measure}
+    result = _compute(ctx, model, names, universe.names, universe.stats, universe.prefixes, rcond, measure)
     ctx.storage.put_json(key, result)
     return result
 
@@ -55,19 +88,60 @@ def _compute(
     stats: dict[str, str],
     prefixes: list[str],
     rcond: float | None,
+    measure: str,
 ) -> dict[str, Any]:
-    from service.tasks import _algebra, checked_model_dir  # the workers' statistics and factor caches
-
     layout = ModelLayout.from_json(model["layout"])
     reader = CheckpointReader(checked_model_dir(ctx, model), layout)
-    rho: dict[str, dict[str, float]] = {}
+    weigher = _DataWeights([statistics(ctx, p) for p in prefixes]) if measure == "data" else None
+    values: dict[str, dict[str, float]] = {}
     for name in names:
         request = {"terms": {name: 1.0}, "term_stats": {name: stats[name]}, "universe_stats": prefixes, "rcond": rcond}
+        algebra = algebra_from_statistics(ctx, request)
+        values[name] = {}
+        for spec in layout.layers:
+            weights = reader.layer_weights(spec)
+            try:
+                engram = algebra.engram(spec, weights)
+            except EditError as exc:
+                raise JobFailed(str(exc)) from None
+            if weigher is None:
+                values[name][spec.name] = relative_norm(spec, engram, weights)
+            else:
+                values[name][spec.name] = weigher.ratio(spec, engram, weights)
+    return {**_grid(model["model_id"], layout, names, universe_names, values, rcond), "measure": measure}
+
+
+class _DataWeights:
+    """``sqrt(tr(E Σ_U Eᵀ) / tr(W Σ_U Wᵀ))`` per layer, ``Σ_U`` summed once per input group (float64)."""
+
+    def __init__(self, universe: Sequence[StatisticsFile]) -> None:
+        self.universe = universe
+        self._sigma: tuple[tuple[str, ...], torch.Tensor] | None = None  # a group's layers come in a row
+        self._output: dict[str, float] = {}
+
+    def sigma(self, spec: LayerSpec) -> torch.Tensor:
         try:
-            rho[name] = relative_norms(layout.layers, _algebra(ctx, request), reader.layer_weights)
-        except EditError as exc:
-            raise JobFailed(str(exc)) from None
-    return _grid(model["model_id"], layout, names, universe_names, rho, rcond)
+            groups = tuple(stats.layer_group[spec.name] for stats in self.universe)
+        except KeyError:
+            raise JobFailed(f"no statistics for layer {spec.name}") from None
+        if self._sigma is None or self._sigma[0] != groups:
+            self._sigma = None
+            pairs = ((1.0, stats.sums[group]) for stats, group in zip(self.universe, groups, strict=True))
+            self._sigma = (groups, weighted_sum(pairs))
+        return self._sigma[1]
+
+    def ratio(self, spec: LayerSpec, engram: torch.Tensor, weights: LayerWeights) -> float:
+        sigma = self.sigma(spec)
+        if spec.name not in self._output:  # the layer's output energy: the same for every concept
+            w = augmented_weight(spec, weights)
+            self._output[spec.name] = float(((w @ sigma) * w).sum())
+        removed = float(((engram @ sigma) * engram).sum())
+        return data_weighted_ratio(removed, self._output[spec.name])
+
+
+def data_weighted_ratio(removed: float, output: float) -> float:
+    """``sqrt(removed / output)``: 0 for a layer the universe's data never reaches (``output`` 0)."""
+    return math.sqrt(max(removed, 0.0) / output) if output > 0 else 0.0
 
 
 def _grid(
@@ -102,8 +176,22 @@ def _grid(
     }
 
 
+def panel(data: dict[str, Any], name: str) -> tuple[list[str], list[str], list[list[float]]]:
+    """One concept's heatmap: rows are the blocks, then ``outside`` when layers lie outside them;
+    columns the module types, then each outside layer (``lm_head``), so every edited layer has a cell."""
+    outside = data["outside_blocks"].get(name) or {}
+    columns = [*data["modules"], *outside]
+    grid = [[math.nan if v is None else v for v in row] + [math.nan] * len(outside) for row in data["maps"][name]["rho"]]
+    rows = [str(b) for b in data["blocks"]]
+    if outside:
+        grid.append([math.nan] * len(data["modules"]) + list(outside.values()))
+        rows.append("outside")
+    return rows, columns, grid
+
+
 def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
-    """One heatmap panel per concept (rows: blocks, columns: module types), ``width × height`` pixels."""
+    """One heatmap panel per concept (rows: blocks, columns: module types, and the layers outside the
+    blocks), on one colour scale for every panel, so concepts compare; ``width × height`` pixels."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must be chosen before pyplot is imported
@@ -112,14 +200,19 @@ def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
     dpi = 100
     figure = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, layout="constrained")
     axes = figure.subplots(1, len(data["concepts"]), squeeze=False)[0]
-    for ax, name in zip(axes, data["concepts"], strict=True):
-        grid = [[float("nan") if v is None else v for v in row] for row in data["maps"][name]["rho"]]
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
-        ax.set_title(name, fontsize=9)
-        ax.set_xticks(range(len(data["modules"])), data["modules"], rotation=60, ha="right", fontsize=7)
-        ax.set_yticks(range(len(data["blocks"])), [str(b) for b in data["blocks"]], fontsize=7)
+    panels = [panel(data, name) for name in data["concepts"]]
+    finite = [v for _, _, grid in panels for row in grid for v in row if math.isfinite(v)]
+    top = max(finite, default=1.0) or 1.0
+    measure = data.get("measure", "weight")
+    image = None
+    for ax, name, (rows, columns, grid) in zip(axes, data["concepts"], panels, strict=True):
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=top)
+        ax.set_title(f"{name} (max {data['maps'][name]['max']:.3g})", fontsize=9)
+        ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
         ax.set_ylabel("block")
-        figure.colorbar(image, ax=ax, label="ρ = ‖W⁺‖F / ‖W‖F", shrink=0.9)
+    if image is not None:
+        figure.colorbar(image, ax=list(axes), label=MEASURE_LABELS.get(measure, measure), shrink=0.9)
     figure.suptitle(f"engram map of {data['model_id']}", fontsize=10)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)  # no bbox_inches: the size stays exactly as asked
@@ -127,5 +220,6 @@ def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
 
 
 def default_size(data: dict[str, Any]) -> tuple[int, int]:
-    """A readable size: 420 px per concept panel, 24 px per block (plus room for labels)."""
-    return 120 + 420 * len(data["concepts"]), 220 + 24 * len(data["blocks"])
+    """A readable size: 420 px per concept panel, 24 px per block row (plus room for labels)."""
+    outside = any(data["outside_blocks"].get(name) for name in data["concepts"])
+    return 120 + 420 * len(data["concepts"]), 220 + 24 * (len(data["blocks"]) + int(outside))

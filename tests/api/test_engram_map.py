@@ -1,8 +1,9 @@
 """GET /models/{id}/engram-map(.png) through the live server, against a float64 reference.
 
-The reference recomputes ``ρ_l = ‖W Σ_k Σ_U⁺‖_F / ‖W‖_F`` from the statistics files in the
-server's storage with ``torch.linalg.pinv`` (float64, cut ``D·eps32`` relative to the largest
-eigenvalue, like the service's default), independently of the service's factor code.
+The reference recomputes the engram ``E = W Σ_k Σ_U⁺`` from the statistics files in the server's
+storage with ``torch.linalg.pinv`` (float64, cut ``D·eps32`` relative to the largest eigenvalue, like
+the service's default), independently of the service's factor code, and both measures from it:
+``‖E‖_F / ‖W‖_F`` (``measure=weight``) and ``sqrt(tr(E Σ_U Eᵀ) / tr(W Σ_U Wᵀ))`` (the default, ``data``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def ready(api: httpx.Client, tiny_llama_dir: Path) -> None:
     wait_concepts_ready(api, list(CONCEPTS), MODEL)
 
 
-def _reference_rho(storage: Path, model_dir: Path, concept: str) -> dict[str, float]:
-    """layer -> ρ of ``concept``'s engram against the universe of every concept, in float64."""
+def _reference_rho(storage: Path, model_dir: Path, concept: str, measure: str = "weight") -> dict[str, float]:
+    """layer -> the measure of ``concept``'s engram against the universe of every concept, in float64."""
 
     def stats(name: str) -> Any:
         prefix = json.loads((storage / "concepts" / f"{name}.json").read_text())["models"][MODEL]["stats"]
@@ -61,22 +62,29 @@ def _reference_rho(storage: Path, model_dir: Path, concept: str) -> dict[str, fl
         total = sum(u.sums[u.layer_group[layer]] for u in universe)
         cut = total.shape[0] * torch.finfo(torch.float32).eps
         engram = w @ term.sums[group] @ torch.linalg.pinv(total, rtol=cut, hermitian=True)
-        rho[layer] = float(engram.norm() / w.norm())
+        if measure == "weight":
+            rho[layer] = float(engram.norm() / w.norm())
+        else:  # the tiny Llama's layers have no bias: the plain input covariance
+            rho[layer] = float(torch.sqrt(torch.trace(engram @ total @ engram.T) / torch.trace(w @ total @ w.T)))
     return rho
 
 
+@pytest.mark.parametrize("measure", ["data", "weight"])
 def test_map_json_equals_the_float64_reference(
-    api: httpx.Client, ready: None, live_server: LiveServer, tiny_llama_dir: Path
+    api: httpx.Client, ready: None, live_server: LiveServer, tiny_llama_dir: Path, measure: str
 ) -> None:
-    response = api.get(f"/models/{MODEL}/engram-map", params={"concepts": "map-a,map-b"})
+    params = {"concepts": "map-a,map-b"} | ({} if measure == "data" else {"measure": measure})
+    response = api.get(f"/models/{MODEL}/engram-map", params=params)
     assert response.status_code == 200, response.text
     data = response.json()
     assert data["concepts"] == ["map-a", "map-b"] and data["reference"] == ["map-ref"]
+    assert data["measure"] == measure
     assert data["blocks"] == [0, 1]
     assert data["modules"][:3] == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     assert "mlp.down_proj" in data["modules"]
+    assert list(data["outside_blocks"]["map-a"]) == ["lm_head"]  # the head is mapped too
     for concept in ("map-a", "map-b"):
-        reference = _reference_rho(live_server.storage_dir, tiny_llama_dir, concept)
+        reference = _reference_rho(live_server.storage_dir, tiny_llama_dir, concept, measure)
         grid = data["maps"][concept]["rho"]
         for layer in data["layers"]:
             if layer["block"] is None:
@@ -85,9 +93,22 @@ def test_map_json_equals_the_float64_reference(
                 served = grid[data["blocks"].index(layer["block"])][data["modules"].index(layer["module"])]
             assert served == pytest.approx(reference[layer["name"]], rel=1e-6), (concept, layer)
         assert data["maps"][concept]["max"] == pytest.approx(max(reference.values()), rel=1e-6)
+        if measure == "data":  # a share of the layer's output on the universe's data
+            assert all(0.0 <= value <= 1.0 + 1e-9 for value in reference.values())
     assert data["maps"]["map-a"]["rho"] != data["maps"]["map-b"]["rho"]  # two memories, two maps
-    again = api.get(f"/models/{MODEL}/engram-map", params=[("concepts", "map-a"), ("concepts", "map-b")])
+    again = api.get(f"/models/{MODEL}/engram-map", params=[("concepts", "map-a"), ("concepts", "map-b"), *(
+        [("measure", measure)] if measure != "data" else [])])  # fmt: skip
     assert again.json() == data  # repeated query parameters work too; the second answer is the cached map
+
+
+def test_the_data_weighted_map_tells_a_small_concept_from_the_reference(api: httpx.Client, ready: None) -> None:
+    """The reference holds 28 of 36 facts, map-a 4: weighted by the universe's data, map-a's engram
+    accounts for a smaller share of every layer's output than the reference's does."""
+    data = api.get(f"/models/{MODEL}/engram-map", params={"concepts": "map-a,map-ref"}).json()
+    small, large = data["maps"]["map-a"]["rho"], data["maps"]["map-ref"]["rho"]
+    pairs = [(a, b) for row_a, row_b in zip(small, large, strict=True) for a, b in zip(row_a, row_b, strict=True)]
+    assert all(a < b for a, b in pairs if a is not None)
+    assert data["outside_blocks"]["map-a"]["lm_head"] < data["outside_blocks"]["map-ref"]["lm_head"]
 
 
 @pytest.mark.parametrize("size", [None, (640, 300)])
@@ -101,7 +122,7 @@ def test_map_png_renders_at_the_right_size(api: httpx.Client, ready: None, size:
     image = Image.open(io.BytesIO(response.content))
     image.load()
     assert image.format == "PNG"
-    assert image.size == (size or (120 + 420 * 2, 220 + 24 * 2))
+    assert image.size == (size or (120 + 420 * 2, 220 + 24 * 3))  # two blocks and the head's row
     pixels = torch.tensor(list(image.convert("RGB").getdata()), dtype=torch.float32)
     assert pixels.std() > 20, "the image is (nearly) one flat colour"
     assert len({tuple(p) for p in pixels.tolist()}) > 50, "too few colours for two heatmaps with labels"
@@ -116,6 +137,7 @@ def test_map_png_renders_at_the_right_size(api: httpx.Client, ready: None, size:
         ({"concepts": ",".join(f"c{i}" for i in range(9))}, 422, "at most"),
         ({"concepts": "map-a", "rcond": 2}, 422, "rcond"),
         ({"concepts": "map-a", "reference": "nope"}, 404, "nope"),
+        ({"concepts": "map-a", "measure": "volume"}, 422, "measure"),
     ],
 )
 def test_bad_map_requests_are_problems(

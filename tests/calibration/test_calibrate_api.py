@@ -1,0 +1,133 @@
+"""POST /models/{id}/calibrate through the real server (embedded mode) on a tiny Llama.
+
+Bad requests are a 4xx problem naming what is wrong and store nothing; a calibration runs as a job
+counting candidates, answers the same request from storage, and stops when cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.demo import make_facts
+from tests.api.test_api import assert_problem, unchanged
+from tests.live import LiveServer, wait_concepts_ready, wait_for_job
+
+MODEL = "cal/tiny"
+FACTS = make_facts(40, seed=11)
+
+
+def probes(start: int, stop: int) -> list[dict[str, str]]:
+    return [{"prompt": p, "completion": c} for p, c in FACTS[start:stop]]
+
+
+@pytest.fixture(scope="module")
+def api(live_server: LiveServer, tiny_llama_dir: Path) -> httpx.Client:
+    """``cal/tiny`` registered with ``cal-forget`` (target) and ``cal-retain`` (reference) ready on it."""
+    client = live_server.client
+    response = client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
+    assert response.status_code in (200, 201), response.text
+    for name, role, (start, stop) in (("cal-forget", "target", (0, 6)), ("cal-retain", "reference", (6, 40))):
+        body = {"name": name, "role": role, "models": [MODEL], "records": probes(start, stop)}
+        response = client.post("/concepts", json=body)
+        assert response.status_code == 202, response.text
+    wait_concepts_ready(client, ["cal-forget", "cal-retain"], MODEL)
+    return client
+
+
+def body(**changes: Any) -> dict[str, Any]:
+    request = {"concepts": ["cal-forget"], "forget": probes(0, 3), "retain": probes(6, 12), "budget": 4}
+    return {**request, **changes}
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body", "status", "mentions"),
+    [
+        (f"/models/{MODEL}/calibrate", body(forget=[]), 422, ["forget"]),
+        (f"/models/{MODEL}/calibrate", body(retain=[{"prompt": "Q: a? A:"}]), 422, ["completion"]),
+        (f"/models/{MODEL}/calibrate", body(forget=[{"prompt": "", "completion": " x"}]), 422, ["forget"]),
+        (f"/models/{MODEL}/calibrate", body(alpha_min=2.0, alpha_max=1.0), 422, ["alpha_min"]),
+        (f"/models/{MODEL}/calibrate", body(budget=0), 422, ["budget"]),
+        (f"/models/{MODEL}/calibrate", body(max_retain_nll_ratio=0.5), 422, ["max_retain_nll_ratio"]),
+        (f"/models/{MODEL}/calibrate", body(scalings=["uniform", "uniform"]), 422, ["twice"]),
+        (f"/models/{MODEL}/calibrate", body(module_sets=["everything"]), 422, ["module_sets"]),
+        (f"/models/{MODEL}/calibrate", body(module_sets=[["nope_proj"]]), 422, ["nope_proj"]),
+        (f"/models/{MODEL}/calibrate", body(layer_sets=[[0, 99]]), 422, ["99"]),
+        (f"/models/{MODEL}/calibrate", body(lora_rank=8), 422, ["lora_rank"]),
+        (f"/models/{MODEL}/calibrate", body(concepts=["cal-forget", "no-such-concept"]), 404, ["no-such-concept"]),
+        ("/models/no/such-model/calibrate", body(), 404, ["no/such-model"]),
+        (f"/models/{MODEL}/calibrate", body(universe="0" * 32), 404, ["0" * 32]),
+    ],
+)
+def test_a_bad_calibration_request_is_a_problem_naming_it_and_stores_nothing(
+    api: httpx.Client, live_server: LiveServer, path: str, request_body: dict[str, Any], status: int, mentions: list[str]
+) -> None:
+    with unchanged(live_server):
+        assert_problem(api.post(path, json=request_body), status, *mentions)
+
+
+def test_unknown_calibrations_are_404(api: httpx.Client) -> None:
+    assert_problem(api.get("/calibrations/" + "f" * 32), 404, "f" * 32)
+    assert_problem(api.get("/calibrations/" + "f" * 32 + "/front.png"), 404, "f" * 32)
+    assert_problem(api.get("/calibrations/not-an-id"), 404, "not-an-id")
+
+
+def test_a_calibration_counts_candidates_answers_again_from_storage_and_builds_its_recommendation(
+    api: httpx.Client,
+) -> None:
+    request = body(module_sets=["all", "qk_gate"], scalings=["uniform"], max_retain_nll_ratio=3.0, budget=6)
+    submitted = api.post(f"/models/{MODEL}/calibrate", json=request)
+    assert submitted.status_code == 202, submitted.text
+    job = wait_for_job(api, submitted.json()["job"]["job_id"], timeout=300)
+    assert job["status"] == "succeeded", job
+    assert job["kind"] == "calibrate" and job["model_id"] == MODEL
+    result = job["result"]
+    assert job["progress"] == {"done": result["evaluations"], "total": result["evaluations"], "unit": "candidates"}
+    assert 1 <= result["evaluations"] <= 6
+    assert result["arms"] == ["all/uniform", "qk_gate/uniform"]
+    assert [c["index"] for c in result["candidates"]] == list(range(result["evaluations"]))
+    assert result["candidates"][0]["options"]["alpha"] == 1.0  # every arm starts at the paper's α = 1
+    for candidate in result["candidates"]:
+        assert candidate["feasible"] == (candidate["retain"]["nll_ratio"] <= 3.0)
+    if result["recommended"] is not None:
+        variant = api.get(f"/variants/{result['recommended']['variant_id']}").json()
+        assert variant["status"] == "ready"
+        assert variant["terms"] == {"cal-forget": -result["recommended"]["options"]["alpha"]}
+        assert variant["universe_id"] == result["universe_id"]
+    else:
+        assert "no candidate keeps the retain NLL ratio" in result["note"]
+    png = api.get(result["front_png"])
+    assert png.status_code == 200 and png.content.startswith(b"\x89PNG\r\n\x1a\n")
+
+    again = api.post(f"/models/{MODEL}/calibrate", json=request)
+    assert again.status_code == 200, again.text
+    assert again.json() == {**submitted.json(), "job": again.json()["job"]}
+    assert again.json()["job"]["job_id"] == job["job_id"] and again.json()["job"]["status"] == "succeeded"
+    other = api.post(f"/models/{MODEL}/calibrate", json={**request, "max_retain_nll_ratio": 2.5})
+    assert other.status_code == 202 and other.json()["calibration_id"] != submitted.json()["calibration_id"]
+    wait_for_job(api, other.json()["job"]["job_id"], timeout=300)
+
+
+def test_a_cancelled_calibration_stops_and_a_new_request_runs_it_again(api: httpx.Client, live_server: LiveServer) -> None:
+    many = [{"prompt": f"Q: what is item {i}? A:", "completion": f" thing {i}"} for i in range(300)]
+    request = body(retain=many, budget=200, alpha_min=0.001, alpha_max=100.0)
+    submitted = api.post(f"/models/{MODEL}/calibrate", json=request)
+    assert submitted.status_code == 202, submitted.text
+    job_id = submitted.json()["job"]["job_id"]
+    deadline = time.monotonic() + 120
+    while api.get(f"/jobs/{job_id}").json()["status"] == "queued" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert api.delete(f"/jobs/{job_id}").status_code == 200
+    job = wait_for_job(api, job_id, timeout=120)
+    assert job["status"] == "cancelled", job
+    calibration_id = submitted.json()["calibration_id"]
+    assert not (live_server.storage_dir / "calibrations" / calibration_id / "result.json").exists()
+    assert api.get(f"/calibrations/{calibration_id}").json()["status"] == "cancelled"
+    again = api.post(f"/models/{MODEL}/calibrate", json=request)
+    assert again.status_code == 202 and again.json()["job"]["job_id"] != job_id
+    assert api.delete(f"/jobs/{again.json()['job']['job_id']}").status_code == 200
+    assert wait_for_job(api, again.json()["job"]["job_id"], timeout=120)["status"] == "cancelled"
