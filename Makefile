@@ -17,7 +17,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: help install run test test-deps lint demo bench api-docs distributed validate-deploy clean
+.PHONY: help install run test test-deps lint demo bench api-docs distributed distributed-stop validate-deploy clean
 
 help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
@@ -25,6 +25,7 @@ help:
 	@echo "make test             the whole test suite (needs redis-server on PATH)"
 	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
+	@echo "make distributed-stop stop what make distributed started"
 	@echo "make lint             ruff check"
 	@echo "make bench            the performance goals (bench/README.md); BENCH_ARGS=--quick for a smoke run"
 	@echo "make api-docs         regenerate docs/API.md from the OpenAPI document"
@@ -72,7 +73,10 @@ api-docs: install
 
 # Distributed mode on this machine, without Docker: see "Run distributed" in README.md.
 distributed: install
-	HOST=$(HOST) PORT=$(PORT) bash scripts/local-distributed.sh
+	HOST=$(HOST) PORT=$(PORT) bash scripts/local-distributed.sh start
+
+distributed-stop:
+	HOST=$(HOST) PORT=$(PORT) bash scripts/local-distributed.sh stop
 
 validate-deploy: install
 	bash .ci/validate-deploy
