@@ -140,12 +140,13 @@ def config(target: Target) -> str:
         "",
         "[[operations]]",
         'include-name = ["POST /models/{model_id}/unlearn", "POST /models/{model_id}/compose", '
-        '"POST /models/{model_id}/universes"]',
+        '"POST /models/{model_id}/universes", "POST /models/{model_id}/calibrate"]',
         "checks.ensure_resource_availability.enabled = false",
         "",
         "[[operations]]",
         'include-name = ["POST /models", "POST /models/{model_id}/unlearn", "POST /models/{model_id}/compose", '
-        '"POST /variants/{variant_id}/evaluate", "POST /variants/{variant_id}/generate"]',
+        '"POST /variants/{variant_id}/evaluate", "POST /variants/{variant_id}/generate", '
+        '"POST /models/{model_id}/calibrate"]',
         f"checks.positive_data_acceptance.expected-statuses = {json.dumps(refused)}",
         "",
         "[[operations]]",
