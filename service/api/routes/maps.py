@@ -20,10 +20,6 @@ MeasureQuery = Annotated[
     Literal["data", "weight"],
     Query(description="data: ‖W⁺X‖F / ‖WX‖F over the universe's inputs (0 to 1); weight: the paper's ‖W⁺‖F / ‖W‖F"),
 ]
-MeasureQuery = Annotated[
-    Literal["data", "weight"],
-    Query(description="data: ‖W⁺X‖F / ‖WX‖F over the universe's inputs (0 to 1); weight: the paper's ‖W⁺‖F / ‖W‖F"),
-]
 
 
 def _split(values: list[str] | None) -> list[str] | None:
