@@ -80,6 +80,26 @@ def test_each_assistant_turn_counts_its_content_and_its_closing_token(tokenizer:
     assert ids == whole  # the model reads the whole render, system prompt and user turns included
 
 
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, LLAMA3_LIKE])
+def test_counted_tokens_are_the_papers_tofu_answer_tokens(tokenizer: Any, template: str) -> None:
+    """ai-engram's TOFU benchmark (the paper's LLM experiment, on Llama-3.2-1B-Instruct) renders each
+    question/answer with the chat template and a system prompt and collects only the tokens from the
+    generation prompt's end on (``labels != IGNORE``): the answer and the end-of-turn token. The rule
+    counts exactly those, neither fewer (the end-of-turn token stays counted) nor more (no header)."""
+    from engram.benchmarks.tofu import IGNORE, SYSTEM, _preprocess
+
+    tokenizer.chat_template = template
+    try:
+        for question, answer in (("Where was Kymthai born?", "Papa"), ("And Brasmym?", " Zürich, in 1970.")):
+            oracle = _preprocess(tokenizer, question, answer)
+            ids, counted = encode_chat(tokenizer, chat(("system", SYSTEM), ("user", question), ("assistant", answer)))
+            assert ids == oracle["input_ids"]
+            assert counted == [label != IGNORE for label in oracle["labels"]]
+            assert spans(tokenizer, ids, counted) == [answer + "</s>"]
+    finally:
+        tokenizer.chat_template = CHAT_TEMPLATE
+
+
 def test_encode_record_truncates_and_renders_pairs_under_template_chat(tokenizer: Any) -> None:
     record = Record.from_mapping({"messages": [{"role": m.role, "content": m.content} for m in TWO_TURNS]}, 0)
     full = encode_record(tokenizer, record, 512)
