@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from service.engine.checkpoint import ModelLayout
 from service.engine.layers import LayerSpec
@@ -55,6 +55,7 @@ from service.errors import Conflict
 from service.jobs import FINISHED, utc_now
 from service.observability import record_universe_eviction, record_universe_refusal, set_universe_gauges
 from service.registry import Context, find_model
+from service.universes.factors import FACTORS_FORMAT
 from service.universes.keys import (
     current_universe_ids,
     find_manifest,
@@ -65,9 +66,7 @@ from service.universes.keys import (
     universe_prefix,
     usage_key,
 )
-
-if TYPE_CHECKING:  # service.universes.service calls make_room and note_use: the types only, no cycle
-    from service.universes.service import UniverseSpec
+from service.universes.spec import UniverseSpec
 
 log = logging.getLogger("engram.universes")
 
@@ -77,8 +76,6 @@ _USE_WRITE_INTERVAL_S = 60.0
 # A factors file's header is the safetensors library's JSON of the same entries (its own key order):
 # room for metadata the build may add beyond what is projected here.
 _FACTORS_HEADER_SLACK = 64
-# The build's FACTORS_FORMAT, restated: the build imports service.universes.service, which imports this module.
-FACTORS_FORMAT = "engram-factors/1"
 
 Status = Literal["ready", "building", "failed", "evicted"]
 
