@@ -28,6 +28,9 @@ from service.engine.checkpoint import load_model
 from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
 from service.errors import Conflict, JobFailed
 from service.jobs import new_job
+from service.local_copies import checked_model_dir
+from service.model_cache import MODELS
+from service.progress import JobProgress
 from service.registry import Context, canonical_digest, find_variant_request, get_model, variant_manifest, variant_view
 from service.storage import scratch_dir
 
@@ -107,8 +110,6 @@ class _VariantModels:
 
     def get(self, ctx: Context, variant_id: str) -> tuple[Any, Any, Any]:
         """``(base model, variant model, tokenizer)``, loading the variant on first use."""
-        from service.tasks import MODELS, checked_model_dir
-
         request = find_variant_request(ctx, variant_id)
         manifest = variant_manifest(ctx, variant_id)
         if request is None or manifest is None:
@@ -165,8 +166,6 @@ def _causal(model: Any) -> None:
 
 
 def _progress(ctx: Context, job: dict[str, Any], total: int) -> Any:
-    from service.tasks import JobProgress  # the tasks' throttled progress + cancellation check
-
     return JobProgress(ctx, job["job_id"], total)
 
 

@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,13 +21,14 @@ import torch
 
 from service.calibration.build import run_calibration
 from service.dataset_refs import resolve_reference
-from service.engine.checkpoint import ModelLayout, ModelTooLarge, load_model, load_tokenizer
+from service.engine.checkpoint import ModelLayout, ModelTooLarge
 from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
 from service.engine.records import Batch, Example, RecordError, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
 from service.engrams.store import FACTOR_CACHE, algebra_from_statistics
 from service.errors import InvalidInput, JobFailed, ProblemError
+from service.evaluation import run_evaluation, run_generation
 from service.jobs import FINISHED, utc_now
 from service.leases import worker_name
 from service.local_copies import (
@@ -38,6 +38,7 @@ from service.local_copies import (
     statistics,
     trim_disk_cache,
 )
+from service.model_cache import MODELS
 from service.observability import job_context, record_collection
 from service.progress import JobCancelled, JobProgress
 from service.registry import (
@@ -130,8 +131,6 @@ def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
 
 
 def _inference_body(kind: str) -> Any:
-    from service.evaluation import run_evaluation, run_generation  # they use this module's model cache
-
     return {"evaluate": run_evaluation, "generate": run_generation}[kind]
 
 
@@ -165,39 +164,6 @@ def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
     ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())
 
 
-# ---------------------------------------------------------------- models in memory
-
-
-class ModelCache:
-    """A small LRU of loaded models keyed by checkpoint digest (a worker reuses its model)."""
-
-    def __init__(self, capacity: int = 1) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(
-        self, ctx: Context, manifest: dict[str, Any], device: str, dtype: str | None = None, device_map: str | None = None
-    ) -> tuple[Any, Any]:
-        """The model (in ``dtype``, default: as stored; on ``device``, or placed by accelerate's
-        ``device_map``) and its tokenizer, loaded on first use."""
-        placement = f"map:{device_map}" if device_map else device
-        key = f"{manifest['digest']}@{placement}/{dtype or 'stored'}"
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-            path = checked_model_dir(ctx, manifest)
-            torch_dtype = getattr(torch, dtype) if dtype else None
-            model = load_model(path, device=device, dtype=torch_dtype, device_map=device_map)
-            item = (model, load_tokenizer(path))
-            self._items[key] = item
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-            return item
-
-
-MODELS = ModelCache()  # one per process: a worker keeps its last models loaded between jobs
 
 
 # ---------------------------------------------------------------- collection
