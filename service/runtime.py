@@ -76,9 +76,9 @@ def _embedded(settings: Settings) -> Runtime:
 def _distributed(settings: Settings, background: bool) -> Runtime:
     import redis
 
+    from service.queues import TASK_FOR_KIND, UNIVERSE_HELPER, make_celery
     from service.reconcile import reconcile_once, reconciler
     from service.worker_presence import live_workers
-    from workers.celery_app import TASK_FOR_KIND, UNIVERSE_HELPER, make_celery
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)

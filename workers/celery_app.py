@@ -12,49 +12,16 @@ import logging
 from functools import cache
 from typing import Any
 
-from celery import Celery, Task
+from celery import Task
 from celery.signals import worker_init, worker_ready, worker_shutdown
-from kombu import Queue
 
-from service.config import Settings, get_settings
+from service.config import get_settings
 from service.janitor import worker_janitor
 from service.jobs import utc_now
+from service.queues import UNIVERSE_HELPER, make_celery
 from service.worker_presence import worker_presence
 
 log = logging.getLogger("engram.worker")
-TASK_FOR_KIND = {
-    "collect": ("engram.collect", "gpu"),
-    "variant": ("engram.build_variant", "cpu"),
-    # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
-    "universe": ("engram.build_universe", "gpu"),
-    "evaluate": ("engram.evaluate", "gpu"),
-    "generate": ("engram.generate", "gpu"),
-    "calibrate": ("engram.calibrate", "gpu"),
-}
-# A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
-UNIVERSE_HELPER = ("engram.help_universe", TASK_FOR_KIND["universe"][1])
-
-
-def make_celery(settings: Settings) -> Celery:
-    """A Celery app configured from settings (the API uses it to send, workers to run)."""
-    app = Celery("engram", broker=settings.broker_url, backend=settings.broker_url)
-    app.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        task_time_limit=settings.task_hard_limit_s,
-        task_soft_time_limit=settings.task_soft_limit_s,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
-        result_expires=24 * 3600,
-        task_queues=[Queue("gpu"), Queue("cpu")],
-        task_default_queue="cpu",
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        task_ignore_result=True,  # the job record is the result; Celery's would be a second copy
-    )
-    return app
-
-
 settings = get_settings()
 app = make_celery(settings)
 worker_init.connect(worker_janitor(settings), weak=False)  # a crashed worker's leftovers, before the pool starts
