@@ -39,7 +39,14 @@ from service.storage import Storage
 
 log = logging.getLogger("engram.embedded")
 
-_KIND_QUEUE = {"collect": "gpu", "evaluate": "gpu", "generate": "gpu", "calibrate": "gpu", "universe": "gpu", "variant": "cpu"}
+_KIND_QUEUE = {
+    "collect": "gpu",
+    "evaluate": "gpu",
+    "generate": "gpu",
+    "calibrate": "gpu",
+    "universe": "gpu",
+    "variant": "cpu",
+}
 _KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
 _MONITOR_S = 0.5
 
@@ -248,7 +255,7 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     from service.jobs import EmbeddedExecutor
     from service.observability import configure_logging
     from service.registry import Context
-    from service.storage import open_storage
+    from service.storage_backends import open_storage
     from service.tasks import run_job
 
     configure_logging()

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.storage import HOST_TAG, LocalStorage, Storage, open_storage
+from service.storage import HOST_TAG, LocalStorage, Storage
+from service.storage_backends import open_storage
 from service.universes.retention import expire_unused
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from service.config import Settings
 from service.janitor import start_janitor
 from service.jobs import RedisJobStore, public_view
 from service.registry import Context
-from service.storage import open_storage
+from service.storage_backends import open_storage
 
 log = logging.getLogger("engram.runtime")
 

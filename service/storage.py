@@ -201,17 +201,3 @@ def scratch_dir(prefix: str) -> tempfile.TemporaryDirectory[str]:
     crash: ``engram-<prefix>.<owner tag>.<random>``, which :mod:`service.janitor` removes once its
     process is gone."""
     return tempfile.TemporaryDirectory(prefix=f"engram-{prefix}.{owner_tag()}.")
-
-
-def open_storage(storage_url: str, s3_endpoint_url: str | None = None) -> Storage:
-    """The backend named by ``ENGRAM_STORAGE_URL``."""
-    from urllib.parse import urlparse
-
-    parsed = urlparse(storage_url)
-    if parsed.scheme == "file":
-        return LocalStorage(Path(parsed.path))
-    if parsed.scheme == "s3":
-        from service.storage_s3 import S3Storage  # boto3 is imported only by deployments that use S3
-
-        return S3Storage.from_url(storage_url, s3_endpoint_url)
-    raise ValueError(f"storage backend {parsed.scheme!r} is not available in this build")

@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.storage import LocalStorage, ObjectNotFound, Storage, StorageUnavailable, open_storage
+from service.storage import LocalStorage, ObjectNotFound, Storage, StorageUnavailable
+from service.storage_backends import open_storage
 from service.storage_s3 import BucketNotFound, S3Storage, make_s3_client
 from tests.live import free_port
 from tests.s3 import SeaweedServer, restart_seaweed, stop_seaweed
