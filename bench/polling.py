@@ -84,7 +84,7 @@ def _collect(server: LiveServer, name: str, records: int, seed: int) -> float:
 
 
 def run(clients: int, interval: float, seconds: float, records: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="engram-bench-polling-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-polling-") as tmp:
         root = Path(tmp)
         build_model(PROFILE, root / "models" / "polled")
         server = start_server(root / "storage", root / "models", root / "server.log")

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     set_threads()
     profile = LLAMA_100M if args.model == "100m" else LLAMA_TINY
-    with tempfile.TemporaryDirectory(prefix="engram-profile-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         model_dir = build_model(profile, Path(tmp) / "model")
         if args.what == "collection":
             profile_collection(model_dir, args.records, profile.facts_per_record)

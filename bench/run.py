@@ -853,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(
         Row("-", "memory", "idle process peak RSS: + transformers + engine imports", idle["full"], None, "B", "info")
     )
-    with tempfile.TemporaryDirectory(prefix="engram-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-engram-") as tmp:
         for name in names:
             profile = profiles[name]
             mb = ModelBench(profile, Path(tmp) / profile.name, args.quick)

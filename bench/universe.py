@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_variants(args.root, json.loads((args.root / "setup.json").read_text()), args.reps)))
         return 0
     profile = PROFILES[args.profile]
-    with tempfile.TemporaryDirectory(prefix="engram-bench-universe-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-universe-") as tmp:
         result = measure(profile, Path(tmp), args.reps, exactness=profile is not LLAMA_1B_SLICE)
     print(json.dumps(result, indent=2))
     out = args.out or REPO / "bench" / "results" / f"universe-{args.profile}.json"
