@@ -23,7 +23,7 @@ help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
 	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
 	@echo "make test             the whole test suite (needs redis-server on PATH)"
-	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo"
+	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (DEMO_ARGS=--threads=1 when busy)"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
 	@echo "make distributed-stop stop what make distributed started"
 	@echo "make lint             ruff check"
@@ -45,8 +45,9 @@ $(STAMP): pyproject.toml
 run: install
 	ENGRAM_MODEL_ROOTS="$${ENGRAM_MODEL_ROOTS:-$(CURDIR)/demo}" $(VENV)/bin/engram-service serve --host $(HOST) --port $(PORT)
 
+# DEMO_ARGS=--threads=1 on a busy machine: torch's spinning threads slow a tiny model down many times.
 demo: install
-	$(PY) -m service.demo --out demo
+	$(PY) -m service.demo --out demo $(DEMO_ARGS)
 
 # The suite starts private redis-server processes (and restarts them, to test a Redis that lost
 # everything), so the binary itself must be on PATH; a Redis answering somewhere is not enough.
