@@ -30,6 +30,12 @@ STATE=${STATE:-$ROOT/.engram/distributed}
 MODEL_ROOTS=${ENGRAM_MODEL_ROOTS:-$ROOT/demo}
 VENV=$ROOT/.venv
 START_TIMEOUT_S=${START_TIMEOUT_S:-180}
+# What 'start' chose, so that 'env', 'status' and 'stop' talk about the same ports without being told.
+SETTINGS=$STATE/settings.env
+if [ "${1:-start}" != start ] && [ -f "$SETTINGS" ]; then
+  # shellcheck disable=SC1090
+  . "$SETTINGS"
+fi
 
 say() { printf 'local-distributed: %s\n' "$*"; }
 die() { printf 'local-distributed: %s\n' "$*" >&2; exit 1; }
@@ -183,6 +189,8 @@ EOF
 cmd_start() {
   [ -x "$VENV/bin/engram-service" ] || die "no $VENV: run 'make install' first"
   mkdir -p "$STATE"
+  printf 'HOST=%q\nPORT=%q\nREDIS_PORT=%q\nREDIS_DB=%q\nS3_PORT=%q\nS3_BUCKET=%q\nMODEL_ROOTS=%q\n' \
+    "$HOST" "$PORT" "$REDIS_PORT" "$REDIS_DB" "$S3_PORT" "$S3_BUCKET" "$MODEL_ROOTS" > "$SETTINGS"
   start_redis
   start_seaweed
   start_worker
@@ -204,6 +212,7 @@ cmd_stop() {
   stop_one worker group
   stop_one weed
   stop_one redis
+  rm -f "$SETTINGS"
 }
 
 case "${1:-start}" in
