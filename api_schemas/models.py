@@ -1,4 +1,4 @@
-"""Request and response bodies of the HTTP API (see ../shared/CONTRACT.md)."""
+"""Request and response bodies of the HTTP API (the reference: docs/API.md, generated from the OpenAPI document)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The HTTP API of CONTRACT.md, driven through the real server process (``live_server``).
+"""The HTTP API (docs/API.md), driven through the real server process (``live_server``).
 
 Tests share one server and build on each other's state the way users do: module fixtures register
 the tiny model and collect two concepts once; every bad-input test checks that the request changed
