@@ -2,8 +2,9 @@
 
 The reference is generated (``make api-docs``, scripts/gen_api_docs.py); this test keeps it from
 drifting: every operation of the document has its section and every section is a real operation,
-each lists exactly the document's answer statuses, and every schema is there with exactly its fields.
-Wording may change without a regeneration; a route, an answer or a field may not.
+each lists exactly the document's parameters and answer statuses, and every schema is there with
+exactly its fields. Wording may change without a regeneration; a route, a parameter, an answer or a
+field may not.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ def test_every_operation_lists_exactly_its_answers(document: dict[str, Any], ref
     for method, path, operation in generator.operations(document):
         listed = _table_first_column(sections[f"`{method} {path}`"], "status")
         assert sorted(listed) == sorted(operation["responses"]), f"{method} {path}: answers differ; {STALE}"
+
+
+def test_every_operation_lists_exactly_its_parameters(document: dict[str, Any], reference: str, generator: Any) -> None:
+    sections = _sections(reference, "Routes")
+    for method, path, operation in generator.operations(document):
+        section = sections[f"`{method} {path}`"]
+        listed = _table_first_column(section, "name") if "| name |" in section else []
+        expected = [parameter["name"] for parameter in operation.get("parameters") or []]
+        assert listed == expected, f"{method} {path}: parameters differ; {STALE}"
 
 
 def test_every_schema_is_documented_with_its_fields(document: dict[str, Any], reference: str) -> None:
