@@ -1,10 +1,19 @@
 """Mini-TOFU in chat format: a tiny Llama with a chat template memorised 200 facts as one-turn chats.
 
 Through the live API (embedded mode) the forget and retain sets are posted as ``{"messages"}``
-records (only the assistant turns are counted), the 10% forget set is unlearned (α=1, uniform, the
-universe forget ∪ retain), and the service's own evaluation scores the variant on messages probes
-(the assistant turn's answer NLL and greedy exact match): the forget answers' NLL must rise 10× or
-more while the retain set moves far less.
+records (only the assistant turns are counted: the answer and its end-of-turn token, as ai-engram's
+TOFU benchmark counts them), the 10% forget set is unlearned at the paper's uniform TOFU strength
+(α=0.6, the universe forget ∪ retain), and the service's own evaluation scores the variant on
+messages probes (the assistant turn's answer NLL and greedy exact match).
+
+The done-when, as bars: the forget answers' NLL rises 10× or more; the retain set moves far less:
+its NLL rises at most a third as much (as a ratio), it keeps 70% or more greedy exact match, and it
+loses at most half the exact match the forget set loses (which must fall to 50% or less).
+Measured (seed 0): forget ×81 (exact match 1.0 → 0.20), retain ×16 (1.0 → 0.81). At α=1 the same
+model gives forget ×363 / retain ×91 (retain exact match 0.17), and the plain demo ×593 / ×77 (0.41):
+α=1 uniform is harsh on this 256-wide model in either format, not a chat effect (the retain damage
+sits in block 0, whose inputs are context-free token embeddings that the forget and retain answers,
+made from one syllable inventory, share: 54 of the forget answers' 58 token types).
 
 Run ``pytest tests/e2e/test_chat_tofu.py -s`` to see the figures.
 """
@@ -22,6 +31,7 @@ from tests.live import LiveServer, start_server, stop_server, wait_concepts_read
 
 pytestmark = pytest.mark.slow
 MODEL_ID = "demo/chat-tofu"
+ALPHA = 0.6  # the paper's uniform TOFU strength (its TOFU table; ai-engram benchmarks.tofu DEFAULT_ALPHA["plain"])
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +71,7 @@ def test_chat_mini_tofu_forgets_its_forget_set(chat_demo: Path, server: LiveServ
     concepts = wait_concepts_ready(api, ["chat-forget", "chat-retain"], MODEL_ID, timeout=300)
     # Each one-turn chat counts its answer and the EOS that closes the turn.
     assert concepts["chat-forget"]["models"][MODEL_ID]["tokens"] > len(forget)
-    submitted = api.post(f"/models/{MODEL_ID}/unlearn", json={"concepts": ["chat-forget"], "alpha": 1.0})
+    submitted = api.post(f"/models/{MODEL_ID}/unlearn", json={"concepts": ["chat-forget"], "alpha": ALPHA})
     assert submitted.status_code == 202, submitted.text
     variant = wait_variant_ready(api, submitted.json()["variant"]["variant_id"], timeout=300)
 
@@ -75,5 +85,11 @@ def test_chat_mini_tofu_forgets_its_forget_set(chat_demo: Path, server: LiveServ
     assert before["forget"]["exact_match"] >= 0.9 and before["retain"]["exact_match"] >= 0.9, "not memorised"
     forget_rise = after["forget"]["mean_nll"] / before["forget"]["mean_nll"]
     retain_rise = after["retain"]["mean_nll"] / before["retain"]["mean_nll"]
-    assert forget_rise >= 10.0, figures
-    assert forget_rise >= 3.0 * retain_rise, figures
+    assert forget_rise >= 10.0, figures  # forgets: answer NLL x10 or more
+    # ... while the retain set moves far less, in likelihood and in what greedy decoding answers.
+    assert retain_rise <= forget_rise / 3.0, figures
+    forget_lost = before["forget"]["exact_match"] - after["forget"]["exact_match"]
+    retain_lost = before["retain"]["exact_match"] - after["retain"]["exact_match"]
+    assert after["forget"]["exact_match"] <= 0.5, figures
+    assert after["retain"]["exact_match"] >= 0.7, figures
+    assert retain_lost <= 0.5 * forget_lost, figures
