@@ -90,14 +90,39 @@ _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 def _allowed_methods(request: Request) -> str:
-    """Every method some route serves at this path: Starlette's 405 names only those of the first
-    route that matched the path (``GET`` where ``GET`` and ``DELETE`` are two routes of one path)."""
+    """Every method the API serves at this path, as its OpenAPI document says (Starlette's 405 names
+    only those of the first route that matched the path).
+
+    Model IDs hold slashes, so ``GET /models/{model_id}`` also matches ``/models/x/calibrate``: only
+    the most specific documented paths that match (the most literal characters) count, ``Allow: POST``
+    there. A path the document does not describe falls back to the routes that match it.
+    """
+    documented = _documented_methods(request)
+    if documented is not None:
+        return ", ".join(m for m in _METHODS if m in documented)
     allowed = [
         method
         for method in _METHODS
         if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in request.app.router.routes)
     ]
     return ", ".join(allowed)
+
+
+def _documented_methods(request: Request) -> set[str] | None:
+    best, methods = -1, set[str]()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        pattern = "^" + re.sub(r"\\\{[^}]*\\\}", "[^?]+", re.escape(template)) + "$"
+        if not re.match(pattern, request.url.path):
+            continue
+        literal = len(re.sub(r"\{[^}]*\}", "", template))
+        declared = {m.upper() for m in operations if m.upper() in _METHODS}
+        if literal > best:
+            best, methods = literal, declared
+        elif literal == best:
+            methods |= declared
+    if best < 0:
+        return None
+    return methods | ({"HEAD"} if "GET" in methods else set())  # Starlette answers HEAD wherever GET is served
 
 
 class BodySizeLimit:
