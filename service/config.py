@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     max_records: int = Field(default=1_000_000, ge=1)
     # A dataset by reference: the source object's bytes and its stored records' bytes (each).
     max_dataset_bytes: int = Field(default=4 << 30, ge=1024)
+    # hf:// dataset files a worker keeps in ENGRAM_CACHE_DIR/hf-datasets, in bytes: after each fetch
+    # the least recently used are deleted down to this (the file the job reads always stays, so 0
+    # keeps only that one). Default: four datasets of the largest size ENGRAM_MAX_DATASET_BYTES allows.
+    hf_datasets_cache_bytes: int = Field(default=16 << 30, ge=0)
     # Requests waiting with ?wait= hold no thread, but each polls the job: beyond this many at once,
     # one more is a 429 with Retry-After.
     max_waiters: int = Field(default=128, ge=0, le=100_000)

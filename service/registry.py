@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 from service import callbacks
 from service.config import Settings
+from service.dataset_refs import content_changed, same_reference
 from service.datasets import SpooledDataset, record_line
 from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, summarize_names, unmatched_suffixes
@@ -250,9 +251,10 @@ def submit_concept(
         modules: module suffixes (as ``modules`` on unlearn): collect only those layers' input
             groups; ``None`` collects every editable layer. A suffix that matches no layer of a
             listed model is a 422; a model already collecting or collected with other modules, a 409.
-        reference: a dataset reference checked by :func:`service.dataset_refs.check_reference`:
+        reference: a dataset reference from :func:`service.dataset_refs.submitted_reference`:
             nothing is fetched here; each collection job resolves it first (the concept has no
-            dataset digest until then).
+            dataset digest until then). The same reference with another content fingerprint is a
+            new concept under the same name (the old one's unfinished jobs are cancelled).
         template: ``"chat"``: prompt/completion records are rendered with the chat template;
             ``KEEP`` (left out) keeps an existing concept's; another than the stored one is a 409.
 
@@ -279,11 +281,18 @@ def submit_concept(
     if chosen_template == "chat" and "text" in kinds:
         raise InvalidInput('template "chat" renders prompt/completion records as a chat; the dataset holds text records')
     digest = dataset.digest if dataset is not None else None
+    retired = None
     with ctx.lock:
         concept = find_concept(ctx, name)
         if concept is not None:
             _check_same_concept(concept, digest, role, reference, template)
             chosen_template = concept.get("template")
+            if reference is not None and content_changed(concept["dataset"], reference):
+                # What the reference names changed since it was posted: a new concept over the new
+                # content, as if the old one were deleted first (its role and description kept).
+                retired, concept = concept, None
+                role = role or retired["role"]
+                description = retired["description"] if description is None else description
         # Checked before anything is written: a refused request stores nothing.
         if "messages" in kinds or chosen_template == "chat":
             held = concept["models"] if concept is not None else {}
@@ -307,6 +316,8 @@ def submit_concept(
             if chosen_template is not None:
                 concept["template"] = chosen_template
         new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
+        if retired is not None:
+            _cancel_collections(ctx, retired)
         ctx.storage.put_json(concept_key(name), concept)
         ctx.reads.forget(concept_key(name))
     # Enqueue only after the records and the concept are saved: the task reads them.
@@ -326,7 +337,7 @@ def _check_same_concept(
     name = concept["name"]
     held = concept.get("dataset")
     if reference is not None:
-        if held is None or held != reference:
+        if held is None or not same_reference(held, reference):
             what = f"the dataset reference {held['uri']} ({held})" if held else "inline records"
             raise Conflict(f"concept {name} exists with {what}; delete it first or use another name")
     elif concept["dataset_digest"] != digest:
@@ -426,13 +437,16 @@ def list_concepts(ctx: Context, *, recent: bool = False) -> list[dict[str, Any]]
 def delete_concept(ctx: Context, name: str) -> None:
     """Forget a concept. Its statistics stay cached (content-addressed, maybe shared)."""
     with ctx.lock:
-        concept = get_concept(ctx, name)
-        for entry in concept["models"].values():
-            job = ctx.jobs.get(entry["job_id"])
-            if job is not None and job["status"] not in FINISHED:
-                ctx.jobs.update(job["job_id"], cancel_requested=True)
+        _cancel_collections(ctx, get_concept(ctx, name))
         ctx.storage.delete(concept_key(name))
         ctx.reads.forget(concept_key(name))
+
+
+def _cancel_collections(ctx: Context, concept: dict[str, Any]) -> None:
+    for entry in concept["models"].values():
+        job = ctx.jobs.get(entry["job_id"])
+        if job is not None and job["status"] not in FINISHED:
+            ctx.jobs.update(job["job_id"], cancel_requested=True)
 
 
 def stats_manifest(ctx: Context, prefix: str) -> dict[str, Any] | None:

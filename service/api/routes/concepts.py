@@ -15,7 +15,7 @@ from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
-from service.dataset_refs import check_reference
+from service.dataset_refs import submitted_reference
 from service.datasets import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
 from service.storage import scratch_dir
@@ -64,8 +64,9 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
     A role left out keeps an existing concept's role (a new concept is a ``target``); another role
     than the stored one is a 409, like other records. With a ``dataset`` reference instead of
     records, nothing is fetched here: the concept waits for its collection jobs to resolve it
-    (``dataset.status`` pending, then resolved or failed), and posting the same reference again
-    starts nothing new.
+    (``dataset.status`` pending, then resolved or failed). Posting the same reference again starts
+    nothing new while what it names is unchanged (size and mtime, ETag or version, hub commit);
+    once it changed, the concept is posted anew over the new content.
     """
     content_type = request.headers.get("content-type", "")
     settings = ctx.settings
@@ -81,8 +82,11 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             body, dataset = await run_in_threadpool(_json_concept, raw, Path(tmp), settings.max_records)
         else:
             raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
-        # A reference is only checked (scheme, shape, roots, row range): the collection job fetches it.
-        reference = check_reference(body.dataset.model_dump(), settings) if body.dataset is not None else None
+        # A reference is only checked (scheme, shape, roots, row range) and fingerprinted (a stat, a
+        # HEAD or the hub's commit: what content it names now, never its bytes); the job fetches it.
+        reference = None
+        if body.dataset is not None:
+            reference = await run_in_threadpool(submitted_reference, body.dataset.model_dump(), settings)
         concept, jobs = await run_in_threadpool(
             registry.submit_concept,
             ctx,
