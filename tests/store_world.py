@@ -34,12 +34,12 @@ def text_records(start: int, stop: int, seed: int = 11) -> list[Record]:
     return [Record(text=p + c) for p, c in make_facts(200, seed=seed)[start:stop]]
 
 
-def float64_copy(source: Path, target: Path) -> Path:
-    """The same checkpoint with every floating tensor stored as float64."""
+def float64_copy(source: Path, target: Path, dtype: torch.dtype = torch.float64) -> Path:
+    """The same checkpoint with every floating tensor stored as ``dtype`` (float64 by default)."""
     target.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         if file.suffix == ".safetensors":
-            tensors = {k: v.double() if v.is_floating_point() else v for k, v in load_file(str(file)).items()}
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(file)).items()}
             save_file(tensors, str(target / file.name), metadata={"format": "pt"})
         else:
             (target / file.name).write_bytes(file.read_bytes())

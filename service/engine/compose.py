@@ -378,8 +378,8 @@ def _apply_delta(spec: LayerSpec, weights: LayerWeights, delta: torch.Tensor, sc
 # among two Python threads was slower still (the ops are too short to hide the GIL).
 APPLY_BLOCK_VALUES = 1 << 15
 
-# Checkpoint dtypes whose edits are summed in float32 when every engram is float32 (see
-# :func:`apply_engrams`); anything else (a float64 checkpoint, a float64 engram) sums in float64.
+# Checkpoint and engram dtypes whose edits are summed in float32 (see :func:`apply_engrams`);
+# anything else (a float64 checkpoint, a float64 engram) sums in float64.
 _FLOAT32_SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -392,7 +392,8 @@ def apply_engrams(
     rows at a time, so a layer costs one read of ``W`` and of each engram, and is refused when the
     result is not finite.
 
-    Precision: a float32 or 16-bit checkpoint with float32 engrams (what universes store for them)
+    Precision: a float32 or 16-bit checkpoint with float32 or 16-bit engrams (universes store
+    float32 engrams for float32 and float16 checkpoints, bfloat16 ones for bfloat16 checkpoints)
     is edited in float32: the terms are summed first (``Δ = Σ c_k E_k``: its rounding is relative
     to the *edit's* size, about ``k`` float32 ulps of ``Σ|c_k E_k|``), then added to ``W`` with one
     rounding, which is the rounding the checkpoint's own dtype makes anyway. One term is a single
@@ -430,7 +431,7 @@ def apply_engrams(
 
 def _sums_in_float32(weights: LayerWeights, terms: Sequence[tuple[float, torch.Tensor]]) -> bool:
     dtypes = [weights.weight.dtype] + ([weights.bias.dtype] if weights.bias is not None else [])
-    return all(d in _FLOAT32_SUM_DTYPES for d in dtypes) and all(e.dtype == torch.float32 for _, e in terms)
+    return all(d in _FLOAT32_SUM_DTYPES for d in dtypes) and all(e.dtype in _FLOAT32_SUM_DTYPES for _, e in terms)
 
 
 def _add_in_float64(
@@ -466,29 +467,36 @@ def _add_in_float32(
     new_w: torch.Tensor,
     new_b: torch.Tensor | None,
 ) -> None:
-    """``new_w | new_b = [W | b] + Σ c_k E_k`` in float32 (see :func:`apply_engrams`); the bias
-    column (one value per output) is summed in float64."""
+    """``new_w | new_b = [W | b] + Σ c_k E_k`` in float32 (see :func:`apply_engrams`), written
+    straight into the checkpoint's dtype; the bias column (one value per output) is summed in float64.
+
+    Every value is rounded once from float32 to the checkpoint's dtype: torch computes a 16-bit
+    ``W`` plus a float32 operand in float32 and casts on the way out. A 16-bit engram is first
+    copied into a float32 block (exact): torch would round ``c·E`` to 16 bits if both operands were
+    16-bit, which would be a second rounding.
+    """
     w = weights.weight.mT if spec.transposed else weights.weight
     cols = spec.in_features
     (first_coefficient, first_engram), rest = terms[0], terms[1:]
     block_rows = max(1, APPLY_BLOCK_VALUES // spec.stat_dim)
-    delta_buffer = torch.empty((block_rows, cols), dtype=torch.float32) if rest else None
-    # A 16-bit checkpoint's block is summed into a float32 buffer, then cast once.
-    staging = torch.empty((block_rows, cols), dtype=torch.float32) if new_w.dtype != torch.float32 else None
+    fused = not rest and first_engram.dtype == torch.float32  # a single, fused, singly rounded W + c·E
+    delta_buffer = None if fused else torch.empty((block_rows, cols), dtype=torch.float32)
     for first in range(0, spec.out_features, block_rows):
         last = min(first + block_rows, spec.out_features)
-        target = new_w[first:last] if staging is None else staging[: last - first]
-        if delta_buffer is None:  # one term: a single fused, singly rounded W + c·E
+        target = new_w[first:last]
+        if delta_buffer is None:
             torch.add(w[first:last], first_engram[first:last, :cols], alpha=first_coefficient, out=target)
         else:
             delta = delta_buffer[: last - first]
-            torch.mul(first_engram[first:last, :cols], first_coefficient, out=delta)
-            for coefficient, engram in rest:
-                delta.add_(engram[first:last, :cols], alpha=coefficient)
-            torch.add(w[first:last], delta, out=target)
+            delta.copy_(first_engram[first:last, :cols])
+            if rest:
+                delta.mul_(first_coefficient)
+                for coefficient, engram in rest:
+                    delta.add_(engram[first:last, :cols], alpha=coefficient)
+                torch.add(w[first:last], delta, out=target)
+            else:
+                torch.add(w[first:last], delta, alpha=first_coefficient, out=target)
         _require_finite(spec, target)
-        if staging is not None:
-            new_w[first:last].copy_(target)
     if new_b is not None:
         assert weights.bias is not None
         bias = weights.bias.to(COMPUTE_DTYPE)

@@ -6,10 +6,14 @@ input read by a narrow layer), fed the universe's stored pseudo-inverse factors 
 decomposing anything. The file is written layer by layer (header first), so only one layer's engram
 is ever in memory.
 
-Precision: engrams are stored as float32 for float32 and 16-bit checkpoints and as float64 for
-float64 ones. A float32 engram differs from the float64 product by at most half a float32 ulp per
-value (relative 6e-8), far below the rounding of the edited weights to a float32 checkpoint's own
-dtype for any edit smaller than the weights themselves.
+Precision: an engram is stored in its weight's dtype where that costs no accuracy the variant
+keeps: float64 for float64 weights, bfloat16 for bfloat16 weights, float32 for float32 and float16
+weights (float16's range, 65504, could overflow an engram). A float32 engram differs from the
+float64 product by at most half a float32 ulp per value (relative 6e-8); a bfloat16 engram by half a
+bfloat16 ulp (2⁻⁹ relative, plus 2⁻²⁴ from torch's float64 → float32 → bfloat16 cast), which is
+the rounding the variant's bfloat16 weights get anyway: a variant's value is within one bfloat16
+ulp of the summands' size of the float64 formula rounded once (tests/engrams), and reading half the
+bytes is what keeps a bfloat16 model's variant near its copy floor (README, Performance).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from service.engine.linalg import PinvFactors
 from service.engine.safetensors_stream import Planned, TensorEntry, write_streaming
 
 ENGRAMS_FORMAT = "engram-engrams/1"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16}
 
 
 def engram_dtype(weight_dtype: str) -> str:
-    """The stored dtype of a layer's engram (safetensors name) for its weight's stored dtype."""
-    return "F64" if weight_dtype == "F64" else "F32"
+    """The stored dtype of a layer's engram (safetensors name) for its weight's stored dtype (see
+    the module's docstring)."""
+    return weight_dtype if weight_dtype in ("F64", "BF16") else "F32"
 
 
 @dataclass

@@ -10,7 +10,7 @@ and token count). The estimate is an upper bound of what the build stores:
   directions are kept, stored as the explicit ``[D, D]`` matrix when ``2k > D`` and as the ``[D, k]``
   basis otherwise, plus ``k`` inverse eigenvalues, all float64;
 - per member and layer: the dense ``[out, in(+1)]`` engram at its stored precision
-  (:func:`service.engrams.build.engram_dtype`: float64 for float64 weights, float32 otherwise); the
+  (:func:`service.engrams.build.engram_dtype`: float64 or bfloat16 for such weights, float32 otherwise); the
   file's header is computed exactly as the writer lays it out.
 
 Budget. ``ENGRAM_UNIVERSE_BYTES_BUDGET`` bounds the bytes of every universe together (0: no bound).
@@ -70,7 +70,7 @@ from service.universes.spec import UniverseSpec
 
 log = logging.getLogger("engram.universes")
 
-_ITEMSIZE = {"F64": 8, "F32": 4}
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2}
 # A use is written at most this often per universe: a burst of variant requests costs one write.
 _USE_WRITE_INTERVAL_S = 60.0
 # A factors file's header is the safetensors library's JSON of the same entries (its own key order):

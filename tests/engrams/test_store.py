@@ -32,18 +32,26 @@ def layer(transposed: bool, bias: bool, dtype: torch.dtype) -> tuple[LayerSpec, 
     return spec, LayerWeights(weight.to(dtype), torch.randn(37, generator=GEN).to(dtype) if bias else None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "stored"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.bfloat16),  # what universes store for bfloat16 checkpoints
+        (torch.bfloat16, torch.float32),  # universes built before bfloat16 engrams
+        (torch.float16, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("count", [1, 3])
 @pytest.mark.parametrize(("transposed", "bias"), [(False, False), (True, True), (False, True)])
 def test_applying_stored_engrams_equals_the_float64_edit(
-    transposed: bool, bias: bool, count: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    transposed: bool, bias: bool, count: int, dtype: torch.dtype, stored: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Float32 and 16-bit checkpoints are edited in float32 from float32 engrams (what universes
-    store for them), float64 ones in float64: each within four of its dtype's ulps of the summands'
-    size from the float64 formula rounded once."""
+    """Float32 and 16-bit checkpoints are edited in float32 from float32 or 16-bit engrams, float64
+    ones in float64: each within four of its dtype's ulps of the summands' size from the float64
+    formula (on the stored engrams) rounded once."""
     monkeypatch.setattr(compose_module, "APPLY_BLOCK_VALUES", 100)  # many blocks, the last one short
     spec, weights = layer(transposed, bias, dtype)
-    stored = torch.float64 if dtype == torch.float64 else torch.float32
     engrams = [torch.randn(37, spec.stat_dim, generator=GEN).to(stored) * 0.1 for _ in range(count)]
     coefficients, scale = [-0.8, 0.3, 1.7][:count], 0.6
     delta = sum(c * e.double() for c, e in zip(coefficients, engrams, strict=True))  # layer_edits scales it

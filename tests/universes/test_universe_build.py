@@ -5,7 +5,9 @@ References redo the algebra in float64 with their own eigendecomposition and cut
 (``tests.engine.test_compose``). Tolerances: the factors are stored float64 (1e-9 relative, the
 reference's own eigh rounding); engrams of a float32 checkpoint are stored float32, so a layer's
 engram is the float64 product rounded once (relative error below 1.2e-7, half a float32 ulp per
-value: measured ~6e-8); a float64 checkpoint's engrams are stored float64 (1e-10).
+value: measured ~6e-8); a bfloat16 checkpoint's are stored bfloat16 (half a bfloat16 ulp, 2⁻⁹ =
+2e-3 relative per value, below 4e-3 for a layer); a float64 checkpoint's engrams are stored
+float64 (1e-10).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from tests.store_world import StoreWorld, float64_copy, text_records
 
 FACTOR_TOL = 1e-9
 FLOAT32_ENGRAM_TOL = 1.2e-7
+BFLOAT16_ENGRAM_TOL = 4e-3
 FLOAT64_ENGRAM_TOL = 1e-10
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three models (Llama float32, Llama float64, GPT-2: Conv1D, biases, tied head), each with
+    """Four models (Llama float32, float64 and bfloat16, GPT-2: Conv1D, biases, tied head), each with
     concepts forget / retain / other published, and each one's universe of the three built."""
     root = tmp_path_factory.mktemp("universe-build")
     w = StoreWorld(root)
@@ -44,6 +47,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     paths = {
         "u/llama": llama,
         "u/llama64": float64_copy(llama, root / "models" / "llama64"),
+        "u/llama16": float64_copy(llama, root / "models" / "llama16", torch.bfloat16),
         "u/gpt2": make_tiny_gpt2(root / "models" / "gpt2", hidden=32, layers=2, seed=0, tokenizer=tokenizer),
     }
     stats: dict[str, dict[str, LayerStatistics]] = {}
@@ -93,6 +97,7 @@ def test_stored_factors_equal_the_float64_pseudo_inverse(world: dict[str, Any], 
         ("u/llama", torch.float32, FLOAT32_ENGRAM_TOL),
         ("u/gpt2", torch.float32, FLOAT32_ENGRAM_TOL),
         ("u/llama64", torch.float64, FLOAT64_ENGRAM_TOL),
+        ("u/llama16", torch.bfloat16, BFLOAT16_ENGRAM_TOL),
     ],
 )
 def test_stored_engrams_equal_the_float64_formula(
@@ -138,6 +143,7 @@ def test_manifest_says_what_was_built(world: dict[str, Any]) -> None:
         ("sums", str(os.getpid()))
     }
     assert {layer["dtype"] for layer in _manifest(world, "u/llama64")["layers"].values()} == {"F64"}
+    assert {layer["dtype"] for layer in _manifest(world, "u/llama16")["layers"].values()} == {"BF16"}
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
