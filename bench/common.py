@@ -215,14 +215,19 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], Any]], reps: int, before: Callable[[], Any] | None = None
+) -> dict[str, list[float]]:
     """Run every function ``reps`` times, interleaved (A B C, B C A, C A B, ...) so that slow
-    phases of a noisy machine hit every contender alike; returns the seconds of each run."""
+    phases of a noisy machine hit every contender alike; returns the seconds of each run.
+    ``before`` runs, untimed, before each call (e.g. flushing the previous call's writes)."""
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
+            if before is not None:
+                before()
             seconds, _ = timed(fns[name])
             times[name].append(seconds)
     return times

@@ -262,7 +262,7 @@ def measure_variants(root: Path, setup_info: dict[str, Any], reps: int) -> dict[
     first = time.perf_counter() - started
     fns = {"copy_floor": floor, **{f"variant_{k}": (lambda r=requests[k]["request"]: variant(r)) for k in VARIANT_SIZES}}
     fns["variant_3_weight_norm"] = lambda: variant(weight_norm["request"])
-    times = interleaved(fns, reps)
+    times = interleaved(fns, reps, before=flush_writes)  # each call starts with no dirty pages of another
     job_s = math.nan  # a root measured before already holds the variant: no job to run
     if requests[1]["job"] is not None:
         started = time.perf_counter()
