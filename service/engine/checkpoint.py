@@ -264,6 +264,15 @@ def model_class(config: Mapping[str, Any]) -> type[nn.Module]:
     return transformers.AutoModel  # type: ignore[return-value]
 
 
+def _empty_model(cls: type[nn.Module], config: Any) -> nn.Module:
+    """The model of ``config`` (built under the caller's device context: ``meta``, no memory)."""
+    if issubclass(cls, transformers.PreTrainedModel):
+        model: nn.Module = cls._from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
+    else:  # model_class's fallback: AutoModel picks the class from the config
+        model = transformers.AutoModel.from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
+    return model
+
+
 def inspect_model_dir(path: Path) -> ModelLayout:
     """Validate a checkpoint and describe its editable layers without reading its weights.
 
@@ -276,11 +285,7 @@ def inspect_model_dir(path: Path) -> ModelLayout:
             config = transformers.AutoConfig.from_pretrained(str(view), trust_remote_code=False)
         cls = model_class(config_dict)
         with torch.device("meta"):
-            model = (
-                cls._from_config(config)  # type: ignore[attr-defined]
-                if cls is not transformers.AutoModel
-                else transformers.AutoModel.from_config(config)
-            )
+            model = _empty_model(cls, config)
     except ModelSourceError:
         raise
     except Exception as exc:  # transformers raises many types for unsupported configs
@@ -398,15 +403,16 @@ def load_model(
         if max_memory is not None:
             kwargs["max_memory"] = max_memory
     with clean_view(path) as view:
-        model = cls.from_pretrained(str(view), **kwargs)  # type: ignore[attr-defined]
-    placed = set((getattr(model, "hf_device_map", None) or {}).values())
-    if "disk" in placed:
+        model: nn.Module = cls.from_pretrained(str(view), **kwargs)  # type: ignore[attr-defined]
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if "disk" in devices:
         # Disk-offloaded weights would be read at each forward through the private view, gone now.
         raise ModelTooLarge(
             "the model does not fit the GPUs and CPU memory of this worker (accelerate's device_map "
             "would offload part of it to disk, which collection does not do); use a worker with more memory"
         )
-    return (model if device_map is not None else model.to(device)).eval()
+    placed = model if device_map is not None else model.to(device)
+    return placed.eval()
 
 
 class ModelTooLarge(RuntimeError):
@@ -443,7 +449,8 @@ class CheckpointReader:
 
     def tensor(self, key: str) -> torch.Tensor:
         with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
-            return handle.get_tensor(key)
+            tensor: torch.Tensor = handle.get_tensor(key)
+            return tensor
 
     def stored_dtype(self, key: str) -> str:
         """A tensor's dtype as the file stores it (``F32``, ``BF16``, ``F64``…), from the header only."""

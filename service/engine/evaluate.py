@@ -109,7 +109,8 @@ def _logits(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor) -> to
     """Forward pass returning float32 logits of shape ``(batch, seq, vocab)``."""
     device = _model_device(model)
     out: Any = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    return out.logits.float()
+    logits: torch.Tensor = out.logits
+    return logits.float()
 
 
 def _batch_nll(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> list[float]:
@@ -159,7 +160,7 @@ def answer_nll(
         raise ValueError("batch_size must be >= 1")
     encoded = [encode_probe(tokenizer, p) for p in probes]
     pad_id = _pad_id(tokenizer)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is untyped in transformers
     results: list[float] = []
     with torch.inference_mode():
         for start in range(0, len(encoded), batch_size):
@@ -227,7 +228,7 @@ def greedy_tokens(
     cap = math.inf if max_new_tokens is None else max_new_tokens
     n_new = [int(min(len(a), cap)) for _, a in encoded]
     pad_id = _pad_id(tokenizer)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is untyped in transformers
     outputs: list[list[int]] = []
     with torch.inference_mode():
         for start in range(0, len(encoded), batch_size):

@@ -53,6 +53,7 @@ from service.engine.compose import EditError
 from service.engine.layers import LayerSpec, block_index, is_editable, summarize_names
 from service.engine.model_files import ModelSourceError
 
+_default_apply_gate: Callable[..., torch.Tensor] | None
 try:  # transformers' default gate; a class with another one computes something else
     from transformers.integrations.moe import _default_apply_gate
 except ImportError:  # pragma: no cover - an older transformers: no fused experts are understood

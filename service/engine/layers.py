@@ -78,7 +78,9 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
         The layer's :class:`LayerSpec`.
     """
     transposed = not isinstance(module, nn.Linear)
-    rows, cols = module.weight.shape
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
+    rows, cols = weight.shape
     in_features, out_features = (rows, cols) if transposed else (cols, rows)
     has_bias = getattr(module, "bias", None) is not None
     return LayerSpec(name, int(in_features), int(out_features), has_bias, transposed, block_index(name))

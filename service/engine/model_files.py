@@ -172,7 +172,8 @@ def read_side_json(folder: Path, name: str, dirs: tuple[Path, ...] | None = None
 
 def read_bytes(path: Path) -> bytes:
     with open_file(path) as handle:
-        return handle.read()
+        data: bytes = handle.read()
+        return data
 
 
 def open_file(path: Path) -> Any:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 _ALIGN = 8  # the header is padded so the data starts 8-byte aligned, as safetensors itself does
@@ -94,11 +95,14 @@ def write_streaming(target: Path, planned: Sequence[Planned], metadata: dict[str
 
 
 def _write_tensor(item: Planned, out: BinaryIO) -> None:
-    tensor = item.produce()  # type: ignore[misc]
-    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    assert item.produce is not None, "only produced tensors are written from memory"
+    tensor = item.produce()
+    data: np.ndarray[Any, np.dtype[np.uint8]] = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    # numpy's stubs do not declare the buffer protocol (PEP 688) that ndarray implements
+    view = memoryview(data)  # type: ignore[arg-type]
     if data.nbytes != item.like.nbytes or list(tensor.shape) != item.like.shape:
         raise ValueError(f"{item.key}: produced {list(tensor.shape)} ({data.nbytes} bytes), planned {item.like}")
-    _write_all(out, memoryview(data))
+    _write_all(out, view)
 
 
 def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -157,10 +158,15 @@ def expand_statistics(source: Path, target: Path) -> None:
             continue
         length = stats.dims[group] * (stats.dims[group] + 1) // 2
         like = TensorEntry("F64", [length], 0, length * 8)
-        planned.append(Planned(group, like, source, produce=lambda g=group: pack_symmetric(stats.sums[g])))
+        planned.append(Planned(group, like, source, produce=partial(_packed_sum, stats, group)))
     forms: dict[str, Form] = dict.fromkeys(stats.forms, "packed")
     # _metadata writes its own keys over the source's, so the rest (digests, settings) carries over.
     write_streaming(target, planned, _metadata(stats.layer_group, stats.counts, stats.dims, forms, stats.metadata))
+
+
+def _packed_sum(stats: StatisticsFile, group: str) -> torch.Tensor:
+    """``group``'s sum in packed float64 form (computed from its rows when stored as rows)."""
+    return pack_symmetric(stats.sums[group])
 
 
 def load_statistics(path: Path) -> LayerStatistics:
