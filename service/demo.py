@@ -23,11 +23,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
 
@@ -83,6 +84,11 @@ def _word(rng: random.Random, syllables: int, capitalize: bool) -> str:
     return word.capitalize() if capitalize else word
 
 
+def _words(rng: random.Random, n: int, capitalize: bool) -> str:
+    """``n`` made-up two-syllable words."""
+    return " ".join(_word(rng, 2, capitalize) for _ in range(n))
+
+
 def _unique(rng: random.Random, seen: set[str], make: Callable[[random.Random], str]) -> str:
     """Draw from ``make(rng)`` until the result is new, so every name/answer is distinct."""
     while True:
@@ -118,7 +124,7 @@ def make_facts(n: int = 200, seed: int = 0) -> list[tuple[str, str]]:
     facts: list[tuple[str, str]] = []
     for name, kind in pairs[:n]:
         template, n_words, capitalize = _ATTRIBUTES[kind]
-        answer = _unique(rng, seen, lambda r, k=n_words, c=capitalize: " ".join(_word(r, 2, c) for _ in range(k)))
+        answer = _unique(rng, seen, partial(_words, n=n_words, capitalize=capitalize))
         facts.append((template.format(name=name), " " + answer))
     return facts
 
@@ -178,13 +184,6 @@ def tiny_llama_config(
     Returns:
         The config.
     """
-    ids: dict[str, int | None] = {}
-    if tokenizer is not None:
-        ids = {
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -194,7 +193,9 @@ def tiny_llama_config(
         intermediate_size=intermediate,
         max_position_embeddings=128,
         tie_word_embeddings=tie_word_embeddings,
-        **ids,
+        bos_token_id=None if tokenizer is None else tokenizer.bos_token_id,
+        eos_token_id=None if tokenizer is None else tokenizer.eos_token_id,
+        pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
     )
 
 
@@ -385,7 +386,7 @@ def build_demo(
     return paths
 
 
-def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, probes: list[Probe]) -> str:
+def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: list[Probe]) -> str:
     stats = summarize(answer_nll(model, tokenizer, probes), greedy_exact_match(model, tokenizer, probes))
     em, nll = stats["exact_match"], stats["mean_nll"]
     return f"{name:<7} n={stats['n']:<4} exact_match={em:.3f} mean_nll={nll:.4f}"

@@ -639,7 +639,7 @@ def concepts_add(
         raise typer.BadParameter(
             "--dataset-format, --column and --rows describe a --dataset-uri", param_hint="--dataset-uri"
         )
-    reference = None
+    reference: dict[str, Any] | None = None
     if dataset_uri is not None:
         reference = {"uri": dataset_uri}
         for key, value in (
@@ -895,10 +895,10 @@ def evaluate(
         raise typer.BadParameter("give --forget, --retain or both", param_hint="--forget/--retain")
     with _session(ctx) as client:
         probes = {split: _read_probes(path) if path else [] for split, path in (("forget", forget), ("retain", retain))}
-        job = client.evaluate(variant, probes["forget"], probes["retain"], callback_url=callback_url)
+        submitted = client.evaluate(variant, probes["forget"], probes["retain"], callback_url=callback_url)
         counts = " and ".join(f"{len(items)} {split}" for split, items in probes.items() if items) or "no"
         stderr.print(f"evaluating variant {variant} and its base model on {counts} probes")
-        job = _finish_job(ctx, client, job, no_wait, as_json)
+        job = _finish_job(ctx, client, submitted, no_wait, as_json)
     if job is None:
         return
     result = job.result or {}
@@ -931,8 +931,8 @@ def generate(
     turns = [{"role": "system", "content": system}] if system is not None else []
     request: str | list[dict[str, str]] = [*turns, {"role": "user", "content": prompt}] if chat else prompt
     with _session(ctx) as client:
-        job = client.generate(variant, request, max_new_tokens, models, callback_url=callback_url)
-        job = _finish_job(ctx, client, job, no_wait, as_json)
+        submitted = client.generate(variant, request, max_new_tokens, models, callback_url=callback_url)
+        job = _finish_job(ctx, client, submitted, no_wait, as_json)
     if job is None:
         return
     result = job.result or {}

@@ -256,8 +256,8 @@ class EngramClient:
             response = self._request("POST", "/concepts", json={**fields, **body})
             return self._parse(ConceptSubmission, response)
         path = Path(jsonl_path)  # type: ignore[arg-type]  # checked above
-        with path.open("rb") as dataset:  # streamed from disk: a large dataset is never held in memory
-            files = {"dataset": (path.name, dataset, "application/x-ndjson")}
+        with path.open("rb") as upload:  # streamed from disk: a large dataset is never held in memory
+            files = {"dataset": (path.name, upload, "application/x-ndjson")}
             response = self._request("POST", "/concepts", data=fields, files=files)
         return self._parse(ConceptSubmission, response)
 
@@ -403,9 +403,9 @@ class EngramClient:
                 raise EngramJobError(job)
             variant = self.get_variant(variant_id)
         if variant.status != "ready":
-            job = self.get_job(variant.job_id) if variant.job_id else None
-            if job is not None and job.status in FINISHED:
-                raise EngramJobError(job)
+            last = self.get_job(variant.job_id) if variant.job_id else None
+            if last is not None and last.status in FINISHED:
+                raise EngramJobError(last)
             raise EngramError(f"variant {variant_id} is {variant.status}, not ready")
         return variant
 
@@ -530,10 +530,9 @@ class EngramClient:
         Returns:
             The job; once succeeded, ``result`` is ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
         """
-        text = prompt if isinstance(prompt, str) else None
         body = _set_only(
-            prompt=text,
-            messages=[dict(m) for m in prompt] if text is None else None,
+            prompt=prompt if isinstance(prompt, str) else None,
+            messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
             max_new_tokens=max_new_tokens,
             models=list(models) if models is not None else None,
             callback_url=callback_url,
@@ -752,7 +751,7 @@ def _edit_options(
 
 def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:
     """``{"prompt", "completion"}`` for each probe, whichever form it came in; a bad one is named by split and index."""
-    out = []
+    out: list[dict[str, Any]] = []
     for i, probe in enumerate(probes):
         if isinstance(probe, Mapping) and "messages" in probe:
             out.append({"messages": [dict(m) for m in probe["messages"]]})
