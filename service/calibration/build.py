@@ -36,14 +36,13 @@ from service.calibration.search import (
 from service.calibration.service import calibration_prefix, front_png_url
 from service.calibration.space import arm_layers
 from service.engine.checkpoint import ModelLayout
-from service.engine.compose import coefficients_for_unlearn
 from service.errors import JobFailed
 from service.jobs import FINISHED
 from service.local_copies import checked_model_dir
 from service.progress import CancelOnly, JobCancelled, JobProgress
 from service.registry import Context, get_model, variant_view
 from service.universes.build import ensure_universe
-from service.variants.service import submit_variant
+from service.variants.service import coefficients_for_unlearn, submit_variant
 
 RunJob = Callable[[Context, str], None]
 _WAIT_POLL_S = 0.5
@@ -261,7 +260,7 @@ def _build_recommended(
         **request["variant"],
     }
     inline = dataclasses.replace(ctx, dispatch=lambda created: run_job(inline, created["job_id"]))
-    terms = dict(coefficients_for_unlearn(request["concepts"], alpha))
+    terms = coefficients_for_unlearn(request["concepts"], alpha)
     view, variant_job = submit_variant(inline, request["model_id"], terms, alpha, edit)
     if variant_job is not None and variant_job["status"] not in FINISHED:
         variant_job = _wait(ctx, job_id, variant_job["job_id"])  # built by another request's job

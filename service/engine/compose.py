@@ -540,7 +540,3 @@ def _row_blocks(rows: int, width: int, dtype: torch.dtype) -> Iterator[tuple[int
     for first in range(0, rows, buffer.shape[0]):
         yield first, buffer[: min(buffer.shape[0], rows - first)]
 
-
-def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> Mapping[str, float]:
-    """Unlearning is composition with ``c_k = −α`` for every removed concept."""
-    return {name: -float(alpha) for name in concepts}

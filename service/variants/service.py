@@ -7,7 +7,7 @@ stays the same (uploading an unrelated concept changes nothing until the univers
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service import callbacks
@@ -42,6 +42,11 @@ from service.universes.service import (
 )
 
 _OPTIONS = ("scaling", "modules", "layers", "format")
+
+
+def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str, float]:
+    """Unlearning is composition with ``c_k = −α`` for every removed concept."""
+    return {name: -float(alpha) for name in concepts}
 
 
 def submit_variant(

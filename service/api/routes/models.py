@@ -11,7 +11,6 @@ from api_schemas.models import EditOptions
 from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
-from service.engine.compose import coefficients_for_unlearn
 from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
@@ -35,7 +34,7 @@ async def list_models(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
 @router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
 def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
     """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists)."""
-    terms = dict(coefficients_for_unlearn(body.concepts, body.alpha))
+    terms = variants.coefficients_for_unlearn(body.concepts, body.alpha)
     return _submit(ctx, model_id, terms, body.alpha, body.model_dump(include=set(EDIT_OPTIONS)), response)
 
 

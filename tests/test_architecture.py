@@ -1,0 +1,243 @@
+"""The rules of the house (../shared/ARCHITECTURE.md), as a test that fails when one is broken.
+
+Every ``import`` in the repository's own packages is read from the source (AST, so imports inside
+functions count too) and checked against:
+
+- the engine (``service.engine``) is pure: no web, queue, storage or HTTP code, and nothing of the
+  service outside the engine;
+- the API (``service.api``) never imports the engine: linear algebra and model loading are jobs;
+- nothing under ``service`` imports ``workers`` (the Celery app sits on top), except the process
+  entry point ``service.cli`` (``engram-service serve | worker | …`` starts the API or a Celery
+  worker), which nothing imports;
+- the wire contract (``api_schemas``) imports no server code and no torch;
+- the client (``service.client`` today, ``engram_client`` once it is its own distribution)
+  imports only ``api_schemas``, itself and its own libraries;
+- no import cycle between the service's modules.
+
+``test_the_checker_catches_each_kind_of_violation`` feeds the checker synthetic modules, so a
+checker that silently finds nothing fails too.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("service", "workers", "api_schemas", "engram_client")
+
+# Third-party roots a pure engine must not reach for.
+ENGINE_FORBIDDEN = ("fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "boto3", "botocore", "httpx")
+# What the client may import besides the standard library and its own package.
+CLIENT_ALLOWED_THIRD_PARTY = ("httpx", "pydantic", "typer", "rich", "click", "api_schemas")
+CLIENT_PACKAGES = ("service.client", "engram_client")
+# Process entry points: they start the API or a worker, so they sit above both; nothing imports them.
+ENTRY_POINTS = ("service.cli",)
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name
+    imported: str  # dotted name as written (absolute)
+    line: int
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, is_package: bool) -> Iterator[Import]:
+    """Every import in ``source`` (top level or inside functions), relative ones made absolute."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from pkg import mod`` may name a submodule: record both, the checker resolves it.
+            yield Import(module, base, node.lineno)
+            for alias in node.names:
+                yield Import(module, f"{base}.{alias.name}", node.lineno)
+
+
+def collect(root: Path, packages: Iterable[str] = PACKAGES) -> tuple[list[Import], set[str]]:
+    """The imports of every module under ``root``'s ``packages`` and the set of module names."""
+    found: list[Import] = []
+    modules: set[str] = set()
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")) if (root / package).is_dir() else []:
+            name = module_name(path, root)
+            modules.add(name)
+            found.extend(imports_of(path.read_text(encoding="utf-8"), name, path.name == "__init__.py"))
+    return found, modules
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The repository module ``name`` refers to (the longest known prefix), else None."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def violations(found: Iterable[Import], modules: set[str]) -> list[str]:
+    """Each broken rule, as ``importer:line imports name (rule)``."""
+    broken = []
+    for imp in found:
+        where = f"{imp.importer}:{imp.line} imports {imp.imported}"
+        root = imp.imported.split(".")[0]
+        if _within(imp.importer, "service.engine"):
+            if root in ENGINE_FORBIDDEN:
+                broken.append(f"{where} (the engine imports no web, queue, storage or HTTP code)")
+            if _within(imp.imported, "service") and not _within(imp.imported, "service.engine"):
+                broken.append(f"{where} (the engine imports nothing of the service outside the engine)")
+        if _within(imp.importer, "service.api") and _within(imp.imported, "service.engine"):
+            broken.append(f"{where} (the API never imports the engine: that work is a job)")
+        if _within(imp.importer, "service") and _within(imp.imported, "workers") and imp.importer not in ENTRY_POINTS:
+            broken.append(f"{where} (nothing under service imports workers)")
+        if imp.importer not in ENTRY_POINTS and _resolve(imp.imported, modules) in ENTRY_POINTS:
+            broken.append(f"{where} (nothing imports the entry point)")
+        if _within(imp.importer, "api_schemas") and (
+            root in ("service", "workers", "torch", "engram_client") or root in ENGINE_FORBIDDEN
+        ):
+            broken.append(f"{where} (the wire contract imports pydantic and the standard library only)")
+        client = next((p for p in CLIENT_PACKAGES if _within(imp.importer, p)), None)
+        if client is not None and not _within(imp.imported, client):
+            local = _resolve(imp.imported, modules)
+            if (local is not None and not _within(local, "api_schemas")) or (
+                local is None and root not in CLIENT_ALLOWED_THIRD_PARTY and not _is_stdlib(root)
+            ):
+                allowed = ", ".join(CLIENT_ALLOWED_THIRD_PARTY)
+                broken.append(f"{where} (the client imports api_schemas, itself and {allowed})")
+    return sorted(set(broken))
+
+
+def _is_stdlib(root: str) -> bool:
+    import sys
+
+    return root in sys.stdlib_module_names or root == "__future__"
+
+
+def module_graph(found: Iterable[Import], modules: set[str]) -> dict[str, set[str]]:
+    """Module -> the repository modules it imports (a package's ``__init__`` counts as itself)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for imp in found:
+        target = _resolve(imp.imported, modules)
+        if target is not None and target != imp.importer and not _within(imp.importer, target):
+            graph[imp.importer].add(target)
+    return graph
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_house_rules_hold() -> None:
+    found, modules = collect(REPO)
+    assert len(modules) > 50 and any(_within(m, "service.engine") for m in modules), "the checker read the packages"
+    broken = violations(found, modules)
+    assert not broken, "\n".join(broken)
+
+
+def test_no_import_cycles_between_service_modules() -> None:
+    found, modules = collect(REPO)
+    circles = cycles(module_graph(found, modules))
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
+    files = {
+        "service/__init__.py": "",
+        "service/engine/__init__.py": "",
+        "service/engine/pure.py": "import torch\nfrom service.engine import other\n",
+        "service/engine/other.py": "def f():\n    import redis\n    from service.storage import x\n",
+        "service/storage.py": "from .jobs import y\n",
+        "service/jobs.py": "def g():\n    from service.storage import x\n",
+        "service/api/__init__.py": "",
+        "service/api/routes.py": "from service.engine.pure import z\nimport workers.celery_app\n",
+        "api_schemas/__init__.py": "import torch\n",
+        "service/client/__init__.py": "",
+        "service/client/cli.py": "import typer\nimport api_schemas\nfrom service.jobs import g\nimport boto3\n",
+        "workers/__init__.py": "",
+        "workers/celery_app.py": "import service.cli\n",
+        "service/cli.py": "from workers.celery_app import app\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found, modules = collect(tmp_path)
+    broken = "\n".join(violations(found, modules))
+    for expected in (
+        "service.engine.other:2 imports redis (the engine imports no web",
+        "service.engine.other:3 imports service.storage (the engine imports nothing of the service",
+        "service.api.routes:1 imports service.engine.pure (the API never imports the engine",
+        "service.api.routes:2 imports workers.celery_app (nothing under service imports workers)",
+        "api_schemas:1 imports torch (the wire contract",
+        "service.client.cli:3 imports service.jobs (the client imports api_schemas",
+        "service.client.cli:4 imports boto3 (the client imports api_schemas",
+        "workers.celery_app:1 imports service.cli (nothing imports the entry point)",
+    ):
+        assert expected in broken, f"missing: {expected}\n{broken}"
+    assert "pure:1 imports torch" not in broken and "cli:1 imports typer" not in broken
+    assert "cli:2 imports api_schemas" not in broken and "service.cli:1" not in broken
+    # storage -> jobs at the top, jobs -> storage inside a function: a cycle all the same.
+    assert sorted(cycles(module_graph(found, modules))) == [
+        ["service.cli", "workers.celery_app"],
+        ["service.jobs", "service.storage"],
+    ]
