@@ -17,7 +17,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: help install run test test-deps lint demo bench api-docs distributed distributed-stop validate-deploy clean
+.PHONY: help install run test test-deps lint format demo bench api-docs distributed distributed-stop validate-deploy clean
 
 help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
@@ -26,7 +26,8 @@ help:
 	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (DEMO_ARGS=--threads=1 when busy)"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
 	@echo "make distributed-stop stop what make distributed started"
-	@echo "make lint             ruff check"
+	@echo "make lint             ruff check, ruff format --check, mypy (what CI runs before the tests)"
+	@echo "make format           ruff format + ruff check --fix"
 	@echo "make bench            the performance goals (bench/README.md); BENCH_ARGS=--quick for a smoke run"
 	@echo "make api-docs         regenerate docs/API.md from the OpenAPI document"
 	@echo "make validate-deploy  docker-compose.yml, Dockerfiles and k8s/ checked without Docker or a cluster"
@@ -66,8 +67,16 @@ test: test-deps install
 bench: install
 	$(PY) -m bench.run $(BENCH_ARGS)
 
+# The gates CI runs before the tests: lint, formatting, types (pyproject.toml configures each).
 lint: install
-	$(VENV)/bin/ruff check service workers api_schemas tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# Rewrites files: the formatter, then the fixable lint rules.
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 api-docs: install
 	$(PY) scripts/gen_api_docs.py --out docs/API.md
