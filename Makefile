@@ -35,11 +35,13 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ./api_schemas -e ".[dev]"
+	# The client last: an older engram-service owned the `engram` script, and upgrading it removes it.
+	$(PY) -m pip install -q -e ./engram_client
 	touch $(STAMP)
 
 # The demo folder is an allowed model root unless you say otherwise.

@@ -572,7 +572,7 @@ def test_bad_references_fail_their_job_and_store_nothing(
 def test_the_python_client_posts_references_templates_and_messages(
     server: LiveServer, sources: dict[str, str], chat_variant: dict[str, Any]
 ) -> None:
-    from service.client import EngramClient
+    from engram_client import EngramClient
 
     with EngramClient(server.base_url) as client:
         reference = {"uri": sources["file"] + "facts.parquet", "columns": MAPPED, "rows": {"stop": 10}}

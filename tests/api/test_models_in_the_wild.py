@@ -380,8 +380,8 @@ def test_multipart_upload_takes_modules(api: httpx.Client, modules_model: str, e
 def test_client_and_cli_send_modules(api: httpx.Client, modules_model: str, engram_root: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from service.client import EngramClient
-    from service.client.cli import app
+    from engram_client import EngramClient
+    from engram_client.cli import app
 
     with EngramClient(str(api.base_url)) as client:
         submission = client.add_concept("wild-client", [modules_model], records=TARGET[:3], modules=["o_proj"])

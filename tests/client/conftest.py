@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service.client import EngramClient
+from engram_client import EngramClient
 from service.demo import make_facts
 from tests.live import LiveServer
 

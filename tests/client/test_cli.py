@@ -1,6 +1,6 @@
 """The ``engram`` CLI, run as a real process against the real server (``live_server``).
 
-Every command runs ``python -m service.client.cli`` in a subprocess with ``ENGRAM_URL`` pointing at
+Every command runs ``python -m engram_client.cli`` in a subprocess with ``ENGRAM_URL`` pointing at
 the session's server, with stdout and stderr captured (not a terminal), so progress shows as the
 plain lines a CI log gets. Module fixtures build on each other the way a user does: register the
 model, upload a target and a reference concept, unlearn. Names are prefixed ``cli`` so they cannot
@@ -50,7 +50,7 @@ def run_cli(
     env.update(ENGRAM_URL=url, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     if api_key is not None:
         env["ENGRAM_API_KEY"] = api_key
-    command = [sys.executable, "-m", "service.client.cli", *map(str, args)]
+    command = [sys.executable, "-m", "engram_client.cli", *map(str, args)]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 

@@ -1,6 +1,6 @@
 """The ``engram`` CLI with data in the wild (issue 15): datasets by reference, the chat template, chat probes.
 
-Runs ``python -m service.client.cli`` against the session's real server (``live_server``), like
+Runs ``python -m engram_client.cli`` against the session's real server (``live_server``), like
 ``test_cli.py``. Its own models, under the session's model root (the server's ENGRAM_MODEL_ROOTS, so
 ``file://`` references inside it are allowed): ``cli-data/chat``, a tiny Llama whose tokenizer has a
 chat template, and ``cli-data/plain``, the session's tiny Llama without one. Names are prefixed
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from service.client import EngramClient
+from engram_client import EngramClient
 from service.demo import make_facts
 from tests.client.test_cli import failed, ok, run_cli, write_jsonl
 from tests.fixtures_models import make_tiny_chat_llama

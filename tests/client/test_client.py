@@ -1,4 +1,4 @@
-"""The Python client (:class:`service.client.EngramClient`) against real servers.
+"""The Python client (:class:`engram_client.EngramClient`) against real servers.
 
 Most tests use the session's ``live_server`` (embedded, file storage) with the model ``cli/tiny-client``
 and concepts ``cli-client-*`` of their own; evaluation, generation and maps use the ``cli2`` variant
@@ -26,7 +26,7 @@ import pytest
 from PIL import Image
 
 from api_schemas import Concept, Job, Model, Variant, VariantSubmission
-from service.client import (
+from engram_client import (
     EngramAPIError,
     EngramClient,
     EngramConnectionError,
@@ -354,7 +354,7 @@ def test_download_refuses_a_corrupted_file_and_writes_nothing(
             [
                 sys.executable,
                 "-m",
-                "service.client.cli",
+                "engram_client.cli",
                 "variants",
                 "download",
                 built.variant_id,

@@ -226,7 +226,7 @@ def test_calibration_meets_the_constraint_on_held_out_facts_and_beats_the_grid(
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in body[split]))
     env = {**os.environ, "ENGRAM_URL": collected.base_url, "COLUMNS": "200"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "service.client.cli", "calibrate", MODEL_ID, "-c", "cal-forget",
+    command = [sys.executable, "-m", "engram_client.cli", "calibrate", MODEL_ID, "-c", "cal-forget",
                "--forget", str(tmp_path / "forget.jsonl"), "--retain", str(tmp_path / "retain.jsonl"),
                "--max-retain-nll-ratio", str(LIMIT), "--budget", str(BUDGET),
                "--png", str(tmp_path / "front.png")]  # fmt: skip

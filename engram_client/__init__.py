@@ -1,9 +1,9 @@
 """Python client and `engram` CLI for the Engram Service HTTP API.
 
-``from service.client import EngramClient``; the CLI is :mod:`service.client.cli` (console script ``engram``).
+``from engram_client import EngramClient``; the CLI is :mod:`engram_client.cli` (console script ``engram``).
 """
 
-from service.client.client import (
+from engram_client.client import (
     DEFAULT_URL,
     EngramAPIError,
     EngramClient,

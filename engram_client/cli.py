@@ -45,8 +45,8 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from api_schemas import CalibrationResult, Concept, Job, Model, Variant, VariantFile, VariantSubmission
-from service.client.calibrate import calibrate, calibration_front_png, get_calibration
-from service.client.client import (
+from engram_client.calibrate import calibrate, calibration_front_png, get_calibration
+from engram_client.client import (
     DEFAULT_URL,
     FINISHED,
     EngramAPIError,
@@ -158,7 +158,7 @@ def _print_version(value: bool) -> None:
 
 def _package_version() -> str:
     try:
-        return importlib.metadata.version("engram-service")
+        return importlib.metadata.version("engram-client")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
 

@@ -1,5 +1,5 @@
 """The client calls of calibration (``POST /models/{id}/calibrate``, the result, the front's PNG), as
-functions of an :class:`EngramClient`; the ``engram calibrate`` command is in :mod:`service.client.cli`."""
+functions of an :class:`EngramClient`; the ``engram calibrate`` command is in :mod:`engram_client.cli`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from api_schemas import Calibration, CalibrationSubmission
-from service.client.client import PNG_SIGNATURE, EngramClient, EngramError, _quote, _set_only
+from engram_client.client import PNG_SIGNATURE, EngramClient, EngramError, _quote, _set_only
 
 # ---------------------------------------------------------------- client calls
 
