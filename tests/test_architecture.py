@@ -75,6 +75,8 @@ def collect(root: Path, packages: Iterable[str] = PACKAGES) -> tuple[list[Import
     modules: set[str] = set()
     for package in packages:
         for path in sorted((root / package).rglob("*.py")) if (root / package).is_dir() else []:
+            if {"build", "__pycache__"} & set(path.relative_to(root).parts):  # pip's build copies
+                continue
             name = module_name(path, root)
             modules.add(name)
             found.extend(imports_of(path.read_text(encoding="utf-8"), name, path.name == "__init__.py"))

@@ -11,6 +11,7 @@ Two checks:
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -64,8 +65,12 @@ def test_a_fresh_virtualenv_installs_the_client_without_torch(tmp_path: Path) ->
     env_dir = tmp_path / "client-venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    # Copies: pip builds in the source folder, and its build/ would land in the checkout.
+    sources = [tmp_path / name for name in ("api_schemas", "engram_client")]
+    for source in sources:
+        shutil.copytree(REPO / source.name, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", str(REPO / "api_schemas"), str(REPO / "engram_client")],
+        [str(python), "-m", "pip", "install", "-q", *map(str, sources)],
         capture_output=True,
         text=True,
         timeout=600,
