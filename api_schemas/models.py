@@ -60,7 +60,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-_FIELD_ERROR = {
+_FIELD_ERROR: dict[str, Any] = {
     "type": "object",
     "properties": {
         "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
@@ -168,7 +168,7 @@ _MESSAGE = {
     "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"type": "string"}},
     "additionalProperties": False,
 }
-RECORD_SCHEMA = {
+RECORD_SCHEMA: dict[str, Any] = {
     "oneOf": [
         {"type": "object", "required": ["text"], "properties": {"text": _TEXT}, "additionalProperties": False},
         {

@@ -84,6 +84,7 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
     if "\x00" in uri:
         raise InvalidInput("dataset.uri contains a NUL byte")
     scheme = urlparse(uri).scheme.lower()
+    path: str | Path
     if scheme == "file":
         path = _file_path(uri, settings.dataset_root_paths)
     elif scheme == "s3":

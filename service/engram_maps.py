@@ -152,14 +152,14 @@ def _grid(
     rho: dict[str, dict[str, float]],
     rcond: float | None,
 ) -> dict[str, Any]:
-    in_blocks = [spec for spec in layout.layers if spec.block is not None]
-    blocks = sorted({spec.block for spec in in_blocks if spec.block is not None})
-    modules = list(dict.fromkeys(module_type(spec.name) for spec in in_blocks))
+    in_blocks = [(spec, spec.block) for spec in layout.layers if spec.block is not None]
+    blocks = sorted({block for _, block in in_blocks})
+    modules = list(dict.fromkeys(module_type(spec.name) for spec, _ in in_blocks))
     maps, outside = {}, {}
     for name in names:
         grid: list[list[float | None]] = [[None] * len(modules) for _ in blocks]
-        for spec in in_blocks:
-            grid[blocks.index(spec.block)][modules.index(module_type(spec.name))] = rho[name][spec.name]
+        for spec, block in in_blocks:
+            grid[blocks.index(block)][modules.index(module_type(spec.name))] = rho[name][spec.name]
         top = max(rho[name], key=rho[name].__getitem__)
         maps[name] = {"rho": grid, "max": rho[name][top], "argmax": top}
         outside[name] = {spec.name: rho[name][spec.name] for spec in layout.layers if spec.block is None}

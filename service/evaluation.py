@@ -82,7 +82,12 @@ def submit_generation(
     and its generation prompt) on the variant and/or its base; returns the job."""
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     view = _ready_variant(ctx, variant_id)
-    payload = {"variant_id": variant_id, "prompt": prompt, "max_new_tokens": max_new_tokens, "models": list(models)}
+    payload: dict[str, Any] = {
+        "variant_id": variant_id,
+        "prompt": prompt,
+        "max_new_tokens": max_new_tokens,
+        "models": list(models),
+    }
     if messages is not None:
         _check_chat_template(ctx, view, "messages")
         payload["messages"] = messages

@@ -25,9 +25,9 @@ from service import callbacks
 from service.config import Settings
 from service.dataset_refs import content_changed, same_reference
 from service.datasets import SpooledDataset, record_line
-from service.engine.checkpoint import ModelLayout, ModelSourceError, directory_digest, inspect_model_dir
+from service.engine.checkpoint import ModelLayout, directory_digest, inspect_model_dir
 from service.engine.layers import select_layers, summarize_names, unmatched_suffixes
-from service.engine.model_files import used_files
+from service.engine.model_files import ModelSourceError, used_files
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import FINISHED, JobStore, new_job, utc_now
@@ -324,8 +324,8 @@ def submit_concept(
     for job in new_jobs:
         ctx.dispatch(job)
     created = {job["job_id"] for job in new_jobs}
-    jobs = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
-    jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in jobs if j is not None]
+    found = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
+    jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in found if j is not None]
     return concept_view(ctx, concept), jobs
 
 

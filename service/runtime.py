@@ -46,7 +46,10 @@ def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
     runtime = _embedded(settings) if settings.embedded else _distributed(settings, background)
     # Crashed processes' leftovers; an API process also applies the universes' retention rule.
     janitor_ctx = runtime.ctx if background else None
-    runtime.on_start.insert(0, lambda: start_janitor(settings, runtime.ctx.storage, janitor_ctx))
+    def janitor() -> None:
+        start_janitor(settings, runtime.ctx.storage, janitor_ctx)
+
+    runtime.on_start.insert(0, janitor)
     return runtime
 
 
@@ -81,6 +84,7 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     from service.worker_presence import live_workers
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+    assert settings.broker_url is not None, "distributed mode is the mode with a broker"
     client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)
     jobs = RedisJobStore(storage, client, settings.heartbeat_ttl_s)
     celery = make_celery(settings)

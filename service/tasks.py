@@ -319,7 +319,7 @@ def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
 def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> dict[str, Any]:
     concept = find_concept(ctx, name)
     entry = concept["models"].get(model_id) if concept is not None else None
-    if entry is None or entry["job_id"] != job_id:
+    if concept is None or entry is None or entry["job_id"] != job_id:
         raise JobFailed(f"concept {name} was deleted (or posted again) while its dataset was being resolved")
     return concept
 

@@ -102,6 +102,7 @@ def worker_presence(settings: Settings) -> tuple[Callable[..., None], Callable[.
         try:
             queues = list(sender.app.amqp.queues.consume_from) if sender is not None else []
             hostname = getattr(sender, "hostname", None) or f"celery@{socket.gethostname()}"
+            assert settings.broker_url is not None, "a Celery worker runs with a broker"
             client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)
             beacon = PresenceBeacon(client, f"{hostname}:{os.getpid()}", queues, settings.heartbeat_ttl_s)
             beacon.start()

@@ -69,7 +69,8 @@ class Lanes:
                     break
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, _POLL_MAX_S)
-                job = await self.status(ctx.jobs.get, job["job_id"]) or job
+                latest: dict[str, Any] | None = await self.status(ctx.jobs.get, job["job_id"])
+                job = latest or job  # None: deleted meanwhile
             return job
         finally:
             self.waiting -= 1

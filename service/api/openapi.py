@@ -274,7 +274,9 @@ def _complete_operation(path: str, method: str, operation: dict[str, Any], *, au
             responses[status]["description"] = description
     for status, extra in EXTRA_SUCCESS.get(key, {}).items():
         if status not in responses:
-            template = next((r for s, r in sorted(responses.items()) if s.startswith("2") and "content" in r), {})
+            template: dict[str, Any] = next(
+                (r for s, r in sorted(responses.items()) if s.startswith("2") and "content" in r), {}
+            )
             responses[status] = {**copy.deepcopy(template), **extra}
     _media_types(path, method, responses)
 
@@ -301,13 +303,13 @@ def _complete_operation(path: str, method: str, operation: dict[str, Any], *, au
     for status_text, declared in list(responses.items()):  # a route's own `responses=` errors: problem+json
         if status_text.isdigit() and int(status_text) >= 400 and "$ref" not in declared:
             errors.setdefault(int(status_text), declared.get("description") or None)
-    for status in sorted(errors):
-        description = errors[status]
-        ref = {"$ref": "#/components/responses/" + _response_name(status)}
-        if description is None:
-            responses[str(status)] = ref
+    for code in sorted(errors):
+        error_description = errors[code]
+        ref = {"$ref": "#/components/responses/" + _response_name(code)}
+        if error_description is None:
+            responses[str(code)] = ref
         else:  # a Reference Object may override the description in 3.1
-            responses[str(status)] = {**ref, "description": description}
+            responses[str(code)] = {**ref, "description": error_description}
     operation["responses"] = dict(sorted(responses.items()))
 
     if public:

@@ -15,6 +15,7 @@ import codecs
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 from python_multipart.exceptions import FormParserError
@@ -22,6 +23,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from service.datasets import DatasetSpool, JsonlFeed, SpooledDataset
+
+if TYPE_CHECKING:  # python_multipart declares its callback types for type checkers only
+    from python_multipart.multipart import MultipartCallbacks
 from service.errors import InvalidInput, MalformedBody, PayloadTooLarge, ProblemError
 
 DATASET = "dataset"
@@ -108,7 +112,7 @@ class _Parts:
     _name: str = ""
     _value_buffer: bytearray = field(default_factory=bytearray)
 
-    def callbacks(self) -> dict[str, object]:
+    def callbacks(self) -> MultipartCallbacks:
         return {
             "on_part_begin": self._part_begin,
             "on_header_field": self._header_field,

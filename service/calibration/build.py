@@ -259,7 +259,10 @@ def _build_recommended(
         "callback_url": None,
         **request["variant"],
     }
-    inline = dataclasses.replace(ctx, dispatch=lambda created: run_job(inline, created["job_id"]))
+    def run_here(created: dict[str, Any]) -> None:  # the variant's job, in this job's process
+        run_job(inline, created["job_id"])
+
+    inline = dataclasses.replace(ctx, dispatch=run_here)
     terms = coefficients_for_unlearn(request["concepts"], alpha)
     view, variant_job = submit_variant(inline, request["model_id"], terms, alpha, edit)
     if variant_job is not None and variant_job["status"] not in FINISHED:

@@ -187,9 +187,10 @@ class InMemoryCandidates:
     @torch.no_grad()
     def _set(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         module = self.modules[name]
-        if tuple(module.weight.shape) != tuple(weight.shape):
-            shapes = f"the loaded weight is {tuple(module.weight.shape)}, the edit {tuple(weight.shape)}"
+        loaded = module.get_parameter("weight")
+        if tuple(loaded.shape) != tuple(weight.shape):
+            shapes = f"the loaded weight is {tuple(loaded.shape)}, the edit {tuple(weight.shape)}"
             raise JobFailed(f"layer {name}: {shapes}")
-        module.weight.copy_(weight)
+        loaded.copy_(weight)
         if bias is not None:
-            module.bias.copy_(bias)
+            module.get_parameter("bias").copy_(bias)

@@ -220,13 +220,19 @@ def search(arms: Sequence[Arm], evaluate: Callable[[Arm, float], Outcome], setti
     return SearchResult(candidates, pruned, unexplored, stopped)
 
 
+def _arm_rank(state: _ArmState) -> tuple[float, float, float]:
+    """An arm's best feasible point's rank; an arm with none ranks last."""
+    best = state.best_feasible()
+    return _rank(best) if best is not None else (-math.inf, -math.inf, -math.inf)
+
+
 def _choose(
     states: list[_ArmState], settings: SearchSettings, candidates: list[Candidate]
 ) -> tuple[_ArmState, tuple[float, str]] | None:
     """The next arm to step: unbracketed arms round-robin (fewest points first), then the live arm
     with the highest upper bound. Prunes dominated arms first."""
     incumbent = max((c.outcome.forget_ratio for c in candidates if c.feasible), default=-math.inf)
-    best_arm = max(states, key=lambda s: _rank(s.best_feasible()) if s.best_feasible() else (-math.inf,) * 3)
+    best_arm = max(states, key=_arm_rank)
     live: list[tuple[_ArmState, tuple[float, str]]] = []
     for state in states:
         if state.pruned:

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -356,7 +357,7 @@ class UniverseBuild:
                     if kind == "group":
                         self.compute_group(name, scratch)
                     else:
-                        self.compute_member(name, scratch, lambda n=name: credit.partial(("member", n)))
+                        self.compute_member(name, scratch, partial(credit.partial, ("member", name)))
                 return True
         return False
 

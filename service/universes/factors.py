@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +56,7 @@ def group_rows(ctx: Context, members: Mapping[str, GroupedStatistics], keys: Map
     if None in counts or len(dims) != 1 or None in dims:
         return None
     (dim,) = dims
-    if sum(counts) >= dim:  # type: ignore[arg-type]
+    if sum(c for c in counts if c is not None) >= dim:  # both checked for None above
         return None
     rows = [stored_rows(ctx.storage, prefix + "statistics.safetensors", group) for prefix, group in keys.items()]
     return None if any(r is None for r in rows) else rows  # type: ignore[return-value]
@@ -160,6 +160,6 @@ def rows_groups(files: Mapping[str, GroupFile]) -> set[str]:
     return {group for group, file in files.items() if file.source == "rows"}
 
 
-def member_group_keys(member_groups: Mapping[str, Mapping[str, str]], prefix: str, groups: Sequence[str]) -> set[str]:
+def member_group_keys(member_groups: Mapping[str, Mapping[str, str]], prefix: str, groups: Iterable[str]) -> set[str]:
     """``prefix``'s own keys for the universe groups ``groups``."""
     return {member_groups[group][prefix] for group in groups}

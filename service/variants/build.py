@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256, write_checkpoint, write_delta
 from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
@@ -154,7 +154,7 @@ def write_variant(
         return None
     if request["format"] == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
-        rank, target = request.get("lora_rank"), request.get("lora_target") or "peft"
+        rank, target = request.get("lora_rank"), lora_target(request)
         loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank, lora_target=target)
         return write_adapter(
             out,
@@ -168,6 +168,14 @@ def write_variant(
     metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
     write_delta(reader.path, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
     return None
+
+
+def lora_target(request: Mapping[str, Any]) -> Literal["peft", "vllm"]:
+    """The adapter layout a stored request asks for (``peft`` when it predates the option)."""
+    target = request.get("lora_target") or "peft"
+    if target not in ("peft", "vllm"):
+        raise EditError(f"unknown lora_target {target!r}: peft or vllm")
+    return "vllm" if target == "vllm" else "peft"
 
 
 def upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:

@@ -12,7 +12,9 @@ from service.api.routes.jobs import job_view
 from service.calibration import service as calibration
 
 router = APIRouter(tags=["calibration"])
-_PNG = {200: {"content": {"image/png": {}}, "description": "The front: forget vs retain NLL ratio of every candidate"}}
+_PNG: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"image/png": {}}, "description": "The front: forget vs retain NLL ratio of every candidate"}
+}
 
 
 @router.post("/models/{model_id:path}/calibrate", response_model=CalibrationSubmission, status_code=202)

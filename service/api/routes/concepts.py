@@ -70,6 +70,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
     """
     content_type = request.headers.get("content-type", "")
     settings = ctx.settings
+    dataset: SpooledDataset | None
     with scratch_dir("upload") as tmp:
         if content_type.startswith("multipart/form-data"):
             upload = await read_upload(

@@ -34,7 +34,7 @@ def _map(
     return engram_maps.engram_map(ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
 
 
-_PNG = {200: {"content": {"image/png": {}}}}
+_PNG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/png": {}}}}
 
 
 @router.get("/models/{model_id:path}/engram-map.png", response_class=Response, responses=_PNG)
