@@ -586,8 +586,15 @@ class ModelBench:
             "info",
             details={"seconds": built["seconds"], "tokens": built["tokens"], "layers": built["layers"]},
         )
-        self.add("universe", "universe bytes (factors + engrams)", built["bytes"]["total"], None, "B", "info",
-                 details=built["bytes"])
+        self.add(
+            "universe",
+            "universe bytes (factors + engrams)",
+            built["bytes"]["total"],
+            None,
+            "B",
+            "info",
+            details=built["bytes"],
+        )
         self.add(
             "universe",
             "first variant after a restart (1 concept) vs copy floor",

@@ -43,9 +43,22 @@ def _worker(queues: str) -> int:
     # One task at a time, one message prefetched: a GPU holds one model, and a message waiting
     # behind a long collection would be better served by another worker.
     app.worker_main(
-        ["worker", "--queues", queues, "--concurrency", "1", "--prefetch-multiplier", "1", "--loglevel", "INFO",
-         "--without-gossip", "--without-mingle", "--hostname", "engram@%h",
-         "--task-events"]  # Flower and `celery events` see tasks, not only workers
+        [
+            "worker",
+            "--queues",
+            queues,
+            "--concurrency",
+            "1",
+            "--prefetch-multiplier",
+            "1",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--hostname",
+            "engram@%h",
+            "--task-events",
+        ]  # Flower and `celery events` see tasks, not only workers
     )
     return 0
 

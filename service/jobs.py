@@ -220,7 +220,13 @@ class RedisJobStore(JobStore):
 
 
 # Evaluation gets a lane of its own, so a quick check never waits behind a long collection.
-_LANE_OF_KIND = {"collect": "collect", "variant": "variant", "universe": "variant", "evaluate": "inference", "generate": "inference"}  # noqa: E501
+_LANE_OF_KIND = {
+    "collect": "collect",
+    "variant": "variant",
+    "universe": "variant",
+    "evaluate": "inference",
+    "generate": "inference",
+}  # noqa: E501
 _LANE_OF_KIND["calibrate"] = "inference"  # it runs the model over probes, candidate after candidate
 
 

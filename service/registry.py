@@ -177,10 +177,7 @@ def list_models(ctx: Context) -> list[dict[str, Any]]:
 
 
 def model_view(manifest: dict[str, Any]) -> dict[str, Any]:
-    layers = [
-        {k: spec[k] for k in ("name", "in_features", "out_features", "bias")}
-        for spec in manifest["layout"]["layers"]
-    ]
+    layers = [{k: spec[k] for k in ("name", "in_features", "out_features", "bias")} for spec in manifest["layout"]["layers"]]
     keys = ("model_id", "source", "digest", "architecture", "num_parameters")
     return {**{k: manifest[k] for k in keys}, "layers": layers}
 
@@ -611,8 +608,18 @@ def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
 
 
 VARIANT_FIELDS = (
-    "variant_id", "model_id", "terms", "alpha", "scaling", "format", "lora_rank", "lora_target", "modules", "layers",
-    "rcond", "universe_id",
+    "variant_id",
+    "model_id",
+    "terms",
+    "alpha",
+    "scaling",
+    "format",
+    "lora_rank",
+    "lora_target",
+    "modules",
+    "layers",
+    "rcond",
+    "universe_id",
 )
 
 

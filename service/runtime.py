@@ -46,6 +46,7 @@ def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
     runtime = _embedded(settings) if settings.embedded else _distributed(settings, background)
     # Crashed processes' leftovers; an API process also applies the universes' retention rule.
     janitor_ctx = runtime.ctx if background else None
+
     def janitor() -> None:
         start_janitor(settings, runtime.ctx.storage, janitor_ctx)
 

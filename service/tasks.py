@@ -164,8 +164,6 @@ def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
     ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())
 
 
-
-
 # ---------------------------------------------------------------- collection
 
 
@@ -324,9 +322,7 @@ def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> dict[st
     return concept
 
 
-def _publish_statistics(
-    ctx: Context, prefix: str, stats: LayerStatistics, payload: dict[str, Any], seconds: float
-) -> None:
+def _publish_statistics(ctx: Context, prefix: str, stats: LayerStatistics, payload: dict[str, Any], seconds: float) -> None:
     with scratch_dir("stats") as tmp:
         file = Path(tmp) / "statistics.safetensors"
         extra = {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]}

@@ -259,6 +259,7 @@ def _build_recommended(
         "callback_url": None,
         **request["variant"],
     }
+
     def run_here(created: dict[str, Any]) -> None:  # the variant's job, in this job's process
         run_job(inline, created["job_id"])
 

@@ -539,4 +539,3 @@ def _row_blocks(rows: int, width: int, dtype: torch.dtype) -> Iterator[tuple[int
     buffer = torch.empty((max(1, APPLY_BLOCK_VALUES // width), width), dtype=dtype)
     for first in range(0, rows, buffer.shape[0]):
         yield first, buffer[: min(buffer.shape[0], rows - first)]
-

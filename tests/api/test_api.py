@@ -451,39 +451,66 @@ def _post_raw(path: str, content: bytes) -> Request:
 
 
 BAD_REQUESTS: list[tuple[str, Request, int, tuple[str, ...]]] = [
-    ("concept-unknown-model", _post("/concepts", {"name": "x1", "models": ["org/missing"], "records": FORGET}), 404,
-     ("org/missing",)),
+    (
+        "concept-unknown-model",
+        _post("/concepts", {"name": "x1", "models": ["org/missing"], "records": FORGET}),
+        404,
+        ("org/missing",),
+    ),
     ("concept-empty-records", _post("/concepts", {"name": "x2", "models": [MODEL], "records": []}), 422, ("records",)),
-    ("concept-text-and-prompt",
-     _post("/concepts", {"name": "x3", "models": [MODEL], "records": [{"text": "a", "prompt": "b", "completion": "c"}]}),
-     422, ("record 0",)),
+    (
+        "concept-text-and-prompt",
+        _post("/concepts", {"name": "x3", "models": [MODEL], "records": [{"text": "a", "prompt": "b", "completion": "c"}]}),
+        422,
+        ("record 0",),
+    ),
     ("concept-bad-name", _post("/concepts", {"name": "../evil", "models": [MODEL], "records": FORGET}), 422, ("name",)),
     ("concept-malformed-json", _post_raw("/concepts", b'{"name": "x4", "models": ['), 400, ()),
     ("unlearn-malformed-json", _post_raw(f"/models/{MODEL}/unlearn", b'{"concepts": '), 400, ()),
-    ("unlearn-unknown-concept", _post(f"/models/{MODEL}/unlearn", {"concepts": ["no-such-concept"]}), 404,
-     ("no-such-concept",)),
+    (
+        "unlearn-unknown-concept",
+        _post(f"/models/{MODEL}/unlearn", {"concepts": ["no-such-concept"]}),
+        404,
+        ("no-such-concept",),
+    ),
     ("unlearn-unknown-model", _post("/models/org/missing/unlearn", {"concepts": ["forget"]}), 404, ("org/missing",)),
-    ("unlearn-unknown-module", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "modules": ["warp_proj"]}),
-     422, ("warp_proj",)),
+    (
+        "unlearn-unknown-module",
+        _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "modules": ["warp_proj"]}),
+        422,
+        ("warp_proj",),
+    ),
     ("unlearn-layer-out-of-range", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "layers": [7]}), 422, ()),
     ("unlearn-alpha-zero", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "alpha": 0}), 422, ("alpha",)),
-    ("unlearn-alpha-negative", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "alpha": -1.0}), 422,
-     ("alpha",)),
+    ("unlearn-alpha-negative", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "alpha": -1.0}), 422, ("alpha",)),
     ("unlearn-alpha-huge", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "alpha": 1000}), 422, ("alpha",)),
-    ("unlearn-alpha-text", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "alpha": "lots"}), 422,
-     ("alpha",)),
+    ("unlearn-alpha-text", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "alpha": "lots"}), 422, ("alpha",)),
     ("unlearn-alpha-nan", _post_raw(f"/models/{MODEL}/unlearn", b'{"concepts": ["forget"], "alpha": NaN}'), 422, ()),
-    ("unlearn-bad-scaling", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "scaling": "cubic"}), 422,
-     ("scaling",)),
+    (
+        "unlearn-bad-scaling",
+        _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "scaling": "cubic"}),
+        422,
+        ("scaling",),
+    ),
     ("unlearn-bad-rcond", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "rcond": 2.0}), 422, ("rcond",)),
-    ("unlearn-lora-rank-with-checkpoint",
-     _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "format": "checkpoint", "lora_rank": 8}), 422,
-     ("lora_rank", "peft")),
-    ("compose-lora-rank-with-delta",
-     _post(f"/models/{MODEL}/compose", {"terms": {"forget": 1.0}, "format": "delta", "lora_rank": 8}), 422,
-     ("lora_rank",)),
-    ("unlearn-lora-rank-zero", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "format": "peft", "lora_rank": 0}),
-     422, ("lora_rank",)),
+    (
+        "unlearn-lora-rank-with-checkpoint",
+        _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "format": "checkpoint", "lora_rank": 8}),
+        422,
+        ("lora_rank", "peft"),
+    ),
+    (
+        "compose-lora-rank-with-delta",
+        _post(f"/models/{MODEL}/compose", {"terms": {"forget": 1.0}, "format": "delta", "lora_rank": 8}),
+        422,
+        ("lora_rank",),
+    ),
+    (
+        "unlearn-lora-rank-zero",
+        _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "format": "peft", "lora_rank": 0}),
+        422,
+        ("lora_rank",),
+    ),
     ("unlearn-unknown-field", _post(f"/models/{MODEL}/unlearn", {"concepts": ["forget"], "beta": 1}), 422, ("beta",)),
     ("compose-zero-coefficient", _post(f"/models/{MODEL}/compose", {"terms": {"forget": 0}}), 422, ()),
     ("compose-infinite-coefficient", _post_raw(f"/models/{MODEL}/compose", b'{"terms": {"forget": Infinity}}'), 422, ()),
@@ -491,8 +518,14 @@ BAD_REQUESTS: list[tuple[str, Request, int, tuple[str, ...]]] = [
     ("model-bad-id", _post("/models", {"model_id": "a/b/c", "source": "file:///x"}), 422, ("model_id",)),
     ("model-bad-scheme", _post("/models", {"model_id": "bad/scheme", "source": "ftp://x/y"}), 422, ()),
     ("model-outside-roots", lambda w, d: register(w.api, "bad/outside", d["outside"]), 422, ("ENGRAM_MODEL_ROOTS",)),
-    ("model-dotdot", lambda w, d: w.api.post(
-        "/models", json={"model_id": "bad/dotdot", "source": f"file://{w.model_root}/../outside-model"}), 422, ("..",)),
+    (
+        "model-dotdot",
+        lambda w, d: w.api.post(
+            "/models", json={"model_id": "bad/dotdot", "source": f"file://{w.model_root}/../outside-model"}
+        ),
+        422,
+        ("..",),
+    ),
     ("model-symlink-out", lambda w, d: register(w.api, "bad/symlink", d["symlink"]), 422, ("ENGRAM_MODEL_ROOTS",)),
     ("model-bad-hf-source", _post("/models", {"model_id": "bad/hf", "source": "hf://../../etc"}), 422, ("hf://",)),
     ("model-relative-path", _post("/models", {"model_id": "bad/relative", "source": "file://models/tiny"}), 422, ()),
@@ -610,9 +643,7 @@ KNOWN_500S = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "body", "status"), [pytest.param(*case[1:], id=case[0]) for case in KNOWN_500S]
-)
+@pytest.mark.parametrize(("method", "path", "body", "status"), [pytest.param(*case[1:], id=case[0]) for case in KNOWN_500S])
 def test_hostile_ids_are_4xx_not_500(world: World, method: str, path: str, body: Any, status: int) -> None:
     with unchanged(world.server), httpx.Client(base_url=world.server.base_url, timeout=30) as fresh:
         assert_problem(fresh.request(method, path, json=body), status)

@@ -174,4 +174,3 @@ def test_generate_bounds_are_checked(api: httpx.Client, variants: dict[str, dict
     assert_problem(api.post(url, json={"prompt": "x", "max_new_tokens": 5000}), 422)
     assert_problem(api.post(url, json={"prompt": "x", "models": ["other"]}), 422)
     assert_problem(api.post(url, params={"wait": 999}, json={"prompt": "x"}), 422)
-

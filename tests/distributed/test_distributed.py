@@ -123,7 +123,8 @@ def test_identical_concurrent_posts_run_one_collection(cluster: Cluster) -> None
     assert len(job_ids) == 1, job_ids
     assert wait_for_job(client, job_ids.pop())["status"] == "succeeded"
     collect_jobs = [
-        j for j in (json.loads(p.read_text()) for p in (cluster.storage / "jobs").glob("*.json"))
+        j
+        for j in (json.loads(p.read_text()) for p in (cluster.storage / "jobs").glob("*.json"))
         if j["kind"] == "collect" and j["payload"]["concept"] == "twins"
     ]
     assert len(collect_jobs) == 1
@@ -242,5 +243,3 @@ class watch_for_partial_artifacts:  # noqa: N801 - used like a function
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-

@@ -31,9 +31,7 @@ def upload_dir(seaweed: SeaweedServer, bucket: str, local: Path, prefix: str) ->
 
 
 @pytest.fixture(scope="module")
-def s3_cluster(
-    seaweed: SeaweedServer, s3_bucket: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
+def s3_cluster(seaweed: SeaweedServer, s3_bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("dist-s3")
     (root / "models").mkdir()
     storage = {"ENGRAM_STORAGE_URL": f"s3://{s3_bucket}/{PREFIX}", "ENGRAM_S3_ENDPOINT_URL": seaweed.endpoint_url}
@@ -112,5 +110,3 @@ def _wait_for_retry(cluster: Cluster, job_id: str, timeout: float = 60) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"the worker never retried job {job_id}: {log.read_text(errors='replace')[-2000:]}")
-
-

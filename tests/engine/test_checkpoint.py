@@ -252,9 +252,7 @@ def test_write_checkpoint_unties_an_edited_tied_head(dirs: dict[str, Path], tmp_
             assert (target / side).read_bytes() == (source / side).read_bytes(), side
 
 
-def test_write_checkpoint_of_a_sharded_tied_model_updates_the_index(
-    dirs: dict[str, Path], tmp_path: Path
-) -> None:
+def test_write_checkpoint_of_a_sharded_tied_model_updates_the_index(dirs: dict[str, Path], tmp_path: Path) -> None:
     source = tmp_path / "sharded"
     model = AutoModelForCausalLM.from_pretrained(str(dirs["llama_tied"]))
     model.save_pretrained(source, max_shard_size="20KB")

@@ -110,9 +110,7 @@ def augmented(spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
     return w
 
 
-def reference_engram(
-    spec: LayerSpec, weights: LayerWeights, target: torch.Tensor, universe: torch.Tensor
-) -> torch.Tensor:
+def reference_engram(spec: LayerSpec, weights: LayerWeights, target: torch.Tensor, universe: torch.Tensor) -> torch.Tensor:
     return augmented(spec, weights) @ target.double() @ reference_pinv(universe)
 
 

@@ -68,9 +68,7 @@ def test_the_rows_form_is_chosen_only_when_it_takes_fewer_bytes() -> None:
     assert not rows_are_smaller(0, 64, torch.float64), "an empty concept stays a (zero) sum"
 
 
-def test_low_rank_groups_are_stored_as_rows_and_read_back_bit_for_bit(
-    low_rank: LayerStatistics, tmp_path: Path
-) -> None:
+def test_low_rank_groups_are_stored_as_rows_and_read_back_bit_for_bit(low_rank: LayerStatistics, tmp_path: Path) -> None:
     path = tmp_path / "stats.safetensors"
     save_statistics(low_rank, path)
     stored = StatisticsFile(path)
