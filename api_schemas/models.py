@@ -377,6 +377,10 @@ class ConceptSubmission(BaseModel):
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
+# The largest per-module strength factor (module_strengths): beyond it an edit is no longer a
+# strength adjustment but a different edit, and a typo (40 for 0.4) would pass silently.
+MAX_MODULE_STRENGTH = 4.0
+
 class EditOptions(Strict):
     # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
     # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
@@ -402,6 +406,22 @@ class EditOptions(Strict):
     scaling: Literal["uniform", "weight_norm"] = "uniform"
     modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
     layers: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1, description="block indices")
+    module_strengths: (
+        dict[
+            Annotated[str, Field(min_length=1, max_length=200)],
+            Annotated[float, Field(gt=0.0, le=MAX_MODULE_STRENGTH, allow_inf_nan=False)],
+        ]
+        | None
+    ) = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "per module type, a factor on the edit strength: a layer whose name ends with a listed suffix "
+            "(q_proj, mlp.gate_proj…; the longest matching suffix wins) is edited with α·f_l·s, others with "
+            f"α·f_l (s = 1); 0 < s ≤ {MAX_MODULE_STRENGTH:g}. A suffix matching no edited layer is a 422. "
+            "Absent or all 1: the same variant as without it"
+        ),
+    )
     rcond: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False, description="keep λ > rcond·λmax")
     reference: list[str] | None = Field(
         default=None, description="the universe is reference ∪ concepts (default: the model's current universe)"
@@ -486,6 +506,7 @@ class Variant(BaseModel):
     )
     modules: list[str] | None = None
     layers: list[int] | None = None
+    module_strengths: dict[str, float] | None = None
     rcond: float | None = None
     reference: list[str]
     universe_id: str | None = Field(default=None, description="the universe the engrams are measured against")

@@ -618,6 +618,7 @@ VARIANT_FIELDS = (
     "lora_target",
     "modules",
     "layers",
+    "module_strengths",
     "rcond",
     "universe_id",
 )

@@ -8,7 +8,7 @@ mathematics works on the canonical ``[out, in]`` matrix; ``Conv1D`` stores its w
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +133,18 @@ def unmatched_suffixes(layers: Sequence[LayerSpec], modules: Sequence[str]) -> l
 
 def _suffix_matches(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
+
+
+def module_strength(name: str, strengths: Mapping[str, float] | None) -> float:
+    """The strength factor of layer ``name``: that of the longest suffix in ``strengths`` it ends
+    with (``mlp.gate_proj`` over ``gate_proj``), else 1."""
+    matching = [suffix for suffix in strengths or {} if _suffix_matches(name, suffix)]
+    return float(strengths[max(matching, key=len)]) if strengths and matching else 1.0
+
+
+def with_module_strengths(scales: Mapping[str, float], strengths: Mapping[str, float] | None) -> dict[str, float]:
+    """Per-layer ``f_l · s_l``: each layer's scale times its module's strength factor."""
+    return {name: scale * module_strength(name, strengths) for name, scale in scales.items()}
 
 
 def summarize_names(names: Iterable[str]) -> str:

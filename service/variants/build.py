@@ -19,7 +19,7 @@ from typing import Any, Literal
 from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256, write_checkpoint, write_delta
 from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
 from service.engine.experts import check_adapter_layers
-from service.engine.layers import LayerSpec, select_layers
+from service.engine.layers import LayerSpec, select_layers, with_module_strengths
 from service.engine.lora import layer_loras, write_adapter
 from service.engine.model_files import ModelSourceError
 from service.engrams.store import (
@@ -96,7 +96,10 @@ def build_variant_files(
         reader = CheckpointReader(checked_model_dir(ctx, model), layout)
         if isinstance(steps, JobProgress):
             steps.restart(len(layers))
-        scales = variant_scales(layers, source, universe, request["scaling"], reader)
+        # W-Norm's f_l (or 1) first, then each module type's strength factor
+        scales = with_module_strengths(
+            variant_scales(layers, source, universe, request["scaling"], reader), request.get("module_strengths")
+        )
         lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
     except (EditError, ModelSourceError) as exc:
         raise JobFailed(str(exc)) from None

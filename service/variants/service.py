@@ -14,7 +14,7 @@ from service import callbacks
 from service.engine.checkpoint import ModelLayout
 from service.engine.compose import EditError
 from service.engine.experts import check_adapter_layers
-from service.engine.layers import select_layers
+from service.engine.layers import select_layers, unmatched_suffixes
 from service.engine.lora import EXACT_RTOL, rank_cap, vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput
 from service.jobs import new_job
@@ -62,6 +62,7 @@ def submit_variant(
     model = get_model(ctx, model_id)
     layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, options.get("modules"), options.get("layers"))
+    options = {**options, "module_strengths": _check_strengths(layout, options)}
     _check_servable(layout, options)
     _check_adapter_layers(layout, options)
     resolved = _resolve(ctx, model, terms, options)
@@ -132,6 +133,18 @@ def _check_servable(layout: ModelLayout, options: Mapping[str, Any]) -> None:
         raise InvalidInput(vllm_bias_refusal(biased, selected))
 
 
+def _check_strengths(layout: ModelLayout, options: Mapping[str, Any]) -> dict[str, float] | None:
+    """``module_strengths`` without its factors of 1 (so they leave the variant as it was), sorted;
+    a suffix that matches no edited layer is a 422 naming it."""
+    given = options.get("module_strengths") or {}
+    selected = select_layers(layout.layers, options.get("modules"), options.get("layers"))
+    missing = unmatched_suffixes(selected, list(given))
+    if missing:
+        raise InvalidInput(f"module_strengths: suffix(es) match no edited layer: {', '.join(missing)}")
+    kept = {suffix: float(value) for suffix, value in sorted(given.items()) if float(value) != 1.0}
+    return kept or None
+
+
 def _lora_target(options: Mapping[str, Any]) -> Any:
     return options.get("lora_target") or "peft"
 
@@ -179,6 +192,8 @@ def _variant_request(
         "rcond": spec.rcond,
         **{k: options.get(k) for k in _OPTIONS},
     }
+    if options.get("module_strengths"):  # only when given: every other variant keeps its ID
+        identity["module_strengths"] = options["module_strengths"]
     if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
         lora: dict[str, Any] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
         if _lora_target(options) != "peft":  # peft adapters keep the IDs they had
@@ -195,6 +210,7 @@ def _variant_request(
         "rcond": spec.rcond,
         "lora_rank": options.get("lora_rank"),
         "lora_target": _lora_target(options) if options.get("format") == "peft" else None,
+        "module_strengths": options.get("module_strengths"),
         "term_stats": term_stats,
         "universe_id": spec.universe_id,
         "universe_stats": spec.prefixes,
