@@ -381,6 +381,7 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # strength adjustment but a different edit, and a typo (40 for 0.4) would pass silently.
 MAX_MODULE_STRENGTH = 4.0
 
+
 class EditOptions(Strict):
     # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
     # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
