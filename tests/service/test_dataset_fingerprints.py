@@ -24,13 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.config import Settings
-from service.dataset_refs import (
-    FINGERPRINT,
-    hub_commit,
-    resolve_reference,
-    submitted_reference,
-    trim_hf_cache,
-)
+from service.dataset_refs import resolve_reference, submitted_reference
+from service.dataset_sources import FINGERPRINT, hub_commit, trim_hf_cache
 from service.datasets import record_line
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput
