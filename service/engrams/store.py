@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from service.cache import ByteLRU
+from service.engine.arithmetic import apply_engrams, combined_norm
 from service.engine.compose import (
     COMPUTE_DTYPE,
     EditError,
@@ -22,8 +23,6 @@ from service.engine.compose import (
     EngramSource,
     LayerEdit,
     LayerWeights,
-    apply_engrams,
-    combined_norm,
     layer_editor,
 )
 from service.engine.layers import LayerSpec

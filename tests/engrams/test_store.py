@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service.engine import compose as compose_module
-from service.engine.compose import EditError, LayerWeights, apply_engrams, combined_norm, layer_edits
+from service.engine import arithmetic as arithmetic_module
+from service.engine.arithmetic import apply_engrams, combined_norm
+from service.engine.compose import EditError, LayerWeights, layer_edits
 from service.engine.layers import LayerSpec
 from service.engrams.store import StoredEngrams
 
@@ -50,7 +51,7 @@ def test_applying_stored_engrams_equals_the_float64_edit(
     """Float32 and 16-bit checkpoints are edited in float32 from float32 or 16-bit engrams, float64
     ones in float64: each within four of its dtype's ulps of the summands' size from the float64
     formula (on the stored engrams) rounded once."""
-    monkeypatch.setattr(compose_module, "APPLY_BLOCK_VALUES", 100)  # many blocks, the last one short
+    monkeypatch.setattr(arithmetic_module, "APPLY_BLOCK_VALUES", 100)  # many blocks, the last one short
     spec, weights = layer(transposed, bias, dtype)
     engrams = [torch.randn(37, spec.stat_dim, generator=GEN).to(stored) * 0.1 for _ in range(count)]
     coefficients, scale = [-0.8, 0.3, 1.7][:count], 0.6
@@ -86,7 +87,7 @@ def test_a_non_finite_engram_is_refused_by_layer_name() -> None:
 
 
 def test_combined_norm_is_the_norm_of_the_weight_columns_of_the_sum(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compose_module, "APPLY_BLOCK_VALUES", 50)
+    monkeypatch.setattr(arithmetic_module, "APPLY_BLOCK_VALUES", 50)
     spec = LayerSpec("blocks.0.fc", 24, 37, True, False, 0)
     engrams = [torch.randn(37, 25, generator=GEN) for _ in range(2)]
     expected = float((0.5 * engrams[0].double() - 2.0 * engrams[1].double())[:, :24].norm())
