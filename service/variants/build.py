@@ -20,7 +20,8 @@ from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256
 from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
 from service.engine.experts import check_adapter_layers
 from service.engine.layers import LayerSpec, select_layers, with_module_strengths
-from service.engine.lora import layer_loras, write_adapter
+from service.engine.lora import layer_loras
+from service.engine.lora_files import write_adapter
 from service.engine.model_files import ModelSourceError
 from service.engrams.store import (
     StoredEngrams,

@@ -45,8 +45,8 @@ from service.engine.lora import (
     layer_loras,
     vllm_bias_refusal,
     vllm_rank,
-    write_adapter,
 )
+from service.engine.lora_files import write_adapter
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
