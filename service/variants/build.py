@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256, write_checkpoint, write_delta
+from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256
+from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
 from service.engine.experts import check_adapter_layers
 from service.engine.layers import LayerSpec, select_layers, with_module_strengths

@@ -29,15 +29,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from service.demo import make_facts
-from service.engine.checkpoint import (
-    CheckpointReader,
-    ModelLayout,
-    inspect_model_dir,
-    load_model,
-    load_tokenizer,
-    write_checkpoint,
-    write_delta,
-)
+from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
+from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerEdit, layer_editor, layer_edits, layer_scales
 from service.engine.experts import find_fused_experts, is_expert_layer

@@ -23,14 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from api_schemas.models import VLLM_LORA_RANKS
 from service.demo import make_facts
-from service.engine.checkpoint import (
-    CheckpointReader,
-    ModelLayout,
-    inspect_model_dir,
-    load_model,
-    load_tokenizer,
-    write_checkpoint,
-)
+from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
+from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EditError, EngramAlgebra, LayerDelta, layer_deltas, layer_editor, layer_scales
 from service.engine.layers import LayerSpec

@@ -22,15 +22,13 @@ from service.demo import make_facts
 from service.engine.checkpoint import (
     CheckpointReader,
     ModelLayout,
-    ModelSourceError,
     directory_digest,
     inspect_model_dir,
     load_model,
     load_tokenizer,
-    write_checkpoint,
-    write_delta,
 )
-from service.engine.model_files import SIDE_FILES, target_file, used_files
+from service.engine.checkpoint_write import write_checkpoint, write_delta
+from service.engine.model_files import SIDE_FILES, ModelSourceError, target_file, used_files
 from service.errors import InvalidInput, JobFailed
 from service.registry import file_fingerprint
 from service.sources import local_model_dir
