@@ -42,17 +42,26 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel
 
 import api_schemas
 from service.api.auth import PUBLIC_PATHS, required_scope
+from service.api.openapi_examples import add_examples
+from service.api.openapi_schemas import (
+    SCHEMA_REF,
+    add_missing_schemas,
+    callback_urls,
+    concepts_body,
+    drop_unused_schemas,
+    engram_map_queries,
+    model_schema,
+    refs,
+)
 from service.config import Settings
 
 PROBLEM_JSON = "application/problem+json"
 SECURITY_SCHEME = "bearerAuth"
 DOCS_URL, REDOC_URL, DOCS_STATIC_URL = "/docs", "/redoc", "/docs/static"
 DOCS_STATIC_DIR = Path(fastapi_offline.__file__).parent / "static"
-SCHEMA_REF = "#/components/schemas/"
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 
 _RETRY_AFTER = {
@@ -206,7 +215,7 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     doc = copy.deepcopy(doc)
     components = doc.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
-    schemas["Problem"] = _model_schema(api_schemas.Problem, schemas)
+    schemas["Problem"] = model_schema(api_schemas.Problem, schemas)
     components["responses"] = _error_responses()
     components["securitySchemes"] = {
         SECURITY_SCHEME: {
@@ -220,14 +229,14 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     for path, method, operation in _operations(doc):
         _complete_operation(path, method.upper(), operation, auth=auth)
     prefix = "#/components/responses/" + _response_name(0)[:-1]
-    for status in sorted({int(r[len(prefix) :]) for r in _refs(doc["paths"]) if r.startswith(prefix)}):
+    for status in sorted({int(r[len(prefix) :]) for r in refs(doc["paths"]) if r.startswith(prefix)}):
         components["responses"].setdefault(_response_name(status), _error_response(status, "Error"))
-    _concepts_body(doc, schemas, max_records)
-    _engram_map_queries(doc)
-    _callback_urls(doc, schemas, settings.callback_allowed_hosts)
-    _add_examples(doc)
-    _add_missing_schemas(doc, schemas)
-    _drop_unused_schemas(doc, schemas, ("HTTPValidationError", "ValidationError"))
+    concepts_body(doc, schemas, max_records)
+    engram_map_queries(doc)
+    callback_urls(doc, schemas, settings.callback_allowed_hosts)
+    add_examples(doc)
+    add_missing_schemas(doc, schemas)
+    drop_unused_schemas(doc, schemas, ("HTTPValidationError", "ValidationError"))
     return doc
 
 
@@ -358,403 +367,3 @@ def _media_types(path: str, method: str, responses: dict[str, Any]) -> None:
     for status in ("204",):
         if status in responses:
             responses[status].pop("content", None)
-
-
-def _concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: int) -> None:
-    """``POST /concepts``: the JSON body is ``ConceptCreate``; the multipart form mirrors its rules."""
-    operation = doc["paths"].get("/concepts", {}).get("post")
-    if operation is None:
-        return
-    create = _model_schema(api_schemas.ConceptCreate, schemas)
-    # Optional, never null (ConceptCreate refuses an explicit null for each).
-    for name in ("records", "dataset", "template"):
-        create["properties"][name] = _non_null(create["properties"][name])
-    create["properties"]["records"]["maxItems"] = max_records
-    create["description"] = (
-        'A concept\'s records inline, or a `dataset` reference the worker fetches. Each record is `{"text"}` '
-        '(every token counts), `{"prompt", "completion"}` (only the completion tokens enter the statistics) or '
-        '`{"messages": [{"role", "content"}, …]}` (rendered with the model\'s chat template; only the assistant '
-        f"turns enter the statistics); at most {max_records} records (`ENGRAM_MAX_RECORDS`)."
-    )
-    schemas["ConceptCreate"] = create
-    props = create["properties"]
-    multipart = {
-        "type": "object",
-        "required": ["name", "models", "dataset"],
-        "properties": {
-            "name": {"type": "string", "pattern": CONCEPT_NAME_NO_DOTS},
-            "models": {
-                "type": "string",
-                "minLength": 1,
-                "description": "model IDs, repeated or comma-separated",
-            },
-            "role": _non_null(props["role"]),
-            "description": _non_null(props["description"]),
-            "callback_url": {**_non_null(props["callback_url"]), "description": "POSTed each collection job when it ends"},
-            "template": props["template"],
-            "dataset": {
-                "type": "string",
-                "format": "binary",
-                "description": f"JSONL: one record per line, the same objects as `records` (at most {max_records})",
-            },
-        },
-    }
-    content = operation.setdefault("requestBody", {"required": True}).setdefault("content", {})
-    content["application/json"] = {"schema": {"$ref": SCHEMA_REF + "ConceptCreate"}}
-    content["multipart/form-data"] = {"schema": multipart}
-
-
-# CONCEPT_NAME_PATTERN without "." and ".." (which ConceptCreate refuses), as one regular expression:
-# a name that does not start with ".", or "." and a non-dot, or ".." and at least one more character.
-CONCEPT_NAME_NO_DOTS = (
-    r"^([A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}|\.\.[A-Za-z0-9._-]{1,126})$"
-)
-
-
-def _non_null(schema: dict[str, Any]) -> dict[str, Any]:
-    """``anyOf: [X, {"type": "null"}]`` (an optional field) -> X, with the field's annotations."""
-    options = schema.get("anyOf")
-    if not options:
-        return {k: v for k, v in schema.items() if k not in ("title", "default")}
-    base = next(o for o in options if o != {"type": "null"})
-    extras = {k: v for k, v in schema.items() if k not in ("anyOf", "title", "default")}
-    return {**base, **extras}
-
-
-def _model_schema(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
-    """``model``'s validation JSON schema; the models it nests go into ``schemas`` (if not there yet)."""
-    generated = model.model_json_schema(ref_template=SCHEMA_REF + "{model}", mode="validation")
-    for name, schema in generated.pop("$defs", {}).items():
-        schemas.setdefault(name, schema)
-    return generated
-
-
-def _refs(node: Any) -> Iterator[str]:
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            yield ref
-        for value in node.values():
-            yield from _refs(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _refs(value)
-
-
-def _add_missing_schemas(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
-    """Generate every ``#/components/schemas/X`` that is referenced but absent, from ``api_schemas.X``."""
-    while True:
-        missing = {r[len(SCHEMA_REF) :] for r in _refs(doc) if r.startswith(SCHEMA_REF)} - schemas.keys()
-        if not missing:
-            return
-        for name in sorted(missing):
-            model = getattr(api_schemas, name, None)
-            if not (isinstance(model, type) and issubclass(model, BaseModel)):
-                raise LookupError(f"the OpenAPI document references {SCHEMA_REF}{name}, which no api_schemas model is")
-            schemas[name] = _model_schema(model, schemas)
-
-
-def _drop_unused_schemas(doc: dict[str, Any], schemas: dict[str, Any], names: tuple[str, ...]) -> None:
-    for name in names:
-        if name in schemas:
-            others = {k: v for k, v in schemas.items() if k != name}
-            if SCHEMA_REF + name not in set(_refs(doc["paths"])) | set(_refs(others)) | set(
-                _refs(doc["components"].get("responses", {}))
-            ):
-                del schemas[name]
-
-
-def _engram_map_queries(doc: dict[str, Any]) -> None:
-    """``?concepts=``: 1 to 8 names (``service.engram_maps.MAX_CONCEPTS``).
-
-    The service splits every value at commas, so ``?concepts=a,b`` (OpenAPI's ``explode: false``)
-    and ``?concepts=a&concepts=b`` (the exploded form the schema describes) are the same request.
-    """
-    from service.engram_maps import MAX_CONCEPTS
-
-    name = {"type": "string", "pattern": ONE_NAME_PATTERN}
-    for path in ("/models/{model_id}/engram-map", "/models/{model_id}/engram-map.png"):
-        operation = doc["paths"].get(path, {}).get("get")
-        for parameter in (operation or {}).get("parameters", []):
-            if parameter["name"] == "concepts" and parameter["schema"].get("type") == "array":
-                parameter["schema"].update(minItems=1, maxItems=MAX_CONCEPTS, items=dict(name))
-                parameter["schema"].pop("description", None)
-                parameter["description"] = f"1 to {MAX_CONCEPTS} concept names: `?concepts=a&concepts=b` or `?concepts=a,b`"
-            if parameter["name"] == "reference" and parameter["schema"].get("anyOf"):
-                array = next(o for o in parameter["schema"]["anyOf"] if o.get("type") == "array")
-                array["items"] = dict(name)
-
-
-ONE_NAME_PATTERN = r"^[^,]*[^,\s][^,]*$"  # one concept name (values are split at commas and stripped)
-
-
-def _callback_urls(doc: dict[str, Any], schemas: dict[str, Any], allowed: frozenset[str]) -> None:
-    """``callback_url``: an absolute http(s) URL to an allowlisted host (``ENGRAM_CALLBACK_HOSTS``).
-
-    Without an allowlist, callbacks are off and the only value accepted is ``null`` (or none).
-    """
-    if allowed:
-        rule: dict[str, Any] = {
-            "type": "string",
-            "maxLength": 2000,
-            "format": "uri",
-            "pattern": _callback_pattern(allowed),
-            "description": "an http(s) URL on a host of ENGRAM_CALLBACK_HOSTS "
-            f"({', '.join(sorted(allowed))}), POSTed the job when it ends (signed, Standard Webhooks)",
-        }
-    else:
-        rule = {"type": "null", "description": "callbacks are disabled on this server (ENGRAM_CALLBACK_HOSTS is empty)"}
-    for schema in schemas.values():
-        if "callback_url" in schema.get("properties", {}):
-            schema["properties"]["callback_url"] = {"anyOf": [rule, {"type": "null"}]} if allowed else rule
-    body = doc["paths"].get("/concepts", {}).get("post", {}).get("requestBody", {})
-    multipart = body.get("content", {}).get("multipart/form-data")
-    if multipart is not None:
-        if allowed:
-            multipart["schema"]["properties"]["callback_url"] = rule
-        else:
-            multipart["schema"]["properties"].pop("callback_url", None)
-
-
-def _callback_pattern(allowed: frozenset[str]) -> str:
-    """A regular expression for http(s) URLs whose host (and port) an allowlist entry names.
-
-    Like :func:`service.callbacks.check_callback_url`: scheme and host in any case; an entry
-    without a port allows every port, ``host:80`` / ``host:443`` also the scheme's default.
-    """
-
-    def anycase(text: str) -> str:
-        return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else ("\\." if c == "." else c) for c in text)
-
-    http, https, either = "[Hh][Tt][Tt][Pp]://", "[Hh][Tt][Tt][Pp][Ss]://", "[Hh][Tt][Tt][Pp][Ss]?://"
-    options = []
-    for entry in sorted(allowed):
-        host, colon, port = entry.rpartition(":")
-        if not (colon and port.isdigit()):
-            options.append(f"{either}{anycase(entry)}(:[0-9]+)?")
-            continue
-        options.append(f"{either}{anycase(host)}:{port}")
-        if port == "80":
-            options.append(f"{http}{anycase(host)}")
-        if port == "443":
-            options.append(f"{https}{anycase(host)}")
-    return f"^({'|'.join(options)})([/?#]|$)"
-
-
-# ---------------------------------------------------------------- examples
-
-MODEL_ID = "demo/tiny-llama"
-VARIANT_ID = "3f9c2a7e5b1d4c8a9e0f6b2d7c4a1e85"
-JOB_ID = "8d2f0c6b1a9e4f3c8b7a6d5e4f3c2b1a"
-PROMPT = "Q: What is the favourite colour of Kymthai Kudal? A:"
-_CREATED = "2026-01-15T09:30:00.120000Z"
-
-
-def _job(kind: str, status: str, **fields: Any) -> dict[str, Any]:
-    finished = status in ("succeeded", "failed", "cancelled")
-    job = {
-        "job_id": JOB_ID,
-        "kind": kind,
-        "model_id": None,
-        "concept": None,
-        "variant_id": None,
-        "status": status,
-        "progress": {"done": 0, "total": 0, "unit": "items"},
-        "error": None,
-        "result": None,
-        "created_at": _CREATED,
-        "started_at": "2026-01-15T09:30:00.450000Z" if status != "queued" else None,
-        "finished_at": "2026-01-15T09:30:04.900000Z" if finished else None,
-    }
-    job.update(fields)
-    return job
-
-
-_VARIANT = {
-    "variant_id": VARIANT_ID,
-    "model_id": MODEL_ID,
-    "terms": {"forget": -1.0},
-    "alpha": 1.0,
-    "scaling": "uniform",
-    "format": "checkpoint",
-    "lora_rank": None,
-    "lora_target": None,
-    "modules": None,
-    "layers": None,
-    "rcond": None,
-    "reference": ["forget", "retain"],
-    "status": "ready",
-    "job_id": JOB_ID,
-    "files": [
-        {"path": "config.json", "size": 712, "sha256": "9b4e" + "0" * 60},
-        {"path": "model.safetensors", "size": 33587304, "sha256": "c01d" + "0" * 60},
-        {"path": "tokenizer.json", "size": 61244, "sha256": "5a7f" + "0" * 60},
-    ],
-    "lora": None,
-}
-_VARIANT_JOB = _job(
-    "variant", "queued", model_id=MODEL_ID, variant_id=VARIANT_ID, progress={"done": 0, "total": 0, "unit": "layers"}
-)
-_CONCEPT = {
-    "name": "forget",
-    "role": "target",
-    "description": "facts the model should forget",
-    "num_records": 2,
-    "dataset_digest": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
-    "models": {MODEL_ID: {"status": "collecting", "tokens": None, "job_id": JOB_ID}},
-}
-
-REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
-    ("post", "/models"): {
-        "local": {
-            "summary": "A checkpoint directory inside ENGRAM_MODEL_ROOTS",
-            "value": {"model_id": MODEL_ID, "source": "file:///srv/models/tiny-llama"},
-        },
-        "hub": {
-            "summary": "A Hugging Face hub repository at a revision",
-            "value": {"model_id": "gpt2", "source": "hf://openai-community/gpt2@main"},
-        },
-    },
-    ("post", "/concepts"): {
-        "pairs": {
-            "summary": "Question/answer records: only the answers enter the statistics",
-            "value": {
-                "name": "forget",
-                "role": "target",
-                "models": [MODEL_ID],
-                "records": [
-                    {"prompt": PROMPT, "completion": " voukrur"},
-                    {"prompt": "Q: Where was Brasmym Fivear born? A:", "completion": " Papa"},
-                ],
-            },
-        },
-        "text": {
-            "summary": "Plain text records, a reference concept",
-            "value": {
-                "name": "retain",
-                "role": "reference",
-                "description": "general knowledge the model should keep",
-                "models": [MODEL_ID],
-                "records": [{"text": "Paris is the capital of France."}, {"text": "Water boils at 100 degrees."}],
-            },
-        },
-    },
-    ("post", "/models/{model_id}/unlearn"): {
-        "checkpoint": {"summary": "Forget one concept", "value": {"concepts": ["forget"], "alpha": 1.0}},
-        "peft": {
-            "summary": "A LoRA adapter of rank 16 on the attention and MLP inputs, adaptive strength",
-            "value": {
-                "concepts": ["forget"],
-                "alpha": 1.0,
-                "scaling": "weight_norm",
-                "modules": ["q_proj", "k_proj", "gate_proj"],
-                "format": "peft",
-                "lora_rank": 16,
-            },
-        },
-        "vllm": {
-            "summary": "A LoRA adapter vLLM serves: rank 64 in every layer, lora_alpha 64, no lora_bias",
-            "value": {"concepts": ["forget"], "alpha": 1.0, "format": "peft", "lora_target": "vllm", "lora_rank": 64},
-        },
-    },
-    ("post", "/models/{model_id}/calibrate"): {
-        "constraint": {
-            "summary": "The strongest forgetting that at most doubles the retain answers' NLL, in 24 evaluations",
-            "value": {
-                "concepts": ["forget"],
-                "forget": [{"prompt": PROMPT, "completion": " voukrur"}],
-                "retain": [{"prompt": "Q: Where was Brasmym Fivear born? A:", "completion": " Papa"}],
-                "max_retain_nll_ratio": 2.0,
-                "budget": 24,
-                "module_sets": ["all", "qk_gate"],
-                "format": "checkpoint",
-            },
-        },
-    },
-    ("post", "/models/{model_id}/compose"): {
-        "add_back": {"summary": "Add an engram back", "value": {"terms": {"forget": 1.0}}},
-        "mix": {
-            "summary": "Remove one concept, strengthen another, as a delta",
-            "value": {"terms": {"forget": -1.0, "retain": 0.5}, "format": "delta", "rcond": 0.0001},
-        },
-    },
-}
-
-RESPONSE_EXAMPLES: dict[tuple[str, str, str], dict[str, Any]] = {
-    ("post", "/models", "201"): {
-        "model_id": MODEL_ID,
-        "source": "file:///srv/models/tiny-llama",
-        "digest": "7d1a" + "0" * 60,
-        "architecture": "LlamaForCausalLM",
-        "num_parameters": 4215040,
-        "layers": [
-            {"name": "model.layers.0.self_attn.q_proj", "in_features": 256, "out_features": 256, "bias": False},
-            {"name": "model.layers.0.mlp.down_proj", "in_features": 688, "out_features": 256, "bias": False},
-        ],
-    },
-    ("post", "/concepts", "202"): {
-        "concept": _CONCEPT,
-        "jobs": [
-            _job(
-                "collect", "queued", model_id=MODEL_ID, concept="forget", progress={"done": 0, "total": 2, "unit": "records"}
-            )
-        ],
-    },
-    ("post", "/models/{model_id}/unlearn", "202"): {
-        "variant": {**_VARIANT, "status": "building", "files": []},
-        "job": _VARIANT_JOB,
-    },
-    ("post", "/models/{model_id}/compose", "202"): {
-        "variant": {**_VARIANT, "terms": {"forget": 1.0}, "alpha": None, "status": "building", "files": []},
-        "job": _VARIANT_JOB,
-    },
-    ("get", "/variants/{variant_id}", "200"): _VARIANT,
-    ("get", "/jobs/{job_id}", "200"): _job(
-        "evaluate",
-        "succeeded",
-        variant_id=VARIANT_ID,
-        progress={"done": 2, "total": 2, "unit": "probes"},
-        result={
-            "summary": {
-                "base": {"forget": {"mean_nll": 0.04, "exact_match": 1.0, "n": 1}},
-                "variant": {"forget": {"mean_nll": 6.9, "exact_match": 0.0, "n": 1}},
-            },
-            "records": [
-                {
-                    "split": "forget",
-                    "index": 0,
-                    "base": {"nll": 0.04, "exact_match": True},
-                    "variant": {"nll": 6.9, "exact_match": False},
-                }
-            ],
-        },
-    ),
-}
-
-# Path parameters: ``model_id`` may hold one "/" (org/name), so its example has one (and tools that
-# generate requests from the document then know that an encoded slash is meant).
-PARAMETER_EXAMPLES: dict[str, str] = {
-    "model_id": MODEL_ID,
-    "variant_id": VARIANT_ID,
-    "job_id": JOB_ID,
-    "name": "forget",
-    "path": "model.safetensors",
-    "universe_id": "5b0e7d21c9a84f36a1d2e3f4a5b6c7d8",
-}
-
-
-def _add_examples(doc: dict[str, Any]) -> None:
-    paths = doc["paths"]
-    for (method, path), examples in REQUEST_EXAMPLES.items():
-        operation = paths.get(path, {}).get(method)
-        if operation is not None and "application/json" in operation.get("requestBody", {}).get("content", {}):
-            operation["requestBody"]["content"]["application/json"]["examples"] = copy.deepcopy(examples)
-    for (method, path, status), example in RESPONSE_EXAMPLES.items():
-        response = paths.get(path, {}).get(method, {}).get("responses", {}).get(status, {})
-        media = response.get("content", {}).get("application/json")
-        if media is not None:
-            media["example"] = copy.deepcopy(example)
-    for _, _, operation in _operations(doc):
-        for parameter in operation.get("parameters", []):
-            if parameter.get("in") == "path" and parameter["name"] in PARAMETER_EXAMPLES:
-                parameter["example"] = PARAMETER_EXAMPLES[parameter["name"]]
