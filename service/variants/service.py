@@ -31,7 +31,8 @@ from service.registry import (
     variant_manifest,
     variant_view,
 )
-from service.universes.retention import Projection, make_room, note_use
+from service.universes.projection import Projection
+from service.universes.retention import make_room, note_use
 from service.universes.service import (
     EditUniverse,
     current_pointer,

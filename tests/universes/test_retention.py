@@ -24,7 +24,8 @@ from service.registry import Context, _ready_stats, get_model
 from service.universes import retention
 from service.universes.build import ensure_universe
 from service.universes.keys import find_usage, universe_prefix, usage_key
-from service.universes.retention import UniverseBudgetExceeded, expire_unused, project_universe, universe_storage
+from service.universes.projection import project_universe
+from service.universes.retention import UniverseBudgetExceeded, expire_unused, universe_storage
 from service.universes.service import (
     UniverseSpec,
     current_pointer,
