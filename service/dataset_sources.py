@@ -112,12 +112,12 @@ def _stat_print(info: os.stat_result) -> dict[str, Any]:
 
 
 def _s3_print(uri: str, settings: Settings) -> dict[str, Any] | None:
-    from service.storage_s3 import BucketNotFound, make_s3_client
+    from service.storage_s3 import BucketNotFound, S3CredentialsMissing, make_s3_client
 
     bucket, key = s3_key(uri)
     try:
         return _head_print(_head(make_s3_client(settings.s3_endpoint_url), bucket, key))
-    except (ObjectNotFound, BucketNotFound):
+    except (ObjectNotFound, BucketNotFound, S3CredentialsMissing):  # the job reads it, or says why not
         return None
     except StorageUnavailable:
         raise

@@ -122,6 +122,11 @@ def _client_error(exc: ClientError, key: str | None) -> Exception:
     return RuntimeError(f"S3 request failed with {code} (HTTP {status}): {error.get('Message', exc)}")
 
 
+class S3CredentialsMissing(StorageUnavailable):
+    """This deployment has no S3 credentials: its own storage may be elsewhere, but nothing on S3
+    can be read (a dataset reference's fingerprint is then left out, and its job says why)."""
+
+
 def _translate(exc: BaseException, key: str | None) -> BaseException | None:
     """The service's exception for ``exc``, or ``None`` when it is not a storage error."""
     if isinstance(exc, ClientError):
@@ -129,7 +134,7 @@ def _translate(exc: BaseException, key: str | None) -> BaseException | None:
     if isinstance(exc, _CONNECTIVITY_ERRORS):
         return StorageUnavailable(f"S3 endpoint unreachable: {exc}")
     if isinstance(exc, NoCredentialsError):  # a deployment without AWS_* credentials cannot serve anything
-        return StorageUnavailable(f"S3 is not usable: {exc} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+        return S3CredentialsMissing(f"S3 is not usable: {exc} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
     if isinstance(exc, RetriesExceededError):  # a transfer gave up; its last error says why
         return _translate(exc.last_exception, key) if exc.last_exception else None
     if isinstance(exc, S3UploadFailedError):  # boto3 raises it inside `except ClientError` (no `from`)

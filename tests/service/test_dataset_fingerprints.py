@@ -175,6 +175,23 @@ def test_an_s3_fingerprint_is_the_etag_and_size(settings: Settings, s3_env: Seaw
     assert post(f"s3://{bucket}/missing.jsonl", settings)[FINGERPRINT] is None
 
 
+def test_a_deployment_without_s3_credentials_takes_no_fingerprint_and_its_job_says_why(
+    settings: Settings, s3_env: SeaweedServer, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No AWS credentials anywhere: the POST is not a server error (the API's own storage may be
+    elsewhere); the reference is stored without a fingerprint and its job fails naming the cause."""
+    s3_env.client().put_object(Bucket=bucket, Key="facts.jsonl", Body=jsonl(OLD))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    reference = post(f"s3://{bucket}/facts.jsonl", settings)
+    assert reference[FINGERPRINT] is None
+    with pytest.raises(Exception, match="AWS_ACCESS_KEY_ID"):
+        resolve_reference(reference, settings, tmp_path / "out")
+
+
 def test_an_s3_object_replaced_after_it_was_posted_fails_the_job(
     settings: Settings, s3_env: SeaweedServer, bucket: str, tmp_path: Path
 ) -> None:
