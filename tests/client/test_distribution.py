@@ -11,6 +11,7 @@ Two checks:
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -65,12 +66,15 @@ def test_a_fresh_virtualenv_installs_the_client_without_torch(tmp_path: Path) ->
     env_dir = tmp_path / "client-venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    # Nothing of this environment may leak in: no PYTHONPATH (a test run from a checkout sets one).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     # Copies: pip builds in the source folder, and its build/ would land in the checkout.
     sources = [tmp_path / name for name in ("api_schemas", "engram_client")]
     for source in sources:
         shutil.copytree(REPO / source.name, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", *map(str, sources)],
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -79,8 +83,10 @@ def test_a_fresh_virtualenv_installs_the_client_without_torch(tmp_path: Path) ->
         "pip could not install the client into a fresh virtualenv (this test needs the package index "
         f"pip is configured with):\n{install.stdout[-2000:]}\n{install.stderr[-2000:]}"
     )
-    helped = subprocess.run([str(env_dir / "bin" / "engram"), "--help"], capture_output=True, text=True, timeout=120)
+    helped = subprocess.run(
+        [str(env_dir / "bin" / "engram"), "--help"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert helped.returncode == 0 and "Usage: engram" in helped.stdout, helped.stderr[-2000:]
     probe = "import importlib.util as u; print([m for m in ('torch', 'celery', 'boto3', 'service') if u.find_spec(m)])"
-    found = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    found = subprocess.run([str(python), "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert found.stdout.strip() == "[]", found.stdout + found.stderr
