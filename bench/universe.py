@@ -77,7 +77,7 @@ def service_context(root: Path) -> Any:
     from service.config import Settings
     from service.jobs import JobStore
     from service.registry import Context
-    from service.storage import LocalStorage
+    from service.storage.local import LocalStorage
 
     settings = Settings(storage_url=f"file://{root / 'store'}", model_roots=str(root), cache_dir=root / "cache")
     storage = LocalStorage(root / "store")

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from service.storage import StorageUnavailable
+from service.storage.base import StorageUnavailable
 
 log = logging.getLogger("engram.background")
 

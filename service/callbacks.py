@@ -32,7 +32,7 @@ import httpx
 from service.background import PeriodicDuty
 from service.config import Settings
 from service.errors import InvalidInput
-from service.storage import ObjectNotFound, Storage
+from service.storage.base import ObjectNotFound, Storage
 
 log = logging.getLogger("engram.callbacks")
 PENDING_PREFIX = "callbacks/pending/"

@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 from service.config import Settings
 from service.errors import Conflict, InvalidInput
 from service.sources import file_uri_path
-from service.storage import ObjectNotFound, StorageUnavailable
+from service.storage.base import ObjectNotFound, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _stat_print(info: os.stat_result) -> dict[str, Any]:
 
 
 def _s3_print(uri: str, settings: Settings) -> dict[str, Any] | None:
-    from service.storage_s3 import BucketNotFound, S3CredentialsMissing, make_s3_client
+    from service.storage.s3 import BucketNotFound, S3CredentialsMissing, make_s3_client
 
     bucket, key = s3_key(uri)
     try:
@@ -127,7 +127,7 @@ def _s3_print(uri: str, settings: Settings) -> dict[str, Any] | None:
 
 def _head(client: Any, bucket: str, key: str, **pin: str) -> dict[str, Any]:
     """An S3 ``HEAD``, its errors translated as storage translates them (404: ObjectNotFound, …)."""
-    from service.storage_s3 import _errors_translated
+    from service.storage.s3 import _errors_translated
 
     with _errors_translated(key):
         return dict(client.head_object(Bucket=bucket, Key=key, **pin))
@@ -282,7 +282,7 @@ class _S3Source(Source):
     with ``If-Match``), so a write to the key while the job reads it is a 409, never mixed bytes."""
 
     def __init__(self, uri: str, settings: Settings, fingerprint: dict[str, Any] | None = None) -> None:
-        from service.storage_s3 import BucketNotFound, make_s3_client
+        from service.storage.s3 import BucketNotFound, make_s3_client
 
         self.bucket, self.key = s3_key(uri)
         self.client = make_s3_client(settings.s3_endpoint_url)
@@ -308,7 +308,7 @@ class _S3Source(Source):
     def _range(self, start: int, end: int) -> Iterator[bytes]:
         from botocore.exceptions import ClientError
 
-        from service.storage_s3 import _errors_translated
+        from service.storage.s3 import _errors_translated
 
         with _errors_translated(self.key):
             try:

@@ -35,7 +35,7 @@ from typing import Any
 
 from service.config import Settings
 from service.jobs import JobStore, utc_now, valid_job_id
-from service.storage import Storage
+from service.storage.base import Storage
 
 log = logging.getLogger("engram.embedded")
 
@@ -255,7 +255,7 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     from service.jobs import EmbeddedExecutor
     from service.observability import configure_logging
     from service.registry import Context
-    from service.storage_backends import open_storage
+    from service.storage.factory import open_storage
     from service.tasks import run_job
 
     configure_logging()

@@ -32,7 +32,7 @@ from service.local_copies import checked_model_dir
 from service.model_cache import MODELS
 from service.progress import JobProgress
 from service.registry import Context, canonical_digest, find_variant_request, get_model, variant_manifest, variant_view
-from service.storage import scratch_dir
+from service.storage.base import scratch_dir
 
 SPLITS = ("forget", "retain")
 _CHUNK = 16  # probes per progress tick (and per forward batch)

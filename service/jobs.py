@@ -24,7 +24,7 @@ from typing import Any, Literal
 from api_schemas import Job
 from service import callbacks
 from service.observability import record_job_state
-from service.storage import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate"]
 FINISHED = {"succeeded", "failed", "cancelled"}

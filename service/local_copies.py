@@ -16,13 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service.cache import ByteLRU
 from service.engine.checkpoint import directory_digest
 from service.engine.model_files import SIDE_FILES, ModelSourceError, check_links
 from service.engine.stats_io import StatisticsFile, expand_statistics
 from service.errors import JobFailed
 from service.registry import Context, file_fingerprint
 from service.sources import local_model_dir
+from service.storage.lru import ByteLRU
 
 _VERIFIED: dict[str, str] = {}  # local copy of a remote source -> its verified digest
 

@@ -31,9 +31,9 @@ from service.engine.model_files import ModelSourceError, used_files
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import FINISHED, JobStore, new_job, utc_now
-from service.read_cache import ReadCache
 from service.sources import local_model_dir
-from service.storage import Storage
+from service.storage.base import Storage
+from service.storage.read_cache import ReadCache
 
 ENGINE_VERSION = "engram-service/1"
 KEEP: Any = object()  # an option left out of a request: an existing concept keeps its own

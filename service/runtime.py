@@ -16,10 +16,11 @@ from typing import Any
 
 from service.callbacks import CallbackDispatcher
 from service.config import Settings
-from service.janitor import start_janitor
 from service.jobs import RedisJobStore, public_view
 from service.registry import Context
-from service.storage_backends import open_storage
+from service.storage.factory import open_storage
+from service.storage.janitor import start_janitor
+from service.universes.retention import expire_unused
 
 log = logging.getLogger("engram.runtime")
 
@@ -44,11 +45,12 @@ class Runtime:
 def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
     """The runtime of an API process (``background``) or of a worker (no background duties)."""
     runtime = _embedded(settings) if settings.embedded else _distributed(settings, background)
+    ctx = runtime.ctx
     # Crashed processes' leftovers; an API process also applies the universes' retention rule.
-    janitor_ctx = runtime.ctx if background else None
+    retention = (lambda: expire_unused(ctx)) if background else None
 
     def janitor() -> None:
-        start_janitor(settings, runtime.ctx.storage, janitor_ctx)
+        start_janitor(settings, ctx.storage, retention)
 
     runtime.on_start.insert(0, janitor)
     return runtime

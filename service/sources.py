@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 
 from service.engine.model_files import ModelSourceError, allowed_dirs, check_links
 from service.errors import InvalidInput
-from service.storage import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 
 HF_PATTERN = re.compile(r"^hf://([A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)?)(?:@([A-Za-z0-9._/-]+))?$")
 # Only what a variant needs: weights, configs, tokenizer. Pickle files are never fetched.
@@ -133,7 +133,7 @@ def _s3_source(source: str, cache_dir: Path, endpoint_url: str | None) -> Path:
     is renamed into place, so a crash or a concurrent registration never leaves a half-copied model
     where the next call would take it for a whole one.
     """
-    from service.storage_s3 import BucketNotFound, S3Storage, make_s3_client, parse_s3_url
+    from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client, parse_s3_url
 
     try:
         bucket, prefix = parse_s3_url(source)

@@ -52,7 +52,7 @@ from service.registry import (
     stats_manifest,
     stats_prefix,
 )
-from service.storage import StorageUnavailable, scratch_dir
+from service.storage.base import StorageUnavailable, scratch_dir
 from service.universes.build import help_build_universe, run_universe
 from service.variants.build import run_variant
 

@@ -67,7 +67,7 @@ class SeaweedServer:
 
     def client(self, **options: Any) -> Any:
         """A client from the service's own factory (``make_s3_client``), with this server's credentials."""
-        from service.storage_s3 import make_s3_client
+        from service.storage.s3 import make_s3_client
 
         with aws_env(self):
             return make_s3_client(self.endpoint_url, **options)

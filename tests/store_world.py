@@ -24,7 +24,7 @@ from service.engine.records import Record, encode_record, make_batches, pad_toke
 from service.engine.stats_io import save_statistics
 from service.jobs import JobStore, utc_now
 from service.registry import Context, canonical_digest, collection_settings, register_model, stats_prefix
-from service.storage import LocalStorage
+from service.storage.local import LocalStorage
 from service.tasks import run_job
 
 MAX_LENGTH = 120

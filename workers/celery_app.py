@@ -16,9 +16,9 @@ from celery import Task
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from service.config import get_settings
-from service.janitor import worker_janitor
 from service.jobs import utc_now
 from service.queues import UNIVERSE_HELPER, make_celery
+from service.storage.janitor import worker_janitor
 from service.worker_presence import worker_presence
 
 log = logging.getLogger("engram.worker")

@@ -3,7 +3,7 @@
 - ``/healthz`` runs on the event loop itself and touches nothing: it answers while every thread is busy.
 - Status reads (jobs, concepts, variants, models, ``/readyz``) run in a lane of their own threads,
   never in the shared pool that uploads and edit requests use; most are answered from memory
-  (live job records, :mod:`service.read_cache`), so a poll costs a thread hop at most.
+  (live job records, :mod:`service.storage.read_cache`), so a poll costs a thread hop at most.
 - ``?wait=`` holds no thread: it sleeps on the event loop between cheap status reads. Waiters are
   capped per process (``ENGRAM_MAX_WAITERS``); one more is a 429 with ``Retry-After``, before
   anything is submitted.

@@ -19,7 +19,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import InvalidInput, PayloadTooLarge, ProblemError, ServiceUnavailable
-from service.storage import StorageUnavailable
+from service.storage.base import StorageUnavailable
 
 log = logging.getLogger("engram.api")
 PROBLEM_JSON = "application/problem+json"

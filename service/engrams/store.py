@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from service.cache import ByteLRU
 from service.engine.arithmetic import apply_engrams, combined_norm
 from service.engine.compose import (
     COMPUTE_DTYPE,
@@ -29,6 +28,7 @@ from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
 from service.local_copies import local_object, statistics
 from service.registry import Context, canonical_digest
+from service.storage.lru import ByteLRU
 from service.universes.service import engram_key
 
 

@@ -47,7 +47,7 @@ from service.leases import Leases, LocalLeases, RedisLeases, worker_name
 from service.local_copies import checked_model_dir, local_object, statistics
 from service.progress import JobCancelled, JobProgress, NoProgress, Progress
 from service.registry import Context, get_model
-from service.storage import scratch_dir
+from service.storage.base import scratch_dir
 from service.universes import retention
 from service.universes.factors import (
     FACTORS_FORMAT,

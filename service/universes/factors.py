@@ -26,7 +26,7 @@ from service.engine.compose import GroupedStatistics
 from service.engine.linalg import PinvFactors
 from service.errors import JobFailed
 from service.registry import Context
-from service.storage import Storage
+from service.storage.base import Storage
 
 FACTORS_FORMAT = "engram-factors/1"
 _STORED_DTYPES = {"F32": torch.float32, "F64": torch.float64}

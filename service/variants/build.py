@@ -35,7 +35,7 @@ from service.errors import JobFailed
 from service.local_copies import checked_model_dir
 from service.progress import CancelOnly, JobProgress, NoProgress, Progress
 from service.registry import Context, get_model
-from service.storage import scratch_dir
+from service.storage.base import scratch_dir
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
 

@@ -40,7 +40,7 @@ from service.config import Settings
 from service.demo import make_facts
 from service.jobs import JobStore
 from service.registry import Context
-from service.storage import LocalStorage
+from service.storage.local import LocalStorage
 from service.universes.build import ensure_universe, load_factors
 from service.universes.service import engram_key, group_key, universe_prefix
 from tests.distributed.cluster import Cluster

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.cache import ByteLRU
+from service.storage.lru import ByteLRU
 
 
 def test_evicts_least_recently_used_beyond_the_budget() -> None:

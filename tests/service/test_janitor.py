@@ -1,4 +1,4 @@
-"""Crash leftovers are removed when a process starts (service.janitor), and nothing live is; the
+"""Crash leftovers are removed when a process starts (service.storage.janitor), and nothing live is; the
 API's janitor applies the universes' retention rule at start-up and periodically.
 
 Leftovers are made by hand, named the way the service names them, for owners that are dead, alive,
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
-from service.janitor import clean_leftovers
-from service.storage import HOST_TAG
-from service.storage_s3 import S3Storage
+from service.storage.base import HOST_TAG
+from service.storage.janitor import clean_leftovers
+from service.storage.s3 import S3Storage
 from tests.live import (
     REPO_ROOT,
     server_env,
@@ -74,11 +74,11 @@ class Leftovers:
 
 @pytest.fixture
 def live_owner(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
-    """A running process holding a scratch folder made by ``service.storage.scratch_dir``."""
+    """A running process holding a scratch folder made by ``service.storage.base.scratch_dir``."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     code = (
-        "import time\nfrom service.storage import scratch_dir\n"
+        "import time\nfrom service.storage.base import scratch_dir\n"
         "d = scratch_dir('live')\nprint(d.name, flush=True)\ntime.sleep(600)"
     )
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO_ROOT)}

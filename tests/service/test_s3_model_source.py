@@ -9,7 +9,7 @@ import pytest
 
 from service.errors import InvalidInput
 from service.sources import local_model_dir
-from service.storage import StorageUnavailable
+from service.storage.base import StorageUnavailable
 from tests.live import free_port
 from tests.s3 import SeaweedServer
 

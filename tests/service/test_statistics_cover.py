@@ -11,7 +11,7 @@ from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import LayerStatistics
 from service.engine.stats_io import save_statistics
 from service.registry import statistics_layers
-from service.storage import LocalStorage
+from service.storage.local import LocalStorage
 from tests.fixtures_models import make_tiny_bert_encoder
 
 

@@ -14,7 +14,7 @@ from service.engine.collect import LayerStatistics
 from service.engine.linalg import gram, pack_symmetric
 from service.engine.stats_io import StatisticsFile, save_statistics
 from service.registry import Context
-from service.storage import LocalStorage
+from service.storage.local import LocalStorage
 from service.tasks import _local_statistics_file, _trim_disk_cache
 
 

@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from service.storage import LocalStorage, ObjectNotFound, Storage, StorageUnavailable
-from service.storage_backends import open_storage
-from service.storage_s3 import BucketNotFound, S3Storage, make_s3_client
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.factory import open_storage
+from service.storage.local import LocalStorage
+from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client
 from tests.live import free_port
 from tests.s3 import SeaweedServer, restart_seaweed, stop_seaweed
 

@@ -19,7 +19,7 @@ from service.config import Settings
 from service.engine.stats_io import load_statistics
 from service.jobs import JobStore
 from service.registry import Context
-from service.storage_s3 import S3Storage
+from service.storage.s3 import S3Storage
 from service.universes.build import ensure_universe, load_factors
 from service.universes.factors import stored_rows
 from service.universes.service import engram_key, group_key, submit_universe, universe_prefix

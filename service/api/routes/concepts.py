@@ -18,7 +18,7 @@ from service.api.uploads import read_upload
 from service.dataset_refs import submitted_reference
 from service.datasets import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
-from service.storage import scratch_dir
+from service.storage.base import scratch_dir
 
 router = APIRouter(tags=["concepts"])
 

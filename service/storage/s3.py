@@ -1,4 +1,4 @@
-"""The S3 backend of :class:`service.storage.Storage` (AWS S3, MinIO, SeaweedFS, ...).
+"""The S3 backend of :class:`service.storage.base.Storage` (AWS S3, MinIO, SeaweedFS, ...).
 
 Atomicity comes from S3 itself: a PUT, and the completion of a multipart upload, make an object
 visible whole or not at all, so no temporary key and rename are needed (S3 has no rename anyway).
@@ -29,7 +29,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from service.storage import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 
 MiB = 1024 * 1024
 DEFAULT_MULTIPART_THRESHOLD = 64 * MiB

@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from service.storage import Storage
+from service.storage.base import Storage
 
 DEFAULT_TTL_S = 1.0
 DEFAULT_MAX_ITEMS = 4096

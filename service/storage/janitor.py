@@ -7,7 +7,7 @@ of the statistics disk cache (both under ``ENGRAM_CACHE_DIR``). Every API proces
 :func:`start_janitor` once when it starts. Several processes may share the machine and the folders,
 so a leftover is removed only when no live process can be using it:
 
-- Names that carry an owner (``<pid>.<host tag>``, :func:`service.storage.owner_tag`: scratch
+- Names that carry an owner (``<pid>.<host tag>``, :func:`service.storage.base.owner_tag`: scratch
   folders and LocalStorage temporary files) and this machine's host tag: removed once the owner is
   gone: no such process, a zombie, or a process that started after the leftover was last changed
   (its pid was reused, since an owner exists before anything it writes). A live owner's are kept
@@ -21,10 +21,11 @@ Only names this service makes are matched; what cannot be removed (a file of ano
 logged and left. In the API the sweep runs in a background thread, so a slow storage backend never
 delays start-up; a Celery worker sweeps before its pool starts.
 
-The API's janitor thread then applies the universes' retention rule
-(:func:`service.universes.retention.expire_unused`: universes nobody uses are deleted, least
+The API's janitor thread then runs the periodic pass its runtime hands it (the universes' retention
+rule, :func:`service.universes.retention.expire_unused`: universes nobody uses are deleted, least
 recently used first) at start-up and every ``ENGRAM_JANITOR_INTERVAL_S`` (0: at start-up only).
-Workers do not: one pass per API process is enough, and each pass holds the registry lock.
+Workers do not: one pass per API process is enough, and each pass holds the registry lock. The pass
+is handed in, not imported, so that storage depends on no domain.
 """
 
 from __future__ import annotations
@@ -39,15 +40,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from service.config import Settings
-from service.storage import HOST_TAG, LocalStorage, Storage
-from service.storage_backends import open_storage
-from service.universes.retention import expire_unused
-
-if TYPE_CHECKING:
-    from service.registry import Context
+from service.storage.base import HOST_TAG, Storage
+from service.storage.factory import open_storage
+from service.storage.local import LocalStorage
 
 log = logging.getLogger("engram.janitor")
 
@@ -58,8 +55,8 @@ SCRATCH = re.compile(r"^engram-[a-z][a-z0-9-]*\.(?P<pid>\d+)\.(?P<host>[0-9a-f]{
 SCRATCH_UNOWNED = re.compile(r"^engram-(?!metrics-)[a-z][a-z-]*-[a-z0-9_]{8}$")
 # LocalStorage's <root>/.tmp/<pid>.<host tag>.<uuid hex> (or a bare uuid hex from older versions).
 STORAGE_TMP = re.compile(r"^(?:(?P<pid>\d+)\.(?P<host>[0-9a-f]{8})\.)?[0-9a-f]{32}$")
-PARTIAL_DOWNLOAD = re.compile(r"^\.partial-")  # service.sources: ENGRAM_CACHE_DIR/s3/.partial-*
-STATS_PARTIAL = re.compile(r"^\..+\.(?:part|download)$")  # service.local_copies: ENGRAM_CACHE_DIR/stats/, universes/
+PARTIAL_DOWNLOAD = re.compile(r"^\.partial-")  # service.models.sources: ENGRAM_CACHE_DIR/s3/.partial-*
+STATS_PARTIAL = re.compile(r"^\..+\.(?:part|download)$")  # service.storage.local_copies: ENGRAM_CACHE_DIR/stats/, universes/
 _CLOCK_SLACK_S = 2.0  # /proc's boot time has a resolution of a second
 
 
@@ -81,7 +78,7 @@ def clean_leftovers(settings: Settings, storage: Storage | None = None, *, stale
         (Path(tempfile.gettempdir()), SCRATCH_UNOWNED),
         (cache / "s3", PARTIAL_DOWNLOAD),
         (cache / "stats", STATS_PARTIAL),
-        (cache / "universes", STATS_PARTIAL),  # service.local_copies: a universe's downloaded parts
+        (cache / "universes", STATS_PARTIAL),  # service.storage.local_copies: a universe's downloaded parts
     ]
     if isinstance(storage, LocalStorage):
         places.append((storage.tmp_dir, STORAGE_TMP))
@@ -100,10 +97,14 @@ def clean_leftovers(settings: Settings, storage: Storage | None = None, *, stale
     return sweep
 
 
-def start_janitor(settings: Settings, storage: Storage | None = None, ctx: Context | None = None) -> Janitor:
-    """Run :func:`clean_leftovers` once in a daemon thread, then, given the API's ``ctx``, the
-    universes' retention rule at once and every ``ENGRAM_JANITOR_INTERVAL_S``; returns the thread."""
-    janitor = Janitor(settings, storage, ctx)
+Pass = Callable[[], list[str]]  # one periodic pass; returns what it removed
+
+
+def start_janitor(settings: Settings, storage: Storage | None = None, periodic: Pass | None = None) -> Janitor:
+    """Run :func:`clean_leftovers` once in a daemon thread, then, given the API's ``periodic`` pass
+    (the universes' retention rule), that pass at once and every ``ENGRAM_JANITOR_INTERVAL_S``;
+    returns the thread."""
+    janitor = Janitor(settings, storage, periodic)
     janitor.start()
     return janitor
 
@@ -111,9 +112,9 @@ def start_janitor(settings: Settings, storage: Storage | None = None, ctx: Conte
 class Janitor(threading.Thread):
     """The start-up sweep, then the periodic retention passes (a daemon thread; :meth:`stop` ends it)."""
 
-    def __init__(self, settings: Settings, storage: Storage | None, ctx: Context | None) -> None:
+    def __init__(self, settings: Settings, storage: Storage | None, periodic: Pass | None) -> None:
         super().__init__(name="engram-janitor", daemon=True)
-        self.settings, self.storage, self.ctx = settings, storage, ctx
+        self.settings, self.storage, self.periodic = settings, storage, periodic
         self._stopped = threading.Event()
         self.passes = 0  # retention passes done (tests wait on it)
 
@@ -123,7 +124,7 @@ class Janitor(threading.Thread):
         except Exception:  # never take the process down for a clean-up
             log.exception("janitor: the start-up sweep failed")
         log.info("janitor: start-up sweep done")
-        if self.ctx is None:
+        if self.periodic is None:
             return
         interval = self.settings.janitor_interval_s
         while True:
@@ -133,9 +134,9 @@ class Janitor(threading.Thread):
 
     def retention_pass(self) -> list[str]:
         """One pass of the retention rule; a failure is logged and the next pass tries again."""
-        assert self.ctx is not None
+        assert self.periodic is not None
         try:
-            evicted = expire_unused(self.ctx)
+            evicted = self.periodic()
         except Exception:
             log.exception("janitor: the universe retention pass failed")
             evicted = []

@@ -1,0 +1,109 @@
+"""The local-filesystem backend: objects as files under one root directory.
+
+Every write is atomic: the bytes go to a temporary file under ``<root>/.tmp/`` (named with its
+owner, :func:`service.storage.base.owner_tag`) and are renamed into place, so a reader sees a whole
+object or none.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable, owner_tag
+
+_CHUNK = 1024 * 1024
+
+
+class LocalStorage(Storage):
+    """Objects as files under one root directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self.tmp_dir = self.root / ".tmp"  # files being written, named <owner tag>.<uuid> (service.storage.janitor)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in key.split("/")):
+            raise ValueError(f"invalid storage key {key!r}")
+        if any(len(part.encode()) > 255 for part in key.split("/")):
+            raise ObjectNotFound(key)  # no file system can hold such a name, so nothing is stored there
+        return self.root / key
+
+    def _publish(self, key: str, write: Any) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.tmp_dir / f"{owner_tag()}.{uuid.uuid4().hex}"
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put_file(self, key: str, source: Path) -> None:
+        self._publish(key, lambda tmp: shutil.copyfile(source, tmp))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._publish(key, lambda tmp: tmp.write_bytes(data))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            raise ObjectNotFound(key) from None
+
+    def download(self, key: str, target: Path) -> None:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(key)
+        shutil.copyfile(path, target)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for path in base.rglob("*"):
+            if path.is_file() and self.tmp_dir not in path.parents:
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(key)
+        with path.open("rb") as handle:
+            handle.seek(start)
+            remaining = end - start + 1
+            while remaining > 0:
+                chunk = handle.read(min(_CHUNK, remaining))
+                if not chunk:
+                    return
+                remaining -= len(chunk)
+                yield chunk
+
+    def ping(self) -> None:
+        if not self.root.is_dir() or not os.access(self.root, os.W_OK):
+            raise StorageUnavailable(f"storage directory {self.root} is not writable")
+
+    def local_path(self, key: str) -> Path | None:
+        path = self._path(key)
+        return path if path.is_file() else None
