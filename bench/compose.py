@@ -29,14 +29,13 @@ from service.engine.stats_io import StatisticsFile
 
 
 def service_caches() -> tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None:
-    """The worker's own per-process caches (``service.tasks.STATS_CACHE`` / ``FACTOR_CACHE``), if
-    the service has them: statistics by storage key, universe pseudo-inverse factors by universe."""
-    try:
-        from service import tasks
-    except ImportError:  # pragma: no cover - the service always imports here
-        return None
-    stats, factors = getattr(tasks, "STATS_CACHE", None), getattr(tasks, "FACTOR_CACHE", None)
-    return (stats, factors) if stats is not None and factors is not None else None
+    """The worker's own per-process caches (``service.storage.local_copies.STATS_CACHE`` and
+    ``service.engrams.store.FACTOR_CACHE``): statistics by storage key, universe pseudo-inverse
+    factors by universe."""
+    from service.engrams.store import FACTOR_CACHE
+    from service.storage.local_copies import STATS_CACHE
+
+    return STATS_CACHE, FACTOR_CACHE
 
 
 def clear_caches(caches: tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None) -> None:

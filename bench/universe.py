@@ -75,8 +75,8 @@ PROFILES = {"100m": LLAMA_100M, "tiny": LLAMA_TINY, "1b-slice": LLAMA_1B_SLICE}
 def service_context(root: Path) -> Any:
     """A service context on file storage under ``root`` (jobs are run by the caller, in process)."""
     from service.config import Settings
-    from service.jobs import JobStore
-    from service.registry import Context
+    from service.context import Context
+    from service.jobs.store import JobStore
     from service.storage.local import LocalStorage
 
     settings = Settings(storage_url=f"file://{root / 'store'}", model_roots=str(root), cache_dir=root / "cache")
@@ -91,7 +91,7 @@ def service_context(root: Path) -> Any:
 
 def run_pending(ctx: Any) -> list[dict[str, Any]]:
     """Run every job the service dispatched, with the workers' own ``run_job``."""
-    from service.tasks import run_job
+    from service.jobs.runner import run_job
 
     finished = []
     while ctx.pending:
@@ -105,8 +105,8 @@ def run_pending(ctx: Any) -> list[dict[str, Any]]:
 
 def submit_concepts(ctx: Any, profile: Profile, scratch: Path) -> list[str]:
     """``CONCEPTS`` concepts of the compose benchmarks' size, submitted and collected on the model."""
+    from service.concepts.service import submit_concept
     from service.datasets import spool_records
-    from service.registry import submit_concept
 
     names = []
     for k in range(CONCEPTS):
@@ -146,7 +146,7 @@ def float32_storage_effect(ctx: Any, request: dict[str, Any], layout: Any, model
     from safetensors.torch import load_file
 
     from bench.compose import clear, compose_variant
-    from service.local_copies import local_statistics_file
+    from service.storage.local_copies import local_statistics_file
     from service.variants.build import build_variant_files
 
     (out / "stored").mkdir(parents=True)
@@ -180,7 +180,7 @@ def setup(profile: Profile, root: Path) -> dict[str, Any]:
     """Model, concepts and universe under ``root``; returns what the variant phase needs and the
     universe's one-time build (from its manifest)."""
     from bench.common import build_model, checkpoint_bytes
-    from service.registry import register_model
+    from service.models.registry import register_model
 
     model_dir = build_model(profile, root / "model")
     ctx = service_context(root)
@@ -296,7 +296,7 @@ def variants_in_fresh_process(root: Path, setup_info: dict[str, Any], reps: int)
 def measure(profile: Profile, root: Path, reps: int = 3, exactness: bool = True) -> dict[str, Any]:
     """Everything this module measures, on ``profile``'s model built under ``root``."""
     from service.engine.checkpoint import ModelLayout
-    from service.registry import get_model
+    from service.models.registry import get_model
 
     info = setup(profile, root)
     variants = variants_in_fresh_process(root, info, reps)

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 
 from service.config import Settings
 from service.errors import Conflict, InvalidInput
-from service.sources import file_uri_path
+from service.models.sources import file_uri_path
 from service.storage.base import ObjectNotFound, StorageUnavailable
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Wiring of one process: storage, job store, dispatcher and background duties, per mode.
 
-Embedded (no broker): jobs run in one child process (``service.embedded``), their live records in a
+Embedded (no broker): jobs run in one child process (``service.jobs.embedded``), their live records in a
 SQLite file both processes share; at start-up, jobs interrupted by a restart run again.
 Distributed (``ENGRAM_BROKER_URL=redis://…``): jobs live in Redis, run in Celery workers, and a
 reconciler re-dispatches anything Redis or a worker lost.
@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.callbacks import CallbackDispatcher
 from service.config import Settings
-from service.jobs import RedisJobStore, public_view
-from service.registry import Context
+from service.context import Context
+from service.jobs.callbacks import CallbackDispatcher
+from service.jobs.embedded import ProcessExecutor, SqliteJobStore, live_store_path
+from service.jobs.store import RedisJobStore, public_view
 from service.storage.factory import open_storage
 from service.storage.janitor import start_janitor
 from service.universes.retention import expire_unused
@@ -57,13 +58,10 @@ def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
 
 
 def _embedded(settings: Settings) -> Runtime:
-    from service.embedded import ProcessExecutor, SqliteJobStore, live_store_path
-
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     jobs = SqliteJobStore(storage, live_store_path(settings))
-    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=None, lock=threading.RLock())
     executor = ProcessExecutor(settings, jobs)
-    ctx.dispatch = executor.submit
+    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=executor.submit, lock=threading.RLock())
     ctx.queue_depths = executor.depths
 
     def requeue_interrupted() -> None:
@@ -80,41 +78,35 @@ def _embedded(settings: Settings) -> Runtime:
 
 
 def _distributed(settings: Settings, background: bool) -> Runtime:
+    # Imported here: embedded mode, the default, runs without Redis and Celery.
     import redis
 
-    from service.queues import TASK_FOR_KIND, UNIVERSE_HELPER, make_celery
-    from service.reconcile import reconcile_once, reconciler
-    from service.worker_presence import live_workers
+    from service.jobs.presence import live_workers
+    from service.jobs.queue import QUEUES, CelerySender, make_celery
+    from service.jobs.reconcile import reconcile_once, reconciler
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     assert settings.broker_url is not None, "distributed mode is the mode with a broker"
     client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)
     jobs = RedisJobStore(storage, client, settings.heartbeat_ttl_s)
-    celery = make_celery(settings)
-
-    def dispatch(job: dict[str, Any]) -> None:
-        name, queue = TASK_FOR_KIND[job["kind"]]
-        queue = job["payload"].get("queue", queue)  # a variant that must build its universe first: gpu
-        # The epoch tells the reconciler later whether this message could have died with Redis.
-        jobs.update(job["job_id"], persist=False, dispatch_epoch=jobs.epoch())
-        celery.send_task(name, kwargs={"job_id": job["job_id"]}, queue=queue)
-
-    def universe_helpers(universe_id: str, job_id: str, count: int) -> None:
-        # Not jobs: messages any idle worker may take; each claims parts by lease (service.universes.build).
-        name, queue = UNIVERSE_HELPER
-        for _ in range(count):
-            celery.send_task(name, kwargs={"universe_id": universe_id, "job_id": job_id}, queue=queue)
-
+    sender = CelerySender(make_celery(settings), jobs)
     # One registry lock for every API process: concurrent identical requests create one job.
     lock = client.lock("engram:lock:registry", timeout=120, blocking_timeout=60)
-    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=dispatch, lock=lock, broker_ping=client.ping)
-    ctx.universe_helpers = universe_helpers
-    # Celery's Redis transport keeps each queue as a list named after it.
-    ctx.queue_depths = lambda: {queue: int(client.llen(queue)) for queue in ("gpu", "cpu")}
-    queues = sorted({queue for _, queue in TASK_FOR_KIND.values()})
-    ctx.live_workers = lambda: live_workers(client, queues)  # /readyz: no consumer, not ready
+    ctx = Context(
+        settings=settings,
+        storage=storage,
+        jobs=jobs,
+        dispatch=sender.dispatch,
+        lock=lock,
+        broker_ping=client.ping,
+        universe_helpers=sender.universe_helpers,
+        # Celery's Redis transport keeps each queue as a list named after it.
+        queue_depths=lambda: {queue: int(client.llen(queue)) for queue in QUEUES},
+        live_workers=lambda: live_workers(client, QUEUES),  # /readyz: no consumer, not ready
+    )
     runtime = Runtime(ctx)
     if background:
+        dispatch = sender.dispatch
         reconciling = reconciler(jobs, dispatch, settings.reconcile_interval_s)
         runtime.on_start += [lambda: _safely(lambda: reconcile_once(jobs, dispatch)), reconciling.start]
         runtime.on_stop.append(reconciling.stop)

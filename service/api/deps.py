@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from service.api.lanes import Lanes
-from service.registry import Context
+from service.context import Context
 
 
 # async: FastAPI runs a plain-def dependency in the shared thread pool, which waiting requests must

@@ -24,8 +24,10 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import Concept, Job
-from service.jobs import public_view, valid_job_id
-from service.registry import Context, concept_fields, concept_key
+from service.concepts.service import concept_fields
+from service.context import Context
+from service.jobs.store import public_view, valid_job_id
+from service.storage.keys import concept_key
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEALTHY = json.dumps({"status": "ok"}).encode()

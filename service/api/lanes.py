@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from service.context import Context
 from service.errors import ProblemError
-from service.jobs import FINISHED
-from service.registry import Context
+from service.jobs.store import FINISHED
 
 T = TypeVar("T")
 STATUS_THREADS = 16

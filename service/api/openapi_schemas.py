@@ -121,12 +121,12 @@ def drop_unused_schemas(doc: dict[str, Any], schemas: dict[str, Any], names: tup
 
 
 def engram_map_queries(doc: dict[str, Any]) -> None:
-    """``?concepts=``: 1 to 8 names (``service.engram_maps.MAX_CONCEPTS``).
+    """``?concepts=``: 1 to 8 names (``service.maps.build.MAX_CONCEPTS``).
 
     The service splits every value at commas, so ``?concepts=a,b`` (OpenAPI's ``explode: false``)
     and ``?concepts=a&concepts=b`` (the exploded form the schema describes) are the same request.
     """
-    from service.engram_maps import MAX_CONCEPTS
+    from service.maps.build import MAX_CONCEPTS
 
     name = {"type": "string", "pattern": ONE_NAME_PATTERN}
     for path in ("/models/{model_id}/engram-map", "/models/{model_id}/engram-map.png"):
@@ -175,7 +175,7 @@ def callback_urls(doc: dict[str, Any], schemas: dict[str, Any], allowed: frozens
 def _callback_pattern(allowed: frozenset[str]) -> str:
     """A regular expression for http(s) URLs whose host (and port) an allowlist entry names.
 
-    Like :func:`service.callbacks.check_callback_url`: scheme and host in any case; an entry
+    Like :func:`service.jobs.callbacks.check_callback_url`: scheme and host in any case; an entry
     without a port allows every port, ``host:80`` / ``host:443`` also the scheme's default.
     """
 

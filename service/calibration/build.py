@@ -35,14 +35,15 @@ from service.calibration.search import (
 )
 from service.calibration.service import calibration_prefix, front_png_url
 from service.calibration.space import arm_layers
+from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.errors import JobFailed
-from service.jobs import FINISHED
-from service.local_copies import checked_model_dir
-from service.progress import CancelOnly, JobCancelled, JobProgress
-from service.registry import Context, get_model, variant_view
+from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
+from service.jobs.store import FINISHED
+from service.models.loaded import checked_model_dir
+from service.models.registry import get_model
 from service.universes.build import ensure_universe
-from service.variants.service import coefficients_for_unlearn, submit_variant
+from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
 
 RunJob = Callable[[Context, str], None]
 _WAIT_POLL_S = 0.5

@@ -21,23 +21,19 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from service import callbacks
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
+from service.concepts.statistics import check_statistics_cover
+from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.experts import is_expert_layer
 from service.engine.layers import LayerSpec, summarize_names
 from service.engine.lora import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
-from service.jobs import FINISHED, new_job
-from service.registry import (
-    ENGINE_VERSION,
-    Context,
-    attach_callbacks,
-    canonical_digest,
-    check_chat_templates,
-    check_statistics_cover,
-    get_model,
-)
+from service.jobs import callbacks
+from service.jobs.store import FINISHED, new_job
+from service.jobs.submit import attach_callbacks
+from service.models.registry import check_chat_templates, get_model
+from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.retention import make_room, note_use
 from service.universes.service import (
     EditUniverse,

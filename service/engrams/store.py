@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from service.context import Context
 from service.engine.arithmetic import apply_engrams, combined_norm
 from service.engine.compose import (
     COMPUTE_DTYPE,
@@ -26,8 +27,8 @@ from service.engine.compose import (
 )
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
-from service.local_copies import local_object, statistics
-from service.registry import Context, canonical_digest
+from service.storage.keys import canonical_digest
+from service.storage.local_copies import local_object, statistics
 from service.storage.lru import ByteLRU
 from service.universes.service import engram_key
 
@@ -131,7 +132,7 @@ def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest
 # ---------------------------------------------------------------- from statistics
 
 # Universe pseudo-inverse factors kept in memory for what still combines statistics directly (the
-# memory-trace maps of service.engram_maps; variants requested before universes were stored).
+# memory-trace maps of service.maps; variants requested before universes were stored).
 FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)  # ENGRAM_FACTOR_CACHE_BYTES
 
 

@@ -11,7 +11,7 @@ Phases (the job's progress counts steps: one per group, then one per member and 
 4. ``manifest.json``, last.
 
 The groups, then the members, are parts that any process may compute, each claimed through a lease
-(:mod:`service.leases`: Redis in distributed mode, where the universe job also asks idle workers to
+(:mod:`service.jobs.leases`: Redis in distributed mode, where the universe job also asks idle workers to
 help, :func:`help_build_universe`; granted at once in embedded mode, where the job builds alone).
 Whoever computes a part writes ``parts/<kind>-<name>.json`` (who, how long, from what) before
 publishing it. A part is computed once: a claimed part is skipped by the others, and a worker that
@@ -35,6 +35,7 @@ from urllib.parse import quote
 
 import torch
 
+from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.compose import GroupedStatistics, weighted_sum
 from service.engine.layers import LayerSpec
@@ -42,12 +43,13 @@ from service.engine.linalg import PinvFactors, pinv_factors, pinv_factors_from_r
 from service.engine.stats_io import StatisticsFile
 from service.engrams.build import write_member_engrams
 from service.errors import JobFailed
-from service.jobs import FINISHED, utc_now
-from service.leases import Leases, LocalLeases, RedisLeases, worker_name
-from service.local_copies import checked_model_dir, local_object, statistics
-from service.progress import JobCancelled, JobProgress, NoProgress, Progress
-from service.registry import Context, get_model
+from service.jobs.leases import Leases, LocalLeases, RedisLeases, worker_name
+from service.jobs.progress import JobCancelled, JobProgress, NoProgress, Progress
+from service.jobs.store import FINISHED, utc_now
+from service.models.loaded import checked_model_dir
+from service.models.registry import get_model
 from service.storage.base import scratch_dir
+from service.storage.local_copies import local_object, statistics
 from service.universes import retention
 from service.universes.factors import (
     FACTORS_FORMAT,

@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from service.context import Context
 from service.engine.compose import GroupedStatistics
 from service.engine.linalg import PinvFactors
 from service.errors import JobFailed
-from service.registry import Context
 from service.storage.base import Storage
 
 FACTORS_FORMAT = "engram-factors/1"

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from service.registry import Context, get_model
+from service.context import Context
+from service.models.registry import get_model
 
 MODEL_UNIVERSES = "model-universes/"
 

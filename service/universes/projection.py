@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.layers import LayerSpec
 from service.engrams.build import ENGRAMS_FORMAT, engram_dtype
-from service.registry import Context, find_model
+from service.models.registry import find_model
 from service.universes.factors import FACTORS_FORMAT
 from service.universes.spec import UniverseSpec
 

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from service.context import Context
 from service.errors import Conflict
-from service.jobs import FINISHED, utc_now
+from service.jobs.store import FINISHED, utc_now
 from service.observability import record_universe_eviction, record_universe_refusal, set_universe_gauges
-from service.registry import Context
 from service.universes.keys import (
     current_universe_ids,
     find_manifest,
@@ -359,7 +359,7 @@ def evict_universe(ctx: Context, universe_id: str, *, reason: str) -> int:
 
 
 def _drop_local_copies(ctx: Context, keys: Sequence[str]) -> None:
-    """Remove this machine's downloaded copies of deleted parts (service.local_copies' names), so
+    """Remove this machine's downloaded copies of deleted parts (service.storage.local_copies' names), so
     a rebuild is read from storage, not from a copy of the parts it replaced."""
     folder = ctx.cache_dir / "universes"
     for key in keys:

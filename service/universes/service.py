@@ -27,16 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service import callbacks
+from service.concepts.service import default_reference, ready_statistics
+from service.context import Context
 from service.errors import Conflict, InvalidInput, NotFound
-from service.jobs import FINISHED, new_job, utc_now
-from service.registry import (
-    Context,
-    _default_reference,
-    _ready_stats,
-    attach_callbacks,
-    get_model,
-)
+from service.jobs import callbacks
+from service.jobs.store import FINISHED, new_job, utc_now
+from service.jobs.submit import attach_callbacks
+from service.models.registry import get_model
 from service.universes import retention
 from service.universes.keys import current_pointer as current_pointer
 from service.universes.keys import engram_key as engram_key
@@ -140,7 +137,7 @@ def resolve_for_edit(
         NotFound, Conflict, InvalidInput: as above; unknown or not-ready concepts name themselves.
     """
     model_id = model["model_id"]
-    term_stats = _ready_stats(ctx, model_id, sorted(set(terms)))
+    term_stats = ready_statistics(ctx, model_id, sorted(set(terms)))
     prefixes = {n: r["prefix"] for n, r in term_stats.items()}
     if universe_id is not None:
         if reference is not None:
@@ -149,13 +146,13 @@ def resolve_for_edit(
         return EditUniverse(spec, prefixes, spec.names)
     if reference is not None:
         chosen = sorted(set(reference))
-        resolved = _ready_stats(ctx, model_id, sorted(set(chosen) | set(terms)))
+        resolved = ready_statistics(ctx, model_id, sorted(set(chosen) | set(terms)))
         return EditUniverse(make_spec(model, resolved, rcond), prefixes, chosen)
     pointer = current_pointer(ctx, model_id)
     new_current = None
     if pointer is None:
-        names = _default_reference(ctx, model_id)
-        new_current = make_spec(model, _ready_stats(ctx, model_id, names), None)
+        names = default_reference(ctx, model_id)
+        new_current = make_spec(model, ready_statistics(ctx, model_id, names), None)
         pointer = {"members": {m.name: m.stats for m in new_current.members}, "rcond": None}
     members = {n: {"prefix": p, "dataset_digest": p.rstrip("/").split("/")[-2]} for n, p in pointer["members"].items()}
     members.update({n: r for n, r in term_stats.items() if r["prefix"] not in {m["prefix"] for m in members.values()}})
@@ -207,10 +204,10 @@ def submit_universe(
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     model = get_model(ctx, model_id)
-    names = sorted(set(concepts)) if concepts else _default_reference(ctx, model_id)
+    names = sorted(set(concepts)) if concepts else default_reference(ctx, model_id)
     if not names:
         raise Conflict(f"no concept has ready statistics on model {model_id}")
-    spec = make_spec(model, _ready_stats(ctx, model_id, names), rcond)
+    spec = make_spec(model, ready_statistics(ctx, model_id, names), rcond)
     uid = spec.universe_id
     job = created = None
     with ctx.lock:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.registry import canonical_digest
+from service.storage.keys import canonical_digest
 
 UNIVERSE_FORMAT = "engram-universe/1"
 
@@ -72,7 +72,7 @@ class UniverseSpec:
 
 
 def make_spec(model: Mapping[str, Any], resolved: Mapping[str, Mapping[str, str]], rcond: float | None) -> UniverseSpec:
-    """A universe of ``resolved`` (name -> {prefix, dataset_digest}, from ``_ready_stats``)."""
+    """A universe of ``resolved`` (name -> {prefix, dataset_digest}, from ``ready_statistics``)."""
     members = tuple(Member(n, r["prefix"], r["dataset_digest"]) for n, r in sorted(resolved.items()))
     return UniverseSpec(model["model_id"], model["digest"], members, rcond)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
@@ -32,9 +33,9 @@ from service.engrams.store import (
     stored_engrams,
 )
 from service.errors import JobFailed
-from service.local_copies import checked_model_dir
-from service.progress import CancelOnly, JobProgress, NoProgress, Progress
-from service.registry import Context, get_model
+from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
+from service.models.loaded import checked_model_dir
+from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use

@@ -1,4 +1,4 @@
-"""Submitting a variant: resolve its universe, name it by content, and build it when it is new.
+"""Submitting a variant: resolve its universe, name it by content, and build it when it is new; its view.
 
 The variant ID is a content hash of everything that determines the weights, the universe's ID
 included, so the same request keeps giving the same variant while the model's current universe
@@ -10,26 +10,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from service import callbacks
+from service.concepts.statistics import check_statistics_cover
+from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.compose import EditError
 from service.engine.experts import check_adapter_layers
 from service.engine.layers import select_layers, unmatched_suffixes
 from service.engine.lora import EXACT_RTOL, rank_cap, vllm_bias_refusal, vllm_biased_layers
-from service.errors import InvalidInput
-from service.jobs import new_job
-from service.registry import (
+from service.errors import InvalidInput, NotFound
+from service.jobs import callbacks
+from service.jobs.store import FINISHED, new_job
+from service.jobs.submit import attach_callbacks
+from service.models.registry import get_model
+from service.storage.keys import (
     ENGINE_VERSION,
-    Context,
-    _check_lora_rank,
-    _check_selection,
-    attach_callbacks,
+    VARIANTS,
     canonical_digest,
-    check_statistics_cover,
-    find_variant_request,
-    get_model,
-    variant_manifest,
-    variant_view,
+    variant_manifest_key,
+    variant_request_key,
 )
 from service.universes.projection import Projection
 from service.universes.retention import make_room, note_use
@@ -99,8 +97,8 @@ def submit_variant(
         # The universe names the job that builds it: this one, on first need, unless built already.
         record_universe(ctx, resolved.spec, None if built else job["job_id"])
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(f"variants/{variant_id}/request.json", {**request, "job_id": job["job_id"]})
-        ctx.reads.forget(f"variants/{variant_id}/request.json")
+        ctx.storage.put_json(variant_request_key(variant_id), {**request, "job_id": job["job_id"]})
+        ctx.reads.forget(variant_request_key(variant_id))
     ctx.dispatch(job)
     return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
 
@@ -217,3 +215,75 @@ def _variant_request(
         "universe_stats": spec.prefixes,
     }
     return variant_id, request
+
+
+def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: list[int] | None) -> None:
+    if modules:
+        missing = unmatched_suffixes(layout.layers, modules)
+        if missing:
+            raise InvalidInput(f"module suffix(es) match no layer: {', '.join(missing)}")
+    if not select_layers(layout.layers, modules, layers):
+        raise InvalidInput("the modules/layers selection matches no editable layer")
+
+
+def _check_lora_rank(options: dict[str, Any]) -> None:
+    """``lora_rank`` shapes a peft adapter only: with another format it would be silently ignored."""
+    if options.get("lora_rank") is not None and options.get("format") != "peft":
+        raise InvalidInput(f'lora_rank applies to format "peft" only, not {options.get("format")!r}')
+
+
+# ---------------------------------------------------------------- views
+
+
+def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+    """The stored request; ``recent``: as of at most a second ago (views only, never a write's input)."""
+    if not variant_id.isalnum():
+        return None
+    key = variant_request_key(variant_id)
+    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+
+
+def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
+    # Content-addressed and written once, last: cached once found.
+    return ctx.reads.immutable_json(variant_manifest_key(variant_id)) if variant_id.isalnum() else None
+
+
+VARIANT_FIELDS = (
+    "variant_id",
+    "model_id",
+    "terms",
+    "alpha",
+    "scaling",
+    "format",
+    "lora_rank",
+    "lora_target",
+    "modules",
+    "layers",
+    "module_strengths",
+    "rcond",
+    "universe_id",
+)
+
+
+def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
+    request = find_variant_request(ctx, variant_id, recent=True)
+    if request is None:
+        raise NotFound(f"variant {variant_id} does not exist")
+    view = {k: request.get(k) for k in VARIANT_FIELDS}
+    view.update(reference=request["reference"], job_id=request.get("job_id"), files=[])
+    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None  # before the manifest: see concept_model_state
+    manifest = variant_manifest(ctx, variant_id)
+    if manifest is not None:
+        view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
+        return view
+    view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"
+    return view
+
+
+def list_variants(ctx: Context, model_id: str | None = None) -> list[dict[str, Any]]:
+    """Every variant, or those of one model (404 when that model is not registered)."""
+    if model_id is not None:
+        get_model(ctx, model_id)
+    ids = {k.split("/")[1] for k in ctx.reads.recent_listing(VARIANTS) if k.endswith("/request.json")}
+    views = [variant_view(ctx, v) for v in sorted(ids)]
+    return [v for v in views if model_id is None or v["model_id"] == model_id]

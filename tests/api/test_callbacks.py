@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.callbacks import sign, verify_signature
 from service.config import Settings
+from service.jobs.callbacks import sign, verify_signature
 from tests.api.test_api import assert_problem
 from tests.live import LiveServer, free_port, start_server, stop_server, wait_for_job
 

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from service.concepts.service import dataset_bytes
 from service.demo import make_facts
 from service.engine.records import Record
-from service.registry import dataset_bytes
 from tests.api.test_api import assert_problem, jsonl, unchanged
 from tests.live import LiveServer, running_server, wait_concepts_ready, wait_variant_ready
 

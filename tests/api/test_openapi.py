@@ -21,9 +21,9 @@ from pydantic import ValidationError
 
 from api_schemas import ConceptCreate
 from service.api.auth import PUBLIC_PATHS, required_scope
-from service.callbacks import check_callback_url
 from service.config import Settings
 from service.errors import InvalidInput
+from service.jobs.callbacks import check_callback_url
 from tests.live import LiveServer, start_server, stop_server
 
 PROBLEM_JSON = "application/problem+json"

@@ -1,5 +1,5 @@
 """``/readyz``: ready only when jobs can run. In distributed mode that needs, besides storage and the
-broker, a worker with a live heartbeat on every queue (``service.worker_presence``); a queue nobody
+broker, a worker with a live heartbeat on every queue (``service.jobs.presence``); a queue nobody
 consumes would hold its jobs forever while the API said "ready".
 
 Real processes: a private Redis, the API and ``engram-service worker`` processes (tests.distributed.cluster).

@@ -45,7 +45,7 @@ def _children(pid: int) -> list[int]:
 
 
 def job_process(server: LiveServer) -> int:
-    """The PID of the server's job process (its only child running ``service.embedded``)."""
+    """The PID of the server's job process (its only child running ``service.jobs.embedded``)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for pid in _children(server.process.pid):

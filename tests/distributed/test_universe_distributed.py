@@ -37,9 +37,9 @@ import torch
 from safetensors import safe_open
 
 from service.config import Settings
+from service.context import Context
 from service.demo import make_facts
-from service.jobs import JobStore
-from service.registry import Context
+from service.jobs.store import JobStore
 from service.storage.local import LocalStorage
 from service.universes.build import ensure_universe, load_factors
 from service.universes.service import engram_key, group_key, universe_prefix

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from service.concepts.statistics import collection_settings
 from service.config import Settings
-from service.registry import canonical_digest, collection_settings
+from service.storage.keys import canonical_digest
 
 
 def test_default_settings_keep_the_existing_statistics_keys() -> None:

@@ -30,9 +30,9 @@ from service.engine.checkpoint import (
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.model_files import SIDE_FILES, ModelSourceError, target_file, used_files
 from service.errors import InvalidInput, JobFailed
-from service.registry import file_fingerprint
-from service.sources import local_model_dir
-from service.tasks import checked_model_dir
+from service.models.loaded import checked_model_dir
+from service.models.registry import file_fingerprint
+from service.models.sources import local_model_dir
 from tests.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 SECRET = b"ENGRAM_API_KEYS=read-key-0123456789abcdef\nAWS_SECRET_ACCESS_KEY=hunter2-hunter2\n"

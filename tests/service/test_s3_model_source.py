@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.errors import InvalidInput
-from service.sources import local_model_dir
+from service.models.sources import local_model_dir
 from service.storage.base import StorageUnavailable
 from tests.live import free_port
 from tests.s3 import SeaweedServer

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import torch
 
+from service.concepts.statistics import statistics_layers
 from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import LayerStatistics
 from service.engine.stats_io import save_statistics
-from service.registry import statistics_layers
 from service.storage.local import LocalStorage
 from tests.fixtures_models import make_tiny_bert_encoder
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from service.config import Settings
+from service.context import Context
 from service.engine.collect import LayerStatistics
 from service.engine.linalg import gram, pack_symmetric
 from service.engine.stats_io import StatisticsFile, save_statistics
-from service.registry import Context
 from service.storage.local import LocalStorage
-from service.tasks import _local_statistics_file, _trim_disk_cache
+from service.storage.local_copies import local_statistics_file, trim_disk_cache
 
 
 class RemoteLikeStorage(LocalStorage):
@@ -49,7 +49,7 @@ def _store(storage: LocalStorage, tmp_path: Path, prefix: str, tokens: int, dim:
 def test_file_storage_is_read_in_place(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "store")
     _store(storage, tmp_path, "stats/a/", tokens=40)
-    path = _local_statistics_file(_context(storage, tmp_path / "cache"), "stats/a/")
+    path = local_statistics_file(_context(storage, tmp_path / "cache"), "stats/a/")
     assert path == tmp_path / "store" / "stats/a/statistics.safetensors"
     assert not (tmp_path / "cache" / "stats").exists()
 
@@ -59,8 +59,8 @@ def test_remote_statistics_are_downloaded_once_and_whole(tmp_path: Path) -> None
     _store(storage, tmp_path, "stats/b/", tokens=40)
     ctx = _context(storage, tmp_path / "cache")
     before = RemoteLikeStorage.downloads
-    first = _local_statistics_file(ctx, "stats/b/")
-    again = _local_statistics_file(ctx, "stats/b/")
+    first = local_statistics_file(ctx, "stats/b/")
+    again = local_statistics_file(ctx, "stats/b/")
     assert first == again and first.read_bytes() == storage.get_bytes("stats/b/statistics.safetensors")
     assert RemoteLikeStorage.downloads == before + 1
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial file left behind
@@ -71,12 +71,12 @@ def test_rows_files_are_expanded_once_into_the_cache(tmp_path: Path) -> None:
         stats = _store(storage, tmp_path, "stats/c/", tokens=5)
         stored = storage.get_bytes("stats/c/statistics.safetensors")
         cache = tmp_path / f"cache-{type(storage).__name__}"
-        path = _local_statistics_file(_context(storage, cache), "stats/c/")
+        path = local_statistics_file(_context(storage, cache), "stats/c/")
         assert path.parent == cache / "stats", "never read in place: every read would pay XᵀX"
         local = StatisticsFile(path)
         assert not local.has_rows and torch.equal(local.sums["g"], pack_symmetric(stats.sums["g"]))
         assert storage.get_bytes("stats/c/statistics.safetensors") == stored, "the stored file is untouched"
-        assert _local_statistics_file(_context(storage, cache), "stats/c/") == path
+        assert local_statistics_file(_context(storage, cache), "stats/c/") == path
         assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial or download left
 
 
@@ -91,5 +91,5 @@ def test_disk_cache_drops_the_oldest_files_beyond_its_budget(tmp_path: Path) -> 
     keep = folder / "just-downloaded.safetensors"
     keep.write_bytes(b"k" * 100)
     os.utime(keep, (now - 1000, now - 1000))  # even when it looks oldest, the file in use stays
-    _trim_disk_cache(folder, budget=250, keep={keep})
+    trim_disk_cache(folder, budget=250, keep={keep})
     assert sorted(p.stem for p in folder.iterdir()) == ["just-downloaded", "new"]

@@ -20,7 +20,9 @@ import pytest
 from prometheus_client import REGISTRY
 from safetensors import safe_open
 
-from service.registry import Context, _ready_stats, get_model
+from service.concepts.service import ready_statistics
+from service.context import Context
+from service.models.registry import get_model
 from service.universes import retention
 from service.universes.build import ensure_universe
 from service.universes.keys import find_usage, universe_prefix, usage_key
@@ -111,7 +113,7 @@ def spec_of(w: StoreWorld, universe_id: str) -> UniverseSpec:
 
 def spec_for(w: StoreWorld, names: list[str]) -> UniverseSpec:
     """The universe of ``names`` on MODEL, as POST /models/{id}/universes resolves it."""
-    return make_spec(get_model(w.ctx, MODEL), _ready_stats(w.ctx, MODEL, names), None)
+    return make_spec(get_model(w.ctx, MODEL), ready_statistics(w.ctx, MODEL, names), None)
 
 
 def held_now(w: StoreWorld) -> int:

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import redis
 
-from service.jobs import new_job
-from service.leases import RedisLeases, worker_name
-from service.progress import JobCancelled, JobProgress, NoProgress
+from service.jobs.leases import RedisLeases, worker_name
+from service.jobs.progress import JobCancelled, JobProgress, NoProgress
+from service.jobs.store import new_job
 from service.universes import build as build_module
 from service.universes.build import UniverseBuild, part_key
 from service.universes.service import submit_universe

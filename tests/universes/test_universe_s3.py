@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 
 from service.config import Settings
+from service.context import Context
 from service.engine.stats_io import load_statistics
-from service.jobs import JobStore
-from service.registry import Context
+from service.jobs.store import JobStore
 from service.storage.s3 import S3Storage
 from service.universes.build import ensure_universe, load_factors
 from service.universes.factors import stored_rows

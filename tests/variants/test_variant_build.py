@@ -19,10 +19,9 @@ from service.engine.checkpoint import ModelLayout
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
 from service.engine.layers import LayerSpec
-from service.registry import variant_view
 from service.universes import build as build_module
 from service.universes.service import find_manifest, find_request, submit_universe
-from service.variants.service import submit_variant
+from service.variants.service import submit_variant, variant_view
 from tests.engine.test_compose import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, float64_copy, text_records

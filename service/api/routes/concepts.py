@@ -11,10 +11,10 @@ from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import Concept, ConceptCreate, ConceptSubmission
-from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
+from service.concepts import service as concepts
 from service.dataset_refs import submitted_reference
 from service.datasets import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
@@ -89,7 +89,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
         if body.dataset is not None:
             reference = await run_in_threadpool(submitted_reference, body.dataset.model_dump(), settings)
         concept, jobs = await run_in_threadpool(
-            registry.submit_concept,
+            concepts.submit_concept,
             ctx,
             name=body.name,
             role=body.role if "role" in body.model_fields_set else None,
@@ -99,7 +99,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             callback_url=body.callback_url,
             modules=body.modules,
             reference=reference,
-            template=body.template if "template" in body.model_fields_set else registry.KEEP,
+            template=body.template if "template" in body.model_fields_set else concepts.KEEP,
         )
     return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
 
@@ -144,17 +144,17 @@ def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
 @router.get("/concepts", response_model=list[Concept])
 async def list_concepts(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
     """Every concept with its per-model collection status."""
-    return await lanes.status(lambda: [registry.concept_view(ctx, c) for c in registry.list_concepts(ctx, recent=True)])
+    return await lanes.status(lambda: [concepts.concept_view(ctx, c) for c in concepts.list_concepts(ctx, recent=True)])
 
 
 @router.get("/concepts/{name}", response_model=Concept)
 async def get_concept(name: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """One concept."""
-    return await lanes.status(lambda: registry.concept_view(ctx, registry.get_concept(ctx, name, recent=True)))
+    return await lanes.status(lambda: concepts.concept_view(ctx, concepts.get_concept(ctx, name, recent=True)))
 
 
 @router.delete("/concepts/{name}", status_code=204, response_class=Response)
 def delete_concept(name: str, ctx: ContextDep) -> Response:
     """Delete a concept (cached statistics and built variants stay)."""
-    registry.delete_concept(ctx, name)
+    concepts.delete_concept(ctx, name)
     return Response(status_code=204)

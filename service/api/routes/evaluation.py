@@ -8,11 +8,11 @@ from fastapi import APIRouter, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import EvaluateRequest, GenerateRequest, Job
-from service import evaluation
 from service.api.deps import ContextDep, LanesDep
 from service.api.lanes import Lanes
-from service.jobs import FINISHED, public_view
-from service.registry import Context
+from service.context import Context
+from service.evaluation import service as evaluation
+from service.jobs.store import FINISHED, public_view
 
 router = APIRouter(tags=["evaluation"])
 WaitQuery = Annotated[

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from api_schemas import Job
 from service.api.deps import ContextDep, LanesDep
 from service.errors import NotFound
-from service.jobs import FINISHED, public_view, utc_now
+from service.jobs.store import FINISHED, public_view, utc_now
 
 router = APIRouter(tags=["jobs"])
 job_view = public_view

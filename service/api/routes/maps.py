@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from service import engram_maps
 from service.api.deps import ContextDep
-from service.registry import Context
+from service.context import Context
+from service.maps import build, render
 
 router = APIRouter(tags=["models"])
 ConceptsQuery = Annotated[list[str], Query(description="concept names, repeated or comma-separated")]
@@ -31,7 +31,7 @@ def _split(values: list[str] | None) -> list[str] | None:
 def _map(
     ctx: Context, model_id: str, concepts: list[str], reference: list[str] | None, rcond: float | None, measure: str
 ) -> Any:
-    return engram_maps.engram_map(ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
+    return build.engram_map(ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
 
 
 _PNG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/png": {}}}}
@@ -51,8 +51,8 @@ def engram_map_png(
     """The paper's Fig. 4 for these concepts: one heatmap per concept (blocks × module types, and the
     layers outside the blocks), every panel on one colour scale."""
     data = _map(ctx, model_id, concepts, reference, rcond, measure)
-    default_width, default_height = engram_maps.default_size(data)
-    png = engram_maps.render_png(data, width or default_width, height or default_height)
+    default_width, default_height = render.default_size(data)
+    png = render.render_png(data, width or default_width, height or default_height)
     return Response(png, media_type="image/png")
 
 

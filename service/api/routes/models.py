@@ -8,9 +8,10 @@ from fastapi import APIRouter, Response
 
 from api_schemas import ComposeRequest, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
 from api_schemas.models import EditOptions
-from service import registry
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
+from service.context import Context
+from service.models import registry
 from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
@@ -45,7 +46,7 @@ def compose(model_id: str, body: ComposeRequest, ctx: ContextDep, response: Resp
 
 
 def _submit(
-    ctx: registry.Context,
+    ctx: Context,
     model_id: str,
     terms: dict[str, float],
     alpha: float | None,
@@ -60,7 +61,7 @@ def _submit(
 @router.get("/models/{model_id:path}/variants", response_model=list[Variant])
 async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
     """Every variant built from this model."""
-    return await lanes.status(registry.list_variants, ctx, model_id)
+    return await lanes.status(variants.list_variants, ctx, model_id)
 
 
 @router.get("/models/{model_id:path}", response_model=Model)

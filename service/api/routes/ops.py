@@ -8,9 +8,9 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.deps import ContextDep, LanesDep
+from service.context import Context
 from service.errors import ServiceUnavailable
 from service.observability import exposition, refresh_queue_depth
-from service.registry import Context
 from service.universes.retention import refresh_metrics as refresh_universe_metrics
 
 router = APIRouter(tags=["operations"])

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from api_schemas import Variant
-from service import registry
 from service.api.deps import ContextDep, LanesDep
+from service.context import Context
 from service.errors import NotFound, ProblemError
-from service.registry import Context
+from service.storage.keys import variant_file_key
+from service.variants import service as variants
 
 router = APIRouter(tags=["variants"])
 _RANGE_SPEC = re.compile(r"(\d*)-(\d*)")  # int-range "a-" / "a-b" or suffix-range "-n" (RFC 9110 §14.1.1)
@@ -31,13 +32,13 @@ class RangeNotSatisfiable(ProblemError):
 @router.get("/variants", response_model=list[Variant])
 async def list_variants(ctx: ContextDep, lanes: LanesDep, model_id: str | None = None) -> list[dict[str, Any]]:
     """Every variant, or only those of ``?model_id=``."""
-    return await lanes.status(registry.list_variants, ctx, model_id)
+    return await lanes.status(variants.list_variants, ctx, model_id)
 
 
 @router.get("/variants/{variant_id}", response_model=Variant)
 async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """A variant: its terms, options, status and files."""
-    return await lanes.status(registry.variant_view, ctx, variant_id)
+    return await lanes.status(variants.variant_view, ctx, variant_id)
 
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)
@@ -59,13 +60,13 @@ def head_file(variant_id: str, path: str, request: Request, ctx: ContextDep) -> 
 
 
 def _file_response(ctx: Context, variant_id: str, path: str, range_header: str | None, *, with_body: bool) -> Response:
-    manifest = registry.variant_manifest(ctx, variant_id)
+    manifest = variants.variant_manifest(ctx, variant_id)
     if manifest is None:
         raise NotFound(f"variant {variant_id} has no files (unknown or not ready)")
     entry = next((f for f in manifest["files"] if f["path"] == path), None)
     if entry is None:  # only listed paths: '..' or absolute paths can never match
         raise NotFound(f"variant {variant_id} has no file {path!r}")
-    key, size = f"variants/{variant_id}/files/{path}", int(entry["size"])
+    key, size = variant_file_key(variant_id, path), int(entry["size"])
     presign = getattr(ctx.storage, "presigned_url", None)
     if with_body and ctx.settings.presign_downloads and presign is not None:
         # 307 keeps the method and lets the client resend its Range header to S3, which honours it.

@@ -29,14 +29,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from service.background import PeriodicDuty
 from service.config import Settings
 from service.errors import InvalidInput
+from service.jobs.periodic import PeriodicDuty
 from service.storage.base import ObjectNotFound, Storage
+from service.storage.keys import FAILED_CALLBACKS, PENDING_CALLBACKS
 
 log = logging.getLogger("engram.callbacks")
-PENDING_PREFIX = "callbacks/pending/"
-FAILED_PREFIX = "callbacks/failed/"
 MAX_BACKOFF_S = 600.0
 EVENT = "job.finished"
 
@@ -111,7 +110,7 @@ def verify_signature(secret: str, headers: dict[str, str], body: bytes, toleranc
 
 
 def _entry_key(job_id: str, url: str) -> str:
-    return f"{PENDING_PREFIX}{job_id}.{hashlib.sha256(url.encode()).hexdigest()[:16]}.json"
+    return f"{PENDING_CALLBACKS}{job_id}.{hashlib.sha256(url.encode()).hexdigest()[:16]}.json"
 
 
 def enqueue(storage: Storage, job: dict[str, Any]) -> None:
@@ -168,7 +167,7 @@ class CallbackDispatcher:
     def deliver_due(self) -> int:
         """Attempt every due entry once; returns how many were delivered."""
         delivered = 0
-        for key in self.storage.list(PENDING_PREFIX):
+        for key in self.storage.list(PENDING_CALLBACKS):
             try:
                 entry = self.storage.get_json(key)
             except (ObjectNotFound, ValueError):
@@ -190,7 +189,7 @@ class CallbackDispatcher:
         entry["last_error"] = outcome.error
         if entry["attempts"] >= self.settings.callback_max_attempts:
             log.error("callback for job %s to %s given up: %s", job["job_id"], entry["url"], outcome.error)
-            self.storage.put_json(FAILED_PREFIX + key.removeprefix(PENDING_PREFIX), entry)
+            self.storage.put_json(FAILED_CALLBACKS + key.removeprefix(PENDING_CALLBACKS), entry)
             self.storage.delete(key)
             return False
         delay = min(MAX_BACKOFF_S, self.settings.callback_backoff_s * 2 ** (entry["attempts"] - 1))

@@ -1,4 +1,4 @@
-"""Job records, where they live, and the embedded executor.
+"""Job records and where they live: in memory or Redis while live, in object storage for good.
 
 A job is a small JSON record (kind, status, progress, error, result, timestamps) plus the IDs its
 task needs (``payload``). Tasks take a job ID, re-read everything from storage and write
@@ -17,18 +17,17 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from api_schemas import Job
-from service import callbacks
+from service.jobs import callbacks
 from service.observability import record_job_state
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.keys import OPEN_JOBS, job_key
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate"]
 FINISHED = {"succeeded", "failed", "cancelled"}
-OPEN_PREFIX = "jobs/open/"
 log = logging.getLogger("engram.jobs")
 
 
@@ -91,7 +90,7 @@ class JobStore:
     def create(self, job: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             self._write_live(job)
-            self.storage.put_bytes(OPEN_PREFIX + job["job_id"], b"")
+            self.storage.put_bytes(OPEN_JOBS + job["job_id"], b"")
             self._persist(job)
             record_job_state(job["kind"], job["status"])
             return _copy(job)
@@ -135,8 +134,8 @@ class JobStore:
     def unfinished(self) -> list[dict[str, Any]]:
         """Jobs not known to be finished, from the durable markers (survives any restart)."""
         found = []
-        for key in self.storage.list(OPEN_PREFIX):
-            job = self.get(key.removeprefix(OPEN_PREFIX))
+        for key in self.storage.list(OPEN_JOBS):
+            job = self.get(key.removeprefix(OPEN_JOBS))
             if job is not None and job["status"] not in FINISHED:
                 found.append(job)
             elif job is not None:
@@ -145,24 +144,24 @@ class JobStore:
 
     def active(self) -> list[dict[str, Any]]:
         """Jobs not finished yet, oldest first (from the durable markers: every mode, any restart)."""
-        found = (self.get(key.removeprefix(OPEN_PREFIX)) for key in self.storage.list(OPEN_PREFIX))
+        found = (self.get(key.removeprefix(OPEN_JOBS)) for key in self.storage.list(OPEN_JOBS))
         return sorted((j for j in found if j is not None and j["status"] not in FINISHED), key=lambda j: j["created_at"])
 
     def _load_durable(self, job_id: str) -> dict[str, Any] | None:
         """The persisted record. Not written back to the live store: a record missing there is how
         the reconciler learns that Redis lost it (and its queued message with it)."""
         try:
-            return self.storage.get_json(f"jobs/{job_id}.json")
+            return self.storage.get_json(job_key(job_id))
         except (ObjectNotFound, ValueError):
             return None
 
     def _persist(self, job: dict[str, Any]) -> None:
-        self.storage.put_json(f"jobs/{job['job_id']}.json", job)
+        self.storage.put_json(job_key(job["job_id"]), job)
         if job["status"] not in FINISHED:
             return
         # The outbox is written while the open marker still exists: a crash in between leaves the
         # marker, and the next persist of this finished job (restart, reconciler) writes it again.
-        marker = OPEN_PREFIX + job["job_id"]
+        marker = OPEN_JOBS + job["job_id"]
         if job.get("callbacks") and self.storage.exists(marker):
             callbacks.enqueue(self.storage, job)
             if self.on_finished is not None:
@@ -217,41 +216,3 @@ class RedisJobStore(JobStore):
         with it every queued message is gone."""
         self.redis.set("engram:epoch", uuid.uuid4().hex, nx=True)
         return self.redis.get("engram:epoch").decode()
-
-
-# Evaluation gets a lane of its own, so a quick check never waits behind a long collection.
-_LANE_OF_KIND = {
-    "collect": "collect",
-    "variant": "variant",
-    "universe": "variant",
-    "evaluate": "inference",
-    "generate": "inference",
-}  # noqa: E501
-_LANE_OF_KIND["calibrate"] = "inference"  # it runs the model over probes, candidate after candidate
-
-
-class EmbeddedExecutor:
-    """Runs jobs in background threads of the API process: one lane per job kind.
-
-    Collection and variant building get separate single-thread lanes, so a compose does not wait
-    behind a long collection, and two collections never fight over the same cores.
-    """
-
-    def __init__(self, run_job: Callable[[str], None]) -> None:
-        self._run_job = run_job
-        self._lanes = {
-            lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{lane}")
-            for lane in ("collect", "variant", "inference")
-        }
-
-    def submit(self, job: dict[str, Any]) -> None:
-        self._lanes[_LANE_OF_KIND[job["kind"]]].submit(self._run_job, job["job_id"])
-
-    def depths(self) -> dict[str, int]:
-        """Jobs waiting per queue, named like the distributed queues (gpu: the model runs; cpu: builds)."""
-        waiting = {lane: executor._work_queue.qsize() for lane, executor in self._lanes.items()}
-        return {"gpu": waiting["collect"] + waiting["inference"], "cpu": waiting["variant"]}
-
-    def shutdown(self) -> None:
-        for lane in self._lanes.values():
-            lane.shutdown(wait=False, cancel_futures=True)

@@ -1,170 +1,39 @@
-"""Job bodies: the same functions run in the API process (embedded) and in Celery workers.
+"""The ``collect`` job body: one concept's statistics on one model, published content-addressed.
 
-Each task takes a job ID, re-reads its inputs from storage, checks whether its output already
-exists (a redelivered job then finishes at once), works in a private scratch directory, and
-publishes content-addressed outputs with the manifest last. Nothing half-written is visible.
+A concept posted with a dataset reference has no dataset yet: the job resolves the reference first
+(streams it into ``datasets/<digest>.jsonl`` and records the digest on the concept), then collects
+as for any other dataset. Statistics that already exist are not collected again.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import traceback
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import redis.exceptions
 import torch
 
-from service.calibration.build import run_calibration
+from service.concepts.service import CHAT_KINDS, find_concept, iter_records
+from service.concepts.statistics import stats_manifest
+from service.context import Context
 from service.dataset_refs import resolve_reference
 from service.engine.checkpoint import ModelLayout, ModelTooLarge
-from service.engine.collect import CollectionCancelled, LayerStatistics, collect_statistics
+from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
 from service.engine.records import Batch, Example, RecordError, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
-from service.engrams.store import FACTOR_CACHE, algebra_from_statistics
-from service.errors import InvalidInput, JobFailed, ProblemError
-from service.evaluation import run_evaluation, run_generation
-from service.jobs import FINISHED, utc_now
-from service.leases import worker_name
-from service.local_copies import (
-    STATS_CACHE,
-    checked_model_dir,
-    local_statistics_file,
-    statistics,
-    trim_disk_cache,
-)
-from service.model_cache import MODELS
-from service.observability import job_context, record_collection
-from service.progress import JobCancelled, JobProgress
-from service.registry import (
-    CHAT_KINDS,
-    Context,
-    canonical_digest,
-    concept_key,
-    find_concept,
-    get_model,
-    iter_records,
-    stats_manifest,
-    stats_prefix,
-)
-from service.storage.base import StorageUnavailable, scratch_dir
-from service.universes.build import help_build_universe, run_universe
-from service.variants.build import run_variant
+from service.errors import InvalidInput, JobFailed
+from service.jobs.progress import JobCancelled, JobProgress
+from service.jobs.store import utc_now
+from service.models.loaded import MODELS
+from service.models.registry import get_model
+from service.observability import record_collection
+from service.storage.base import scratch_dir
+from service.storage.keys import canonical_digest, concept_key, stats_prefix
 
-# Re-exported for the callers that import them from here.
-__all__ = ["FACTOR_CACHE", "STATS_CACHE", "JobCancelled", "JobProgress", "checked_model_dir", "run_job"]
-
-log = logging.getLogger("engram.tasks")
-
-
-# Errors worth a retry: the job's inputs are fine, a service it needs is briefly away.
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
-    StorageUnavailable,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-)
-
-
-def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None:
-    """Run one job to a final state; the outcome is in the job record.
-
-    Args:
-        ctx: storage, jobs and settings of this process.
-        job_id: the job to run (a finished one is left alone: redelivery is harmless).
-        raise_transient: re-raise a transient error (storage or Redis unreachable) after putting
-            the job back to ``queued``, so the caller (Celery) can retry it with backoff.
-    """
-    job = ctx.jobs.get(job_id)
-    if job is None or job["status"] in FINISHED:
-        return
-    if job["cancel_requested"]:
-        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
-        return
-    ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)
-    try:
-        with job_context(job_id), _heartbeat(ctx, job_id):
-            log.info("%s job started", job["kind"])
-            body = _BODIES.get(job["kind"]) or _inference_body(job["kind"])
-            result = {**body(ctx, job), "worker": worker_name()}
-            log.info("%s job succeeded", job["kind"])
-    except (JobCancelled, CollectionCancelled):
-        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
-    except TRANSIENT_ERRORS as exc:
-        if not raise_transient:
-            _fail(ctx, job_id, JobFailed(f"a service was unreachable: {exc}").to_problem())
-            return
-        log.warning("job %s hit a transient error, to be retried: %s", job_id, exc)
-        ctx.jobs.update(job_id, status="queued", persist=False)
-        raise
-    except ProblemError as exc:
-        _fail(ctx, job_id, exc.to_problem())
-    except Exception as exc:  # the job must end, and the user must read why
-        log.error("job %s failed: %s", job_id, traceback.format_exc())
-        problem = JobFailed(f"{type(exc).__name__}: {exc}").to_problem()
-        problem.update(status=500, title="Internal error", type="https://engram.dev/problems/internal")
-        _fail(ctx, job_id, problem)
-    else:
-        ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
-
-
-def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
-    """Help job ``job_id`` build universe ``universe_id``: compute the parts no one holds, then stop.
-
-    A helper is not a job: it has no record and its failure fails nothing. Whatever it could not do
-    (it failed, or its worker died and its lease expired) the job computes itself, and a job that
-    ended or was cancelled stops its helpers at their next part or layer.
-    """
-    with job_context(job_id):
-        try:
-            done = help_build_universe(ctx, universe_id, job_id)
-        except JobCancelled:
-            log.info("universe %s: stopped helping, job %s ended", universe_id, job_id)
-        except Exception as exc:  # the job redoes the part; say why here
-            log.warning("universe %s: helper of job %s failed, the job takes over: %s", universe_id, job_id, exc)
-        else:
-            log.info("universe %s: helper of job %s done (%s)", universe_id, job_id, done)
-
-
-def _inference_body(kind: str) -> Any:
-    return {"evaluate": run_evaluation, "generate": run_generation}[kind]
-
-
-@contextmanager
-def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
-    """While the body runs, tell the reconciler this job's worker is alive (distributed mode)."""
-    beat = getattr(ctx.jobs, "heartbeat", None)
-    if beat is None:
-        yield
-        return
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            try:
-                beat(job_id)
-            except Exception as exc:  # Redis briefly away: the next beat may get through
-                log.warning("heartbeat of job %s failed: %s", job_id, exc)
-            stop.wait(max(1.0, ctx.settings.heartbeat_ttl_s / 4))
-
-    thread = threading.Thread(target=loop, name=f"heartbeat-{job_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-
-
-def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
-    ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())
-
-
-# ---------------------------------------------------------------- collection
+log = logging.getLogger("engram.collection")
 
 
 def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
@@ -342,15 +211,3 @@ def _publish_statistics(ctx: Context, prefix: str, stats: LayerStatistics, paylo
         "created_at": utc_now(),
     }
     ctx.storage.put_json(prefix + "manifest.json", manifest)
-
-
-# ---------------------------------------------------------------- variants and universes
-
-# Variant and universe bodies live in their domains (service.variants.build, service.universes.build).
-_BODIES = {"collect": run_collection, "variant": run_variant, "universe": run_universe}
-# A calibration runs its recommended variant's job inline, through this module's runner.
-_BODIES["calibrate"] = lambda ctx, job: run_calibration(ctx, job, run_job)
-
-# The names older callers (tests, bench, the memory-trace maps) use for helpers now in their domains.
-_statistics, _local_statistics_file, _trim_disk_cache = statistics, local_statistics_file, trim_disk_cache
-_algebra = algebra_from_statistics

@@ -17,8 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from service.background import PeriodicDuty
-from service.jobs import FINISHED, OPEN_PREFIX, RedisJobStore, utc_now
+from service.jobs.periodic import PeriodicDuty
+from service.jobs.store import FINISHED, RedisJobStore, utc_now
+from service.storage.keys import OPEN_JOBS
 
 log = logging.getLogger("engram.reconcile")
 
@@ -27,8 +28,8 @@ def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], Non
     """One pass over the open jobs; returns the IDs dispatched again."""
     epoch = jobs.epoch()
     redispatched = []
-    for key in jobs.storage.list(OPEN_PREFIX):
-        job_id = key.removeprefix(OPEN_PREFIX)
+    for key in jobs.storage.list(OPEN_JOBS):
+        job_id = key.removeprefix(OPEN_JOBS)
         job = jobs.get(job_id)
         if job is None:
             continue

@@ -1,21 +1,16 @@
-"""Evaluation and generation: run a variant and its base model on the user's probes.
+"""The ``evaluate`` and ``generate`` job bodies: run a variant and its base model on the user's probes.
 
-Both are jobs (kinds ``evaluate`` and ``generate``) because they run the model: in distributed mode
-they go to the ``gpu`` queue like collections, in embedded mode to their own lane. A job loads the
-variant *as it was shipped* (the checkpoint directory, the delta on the base, or the PEFT adapter on
-the base), so the numbers describe the artifact users download, not a recomputation.
-
-Evaluation results are content-addressed (``evaluations/<variant, probes digest>.json``): the same
-probes on the same variant are answered from storage.
+A job loads the variant *as it was shipped* (the checkpoint directory, the delta on the base, or the
+PEFT adapter on the base), so the numbers describe the artifact users download, not a recomputation.
+An evaluation's result is stored content-addressed (``evaluations/<evaluation id>.json``), and the
+same probes on the same variant are answered from it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,87 +18,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from service import callbacks
+from service.context import Context
 from service.engine.checkpoint import load_model
 from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
-from service.errors import Conflict, JobFailed
-from service.jobs import new_job
-from service.local_copies import checked_model_dir
-from service.model_cache import MODELS
-from service.progress import JobProgress
-from service.registry import Context, canonical_digest, find_variant_request, get_model, variant_manifest, variant_view
+from service.errors import JobFailed
+from service.evaluation.service import SPLITS
+from service.jobs.progress import JobProgress
+from service.models.loaded import MODELS, checked_model_dir
+from service.models.registry import get_model
 from service.storage.base import scratch_dir
+from service.storage.keys import evaluation_key, probes_key, variant_file_key
+from service.variants.service import find_variant_request, variant_manifest
 
-SPLITS = ("forget", "retain")
 _CHUNK = 16  # probes per progress tick (and per forward batch)
 
 
-# ---------------------------------------------------------------- submission (API side)
-
-
-def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
-    view = variant_view(ctx, variant_id)  # 404 for an unknown variant
-    if view["status"] != "ready":
-        raise Conflict(f"variant {variant_id} is {view['status']}, not ready; wait for its job {view['job_id']}")
-    return view
-
-
-def submit_evaluation(
-    ctx: Context, variant_id: str, probes: dict[str, list[dict[str, str]]], callback_url: str | None
-) -> dict[str, Any]:
-    """Store the probes and queue an evaluation job; returns the job."""
-    urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    view = _ready_variant(ctx, variant_id)
-    if any("messages" in p for split in SPLITS for p in probes.get(split, [])):
-        _check_chat_template(ctx, view, "messages probes")
-    data = json.dumps({s: probes.get(s, []) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
-    digest = hashlib.sha256(data).hexdigest()
-    ctx.storage.put_bytes(f"probes/{digest}.json", data)  # before the job: the task reads it
-    payload = {
-        "variant_id": variant_id,
-        "probes_digest": digest,
-        "evaluation_id": canonical_digest({"variant_id": variant_id, "probes": digest})[:32],
-    }
-    job = ctx.jobs.create(new_job("evaluate", payload, unit="probes", callback_urls=urls))
-    ctx.dispatch(job)
-    return job
-
-
-def submit_generation(
-    ctx: Context,
-    variant_id: str,
-    prompt: str | None,
-    max_new_tokens: int,
-    models: Sequence[str],
-    callback_url: str | None,
-    messages: list[dict[str, str]] | None = None,
-) -> dict[str, Any]:
-    """Queue a greedy generation from ``prompt`` (or from ``messages`` rendered with the chat template
-    and its generation prompt) on the variant and/or its base; returns the job."""
-    urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    view = _ready_variant(ctx, variant_id)
-    payload: dict[str, Any] = {
-        "variant_id": variant_id,
-        "prompt": prompt,
-        "max_new_tokens": max_new_tokens,
-        "models": list(models),
-    }
-    if messages is not None:
-        _check_chat_template(ctx, view, "messages")
-        payload["messages"] = messages
-    job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))
-    ctx.dispatch(job)
-    return job
-
-
-def _check_chat_template(ctx: Context, view: dict[str, Any], what: str) -> None:
-    """422 when the variant's model has no chat template (read from its tokenizer files)."""
-    from service.registry import check_chat_templates
-
-    check_chat_templates({view["model_id"]: get_model(ctx, view["model_id"])}, what)
-
-
-# ---------------------------------------------------------------- the loaded models (worker side)
+# ---------------------------------------------------------------- the loaded models
 
 
 class _VariantModels:
@@ -142,7 +72,7 @@ def _load_variant(
         for entry in manifest["files"]:
             target = folder / entry["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            ctx.storage.download(f"variants/{variant_id}/files/{entry['path']}", target)
+            ctx.storage.download(variant_file_key(variant_id, entry["path"]), target)
         fmt = request.get("format") or "checkpoint"
         if fmt == "checkpoint":
             return load_model(folder, device=device)
@@ -180,11 +110,11 @@ def _progress(ctx: Context, job: dict[str, Any], total: int) -> Any:
 def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """Per-probe answer NLL and greedy exact match on the base and the variant, with summaries."""
     payload = job["payload"]
-    key = f"evaluations/{payload['evaluation_id']}.json"
+    key = evaluation_key(payload["evaluation_id"])
     cached = ctx.storage.find_json(key)
     if cached is not None:
         return {**cached, "reused": True}
-    raw = json.loads(ctx.storage.get_bytes(f"probes/{payload['probes_digest']}.json"))
+    raw = json.loads(ctx.storage.get_bytes(probes_key(payload["probes_digest"])))
     probes = {s: [_probe(p) for p in raw[s]] for s in SPLITS}
     base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
     _causal(base)

@@ -1,6 +1,6 @@
-"""What a job reads from this machine's disk: the checked model folder and immutable stored objects
-(statistics files, a universe's factors and engrams), in place on file storage, else downloaded
-once into ``ENGRAM_CACHE_DIR``.
+"""What a job reads from this machine's disk: immutable stored objects (statistics files, a universe's
+factors and engrams), in place on file storage, else downloaded once into ``ENGRAM_CACHE_DIR``
+(the model's folder: :mod:`service.models.loaded`).
 
 Statistics and universes are content-addressed, so a worker keeps its local copies between jobs:
 statistics as files read one input group at a time (``STATS_CACHE`` holds open files, not their
@@ -14,71 +14,10 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from service.engine.checkpoint import directory_digest
-from service.engine.model_files import SIDE_FILES, ModelSourceError, check_links
+from service.context import Context
 from service.engine.stats_io import StatisticsFile, expand_statistics
-from service.errors import JobFailed
-from service.registry import Context, file_fingerprint
-from service.sources import local_model_dir
 from service.storage.lru import ByteLRU
-
-_VERIFIED: dict[str, str] = {}  # local copy of a remote source -> its verified digest
-
-
-def checked_model_dir(ctx: Context, manifest: dict[str, Any]) -> Path:
-    """This process's directory of the model, after checking it holds the registered files.
-
-    A ``file://`` model is read in place (its sizes and mtimes must be as registered). A remote
-    one (``s3://``, ``hf://``) is fetched into this machine's cache, which need not be the API's,
-    and its content digest checked once per process.
-
-    Either way the folder passes :mod:`service.engine.model_files`' rules again first (no link
-    leading out of it, plain shard names), so a link swapped in since registration fails the job
-    before any file is read or copied.
-    """
-    model_id = manifest["model_id"]
-    try:
-        if manifest["source"].startswith("file://"):
-            path = Path(manifest["path"])
-            if not path.is_dir() or not _unchanged(path, manifest):
-                raise JobFailed(f"the files of model {model_id} changed since registration; register it again")
-            return path
-        path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
-        digest = manifest["digest"]
-        if _VERIFIED.get(str(path)) != digest:
-            check_links(path)
-            # Registrations made before the allowlist hashed every in-folder file: accept their digest too.
-            if directory_digest(path) != digest and directory_digest(path, every_file=True) != digest:
-                raise JobFailed(f"the source of model {model_id} changed since registration; register it again")
-            _VERIFIED[str(path)] = digest
-        return path
-    except ModelSourceError as exc:
-        raise JobFailed(f"the files of model {model_id} are refused: {exc}; register it again") from None
-
-
-def _unchanged(path: Path, manifest: dict[str, Any]) -> bool:
-    """Whether the files the service uses from ``path`` are as registered (sizes and mtimes).
-
-    Raises:
-        ModelSourceError: the folder breaks a rule of :mod:`service.engine.model_files`.
-    """
-    if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
-        raise ModelSourceError("the model folder was replaced by a symbolic link")
-    check_links(path)
-    current = file_fingerprint(path)
-    return current == _registered_fingerprint(manifest, current)
-
-
-def _registered_fingerprint(manifest: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    """The registered sizes and mtimes of the files the service uses. Registrations made before the
-    allowlist listed every file of the folder; the others (a README) are not compared."""
-    shards = set(manifest["layout"]["key_files"].values())
-    return {k: v for k, v in manifest["fingerprint"].items() if k in SIDE_FILES or k in shards or k in current}
-
-
-# ---------------------------------------------------------------- statistics
 
 STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)  # at most 256 open files
 

@@ -29,24 +29,21 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from service.config import Settings
-from service.jobs import JobStore, utc_now, valid_job_id
+from service.context import Context
+from service.jobs.runner import KINDS, run_job
+from service.jobs.store import JobStore, utc_now, valid_job_id
+from service.observability import configure_logging
 from service.storage.base import Storage
+from service.storage.factory import open_storage
 
 log = logging.getLogger("engram.embedded")
 
-_KIND_QUEUE = {
-    "collect": "gpu",
-    "evaluate": "gpu",
-    "generate": "gpu",
-    "calibrate": "gpu",
-    "universe": "gpu",
-    "variant": "cpu",
-}
 _KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
 _MONITOR_S = 0.5
 
@@ -118,7 +115,8 @@ class SqliteJobStore(JobStore):
         depths = {"gpu": 0, "cpu": 0}
         rows = self._connection().execute("SELECT kind, COUNT(*) FROM jobs WHERE status = 'queued' GROUP BY kind")
         for kind, count in rows:
-            depths[_KIND_QUEUE.get(kind, "cpu")] += int(count)  # (a variant building its universe counts as cpu)
+            # A kind this version does not know counts as cpu (so does a variant building its universe).
+            depths[KINDS[kind].queue if kind in KINDS else "cpu"] += int(count)
         return depths
 
     def prune(self, keep: timedelta = _KEEP_FINISHED) -> None:
@@ -252,12 +250,6 @@ class ProcessExecutor:
 def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: int) -> None:
     """The job process: run every job the API hands over, in its kind's lane, until told to stop."""
     _die_with_parent(parent_pid)
-    from service.jobs import EmbeddedExecutor
-    from service.observability import configure_logging
-    from service.registry import Context
-    from service.storage.factory import open_storage
-    from service.tasks import run_job
-
     configure_logging()
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     jobs = SqliteJobStore(storage, live_store_path(settings))
@@ -267,6 +259,24 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     for message in _messages(inbox):
         executor.submit(message)
     executor.shutdown()
+
+
+class EmbeddedExecutor:
+    """Runs the job process's jobs in threads: one single-thread lane per :attr:`Kind.lane`
+    (:data:`service.jobs.runner.KINDS`), so a compose does not wait behind a long collection, a
+    quick evaluation neither, and two collections never fight over the same cores."""
+
+    def __init__(self, run: Callable[[str], None]) -> None:
+        self._run = run
+        lanes = sorted({kind.lane for kind in KINDS.values()})
+        self._lanes = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{lane}") for lane in lanes}
+
+    def submit(self, job: dict[str, Any]) -> None:
+        self._lanes[KINDS[job["kind"]].lane].submit(self._run, job["job_id"])
+
+    def shutdown(self) -> None:
+        for lane in self._lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 def _messages(inbox: Any) -> Iterator[dict[str, Any]]:

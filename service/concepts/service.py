@@ -1,0 +1,350 @@
+"""Concepts: their records or dataset reference, submitted once and collected on each model; their views.
+
+A concept is ``concepts/<name>.json`` (:mod:`service.storage.keys`): name, role, the digest of its
+stored dataset (``datasets/<sha256>.jsonl``, or none yet for a dataset reference its collection job
+resolves first) and one collection job per model, each naming the statistics it publishes
+(:mod:`service.concepts.statistics`; the job body: :mod:`service.concepts.collection`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.concepts.statistics import canonical_modules, collection_settings, stats_manifest
+from service.context import Context
+from service.dataset_refs import content_changed, same_reference
+from service.datasets import SpooledDataset, record_line
+from service.engine.checkpoint import ModelLayout
+from service.engine.layers import unmatched_suffixes
+from service.engine.records import Record
+from service.errors import Conflict, InvalidInput, NotFound
+from service.jobs import callbacks
+from service.jobs.store import FINISHED, new_job, utc_now
+from service.jobs.submit import attach_callbacks
+from service.models.registry import check_chat_templates, get_model
+from service.storage.keys import CONCEPTS, canonical_digest, concept_key, dataset_key, stats_prefix
+
+KEEP: Any = object()  # an option left out of a request: an existing concept keeps its own
+
+
+def dataset_bytes(records: Sequence[Record]) -> bytes:
+    """The stored bytes of a dataset (what :class:`service.datasets.DatasetSpool` writes, record by record)."""
+    return b"".join(record_line(r) for r in records)
+
+
+def load_records(ctx: Context, dataset_digest: str) -> list[Record]:
+    data = ctx.storage.get_bytes(dataset_key(dataset_digest))
+    # bytes.splitlines cuts at \n only here (json.dumps escapes \r): str.splitlines would also cut
+    # inside a record at a raw U+2028, U+0085 or U+001C, which ensure_ascii=False leaves as they are.
+    return [Record.from_mapping(json.loads(line), i) for i, line in enumerate(data.splitlines())]
+
+
+def iter_records(path: Path) -> Iterator[Record]:
+    """The records of a stored dataset file, one line at a time (never the whole file in memory).
+
+    Lines are cut at ``\n`` only, as :func:`load_records` does.
+    """
+    with path.open("rb") as handle:
+        for i, line in enumerate(handle):
+            yield Record.from_mapping(json.loads(line), i)
+
+
+CHAT_KINDS = 'messages records and template "chat"'
+
+
+def submit_concept(
+    ctx: Context,
+    *,
+    name: str,
+    role: str | None,
+    description: str | None,
+    dataset: SpooledDataset | None,
+    models: Sequence[str],
+    callback_url: str | None = None,
+    modules: Sequence[str] | None = None,
+    reference: dict[str, Any] | None = None,
+    template: str | None | Any = KEEP,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
+
+    Args:
+        role: ``"target"`` or ``"reference"``; ``None`` keeps an existing concept's role (a new
+            concept is a target).
+        dataset: the records, spooled and hashed (:mod:`service.datasets`); published here. ``None``
+            with ``reference``.
+        modules: module suffixes (as ``modules`` on unlearn): collect only those layers' input
+            groups; ``None`` collects every editable layer. A suffix that matches no layer of a
+            listed model is a 422; a model already collecting or collected with other modules, a 409.
+        reference: a dataset reference from :func:`service.dataset_refs.submitted_reference`:
+            nothing is fetched here; each collection job resolves it first (the concept has no
+            dataset digest until then). The same reference with another content fingerprint is a
+            new concept under the same name (the old one's unfinished jobs are cancelled).
+        template: ``"chat"``: prompt/completion records are rendered with the chat template;
+            ``KEEP`` (left out) keeps an existing concept's; another than the stored one is a 409.
+
+    Returns:
+        (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
+
+    Raises:
+        Conflict: the concept exists with other records, another reference, or the other role or template.
+        InvalidInput: messages records or template ``"chat"`` on a model without a chat template;
+            template ``"chat"`` over text records.
+    """
+    urls = callbacks.check_optional_url(callback_url, ctx.settings)
+    manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
+    if modules is not None:
+        modules = canonical_modules(modules)
+        for model_id, manifest in manifests.items():
+            missing = unmatched_suffixes(ModelLayout.from_json(manifest["layout"]).layers, modules)
+            if missing:
+                raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
+    kinds = dataset.kinds if dataset is not None else frozenset()
+    if reference is not None and "messages" in (reference.get("columns") or {}):
+        kinds = frozenset({"messages"})
+    chosen_template = None if template is KEEP else template
+    if chosen_template == "chat" and "text" in kinds:
+        raise InvalidInput('template "chat" renders prompt/completion records as a chat; the dataset holds text records')
+    digest = dataset.digest if dataset is not None else None
+    retired = None
+    with ctx.lock:
+        concept = find_concept(ctx, name)
+        if concept is not None:
+            _check_same_concept(concept, digest, role, reference, template)
+            chosen_template = concept.get("template")
+            if reference is not None and content_changed(concept["dataset"], reference):
+                # What the reference names changed since it was posted: a new concept over the new
+                # content, as if the old one were deleted first (its role and description kept).
+                retired, concept = concept, None
+                role = role or retired["role"]
+                description = retired["description"] if description is None else description
+        # Checked before anything is written: a refused request stores nothing.
+        if "messages" in kinds or chosen_template == "chat":
+            held = concept["models"] if concept is not None else {}
+            check_chat_templates({m: v for m, v in manifests.items() if m not in held}, CHAT_KINDS)
+        if concept is None:
+            if dataset is not None:
+                key = dataset_key(dataset.digest)
+                if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
+                    ctx.storage.put_file(key, dataset.path)
+            concept = {
+                "name": name,
+                "role": role or "target",
+                "description": description,
+                "num_records": dataset.num_records if dataset is not None else None,
+                "dataset_digest": digest,
+                "models": {},
+                "created_at": utc_now(),
+            }
+            if reference is not None:
+                concept["dataset"] = reference
+            if chosen_template is not None:
+                concept["template"] = chosen_template
+        new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
+        if retired is not None:
+            _cancel_collections(ctx, retired)
+        ctx.storage.put_json(concept_key(name), concept)
+        ctx.reads.forget(concept_key(name))
+    # Enqueue only after the records and the concept are saved: the task reads them.
+    for job in new_jobs:
+        ctx.dispatch(job)
+    created = {job["job_id"] for job in new_jobs}
+    found = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
+    jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in found if j is not None]
+    return concept_view(ctx, concept), jobs
+
+
+def _check_same_concept(
+    concept: dict[str, Any], digest: str | None, role: str | None, reference: dict[str, Any] | None, template: Any = KEEP
+) -> None:
+    """Posting a concept again is idempotent only with the same records (or the same dataset
+    reference, or records equal to what its reference resolved to), role and template (or none given)."""
+    name = concept["name"]
+    held = concept.get("dataset")
+    if reference is not None:
+        if held is None or not same_reference(held, reference):
+            what = f"the dataset reference {held['uri']} ({held})" if held else "inline records"
+            raise Conflict(f"concept {name} exists with {what}; delete it first or use another name")
+    elif concept["dataset_digest"] != digest:
+        if concept["dataset_digest"] is None:
+            raise Conflict(f"concept {name} exists with a dataset reference not resolved yet; post that reference, or wait")
+        raise Conflict(f"concept {name} exists with other records; delete it first or use another name")
+    if role is not None and role != concept["role"]:
+        raise Conflict(
+            f"concept {name} exists with role {concept['role']!r}, not {role!r}; "
+            "delete it first to change its role, or omit role"
+        )
+    if template is not KEEP and template != concept.get("template"):
+        raise Conflict(
+            f"concept {name} exists with template {concept.get('template')!r}, not {template!r}; "
+            "delete it first to change it, or omit template"
+        )
+
+
+def _plan_collections(
+    ctx: Context,
+    concept: dict[str, Any],
+    manifests: dict[str, Any],
+    callback_urls: list[str],
+    modules: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    created = []
+    for model_id, manifest in manifests.items():
+        entry = concept["models"].get(model_id)
+        if entry is not None:
+            job = ctx.jobs.get(entry["job_id"])
+            if job is not None and job["status"] not in {"failed", "cancelled"}:
+                if modules is not None and entry.get("modules") != modules:
+                    held = entry.get("modules")
+                    raise Conflict(
+                        f"concept {concept['name']} is collected on model {model_id} with "
+                        f"{'modules ' + ', '.join(held) if held else 'every module'}, not modules {', '.join(modules)}; "
+                        "delete it first to collect other modules, or omit modules"
+                    )
+                continue  # already collecting or collected: posting again changes nothing
+        payload = {
+            "model_id": model_id,
+            "model_digest": manifest["digest"],
+            "dataset_digest": concept["dataset_digest"],
+            "settings": collection_settings(ctx.settings, modules, concept.get("template")),
+            "concept": concept["name"],
+        }
+        if concept["dataset_digest"] is None:  # a reference the job resolves first
+            payload["dataset"] = concept["dataset"]
+        job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
+        stats = _stats_prefix_for(payload) if concept["dataset_digest"] is not None else None
+        concept["models"][model_id] = {"job_id": job["job_id"], "stats": stats}
+        if modules is not None:
+            concept["models"][model_id]["modules"] = modules
+        created.append(job)
+    return created
+
+
+def _stats_prefix_for(payload: dict[str, Any]) -> str:
+    return stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
+
+
+def find_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any] | None:
+    """The stored concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
+    return ctx.reads.recent_json(concept_key(name)) if recent else ctx.storage.find_json(concept_key(name))
+
+
+def get_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any]:
+    concept = find_concept(ctx, name, recent=recent)
+    if concept is None:
+        raise NotFound(f"concept {name} does not exist")
+    return concept
+
+
+def list_concepts(ctx: Context, *, recent: bool = False) -> list[dict[str, Any]]:
+    """Every concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
+    if not recent:
+        return [ctx.storage.get_json(k) for k in ctx.storage.list(CONCEPTS) if k.endswith(".json")]
+    found = (ctx.reads.recent_json(k) for k in ctx.reads.recent_listing(CONCEPTS) if k.endswith(".json"))
+    return [concept for concept in found if concept is not None]
+
+
+def delete_concept(ctx: Context, name: str) -> None:
+    """Forget a concept. Its statistics stay cached (content-addressed, maybe shared)."""
+    with ctx.lock:
+        _cancel_collections(ctx, get_concept(ctx, name))
+        ctx.storage.delete(concept_key(name))
+        ctx.reads.forget(concept_key(name))
+
+
+def _cancel_collections(ctx: Context, concept: dict[str, Any]) -> None:
+    for entry in concept["models"].values():
+        job = ctx.jobs.get(entry["job_id"])
+        if job is not None and job["status"] not in FINISHED:
+            ctx.jobs.update(job["job_id"], cancel_requested=True)
+
+
+def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
+    # The job first, then the manifest: a collection publishes its manifest before its job succeeds,
+    # so a job read as finished guarantees the manifest is found. The other order could read "no
+    # manifest yet", then "succeeded", and report a finished collection as failed.
+    job = ctx.jobs.get(entry["job_id"])
+    # No statistics key yet: a dataset reference its job has not resolved.
+    published = stats_manifest(ctx, entry["stats"]) if entry.get("stats") else None
+    if published is not None:
+        return {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
+    status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
+    return {"status": status, "tokens": None, "job_id": entry["job_id"]}
+
+
+def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:
+    states = {m: concept_model_state(ctx, e) for m, e in concept["models"].items()}
+    error = None
+    if concept.get("dataset") is not None and concept["dataset_digest"] is None:
+        failed = [ctx.jobs.get(e["job_id"]) for e in concept["models"].values()]
+        error = next((j["error"]["detail"] for j in failed if j and j.get("error")), None)
+    return concept_fields(concept, states, error)
+
+
+def concept_fields(concept: dict[str, Any], states: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+    """A concept's view from its document and its models' states (``error``: why its dataset
+    reference did not resolve, when it did not)."""
+    keys = ("name", "role", "description", "num_records", "dataset_digest")
+    view = {**{k: concept[k] for k in keys}, "template": concept.get("template"), "models": states}
+    reference = concept.get("dataset")
+    if reference is not None:
+        digest = concept["dataset_digest"]
+        if digest is not None:
+            status = "resolved"
+        elif any(s["status"] in {"pending", "collecting"} for s in states.values()):
+            status = "pending"
+        else:
+            status = "failed"
+        view["dataset"] = {**reference, "digest": digest, "status": status, "error": error if status == "failed" else None}
+    return view
+
+
+# ---------------------------------------------------------------- the concepts an edit is measured against
+
+
+def ready_statistics(ctx: Context, model_id: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """name -> {prefix, dataset_digest} for concepts ready on this model; 404/409 naming the rest."""
+    unknown = [n for n in names if find_concept(ctx, n) is None]
+    if unknown:
+        raise NotFound(f"unknown concept(s): {', '.join(sorted(unknown))}")
+    ready, not_ready = {}, []
+    for name in names:
+        concept = get_concept(ctx, name)
+        entry = concept["models"].get(model_id)
+        if entry is None or not entry.get("stats") or stats_manifest(ctx, entry["stats"]) is None:
+            not_ready.append(name)
+            continue
+        ready[name] = {"prefix": entry["stats"], "dataset_digest": concept["dataset_digest"]}
+    if not_ready:
+        raise Conflict(f"concept(s) without ready statistics on model {model_id}: {', '.join(sorted(not_ready))}")
+    return ready
+
+
+def default_reference(ctx: Context, model_id: str) -> list[str]:
+    names = []
+    for concept in list_concepts(ctx):
+        entry = concept["models"].get(model_id)
+        if entry is not None and entry.get("stats") and stats_manifest(ctx, entry["stats"]) is not None:
+            names.append(concept["name"])
+    return sorted(names)
+
+
+@dataclass(frozen=True)
+class Universe:
+    """The concepts an engram is measured against, resolved to their statistics on one model."""
+
+    names: list[str]  # sorted: reference ∪ terms
+    stats: dict[str, str]  # concept -> statistics prefix
+    prefixes: list[str]  # sorted, without duplicates (two names may share a dataset)
+
+
+def resolve_universe(ctx: Context, model_id: str, terms: Sequence[str], reference: Sequence[str] | None) -> Universe:
+    """``reference ∪ terms`` (reference defaulting to every ready concept); 404/409 naming the missing."""
+    chosen = sorted(set(reference)) if reference is not None else default_reference(ctx, model_id)
+    names = sorted(set(chosen) | set(terms))
+    resolved = ready_statistics(ctx, model_id, names)
+    stats = {n: resolved[n]["prefix"] for n in names}
+    return Universe(names, stats, sorted(set(stats.values())))

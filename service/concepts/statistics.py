@@ -1,0 +1,112 @@
+"""A concept's statistics on a model: what enters their key, and what a published statistics file holds.
+
+Statistics live at ``stats/<model digest>/<dataset digest>/<settings digest>/``
+(:func:`service.storage.keys.stats_prefix`); the collection job (:mod:`service.concepts.collection`)
+publishes ``statistics.safetensors`` and then ``manifest.json``: they exist exactly when the
+manifest does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from service.config import Settings
+from service.context import Context
+from service.engine.checkpoint import ModelLayout
+from service.engine.layers import select_layers, summarize_names
+from service.errors import Conflict
+from service.storage.keys import ENGINE_VERSION
+
+
+def collection_settings(
+    settings: Settings, modules: Sequence[str] | None = None, template: str | None = None
+) -> dict[str, Any]:
+    """Everything that changes a statistic (and so is part of its key).
+
+    Args:
+        modules: the module suffixes a concept was posted with (only their input groups are
+            collected); part of the key only when given, so keys without them stay as they were.
+        template: ``"chat"``: prompt/completion records rendered as one-turn chats; part of the
+            key only when set.
+    """
+    chosen: dict[str, Any] = {"max_length": settings.max_length, "engine": ENGINE_VERSION}
+    if modules is not None:
+        chosen["modules"] = canonical_modules(modules)
+    if template is not None:
+        chosen["template"] = template
+    # Only when not the default, so existing keys stay valid.
+    if settings.stats_dtype != "float64":
+        chosen["stats_dtype"] = settings.stats_dtype
+    if settings.collect_dtype != "stored":  # the activations, and so Σ, depend on it
+        chosen["collect_dtype"] = settings.collect_dtype
+    return chosen
+
+
+def canonical_modules(modules: Sequence[str]) -> list[str]:
+    """A module selection in the form that enters a statistics key: sorted, each suffix once."""
+    return sorted(set(modules))
+
+
+def stats_manifest(ctx: Context, prefix: str) -> dict[str, Any] | None:
+    return ctx.reads.immutable_json(prefix + "manifest.json")  # content-addressed: written once
+
+
+def check_statistics_cover(
+    ctx: Context,
+    layout: ModelLayout,
+    members: Iterable[tuple[str, str]],
+    modules: Sequence[str] | None,
+    layers: Sequence[int] | None,
+) -> None:
+    """Refuse an edit that needs a layer some member's statistics lack (collected with ``modules``,
+    or a layer collection could not read).
+
+    Args:
+        layout: the model's layout.
+        members: ``(concept name, statistics prefix)`` of every concept of the edit's universe.
+        modules, layers: the edit's selection.
+
+    Raises:
+        Conflict: naming each concept and the layers it has no statistics for.
+    """
+    needed = select_layers(layout.layers, modules, layers)
+    problems = []
+    for name, prefix in sorted(set(members)):
+        manifest = stats_manifest(ctx, prefix)
+        if manifest is None:
+            continue  # not ready: refused by name where the universe is resolved
+        held = statistics_layers(ctx, prefix, manifest, layout)
+        missing = [spec.name for spec in needed if spec.name not in held]
+        if missing:
+            collected = manifest.get("settings", {}).get("modules")
+            how = f" (collected with modules {', '.join(collected)})" if collected else ""
+            problems.append(f"concept {name} has no statistics for {summarize_names(missing)}{how}")
+    if problems:
+        raise Conflict(
+            f"the edit needs layers that its concepts' statistics lack: {'; '.join(problems)}. Choose modules/layers "
+            "they cover, or post the concept with modules that include those layers"
+        )
+
+
+_STATS_LAYERS: dict[str, frozenset[str]] = {}  # statistics prefix -> its layers (statistics never change)
+
+
+def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layout: ModelLayout) -> frozenset[str]:
+    """The layers a published statistics file holds: those its ``modules`` selected minus the ones
+    collection could not read (``lacking``). Statistics published before ``lacking`` was recorded
+    and holding fewer layers than that are read from the file's header (a few kilobytes)."""
+    chosen = select_layers(layout.layers, manifest.get("settings", {}).get("modules"))
+    if "lacking" in manifest or int(manifest.get("layers", len(chosen))) >= len(chosen):
+        return frozenset(spec.name for spec in chosen) - set(manifest.get("lacking", ()))
+    if prefix not in _STATS_LAYERS:
+        _STATS_LAYERS[prefix] = frozenset(_header_metadata(ctx, prefix + "statistics.safetensors")["layer_group"])
+    return _STATS_LAYERS[prefix]
+
+
+def _header_metadata(ctx: Context, key: str) -> dict[str, Any]:
+    """A stored safetensors file's metadata (JSON values decoded), read by range: its header only."""
+    length = int.from_bytes(b"".join(ctx.storage.iter_range(key, 0, 7)), "little")
+    header = json.loads(b"".join(ctx.storage.iter_range(key, 8, 8 + length - 1)))
+    return {k: json.loads(v) if k == "layer_group" else v for k, v in (header.get("__metadata__") or {}).items()}

@@ -1,0 +1,1 @@
+"""Evaluation and generation: run a variant and its base model on the user's probes, as jobs."""

@@ -1,0 +1,197 @@
+"""The job runner: one table from job kind to its body and queue, and the state machine every job goes through.
+
+A body is a function ``(ctx, job) -> result`` in its domain (``service.concepts.collection``,
+``service.universes.build``, ``service.variants.build``, ``service.evaluation.run``,
+``service.calibration.build``). The runner is the same in both modes: embedded mode's job process
+(:mod:`service.jobs.embedded`) and distributed mode's Celery tasks (:mod:`workers.celery_app`) call
+:func:`run_job`. A body re-reads its inputs from storage, checks whether its output already exists
+(a redelivered job then finishes at once), works in a private scratch directory, and publishes
+content-addressed outputs with the manifest last. Nothing half-written is visible.
+
+The state machine: ``queued`` → ``running`` → ``succeeded`` | ``failed`` | ``cancelled``; a
+transient error (storage or Redis briefly away) puts the job back to ``queued`` for a retry, until
+:func:`retry_after` says it had its tries. While a body runs, a heartbeat tells the reconciler
+(:mod:`service.jobs.reconcile`) its worker is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.exceptions
+
+from service.calibration.build import run_calibration
+from service.concepts.collection import run_collection
+from service.context import Context
+from service.engine.collect import CollectionCancelled
+from service.errors import JobFailed, ProblemError
+from service.evaluation.run import run_evaluation, run_generation
+from service.jobs.leases import worker_name
+from service.jobs.progress import JobCancelled
+from service.jobs.store import FINISHED, JobKind, utc_now
+from service.observability import job_context
+from service.storage.base import StorageUnavailable
+from service.universes.build import help_build_universe, run_universe
+from service.variants.build import run_variant
+
+log = logging.getLogger("engram.runner")
+
+Body = Callable[[Context, dict[str, Any]], dict[str, Any]]
+Queue = Literal["gpu", "cpu"]
+Lane = Literal["collect", "variant", "inference"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Where a job kind runs, and what runs it.
+
+    Attributes:
+        body: the domain's function that does the work.
+        queue: distributed mode's Celery queue: ``gpu`` where the model runs or the work costs far
+            more than a copy, ``cpu`` for arithmetic builds.
+        task: the Celery task's name (stable: messages in flight name it).
+        lane: embedded mode's thread lane in the job process (one job at a time per lane, so a
+            compose never waits behind a long collection, and a quick evaluation neither).
+    """
+
+    body: Body
+    queue: Queue
+    task: str
+    lane: Lane
+
+
+def _calibrate(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """A calibration runs its recommended variant's job inline, through this runner."""
+    return run_calibration(ctx, job, run_job)
+
+
+KINDS: dict[JobKind, Kind] = {
+    "collect": Kind(run_collection, "gpu", "engram.collect", "collect"),
+    "variant": Kind(run_variant, "cpu", "engram.build_variant", "variant"),
+    # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
+    "universe": Kind(run_universe, "gpu", "engram.build_universe", "variant"),
+    "evaluate": Kind(run_evaluation, "gpu", "engram.evaluate", "inference"),
+    "generate": Kind(run_generation, "gpu", "engram.generate", "inference"),
+    # It runs the model over probes, candidate after candidate.
+    "calibrate": Kind(_calibrate, "gpu", "engram.calibrate", "inference"),
+}
+# A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
+UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)
+
+# Errors worth a retry: the job's inputs are fine, a service it needs is briefly away.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    StorageUnavailable,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
+
+def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None:
+    """Run one job to a final state; the outcome is in the job record.
+
+    Args:
+        ctx: storage, jobs and settings of this process.
+        job_id: the job to run (a finished one is left alone: redelivery is harmless).
+        raise_transient: re-raise a transient error (storage or Redis unreachable) after putting
+            the job back to ``queued``, so the caller (Celery) can retry it with backoff.
+    """
+    job = ctx.jobs.get(job_id)
+    if job is None or job["status"] in FINISHED:
+        return
+    if job["cancel_requested"]:
+        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+        return
+    ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)
+    try:
+        with job_context(job_id), _heartbeat(ctx, job_id):
+            log.info("%s job started", job["kind"])
+            result = {**KINDS[job["kind"]].body(ctx, job), "worker": worker_name()}
+            log.info("%s job succeeded", job["kind"])
+    except (JobCancelled, CollectionCancelled):
+        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+    except TRANSIENT_ERRORS as exc:
+        if not raise_transient:
+            _fail(ctx, job_id, JobFailed(f"a service was unreachable: {exc}").to_problem())
+            return
+        log.warning("job %s hit a transient error, to be retried: %s", job_id, exc)
+        ctx.jobs.update(job_id, status="queued", persist=False)
+        raise
+    except ProblemError as exc:
+        _fail(ctx, job_id, exc.to_problem())
+    except Exception as exc:  # the job must end, and the user must read why
+        log.error("job %s failed: %s", job_id, traceback.format_exc())
+        problem = JobFailed(f"{type(exc).__name__}: {exc}").to_problem()
+        problem.update(status=500, title="Internal error", type="https://engram.dev/problems/internal")
+        _fail(ctx, job_id, problem)
+    else:
+        ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+
+
+def retry_after(ctx: Context, job_id: str, exc: Exception, retries: int, max_retries: int) -> int | None:
+    """After a transient error (:data:`TRANSIENT_ERRORS`): the seconds before the job's next try,
+    backing off exponentially (2, 4, 8, ... 60), or ``None`` when it had ``max_retries`` already:
+    the job is then failed here, naming the error."""
+    if retries >= max_retries:
+        problem = {
+            "type": "https://engram.dev/problems/service-unavailable",
+            "title": "Service unavailable",
+            "status": 503,
+            "detail": f"gave up after {retries} retries: {exc}",
+        }
+        _fail(ctx, job_id, problem)
+        return None
+    return int(min(60, 2 ** (retries + 1)))
+
+
+def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
+    """Help job ``job_id`` build universe ``universe_id``: compute the parts no one holds, then stop.
+
+    A helper is not a job: it has no record and its failure fails nothing. Whatever it could not do
+    (it failed, or its worker died and its lease expired) the job computes itself, and a job that
+    ended or was cancelled stops its helpers at their next part or layer.
+    """
+    with job_context(job_id):
+        try:
+            done = help_build_universe(ctx, universe_id, job_id)
+        except JobCancelled:
+            log.info("universe %s: stopped helping, job %s ended", universe_id, job_id)
+        except Exception as exc:  # the job redoes the part; say why here
+            log.warning("universe %s: helper of job %s failed, the job takes over: %s", universe_id, job_id, exc)
+        else:
+            log.info("universe %s: helper of job %s done (%s)", universe_id, job_id, done)
+
+
+@contextmanager
+def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
+    """While the body runs, tell the reconciler this job's worker is alive (distributed mode)."""
+    beat = getattr(ctx.jobs, "heartbeat", None)
+    if beat is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                beat(job_id)
+            except Exception as exc:  # Redis briefly away: the next beat may get through
+                log.warning("heartbeat of job %s failed: %s", job_id, exc)
+            stop.wait(max(1.0, ctx.settings.heartbeat_ttl_s / 4))
+
+    thread = threading.Thread(target=loop, name=f"heartbeat-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
+    ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())

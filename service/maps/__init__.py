@@ -1,0 +1,1 @@
+"""Memory-trace maps: where each concept's engram lives, by block and module type (the paper's Fig. 4)."""

@@ -1,0 +1,75 @@
+"""Every storage key of the service, spelled once (content-addressed where the content determines it).
+
+- ``models/<quoted id>.json``: registration and checkpoint layout
+- ``datasets/<sha256>.jsonl``: the records a user sent, byte for byte as normalised JSON lines
+- ``concepts/<name>.json``: name, role, dataset digest, and one collection job per model
+- ``stats/<model digest>/<dataset digest>/<settings digest>/``: ``statistics.safetensors`` and
+  ``manifest.json`` (written last: statistics exist exactly when it does)
+- ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
+- ``universes/<universe id>/...``: :mod:`service.universes.keys` (its parts and pointers)
+- ``probes/<sha256>.json`` and ``evaluations/<evaluation id>.json``: evaluation's inputs and results
+- ``jobs/<job id>.json``, and ``jobs/open/<job id>`` while the job is unfinished
+- ``callbacks/pending/...`` and ``callbacks/failed/...``: the completion callbacks' outbox
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+from urllib.parse import quote
+
+# Part of every statistics key and variant identity: a change of what the engine computes changes it.
+ENGINE_VERSION = "engram-service/1"
+
+MODELS = "models/"
+CONCEPTS = "concepts/"
+VARIANTS = "variants/"
+OPEN_JOBS = "jobs/open/"
+PENDING_CALLBACKS = "callbacks/pending/"
+FAILED_CALLBACKS = "callbacks/failed/"
+
+
+def canonical_digest(value: Any) -> str:
+    """The SHA-256 of ``value`` as canonical JSON (sorted keys, no spaces): what content addresses are made of."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_key(model_id: str) -> str:
+    return f"{MODELS}{quote(model_id, safe='')}.json"
+
+
+def dataset_key(digest: str) -> str:
+    return f"datasets/{digest}.jsonl"
+
+
+def concept_key(name: str) -> str:
+    return f"{CONCEPTS}{name}.json"
+
+
+def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -> str:
+    return f"stats/{model_digest}/{dataset_digest}/{settings_digest}/"
+
+
+def variant_request_key(variant_id: str) -> str:
+    return f"{VARIANTS}{variant_id}/request.json"
+
+
+def variant_manifest_key(variant_id: str) -> str:
+    return f"{VARIANTS}{variant_id}/manifest.json"
+
+
+def variant_file_key(variant_id: str, path: str) -> str:
+    return f"{VARIANTS}{variant_id}/files/{path}"
+
+
+def probes_key(digest: str) -> str:
+    return f"probes/{digest}.json"
+
+
+def evaluation_key(evaluation_id: str) -> str:
+    return f"evaluations/{evaluation_id}.json"
+
+
+def job_key(job_id: str) -> str:
+    return f"jobs/{job_id}.json"
