@@ -1,6 +1,6 @@
 """One input group of a universe: its pseudo-inverse factors' file, and its members' rows.
 
-A group is decomposed (:func:`service.universes.build.decompose_group`) from its members' rows
+A group is decomposed (:func:`decompose_group`) from its members' rows
 (:func:`~service.engine.linalg.pinv_factors_from_rows`: ``T²·D``) when every
 member stored that group as rows (``service.engine.stats_io``: a concept with fewer tokens than the
 group is wide) and together they hold fewer tokens than the group is wide; otherwise from
@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from service.context import Context
-from service.engine.compose import GroupedStatistics
-from service.engine.linalg import PinvFactors
+from service.engine.compose import GroupedStatistics, weighted_sum
+from service.engine.linalg import PinvFactors, pinv_factors, pinv_factors_from_rows
 from service.errors import JobFailed
 from service.storage.base import Storage
 
@@ -163,3 +163,25 @@ def rows_groups(files: Mapping[str, GroupFile]) -> set[str]:
 def member_group_keys(member_groups: Mapping[str, Mapping[str, str]], prefix: str, groups: Iterable[str]) -> set[str]:
     """``prefix``'s own keys for the universe groups ``groups``."""
     return {member_groups[group][prefix] for group in groups}
+
+
+def decompose_group(
+    ctx: Context, members: Mapping[str, GroupedStatistics], keys: Mapping[str, str], rcond: float | None
+) -> tuple[PinvFactors, str]:
+    """The universe's pseudo-inverse factors of one input group (on the CPU), and what they came from.
+
+    The float64 ``eigh`` runs on ``ctx.settings.torch_device``: a GPU when one is there (``ENGRAM_DEVICE``).
+
+    Args:
+        members: statistics prefix -> that member's statistics.
+        keys: statistics prefix -> the member's own key for this group.
+
+    Returns:
+        (factors, ``"rows"``: from the members' rows, ``T²·D``; or ``"sums"``: ``eigh`` of ``Σ_U``, ``D³``).
+    """
+    device = ctx.settings.torch_device
+    rows = group_rows(ctx, members, keys)
+    if rows is not None:
+        return pinv_factors_from_rows(torch.cat(rows).to(device), rcond).to("cpu"), "rows"
+    total = weighted_sum((1.0, members[prefix].sums[group]) for prefix, group in keys.items())
+    return pinv_factors(total.to(device), rcond).to("cpu"), "sums"

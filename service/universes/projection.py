@@ -103,7 +103,7 @@ def _group_bytes(layers: Sequence[LayerSpec], headers: Mapping[str, _StatsHeader
         tokens = sum(int(headers[p].counts.get(headers[p].layer_group[spec.name], dim)) for p in prefixes)
         kept = min(dim, tokens)
         held = ("matrix", [dim, dim]) if 2 * kept > dim else ("basis", [dim, kept])
-        metadata = {  # as service.universes.build.save_factors writes it, with room for a longer cut
+        metadata = {  # as service.universes.factors.save_factors writes it, with room for a longer cut
             "format": FACTORS_FORMAT,
             "group": group,
             "dim": str(dim),

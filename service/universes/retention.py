@@ -1,17 +1,10 @@
 """What universes take in storage, the budget they must fit in, and the retention rule.
 
 Bytes. A universe's stored parts are its input groups' pseudo-inverse factors (float64) and every
-member's engrams (one file per member). Before a new universe is built, :func:`project_universe`
-estimates both from what is already known, reading no tensor: the model's layout and its checkpoint
-headers (each layer's stored dtype), and the members' statistics headers (each input group's width
-and token count). The estimate is an upper bound of what the build stores:
-
-- per input group of width ``D`` whose members hold ``T`` tokens in all: at most ``k = min(D, T)``
-  directions are kept, stored as the explicit ``[D, D]`` matrix when ``2k > D`` and as the ``[D, k]``
-  basis otherwise, plus ``k`` inverse eigenvalues, all float64;
-- per member and layer: the dense ``[out, in(+1)]`` engram at its stored precision
-  (:func:`service.engrams.build.engram_dtype`: float64 or bfloat16 for such weights, float32 otherwise); the
-  file's header is computed exactly as the writer lays it out.
+member's engrams (one file per member). Before a new universe is built,
+:func:`~service.universes.projection.project_universe` estimates both from what is already known,
+reading no tensor (the layout, the checkpoint's and the statistics' headers): an upper bound of
+what the build stores.
 
 Budget. ``ENGRAM_UNIVERSE_BYTES_BUDGET`` bounds the bytes of every universe together (0: no bound).
 A request that would build a new universe (``POST /models/{id}/universes``, a variant whose universe

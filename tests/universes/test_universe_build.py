@@ -23,8 +23,9 @@ from safetensors import safe_open
 from service.engine import compose as compose_module
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.collect import LayerStatistics
-from service.universes import build as build_module
-from service.universes.build import ensure_universe, load_factors
+from service.universes import factors as factors_module
+from service.universes.build import ensure_universe
+from service.universes.factors import load_factors
 from service.universes.service import engram_key, group_key, submit_universe, universe_prefix
 from tests.engine.test_compose import reference_engram, reference_pinv, rel
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
@@ -183,8 +184,8 @@ def test_a_build_cut_short_redoes_only_the_missing_parts(world: dict[str, Any], 
         storage.delete(key)
     decompositions: list[int] = []
     engrams: list[str] = []
-    real_pinv, real_engram = build_module.pinv_factors, compose_module.EngramAlgebra.engram
-    monkeypatch.setattr(build_module, "pinv_factors", lambda *a, **k: decompositions.append(1) or real_pinv(*a, **k))
+    real_pinv, real_engram = factors_module.pinv_factors, compose_module.EngramAlgebra.engram
+    monkeypatch.setattr(factors_module, "pinv_factors", lambda *a, **k: decompositions.append(1) or real_pinv(*a, **k))
     monkeypatch.setattr(
         compose_module.EngramAlgebra,
         "engram",

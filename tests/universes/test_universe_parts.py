@@ -21,8 +21,8 @@ import redis
 from service.jobs.leases import RedisLeases, worker_name
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress
 from service.jobs.store import new_job
-from service.universes import build as build_module
-from service.universes.build import UniverseBuild, part_key
+from service.universes import parts as parts_module
+from service.universes.parts import UniverseBuild, part_key
 from service.universes.service import submit_universe
 from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.live import RedisServer, start_redis, stop_redis
@@ -118,14 +118,14 @@ def test_two_builders_share_the_parts_and_compute_each_once(
 ) -> None:
     universe_id = fresh_universe(world, rcond=1e-4)
     computed: list[tuple[str, str]] = []
-    real = build_module.decompose_group
+    real = parts_module.decompose_group
 
     def slow_decompose(*args: Any) -> Any:
         time.sleep(0.05)  # long enough that both builders are at work at once
         computed.append(("group", threading.current_thread().name))
         return real(*args)
 
-    monkeypatch.setattr(build_module, "decompose_group", slow_decompose)
+    monkeypatch.setattr(parts_module, "decompose_group", slow_decompose)
     builds = [builder(world, client, universe_id) for _ in range(2)]
     threads = [
         threading.Thread(target=b.run, args=(tmp_path / str(i), NoProgress()), kwargs={"finish": True}, name=f"b{i}")

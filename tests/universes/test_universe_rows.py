@@ -21,8 +21,9 @@ from safetensors import safe_open
 
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.collect import LayerStatistics
-from service.universes import build as build_module
-from service.universes.build import ensure_universe, load_factors
+from service.universes import factors as factors_module
+from service.universes.build import ensure_universe
+from service.universes.factors import load_factors
 from service.universes.service import engram_key, group_key, submit_universe, universe_prefix
 from tests.engine.test_compose import reference_engram, reference_pinv, rel
 from tests.fixtures_models import make_tiny_llama, make_tokenizer
@@ -58,10 +59,10 @@ def test_narrow_universes_are_decomposed_from_rows(world: dict[str, Any], monkey
     assert narrow and narrow != set(one.sums), f"some groups narrow, some not: {tokens}"
 
     calls: dict[str, list[int]] = {"sums": [], "rows": []}
-    real_sums, real_rows = build_module.pinv_factors, build_module.pinv_factors_from_rows
-    monkeypatch.setattr(build_module, "pinv_factors", lambda s, *a: calls["sums"].append(s.shape[0]) or real_sums(s, *a))
+    real_sums, real_rows = factors_module.pinv_factors, factors_module.pinv_factors_from_rows
+    monkeypatch.setattr(factors_module, "pinv_factors", lambda s, *a: calls["sums"].append(s.shape[0]) or real_sums(s, *a))
     monkeypatch.setattr(
-        build_module, "pinv_factors_from_rows", lambda x, *a: calls["rows"].append(x.shape[1]) or real_rows(x, *a)
+        factors_module, "pinv_factors_from_rows", lambda x, *a: calls["rows"].append(x.shape[1]) or real_rows(x, *a)
     )
     view, job = submit_universe(w.ctx, "r/llama", None, None)
     assert job is not None

@@ -20,8 +20,8 @@ from service.context import Context
 from service.engine.stats_io import load_statistics
 from service.jobs.store import JobStore
 from service.storage.s3 import S3Storage
-from service.universes.build import ensure_universe, load_factors
-from service.universes.factors import stored_rows
+from service.universes.build import ensure_universe
+from service.universes.factors import load_factors, stored_rows
 from service.universes.service import engram_key, group_key, submit_universe, universe_prefix
 from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.s3 import SeaweedServer

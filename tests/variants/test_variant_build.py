@@ -19,7 +19,7 @@ from service.engine.checkpoint import ModelLayout
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
 from service.engine.layers import LayerSpec
-from service.universes import build as build_module
+from service.universes import factors as factors_module
 from service.universes.service import find_manifest, find_request, submit_universe
 from service.variants.service import submit_variant, variant_view
 from tests.engine.test_compose import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
@@ -236,7 +236,7 @@ def test_variants_of_a_built_universe_decompose_nothing_and_multiply_no_engram(
     assert find_manifest(w.ctx, view["universe_id"]) is not None
     for target, name in (
         (torch.linalg, "eigh"),
-        (build_module, "pinv_factors"),
+        (factors_module, "pinv_factors"),
         (compose_module, "pinv_factors"),
         (compose_module.EngramAlgebra, "engram"),
         (compose_module.EngramAlgebra, "factors"),
