@@ -99,3 +99,13 @@ def s3_bucket(seaweed: SeaweedServer) -> Iterator[str]:
         yield bucket
     finally:
         drop_bucket(seaweed, bucket)
+
+
+@pytest.fixture
+def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedServer:
+    """The server's ``AWS_*`` credentials in ``os.environ`` for one test (what the service reads)."""
+    for name, value in seaweed.env().items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    return seaweed

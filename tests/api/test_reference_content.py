@@ -11,7 +11,7 @@ root and ``s3://`` datasets from a real SeaweedFS:
   finds the statistics of its digest already there: nothing is collected again.
 
 A change between the POST and the job's read is tested on the job's own function with real files
-and S3 in ``tests/service/test_dataset_fingerprints.py`` (here the job would run before a test could
+and S3 in ``tests/concepts/test_dataset_fingerprints.py`` (here the job would run before a test could
 change the file).
 """
 
