@@ -12,6 +12,9 @@ functions count too) and checked against:
 - the wire contract (``api_schemas``) imports no server code and no torch;
 - the client (``service.client`` today, ``engram_client`` once it is its own distribution)
   imports only ``api_schemas``, itself and its own libraries;
+- dependencies point down the layers of :data:`LAYERS` (``api_schemas`` ← ``engine`` ← ``storage``
+  ← the jobs' records ← the domains ← ``jobs.runner`` ← the queues and the process wiring ← ``api`` /
+  ``workers``): no module imports one of a higher layer, and every module has a layer;
 - no import cycle between the service's modules.
 
 ``test_the_checker_catches_each_kind_of_violation`` feeds the checker synthetic modules, so a
@@ -35,6 +38,38 @@ CLIENT_ALLOWED_THIRD_PARTY = ("httpx", "pydantic", "typer", "rich", "click", "ap
 CLIENT_PACKAGES = ("service.client", "engram_client")
 # Process entry points: they start the API or a worker, so they sit above both; nothing imports them.
 ENTRY_POINTS = ("service.cli",)
+# The house's layers, lowest first (../shared/ARCHITECTURE.md): a module imports modules of its own
+# layer and of the layers below, never above. A name covers its package; the longest name that
+# covers a module decides its layer, and the bare ``service`` package is itself only.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the contract and settings", ("api_schemas", "service", "service.config", "service.errors", "service.observability")),
+    ("the engine", ("service.engine",)),
+    ("storage", ("service.storage",)),
+    # The jobs' records and duties (store, progress, leases, callbacks, reconcile, presence) and the
+    # Context that carries them: what every domain uses to start, follow and report a job.
+    ("the jobs' records", ("service.jobs", "service.context")),
+    (
+        "the domains",
+        (
+            "service.models",
+            "service.concepts",
+            "service.datasets",
+            "service.dataset_refs",
+            "service.dataset_sources",
+            "service.universes",
+            "service.engrams",
+            "service.variants",
+            "service.evaluation",
+            "service.maps",
+            "service.calibration",
+            "service.demo",
+        ),
+    ),
+    ("the runner", ("service.jobs.runner",)),  # the kind -> body table and the state machine: above every body
+    ("who runs the runner", ("service.jobs.queue", "service.jobs.embedded", "service.runtime")),
+    ("the API and the workers", ("service.api", "workers")),
+    ("the entry point", ("service.cli",)),
+)
 
 
 @dataclass(frozen=True)
@@ -129,6 +164,35 @@ def violations(found: Iterable[Import], modules: set[str]) -> list[str]:
     return sorted(set(broken))
 
 
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of the longest name covering ``module``; None when none does."""
+    best: tuple[int, int] | None = None  # (length of the name, layer)
+    for layer, (_, names) in enumerate(LAYERS):
+        for name in names:
+            covers = module == name or (name != "service" and module.startswith(name + "."))
+            if covers and (best is None or len(name) > best[0]):
+                best = (len(name), layer)
+    return None if best is None else best[1]
+
+
+def upward_imports(found: Iterable[Import], modules: set[str]) -> list[str]:
+    """Each import of a module of a higher layer, and each module of no layer (client code aside)."""
+    broken = set()
+    for module in modules:
+        client = any(_within(module, p) for p in CLIENT_PACKAGES)
+        if not client and layer_of(module) is None:
+            broken.add(f"{module} has no layer (place it in LAYERS, where ARCHITECTURE.md puts it)")
+    for imp in found:
+        target = _resolve(imp.imported, modules)
+        low, high = layer_of(imp.importer), layer_of(target) if target is not None else None
+        if low is not None and high is not None and high > low:
+            broken.add(
+                f"{imp.importer}:{imp.line} imports {imp.imported} "
+                f"({LAYERS[low][0]} -> {LAYERS[high][0]}, a layer above: dependencies point down)"
+            )
+    return sorted(broken)
+
+
 def _is_stdlib(root: str) -> bool:
     import sys
 
@@ -197,6 +261,12 @@ def test_the_house_rules_hold() -> None:
     assert not broken, "\n".join(broken)
 
 
+def test_dependencies_point_down_the_layers() -> None:
+    found, modules = collect(REPO)
+    broken = upward_imports(found, modules)
+    assert not broken, "\n".join(broken)
+
+
 def test_no_import_cycles_between_service_modules() -> None:
     found, modules = collect(REPO)
     circles = cycles(module_graph(found, modules))
@@ -209,8 +279,15 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service/engine/__init__.py": "",
         "service/engine/pure.py": "import torch\nfrom service.engine import other\n",
         "service/engine/other.py": "def f():\n    import redis\n    from service.storage import x\n",
-        "service/storage.py": "from .jobs import y\n",
-        "service/jobs.py": "def g():\n    from service.storage import x\n",
+        "service/storage/__init__.py": "",
+        "service/storage/base.py": "from ..jobs.store import y\n",
+        "service/jobs/__init__.py": "",
+        "service/jobs/store.py": "def g():\n    from service.storage.base import x\n",
+        "service/jobs/runner.py": "from service.concepts.collection import run_collection\n",
+        "service/concepts/__init__.py": "",
+        "service/concepts/collection.py": "from service.storage.base import x\n",
+        "service/concepts/service.py": "def submit():\n    from service.jobs.runner import run_job\n",
+        "service/lonely.py": "",
         "service/api/__init__.py": "",
         "service/api/routes.py": "from service.engine.pure import z\nimport workers.celery_app\n",
         "api_schemas/__init__.py": "import torch\n",
@@ -238,8 +315,20 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         assert expected in broken, f"missing: {expected}\n{broken}"
     assert "pure:1 imports torch" not in broken and "cli:1 imports typer" not in broken
     assert "cli:2 imports api_schemas" not in broken and "service.cli:1" not in broken
+    upward = "\n".join(upward_imports(found, modules))
+    for expected in (
+        "service.storage.base:1 imports service.jobs.store (storage -> the jobs' records, a layer above",
+        "service.concepts.service:2 imports service.jobs.runner (the domains -> the runner, a layer above",
+        "service.engine.other:3 imports service.storage (the engine -> storage, a layer above",
+        "workers.celery_app:1 imports service.cli (the API and the workers -> the entry point",
+        "service.lonely has no layer",
+    ):
+        assert expected in upward, f"missing: {expected}\n{upward}"
+    downward = ("service.jobs.runner:", "service.concepts.collection:")
+    assert not [line for line in upward.splitlines() if line.startswith(downward)], "imports that point down"
+    assert "service.client" not in upward, "the client is checked by its own rule"
     # storage -> jobs at the top, jobs -> storage inside a function: a cycle all the same.
     assert sorted(cycles(module_graph(found, modules))) == [
         ["service.cli", "workers.celery_app"],
-        ["service.jobs", "service.storage"],
+        ["service.jobs.store", "service.storage.base"],
     ]

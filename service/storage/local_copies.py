@@ -14,15 +14,26 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-from service.context import Context
+from service.config import Settings
 from service.engine.stats_io import StatisticsFile, expand_statistics
+from service.storage.base import Storage
 from service.storage.lru import ByteLRU
+
+
+class Holder(Protocol):
+    """What these copies need of a process's context (:class:`service.context.Context` has it):
+    the storage to read from, and the settings naming the cache folder and its budget."""
+
+    storage: Storage
+    settings: Settings
+
 
 STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)  # at most 256 open files
 
 
-def statistics(ctx: Context, prefix: str) -> StatisticsFile:
+def statistics(ctx: Holder, prefix: str) -> StatisticsFile:
     """The statistics file of ``prefix`` on this machine, opened once per process."""
     cached = STATS_CACHE.get(prefix)
     if cached is None or not cached.path.exists():  # another process may have trimmed the disk cache
@@ -30,7 +41,7 @@ def statistics(ctx: Context, prefix: str) -> StatisticsFile:
     return cached
 
 
-def local_statistics_file(ctx: Context, prefix: str) -> Path:
+def local_statistics_file(ctx: Holder, prefix: str) -> Path:
     """The statistics file on this machine, ready for per-group reads: in place (file storage) or
     downloaded once to the cache; a file with low-rank ``rows`` groups is expanded into the cache
     once (packed sums), so no variant pays the rows' ``T·D²`` products again."""
@@ -57,7 +68,7 @@ def local_statistics_file(ctx: Context, prefix: str) -> Path:
     return _cached_copy(ctx, "stats", prefix, fetch, keep=in_use)
 
 
-def local_object(ctx: Context, key: str, folder: str = "universes") -> Path:
+def local_object(ctx: Holder, key: str, folder: str = "universes") -> Path:
     """An immutable stored object as a local file: in place on file storage, else downloaded once
     into ``ENGRAM_CACHE_DIR/<folder>/`` (kept, within ``ENGRAM_STATS_DISK_CACHE_BYTES``)."""
     in_place = ctx.storage.local_path(key)
@@ -66,9 +77,9 @@ def local_object(ctx: Context, key: str, folder: str = "universes") -> Path:
     return _cached_copy(ctx, folder, key, lambda partial: ctx.storage.download(key, partial), keep=set())
 
 
-def _cached_copy(ctx: Context, folder_name: str, name: str, fetch: Callable[[Path], None], keep: set[Path]) -> Path:
+def _cached_copy(ctx: Holder, folder_name: str, name: str, fetch: Callable[[Path], None], keep: set[Path]) -> Path:
     """``ENGRAM_CACHE_DIR/<folder_name>/<hash of name>.safetensors``, made by ``fetch`` once, atomically."""
-    folder = ctx.cache_dir / folder_name
+    folder = ctx.settings.cache_dir / folder_name
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{hashlib.sha256(name.encode()).hexdigest()[:40]}.safetensors"
     if target.exists():
