@@ -120,7 +120,8 @@ def submit_concepts(ctx: Any, profile: Profile, scratch: Path) -> list[str]:
 
 def build_universe(ctx: Any, names: list[str]) -> dict[str, Any]:
     """``POST /models/{id}/universes`` and its job; returns the manifest and the job's wall time."""
-    from service.universes.service import find_manifest, submit_universe
+    from service.universes.records import find_manifest
+    from service.universes.service import submit_universe
 
     view, _ = submit_universe(ctx, MODEL_ID, names, None)
     started = time.perf_counter()

@@ -34,15 +34,9 @@ from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
 from service.storage.keys import ENGINE_VERSION, canonical_digest
+from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
-from service.universes.service import (
-    EditUniverse,
-    current_pointer,
-    find_manifest,
-    record_universe,
-    resolve_for_edit,
-    set_current,
-)
+from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
 
 CALIBRATION_FORMAT = "engram-calibration/1"  # bump when the search or its result changes
 SPLITS = ("forget", "retain")

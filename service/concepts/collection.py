@@ -31,7 +31,7 @@ from service.models.loaded import MODELS
 from service.models.registry import get_model
 from service.observability import record_collection
 from service.storage.base import scratch_dir
-from service.storage.keys import canonical_digest, concept_key, stats_prefix
+from service.storage.keys import canonical_digest, concept_key, dataset_key, stats_prefix
 
 log = logging.getLogger("engram.collection")
 
@@ -115,7 +115,7 @@ def _chunked_batches(examples: Iterable[Example], batch_size: int, pad_id: int) 
 
 def _local_dataset(ctx: Context, digest: str, directory: Path) -> Path:
     """A local file holding the stored dataset: storage's own file, or a download into ``directory``."""
-    key = f"datasets/{digest}.jsonl"
+    key = dataset_key(digest)
     local = ctx.storage.local_path(key)
     if local is not None and local.is_file():
         return local
@@ -160,7 +160,7 @@ def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
             spooled = resolve_reference(payload["dataset"], ctx.settings, Path(tmp), check)
             if payload["settings"].get("template") == "chat" and "text" in spooled.kinds:
                 raise InvalidInput(f'{payload["dataset"]["uri"]} holds text records, which template "chat" cannot render')
-            key = f"datasets/{spooled.digest}.jsonl"
+            key = dataset_key(spooled.digest)
             if not ctx.storage.exists(key):
                 ctx.storage.put_file(key, spooled.path)
         digest, num_records = spooled.digest, spooled.num_records

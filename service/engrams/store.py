@@ -27,10 +27,9 @@ from service.engine.compose import (
 )
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
-from service.storage.keys import canonical_digest
+from service.storage.keys import canonical_digest, engram_key
 from service.storage.local_copies import local_object, statistics
 from service.storage.lru import ByteLRU
-from service.universes.service import engram_key
 
 
 class StoredEngrams:

@@ -6,7 +6,10 @@
 - ``stats/<model digest>/<dataset digest>/<settings digest>/``: ``statistics.safetensors`` and
   ``manifest.json`` (written last: statistics exist exactly when it does)
 - ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
-- ``universes/<universe id>/...``: :mod:`service.universes.keys` (its parts and pointers)
+- ``universes/<universe id>/``: ``request.json``, ``plan.json``, ``groups/<group>.safetensors``,
+  ``engrams/<member>.safetensors`` (and ``.json``), ``parts/<kind>-<name>.json``, ``manifest.json``
+  last, ``usage.json``; ``model-universes/<quoted model id>/``: ``current.json`` and ``known/<id>``
+  (:mod:`service.universes.service` says what each holds)
 - ``probes/<sha256>.json`` and ``evaluations/<evaluation id>.json``: evaluation's inputs and results
 - ``jobs/<job id>.json``, and ``jobs/open/<job id>`` while the job is unfinished
 - ``callbacks/pending/...`` and ``callbacks/failed/...``: the completion callbacks' outbox
@@ -23,6 +26,7 @@ from urllib.parse import quote
 ENGINE_VERSION = "engram-service/1"
 
 MODELS = "models/"
+MODEL_UNIVERSES = "model-universes/"
 CONCEPTS = "concepts/"
 VARIANTS = "variants/"
 OPEN_JOBS = "jobs/open/"
@@ -73,3 +77,48 @@ def evaluation_key(evaluation_id: str) -> str:
 
 def job_key(job_id: str) -> str:
     return f"jobs/{job_id}.json"
+
+
+def universe_prefix(universe_id: str) -> str:
+    return f"universes/{universe_id}/"
+
+
+def universe_request_key(universe_id: str) -> str:
+    return universe_prefix(universe_id) + "request.json"
+
+
+def universe_plan_key(universe_id: str) -> str:
+    return universe_prefix(universe_id) + "plan.json"
+
+
+def universe_manifest_key(universe_id: str) -> str:
+    return universe_prefix(universe_id) + "manifest.json"
+
+
+def usage_key(universe_id: str) -> str:
+    return universe_prefix(universe_id) + "usage.json"
+
+
+def group_key(universe_id: str, group: str) -> str:
+    return f"{universe_prefix(universe_id)}groups/{quote(group, safe='')}.safetensors"
+
+
+def engram_key(universe_id: str, member: str, suffix: str = ".safetensors") -> str:
+    return f"{universe_prefix(universe_id)}engrams/{member}{suffix}"
+
+
+def part_key(universe_id: str, kind: str, name: str) -> str:
+    """Where the record of who computed a part is kept (``kind``: ``group`` or ``member``)."""
+    return f"{universe_prefix(universe_id)}parts/{kind}-{quote(name, safe='')}.json"
+
+
+def model_universes_prefix(model_id: str) -> str:
+    return f"{MODEL_UNIVERSES}{quote(model_id, safe='')}/"
+
+
+def current_pointer_key(model_id: str) -> str:
+    return model_universes_prefix(model_id) + "current.json"
+
+
+def known_universe_key(model_id: str, universe_id: str) -> str:
+    return f"{model_universes_prefix(model_id)}known/{universe_id}"

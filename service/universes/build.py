@@ -32,9 +32,10 @@ from service.context import Context
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress, Progress
 from service.jobs.store import FINISHED
 from service.storage.base import scratch_dir
+from service.storage.keys import universe_manifest_key, universe_plan_key
 from service.universes import retention
 from service.universes.parts import UniverseBuild
-from service.universes.service import find_manifest, universe_prefix
+from service.universes.records import find_manifest
 
 log = logging.getLogger("engram.universes")
 
@@ -71,7 +72,7 @@ def ensure_universe(
     if existing is not None:
         return existing, True
     build = UniverseBuild.open(ctx, universe_id)
-    plan_key = universe_prefix(universe_id) + "plan.json"
+    plan_key = universe_plan_key(universe_id)
     if not ctx.storage.exists(plan_key):
         ctx.storage.put_json(plan_key, build.plan.to_json())
     steps = progress or NoProgress()
@@ -85,7 +86,7 @@ def ensure_universe(
     with scratch_dir("universe") as tmp:
         seconds = build.run(Path(tmp), steps, finish=True)
         manifest = build.manifest(seconds)
-    ctx.storage.put_json(universe_prefix(universe_id) + "manifest.json", manifest)  # last: the universe now exists
+    ctx.storage.put_json(universe_manifest_key(universe_id), manifest)  # last: the universe now exists
     retention.mark_built(ctx, universe_id)
     return manifest, False
 

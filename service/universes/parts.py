@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout
@@ -34,6 +33,7 @@ from service.jobs.progress import Progress
 from service.jobs.store import utc_now
 from service.models.loaded import checked_model_dir
 from service.models.registry import get_model
+from service.storage.keys import engram_key, group_key, part_key, universe_prefix
 from service.storage.local_copies import local_object, statistics
 from service.universes.factors import (
     GroupFile,
@@ -45,15 +45,9 @@ from service.universes.factors import (
     rows_groups,
     save_factors,
 )
-from service.universes.service import (
-    UNIVERSE_FORMAT,
-    UniverseSpec,
-    engram_key,
-    find_request,
-    group_key,
-    member_keys,
-    universe_prefix,
-)
+from service.universes.records import find_request
+from service.universes.service import member_keys
+from service.universes.spec import UNIVERSE_FORMAT, UniverseSpec
 
 log = logging.getLogger("engram.universes")
 
@@ -101,11 +95,6 @@ def plan_universe(layout: ModelLayout, members: Mapping[str, GroupedStatistics])
             raise JobFailed(f"the concepts of this universe group the input of layer {spec.name} differently")
         groups.setdefault(group, []).append(spec.name)
     return UniversePlan(layers, groups, member_groups)
-
-
-def part_key(universe_id: str, kind: str, name: str) -> str:
-    """Where the record of who computed a part is kept (``kind``: ``group`` or ``member``)."""
-    return f"{universe_prefix(universe_id)}parts/{kind}-{quote(name, safe='')}.json"
 
 
 @dataclass

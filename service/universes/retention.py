@@ -41,17 +41,16 @@ from service.context import Context
 from service.errors import Conflict
 from service.jobs.store import FINISHED, utc_now
 from service.observability import record_universe_eviction, record_universe_refusal, set_universe_gauges
-from service.universes.keys import (
+from service.storage.keys import universe_prefix, universe_request_key, usage_key, variant_request_key
+from service.universes.projection import Projection, project_universe
+from service.universes.records import (
     current_universe_ids,
     find_manifest,
     find_request,
     find_usage,
     known_universe_ids,
     model_universe_ids,
-    universe_prefix,
-    usage_key,
 )
-from service.universes.projection import Projection, project_universe
 from service.universes.spec import UniverseSpec
 
 log = logging.getLogger("engram.universes")
@@ -236,7 +235,7 @@ def busy_universes(ctx: Context) -> set[str]:
         if job["kind"] == "universe" and payload.get("universe_id"):
             busy.add(payload["universe_id"])
         elif job["kind"] == "variant" and payload.get("variant_id"):
-            request = ctx.storage.find_json(f"variants/{payload['variant_id']}/request.json") or {}
+            request = ctx.storage.find_json(variant_request_key(payload["variant_id"])) or {}
             if request.get("universe_id"):
                 busy.add(request["universe_id"])
     return busy
@@ -336,7 +335,7 @@ def evict_universe(ctx: Context, universe_id: str, *, reason: str) -> int:
     freed = groups + engrams
     ctx.storage.delete(prefix + "manifest.json")
     ctx.reads.forget(prefix + "manifest.json")
-    kept = {prefix + "request.json", usage_key(universe_id)}
+    kept = {universe_request_key(universe_id), usage_key(universe_id)}
     parts = [k for k in ctx.storage.list(prefix) if k not in kept]  # plan, groups, engrams, part records
     for key in parts:
         ctx.storage.delete(key)

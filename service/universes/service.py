@@ -34,19 +34,22 @@ from service.jobs import callbacks
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
+from service.storage.keys import (
+    current_pointer_key,
+    known_universe_key,
+    universe_plan_key,
+    universe_prefix,
+    universe_request_key,
+)
 from service.universes import retention
-from service.universes.keys import current_pointer as current_pointer
-from service.universes.keys import engram_key as engram_key
-from service.universes.keys import find_manifest as find_manifest
-from service.universes.keys import find_request as find_request
-from service.universes.keys import find_usage, model_prefix, model_universe_ids, universe_prefix
-from service.universes.keys import group_key as group_key
-from service.universes.keys import valid_universe_id as valid_universe_id
-from service.universes.spec import UNIVERSE_FORMAT as UNIVERSE_FORMAT
-from service.universes.spec import Member as Member
-from service.universes.spec import UniverseSpec as UniverseSpec
-from service.universes.spec import make_spec as make_spec
-from service.universes.spec import settings_digest as settings_digest
+from service.universes.records import (
+    current_pointer,
+    find_manifest,
+    find_request,
+    find_usage,
+    model_universe_ids,
+)
+from service.universes.spec import UniverseSpec, make_spec, settings_digest
 
 
 def member_keys(prefixes: Sequence[str]) -> dict[str, str]:
@@ -67,7 +70,7 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
     job only when no manifest exists).
     """
     uid = spec.universe_id
-    marker = model_prefix(spec.model_id) + f"known/{uid}"
+    marker = known_universe_key(spec.model_id, uid)
     if not ctx.storage.exists(marker):  # listed under every model ID (of the same weights) that used it
         ctx.storage.put_bytes(marker, b"")
     existing = find_request(ctx, uid)
@@ -78,8 +81,8 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
         record = {**existing, "job_id": job_id}
     else:
         record = {**spec.to_json(), "job_id": job_id, "created_at": utc_now()}
-    ctx.storage.put_json(universe_prefix(uid) + "request.json", record)
-    ctx.reads.forget(universe_prefix(uid) + "request.json")
+    ctx.storage.put_json(universe_request_key(uid), record)
+    ctx.reads.forget(universe_request_key(uid))
     return record
 
 
@@ -93,7 +96,7 @@ def set_current(ctx: Context, spec: UniverseSpec) -> None:
     }
     previous = current_pointer(ctx, spec.model_id)
     if previous is None or previous["universe_id"] != spec.universe_id:
-        ctx.storage.put_json(model_prefix(spec.model_id) + "current.json", pointer)
+        ctx.storage.put_json(current_pointer_key(spec.model_id), pointer)
 
 
 # ---------------------------------------------------------------- the universe of an edit
@@ -287,7 +290,7 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
             "build_seconds": None,
             "evicted_at": usage["evicted_at"],
         }
-    plan = ctx.reads.immutable_json(universe_prefix(universe_id) + "plan.json")
+    plan = ctx.reads.immutable_json(universe_plan_key(universe_id))
     done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
     total = len(plan["groups"]) if plan else None
     status = "building" if building else "failed"

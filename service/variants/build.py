@@ -37,6 +37,7 @@ from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
 from service.models.loaded import checked_model_dir
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
+from service.storage.keys import variant_file_key, variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
 
@@ -44,8 +45,8 @@ from service.universes.retention import note_use
 def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition."""
     variant_id = job["payload"]["variant_id"]
-    request = ctx.storage.get_json(f"variants/{variant_id}/request.json")
-    if ctx.storage.exists(f"variants/{variant_id}/manifest.json"):
+    request = ctx.storage.get_json(variant_request_key(variant_id))
+    if ctx.storage.exists(variant_manifest_key(variant_id)):
         return {"variant_id": variant_id, "reused": True}
     progress = JobProgress(ctx, job["job_id"], 0)
     started = time.monotonic()
@@ -57,7 +58,7 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     published["universe_id"] = request.get("universe_id")
     if built.lora is not None:
         published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
-    ctx.storage.put_json(f"variants/{variant_id}/manifest.json", published)  # last: the variant now exists
+    ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
     if request.get("universe_id"):
         note_use(ctx, request["universe_id"])  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
@@ -188,6 +189,6 @@ def upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, A
     files = []
     for file in sorted(p for p in out.rglob("*") if p.is_file()):
         rel = file.relative_to(out).as_posix()
-        ctx.storage.put_file(f"variants/{variant_id}/files/{rel}", file)
+        ctx.storage.put_file(variant_file_key(variant_id, rel), file)
         files.append({"path": rel, "size": file.stat().st_size, "sha256": file_sha256(file)})
     return files

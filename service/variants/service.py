@@ -30,15 +30,9 @@ from service.storage.keys import (
     variant_request_key,
 )
 from service.universes.projection import Projection
+from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
-from service.universes.service import (
-    EditUniverse,
-    current_pointer,
-    find_manifest,
-    record_universe,
-    resolve_for_edit,
-    set_current,
-)
+from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
 
 _OPTIONS = ("scaling", "modules", "layers", "format")
 

@@ -40,10 +40,10 @@ from service.config import Settings
 from service.context import Context
 from service.demo import make_facts
 from service.jobs.store import JobStore
+from service.storage.keys import engram_key, group_key, universe_prefix
 from service.storage.local import LocalStorage
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
-from service.universes.service import engram_key, group_key, universe_prefix
 from tests.distributed.cluster import Cluster
 from tests.fixtures_models import make_tiny_llama
 from tests.live import kill_worker, wait_for_job

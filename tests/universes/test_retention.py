@@ -23,19 +23,14 @@ from safetensors import safe_open
 from service.concepts.service import ready_statistics
 from service.context import Context
 from service.models.registry import get_model
+from service.storage.keys import universe_prefix, usage_key
 from service.universes import retention
 from service.universes.build import ensure_universe
-from service.universes.keys import find_usage, universe_prefix, usage_key
 from service.universes.projection import project_universe
+from service.universes.records import current_pointer, find_request, find_usage
 from service.universes.retention import UniverseBudgetExceeded, expire_unused, universe_storage
-from service.universes.service import (
-    UniverseSpec,
-    current_pointer,
-    find_request,
-    make_spec,
-    submit_universe,
-    universe_view,
-)
+from service.universes.service import submit_universe, universe_view
+from service.universes.spec import UniverseSpec, make_spec
 from service.variants.service import submit_variant
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, float64_copy, text_records

@@ -23,10 +23,11 @@ from safetensors import safe_open
 from service.engine import compose as compose_module
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.collect import LayerStatistics
+from service.storage.keys import engram_key, group_key, universe_prefix
 from service.universes import factors as factors_module
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
-from service.universes.service import engram_key, group_key, submit_universe, universe_prefix
+from service.universes.service import submit_universe
 from tests.engine.test_compose import reference_engram, reference_pinv, rel
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, float64_copy, text_records

@@ -21,8 +21,9 @@ import redis
 from service.jobs.leases import RedisLeases, worker_name
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress
 from service.jobs.store import new_job
+from service.storage.keys import part_key
 from service.universes import parts as parts_module
-from service.universes.parts import UniverseBuild, part_key
+from service.universes.parts import UniverseBuild
 from service.universes.service import submit_universe
 from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.live import RedisServer, start_redis, stop_redis

@@ -19,10 +19,11 @@ from service.config import Settings
 from service.context import Context
 from service.engine.stats_io import load_statistics
 from service.jobs.store import JobStore
+from service.storage.keys import engram_key, group_key, universe_prefix
 from service.storage.s3 import S3Storage
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors, stored_rows
-from service.universes.service import engram_key, group_key, submit_universe, universe_prefix
+from service.universes.service import submit_universe
 from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.s3 import SeaweedServer
 from tests.store_world import StoreWorld, text_records

@@ -20,7 +20,8 @@ from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
 from service.engine.layers import LayerSpec
 from service.universes import factors as factors_module
-from service.universes.service import find_manifest, find_request, submit_universe
+from service.universes.records import find_manifest, find_request
+from service.universes.service import submit_universe
 from service.variants.service import submit_variant, variant_view
 from tests.engine.test_compose import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer

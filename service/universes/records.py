@@ -1,38 +1,23 @@
-"""Where a universe's parts live in storage, and the reads of them that both the submit path
-(:mod:`service.universes.service`) and the retention rule (:mod:`service.universes.retention`) need.
+"""The reads of a universe's documents that both the submit path (:mod:`service.universes.service`)
+and the retention rule (:mod:`service.universes.retention`) need.
 
-See :mod:`service.universes.service` for the layout.
+Their keys are spelled in :mod:`service.storage.keys`; :mod:`service.universes.service` says what each holds.
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote
 
 from service.context import Context
 from service.models.registry import get_model
-
-MODEL_UNIVERSES = "model-universes/"
-
-
-def universe_prefix(universe_id: str) -> str:
-    return f"universes/{universe_id}/"
-
-
-def group_key(universe_id: str, group: str) -> str:
-    return f"universes/{universe_id}/groups/{quote(group, safe='')}.safetensors"
-
-
-def engram_key(universe_id: str, member: str, suffix: str = ".safetensors") -> str:
-    return f"universes/{universe_id}/engrams/{member}{suffix}"
-
-
-def usage_key(universe_id: str) -> str:
-    return universe_prefix(universe_id) + "usage.json"
-
-
-def model_prefix(model_id: str) -> str:
-    return f"{MODEL_UNIVERSES}{quote(model_id, safe='')}/"
+from service.storage.keys import (
+    MODEL_UNIVERSES,
+    current_pointer_key,
+    model_universes_prefix,
+    universe_manifest_key,
+    universe_request_key,
+    usage_key,
+)
 
 
 def valid_universe_id(universe_id: str) -> bool:
@@ -42,7 +27,7 @@ def valid_universe_id(universe_id: str) -> bool:
 def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
     if not valid_universe_id(universe_id):
         return None
-    key = universe_prefix(universe_id) + "request.json"
+    key = universe_request_key(universe_id)
     return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
 
 
@@ -56,7 +41,7 @@ def find_manifest(ctx: Context, universe_id: str, *, recent: bool = False) -> di
     """
     if not valid_universe_id(universe_id):
         return None
-    key = universe_prefix(universe_id) + "manifest.json"
+    key = universe_manifest_key(universe_id)
     if not recent:
         return ctx.storage.find_json(key)
     hit, manifest = ctx.reads.peek(key)
@@ -75,7 +60,7 @@ def find_usage(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[
 
 def current_pointer(ctx: Context, model_id: str) -> dict[str, Any] | None:
     """The model's current universe: ``{universe_id, members, rcond, since}``, or None."""
-    return ctx.storage.find_json(model_prefix(model_id) + "current.json")
+    return ctx.storage.find_json(current_pointer_key(model_id))
 
 
 def current_universe_ids(ctx: Context) -> set[str]:
@@ -93,5 +78,5 @@ def known_universe_ids(ctx: Context) -> set[str]:
 def model_universe_ids(ctx: Context, model_id: str) -> list[str]:
     """The universes requested on ``model_id`` (404 when the model is not registered)."""
     get_model(ctx, model_id)
-    ids = [k.rsplit("/", 1)[-1] for k in ctx.storage.list(model_prefix(model_id) + "known/")]
+    ids = [k.rsplit("/", 1)[-1] for k in ctx.storage.list(model_universes_prefix(model_id) + "known/")]
     return [uid for uid in ids if valid_universe_id(uid)]
