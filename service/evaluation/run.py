@@ -37,7 +37,7 @@ _CHUNK = 16  # probes per progress tick (and per forward batch)
 
 
 class _VariantModels:
-    """The last variant loaded by this process (the base comes from the tasks' model cache)."""
+    """The last variant loaded by this process (the base comes from :data:`service.models.loaded.MODELS`)."""
 
     def __init__(self) -> None:
         self._items: OrderedDict[str, Any] = OrderedDict()
