@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from service.engine.messages import Message, RecordError
+
+if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller
+    from transformers import PreTrainedTokenizerBase
 
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
 
@@ -32,7 +35,7 @@ class NoChatTemplate(RecordError):
     """The model's tokenizer has no chat template."""
 
 
-def has_chat_template(tokenizer: Any) -> bool:
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
@@ -68,7 +71,9 @@ def _as_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def render_ids(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[int]:
+def render_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool = False
+) -> list[int]:
     """The token IDs of ``messages`` rendered by the model's chat template.
 
     Raises:
@@ -83,7 +88,15 @@ def render_ids(tokenizer: Any, messages: Sequence[Message], add_generation_promp
         )
     except Exception as exc:  # jinja's TemplateError, raise_exception() inside the template, ...
         raise RecordError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
-    return [int(i) for i in ids]
+    return _token_ids(ids)
+
+
+def _token_ids(rendered: object) -> list[int]:
+    """``apply_chat_template``'s result for one conversation with ``tokenize=True, return_dict=False``:
+    a list of token IDs (its declared return type is the union of every mode's)."""
+    if not isinstance(rendered, list):
+        raise RecordError(f"the chat template gave {type(rendered).__name__}, not a list of token IDs")
+    return [int(i) for i in rendered]
 
 
 def _check_prefix(shorter: list[int], longer: list[int], what: str) -> None:
@@ -94,7 +107,7 @@ def _check_prefix(shorter: list[int], longer: list[int], what: str) -> None:
         )
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int], list[bool]]:
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> tuple[list[int], list[bool]]:
     """The rendered conversation and which of its tokens are counted (the assistant turns).
 
     Raises:
@@ -112,7 +125,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int],
     return ids, counted
 
 
-def turn_span(tokenizer: Any, messages: Sequence[Message], i: int, whole: list[int] | None = None) -> tuple[int, int]:
+def turn_span(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], i: int, whole: list[int] | None = None
+) -> tuple[int, int]:
     """Where assistant message ``i``'s counted tokens lie in the render of ``messages`` (or of
     ``messages[:i+1]`` when ``whole`` is not given): ``[start, stop)``.
 
@@ -132,7 +147,7 @@ def turn_span(tokenizer: Any, messages: Sequence[Message], i: int, whole: list[i
     return len(prompt), len(through)
 
 
-def last_turn(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+def last_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
     """A probe's ``(prompt_ids, answer_ids)``: the conversation before its last assistant message,
     with the generation prompt, and that turn's counted tokens (messages after it are not read).
 
@@ -149,6 +164,6 @@ def last_turn(tokenizer: Any, messages: Sequence[Message]) -> tuple[list[int], l
     return through[:start], through[start:stop]
 
 
-def generation_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+def generation_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
     """``messages`` rendered with the generation prompt: what a model continues to answer."""
     return render_ids(tokenizer, messages, add_generation_prompt=True)

@@ -1,21 +1,18 @@
-"""Hugging Face model directories: validation, layout, loading, and writing edited variants.
+"""Hugging Face model directories: their layout (which layers can be edited, where their weights
+are stored), their digest, loading the model and tokenizer, and reading single tensors.
 
 Only safetensors weights are ever read; pickle weights and remote code are refused, because either
 would run code a user sent us. Only the files :mod:`service.engine.model_files` names are read from a
 model folder (side files from one allowlist, shards by checked plain names), each resolved and
-checked to lie inside the folder first; see that module for the symlink policy.
-
-A variant is written without loading the model: each safetensors shard is read, the edited tensors
-are replaced, and the shard is written again, so at most one shard is in memory. Tied weights are
-never edited by accident: when an edited layer shares its weight with another parameter
-(``lm_head`` tied to ``embed_tokens``), the variant *unties* them, writing the edited head under
-its own key and setting ``tie_word_embeddings: false``; the embedding keeps its original values.
+checked to lie inside the folder first; see that module for the symlink policy. What a folder must
+hold to be read at all is checked by :mod:`service.engine.model_checks`; variants are written by
+:mod:`service.engine.checkpoint_write`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +23,10 @@ from safetensors import safe_open
 from torch import nn
 
 from service.engine.compose import LayerWeights
-from service.engine.experts import (
-    expert_storage,
-    find_fused_experts,
-    read_expert_slice,
-    unsupported_experts,
-)
+from service.engine.expert_keys import expert_storage, read_expert_slice
+from service.engine.experts import find_fused_experts, unsupported_experts
 from service.engine.layers import LayerSpec, editable_layers, summarize_names
+from service.engine.model_checks import check_weight_dtypes, validate_model_dir
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
     ModelSourceError,
@@ -42,8 +36,6 @@ from service.engine.model_files import (
     check_tokenizer_config,
     clean_view,
     open_file,
-    present,
-    read_side_json,
     resolve_file,
     used_files,
     weight_files,
@@ -97,116 +89,6 @@ class ModelLayout:
         raise KeyError(name)
 
 
-def validate_model_dir(path: Path) -> dict[str, Any]:
-    """Check a directory is a safe Hugging Face checkpoint and return its ``config.json``.
-
-    Raises:
-        ModelSourceError: missing config, pickle-only weights, remote code, unreadable files, a
-            link leading out of the folder, a shard name that is not a plain file name in it.
-    """
-    if not path.is_dir():
-        raise ModelSourceError(f"{path} is not a directory")
-    check_links(path)
-    if not present(path, "config.json"):
-        raise ModelSourceError(f"{path} has no config.json")
-    config = read_side_json(path, "config.json")
-    if not isinstance(config, dict):
-        raise ModelSourceError("config.json is not a JSON object")
-    if "auto_map" in config:
-        raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
-    check_not_quantized(config)
-    check_tokenizer_config(path)
-    if not weight_files(path):
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise ModelSourceError(f"pickle weights are refused ({', '.join(pickles)}); convert to safetensors")
-        raise ModelSourceError(f"{path} has no safetensors weights")
-    return config
-
-
-# Where config.json declares quantization: transformers' key, compressed-tensors' older one, and
-# the same keys inside a multimodal model's text config.
-_QUANTIZATION_KEYS = ("quantization_config", "compression_config")
-QUANTIZED_ADVICE = (
-    "the service edits full-precision weights only: register the unquantized model (its float16, bfloat16 or "
-    "float32 checkpoint) and quantize the variant afterwards"
-)
-
-
-def check_not_quantized(config: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose config declares quantization, naming the method.
-
-    Packed integer weights (GPTQ, AWQ, bitsandbytes) are not matrices the engram can edit, and an
-    edit cast back to FP8 or int8 would round away; only unquantized checkpoints are registered.
-
-    Raises:
-        ModelSourceError: ``quantization_config`` (or ``compression_config``) is present, top-level
-            or in ``text_config``; the message names ``quant_method`` (``unknown`` when missing).
-    """
-    scopes: list[tuple[str, Mapping[str, Any]]] = [("", config)]
-    text_config = config.get("text_config")
-    if isinstance(text_config, Mapping):
-        scopes.append(("text_config.", text_config))
-    for scope, values in scopes:
-        for key in _QUANTIZATION_KEYS:
-            if values.get(key) is None:
-                continue
-            quant = values[key]
-            method = quant.get("quant_method") if isinstance(quant, Mapping) else None
-            method = method[:64] if isinstance(method, str) and method.strip() else "unknown"
-            raise ModelSourceError(
-                f"the checkpoint is quantized (config.json {scope}{key}.quant_method: {method!r}); {QUANTIZED_ADVICE}"
-            )
-
-
-# Stored weight dtypes an edit can be written back in; anything else (int8/uint8/int32 packs,
-# FP8, FP4) is a quantized tensor, refused when the config does not say so.
-_EDITABLE_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
-_DTYPE_NAMES = {
-    "I8": "int8", "U8": "uint8", "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32",
-    "I64": "int64", "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "F6_E2M3": "float6_e2m3", "F6_E3M2": "float6_e3m2",
-}  # fmt: skip
-# Keys of packed quantized weights that replace ``<layer>.weight`` (GPTQ/AWQ, compressed-tensors).
-_PACKED_SUFFIXES = (".qweight", ".weight_packed")
-
-
-def check_weight_dtypes(path: Path, layout: ModelLayout, key_files: Mapping[str, str], names: Collection[str]) -> None:
-    """Refuse packed or 8-bit weights for editable layers that a config without quantization hides.
-
-    Args:
-        path: the model folder.
-        layout: its layout (the layers whose weights are in the checkpoint).
-        key_files: every checkpoint key -> its shard.
-        names: every editable layer of the model, in the checkpoint or not.
-
-    Raises:
-        ModelSourceError: naming each such layer and its stored dtype (or its packed key).
-    """
-    found: dict[str, list[str]] = {}
-    dirs = allowed_dirs(path)
-    by_shard: dict[str, list[tuple[str, str]]] = {}
-    for spec in layout.layers:
-        key = layout.weight_keys[spec.name]
-        by_shard.setdefault(key_files[key], []).append((spec.name, key))
-    for shard, entries in by_shard.items():
-        with safe_open(str(resolve_file(path, check_shard_name(shard), dirs)), framework="pt") as handle:
-            for layer, key in entries:
-                dtype = str(handle.get_slice(key).get_dtype())
-                if dtype not in _EDITABLE_DTYPES:
-                    found.setdefault(_DTYPE_NAMES.get(dtype, dtype.lower()), []).append(layer)
-    for name in names:
-        packed = next((name + suffix for suffix in _PACKED_SUFFIXES if name + suffix in key_files), None)
-        if packed is not None and name not in layout.weight_keys:
-            found.setdefault(f"packed as {packed.rsplit('.', 1)[1]}", []).append(name)
-    if found:
-        listed = "; ".join(f"{summarize_names(layers)} ({dtype})" for dtype, layers in found.items())
-        raise ModelSourceError(
-            "the checkpoint stores quantized weights for editable layers though config.json declares no "
-            f"quantization_config: {listed}; {QUANTIZED_ADVICE}"
-        )
-
-
 def directory_digest(path: Path, every_file: bool = False) -> str:
     """sha256 over the names and contents of the files the service uses from a model folder
     (:func:`~service.engine.model_files.used_files`: side files and shards, each checked to lie
@@ -246,19 +128,21 @@ def file_sha256(path: Path, nofollow: bool = False) -> str:
     return digest.hexdigest()
 
 
-def model_class(config: Mapping[str, Any]) -> type[nn.Module]:
-    """The transformers class named by ``architectures``, else ``AutoModel``'s choice."""
+def model_class(config: Mapping[str, Any]) -> type[transformers.PreTrainedModel] | type[transformers.AutoModel]:
+    """The transformers class named by ``architectures``, else ``AutoModel``, which picks one itself."""
     for name in config.get("architectures") or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
-    return transformers.AutoModel  # type: ignore[return-value]
+    return transformers.AutoModel
 
 
-def _empty_model(cls: type[nn.Module], config: Any) -> nn.Module:
+def _empty_model(
+    cls: type[transformers.PreTrainedModel] | type[transformers.AutoModel], config: transformers.PretrainedConfig
+) -> transformers.PreTrainedModel:
     """The model of ``config`` (built under the caller's device context: ``meta``, no memory)."""
     if issubclass(cls, transformers.PreTrainedModel):
-        model: nn.Module = cls._from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
+        model: transformers.PreTrainedModel = cls._from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
     else:  # model_class's fallback: AutoModel picks the class from the config
         model = transformers.AutoModel.from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
     return model
@@ -292,7 +176,8 @@ def inspect_model_dir(path: Path) -> ModelLayout:
     key_files = _checkpoint_keys(path)
     layout = _layout(model, key_files)
     _add_expert_layers(layout, model, path)
-    check_weight_dtypes(path, layout, key_files, [spec.name for spec in editable_layers(model)])
+    in_checkpoint = {spec.name: layout.weight_keys[spec.name] for spec in layout.layers}
+    check_weight_dtypes(path, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])
     return layout
 
 
@@ -341,7 +226,7 @@ def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
     return layout
 
 
-def _add_expert_layers(layout: ModelLayout, model: nn.Module, path: Path) -> None:
+def _add_expert_layers(layout: ModelLayout, model: transformers.PreTrainedModel, path: Path) -> None:
     """Each expert of every fused experts module as layers of its own, in module order, with the key
     (and for a fused key, the slice) holding its weight (:mod:`service.engine.experts`)."""
     experts = find_fused_experts(model)
@@ -394,7 +279,7 @@ def load_model(
         if max_memory is not None:
             kwargs["max_memory"] = max_memory
     with clean_view(path) as view:
-        model: nn.Module = cls.from_pretrained(str(view), **kwargs)  # type: ignore[attr-defined]
+        model: nn.Module = cls.from_pretrained(str(view), **kwargs)
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     if "disk" in devices:
         # Disk-offloaded weights would be read at each forward through the private view, gone now.
@@ -410,7 +295,7 @@ class ModelTooLarge(RuntimeError):
     """A ``device_map`` placement that would need disk offload."""
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, read from the checked files only (no remote code)."""
     check_links(path)
     check_tokenizer_config(path)

@@ -1,6 +1,12 @@
 """Writing a variant's checkpoint: the edited layers' tensors streamed into the checkpoint's own
 layout (shards, keys, dtypes), every other tensor copied byte for byte, and the delta format (only
 the changed tensors). :mod:`service.engine.checkpoint` reads and describes checkpoints.
+
+A variant is written without loading the model: each safetensors shard is read, the edited tensors
+are replaced, and the shard is written again, so at most one shard is in memory. Tied weights are
+never edited by accident: when an edited layer shares its weight with another parameter
+(``lm_head`` tied to ``embed_tokens``), the variant *unties* them, writing the edited head under
+its own key and setting ``tie_word_embeddings: false``; the embedding keeps its original values.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.compose import LayerEdit
-from service.engine.experts import fused_tensor_with_edits
+from service.engine.expert_keys import fused_tensor_with_edits
 from service.engine.layers import LayerSpec
 from service.engine.model_files import (
     INDEX_FILE,

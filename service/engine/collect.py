@@ -39,7 +39,7 @@ first batch that takes the group past ``D`` tokens turns the rows into the runni
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,7 +236,7 @@ class _Collector:
 
 
 @contextmanager
-def _full_precision_matmul() -> Any:
+def _full_precision_matmul() -> Iterator[None]:
     """Disable TF32 for the covariance GEMMs (it would keep only 10 mantissa bits)."""
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False

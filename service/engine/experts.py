@@ -35,7 +35,7 @@ built by transformers' ``use_experts_implementation`` with its defaults (gate an
 not transposed, no bias, gated, no post-expert norm) and its default gate ``act(gate)·up``. On disk,
 fused (the parameters' own keys, edited slice by slice) or one key per expert and projection (the
 keys transformers' conversion mapping merges, ``mlp.experts.{e}.gate_proj.weight`` or Mixtral's
-``block_sparse_moe.experts.{e}.w1.weight``), edited key by key.
+``block_sparse_moe.experts.{e}.w1.weight``), edited key by key: :mod:`service.engine.expert_keys`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ from torch.nn import functional as F
 
 from service.engine.compose import EditError
 from service.engine.layers import LayerSpec, block_index, is_editable, summarize_names
-from service.engine.model_files import ModelSourceError
 
 _default_apply_gate: Callable[..., torch.Tensor] | None
 try:  # transformers' default gate; a class with another one computes something else
@@ -61,7 +60,7 @@ except ImportError:  # pragma: no cover - an older transformers: no fused expert
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 PROJECTIONS = (GATE, UP, DOWN)
-_FUSED = ("gate_up_proj", "down_proj")
+FUSED = ("gate_up_proj", "down_proj")  # the fused parameters, as named in the module and the checkpoint
 # use_experts_implementation's options and the values of the layout read here.
 _DEFAULT_LAYOUT = {
     "is_concatenated": True,
@@ -71,7 +70,6 @@ _DEFAULT_LAYOUT = {
     "has_post_expert_norm": False,
 }
 _EXPERT_LAYER = re.compile(r"^(?P<container>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)$")
-_EXPERT_INDEX = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -149,7 +147,7 @@ def check_adapter_layers(layers: Iterable[LayerSpec]) -> None:
 def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:
     """The module as :class:`FusedExperts` when its layout is the one understood here, else ``None``."""
     params = dict(module.named_parameters())
-    if set(params) != set(_FUSED) or _default_apply_gate is None:
+    if set(params) != set(FUSED) or _default_apply_gate is None:
         return None
     gate_up, down = params["gate_up_proj"], params["down_proj"]
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
@@ -272,147 +270,20 @@ def fused_parameter(module: nn.Module, name: str) -> torch.Tensor:
     weights_map = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
     if weights_map is None:
         raise RuntimeError(f"the experts' {name} is on the meta device and no offload holds its values")
-    return weights_map[name]  # type: ignore[no-any-return]
+    offloaded: torch.Tensor = weights_map[name]  # accelerate's hook is untyped
+    return offloaded
+
+
+class _GatedExperts(Protocol):
+    """A fused experts module's gate, as transformers' default ``_apply_gate`` computes it."""
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor: ...
 
 
 def down_input(module: nn.Module, routed: torch.Tensor, expert: int) -> torch.Tensor:
     """``act(gate)·up`` of the routed hidden states, computed as the experts' forward computes it
     (same dtype, transformers' own gate function): what ``down_proj[expert]`` reads."""
     weight = fused_parameter(module, "gate_up_proj")[expert].to(routed.device)
-    return module._apply_gate(F.linear(routed, weight))  # type: ignore[operator,no-any-return]
-
-
-# ---------------------------------------------------------------- the checkpoint
-
-
-@dataclass(frozen=True)
-class ExpertStorage:
-    """Where the checkpoint keeps each expert layer's weight.
-
-    Attributes:
-        weight_keys: layer -> checkpoint key holding its weight (a 2-D key, or the fused 3-D key).
-        slices: layer -> ``[expert, first row, row stop]`` of the fused key, for fused storage.
-    """
-
-    weight_keys: dict[str, str]
-    slices: dict[str, list[int]]
-
-
-def expert_storage(model: nn.Module, experts: Sequence[FusedExperts], shapes: Mapping[str, Sequence[int]]) -> ExpertStorage:
-    """Map every expert layer to its place in the checkpoint.
-
-    Args:
-        model: the model (on the meta device is enough), for transformers' conversion mapping.
-        experts: its fused experts modules.
-        shapes: every checkpoint key -> its stored shape.
-
-    Raises:
-        ModelSourceError: naming the experts whose weights the checkpoint stores in another layout.
-    """
-    weight_keys: dict[str, str] = {}
-    slices: dict[str, list[int]] = {}
-    per_expert = _per_expert_keys(model, shapes)
-    unread = []
-    for module in experts:
-        fused = [f"{module.name}.{name}" for name in _FUSED]
-        if all(key in shapes for key in fused):
-            expected = (
-                (module.num_experts, 2 * module.intermediate, module.hidden),
-                (module.num_experts, module.hidden, module.intermediate),
-            )
-            if [tuple(shapes[key]) for key in fused] != list(expected):
-                unread.append(module.name)
-                continue
-            for spec in module.layer_specs():
-                _, expert, projection = expert_layer(spec.name)  # type: ignore[misc]
-                param, start, stop = module.rows(projection)
-                weight_keys[spec.name] = f"{module.name}.{param}"
-                slices[spec.name] = [expert, start, stop]
-            continue
-        keys = per_expert.get(module.name, {})
-        specs = module.layer_specs()
-        if not all(_stored_as(keys.get(spec.name), shapes, (spec.out_features, spec.in_features)) for spec in specs):
-            unread.append(module.name)
-            continue
-        weight_keys.update({spec.name: keys[spec.name] for spec in specs})
-    if unread:
-        raise ModelSourceError(
-            f"the checkpoint stores the experts of {summarize_names(n + '.*' for n in unread)} in a layout the service does "
-            "not read (neither the fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] nor one [out, in] weight per "
-            "expert that transformers merges into them); nothing of this model can be edited"
-        )
-    return ExpertStorage(weight_keys, slices)
-
-
-def _stored_as(key: str | None, shapes: Mapping[str, Sequence[int]], shape: tuple[int, int]) -> bool:
-    return key is not None and key in shapes and tuple(shapes[key]) == shape
-
-
-def _per_expert_keys(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> dict[str, dict[str, str]]:
-    """experts module -> (expert layer -> checkpoint key), from the keys transformers' conversion
-    mapping merges into a fused parameter by stacking the experts (``MergeModulelist(dim=0)``) and,
-    for ``gate_up_proj``, concatenating ``[gate, up]`` along the rows (``Concatenate(dim=1)``).
-    A key merged any other way is not mapped (its experts are then refused by name)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            Concatenate,
-            MergeModulelist,
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-    except ImportError:  # pragma: no cover - a transformers without conversion mappings
-        return {}
-    mapping = get_model_conversion_mapping(model)  # type: ignore[arg-type]
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    meta = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None)
-    found: dict[str, dict[str, str]] = {}
-    for key in shapes:
-        target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
-        converter = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
-        container, _, param = target.rpartition(".")
-        index = _EXPERT_INDEX.search(key)
-        if converter is None or index is None or param not in _FUSED:
-            continue
-        ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
-        if param == "gate_up_proj" and len(converter.source_patterns) == 2:
-            understood = ops == [(MergeModulelist, 0), (Concatenate, 1)]
-            projection = (GATE, UP)[converter.source_patterns.index(pattern)]  # type: ignore[arg-type]
-        else:
-            understood, projection = param == "down_proj" and ops == [(MergeModulelist, 0)], DOWN
-        if understood:
-            layer = f"{container}.{int(index.group(1))}.{projection}"
-            if found.setdefault(container, {}).setdefault(layer, key) != key:
-                found[container][layer] = ""  # two keys for one expert: not a layout read here
-    return found
-
-
-def read_expert_slice(handle: Any, key: str, where: Sequence[int]) -> torch.Tensor:
-    """One expert's ``[out, in]`` weight from a fused key of an open safetensors file."""
-    expert, start, stop = where
-    return handle.get_slice(key)[expert : expert + 1, start:stop].squeeze(0).contiguous()  # type: ignore[no-any-return]
-
-
-def fused_tensor_with_edits(
-    base: torch.Tensor,
-    layers: Sequence[tuple[LayerSpec, Sequence[int]]],
-    edited_weight: Callable[[LayerSpec], torch.Tensor | None],
-) -> torch.Tensor:
-    """A fused experts tensor with some experts' slices replaced.
-
-    Args:
-        base: the stored fused tensor (``[E, ·, ·]``, its own dtype).
-        layers: the edited layers it holds and their ``[expert, first row, row stop]``.
-        edited_weight: a layer's new ``[out, in]`` weight in the stored dtype (``None``: unchanged).
-
-    Returns:
-        ``base`` with those slices overwritten (every other value untouched).
-    """
-    for spec, (expert, start, stop) in layers:
-        weight = edited_weight(spec)
-        if weight is not None:
-            base[expert, start:stop] = weight.to(base.dtype)
-    return base
+    # describe_fused_experts checked that the class's gate is transformers' default one; nn.Module's
+    # __getattr__ is typed Tensor | Module, so the method is named through a protocol.
+    return cast(_GatedExperts, module)._apply_gate(F.linear(routed, weight))

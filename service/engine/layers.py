@@ -14,10 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-try:  # transformers keeps Conv1D in pytorch_utils; import lazily so the core still works without it
+# The module types the engram edits; GPT-2's Conv1D when transformers (a hard dependency of the
+# service, optional to the core) provides it.
+_EDITABLE_TYPES: tuple[type[nn.Module], ...]
+try:
     from transformers.pytorch_utils import Conv1D
+
+    _EDITABLE_TYPES = (nn.Linear, Conv1D)
 except ImportError:  # pragma: no cover - transformers is a hard dependency of the service
-    Conv1D = None  # type: ignore[assignment,misc]
+    _EDITABLE_TYPES = (nn.Linear,)
 
 # Container names whose ``.<name>.<index>.`` segment carries the block index: Llama ``layers``,
 # GPT-2 ``h``, BERT ``layer``, T5/others ``block``/``blocks``.
@@ -52,7 +57,7 @@ class LayerSpec:
 
 def is_editable(module: nn.Module) -> bool:
     """True for the layer types the engram edits (``nn.Linear`` and GPT-2 ``Conv1D``)."""
-    return isinstance(module, nn.Linear) or (Conv1D is not None and isinstance(module, Conv1D))
+    return isinstance(module, _EDITABLE_TYPES)
 
 
 def block_index(name: str) -> int | None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from service.engine.chat import encode_chat
 from service.engine.messages import ROLES, Message, RecordError
+
+if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ROLES", "TEMPLATES", "Message", "Record", "RecordError"]
 
@@ -161,7 +164,9 @@ class Batch:
         return int(self.counted.sum())
 
 
-def encode_record(tokenizer: Any, record: Record, max_length: int, template: str | None = None, index: int = 0) -> Example:
+def encode_record(
+    tokenizer: PreTrainedTokenizerBase, record: Record, max_length: int, template: str | None = None, index: int = 0
+) -> Example:
     """Tokenize one record, truncated to ``max_length`` tokens.
 
     Args:
@@ -189,7 +194,7 @@ def encode_record(tokenizer: Any, record: Record, max_length: int, template: str
     return Example(ids, counted)
 
 
-def pad_token_id(tokenizer: Any) -> int:
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id used for padding: the pad token, else EOS, else 0 (pads are masked either way)."""
     for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if candidate is not None:
