@@ -59,7 +59,8 @@ def group_rows(ctx: Context, members: Mapping[str, GroupedStatistics], keys: Map
     if sum(c for c in counts if c is not None) >= dim:  # both checked for None above
         return None
     rows = [stored_rows(ctx.storage, prefix + "statistics.safetensors", group) for prefix, group in keys.items()]
-    return None if any(r is None for r in rows) else rows  # type: ignore[return-value]
+    present = [r for r in rows if r is not None]
+    return present if len(present) == len(rows) else None
 
 
 def stored_rows(storage: Storage, key: str, group: str) -> torch.Tensor | None:
