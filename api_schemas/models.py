@@ -672,7 +672,7 @@ class GenerateRequest(Strict):
 
 # ---------------------------------------------------------------- calibration
 
-ModuleSetPreset = Literal["all", "qk_gate", "attention", "mlp"]
+ModuleSetPreset = Literal["all", "qk_gate", "attention", "mlp", "data_weighted"]
 ModuleSuffixes = Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=64)]
 BlockIndices = Annotated[list[Annotated[int, Field(ge=0, le=100_000)]], Field(min_length=1, max_length=1024)]
 
@@ -722,8 +722,9 @@ class CalibrateRequest(Strict):
         min_length=1,
         max_length=16,
         description=(
-            "presets (all, qk_gate: the query/key projections and the MLP gate, attention, mlp) or lists of "
-            "module-name suffixes; default: every preset that selects a layer of the model"
+            "presets (all, qk_gate: the query/key projections and the MLP gate, attention, mlp, data_weighted: "
+            "every layer, each module type at a strength from the data-weighted map) or lists of module-name "
+            "suffixes; default: every preset that selects a layer of the model"
         ),
     )
     layer_sets: list[BlockIndices] | None = Field(
@@ -778,6 +779,13 @@ class CandidateOptions(BaseModel):
     module_set: str = Field(description="a preset's name, or the custom suffixes joined by +")
     modules: list[str] | None = Field(description="the unlearn request's modules (null: every layer)")
     layers: list[int] | None = Field(description="the unlearn request's layers (null: every block)")
+    module_strengths: dict[str, float] | None = Field(
+        default=None,
+        description=(
+            "the unlearn request's module_strengths (data_weighted: each module type's mean data-weighted map "
+            "value over the edited layers, relative to the largest; null: every type at 1)"
+        ),
+    )
 
 
 class CalibrationCandidate(BaseModel):

@@ -35,6 +35,7 @@ from service.calibration.search import (
 )
 from service.calibration.service import calibration_prefix, front_png_url
 from service.calibration.space import arm_layers
+from service.calibration.strengths import measure_strengths
 from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.errors import JobFailed
@@ -68,18 +69,21 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     model = get_model(ctx, request["model_id"])
     layout = ModelLayout.from_json(model["layout"])
     arms = [_arm(a) for a in request["search"]["arms"]]
+    term_prefixes = [request["term_stats"][name] for name in request["concepts"]]
     loaded = time.monotonic()
     candidates = InMemoryCandidates(
         ctx,
         checked_model_dir(ctx, model),
         layout,
         universe,
-        [request["term_stats"][name] for name in request["concepts"]],
+        term_prefixes,
         _probes(ctx, request["probes_digest"]),
         ctx.settings.torch_device,
         _union(layout, arms),
     )
     load_s = time.monotonic() - loaded
+    # the data_weighted arms' strengths: from the universe's engrams and statistics, no forward pass
+    arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, arms)
     measured: dict[tuple[Arm, float], Measured] = {}
 
     def evaluate(arm: Arm, alpha: float) -> Outcome:
@@ -108,7 +112,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
 def _arm(data: Mapping[str, Any]) -> Arm:
     modules = tuple(data["modules"]) if data["modules"] is not None else None
     layers = tuple(data["layers"]) if data["layers"] is not None else None
-    return Arm(data["module_set"], modules, layers, data["scaling"])
+    return Arm(data["module_set"], modules, layers, data["scaling"], bool(data.get("weighted", False)))
 
 
 def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
@@ -203,6 +207,7 @@ def _options(candidate: Candidate) -> dict[str, Any]:
         "module_set": arm.module_set,
         "modules": list(arm.modules) if arm.modules is not None else None,
         "layers": list(arm.layers) if arm.layers is not None else None,
+        "module_strengths": dict(arm.strengths) or None,
     }
 
 
@@ -254,6 +259,7 @@ def _build_recommended(
         "scaling": options["scaling"],
         "modules": options["modules"],
         "layers": options["layers"],
+        "module_strengths": options["module_strengths"],
         "universe": request["universe_id"],
         "reference": None,
         "rcond": None,

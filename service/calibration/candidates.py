@@ -1,8 +1,9 @@
 """Candidates evaluated in memory: one model load, each candidate's weights swapped in from engrams.
 
-A candidate ``(arm, α)`` is the unlearn variant ``W − α Σ_k f_l E_k,l`` of the arm's layers. Its
-weights are computed by the very functions a variant build uses (:func:`stored_engrams`,
-:func:`variant_scales` and :func:`stored_editor`: the same float32 sums and the same rounding to the
+A candidate ``(arm, α)`` is the unlearn variant ``W − α Σ_k f_l s_l E_k,l`` of the arm's layers
+(``s_l`` its module type's strength, 1 but in a ``data_weighted`` arm). Its weights are computed by
+the very functions a variant build uses (:func:`stored_engrams`, :func:`variant_scales`,
+:func:`with_module_strengths` and :func:`stored_editor`: the same float32 sums and the same rounding to the
 checkpoint's dtype), so a candidate's numbers are those of the checkpoint variant it stands for,
 without writing one: each edited layer's parameters are copied into the loaded model, the probes are
 scored, and the next candidate restores what it does not edit from the checkpoint.
@@ -27,7 +28,7 @@ from service.calibration.space import arm_layers
 from service.engine.checkpoint import CheckpointReader, ModelLayout, load_model, load_tokenizer
 from service.engine.compose import EditError
 from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
-from service.engine.layers import LayerSpec
+from service.engine.layers import LayerSpec, with_module_strengths
 from service.engrams.store import stored_editor, stored_engrams
 from service.errors import JobFailed
 from service.variants.build import variant_scales
@@ -140,14 +141,16 @@ class InMemoryCandidates:
         return Measured(summary, outcome)
 
     def scales(self, arm: Arm, alpha: float) -> dict[str, float]:
-        """The candidate's per-layer ``f_l``, computed as its variant computes them (W-Norm over the
-        arm's layers, from the engram of the request's terms: exactly the variant's numbers)."""
+        """The candidate's per-layer ``f_l · s_l``, computed as its variant computes them (W-Norm over
+        the arm's layers, from the engram of the request's terms, then the module types' strengths:
+        exactly the variant's numbers)."""
         key = (arm, float(alpha))
         if key not in self._scales:
             layers = arm_layers(self.layout.layers, arm)
             source = stored_engrams(self.ctx, self.universe, self._terms(alpha))
             try:
-                self._scales[key] = variant_scales(layers, source, self.universe, arm.scaling, self.reader)
+                scales = variant_scales(layers, source, self.universe, arm.scaling, self.reader)
+                self._scales[key] = with_module_strengths(scales, dict(arm.strengths))
             except EditError as exc:
                 raise JobFailed(str(exc)) from None
         return self._scales[key]

@@ -3,8 +3,8 @@
 Pure Python (no torch, no storage): the job hands it the arms of the edit space and a function
 that evaluates one candidate, and it decides which candidates to evaluate within a budget.
 
-An *arm* is a module set × layer set × scaling; a *candidate* is an arm at a strength ``α``. Two
-observations make a search much cheaper than a full grid:
+An *arm* is a module set × layer set × scaling (with, for some, per-module-type strengths); a
+*candidate* is an arm at a strength ``α``. Two observations make a search much cheaper than a full grid:
 
 * Along one arm, the retain NLL ratio rises with ``α`` (a stronger edit disturbs more), so the arm's
   best feasible candidate sits at the largest ``α`` whose retain ratio meets the constraint. Each arm
@@ -41,12 +41,17 @@ class Arm:
         modules: module-name suffixes as a variant takes them (``None``: every layer).
         layers: block indices (``None``: every block, and the layers outside them).
         scaling: ``uniform`` or ``weight_norm``.
+        weighted: each module type edited at its own strength, from the data-weighted map (the
+            ``data_weighted`` module set); the job measures them into ``strengths`` before the search.
+        strengths: ``(suffix, s)`` per module type, the variant's ``module_strengths`` (empty: all 1).
     """
 
     module_set: str
     modules: tuple[str, ...] | None
     layers: tuple[int, ...] | None
     scaling: str
+    weighted: bool = False
+    strengths: tuple[tuple[str, float], ...] = ()
 
     @property
     def name(self) -> str:

@@ -38,7 +38,7 @@ from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
 
-CALIBRATION_FORMAT = "engram-calibration/1"  # bump when the search or its result changes
+CALIBRATION_FORMAT = "engram-calibration/2"  # bump when the search or its result changes
 SPLITS = ("forget", "retain")
 
 
@@ -209,6 +209,7 @@ def _arm_json(arm: Any) -> dict[str, Any]:
         "modules": list(arm.modules) if arm.modules is not None else None,
         "layers": list(arm.layers) if arm.layers is not None else None,
         "scaling": arm.scaling,
+        "weighted": arm.weighted,
     }
 
 

@@ -8,11 +8,15 @@ block by their path inside it (:func:`~service.engine.layers.module_type`):
 - ``mlp``: its feed-forward layers (``mlp``, ``feed_forward``, ``ffn``, ``intermediate``, ``output``
   outside attention, ``experts``);
 - ``qk_gate``: the paper's Q/K+Gate: the attention's query and key projections (a fused QKV
-  projection counts, as it holds them) and the MLP's gate (or first) projection.
+  projection counts, as it holds them) and the MLP's gate (or first) projection;
+- ``data_weighted``: every layer, as ``all``, each module type at its own strength: the mean of the
+  data-weighted memory-trace map over its layers, relative to the largest type's
+  (:mod:`service.calibration.strengths`, measured by the job from cached engrams and statistics).
 
-Each preset becomes the list of module types it selects, so the recommended variant is an ordinary
-unlearn request with ``modules``. A preset that selects no layer of this model is left out (named in
-the result); one the request names is a 422.
+Each preset becomes the list of module types it selects (and ``data_weighted`` its
+``module_strengths``), so the recommended variant is an ordinary unlearn request with ``modules``.
+A preset that selects no layer of this model is left out (named in the result); one the request
+names is a 422.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from dataclasses import dataclass
 from service.calibration.search import Arm
 from service.engine.layers import LayerSpec, module_type, select_layers, unmatched_suffixes
 
-PRESETS = ("all", "qk_gate", "attention", "mlp")
+PRESETS = ("all", "qk_gate", "attention", "mlp", "data_weighted")
+WEIGHTED = "data_weighted"  # the preset whose arms carry per-module-type strengths
 SCALINGS = ("uniform", "weight_norm")
 
 _ATTENTION_MARKS = ("attn", "attention")
@@ -50,7 +55,7 @@ def _kind(path: str) -> str | None:
 
 def preset_modules(layers: Sequence[LayerSpec], preset: str) -> tuple[str, ...] | None:
     """The module types (suffixes) a preset selects on these layers; ``None`` for ``all``; ``()`` when none."""
-    if preset == "all":
+    if preset in ("all", WEIGHTED):
         return None
     types = list(dict.fromkeys(module_type(spec.name) for spec in layers if spec.block is not None))
     if preset in ("attention", "mlp"):
@@ -96,19 +101,20 @@ def edit_space(
     named, skipped = _module_sets(layers, module_sets)
     blocks = _layer_sets(layers, layer_sets)
     arms = []
-    for (name, modules), chosen in itertools.product(named, blocks):
+    for (name, modules, weighted), chosen in itertools.product(named, blocks):
         if not select_layers(layers, modules, chosen):
             where = "" if chosen is None else f" in blocks {list(chosen)}"
             raise SpaceError(f"module set {name} selects no layer{where}")
-        arms += [Arm(name, modules, chosen, scaling) for scaling in scalings]
+        arms += [Arm(name, modules, chosen, scaling, weighted) for scaling in scalings]
     return EditSpace(tuple(arms), tuple(skipped))
 
 
 def _module_sets(
     layers: Sequence[LayerSpec], module_sets: Sequence[str | Sequence[str]] | None
-) -> tuple[list[tuple[str, tuple[str, ...] | None]], list[str]]:
+) -> tuple[list[tuple[str, tuple[str, ...] | None, bool]], list[str]]:
+    """(name, suffixes, weighted) per module set, and the default presets that select no layer."""
     requested = list(PRESETS) if module_sets is None else list(module_sets)
-    named: list[tuple[str, tuple[str, ...] | None]] = []
+    named: list[tuple[str, tuple[str, ...] | None, bool]] = []
     skipped: list[str] = []
     for entry in requested:
         if isinstance(entry, str):
@@ -118,14 +124,14 @@ def _module_sets(
                     raise SpaceError(f"module set {entry} selects no layer of this model")
                 skipped.append(entry)
                 continue
-            named.append((entry, modules))
+            named.append((entry, modules, entry == WEIGHTED))
         else:
             suffixes = tuple(dict.fromkeys(entry))
             missing = unmatched_suffixes(layers, suffixes)
             if not suffixes or missing:
                 raise SpaceError(f"module suffix(es) match no layer: {', '.join(missing) or '(none given)'}")
-            named.append(("+".join(suffixes), suffixes))
-    names = [n for n, _ in named]
+            named.append(("+".join(suffixes), suffixes, False))
+    names = [n for n, _, _ in named]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise SpaceError(f"module set(s) listed twice: {', '.join(twice)}")

@@ -131,3 +131,49 @@ def test_a_cancelled_calibration_stops_and_a_new_request_runs_it_again(api: http
     assert again.status_code == 202 and again.json()["job"]["job_id"] != job_id
     assert api.delete(f"/jobs/{again.json()['job']['job_id']}").status_code == 200
     assert wait_for_job(api, again.json()["job"]["job_id"], timeout=120)["status"] == "cancelled"
+
+
+def test_a_data_weighted_calibration_shows_the_maps_strengths_and_builds_them_into_its_variant(
+    api: httpx.Client,
+) -> None:
+    """The ``data_weighted`` arm's strengths are the data-weighted map's module-type means (relative to
+    the largest), shown on every candidate; the recommended variant carries them and measures as its
+    candidate did."""
+    request = body(module_sets=["data_weighted"], scalings=["weight_norm"], max_retain_nll_ratio=1e4, budget=3)
+    submitted = api.post(f"/models/{MODEL}/calibrate", json=request)
+    assert submitted.status_code == 202, submitted.text
+    job = wait_for_job(api, submitted.json()["job"]["job_id"], timeout=300)
+    assert job["status"] == "succeeded", job
+    result = job["result"]
+    assert result["arms"] == ["data_weighted/weight_norm"]
+    strengths = result["candidates"][0]["options"]["module_strengths"]
+    assert all(c["options"]["module_strengths"] == strengths for c in result["candidates"])
+    assert all(c["options"]["modules"] is None for c in result["candidates"])
+
+    query = {"concepts": "cal-forget", "reference": ",".join(result["reference"]), "measure": "data"}
+    mapped = api.get(f"/models/{MODEL}/engram-map", params=query).json()
+    means = {
+        module: sum(row[i] for row in mapped["maps"]["cal-forget"]["rho"]) / len(mapped["blocks"])
+        for i, module in enumerate(mapped["modules"])
+    }
+    means.update(mapped["outside_blocks"]["cal-forget"])
+    top = max(means.values())
+    assert set(strengths) == set(means) and max(strengths.values()) == 1.0
+    for module, mean in means.items():
+        assert strengths[module] == pytest.approx(max(mean / top, 1e-3), rel=2e-3), module  # 3 significant figures
+
+    recommended = result["recommended"]
+    assert recommended is not None, result["note"]
+    variant = api.get(f"/variants/{recommended['variant_id']}").json()
+    assert variant["status"] == "ready" and variant["scaling"] == "weight_norm"
+    assert variant["module_strengths"] == {k: v for k, v in sorted(strengths.items()) if v != 1.0}
+    chosen = result["candidates"][recommended["candidate"]]
+    scored = api.post(
+        f"/variants/{variant['variant_id']}/evaluate?wait=60",
+        json={"forget": request["forget"], "retain": request["retain"]},
+    )
+    assert scored.status_code == 200, scored.text
+    for split in ("forget", "retain"):
+        assert scored.json()["result"]["summary"]["variant"][split]["mean_nll"] == pytest.approx(
+            chosen[split]["mean_nll"], rel=1e-5
+        )
