@@ -1,0 +1,130 @@
+"""``engram calibrate``: search for the strongest unlearning that keeps the retain probes within a bound.
+
+The client side of a calibration (submit, fetch, the front's PNG) is in :mod:`engram_client.calibrate`;
+this module is only the command: its options, the watching, and where the results are printed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import filesize
+
+from engram_client.calibrate import calibrate, calibration_front_png, get_calibration
+from engram_client.cli.files import png_size, read_probes, write_atomically
+from engram_client.cli.options import (
+    CallbackOpt,
+    FormatOpt,
+    JsonFlag,
+    LoraRankOpt,
+    NoWait,
+    RcondOpt,
+    ReferenceOpt,
+    Scaling,
+)
+from engram_client.cli.output import emit, fail, job_failed, stderr, stdout
+from engram_client.cli.progress import watch
+from engram_client.cli.render import render_calibration
+from engram_client.cli.root import session
+
+
+def _module_sets(values: list[str] | None) -> list[Any] | None:
+    """``all``/``qk_gate``/``attention``/``mlp``, or comma-separated suffixes (``q_proj,v_proj``)."""
+    if not values:
+        return None
+    return [value if "," not in value else [s.strip() for s in value.split(",") if s.strip()] for value in values]
+
+
+def _layer_sets(values: list[str] | None) -> list[list[int]] | None:
+    """``0,1,2`` per value as the block indices of one layer set to search."""
+    if not values:
+        return None
+    try:
+        return [[int(b) for b in value.split(",") if b.strip()] for value in values]
+    except ValueError:
+        raise typer.BadParameter("a layer set is comma-separated block indices, e.g. 0,1,2", param_hint="--layers") from None
+
+
+def _save_front(png: Path, image: bytes, calibration_id: str) -> None:
+    """Write the drawn front atomically and say where it went and how big it is."""
+    write_atomically(png, image)
+    w, h = png_size(image)
+    size = filesize.decimal(len(image))
+    stderr.print(f"front of calibration {calibration_id} in {png}: {w}×{h} px, {size}")
+
+
+def calibrate_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model to edit.")],
+    concept: Annotated[list[str], typer.Option("--concept", "-c", help="Concept to remove (repeat for several).")],
+    forget: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL of probes it should forget.")],
+    retain: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL of probes it should keep.")],
+    max_retain_nll_ratio: Annotated[
+        float | None, typer.Option(help="The constraint: retain NLL, variant / base, at most this (default 2).")
+    ] = None,
+    budget: Annotated[int | None, typer.Option(help="The most candidates evaluated (default 32).")] = None,
+    alpha_min: Annotated[float | None, typer.Option(help="The weakest α tried (default 0.05).")] = None,
+    alpha_max: Annotated[float | None, typer.Option(help="The strongest α tried (default 4).")] = None,
+    module_set: Annotated[
+        list[str] | None,
+        typer.Option("--module-set", help="all, qk_gate, attention, mlp, or suffixes a,b (repeat; default: every preset)."),
+    ] = None,
+    scaling: Annotated[
+        list[Scaling] | None, typer.Option("--scaling", help="Scalings searched (repeat; default both).")
+    ] = None,
+    layers: Annotated[list[str] | None, typer.Option("--layers", help="A block set to search, e.g. 0,1 (repeat).")] = None,
+    rcond: RcondOpt = None,
+    reference: ReferenceOpt = None,
+    universe: Annotated[str | None, typer.Option(help="A universe of the model (default: its current one).")] = None,
+    fmt: FormatOpt = None,
+    lora_rank: LoraRankOpt = None,
+    png: Annotated[Path | None, typer.Option(dir_okay=False, help="Write the drawn front here.")] = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Find the strongest unlearning that keeps the retain probes within a bound: every candidate as a table,
+    and the recommended variant built."""
+    options = {
+        "max_retain_nll_ratio": max_retain_nll_ratio,
+        "budget": budget,
+        "alpha_min": alpha_min,
+        "alpha_max": alpha_max,
+        "module_sets": _module_sets(module_set),
+        "scalings": [s.value for s in scaling] if scaling else None,
+        "layer_sets": _layer_sets(layers),
+        "rcond": rcond,
+        "reference": reference or None,
+        "universe": universe,
+        "format": fmt.value if fmt else None,
+        "lora_rank": lora_rank,
+        "callback_url": callback_url,
+    }
+    with session(ctx) as client:
+        probes = {"forget": read_probes(forget), "retain": read_probes(retain)}
+        submission = calibrate(client, model, concept, probes["forget"], probes["retain"], **options)
+        job = submission.job
+        stderr.print(
+            f"calibration {submission.calibration_id}: {len(probes['forget'])} forget and "
+            f"{len(probes['retain'])} retain probes"
+        )
+        if no_wait and job.status not in {"succeeded", "failed", "cancelled"}:
+            stderr.print(f"calibrate job {job.job_id}: {job.status}; engram jobs watch {job.job_id}")
+            emit(ctx, as_json, submission, lambda: stdout.print(submission.calibration_id))
+            return
+        if job.status == "succeeded":
+            stderr.print("answered from storage: the same calibration ran before")
+        else:
+            job = watch(client, [job.job_id])[0]
+        if job.status != "succeeded":
+            job_failed(job)
+        found = get_calibration(client, submission.calibration_id)
+        image = calibration_front_png(client, submission.calibration_id) if png is not None else None
+    if found.result is None:
+        fail("Error", f"calibration {submission.calibration_id} has no result")
+    result = found.result
+    if png is not None and image is not None:
+        _save_front(png, image, submission.calibration_id)
+    emit(ctx, as_json, result, lambda: render_calibration(result))

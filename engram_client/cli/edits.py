@@ -1,0 +1,158 @@
+"""``engram unlearn`` and ``engram compose``: build an edited variant, watch it, download it.
+
+Both submit a variant of a model and take the same edit options (scaling, modules, layers, rcond,
+reference, format), so they share :func:`_edit_options` and :func:`_build_and_fetch`; they differ
+only in how the concepts are weighted: ``unlearn`` removes them with one strength α, ``compose``
+takes a signed coefficient per concept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from api_schemas import VariantSubmission
+from engram_client.cli.options import (
+    CallbackOpt,
+    Force,
+    Format,
+    FormatOpt,
+    JsonFlag,
+    LayerOpt,
+    LoraRankOpt,
+    ModuleOpt,
+    NoWait,
+    OutDir,
+    RcondOpt,
+    ReferenceOpt,
+    Scaling,
+    ScalingOpt,
+)
+from engram_client.cli.output import emit, job_failed, stderr, stdout
+from engram_client.cli.progress import download, watch
+from engram_client.cli.render import render_variant
+from engram_client.cli.root import session
+from engram_client.client import EngramClient
+
+
+def _edit_options(
+    scaling: Scaling | None,
+    module: list[str] | None,
+    layer: list[int] | None,
+    rcond: float | None,
+    reference: list[str] | None,
+    fmt: Format | None,
+    lora_rank: int | None,
+    callback_url: str | None,
+) -> dict[str, Any]:
+    """The client's keyword arguments; an option not given stays None and is not sent."""
+    return {
+        "scaling": scaling.value if scaling else None,
+        "modules": module or None,  # typer gives [] for a repeatable option that was not used
+        "layers": layer or None,
+        "rcond": rcond,
+        "reference": reference or None,
+        "format": fmt.value if fmt else None,
+        "lora_rank": lora_rank,
+        "callback_url": callback_url,
+    }
+
+
+def _build_and_fetch(
+    ctx: typer.Context,
+    client: EngramClient,
+    submission: VariantSubmission,
+    out: Path | None,
+    force: bool,
+    no_wait: bool,
+    as_json: bool,
+) -> None:
+    """Watch a submitted variant's build (unless it exists already), then download it to ``out``."""
+    variant = submission.variant
+    if no_wait and variant.status != "ready":
+        stderr.print(f"variant {variant.variant_id}: {variant.status}")
+        emit(ctx, as_json, submission, lambda: stdout.print(variant.variant_id))
+        return
+    if variant.status == "ready":
+        stderr.print(f"variant {variant.variant_id} exists already")
+    else:
+        job_id = submission.job.job_id if submission.job else variant.job_id
+        stderr.print(f"building variant {variant.variant_id}")
+        if job_id:
+            job = watch(client, [job_id])[0]
+            if job.status != "succeeded":
+                job_failed(job)
+        variant = client.wait_for_variant(variant.variant_id)
+    if out is not None:
+        download(client, variant, out, force)
+    emit(ctx, as_json, variant, lambda: render_variant(variant))
+
+
+def unlearn(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model to edit.")],
+    concept: Annotated[list[str], typer.Option("--concept", "-c", help="Concept to remove (repeat for several).")],
+    alpha: Annotated[float, typer.Option(help="Strength α in W − α Σ_k f_l W_k⁺.")] = 1.0,
+    out: OutDir = None,
+    force: Force = False,
+    scaling: ScalingOpt = None,
+    module: ModuleOpt = None,
+    layer: LayerOpt = None,
+    rcond: RcondOpt = None,
+    reference: ReferenceOpt = None,
+    fmt: FormatOpt = None,
+    lora_rank: LoraRankOpt = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Remove concepts from a model; watch the build and download the variant with --out."""
+    options = _edit_options(scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url)
+    with session(ctx) as client:
+        submission = client.unlearn(model, concept, alpha, **options)
+        _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)
+
+
+def _parse_terms(terms: Sequence[str]) -> dict[str, float]:
+    """``NAME=COEFFICIENT`` pairs; a concept given twice is a usage error rather than a silent overwrite."""
+    parsed: dict[str, float] = {}
+    for term in terms:
+        name, sep, value = term.rpartition("=")
+        try:
+            coefficient = float(value)
+        except ValueError:
+            coefficient = None
+        if not sep or not name or coefficient is None:
+            raise typer.BadParameter(f"{term!r} is not NAME=COEFFICIENT (e.g. forget=-0.5)", param_hint="--term")
+        if name in parsed:
+            raise typer.BadParameter(f"concept {name!r} appears twice", param_hint="--term")
+        parsed[name] = coefficient
+    return parsed
+
+
+def compose(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model to edit.")],
+    term: Annotated[list[str], typer.Option("--term", "-t", help="NAME=COEFFICIENT (repeat); negative removes.")],
+    out: OutDir = None,
+    force: Force = False,
+    scaling: ScalingOpt = None,
+    module: ModuleOpt = None,
+    layer: LayerOpt = None,
+    rcond: RcondOpt = None,
+    reference: ReferenceOpt = None,
+    fmt: FormatOpt = None,
+    lora_rank: LoraRankOpt = None,
+    callback_url: CallbackOpt = None,
+    no_wait: NoWait = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Engram arithmetic W + Σ c_k f_l W_k⁺; watch the build and download the variant with --out."""
+    terms = _parse_terms(term)
+    options = _edit_options(scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url)
+    with session(ctx) as client:
+        submission = client.compose(model, terms, **options)
+        _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)

@@ -1,0 +1,59 @@
+"""``engram models add | list | show``: register model checkpoints and look at their editable layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from engram_client.cli.options import JsonFlag
+from engram_client.cli.output import emit, stdout
+from engram_client.cli.render import render_model, render_models
+from engram_client.cli.root import session
+
+models_app = typer.Typer(help="Register and inspect models.", no_args_is_help=True)
+
+
+def _source_uri(source: str) -> str:
+    """A bare local directory becomes ``file:///abs/dir``; URIs pass unchanged."""
+    if "://" not in source and Path(source).is_dir():
+        return Path(source).resolve().as_uri()
+    return source
+
+
+@models_app.command("add")
+def models_add(
+    ctx: typer.Context,
+    model_id: Annotated[str, typer.Argument(help="Hugging Face style ID: name or org/name.")],
+    source: Annotated[str, typer.Argument(help="file:///abs/dir, s3://bucket/prefix/, hf://org/name[@rev] or a local dir.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Register a model checkpoint (the same registration again is a no-op)."""
+    with session(ctx) as client:
+        model = client.register_model(model_id, _source_uri(source))
+    emit(
+        ctx,
+        as_json,
+        model,
+        lambda: stdout.print(
+            f"model {model.model_id}: {model.architecture}, {model.num_parameters:,} parameters, "
+            f"{len(model.layers)} editable layers"
+        ),
+    )
+
+
+@models_app.command("list")
+def models_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Every registered model."""
+    with session(ctx) as client:
+        models = client.list_models()
+    emit(ctx, as_json, models, lambda: render_models(models))
+
+
+@models_app.command("show")
+def models_show(ctx: typer.Context, model_id: str, as_json: JsonFlag = False) -> None:
+    """One model and its editable layers."""
+    with session(ctx) as client:
+        model = client.get_model(model_id)
+    emit(ctx, as_json, model, lambda: render_model(model))

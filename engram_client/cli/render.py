@@ -1,0 +1,223 @@
+"""The human rendering of results on stdout: rich tables and one-line summaries.
+
+Only what a person reads lives here; ``--json`` output is the API's own models, dumped by
+:func:`engram_client.cli.output.emit`. IDs are never cut with an ellipsis, because users copy them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rich import filesize
+from rich.table import Table
+from rich.text import Text
+
+from api_schemas import CalibrationResult, Concept, Job, Model, Variant
+from engram_client.cli.output import print_lines, stdout
+
+
+def table(*columns: str) -> Table:
+    """A borderless table with bold headers whose cells fold rather than lose characters."""
+    rendered = Table(*columns, header_style="bold", show_edge=False, pad_edge=False)
+    for column in rendered.columns:
+        column.overflow = "fold"  # never cut an ID with an ellipsis: users copy them
+    return rendered
+
+
+def numeric_table(*columns: str) -> Table:
+    """A :func:`table` whose columns after the first are right-aligned numbers."""
+    rendered = table(*columns)
+    for column in rendered.columns[1:]:
+        column.justify = "right"
+    return rendered
+
+
+# ---------------------------------------------------------------- models and concepts
+
+
+def render_models(models: Sequence[Model]) -> None:
+    rows = table("model", "architecture", "parameters", "layers", "source")
+    for m in models:
+        rows.add_row(m.model_id, m.architecture, f"{m.num_parameters:,}", str(len(m.layers)), m.source)
+    stdout.print(rows)
+
+
+def render_model(model: Model) -> None:
+    stdout.print(f"{model.model_id}: {model.architecture}, {model.num_parameters:,} parameters")
+    stdout.print(f"source {model.source}  digest {model.digest}")
+    rows = table("layer", "in", "out", "bias")
+    for layer in model.layers:
+        rows.add_row(layer.name, str(layer.in_features), str(layer.out_features), "yes" if layer.bias else "no")
+    stdout.print(rows)
+
+
+def concept_state_lines(concept: Concept) -> list[str]:
+    """Where a concept's dataset came from and how its collection stands on each model, a line each."""
+    lines = []
+    if concept.dataset is not None:  # a reference: where it is and what it resolved to
+        reference = concept.dataset
+        resolved = f"{concept.num_records} records, " if concept.num_records is not None else ""
+        lines.append(f"{concept.name}: {reference.uri} ({resolved}{reference.status})")
+        if reference.error:
+            lines.append(f"{concept.name}: {reference.error}")
+    if concept.template:
+        lines.append(f"{concept.name}: records rendered with the chat template ({concept.template})")
+    for model_id, state in concept.models.items():
+        tokens = f" ({state.tokens} tokens)" if state.tokens is not None else ""
+        lines.append(f"{concept.name} on {model_id}: {state.status}{tokens}")
+    return lines
+
+
+def render_concepts(concepts: Sequence[Concept]) -> None:
+    rows = table("concept", "role", "records", "models")
+    for c in concepts:
+        states = ", ".join(f"{m}: {s.status}" + (f" ({s.tokens} tokens)" if s.tokens else "") for m, s in c.models.items())
+        rows.add_row(c.name, c.role, str(c.num_records), states)
+    stdout.print(rows)
+
+
+def render_concept(concept: Concept) -> None:
+    stdout.print(f"{concept.name}: {concept.role}, {concept.num_records} records, dataset {concept.dataset_digest}")
+    if concept.description:
+        stdout.print(concept.description)
+    print_lines(concept_state_lines(concept))
+
+
+# ---------------------------------------------------------------- jobs and variants
+
+
+def render_job(job: Job) -> None:
+    p = job.progress
+    percent = f" ({100 * p.done // p.total}%)" if p.total else ""
+    stdout.print(f"{job.kind} job {job.job_id}: {job.status}, {p.done}/{p.total} {p.unit}{percent}")
+    times = {"created": job.created_at, "started": job.started_at, "finished": job.finished_at}
+    stdout.print("  ".join(f"{k} {v.isoformat(timespec='seconds')}" for k, v in times.items() if v is not None))
+    if job.result:
+        stdout.print(f"result {json.dumps(job.result)}")
+    if job.error is not None:
+        stdout.print(Text(f"{job.error.title}: {job.error.detail}", style="red"))
+
+
+def _terms(variant: Variant) -> str:
+    return ", ".join(f"{name}={coefficient:g}" for name, coefficient in variant.terms.items())
+
+
+def render_variants(variants: Sequence[Variant]) -> None:
+    rows = table("variant", "model", "terms", "scaling", "format", "status", "size")
+    for v in variants:
+        size = filesize.decimal(sum(f.size for f in v.files)) if v.files else "-"
+        rows.add_row(v.variant_id, v.model_id, _terms(v), v.scaling, v.format, v.status, size)
+    stdout.print(rows)
+
+
+def render_variant(variant: Variant) -> None:
+    stdout.print(f"variant {variant.variant_id} of {variant.model_id}: {variant.status}")
+    stdout.print(f"terms {_terms(variant)}  scaling {variant.scaling}  format {variant.format}")
+    stdout.print(f"reference {', '.join(variant.reference) or '-'}")
+    selection = {"modules": variant.modules, "layers": variant.layers, "rcond": variant.rcond}
+    chosen = "  ".join(f"{k} {v}" for k, v in selection.items() if v is not None)
+    if chosen:
+        stdout.print(chosen)
+    if variant.files:
+        rows = table("file", "size", "sha256")
+        for f in variant.files:
+            rows.add_row(f.path, str(f.size), f.sha256)
+        stdout.print(rows)
+
+
+# ---------------------------------------------------------------- evaluate, generate, map
+
+
+def render_evaluation(result: dict[str, Any]) -> None:
+    """Split × {base, variant}: mean answer NLL, the NLL ratio variant/base, greedy exact match."""
+    summary = result["summary"]
+    rows = numeric_table("split", "probes", "base NLL", "variant NLL", "NLL ratio", "base exact", "variant exact")
+    rows.caption = "NLL ratio = variant / base: above 1, the variant finds the answers less likely"
+    for split in ("forget", "retain"):
+        base, edited = summary["base"].get(split), summary["variant"].get(split)
+        if base is None or edited is None:  # no probes of this split were sent
+            continue
+        ratio = f"{edited['mean_nll'] / base['mean_nll']:.4g}" if base["mean_nll"] > 0 else "-"
+        nll = (f"{base['mean_nll']:.4g}", f"{edited['mean_nll']:.4g}", ratio)
+        rows.add_row(split, str(base["n"]), *nll, f"{base['exact_match']:.1%}", f"{edited['exact_match']:.1%}")
+    stdout.print(rows)
+
+
+def render_generation(result: dict[str, Any]) -> None:
+    for name, output in result["outputs"].items():
+        line = Text(f"{name}: ", style="bold")
+        line.append(output["text"])
+        stdout.print(line, soft_wrap=True)
+
+
+def render_map(data: dict[str, Any]) -> None:
+    """Per concept: its largest ρ and where, a blocks × module types table (3 significant digits), the rest."""
+    for n, name in enumerate(data["concepts"]):
+        entry = data["maps"][name]
+        if n:
+            stdout.print()
+        stdout.print(Text(f"{name}: max ρ {entry['max']:.3g} at {entry['argmax']}", style="bold"))
+        rows = numeric_table("block", *data["modules"])
+        for block, row in zip(data["blocks"], entry["rho"], strict=True):
+            rows.add_row(str(block), *("-" if rho is None else f"{rho:.3g}" for rho in row))
+        stdout.print(rows)
+        outside = data["outside_blocks"].get(name) or {}
+        if outside:
+            stdout.print("outside the blocks: " + "  ".join(f"{layer} {rho:.3g}" for layer, rho in outside.items()))
+
+
+# ---------------------------------------------------------------- calibrate
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def render_calibration(result: CalibrationResult) -> None:
+    """Every candidate in evaluation order; ``✓`` feasible, ``P`` on the Pareto front, ``★`` recommended."""
+    recommended = result.recommended.candidate if result.recommended else None
+    rows = numeric_table(
+        "#", "module set", "scaling", "α", "forget ×NLL", "retain ×NLL", "forget exact", "retain exact", "flags"
+    )
+    rows.columns[1].justify = rows.columns[2].justify = rows.columns[8].justify = "left"
+    limit = result.constraint["max_retain_nll_ratio"]
+    rows.caption = f"×NLL = candidate / base mean answer NLL; ✓ retain ×NLL ≤ {limit:g}, P Pareto front, ★ recommended"
+    for c in result.candidates:
+        flags = ("✓" if c.feasible else " ") + ("P" if c.pareto else " ") + ("★" if c.index == recommended else "")
+        blocks = "" if c.options.layers is None else f"@{','.join(map(str, c.options.layers))}"
+        rows.add_row(
+            str(c.index),
+            c.options.module_set + blocks,
+            c.options.scaling,
+            f"{c.options.alpha:.3g}",
+            _ratio(c.forget.nll_ratio),
+            _ratio(c.retain.nll_ratio),
+            _share(c.forget.exact_match),
+            _share(c.retain.exact_match),
+            flags,
+        )
+    stdout.print(rows)
+    base = result.base
+    stdout.print(
+        f"base: forget NLL {_ratio(base['forget'].mean_nll)} (exact {_share(base['forget'].exact_match)}), "
+        f"retain NLL {_ratio(base['retain'].mean_nll)} (exact {_share(base['retain'].exact_match)}); "
+        f"{result.evaluations} of {result.budget} evaluations ({result.stopped}), "
+        f"a full grid at this resolution: {result.grid_equivalent}"
+    )
+    if result.recommended is None:
+        stdout.print(Text(f"nothing recommended: {result.note}", style="bold red"))
+        return
+    rec = result.recommended
+    modules = "every layer" if rec.options.modules is None else ", ".join(rec.options.modules)
+    line = Text("recommended: ", style="bold")
+    line.append(
+        f"α={rec.options.alpha:.4g} {rec.options.scaling} on {modules}: forget ×{_ratio(rec.forget_nll_ratio)}, "
+        f"retain ×{_ratio(rec.retain_nll_ratio)}; variant {rec.variant_id} ({rec.format})"
+    )
+    stdout.print(line, soft_wrap=True)

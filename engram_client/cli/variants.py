@@ -1,0 +1,51 @@
+"""``engram variants list | show | download``: the edited models the service has built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from engram_client.cli.options import Force, JsonFlag
+from engram_client.cli.output import emit
+from engram_client.cli.progress import download
+from engram_client.cli.render import render_variant, render_variants
+from engram_client.cli.root import session
+
+variants_app = typer.Typer(help="List, inspect and download variants.", no_args_is_help=True)
+
+
+@variants_app.command("list")
+def variants_list(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only the variants of this model.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Every variant (or one model's) with its terms, options and status."""
+    with session(ctx) as client:
+        variants = client.list_variants(model)
+    emit(ctx, as_json, variants, lambda: render_variants(variants))
+
+
+@variants_app.command("show")
+def variants_show(ctx: typer.Context, variant_id: str, as_json: JsonFlag = False) -> None:
+    """A variant: terms, options, status and files."""
+    with session(ctx) as client:
+        variant = client.get_variant(variant_id)
+    emit(ctx, as_json, variant, lambda: render_variant(variant))
+
+
+@variants_app.command("download")
+def variants_download(
+    ctx: typer.Context,
+    variant_id: str,
+    out: Annotated[Path, typer.Option("--out", "-o", help="A new directory for the variant's files.")],
+    force: Force = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Download a ready variant; every file's size and sha256 is verified before the directory appears."""
+    with session(ctx) as client:
+        variant = client.get_variant(variant_id)
+        download(client, variant, out, force)
+    emit(ctx, as_json, variant, lambda: None)
