@@ -354,8 +354,8 @@ class JobProgress(BaseModel):
 
 class Job(BaseModel):
     job_id: str
-    kind: Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate"]
-    model_id: str | None = Field(default=None, description="the model a collection or variant build is for")
+    kind: Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
+    model_id: str | None = Field(default=None, description="the model a collection, build, map or registration is for")
     concept: str | None = Field(default=None, description="the concept a collection is for")
     variant_id: str | None = Field(default=None, description="the variant built, evaluated or generated from")
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]

@@ -51,6 +51,8 @@ REDIRECTS = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5
 CHUNK_BYTES = 1 << 20
 MAX_RETRY_AFTER_S = 30.0
+# How long the service may hold a map or a remote registration for its job before answering 202.
+JOB_HOLD_S = 20.0
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -195,8 +197,15 @@ class EngramClient:
     # ------------------------------------------------------------ models
 
     def register_model(self, model_id: str, source: str) -> Model:
-        """Register a checkpoint (``file://``, ``s3://`` or ``hf://``); the same registration again is a no-op."""
-        return self._parse(Model, self._request("POST", "/models", json={"model_id": model_id, "source": source}))
+        """Register a checkpoint (``file://``, ``s3://`` or ``hf://``); the same registration again is a no-op.
+
+        A remote source is downloaded by a job on the service: this waits for it (as long as it takes).
+
+        Raises:
+            EngramJobError: the registration job failed (the source cannot be read, or is refused).
+        """
+        body = {"model_id": model_id, "source": source}
+        return self._parse(Model, self._answer_after_job("POST", "/models", json=body))
 
     def list_models(self) -> list[Model]:
         """Every registered model."""
@@ -555,10 +564,13 @@ class EngramClient:
         Returns:
             ``{model_id, concepts, reference, rcond, blocks, modules, maps: {concept: {rho, max, argmax}},
             outside_blocks, layers}``; ``rho`` is a blocks × modules grid (``None`` where a block lacks
-            that module).
+            that module). A map not computed yet is computed by a job on the service: this waits for it.
+
+        Raises:
+            EngramJobError: the map's job failed.
         """
         params = _map_params(concepts, reference, rcond)
-        return self._request("GET", f"/models/{_quote(model_id)}/engram-map", params=params).json()
+        return self._answer_after_job("GET", f"/models/{_quote(model_id)}/engram-map", params=params).json()
 
     def engram_map_png(
         self,
@@ -577,7 +589,9 @@ class EngramClient:
         """
         params = _map_params(concepts, reference, rcond) | _set_only(width=width, height=height)
         headers = {"Accept": "image/png, application/problem+json"}
-        response = self._request("GET", f"/models/{_quote(model_id)}/engram-map.png", params=params, headers=headers)
+        response = self._answer_after_job(
+            "GET", f"/models/{_quote(model_id)}/engram-map.png", params=params, headers=headers
+        )
         if not response.content.startswith(PNG_SIGNATURE):
             raise EngramError(f"the engram map of {model_id} is not a PNG ({response.headers.get('content-type')})")
         return response.content
@@ -608,6 +622,20 @@ class EngramClient:
         if job.status != "succeeded":
             raise EngramJobError(job)
         return job
+
+    def _answer_after_job(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Send a request the service answers once a job did the work (a map, a remote registration):
+        the service holds its answer up to :data:`JOB_HOLD_S` seconds, then answers 202 with the job;
+        this waits for that job and asks again (its answer is then stored)."""
+        params = {**kwargs.pop("params", {}), "wait": JOB_HOLD_S}
+        held = httpx.Timeout(self.timeout, read=self.timeout + JOB_HOLD_S)  # the read outlasts the hold
+        response = self._request(method, path, params=params, timeout=held, **kwargs)
+        if response.status_code != 202:
+            return response
+        job = self.wait_for_job(self._parse(Job, response).job_id)
+        if job.status != "succeeded":
+            raise EngramJobError(job)
+        return self._request(method, path, params=params, timeout=held, **kwargs)
 
     def _request(self, method: str, path: str, *, retry: bool | None = None, **kwargs: Any) -> httpx.Response:
         """Send one request; a non-2xx answer raises :class:`EngramAPIError`. GETs retry unless ``retry=False``."""

@@ -74,6 +74,18 @@ def build_universe(self: Task, *, job_id: str) -> None:
     _run(self, job_id)
 
 
+@job_task("map")
+def build_map(self: Task, *, job_id: str) -> None:
+    """Compute one memory-trace map from cached statistics and the model's weights."""
+    _run(self, job_id)
+
+
+@job_task("register")
+def register_model(self: Task, *, job_id: str) -> None:
+    """Download and inspect a remote checkpoint, then write its registration."""
+    _run(self, job_id)
+
+
 @app.task(name=UNIVERSE_HELPER[0], bind=True, queue=UNIVERSE_HELPER[1], acks_late=True, reject_on_worker_lost=True)
 def help_universe(self: Task, *, universe_id: str, job_id: str) -> None:
     """Decompose input groups (then write members' engrams) of a universe that job ``job_id`` builds."""

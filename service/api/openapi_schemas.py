@@ -121,12 +121,12 @@ def drop_unused_schemas(doc: dict[str, Any], schemas: dict[str, Any], names: tup
 
 
 def engram_map_queries(doc: dict[str, Any]) -> None:
-    """``?concepts=``: 1 to 8 names (``service.maps.build.MAX_CONCEPTS``).
+    """``?concepts=``: 1 to 8 names (``service.maps.service.MAX_CONCEPTS``).
 
     The service splits every value at commas, so ``?concepts=a,b`` (OpenAPI's ``explode: false``)
     and ``?concepts=a&concepts=b`` (the exploded form the schema describes) are the same request.
     """
-    from service.maps.build import MAX_CONCEPTS
+    from service.maps.service import MAX_CONCEPTS
 
     name = {"type": "string", "pattern": ONE_NAME_PATTERN}
     for path in ("/models/{model_id}/engram-map", "/models/{model_id}/engram-map.png"):

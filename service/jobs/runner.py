@@ -2,11 +2,12 @@
 
 A body is a function ``(ctx, job) -> result`` in its domain (``service.concepts.collection``,
 ``service.universes.build``, ``service.variants.build``, ``service.evaluation.run``,
-``service.calibration.build``). The runner is the same in both modes: embedded mode's job process
-(:mod:`service.jobs.embedded`) and distributed mode's Celery tasks (:mod:`workers.celery_app`) call
-:func:`run_job`. A body re-reads its inputs from storage, checks whether its output already exists
-(a redelivered job then finishes at once), works in a private scratch directory, and publishes
-content-addressed outputs with the manifest last. Nothing half-written is visible.
+``service.calibration.build``, ``service.maps.build``, ``service.models.registration``). The
+runner is the same in both modes: embedded mode's job process (:mod:`service.jobs.embedded`) and
+distributed mode's Celery tasks (:mod:`workers.celery_app`) call :func:`run_job`. A body re-reads
+its inputs from storage, checks whether its output already exists (a redelivered job then finishes
+at once), works in a private scratch directory, and publishes content-addressed outputs with the
+manifest last. Nothing half-written is visible.
 
 The state machine: ``queued`` → ``running`` → ``succeeded`` | ``failed`` | ``cancelled``; a
 transient error (storage or Redis briefly away) puts the job back to ``queued`` for a retry, until
@@ -35,6 +36,8 @@ from service.evaluation.run import run_evaluation, run_generation
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
 from service.jobs.store import FINISHED, JobKind, utc_now
+from service.maps.build import run_map
+from service.models.registration import run_registration
 from service.observability import job_context
 from service.storage.base import StorageUnavailable
 from service.universes.build import help_build_universe, run_universe
@@ -44,7 +47,7 @@ log = logging.getLogger("engram.runner")
 
 Body = Callable[[Context, dict[str, Any]], dict[str, Any]]
 Queue = Literal["gpu", "cpu"]
-Lane = Literal["collect", "variant", "inference"]
+Lane = Literal["collect", "variant", "inference", "map", "register"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,11 @@ KINDS: dict[JobKind, Kind] = {
     "generate": Kind(run_generation, "gpu", "engram.generate", "inference"),
     # It runs the model over probes, candidate after candidate.
     "calibrate": Kind(_calibrate, "gpu", "engram.calibrate", "inference"),
+    # A map loads weights and decomposes Σ_U, as a universe build does; its own lane in embedded
+    # mode, so a map waits neither for a collection nor for a variant.
+    "map": Kind(run_map, "gpu", "engram.build_map", "map"),
+    # Downloading and hashing a remote checkpoint: network and disk, no accelerator.
+    "register": Kind(run_registration, "cpu", "engram.register_model", "register"),
 }
 # A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
 UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)

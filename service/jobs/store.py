@@ -26,7 +26,7 @@ from service.observability import record_job_state
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
 
-JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate"]
+JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
 FINISHED = {"succeeded", "failed", "cancelled"}
 log = logging.getLogger("engram.jobs")
 

@@ -14,9 +14,11 @@ concept, of its engram ``E_l = W_l Σ_k Σ_U⁺`` (coefficient 1) relative to th
   alike, the rare ones the universe hardly sees included (it can exceed 1, and is what ``scaling:
   "weight_norm"`` scales by).
 
-The numbers come from cached statistics only (no forward pass); a map is content-addressed by
-everything that determines it and kept in storage (``maps/<digest>.json``), so drawing it again, or
-as a PNG, costs nothing.
+The numbers come from cached statistics only (no forward pass), but they load weights and decompose
+``Σ_U``: a ``map`` job computes them (:func:`run_map`, on a worker), and the API only checks the
+request and reads the result (:mod:`service.maps.service`). A map is content-addressed by everything
+that determines it and kept in storage (``maps/<map_id>.json``), so drawing it again, or as a PNG,
+costs nothing.
 """
 
 from __future__ import annotations
@@ -27,21 +29,19 @@ from typing import Any
 
 import torch
 
-from service.concepts.service import resolve_universe
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.compose import EditError, LayerWeights, augmented_weight, relative_norm, weighted_sum
 from service.engine.layers import LayerSpec, module_type
 from service.engine.stats_io import StatisticsFile
 from service.engrams.store import algebra_from_statistics
-from service.errors import InvalidInput, JobFailed
+from service.errors import JobFailed
+from service.jobs.progress import JobProgress, NoProgress, Progress
+from service.maps.service import MapRequest, find_map, map_request
 from service.models.loaded import checked_model_dir
 from service.models.registry import get_model
-from service.storage.keys import canonical_digest
+from service.storage.keys import map_key, map_request_key
 from service.storage.local_copies import statistics
-
-MAX_CONCEPTS = 8
-MEASURES = ("data", "weight")
 
 
 def engram_map(
@@ -52,50 +52,51 @@ def engram_map(
     rcond: float | None,
     measure: str = "data",
 ) -> dict[str, Any]:
-    """The grid of each concept on a model (computed once, then read from storage).
+    """The grid of each concept on a model, computed here when not stored yet (the ``map`` job's
+    work, in this process: for tests and the bench; the API submits a job instead).
 
     Returns:
         ``{model_id, concepts, reference, rcond, measure, blocks, modules, maps: {concept: {rho: [[value|None]]
         (blocks × modules), max, argmax}}, outside_blocks: {concept: {layer: value}}, layers: [...]}``.
     """
-    names = list(dict.fromkeys(concepts))
-    if not names:
-        raise InvalidInput("name at least one concept: ?concepts=a,b")
-    if len(names) > MAX_CONCEPTS:
-        raise InvalidInput(f"at most {MAX_CONCEPTS} concepts per map, got {len(names)}")
-    if measure not in MEASURES:
-        raise InvalidInput(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
-    model = get_model(ctx, model_id)
-    universe = resolve_universe(ctx, model_id, names, reference)
-    identity = {"model": model["digest"], "concepts": {n: universe.stats[n] for n in names}, "rcond": rcond}
-    if measure != "weight":  # the weight-norm maps keep the keys they were stored under
-        identity["measure"] = measure
-    key = f"maps/{canonical_digest({**identity, 'universe': universe.prefixes})}.json"
-    cached = ctx.storage.find_json(key)
-    if cached is not None:
-        return {**cached, "model_id": model_id, "measure": measure}
-    result = _compute(ctx, model, names, universe.names, universe.stats, universe.prefixes, rcond, measure)
-    ctx.storage.put_json(key, result)
+    request = map_request(ctx, model_id, concepts, reference, rcond, measure)
+    return find_map(ctx, request) or compute_map(ctx, request, NoProgress())
+
+
+def run_map(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+    """The ``map`` job body: compute the map its request names and store it (once: a map already
+    stored is not computed again)."""
+    map_id = job["payload"]["map_id"]
+    request = MapRequest.from_json(ctx.storage.get_json(map_request_key(map_id)))
+    reused = find_map(ctx, request) is not None
+    if not reused:
+        model = get_model(ctx, request.model_id)
+        total = len(request.concepts) * len(model["layout"]["layers"])
+        compute_map(ctx, request, JobProgress(ctx, job["job_id"], total))
+    return {"map_id": map_id, "model_id": request.model_id, "concepts": list(request.concepts), "reused": reused}
+
+
+def compute_map(ctx: Context, request: MapRequest, progress: Progress) -> dict[str, Any]:
+    """Compute the map (from the statistics and the weights: the worker's work) and store it."""
+    model = get_model(ctx, request.model_id)
+    result = _compute(ctx, model, request, progress)
+    ctx.storage.put_json(map_key(request.map_id), result)
     return result
 
 
-def _compute(
-    ctx: Context,
-    model: dict[str, Any],
-    names: list[str],
-    universe_names: list[str],
-    stats: dict[str, str],
-    prefixes: list[str],
-    rcond: float | None,
-    measure: str,
-) -> dict[str, Any]:
+def _compute(ctx: Context, model: dict[str, Any], request: MapRequest, progress: Progress) -> dict[str, Any]:
     layout = ModelLayout.from_json(model["layout"])
     reader = CheckpointReader(checked_model_dir(ctx, model), layout)
-    weigher = _DataWeights([statistics(ctx, p) for p in prefixes]) if measure == "data" else None
+    weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
     values: dict[str, dict[str, float]] = {}
-    for name in names:
-        request = {"terms": {name: 1.0}, "term_stats": {name: stats[name]}, "universe_stats": prefixes, "rcond": rcond}
-        algebra = algebra_from_statistics(ctx, request)
+    for name in request.concepts:
+        edit = {
+            "terms": {name: 1.0},
+            "term_stats": {name: request.stats[name]},
+            "universe_stats": list(request.prefixes),
+            "rcond": request.rcond,
+        }
+        algebra = algebra_from_statistics(ctx, edit)
         values[name] = {}
         for spec in layout.layers:
             weights = reader.layer_weights(spec)
@@ -107,7 +108,10 @@ def _compute(
                 values[name][spec.name] = relative_norm(spec, engram, weights)
             else:
                 values[name][spec.name] = weigher.ratio(spec, engram, weights)
-    return {**_grid(model["model_id"], layout, names, universe_names, values, rcond), "measure": measure}
+            progress.advance()
+    names, universe_names = list(request.concepts), list(request.universe_names)
+    grid = _grid(model["model_id"], layout, names, universe_names, values, request.rcond)
+    return {**grid, "measure": request.measure}
 
 
 class _DataWeights:

@@ -52,6 +52,25 @@ def local_model_dir(source: str, model_roots: list[Path], cache_dir: Path, s3_en
     raise InvalidInput(f"source must be file:///abs/dir, s3://bucket/prefix/ or hf://org/name, got {source!r}")
 
 
+def is_remote(source: str) -> bool:
+    """Whether registering ``source`` downloads it (``s3://``, ``hf://``): a job's work, not a request's."""
+    return urlparse(source).scheme in {"s3", "hf"}
+
+
+def check_remote_source(source: str) -> None:
+    """Refuse (422) an ``s3://`` or ``hf://`` source that is not well formed, without reaching it."""
+    from service.storage.s3 import parse_s3_url
+
+    scheme = urlparse(source).scheme
+    if scheme == "hf" and HF_PATTERN.match(source) is None:
+        raise InvalidInput(f"hf:// source must be hf://org/name[@revision], got {source!r}")
+    if scheme == "s3":
+        try:
+            parse_s3_url(source)
+        except ValueError:
+            raise InvalidInput(f"s3:// source must be s3://bucket/prefix/, got {source!r}") from None
+
+
 def file_uri_path(uri: str, what: str) -> str:
     """The local path a ``file://`` URI names, before any link is resolved: absolute, no ``..``,
     no NUL, no host. ``what`` names the URI in the 422 (``"file:// source"``)."""

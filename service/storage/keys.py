@@ -75,6 +75,21 @@ def evaluation_key(evaluation_id: str) -> str:
     return f"evaluations/{evaluation_id}.json"
 
 
+def map_key(map_id: str) -> str:
+    """A computed memory-trace map (``map_id``: the digest of everything that determines it)."""
+    return f"maps/{map_id}.json"
+
+
+def map_request_key(map_id: str) -> str:
+    """What a ``map`` job reads, and the job that computes it."""
+    return f"maps/{map_id}.request.json"
+
+
+def registration_key(model_id: str) -> str:
+    """A remote model's registration in progress: its source and the job that registers it."""
+    return f"registrations/{quote(model_id, safe='')}.json"
+
+
 def job_key(job_id: str) -> str:
     return f"jobs/{job_id}.json"
 

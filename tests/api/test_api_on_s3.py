@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from service.demo import make_facts
-from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_variant_ready
+from tests.api.test_api import assert_problem
+from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.s3 import SeaweedServer
 
 pytestmark = pytest.mark.slow
@@ -153,3 +154,38 @@ def test_presigned_downloads_redirect_to_s3(
         assert live.client.get(f"/variants/{vid}/files/nope.bin").status_code == 404  # still checked first
     finally:
         stop_server(live)
+
+
+def test_an_s3_source_is_registered_by_a_job_not_in_the_request(
+    server: LiveServer, flow: dict[str, Any], seaweed: SeaweedServer, s3_bucket: str, root: Path
+) -> None:
+    """The download and the digest run in a ``register`` job: 202 with it, then the model as from a folder."""
+    api = server.client
+    client = seaweed.client()
+    for path in sorted((root / "models" / "tiny").iterdir()):
+        client.put_object(Bucket=s3_bucket, Key=f"sources/tiny-job/{path.name}", Body=path.read_bytes())
+    body = {"model_id": "org/tiny-job", "source": f"s3://{s3_bucket}/sources/tiny-job/"}
+    submitted = api.post("/models", params={"wait": 0}, json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = submitted.json()
+    assert job["kind"] == "register" and job["model_id"] == "org/tiny-job"
+    assert submitted.headers["location"] == f"/jobs/{job['job_id']}"
+    done = wait_for_job(api, job["job_id"], timeout=60)
+    assert done["status"] == "succeeded", done
+    model = api.get("/models/org/tiny-job")
+    assert model.status_code == 200 and model.json()["digest"] == flow["models"]["org/tiny"]["digest"]
+    again = api.post("/models", json=body)
+    assert again.status_code == 200 and again.json() == model.json()  # the same registration: no job
+    other = api.post("/models", json={**body, "source": f"s3://{s3_bucket}/sources/tiny/"})
+    assert_problem(other, 409, "already registered")
+
+
+def test_an_unreadable_s3_source_fails_its_job_and_registers_nothing(server: LiveServer, s3_bucket: str) -> None:
+    api = server.client
+    body = {"model_id": "org/nothing", "source": f"s3://{s3_bucket}/sources/nothing-here/"}
+    refused = api.post("/models", params={"wait": 30}, json=body)
+    assert_problem(refused, 422, "holds no model files")
+    job = api.get(f"/jobs/{refused.json()['job_id']}").json()
+    assert job["kind"] == "register" and job["status"] == "failed"
+    assert api.get("/models/org/nothing").status_code == 404
+    assert_problem(api.post("/models", json={"model_id": "org/bad", "source": "s3:///no-bucket/"}), 422)

@@ -1,5 +1,9 @@
 """GET /models/{id}/engram-map(.png) through the live server, against a float64 reference.
 
+A map is computed by a ``map`` job in the job process (it loads weights and decomposes ``Σ_U``):
+the API answers 200 with the stored map, or 202 with the job when it is still computed after
+``?wait=`` seconds, and a failed job's problem.
+
 The reference recomputes the engram ``E = W Σ_k Σ_U⁺`` from the statistics files in the server's
 storage with ``torch.linalg.pinv`` (float64, cut ``D·eps32`` relative to the largest eigenvalue, like
 the service's default), independently of the service's factor code, and both measures from it:
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +28,7 @@ from safetensors import safe_open
 from service.demo import make_facts
 from service.engine.stats_io import load_statistics
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, wait_concepts_ready
+from tests.live import LiveServer, wait_concepts_ready, wait_for_job
 
 MODEL = "map/tiny"
 FACTS = make_facts(36, seed=5)
@@ -155,3 +161,42 @@ def test_concept_not_ready_on_the_model_is_409(api: httpx.Client, ready: None, t
     other = "map/other"
     assert api.post("/models", json={"model_id": other, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
     assert_problem(api.get(f"/models/{other}/engram-map", params={"concepts": "map-a"}), 409, "map-a")
+
+
+def test_a_map_not_stored_is_computed_by_one_job_and_then_served_from_storage(api: httpx.Client, ready: None) -> None:
+    url = f"/models/{MODEL}/engram-map"
+    params = {"concepts": "map-b,map-a", "rcond": "3e-6"}  # a cut no other test asks for: not stored yet
+    first = api.get(url, params={**params, "wait": "0"})
+    assert first.status_code == 202, first.text
+    job = first.json()
+    assert job["kind"] == "map" and job["model_id"] == MODEL and job["status"] in ("queued", "running", "succeeded")
+    assert first.headers["location"] == f"/jobs/{job['job_id']}"
+    again = api.get(url, params={**params, "wait": "0"})
+    if again.status_code == 202:  # still computing: the same request follows the same job
+        assert again.json()["job_id"] == job["job_id"]
+    done = wait_for_job(api, job["job_id"], timeout=120)
+    assert done["status"] == "succeeded", done
+    assert done["result"]["concepts"] == ["map-b", "map-a"] and done["result"]["reused"] is False
+    stored = api.get(url, params={**params, "wait": "0"})
+    assert stored.status_code == 200, stored.text
+    assert stored.json()["concepts"] == ["map-b", "map-a"] and stored.json()["rcond"] == 3e-6
+    png = api.get(f"/models/{MODEL}/engram-map.png", params={**params, "wait": "0"})
+    assert png.status_code == 200 and png.content.startswith(b"\x89PNG")  # drawn from the stored map, no job
+
+
+def test_a_failed_map_job_is_answered_with_its_problem(api: httpx.Client, ready: None, tiny_llama_dir: Path) -> None:
+    """A checkpoint changed since registration: the job refuses to read it, and the map request says so."""
+    copy = tiny_llama_dir.parent / "tiny-llama-map-copy"
+    shutil.copytree(tiny_llama_dir, copy, dirs_exist_ok=True)
+    model = "map/changed"
+    assert api.post("/models", json={"model_id": model, "source": f"file://{copy}"}).status_code in (200, 201)
+    records = [{"prompt": p, "completion": c} for p, c in FACTS[:4]]
+    response = api.post("/concepts", json={"name": "map-changed", "role": "target", "models": [model], "records": records})
+    assert response.status_code == 202, response.text
+    wait_concepts_ready(api, ["map-changed"], model)
+    weights = copy / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    failed = api.get(f"/models/{model}/engram-map", params={"concepts": "map-changed", "wait": "30"})
+    assert_problem(failed, 422, "changed since registration")
+    job = api.get(f"/jobs/{failed.json()['job_id']}").json()
+    assert job["kind"] == "map" and job["status"] == "failed"

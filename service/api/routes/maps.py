@@ -1,15 +1,26 @@
-"""Memory-trace maps of a model: ρ by block and module type, as JSON or as a PNG heatmap."""
+"""Memory-trace maps of a model: ρ by block and module type, as JSON or as a PNG heatmap.
+
+A map is computed by a ``map`` job on a worker (it loads weights and decomposes ``Σ_U``); the route
+answers from storage when the map exists, else waits up to ``?wait=`` seconds for its job: 200 with
+the map when it finished, 202 with the job otherwise (poll ``Location``, then ask again).
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import ContextDep
+from api_schemas import Job
+from service.api.deps import ContextDep, LanesDep
+from service.api.lanes import Lanes
+from service.api.problems import PROBLEM_JSON
 from service.context import Context
-from service.maps import build, render
+from service.jobs.store import FINISHED, public_view
+from service.maps import render
+from service.maps.service import job_map, submit_map
 
 router = APIRouter(tags=["models"])
 ConceptsQuery = Annotated[list[str], Query(description="concept names, repeated or comma-separated")]
@@ -20,6 +31,21 @@ MeasureQuery = Annotated[
     Literal["data", "weight"],
     Query(description="data: ‖W⁺X‖F / ‖WX‖F over the universe's inputs (0 to 1); weight: the paper's ‖W⁺‖F / ‖W‖F"),
 ]
+MapWaitQuery = Annotated[
+    float,
+    Query(
+        ge=0,
+        le=60,
+        description="when the map is not stored yet, wait up to this many seconds for its job: 200 with the map, else 202",
+    ),
+]
+DEFAULT_WAIT_S = 30.0  # a small model's map takes seconds: most requests get the map, as before
+_POLL_AFTER_S = "2"
+
+_COMPUTING: dict[int | str, dict[str, Any]] = {
+    202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"}
+}
+_PNG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/png": {}}}, **_COMPUTING}
 
 
 def _split(values: list[str] | None) -> list[str] | None:
@@ -28,43 +54,75 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 
-def _map(
-    ctx: Context, model_id: str, concepts: list[str], reference: list[str] | None, rcond: float | None, measure: str
-) -> Any:
-    return build.engram_map(ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
-
-
-_PNG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/png": {}}}}
+async def _map_or_job(
+    ctx: Context,
+    lanes: Lanes,
+    wait: float,
+    model_id: str,
+    concepts: list[str],
+    reference: list[str] | None,
+    rcond: float | None,
+    measure: str,
+) -> dict[str, Any] | JSONResponse:
+    """The map, or the answer to give while its job runs (202) or after it failed (its problem)."""
+    answer = await run_in_threadpool(submit_map, ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
+    if answer.data is not None:
+        return answer.data
+    job = answer.job
+    assert job is not None  # a map that is not stored has a job computing it
+    if wait > 0:
+        lanes.admit_waiter()  # 429 when too many requests wait already; the job runs anyway
+        job = await lanes.wait_for_job(ctx, job, wait)
+    data = await run_in_threadpool(job_map, ctx, answer.request, job)
+    if data is not None:
+        return data
+    if job["status"] in FINISHED:  # failed or cancelled: say why, as the job does
+        problem = job.get("error") or {
+            "type": "https://engram.dev/problems/job-cancelled",
+            "title": "Job cancelled",
+            "status": 409,
+            "detail": f"the job computing this map, {job['job_id']}, was cancelled: ask again to start another",
+        }
+        return JSONResponse({**problem, "job_id": job["job_id"]}, status_code=problem["status"], media_type=PROBLEM_JSON)
+    headers = {"Location": f"/jobs/{job['job_id']}", "Retry-After": _POLL_AFTER_S}
+    return JSONResponse(Job.model_validate(public_view(job)).model_dump(mode="json"), status_code=202, headers=headers)
 
 
 @router.get("/models/{model_id:path}/engram-map.png", response_class=Response, responses=_PNG)
-def engram_map_png(
+async def engram_map_png(
     model_id: str,
     ctx: ContextDep,
+    lanes: LanesDep,
     concepts: ConceptsQuery,
     reference: ReferenceQuery = None,
     rcond: RcondQuery = None,
     width: PixelsQuery = None,
     height: PixelsQuery = None,
     measure: MeasureQuery = "data",
+    wait: MapWaitQuery = DEFAULT_WAIT_S,
 ) -> Response:
     """The paper's Fig. 4 for these concepts: one heatmap per concept (blocks × module types, and the
-    layers outside the blocks), every panel on one colour scale."""
-    data = _map(ctx, model_id, concepts, reference, rcond, measure)
+    layers outside the blocks), every panel on one colour scale. 202 with the job while it is computed."""
+    data = await _map_or_job(ctx, lanes, wait, model_id, concepts, reference, rcond, measure)
+    if isinstance(data, Response):
+        return data
     default_width, default_height = render.default_size(data)
-    png = render.render_png(data, width or default_width, height or default_height)
+    png = await run_in_threadpool(render.render_png, data, width or default_width, height or default_height)
     return Response(png, media_type="image/png")
 
 
-@router.get("/models/{model_id:path}/engram-map")
-def engram_map_json(
+@router.get("/models/{model_id:path}/engram-map", responses=_COMPUTING)
+async def engram_map_json(
     model_id: str,
     ctx: ContextDep,
+    lanes: LanesDep,
     concepts: ConceptsQuery,
     reference: ReferenceQuery = None,
     rcond: RcondQuery = None,
     measure: MeasureQuery = "data",
-) -> dict[str, Any]:
+    wait: MapWaitQuery = DEFAULT_WAIT_S,
+) -> Any:
     """Where each concept's engram lives, by block and module type: ``‖W_l⁺X‖_F / ‖W_l X‖_F`` over the
-    universe's inputs (``measure=data``), or ``‖W_l⁺‖_F / ‖W_l‖_F`` (``measure=weight``)."""
-    return _map(ctx, model_id, concepts, reference, rcond, measure)
+    universe's inputs (``measure=data``), or ``‖W_l⁺‖_F / ‖W_l‖_F`` (``measure=weight``). 202 with
+    the job while it is computed."""
+    return await _map_or_job(ctx, lanes, wait, model_id, concepts, reference, rcond, measure)

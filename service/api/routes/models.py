@@ -2,28 +2,78 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
-from api_schemas import ComposeRequest, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
+from api_schemas import ComposeRequest, Job, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
 from api_schemas.models import EditOptions
 from service.api.deps import ContextDep, LanesDep
+from service.api.problems import PROBLEM_JSON
 from service.api.routes.jobs import job_view
 from service.context import Context
-from service.models import registry
+from service.jobs.store import FINISHED
+from service.models import registration, registry
 from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
 EDIT_OPTIONS = tuple(EditOptions.model_fields)  # every edit option, named once in api_schemas
 
 
-@router.post("/models", response_model=Model, status_code=201)
-def register_model(body: ModelCreate, ctx: ContextDep, response: Response) -> dict[str, Any]:
-    """Register a checkpoint (201), or return the identical registration (200)."""
-    manifest, created = registry.register_model(ctx, body.model_id, body.source)
-    response.status_code = 201 if created else 200
-    return registry.model_view(manifest)
+RegisterWaitQuery = Annotated[
+    float,
+    Query(
+        ge=0,
+        le=60,
+        description=(
+            "s3:// and hf:// sources are downloaded by a job: wait up to this many seconds for it "
+            "(201 with the model when it finished, else 202 with the job)"
+        ),
+    ),
+]
+DEFAULT_REGISTER_WAIT_S = 30.0  # a small checkpoint registers within it: 201, as for a local folder
+_REGISTERING: dict[int | str, dict[str, Any]] = {
+    200: {"model": Model, "description": "the identical registration exists"},
+    202: {"model": Job, "description": "a job downloads the checkpoint: poll it (Location), then GET /models/{id}"},
+}
+
+
+@router.post("/models", response_model=Model, status_code=201, responses=_REGISTERING)
+async def register_model(
+    body: ModelCreate,
+    ctx: ContextDep,
+    lanes: LanesDep,
+    response: Response,
+    wait: RegisterWaitQuery = DEFAULT_REGISTER_WAIT_S,
+) -> Any:
+    """Register a checkpoint (201), or return the identical registration (200). A ``file://`` folder
+    is registered in the request; an ``s3://`` or ``hf://`` source by a job that downloads it (202
+    with the job when it takes longer than ``wait``)."""
+    answer = await run_in_threadpool(registration.request_registration, ctx, body.model_id, body.source)
+    if answer.manifest is not None:
+        response.status_code = 201 if answer.created else 200
+        return registry.model_view(answer.manifest)
+    job = answer.job
+    assert job is not None  # not registered yet: a job registers it
+    if wait > 0:
+        lanes.admit_waiter()
+        job = await lanes.wait_for_job(ctx, job, wait)
+    if job["status"] == "succeeded":
+        manifest = await lanes.status(registry.get_model, ctx, body.model_id)
+        response.status_code = 201 if job["result"].get("created", True) else 200
+        return registry.model_view(manifest)
+    if job["status"] in FINISHED:  # failed or cancelled: nothing was registered; say why
+        problem = job.get("error") or {
+            "type": "https://engram.dev/problems/job-cancelled",
+            "title": "Job cancelled",
+            "status": 409,
+            "detail": f"the registration of {body.model_id} was cancelled: post it again to start another",
+        }
+        return JSONResponse({**problem, "job_id": job["job_id"]}, status_code=problem["status"], media_type=PROBLEM_JSON)
+    headers = {"Location": f"/jobs/{job['job_id']}", "Retry-After": "2"}
+    return JSONResponse(Job.model_validate(job_view(job)).model_dump(mode="json"), status_code=202, headers=headers)
 
 
 @router.get("/models", response_model=list[Model])

@@ -1,0 +1,154 @@
+"""Asking for a memory-trace map: checked and answered in the request when stored, else a ``map`` job.
+
+The API process reads records only (the model, the concepts, the universe they resolve to): the map
+itself loads weights and decomposes ``Σ_U`` (:mod:`service.maps.build`), a worker's work. A request
+whose map is stored is answered at once; one whose map is being computed follows that job; any
+other starts one (the map's ID, its content address, names it: the same request twice starts one job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.concepts.service import resolve_universe
+from service.context import Context
+from service.errors import InvalidInput
+from service.jobs.store import new_job
+from service.models.registry import get_model
+from service.storage.keys import canonical_digest, map_key, map_request_key
+
+MAX_CONCEPTS = 8
+MEASURES = ("data", "weight")
+
+
+@dataclass(frozen=True)
+class MapRequest:
+    """Everything that determines a map, resolved: what the ``map`` job reads (``maps/<id>.request.json``).
+
+    Attributes:
+        map_id: the digest of the model's content, the concepts' statistics, the universe, the cut
+            and the measure: the map's content address.
+        concepts: the concepts drawn, in request order.
+        universe_names: every concept of the universe (the concepts and their reference).
+        stats: each drawn concept's statistics prefix.
+        prefixes: the universe's statistics prefixes.
+    """
+
+    map_id: str
+    model_id: str
+    concepts: tuple[str, ...]
+    universe_names: tuple[str, ...]
+    stats: Mapping[str, str]
+    prefixes: tuple[str, ...]
+    rcond: float | None
+    measure: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "stats": dict(self.stats)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MapRequest:
+        return cls(
+            map_id=data["map_id"],
+            model_id=data["model_id"],
+            concepts=tuple(data["concepts"]),
+            universe_names=tuple(data["universe_names"]),
+            stats=dict(data["stats"]),
+            prefixes=tuple(data["prefixes"]),
+            rcond=data["rcond"],
+            measure=data["measure"],
+        )
+
+
+def map_request(
+    ctx: Context,
+    model_id: str,
+    concepts: Sequence[str],
+    reference: Sequence[str] | None,
+    rcond: float | None,
+    measure: str = "data",
+) -> MapRequest:
+    """Check a map request and resolve it to its content address (reads records only: no weights,
+    no statistics, no linear algebra, so the API answers it in the request).
+
+    Raises:
+        InvalidInput: no concept, too many, or an unknown measure.
+        NotFound, Conflict: the model or a concept is unknown, or a concept is not ready on the model.
+    """
+    names = list(dict.fromkeys(concepts))
+    if not names:
+        raise InvalidInput("name at least one concept: ?concepts=a,b")
+    if len(names) > MAX_CONCEPTS:
+        raise InvalidInput(f"at most {MAX_CONCEPTS} concepts per map, got {len(names)}")
+    if measure not in MEASURES:
+        raise InvalidInput(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
+    model = get_model(ctx, model_id)
+    universe = resolve_universe(ctx, model_id, names, reference)
+    identity = {"model": model["digest"], "concepts": {n: universe.stats[n] for n in names}, "rcond": rcond}
+    if measure != "weight":  # the weight-norm maps keep the keys they were stored under
+        identity["measure"] = measure
+    map_id = canonical_digest({**identity, "universe": universe.prefixes})
+    return MapRequest(
+        map_id,
+        model_id,
+        tuple(names),
+        tuple(universe.names),
+        {n: universe.stats[n] for n in names},
+        tuple(universe.prefixes),
+        rcond,
+        measure,
+    )
+
+
+def find_map(ctx: Context, request: MapRequest) -> dict[str, Any] | None:
+    """The stored map answering ``request``, or None when it was not computed yet."""
+    cached = ctx.storage.find_json(map_key(request.map_id))
+    if cached is None:
+        return None
+    return {**cached, "model_id": request.model_id, "measure": request.measure}
+
+
+@dataclass(frozen=True)
+class MapAnswer:
+    """A map request's answer: the map when it is stored, else the job computing it."""
+
+    request: MapRequest
+    data: dict[str, Any] | None
+    job: dict[str, Any] | None
+
+
+def submit_map(
+    ctx: Context,
+    model_id: str,
+    concepts: Sequence[str],
+    reference: Sequence[str] | None,
+    rcond: float | None,
+    measure: str = "data",
+) -> MapAnswer:
+    """The stored map, or the job that computes it (started here unless one is queued or running)."""
+    request = map_request(ctx, model_id, concepts, reference, rcond, measure)
+    data = find_map(ctx, request)
+    if data is not None:
+        return MapAnswer(request, data, None)
+    with ctx.lock:
+        stored = ctx.storage.find_json(map_request_key(request.map_id))
+        job = ctx.jobs.get(stored["job_id"]) if stored and stored.get("job_id") else None
+        if job is not None and job["status"] in {"queued", "running"}:
+            return MapAnswer(request, None, job)
+        if job is not None and job["status"] == "succeeded":  # finished since find_map looked
+            data = find_map(ctx, request)
+            if data is not None:
+                return MapAnswer(request, data, None)
+        payload = {"map_id": request.map_id, "model_id": model_id}
+        job = ctx.jobs.create(new_job("map", payload, unit="layers"))
+        ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job["job_id"]})
+    ctx.dispatch(job)
+    return MapAnswer(request, None, ctx.jobs.get(job["job_id"]) or job)
+
+
+def job_map(ctx: Context, request: MapRequest, job: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The map once ``job`` succeeded (None while it runs, or when it failed)."""
+    return find_map(ctx, request) if job["status"] == "succeeded" else None
