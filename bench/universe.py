@@ -134,26 +134,29 @@ def build_universe(ctx: Any, names: list[str]) -> dict[str, Any]:
 
 def variant_request(ctx: Any, names: list[str], universe_id: str, scaling: str = "uniform") -> dict[str, Any]:
     """The stored request of an unlearn variant of ``names`` in the universe (submitted, not run)."""
-    from service.variants.service import submit_variant
+    from api_schemas.models import EditOptions
+    from service.variants.service import find_variant_request, submit_variant
 
-    options = {"scaling": scaling, "format": "checkpoint", "universe": universe_id}
+    options = EditOptions(scaling=scaling, format="checkpoint", universe=universe_id)
     view, job = submit_variant(ctx, MODEL_ID, dict.fromkeys(names, -1.0), 1.0, options)
-    request = ctx.storage.get_json(f"variants/{view['variant_id']}/request.json")
-    return {"request": request, "job": job}
+    return {"request": find_variant_request(ctx, view["variant_id"]), "job": job}
 
 
-def float32_storage_effect(ctx: Any, request: dict[str, Any], layout: Any, model_dir: Path, out: Path) -> dict[str, Any]:
+def float32_storage_effect(ctx: Any, variant_id: str, layout: Any, model_dir: Path, out: Path) -> dict[str, Any]:
     """The stored-engram variant against the float64 statistics path, tensor by tensor."""
     from safetensors.torch import load_file
 
     from bench.compose import clear, compose_variant
     from service.storage.local_copies import local_statistics_file
     from service.variants.build import build_variant_files
+    from service.variants.service import find_variant_request
 
+    request = find_variant_request(ctx, variant_id)
+    assert request is not None
     (out / "stored").mkdir(parents=True)
     build_variant_files(ctx, request, out / "stored")
-    terms = [local_statistics_file(ctx, p) for p in request["term_stats"].values()]
-    universe = [local_statistics_file(ctx, p) for p in request["universe_stats"]]
+    terms = [local_statistics_file(ctx, p) for p in request.term_stats.values()]
+    universe = [local_statistics_file(ctx, p) for p in request.universe_stats]
     compose_variant(model_dir, layout, terms, universe, out / "float64")
     ours, theirs = (
         load_file(str(out / "stored" / "model.safetensors")),
@@ -244,7 +247,7 @@ def measure_variants(root: Path, setup_info: dict[str, Any], reps: int) -> dict[
     weight_norm = variant_request(ctx, names[:3], uid, "weight_norm")
     out = root / "out"
 
-    def variant(request: dict[str, Any]) -> None:
+    def variant(request: Any) -> None:
         (out / "variant").mkdir(parents=True)
         build_variant_files(ctx, request, out / "variant")
         clear(out / "variant")
@@ -279,7 +282,7 @@ def measure_variants(root: Path, setup_info: dict[str, Any], reps: int) -> dict[
         "median_s": {k: round(median(v), 4) for k, v in times.items()},
         "ratio_to_copy_floor": {k: round(median(v) / floor_s, 3) for k, v in times.items()},
         "variant_1_job_with_upload_s": round(job_s, 3),
-        "request_1": requests[1]["request"],
+        "variant_id_1": requests[1]["request"].variant_id,
     }
 
 
@@ -302,12 +305,12 @@ def measure(profile: Profile, root: Path, reps: int = 3, exactness: bool = True)
     info = setup(profile, root)
     variants = variants_in_fresh_process(root, info, reps)
     result = {k: v for k, v in info.items() if k not in ("model_dir", "names")}
-    result.update({k: v for k, v in variants.items() if k != "request_1"})
+    result.update({k: v for k, v in variants.items() if k != "variant_id_1"})
     if exactness:
         ctx = service_context(root)
         layout = ModelLayout.from_json(get_model(ctx, MODEL_ID)["layout"])
         result["float32_storage"] = float32_storage_effect(
-            ctx, variants["request_1"], layout, Path(info["model_dir"]), root / "out"
+            ctx, variants["variant_id_1"], layout, Path(info["model_dir"]), root / "out"
         )
     return result
 

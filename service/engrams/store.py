@@ -136,8 +136,24 @@ FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)  # ENGRAM_FACT
 
 
 def algebra_from_statistics(ctx: Context, request: Mapping[str, Any]) -> EngramAlgebra:
-    """An :class:`EngramAlgebra` over the request's statistics (``terms``, ``term_stats``,
-    ``universe_stats``, ``rcond``), sharing this process's factor cache."""
+    """:func:`statistics_algebra` of a mapping with ``terms``, ``term_stats``, ``universe_stats``
+    and ``rcond`` (what the memory-trace maps build)."""
+    return statistics_algebra(ctx, request["terms"], request["term_stats"], request["universe_stats"], request["rcond"])
+
+
+def statistics_algebra(
+    ctx: Context,
+    terms: Mapping[str, float],
+    term_stats: Mapping[str, str],
+    universe_stats: Sequence[str],
+    rcond: float | None,
+) -> EngramAlgebra:
+    """An :class:`EngramAlgebra` over statistics, sharing this process's factor cache.
+
+    Args:
+        terms: name -> coefficient; ``term_stats``: each name's statistics prefix.
+        universe_stats: the universe's statistics prefixes.
+    """
     # Each file is opened at most once per request, even when the shared cache is too small to
     # keep the whole universe.
     loaded: dict[str, StatisticsFile] = {}
@@ -147,8 +163,8 @@ def algebra_from_statistics(ctx: Context, request: Mapping[str, Any]) -> EngramA
             loaded[prefix] = statistics(ctx, prefix)
         return loaded[prefix]
 
-    terms = [(float(request["terms"][n]), stats(prefix)) for n, prefix in request["term_stats"].items()]
-    universe = [stats(prefix) for prefix in request["universe_stats"]]
-    universe_key = canonical_digest(sorted(request["universe_stats"]))
+    summed = [(float(terms[n]), stats(prefix)) for n, prefix in term_stats.items()]
+    universe = [stats(prefix) for prefix in universe_stats]
+    universe_key = canonical_digest(sorted(universe_stats))
     FACTOR_CACHE.max_bytes = ctx.settings.factor_cache_bytes  # module-level: the settings live in ctx
-    return EngramAlgebra(terms, universe, request["rcond"], universe_key=universe_key, factor_cache=FACTOR_CACHE)
+    return EngramAlgebra(summed, universe, rcond, universe_key=universe_key, factor_cache=FACTOR_CACHE)

@@ -29,6 +29,7 @@ from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.storage.keys import evaluation_key, probes_key, variant_file_key
 from service.variants.service import find_variant_request, variant_manifest
+from service.variants.spec import VariantRequest
 
 _CHUNK = 16  # probes per progress tick (and per forward batch)
 
@@ -49,7 +50,7 @@ class _VariantModels:
         manifest = variant_manifest(ctx, variant_id)
         if request is None or manifest is None:
             raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
-        model_manifest = get_model(ctx, request["model_id"])
+        model_manifest = get_model(ctx, request.model_id)
         device = ctx.settings.torch_device
         base, tokenizer = MODELS.get(ctx, model_manifest, device)
         with self._lock:
@@ -64,7 +65,7 @@ VARIANT_MODELS = _VariantModels()
 
 
 def _load_variant(
-    ctx: Context, variant_id: str, request: dict[str, Any], manifest: dict[str, Any], base_dir: Path, device: str
+    ctx: Context, variant_id: str, request: VariantRequest, manifest: dict[str, Any], base_dir: Path, device: str
 ) -> Any:
     """The variant as shipped: its checkpoint, the base plus its delta, or the base plus its adapter."""
     with scratch_dir("variant-load") as tmp:
@@ -73,7 +74,7 @@ def _load_variant(
             target = folder / entry["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
             ctx.storage.download(variant_file_key(variant_id, entry["path"]), target)
-        fmt = request.get("format") or "checkpoint"
+        fmt = request.spec.format
         if fmt == "checkpoint":
             return load_model(folder, device=device)
         if fmt == "delta":

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256
@@ -27,8 +27,8 @@ from service.engine.lora_files import write_adapter
 from service.engine.model_files import ModelSourceError
 from service.engrams.store import (
     StoredEngrams,
-    algebra_from_statistics,
     relative_norms,
+    statistics_algebra,
     stored_editor,
     stored_engrams,
 )
@@ -40,12 +40,13 @@ from service.storage.base import scratch_dir
 from service.storage.keys import variant_file_key, variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
+from service.variants.spec import VariantRequest
 
 
 def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition."""
     variant_id = job["payload"]["variant_id"]
-    request = ctx.storage.get_json(variant_request_key(variant_id))
+    request = VariantRequest.from_json(ctx.storage.get_json(variant_request_key(variant_id)))
     if ctx.storage.exists(variant_manifest_key(variant_id)):
         return {"variant_id": variant_id, "reused": True}
     progress = JobProgress(ctx, job["job_id"], 0)
@@ -55,12 +56,12 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         files = upload_variant(ctx, variant_id, Path(tmp))
     seconds = round(time.monotonic() - started, 3)
     published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
-    published["universe_id"] = request.get("universe_id")
+    published["universe_id"] = request.universe_id
     if built.lora is not None:
         published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
     ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
-    if request.get("universe_id"):
-        note_use(ctx, request["universe_id"])  # a job that queued long must not leave its universe evictable
+    if request.universe_id:
+        note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
     return {**result, "universe_built_s": built.universe_built_s}
 
@@ -76,7 +77,7 @@ class BuiltVariant:
 
 
 def build_variant_files(
-    ctx: Context, request: Mapping[str, Any], out: Path, progress: Progress | None = None, *, job_id: str | None = None
+    ctx: Context, request: VariantRequest, out: Path, progress: Progress | None = None, *, job_id: str | None = None
 ) -> BuiltVariant:
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
@@ -89,21 +90,20 @@ def build_variant_files(
     Raises:
         JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
     """
-    model = get_model(ctx, request["model_id"])
+    model = get_model(ctx, request.model_id)
     layout = ModelLayout.from_json(model["layout"])
-    layers = select_layers(layout.layers, request["modules"], request["layers"])
+    spec = request.spec
+    layers = select_layers(layout.layers, spec.modules, spec.layers)
     steps = progress or NoProgress()
     try:
-        if request["format"] == "peft":
+        if spec.format == "peft":
             check_adapter_layers(layers)  # before the universe is built
         source, universe, built_s = _engram_source(ctx, request, steps, job_id)
         reader = CheckpointReader(checked_model_dir(ctx, model), layout)
         if isinstance(steps, JobProgress):
             steps.restart(len(layers))
         # W-Norm's f_l (or 1) first, then each module type's strength factor
-        scales = with_module_strengths(
-            variant_scales(layers, source, universe, request["scaling"], reader), request.get("module_strengths")
-        )
+        scales = with_module_strengths(variant_scales(layers, source, universe, spec.scaling, reader), spec.strengths)
         lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
     except (EditError, ModelSourceError) as exc:
         raise JobFailed(str(exc)) from None
@@ -111,20 +111,21 @@ def build_variant_files(
 
 
 def _engram_source(
-    ctx: Context, request: Mapping[str, Any], progress: Progress, job_id: str | None
+    ctx: Context, request: VariantRequest, progress: Progress, job_id: str | None
 ) -> tuple[EngramSource, dict[str, Any] | None, float | None]:
     """The variant's terms as stored engrams of its universe (built now if missing), or, for a
     request stored before universes were (no ``universe_id``), as algebra on the statistics."""
-    if "universe_id" not in request:
-        return algebra_from_statistics(ctx, request), None, None
+    if request.universe_id is None:
+        algebra = statistics_algebra(ctx, request.terms, request.term_stats, request.universe_stats, request.rcond)
+        return algebra, None, None
     started = time.monotonic()
     cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
-    universe, existed = ensure_universe(ctx, request["universe_id"], cancel_only, job_id=job_id)
+    universe, existed = ensure_universe(ctx, request.universe_id, cancel_only, job_id=job_id)
     built_s = None if existed else round(time.monotonic() - started, 3)
     terms: dict[str, float] = {}
-    for name, coefficient in request["terms"].items():
-        prefix = request["term_stats"][name]
-        terms[prefix] = terms.get(prefix, 0.0) + float(coefficient)
+    for name, coefficient in request.terms.items():
+        prefix = request.term_stats[name]
+        terms[prefix] = terms.get(prefix, 0.0) + coefficient
     return stored_engrams(ctx, universe, terms), universe, built_s
 
 
@@ -150,39 +151,31 @@ def write_variant(
     layers: Sequence[LayerSpec],
     source: EngramSource,
     scales: dict[str, float],
-    request: Mapping[str, Any],
+    request: VariantRequest,
     progress: Progress,
 ) -> dict[str, Any] | None:
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     edit_layer = stored_editor(source, reader.layer_weights, scales)
     edited = {name for name, scale in scales.items() if scale != 0.0}
-    if request["format"] == "checkpoint":
+    if request.spec.format == "checkpoint":
         write_checkpoint(reader.path, out, layout, edit_layer, edited, on_layer=progress.advance)
         return None
-    if request["format"] == "peft":
+    if request.spec.format == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
-        rank, target = request.get("lora_rank"), lora_target(request)
+        rank, target = request.spec.lora_rank, request.spec.adapter_target
         loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank, lora_target=target)
         return write_adapter(
             out,
-            request["model_id"],
+            request.model_id,
             loras,
             max_rank=rank,
             tied=layout.tied_partners,
             on_layer=progress.advance,
             lora_target=target,
         )
-    metadata = {"variant_id": request["variant_id"], "terms": json.dumps(request["terms"])}
+    metadata = {"variant_id": request.variant_id, "terms": json.dumps(dict(request.terms))}
     write_delta(reader.path, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
     return None
-
-
-def lora_target(request: Mapping[str, Any]) -> Literal["peft", "vllm"]:
-    """The adapter layout a stored request asks for (``peft`` when it predates the option)."""
-    target = request.get("lora_target") or "peft"
-    if target not in ("peft", "vllm"):
-        raise EditError(f"unknown lora_target {target!r}: peft or vllm")
-    return "vllm" if target == "vllm" else "peft"
 
 
 def upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:

@@ -10,31 +10,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
+from api_schemas.models import EditOptions
 from service.concepts.statistics import check_statistics_cover
 from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.compose import EditError
 from service.engine.experts import check_adapter_layers
 from service.engine.layers import select_layers, unmatched_suffixes
-from service.engine.lora import EXACT_RTOL, rank_cap, vllm_bias_refusal, vllm_biased_layers
+from service.engine.lora import rank_cap, vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
-from service.storage.keys import (
-    ENGINE_VERSION,
-    VARIANTS,
-    canonical_digest,
-    variant_manifest_key,
-    variant_request_key,
-)
+from service.storage.keys import VARIANTS, variant_manifest_key, variant_request_key
 from service.universes.projection import Projection
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
-
-_OPTIONS = ("scaling", "modules", "layers", "format")
+from service.variants.spec import VariantRequest, VariantSpec
 
 
 def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str, float]:
@@ -43,41 +39,47 @@ def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str,
 
 
 def submit_variant(
-    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
+    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions | Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
+
+    Args:
+        options: the request's edit options (an :class:`EditOptions`, or its fields, validated here).
 
     Returns:
         (variant view, the building job or None when the variant was already there).
     """
-    urls = callbacks.check_optional_url(options.get("callback_url"), ctx.settings)
-    _check_lora_rank(options)
+    edit = edit_options(options)
+    urls = callbacks.check_optional_url(edit.callback_url, ctx.settings)
+    _check_lora_rank(edit)
     model = get_model(ctx, model_id)
     layout = ModelLayout.from_json(model["layout"])
-    _check_selection(layout, options.get("modules"), options.get("layers"))
-    options = {**options, "module_strengths": _check_strengths(layout, options)}
-    _check_servable(layout, options)
-    _check_adapter_layers(layout, options)
-    resolved = _resolve(ctx, model, terms, options)
+    _check_selection(layout, edit.modules, edit.layers)
+    _check_strengths(layout, edit)
+    _check_servable(layout, edit)
+    _check_adapter_layers(layout, edit)
+    spec = VariantSpec.from_options(edit)
+    resolved = _resolve(ctx, model, terms, edit)
 
     def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
         members = [(m.name, m.stats) for m in universe.spec.members]
-        check_statistics_cover(ctx, layout, members, options.get("modules"), options.get("layers"))
+        check_statistics_cover(ctx, layout, members, edit.modules, edit.layers)
 
     check_cover(resolved)  # before anything is written: a refused request fixes no current universe
     with ctx.lock:
-        projected = _room_for(ctx, model, terms, alpha, options, resolved)  # a 409 here changes nothing
+        projected = _room_for(ctx, model, terms, alpha, spec, resolved)  # a 409 here changes nothing
         if resolved.becomes_current is not None:
             if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
                 set_current(ctx, resolved.becomes_current)
             else:  # another request fixed it first: use that one
-                resolved = _resolve(ctx, model, terms, options)
+                resolved = _resolve(ctx, model, terms, edit)
                 check_cover(resolved)
-                projected = _room_for(ctx, model, terms, alpha, options, resolved)
-        variant_id, request = _variant_request(model, terms, alpha, options, resolved)
+                projected = _room_for(ctx, model, terms, alpha, spec, resolved)
+        request = VariantRequest.new(model, terms, alpha, spec, resolved)
+        variant_id = request.variant_id
         existing = find_variant_request(ctx, variant_id)
         if existing is not None:
-            job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
+            job = ctx.jobs.get(existing.job_id) if existing.job_id else None
             if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
                 if job is not None:  # the same variant again: its build calls this URL back too
                     job = attach_callbacks(ctx, job, urls)
@@ -91,55 +93,65 @@ def submit_variant(
         # The universe names the job that builds it: this one, on first need, unless built already.
         record_universe(ctx, resolved.spec, None if built else job["job_id"])
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(variant_request_key(variant_id), {**request, "job_id": job["job_id"]})
+        ctx.storage.put_json(variant_request_key(variant_id), request.with_job(job["job_id"]).to_json())
         ctx.reads.forget(variant_request_key(variant_id))
     ctx.dispatch(job)
     return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
 
 
-def _check_adapter_layers(layout: ModelLayout, options: Mapping[str, Any]) -> None:
+def edit_options(options: EditOptions | Mapping[str, Any]) -> EditOptions:
+    """The edit options as the wire contract types them: fields given as a mapping are validated
+    (a 422 naming what is wrong, as the route's own validation would be)."""
+    if isinstance(options, EditOptions):
+        return options
+    try:
+        return EditOptions.model_validate(dict(options))
+    except ValidationError as exc:
+        raise InvalidInput("; ".join(_field_error(e) for e in exc.errors())) from None
+
+
+def _field_error(error: Mapping[str, Any]) -> str:
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else str(error["msg"])
+
+
+def _check_adapter_layers(layout: ModelLayout, options: EditOptions) -> None:
     """A peft adapter cannot carry expert layers (slices of fused parameters): a 422 naming them,
     before anything is written (the job checks again, for requests stored before this check)."""
-    if options.get("format") != "peft":
+    if options.format != "peft":
         return
     try:
-        check_adapter_layers(select_layers(layout.layers, options.get("modules"), options.get("layers")))
+        check_adapter_layers(select_layers(layout.layers, options.modules, options.layers))
     except EditError as exc:
         raise InvalidInput(str(exc)) from None
 
 
-def _check_servable(layout: ModelLayout, options: Mapping[str, Any]) -> None:
+def _check_servable(layout: ModelLayout, options: EditOptions) -> None:
     """``lora_target: "vllm"``: a peft adapter at a rank vLLM serves, of layers without a bias edit
     (vLLM loads no lora_bias); anything else is refused by name before anything is written."""
-    target = _lora_target(options)
+    target = options.lora_target
     if target == "peft":
         return
-    if options.get("format") != "peft":
-        raise InvalidInput(f'lora_target {target!r} applies to format "peft" only, not {options.get("format")!r}')
+    if options.format != "peft":
+        raise InvalidInput(f'lora_target {target!r} applies to format "peft" only, not {options.format!r}')
     try:
-        rank_cap(options.get("lora_rank"), target)
+        rank_cap(options.lora_rank, target)
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
-    selected = select_layers(layout.layers, options.get("modules"), options.get("layers"))
+    selected = select_layers(layout.layers, options.modules, options.layers)
     biased = vllm_biased_layers(selected)
     if biased:
         raise InvalidInput(vllm_bias_refusal(biased, selected))
 
 
-def _check_strengths(layout: ModelLayout, options: Mapping[str, Any]) -> dict[str, float] | None:
-    """``module_strengths`` without its factors of 1 (so they leave the variant as it was), sorted;
-    a suffix that matches no edited layer is a 422 naming it."""
-    given = options.get("module_strengths") or {}
-    selected = select_layers(layout.layers, options.get("modules"), options.get("layers"))
+def _check_strengths(layout: ModelLayout, options: EditOptions) -> None:
+    """Every ``module_strengths`` suffix, a factor of 1 included, matches an edited layer (a 422
+    naming those that do not); :meth:`VariantSpec.from_options` then drops the ones."""
+    given = options.module_strengths or {}
+    selected = select_layers(layout.layers, options.modules, options.layers)
     missing = unmatched_suffixes(selected, list(given))
     if missing:
         raise InvalidInput(f"module_strengths: suffix(es) match no edited layer: {', '.join(missing)}")
-    kept = {suffix: float(value) for suffix, value in sorted(given.items()) if float(value) != 1.0}
-    return kept or None
-
-
-def _lora_target(options: Mapping[str, Any]) -> Any:
-    return options.get("lora_target") or "peft"
 
 
 def _room_for(
@@ -147,68 +159,24 @@ def _room_for(
     model: Mapping[str, Any],
     terms: Mapping[str, float],
     alpha: float | None,
-    options: Mapping[str, Any],
+    spec: VariantSpec,
     resolved: EditUniverse,
 ) -> Projection | None:
     """A variant whose job will build its universe must fit ENGRAM_UNIVERSE_BYTES_BUDGET (a 409
     otherwise; :func:`make_room`); a variant already built is served without reading its universe."""
-    variant_id, _ = _variant_request(model, terms, alpha, options, resolved)
+    variant_id = VariantRequest.new(model, terms, alpha, spec, resolved).variant_id
     return None if variant_manifest(ctx, variant_id) is not None else make_room(ctx, resolved.spec)
 
 
-def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: Mapping[str, Any]) -> EditUniverse:
+def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: EditOptions) -> EditUniverse:
     return resolve_for_edit(
         ctx,
         model,
         list(terms),
-        reference=options.get("reference"),
-        universe_id=options.get("universe"),
-        rcond=options.get("rcond"),
+        reference=options.reference,
+        universe_id=options.universe,
+        rcond=options.rcond,
     )
-
-
-def _variant_request(
-    model: Mapping[str, Any],
-    terms: Mapping[str, float],
-    alpha: float | None,
-    options: Mapping[str, Any],
-    resolved: EditUniverse,
-) -> tuple[str, dict[str, Any]]:
-    """The variant's ID and its stored request (what the build job reads)."""
-    spec = resolved.spec
-    term_stats = resolved.terms
-    identity = {
-        "engine": ENGINE_VERSION,
-        "model_digest": model["digest"],
-        "terms": sorted((term_stats[n], float(c)) for n, c in terms.items()),
-        "universe_id": spec.universe_id,
-        "rcond": spec.rcond,
-        **{k: options.get(k) for k in _OPTIONS},
-    }
-    if options.get("module_strengths"):  # only when given: every other variant keeps its ID
-        identity["module_strengths"] = options["module_strengths"]
-    if options.get("format") == "peft":  # only adapters depend on these (other variants keep their IDs)
-        lora: dict[str, Any] = {"rank": options.get("lora_rank"), "rtol": EXACT_RTOL}
-        if _lora_target(options) != "peft":  # peft adapters keep the IDs they had
-            lora["target"] = _lora_target(options)
-        identity["lora"] = lora
-    variant_id = canonical_digest(identity)[:32]
-    request = {
-        "variant_id": variant_id,
-        "model_id": model["model_id"],
-        "terms": {n: float(c) for n, c in terms.items()},
-        "alpha": alpha,
-        "reference": resolved.reference,
-        **{k: options.get(k) for k in _OPTIONS},
-        "rcond": spec.rcond,
-        "lora_rank": options.get("lora_rank"),
-        "lora_target": _lora_target(options) if options.get("format") == "peft" else None,
-        "module_strengths": options.get("module_strengths"),
-        "term_stats": term_stats,
-        "universe_id": spec.universe_id,
-        "universe_stats": spec.prefixes,
-    }
-    return variant_id, request
 
 
 def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: list[int] | None) -> None:
@@ -220,21 +188,22 @@ def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: lis
         raise InvalidInput("the modules/layers selection matches no editable layer")
 
 
-def _check_lora_rank(options: dict[str, Any]) -> None:
+def _check_lora_rank(options: EditOptions) -> None:
     """``lora_rank`` shapes a peft adapter only: with another format it would be silently ignored."""
-    if options.get("lora_rank") is not None and options.get("format") != "peft":
-        raise InvalidInput(f'lora_rank applies to format "peft" only, not {options.get("format")!r}')
+    if options.lora_rank is not None and options.format != "peft":
+        raise InvalidInput(f'lora_rank applies to format "peft" only, not {options.format!r}')
 
 
 # ---------------------------------------------------------------- views
 
 
-def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False) -> VariantRequest | None:
     """The stored request; ``recent``: as of at most a second ago (views only, never a write's input)."""
     if not variant_id.isalnum():
         return None
     key = variant_request_key(variant_id)
-    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    stored = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    return None if stored is None else VariantRequest.from_json(stored)
 
 
 def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
@@ -242,7 +211,7 @@ def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
     return ctx.reads.immutable_json(variant_manifest_key(variant_id)) if variant_id.isalnum() else None
 
 
-VARIANT_FIELDS = (
+VARIANT_FIELDS = (  # of the stored request, in the view
     "variant_id",
     "model_id",
     "terms",
@@ -255,7 +224,9 @@ VARIANT_FIELDS = (
     "layers",
     "module_strengths",
     "rcond",
+    "reference",
     "universe_id",
+    "job_id",
 )
 
 
@@ -263,9 +234,9 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     request = find_variant_request(ctx, variant_id, recent=True)
     if request is None:
         raise NotFound(f"variant {variant_id} does not exist")
-    view = {k: request.get(k) for k in VARIANT_FIELDS}
-    view.update(reference=request["reference"], job_id=request.get("job_id"), files=[])
-    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None  # before the manifest: see concept_model_state
+    stored = request.to_json()
+    view: dict[str, Any] = {k: stored[k] for k in VARIANT_FIELDS} | {"files": []}
+    job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
         view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))

@@ -1,0 +1,239 @@
+"""A variant's edit options, typed once: what shapes its weights, its identity, its stored request.
+
+:class:`VariantSpec` is built from the request's :class:`~api_schemas.models.EditOptions` (where the
+options are named on the wire) with the normalisations that keep variant IDs stable.
+:class:`VariantRequest` is the stored request (``variants/<id>/request.json``): what the variant job
+reads, written and read here only. :func:`variant_identity` is the one place a variant's ID is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from api_schemas.models import EditOptions
+from service.engine.compose import EditError
+from service.engine.lora import EXACT_RTOL, LoraTarget
+from service.storage.keys import ENGINE_VERSION, canonical_digest
+from service.universes.service import EditUniverse
+
+Strengths = tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """The edit options that shape a variant's weights, besides its terms and universe.
+
+    Attributes:
+        scaling: ``uniform`` or ``weight_norm`` (W-Norm's per-layer ``f_l``).
+        format: ``checkpoint``, ``delta`` or ``peft``.
+        modules: module-name suffixes in the request's order (None: every editable layer).
+        layers: block indices in the request's order (None: every block).
+        module_strengths: ``(suffix, s)`` per module type, sorted, without factors of 1 (empty: all
+            1), so that a request giving only ones names the same variant as one without them.
+        lora_rank: ``peft``: the largest rank (``vllm``: the one rank); None: exact, or the smallest.
+        lora_target: ``peft``: what loads the adapter; None for the other formats (and for peft
+            adapters stored before the option, which are ``peft``).
+    """
+
+    scaling: str = "uniform"
+    format: str = "checkpoint"
+    modules: tuple[str, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    module_strengths: Strengths = ()
+    lora_rank: int | None = None
+    lora_target: str | None = None
+
+    @classmethod
+    def from_options(cls, options: EditOptions) -> VariantSpec:
+        """The spec of a validated request (its layout checks are the caller's)."""
+        given = options.module_strengths or {}
+        return cls(
+            scaling=options.scaling,
+            format=options.format,
+            modules=_tuple(options.modules),
+            layers=_tuple(options.layers),
+            module_strengths=tuple((s, float(v)) for s, v in sorted(given.items()) if float(v) != 1.0),
+            lora_rank=options.lora_rank,
+            lora_target=options.lora_target if options.format == "peft" else None,
+        )
+
+    @property
+    def strengths(self) -> dict[str, float] | None:
+        """``module_strengths`` as the request and the view spell it: None when all are 1."""
+        return dict(self.module_strengths) or None
+
+    @property
+    def adapter_target(self) -> LoraTarget:
+        """The adapter layout a peft variant is written for (``peft`` when not given).
+
+        Raises:
+            EditError: a stored value that is neither ``peft`` nor ``vllm``.
+        """
+        target = self.lora_target or "peft"
+        if target not in ("peft", "vllm"):
+            raise EditError(f"unknown lora_target {target!r}: peft or vllm")
+        return "vllm" if target == "vllm" else "peft"
+
+    def identity(self) -> dict[str, Any]:
+        """The options' part of the variant's identity. Options added later join it only when they
+        differ from what variants made before them had, so that those keep their IDs."""
+        identity: dict[str, Any] = {
+            "scaling": self.scaling,
+            "modules": _list(self.modules),
+            "layers": _list(self.layers),
+            "format": self.format,
+        }
+        if self.module_strengths:
+            identity["module_strengths"] = dict(self.module_strengths)
+        if self.format == "peft":  # only adapters depend on these
+            lora: dict[str, Any] = {"rank": self.lora_rank, "rtol": EXACT_RTOL}
+            if self.adapter_target != "peft":
+                lora["target"] = self.adapter_target
+            identity["lora"] = lora
+        return identity
+
+
+def variant_identity(
+    model_digest: str,
+    terms: Mapping[str, float],
+    term_stats: Mapping[str, str],
+    universe_id: str,
+    rcond: float | None,
+    spec: VariantSpec,
+) -> dict[str, Any]:
+    """Everything that determines a variant's weights; its ID is the digest of this.
+
+    Args:
+        terms: concept name -> coefficient; ``term_stats``: each name's statistics prefix (names
+            are labels: the identity holds the prefixes).
+        rcond: the universe's cut.
+    """
+    return {
+        "engine": ENGINE_VERSION,
+        "model_digest": model_digest,
+        "terms": sorted((term_stats[name], float(c)) for name, c in terms.items()),
+        "universe_id": universe_id,
+        "rcond": rcond,
+        **spec.identity(),
+    }
+
+
+def variant_id_of(identity: Mapping[str, Any]) -> str:
+    return canonical_digest(identity)[:32]
+
+
+@dataclass(frozen=True)
+class VariantRequest:
+    """The stored request of a variant (``variants/<id>/request.json``): what its job reads.
+
+    Attributes:
+        terms: concept name -> coefficient, in the request's order.
+        reference: the names shown as the variant's reference.
+        rcond: the universe's cut.
+        term_stats: each term's statistics prefix.
+        universe_id: the universe whose engrams the job sums; None in a request stored before
+            universes were (the job then does the algebra on ``universe_stats``).
+        universe_stats: the universe's statistics prefixes.
+        job_id: the job that builds the variant (None until it is created).
+    """
+
+    variant_id: str
+    model_id: str
+    terms: Mapping[str, float]
+    alpha: float | None
+    reference: tuple[str, ...]
+    spec: VariantSpec
+    rcond: float | None
+    term_stats: Mapping[str, str]
+    universe_id: str | None
+    universe_stats: tuple[str, ...]
+    job_id: str | None = None
+
+    @classmethod
+    def new(
+        cls,
+        model: Mapping[str, Any],
+        terms: Mapping[str, float],
+        alpha: float | None,
+        spec: VariantSpec,
+        resolved: EditUniverse,
+    ) -> VariantRequest:
+        """The request of an edit of ``model`` in the universe it resolved to, named by its identity."""
+        universe = resolved.spec
+        identity = variant_identity(model["digest"], terms, resolved.terms, universe.universe_id, universe.rcond, spec)
+        return cls(
+            variant_id=variant_id_of(identity),
+            model_id=model["model_id"],
+            terms={name: float(c) for name, c in terms.items()},
+            alpha=alpha,
+            reference=tuple(resolved.reference),
+            spec=spec,
+            rcond=universe.rcond,
+            term_stats=dict(resolved.terms),
+            universe_id=universe.universe_id,
+            universe_stats=tuple(universe.prefixes),
+        )
+
+    def with_job(self, job_id: str) -> VariantRequest:
+        return dataclasses.replace(self, job_id=job_id)
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored JSON: the keys, in their order, that requests have been stored with."""
+        spec = self.spec
+        return {
+            "variant_id": self.variant_id,
+            "model_id": self.model_id,
+            "terms": dict(self.terms),
+            "alpha": self.alpha,
+            "reference": list(self.reference),
+            "scaling": spec.scaling,
+            "modules": _list(spec.modules),
+            "layers": _list(spec.layers),
+            "format": spec.format,
+            "rcond": self.rcond,
+            "lora_rank": spec.lora_rank,
+            "lora_target": spec.lora_target,
+            "module_strengths": spec.strengths,
+            "term_stats": dict(self.term_stats),
+            "universe_id": self.universe_id,
+            "universe_stats": list(self.universe_stats),
+            "job_id": self.job_id,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> VariantRequest:
+        """A stored request, of this version or an older one: a key it lacks has the value the
+        variants made before that option had (no lora_target: ``peft``; no universe_id: None)."""
+        spec = VariantSpec(
+            scaling=data.get("scaling") or "uniform",
+            format=data.get("format") or "checkpoint",
+            modules=_tuple(data.get("modules")),
+            layers=_tuple(data.get("layers")),
+            module_strengths=tuple((s, float(v)) for s, v in (data.get("module_strengths") or {}).items()),
+            lora_rank=data.get("lora_rank"),
+            lora_target=data.get("lora_target"),
+        )
+        return cls(
+            variant_id=data["variant_id"],
+            model_id=data["model_id"],
+            terms={name: float(c) for name, c in data["terms"].items()},
+            alpha=data.get("alpha"),
+            reference=tuple(data.get("reference") or ()),
+            spec=spec,
+            rcond=data.get("rcond"),
+            term_stats=dict(data["term_stats"]),
+            universe_id=data.get("universe_id"),
+            universe_stats=tuple(data.get("universe_stats") or ()),
+            job_id=data.get("job_id"),
+        )
+
+
+def _tuple(values: Any) -> tuple[Any, ...] | None:
+    return None if values is None else tuple(values)
+
+
+def _list(values: tuple[Any, ...] | None) -> list[Any] | None:
+    return None if values is None else list(values)
