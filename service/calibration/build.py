@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from api_schemas.models import EditOptions
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
 from service.calibration.plot import render_front_png
 from service.calibration.search import (
@@ -255,17 +256,14 @@ def _build_recommended(
     embedded mode, and the universe is on this worker's disk already)."""
     options = recommended["options"]
     alpha = float(options["alpha"])
-    edit = {
-        "scaling": options["scaling"],
-        "modules": options["modules"],
-        "layers": options["layers"],
-        "module_strengths": options["module_strengths"],
-        "universe": request["universe_id"],
-        "reference": None,
-        "rcond": None,
-        "callback_url": None,
-        **request["variant"],
-    }
+    edit = EditOptions(
+        scaling=options["scaling"],
+        modules=options["modules"],
+        layers=options["layers"],
+        module_strengths=options["module_strengths"],
+        universe=request["universe_id"],
+        **request["variant"],  # the calibration's format, lora_rank and lora_target
+    )
 
     def run_here(created: dict[str, Any]) -> None:  # the variant's job, in this job's process
         run_job(inline, created["job_id"])
