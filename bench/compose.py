@@ -1,6 +1,6 @@
 """Variants from statistics, the safetensors copy floor, and ai-engram's recompute.
 
-``compose_variant`` is the statistics path (``service.engrams.store.algebra_from_statistics``): read
+``compose_variant`` is the statistics path (``service.engrams.store.statistics_algebra``): read
 the statistics files, build the :class:`EngramAlgebra` (with the worker's factor cache), compute the
 per-layer scales, and write the checkpoint directory shard by shard with ``write_checkpoint``. It is
 what variants did before universes were stored, and what the memory-trace maps still do; variants of

@@ -135,12 +135,6 @@ def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest
 FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)  # ENGRAM_FACTOR_CACHE_BYTES
 
 
-def algebra_from_statistics(ctx: Context, request: Mapping[str, Any]) -> EngramAlgebra:
-    """:func:`statistics_algebra` of a mapping with ``terms``, ``term_stats``, ``universe_stats``
-    and ``rcond`` (what the memory-trace maps build)."""
-    return statistics_algebra(ctx, request["terms"], request["term_stats"], request["universe_stats"], request["rcond"])
-
-
 def statistics_algebra(
     ctx: Context,
     terms: Mapping[str, float],

@@ -34,7 +34,7 @@ from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.compose import EditError, LayerWeights, augmented_weight, relative_norm, weighted_sum
 from service.engine.layers import LayerSpec, module_type
 from service.engine.stats_io import StatisticsFile
-from service.engrams.store import algebra_from_statistics
+from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
 from service.jobs.progress import JobProgress, NoProgress, Progress
 from service.maps.service import MapRequest, find_map, map_request
@@ -90,13 +90,8 @@ def _compute(ctx: Context, model: dict[str, Any], request: MapRequest, progress:
     weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
     values: dict[str, dict[str, float]] = {}
     for name in request.concepts:
-        edit = {
-            "terms": {name: 1.0},
-            "term_stats": {name: request.stats[name]},
-            "universe_stats": list(request.prefixes),
-            "rcond": request.rcond,
-        }
-        algebra = algebra_from_statistics(ctx, edit)
+        stats = {name: request.stats[name]}
+        algebra = statistics_algebra(ctx, {name: 1.0}, stats, list(request.prefixes), request.rcond)
         values[name] = {}
         for spec in layout.layers:
             weights = reader.layer_weights(spec)

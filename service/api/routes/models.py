@@ -19,7 +19,6 @@ from service.models import registration, registry
 from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
-EDIT_OPTIONS = tuple(EditOptions.model_fields)  # every edit option, named once in api_schemas
 
 
 RegisterWaitQuery = Annotated[
@@ -86,13 +85,13 @@ async def list_models(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
 def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
     """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists)."""
     terms = variants.coefficients_for_unlearn(body.concepts, body.alpha)
-    return _submit(ctx, model_id, terms, body.alpha, body.model_dump(include=set(EDIT_OPTIONS)), response)
+    return _submit(ctx, model_id, terms, body.alpha, body, response)
 
 
 @router.post("/models/{model_id:path}/compose", response_model=VariantSubmission, status_code=202)
 def compose(model_id: str, body: ComposeRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
     """Engram arithmetic: ``W_new = W + Σ_k c_k f_l W_k⁺``."""
-    return _submit(ctx, model_id, body.terms, None, body.model_dump(include=set(EDIT_OPTIONS)), response)
+    return _submit(ctx, model_id, body.terms, None, body, response)
 
 
 def _submit(
@@ -100,7 +99,7 @@ def _submit(
     model_id: str,
     terms: dict[str, float],
     alpha: float | None,
-    options: dict[str, Any],
+    options: EditOptions,
     response: Response,
 ) -> dict[str, Any]:
     variant, job = variants.submit_variant(ctx, model_id, terms, alpha, options)
