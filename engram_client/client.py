@@ -350,16 +350,33 @@ class EngramClient:
         format: str | None = None,  # the API field name
         lora_rank: int | None = None,
         callback_url: str | None = None,
+        module_strengths: Mapping[str, float] | None = None,
+        lora_target: str | None = None,
+        universe: str | None = None,
     ) -> VariantSubmission:
-        """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺``.
+        """Remove concepts: ``W_new = W − α Σ_k f_l s_l W_k⁺``.
 
         Only the options that are set are sent, so the service's defaults apply to the rest.
+        ``module_strengths`` maps module-name suffixes to a factor ``s`` on the strength (0 < s ≤ 4);
+        ``lora_target="vllm"`` writes a peft adapter vLLM serves; ``universe`` pins the universe.
 
         Returns:
             The variant and its build job; ``job`` is ``None`` when the variant already existed (HTTP 200).
         """
         body = {"concepts": list(concepts), "alpha": alpha}
-        body |= _edit_options(scaling, modules, layers, rcond, reference, format, lora_rank, callback_url)
+        body |= _edit_options(
+            scaling,
+            modules,
+            layers,
+            rcond,
+            reference,
+            format,
+            lora_rank,
+            callback_url,
+            module_strengths,
+            lora_target,
+            universe,
+        )
         return self._parse(VariantSubmission, self._request("POST", f"/models/{_quote(model_id)}/unlearn", json=body))
 
     def compose(
@@ -375,10 +392,25 @@ class EngramClient:
         format: str | None = None,  # the API field name
         lora_rank: int | None = None,
         callback_url: str | None = None,
+        module_strengths: Mapping[str, float] | None = None,
+        lora_target: str | None = None,
+        universe: str | None = None,
     ) -> VariantSubmission:
         """Engram arithmetic: ``W_new = W + Σ_k c_k f_l W_k⁺`` (negative coefficients remove, positive add back)."""
         body: dict[str, Any] = {"terms": dict(terms)}
-        body |= _edit_options(scaling, modules, layers, rcond, reference, format, lora_rank, callback_url)
+        body |= _edit_options(
+            scaling,
+            modules,
+            layers,
+            rcond,
+            reference,
+            format,
+            lora_rank,
+            callback_url,
+            module_strengths,
+            lora_target,
+            universe,
+        )
         return self._parse(VariantSubmission, self._request("POST", f"/models/{_quote(model_id)}/compose", json=body))
 
     # ------------------------------------------------------------ variants
@@ -763,6 +795,9 @@ def _edit_options(
     fmt: str | None,
     lora_rank: int | None,
     callback_url: str | None,
+    module_strengths: Mapping[str, float] | None = None,
+    lora_target: str | None = None,
+    universe: str | None = None,
 ) -> dict[str, Any]:
     """The options shared by unlearn and compose, only those set (the service's defaults apply to the rest)."""
     return _set_only(
@@ -774,6 +809,9 @@ def _edit_options(
         format=fmt,
         lora_rank=lora_rank,
         callback_url=callback_url,
+        module_strengths=dict(module_strengths) if module_strengths is not None else None,
+        lora_target=lora_target,
+        universe=universe,
     )
 
 

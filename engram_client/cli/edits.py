@@ -1,9 +1,9 @@
 """``engram unlearn`` and ``engram compose``: build an edited variant, watch it, download it.
 
 Both submit a variant of a model and take the same edit options (scaling, modules, layers, rcond,
-reference, format), so they share :func:`_edit_options` and :func:`_build_and_fetch`; they differ
-only in how the concepts are weighted: ``unlearn`` removes them with one strength α, ``compose``
-takes a signed coefficient per concept.
+reference, format, module strengths, LoRA target, universe), so they share :func:`_edit_options`
+and :func:`_build_and_fetch`; they differ only in how the concepts are weighted: ``unlearn``
+removes them with one strength α, ``compose`` takes a signed coefficient per concept.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from engram_client.cli.options import (
     JsonFlag,
     LayerOpt,
     LoraRankOpt,
+    LoraTarget,
+    LoraTargetOpt,
     ModuleOpt,
     NoWait,
     OutDir,
@@ -30,6 +32,8 @@ from engram_client.cli.options import (
     ReferenceOpt,
     Scaling,
     ScalingOpt,
+    StrengthOpt,
+    UniverseOpt,
 )
 from engram_client.cli.output import emit, job_failed, stderr, stdout
 from engram_client.cli.progress import download, watch
@@ -47,6 +51,9 @@ def _edit_options(
     fmt: Format | None,
     lora_rank: int | None,
     callback_url: str | None,
+    strength: list[str] | None = None,
+    lora_target: LoraTarget | None = None,
+    universe: str | None = None,
 ) -> dict[str, Any]:
     """The client's keyword arguments; an option not given stays None and is not sent."""
     return {
@@ -58,6 +65,9 @@ def _edit_options(
         "format": fmt.value if fmt else None,
         "lora_rank": lora_rank,
         "callback_url": callback_url,
+        "module_strengths": _parse_pairs(strength, "--strength", "SUFFIX=S (e.g. q_proj=1.5)") or None,
+        "lora_target": lora_target.value if lora_target else None,
+        "universe": universe,
     }
 
 
@@ -105,31 +115,41 @@ def unlearn(
     reference: ReferenceOpt = None,
     fmt: FormatOpt = None,
     lora_rank: LoraRankOpt = None,
+    lora_target: LoraTargetOpt = None,
+    strength: StrengthOpt = None,
+    universe: UniverseOpt = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Remove concepts from a model; watch the build and download the variant with --out."""
-    options = _edit_options(scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url)
+    options = _edit_options(
+        scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url, strength, lora_target, universe
+    )
     with session(ctx) as client:
         submission = client.unlearn(model, concept, alpha, **options)
         _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)
 
 
 def _parse_terms(terms: Sequence[str]) -> dict[str, float]:
-    """``NAME=COEFFICIENT`` pairs; a concept given twice is a usage error rather than a silent overwrite."""
+    """``NAME=COEFFICIENT`` pairs (``--term``)."""
+    return _parse_pairs(terms, "--term", "NAME=COEFFICIENT (e.g. forget=-0.5)")
+
+
+def _parse_pairs(pairs: Sequence[str] | None, flag: str, form: str) -> dict[str, float]:
+    """``NAME=NUMBER`` pairs; a name given twice is a usage error rather than a silent overwrite."""
     parsed: dict[str, float] = {}
-    for term in terms:
-        name, sep, value = term.rpartition("=")
+    for pair in pairs or ():
+        name, sep, value = pair.rpartition("=")
         try:
-            coefficient = float(value)
+            number = float(value)
         except ValueError:
-            coefficient = None
-        if not sep or not name or coefficient is None:
-            raise typer.BadParameter(f"{term!r} is not NAME=COEFFICIENT (e.g. forget=-0.5)", param_hint="--term")
+            number = None
+        if not sep or not name or number is None:
+            raise typer.BadParameter(f"{pair!r} is not {form}", param_hint=flag)
         if name in parsed:
-            raise typer.BadParameter(f"concept {name!r} appears twice", param_hint="--term")
-        parsed[name] = coefficient
+            raise typer.BadParameter(f"{name!r} appears twice", param_hint=flag)
+        parsed[name] = number
     return parsed
 
 
@@ -146,13 +166,18 @@ def compose(
     reference: ReferenceOpt = None,
     fmt: FormatOpt = None,
     lora_rank: LoraRankOpt = None,
+    lora_target: LoraTargetOpt = None,
+    strength: StrengthOpt = None,
+    universe: UniverseOpt = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Engram arithmetic W + Σ c_k f_l W_k⁺; watch the build and download the variant with --out."""
     terms = _parse_terms(term)
-    options = _edit_options(scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url)
+    options = _edit_options(
+        scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url, strength, lora_target, universe
+    )
     with session(ctx) as client:
         submission = client.compose(model, terms, **options)
         _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)

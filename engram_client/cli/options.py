@@ -18,6 +18,11 @@ class Scaling(str, Enum):
     weight_norm = "weight_norm"
 
 
+class LoraTarget(str, Enum):
+    peft = "peft"
+    vllm = "vllm"
+
+
 class Format(str, Enum):
     checkpoint = "checkpoint"
     delta = "delta"
@@ -38,3 +43,14 @@ ReferenceOpt = Annotated[
 FormatOpt = Annotated[Format | None, typer.Option("--format", help="checkpoint, delta (changed tensors) or peft (LoRA).")]
 LoraRankOpt = Annotated[int | None, typer.Option(help="Format peft: the largest LoRA rank.")]
 CallbackOpt = Annotated[str | None, typer.Option(help="URL the service POSTs the job to when it ends.")]
+StrengthOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--strength",
+        help="SUFFIX=S: edit modules ending in SUFFIX at S times the strength, 0 < S ≤ 4 (repeat; longest suffix wins).",
+    ),
+]
+LoraTargetOpt = Annotated[
+    LoraTarget | None, typer.Option(help="Format peft: vllm writes an adapter at a rank vLLM serves, without bias edits.")
+]
+UniverseOpt = Annotated[str | None, typer.Option(help="Edit relative to this built universe (its ID).")]

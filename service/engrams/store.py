@@ -159,6 +159,6 @@ def statistics_algebra(
 
     summed = [(float(terms[n]), stats(prefix)) for n, prefix in term_stats.items()]
     universe = [stats(prefix) for prefix in universe_stats]
-    universe_key = canonical_digest(sorted(universe_stats))
+    universe_key = canonical_digest([ctx.storage.location, *sorted(universe_stats)])
     FACTOR_CACHE.max_bytes = ctx.settings.factor_cache_bytes  # module-level: the settings live in ctx
     return EngramAlgebra(summed, universe, rcond, universe_key=universe_key, factor_cache=FACTOR_CACHE)

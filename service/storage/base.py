@@ -39,6 +39,13 @@ class StorageUnavailable(RuntimeError):
 class Storage(ABC):
     """What the service needs from object storage."""
 
+    @property
+    def location(self) -> str:
+        """Where this store keeps its objects (a directory or a bucket URL). Process-wide caches of
+        content-addressed objects key by it with the object's key: one process may hold several
+        stores (tests do), and two stores' objects under one key need not be the same bytes."""
+        return repr(self)
+
     @abstractmethod
     def put_file(self, key: str, source: Path) -> None:
         """Atomically publish a local file under ``key``."""

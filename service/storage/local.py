@@ -27,6 +27,10 @@ class LocalStorage(Storage):
         self.tmp_dir = self.root / ".tmp"  # files being written, named <owner tag>.<uuid> (service.storage.janitor)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def location(self) -> str:
+        return f"file://{self.root}"
+
     def _path(self, key: str) -> Path:
         if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in key.split("/")):
             raise ValueError(f"invalid storage key {key!r}")

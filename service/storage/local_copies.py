@@ -35,9 +35,10 @@ STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)  # at most 256 
 
 def statistics(ctx: Holder, prefix: str) -> StatisticsFile:
     """The statistics file of ``prefix`` on this machine, opened once per process."""
-    cached = STATS_CACHE.get(prefix)
+    key = f"{ctx.storage.location}|{prefix}"  # one process may hold several stores (tests do)
+    cached = STATS_CACHE.get(key)
     if cached is None or not cached.path.exists():  # another process may have trimmed the disk cache
-        cached = STATS_CACHE[prefix] = StatisticsFile(local_statistics_file(ctx, prefix))
+        cached = STATS_CACHE[key] = StatisticsFile(local_statistics_file(ctx, prefix))
     return cached
 
 

@@ -282,6 +282,34 @@ def test_bad_term_is_a_usage_error(flow: Flow) -> None:
     assert result.returncode == 2 and "NAME=COEFFICIENT" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_unlearn_with_module_strengths_lora_target_and_universe(flow: Flow) -> None:
+    """``--strength``, ``--lora-target`` and ``--universe`` reach the variant as the HTTP API takes them."""
+    plain = variant_json(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--alpha", "0.6")
+    args = [
+        "unlearn",
+        MODEL,
+        "-c",
+        "cli-forget",
+        "--alpha",
+        "0.6",
+        "--strength",
+        "q_proj=1.5",
+        "--strength",
+        "down_proj=0.5",
+    ]
+    variant = variant_json(flow.url, *args, "--universe", plain["universe_id"])
+    assert variant["module_strengths"] == {"down_proj": 0.5, "q_proj": 1.5}
+    assert variant["universe_id"] == plain["universe_id"] and variant["variant_id"] != plain["variant_id"]
+    adapter = variant_json(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--format", "peft", "--lora-target", "vllm")
+    assert adapter["format"] == "peft" and adapter["lora_target"] == "vllm"
+
+
+@pytest.mark.parametrize("strength", ["q_proj", "q_proj=x", "=2"])
+def test_bad_strength_is_a_usage_error(flow: Flow, strength: str) -> None:
+    result = run_cli(flow.url, "unlearn", MODEL, "-c", "cli-forget", "--strength", strength)
+    assert result.returncode == 2 and "SUFFIX=S" in result.stderr and "Traceback" not in result.stderr
+
+
 # ---------------------------------------------------------------- evaluate, generate, map (the cli2 variant)
 
 

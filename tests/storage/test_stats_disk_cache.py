@@ -93,3 +93,18 @@ def test_disk_cache_drops_the_oldest_files_beyond_its_budget(tmp_path: Path) -> 
     os.utime(keep, (now - 1000, now - 1000))  # even when it looks oldest, the file in use stays
     trim_disk_cache(folder, budget=250, keep={keep})
     assert sorted(p.stem for p in folder.iterdir()) == ["just-downloaded", "new"]
+
+
+def test_two_stores_in_one_process_keep_their_own_statistics(tmp_path: Path) -> None:
+    """The process-wide caches key by the store as well as the key: the same prefix in two stores
+    (two test worlds, or two contexts) may hold different bytes, and each context reads its own."""
+    from service.storage.local_copies import statistics
+
+    first, second = LocalStorage(tmp_path / "one"), LocalStorage(tmp_path / "two")
+    _store(first, tmp_path / "one", "stats/same/", tokens=40, dim=16)
+    _store(second, tmp_path / "two", "stats/same/", tokens=41, dim=16)
+    one = statistics(_context(first, tmp_path / "cache1"), "stats/same/")
+    two = statistics(_context(second, tmp_path / "cache2"), "stats/same/")
+    assert one.path != two.path
+    assert not torch.equal(one.sums["g"], two.sums["g"])
+    assert first.location != second.location
