@@ -24,6 +24,7 @@ from typing import Any
 from api_schemas.models import EditOptions
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
 from service.calibration.plot import render_front_png
+from service.calibration.request import CalibrationRequest
 from service.calibration.search import (
     Arm,
     Candidate,
@@ -63,14 +64,13 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     cached = ctx.storage.find_json(prefix + "result.json")
     if cached is not None:
         return {**cached, "reused": True}
-    request = ctx.storage.get_json(prefix + "request.json")
+    request = CalibrationRequest.from_json(ctx.storage.get_json(prefix + "request.json"))
     started = time.monotonic()
-    progress = JobProgress(ctx, job["job_id"], int(request["search"]["budget"]))
-    universe, _ = ensure_universe(ctx, request["universe_id"], CancelOnly(progress))
-    model = get_model(ctx, request["model_id"])
+    progress = JobProgress(ctx, job["job_id"], request.search.budget)
+    universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
+    model = get_model(ctx, request.model_id)
     layout = ModelLayout.from_json(model["layout"])
-    arms = [_arm(a) for a in request["search"]["arms"]]
-    term_prefixes = [request["term_stats"][name] for name in request["concepts"]]
+    term_prefixes = request.term_prefixes
     loaded = time.monotonic()
     candidates = InMemoryCandidates(
         ctx,
@@ -78,13 +78,13 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
         layout,
         universe,
         term_prefixes,
-        _probes(ctx, request["probes_digest"]),
+        _probes(ctx, request.probes_digest),
         ctx.settings.torch_device,
-        _union(layout, arms),
+        _union(layout, request.search.arms),
     )
     load_s = time.monotonic() - loaded
     # the data_weighted arms' strengths: from the universe's engrams and statistics, no forward pass
-    arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, arms)
+    arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, request.search.arms)
     measured: dict[tuple[Arm, float], Measured] = {}
 
     def evaluate(arm: Arm, alpha: float) -> Outcome:
@@ -93,11 +93,12 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
         return measured[(arm, alpha)].outcome
 
     searched = time.monotonic()
-    found = search(arms, evaluate, _settings(request["search"]))
+    found = search(arms, evaluate, request.search.settings())
     search_s = time.monotonic() - searched
     result = assemble(request, candidates.base, found, measured)
-    if result["recommended"] is not None:
-        result["recommended"].update(_build_recommended(ctx, job["job_id"], request, result["recommended"], run_job))
+    best = recommend(found.candidates)
+    if best is not None:
+        result["recommended"].update(_build_recommended(ctx, job["job_id"], request, best, run_job))
     result["seconds"] = {
         "total": round(time.monotonic() - started, 3),
         "model_load": round(load_s, 3),
@@ -110,12 +111,6 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     return {**result, "reused": False}
 
 
-def _arm(data: Mapping[str, Any]) -> Arm:
-    modules = tuple(data["modules"]) if data["modules"] is not None else None
-    layers = tuple(data["layers"]) if data["layers"] is not None else None
-    return Arm(data["module_set"], modules, layers, data["scaling"], bool(data.get("weighted", False)))
-
-
 def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
     names = {spec.name for arm in arms for spec in arm_layers(layout.layers, arm)}
     return [spec for spec in layout.layers if spec.name in names]
@@ -126,22 +121,11 @@ def _probes(ctx: Context, digest: str) -> dict[str, list[Any]]:
     return {split: [parse_probe(p) for p in raw[split]] for split in SPLITS}
 
 
-def _settings(stored: Mapping[str, Any]) -> SearchSettings:
-    low, high = float(stored["alpha_min"]), float(stored["alpha_max"])
-    return SearchSettings(
-        limit=float(stored["max_retain_nll_ratio"]),
-        budget=int(stored["budget"]),
-        alpha_min=low,
-        alpha_max=high,
-        alpha_start=min(max(1.0, low), high),  # the paper's α = 1 first, where the range allows it
-    )
-
-
 # ---------------------------------------------------------------- the result
 
 
 def assemble(
-    request: Mapping[str, Any],
+    request: CalibrationRequest,
     base: Mapping[str, Mapping[str, float]],
     found: SearchResult,
     measured: Mapping[tuple[Arm, float], Measured],
@@ -150,14 +134,14 @@ def assemble(
     front = {c.index for c in pareto_front(found.candidates)}
     rows = [_candidate(c, measured[(c.arm, c.alpha)], c.index in front) for c in found.candidates]
     best = recommend(found.candidates)
-    settings = _settings(request["search"])
+    settings = request.search.settings()
     limit = settings.limit
     return {
-        "calibration_id": request["calibration_id"],
-        "model_id": request["model_id"],
-        "concepts": list(request["concepts"]),
-        "universe_id": request["universe_id"],
-        "reference": list(request["reference"]),
+        "calibration_id": request.calibration_id,
+        "model_id": request.model_id,
+        "concepts": list(request.concepts),
+        "universe_id": request.universe_id,
+        "reference": list(request.reference),
         "constraint": {"max_retain_nll_ratio": limit},
         "base": {split: _scores(base[split]) for split in SPLITS},
         "candidates": rows,
@@ -167,18 +151,14 @@ def assemble(
         "evaluations": len(found.candidates),
         "budget": settings.budget,
         "stopped": found.stopped,
-        "arms": [arm_name(a) for a in request["search"]["arms"]],
+        "arms": [arm.name for arm in request.search.arms],
         "pruned_arms": found.pruned,
         "unexplored_arms": found.unexplored,
-        "skipped_module_sets": list(request.get("skipped_module_sets", [])),
+        "skipped_module_sets": list(request.skipped_module_sets),
         "alpha_range": [settings.alpha_min, settings.alpha_max],
-        "grid_equivalent": grid_equivalent(len(request["search"]["arms"]), settings),
-        "front_png": front_png_url(request["calibration_id"]),
+        "grid_equivalent": grid_equivalent(len(request.search.arms), settings),
+        "front_png": front_png_url(request.calibration_id),
     }
-
-
-def arm_name(data: Mapping[str, Any]) -> str:
-    return _arm(data).name
 
 
 def grid_equivalent(arms: int, settings: SearchSettings) -> int:
@@ -206,10 +186,14 @@ def _options(candidate: Candidate) -> dict[str, Any]:
         "alpha": candidate.alpha,
         "scaling": arm.scaling,
         "module_set": arm.module_set,
-        "modules": list(arm.modules) if arm.modules is not None else None,
-        "layers": list(arm.layers) if arm.layers is not None else None,
+        "modules": _list(arm.modules),
+        "layers": _list(arm.layers),
         "module_strengths": dict(arm.strengths) or None,
     }
+
+
+def _list(values: tuple[Any, ...] | None) -> list[Any] | None:
+    return None if values is None else list(values)
 
 
 def _scores(summary: Mapping[str, float]) -> dict[str, Any]:
@@ -249,28 +233,29 @@ def _no_feasible_note(found: SearchResult, limit: float) -> str:
 
 
 def _build_recommended(
-    ctx: Context, job_id: str, request: Mapping[str, Any], recommended: Mapping[str, Any], run_job: RunJob
+    ctx: Context, job_id: str, request: CalibrationRequest, best: Candidate, run_job: RunJob
 ) -> dict[str, Any]:
     """Build the recommended candidate as an unlearn variant of the calibrated universe, in the
     requested format: the variant job runs inline here (a job body may not queue another job in
     embedded mode, and the universe is on this worker's disk already)."""
-    options = recommended["options"]
-    alpha = float(options["alpha"])
+    arm, variant, alpha = best.arm, request.variant, float(best.alpha)
     edit = EditOptions(
-        scaling=options["scaling"],
-        modules=options["modules"],
-        layers=options["layers"],
-        module_strengths=options["module_strengths"],
-        universe=request["universe_id"],
-        **request["variant"],  # the calibration's format, lora_rank and lora_target
+        scaling=arm.scaling,
+        modules=_list(arm.modules),
+        layers=_list(arm.layers),
+        module_strengths=dict(arm.strengths) or None,
+        universe=request.universe_id,
+        format=variant.format,
+        lora_rank=variant.lora_rank,
+        lora_target=variant.lora_target,
     )
 
     def run_here(created: dict[str, Any]) -> None:  # the variant's job, in this job's process
         run_job(inline, created["job_id"])
 
     inline = dataclasses.replace(ctx, dispatch=run_here)
-    terms = coefficients_for_unlearn(request["concepts"], alpha)
-    view, variant_job = submit_variant(inline, request["model_id"], terms, alpha, edit)
+    terms = coefficients_for_unlearn(request.concepts, alpha)
+    view, variant_job = submit_variant(inline, request.model_id, terms, alpha, edit)
     if variant_job is not None and variant_job["status"] not in FINISHED:
         variant_job = _wait(ctx, job_id, variant_job["job_id"])  # built by another request's job
     view = variant_view(ctx, view["variant_id"])
@@ -278,7 +263,7 @@ def _build_recommended(
         job = ctx.jobs.get(view["job_id"]) if view.get("job_id") else None
         why = (job or {}).get("error") or {}
         raise JobFailed(f"the recommended variant {view['variant_id']} did not build: {why.get('detail', view['status'])}")
-    return {"variant_id": view["variant_id"], "variant_job_id": view.get("job_id"), "format": request["variant"]["format"]}
+    return {"variant_id": view["variant_id"], "variant_job_id": view.get("job_id"), "format": variant.format}
 
 
 def _wait(ctx: Context, job_id: str, other: str) -> dict[str, Any] | None:

@@ -27,6 +27,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: the search stays pure Python
+    from service.engine.compose import Scaling
 
 __all__ = ["Arm", "Candidate", "Outcome", "SearchResult", "SearchSettings", "pareto_front", "recommend", "search"]
 
@@ -49,7 +53,7 @@ class Arm:
     module_set: str
     modules: tuple[str, ...] | None
     layers: tuple[int, ...] | None
-    scaling: str
+    scaling: Scaling
     weighted: bool = False
     strengths: tuple[tuple[str, float], ...] = ()
 

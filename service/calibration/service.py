@@ -9,6 +9,7 @@ failed or cancelled calibration is run again.
 Storage layout:
 
 - ``calibrations/<id>/request.json``: what the job reads, and the job that answers it
+  (:class:`~service.calibration.request.CalibrationRequest`)
 - ``calibrations/<id>/result.json``: every candidate, the Pareto front, the recommendation (written last)
 - ``calibrations/<id>/front.png``: the front drawn (forget vs retain NLL ratio, recommended point marked)
 - ``probes/<sha256>.json``: the probes, shared with evaluations
@@ -16,11 +17,11 @@ Storage layout:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from api_schemas.models import CalibrateRequest
+from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
 from service.concepts.statistics import check_statistics_cover
 from service.context import Context
@@ -33,13 +34,9 @@ from service.jobs import callbacks
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
-from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
-
-CALIBRATION_FORMAT = "engram-calibration/2"  # bump when the search or its result changes
-SPLITS = ("forget", "retain")
 
 
 def calibration_prefix(calibration_id: str) -> str:
@@ -55,11 +52,11 @@ def valid_calibration_id(calibration_id: str) -> bool:
     return len(calibration_id) == 32 and all(c in "0123456789abcdef" for c in calibration_id)
 
 
-def submit_calibration(ctx: Context, model_id: str, body: Mapping[str, Any]) -> tuple[str, dict[str, Any], bool]:
+def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -> tuple[str, dict[str, Any], bool]:
     """Check a calibration request and start its job, or find the one that answers it.
 
     Args:
-        body: the request (``api_schemas.CalibrateRequest`` as a dict, probes without nulls).
+        options: the request as the route validated it.
 
     Returns:
         (calibration ID, its job, whether that job had finished already).
@@ -69,47 +66,46 @@ def submit_calibration(ctx: Context, model_id: str, body: Mapping[str, Any]) -> 
             statistics, an edit space this model does not have, a layer the statistics lack,
             a variant format the edit space cannot carry; nothing is written then.
     """
-    urls = callbacks.check_optional_url(body.get("callback_url"), ctx.settings)
-    body = {**body, "concepts": list(dict.fromkeys(body["concepts"]))}  # a name twice is one term, as in unlearn
+    urls = callbacks.check_optional_url(options.callback_url, ctx.settings)
+    options = one_term_each(options)
     model = get_model(ctx, model_id)
     layout = ModelLayout.from_json(model["layout"])
-    space = _space(layout, body)
-    _check_format(space, layout, body)
-    if any("messages" in p for split in SPLITS for p in body[split]):
+    space = request_space(layout, options)
+    _check_format(space, layout, options)
+    if has_messages(options):
         check_chat_templates({model_id: model}, "messages probes")
-    resolved = _resolve(ctx, model, body)
+    resolved = _resolve(ctx, model, options)
     _check_cover(ctx, layout, resolved, space)
-    probes = json.dumps({s: list(body[s]) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
-    probes_digest = hashlib.sha256(probes).hexdigest()
+    probes = stored_probes(options)
+    digest = probes_digest(probes)
     with ctx.lock:
         if resolved.becomes_current is not None:
             if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
                 set_current(ctx, resolved.becomes_current)
             else:  # another request fixed it first: use that one
-                resolved = _resolve(ctx, model, body)
+                resolved = _resolve(ctx, model, options)
                 _check_cover(ctx, layout, resolved, space)
-        request = _request(model, body, resolved, space, probes_digest)
-        calibration_id = request["calibration_id"]
+        request = CalibrationRequest.new(model, options, resolved, space, digest)
+        calibration_id = request.calibration_id
         existing = _answering_job(ctx, calibration_id)
         if existing is not None:
             return calibration_id, attach_callbacks(ctx, existing, urls), existing["status"] in FINISHED
         projected = make_room(ctx, resolved.spec)  # a 409 here changes nothing
-        ctx.storage.put_bytes(f"probes/{probes_digest}.json", probes)  # before the job: it reads them
+        ctx.storage.put_bytes(f"probes/{digest}.json", probes)  # before the job: it reads them
         payload = {"calibration_id": calibration_id, "model_id": model_id}
         job = ctx.jobs.create(new_job("calibrate", payload, unit="candidates", callback_urls=urls))
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
         record_universe(ctx, resolved.spec, None if built else job["job_id"])  # this job builds it if need be
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(calibration_prefix(calibration_id) + "request.json", {**request, "job_id": job["job_id"]})
+        ctx.storage.put_json(calibration_prefix(calibration_id) + "request.json", request.with_job(job["job_id"]).to_json())
     ctx.dispatch(job)
     return calibration_id, ctx.jobs.get(job["job_id"]) or job, False
 
 
-def _space(layout: ModelLayout, body: Mapping[str, Any]) -> EditSpace:
-    module_sets = body.get("module_sets")
-    layer_sets = body.get("layer_sets")
+def request_space(layout: ModelLayout, options: CalibrateRequest) -> EditSpace:
+    """The arms the request spans on this model (a 422 naming what it lacks)."""
     try:
-        return edit_space(layout.layers, module_sets, layer_sets, list(body["scalings"]))
+        return edit_space(layout.layers, options.module_sets, options.layer_sets, options.scalings)
     except SpaceError as exc:
         raise InvalidInput(str(exc)) from None
 
@@ -120,7 +116,7 @@ def union_layers(layout: ModelLayout, space: EditSpace) -> list[LayerSpec]:
     return [spec for spec in layout.layers if spec.name in names]
 
 
-def _check_format(space: EditSpace, layout: ModelLayout, body: Mapping[str, Any]) -> None:
+def _check_format(space: EditSpace, layout: ModelLayout, options: CalibrateRequest) -> None:
     """Refuse by name what a candidate could not be evaluated as, or its variant not be built as."""
     union = union_layers(layout, space)
     fused = [spec.name for spec in union if spec.name in layout.expert_slices]
@@ -129,27 +125,22 @@ def _check_format(space: EditSpace, layout: ModelLayout, body: Mapping[str, Any]
             f"calibration evaluates candidates as whole modules; the expert layers {summarize_names(fused)} are "
             "slices of a fused parameter: choose module_sets that leave the experts out"
         )
-    if body.get("format") == "peft":
+    if options.format == "peft":
         experts = [spec.name for spec in union if is_expert_layer(spec.name)]
         if experts:
             raise InvalidInput(
                 f'format "peft" cannot carry the expert layers {summarize_names(experts)}; use format "checkpoint" or '
                 '"delta", or module_sets that leave the experts out'
             )
-    if body.get("lora_target") == "vllm":
+    if options.lora_target == "vllm":
         biased = vllm_biased_layers(union)
         if biased:
             raise InvalidInput(vllm_bias_refusal(biased, union))
 
 
-def _resolve(ctx: Context, model: Mapping[str, Any], body: Mapping[str, Any]) -> EditUniverse:
+def _resolve(ctx: Context, model: Mapping[str, Any], options: CalibrateRequest) -> EditUniverse:
     return resolve_for_edit(
-        ctx,
-        model,
-        list(body["concepts"]),
-        reference=body.get("reference"),
-        universe_id=body.get("universe"),
-        rcond=body.get("rcond"),
+        ctx, model, list(options.concepts), reference=options.reference, universe_id=options.universe, rcond=options.rcond
     )
 
 
@@ -162,61 +153,10 @@ def _check_cover(ctx: Context, layout: ModelLayout, resolved: EditUniverse, spac
         check_statistics_cover(ctx, layout, members, modules, layers)
 
 
-def _request(
-    model: Mapping[str, Any], body: Mapping[str, Any], resolved: EditUniverse, space: EditSpace, probes_digest: str
-) -> dict[str, Any]:
-    """The stored request (what the job reads), with its content-addressed ID."""
-    variant = {
-        "format": body.get("format", "checkpoint"),
-        "lora_rank": body.get("lora_rank"),
-        "lora_target": body.get("lora_target", "peft"),
-    }
-    search = {
-        "max_retain_nll_ratio": float(body["max_retain_nll_ratio"]),
-        "budget": int(body["budget"]),
-        "alpha_min": float(body["alpha_min"]),
-        "alpha_max": float(body["alpha_max"]),
-        "arms": [_arm_json(arm) for arm in space.arms],
-    }
-    identity = {
-        "format": CALIBRATION_FORMAT,
-        "engine": ENGINE_VERSION,
-        "model_digest": model["digest"],
-        "universe_id": resolved.spec.universe_id,
-        "terms": sorted(resolved.terms[n] for n in body["concepts"]),
-        "probes": probes_digest,
-        "search": search,
-        "variant": variant,
-    }
-    calibration_id = canonical_digest(identity)[:32]
-    return {
-        "calibration_id": calibration_id,
-        "model_id": model["model_id"],
-        "concepts": list(body["concepts"]),
-        "term_stats": {n: resolved.terms[n] for n in body["concepts"]},
-        "universe_id": resolved.spec.universe_id,
-        "reference": resolved.reference,
-        "probes_digest": probes_digest,
-        "search": search,
-        "skipped_module_sets": list(space.skipped),
-        "variant": variant,
-    }
-
-
-def _arm_json(arm: Any) -> dict[str, Any]:
-    return {
-        "module_set": arm.module_set,
-        "modules": list(arm.modules) if arm.modules is not None else None,
-        "layers": list(arm.layers) if arm.layers is not None else None,
-        "scaling": arm.scaling,
-        "weighted": arm.weighted,
-    }
-
-
 def _answering_job(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
     """The job that answers this calibration: running, or succeeded (its result stored); else None."""
     stored = find_request(ctx, calibration_id)
-    job = ctx.jobs.get(stored["job_id"]) if stored and stored.get("job_id") else None
+    job = ctx.jobs.get(stored.job_id) if stored and stored.job_id else None
     if job is None or job["status"] in {"failed", "cancelled"}:
         return None
     if job["status"] == "succeeded" and not ctx.storage.exists(calibration_prefix(calibration_id) + "result.json"):
@@ -224,10 +164,11 @@ def _answering_job(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
     return job
 
 
-def find_request(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
+def find_request(ctx: Context, calibration_id: str) -> CalibrationRequest | None:
     if not valid_calibration_id(calibration_id):
         return None
-    return ctx.storage.find_json(calibration_prefix(calibration_id) + "request.json")
+    stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "request.json")
+    return None if stored is None else CalibrationRequest.from_json(stored)
 
 
 # ---------------------------------------------------------------- views
@@ -238,16 +179,16 @@ def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
     request = find_request(ctx, calibration_id)
     if request is None:
         raise NotFound(f"calibration {calibration_id} does not exist")
-    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+    job = ctx.jobs.get(request.job_id) if request.job_id else None
     result = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
     status = "succeeded" if result is not None else (job["status"] if job else "failed")
     return {
         "calibration_id": calibration_id,
-        "model_id": request["model_id"],
-        "concepts": request["concepts"],
-        "universe_id": request["universe_id"],
+        "model_id": request.model_id,
+        "concepts": list(request.concepts),
+        "universe_id": request.universe_id,
         "status": status,
-        "job_id": request.get("job_id"),
+        "job_id": request.job_id,
         "result": result,
     }
 

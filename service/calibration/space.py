@@ -24,9 +24,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from service.calibration.search import Arm
 from service.engine.layers import LayerSpec, module_type, select_layers, unmatched_suffixes
+
+if TYPE_CHECKING:
+    from service.engine.compose import Scaling
 
 PRESETS = ("all", "qk_gate", "attention", "mlp", "data_weighted")
 WEIGHTED = "data_weighted"  # the preset whose arms carry per-module-type strengths
@@ -79,7 +83,7 @@ def edit_space(
     layers: Sequence[LayerSpec],
     module_sets: Sequence[str | Sequence[str]] | None,
     layer_sets: Sequence[Sequence[int]] | None,
-    scalings: Sequence[str],
+    scalings: Sequence[Scaling],
 ) -> EditSpace:
     """The arms of a request on a model's layers.
 

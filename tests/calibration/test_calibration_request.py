@@ -1,20 +1,27 @@
-"""The stored calibration request: IDs as earlier versions gave them, the stored JSON both ways.
+"""The typed calibration request: IDs as earlier versions gave them, the stored JSON both ways.
 
 The pinned IDs were computed by ``service.calibration.service._request`` as it stood before the
-request was typed (commit a12dd1f), from the request as the route handed it on (probes without
-nulls, concepts without repeats): a stored calibration keeps its ID only while these stay equal.
+request was typed (commit a12dd1f; this file's first version called it), from the request as the
+route handed it on (probes without nulls, concepts without repeats): a stored calibration keeps its
+ID only while these stay equal.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 import pytest
 
 from api_schemas import CalibrateRequest
-from service.calibration import service
+from service.calibration.request import (
+    CalibrationRequest,
+    has_messages,
+    one_term_each,
+    probes_digest,
+    stored_probes,
+)
+from service.calibration.service import request_space
 from service.engine.checkpoint import ModelLayout
 from service.engine.layers import LayerSpec
 from service.universes.service import EditUniverse
@@ -78,25 +85,20 @@ PINNED = {
 }
 
 
-def stored_request(case: str) -> dict[str, Any]:
-    """What ``submit_calibration`` stores for ``CASES[case]`` (without its job)."""
-    body = CalibrateRequest(**CASES[case])
-    data = body.model_dump(exclude={"forget", "retain"})
-    for split in service.SPLITS:
-        data[split] = [p.model_dump(exclude_none=True) for p in getattr(body, split)]
-    data["concepts"] = list(dict.fromkeys(data["concepts"]))
-    probes = json.dumps({s: data[s] for s in service.SPLITS}, sort_keys=True, ensure_ascii=False).encode()
-    space = service._space(LAYOUT, data)
-    return service._request(MODEL, data, UNIVERSE, space, hashlib.sha256(probes).hexdigest())
+def request_of(case: str) -> CalibrationRequest:
+    """The request ``submit_calibration`` stores for ``CASES[case]`` (without its job)."""
+    options = one_term_each(CalibrateRequest(**CASES[case]))
+    space = request_space(LAYOUT, options)
+    return CalibrationRequest.new(MODEL, options, UNIVERSE, space, probes_digest(stored_probes(options)))
 
 
 @pytest.mark.parametrize("case", sorted(PINNED))
 def test_calibration_ids_are_the_ids_earlier_versions_gave(case: str) -> None:
-    assert stored_request(case)["calibration_id"] == PINNED[case]
+    assert request_of(case).calibration_id == PINNED[case]
 
 
 # What the code before the typed request stored for the case "module_sets", job added.
-STORED = {
+STORED: dict[str, Any] = {
     "calibration_id": "e8b2cd68db8136c6aa2e4aba6e073907",
     "model_id": "demo/tiny",
     "concepts": ["forget", "other"],
@@ -134,5 +136,48 @@ STORED = {
 
 
 def test_the_stored_request_is_the_json_earlier_versions_stored() -> None:
-    stored = {**stored_request("module_sets"), "job_id": "job-1"}
+    stored = request_of("module_sets").with_job("job-1").to_json()
     assert json.dumps(stored) == json.dumps(STORED)  # key for key, in order, floats as floats
+
+
+def test_a_stored_request_reads_back_as_it_was_written() -> None:
+    for case in CASES:
+        request = request_of(case).with_job("job-2")
+        assert CalibrationRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
+
+
+def test_the_job_reads_the_arms_and_the_variant_format_the_request_named() -> None:
+    request = CalibrationRequest.from_json(STORED)
+    assert [arm.name for arm in request.search.arms] == [
+        "qk_gate/weight_norm",
+        "v_proj+o_proj/weight_norm",
+        "data_weighted/weight_norm",
+    ]
+    assert [arm.weighted for arm in request.search.arms] == [False, False, True]
+    assert request.term_prefixes == [stats("a"), stats("b")]
+    settings = request.search.settings()
+    assert (settings.limit, settings.budget, settings.alpha_min, settings.alpha_max) == (1.5, 12, 0.1, 2.0)
+    assert settings.alpha_start == 1.0  # the paper's α = 1 first, inside the range
+    vllm = request_of("peft_vllm_messages").variant
+    assert (vllm.format, vllm.lora_rank, vllm.lora_target) == ("peft", 16, "vllm")
+
+
+def test_alpha_starts_at_the_nearest_end_of_a_range_without_one() -> None:
+    low = request_of("defaults").search
+    assert low.settings().alpha_start == 1.0
+    options = CalibrateRequest(**{**CASES["defaults"], "alpha_min": 1.5, "alpha_max": 3.0})
+    above = CalibrationRequest.new(MODEL, options, UNIVERSE, request_space(LAYOUT, options), "0" * 64).search
+    assert above.settings().alpha_start == 1.5
+
+
+def test_probes_are_stored_without_their_nulls_and_conversations_are_noticed() -> None:
+    options = CalibrateRequest(**CASES["peft_vllm_messages"])
+    assert json.loads(stored_probes(options)) == {"forget": CHAT, "retain": PAIRS}
+    assert has_messages(options) and not has_messages(CalibrateRequest(**CASES["defaults"]))
+
+
+def test_a_request_stored_before_data_weighted_reads_with_unweighted_arms() -> None:
+    arms = [{k: v for k, v in arm.items() if k != "weighted"} for arm in STORED["search"]["arms"]]
+    older = CalibrationRequest.from_json({**STORED, "search": {**STORED["search"], "arms": arms}})
+    assert [arm.weighted for arm in older.search.arms] == [False, False, False]
+    assert older.calibration_id == STORED["calibration_id"] and older.job_id == "job-1"

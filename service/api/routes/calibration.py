@@ -26,11 +26,7 @@ def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: 
     ``format``. Its ``result``: every candidate, the Pareto front, ``recommended`` and ``front_png``.
     The same request gives the same answer: 200 with the finished job once it exists.
     """
-    # exclude_none: a prompt/completion probe is stored (and digested) as evaluations store it.
-    data = body.model_dump(exclude={"forget", "retain"})
-    for split in ("forget", "retain"):
-        data[split] = [p.model_dump(exclude_none=True) for p in getattr(body, split)]
-    calibration_id, job, finished = calibration.submit_calibration(ctx, model_id, data)
+    calibration_id, job, finished = calibration.submit_calibration(ctx, model_id, body)
     response.status_code = 200 if finished else 202
     return {"calibration_id": calibration_id, "job": job_view(job)}
 
