@@ -7,8 +7,9 @@ and asks for their map. It reads the API process's ``VmRSS`` (now) and ``VmHWM``
 job process (embedded mode's worker) is a separate process and is not counted: what a map costs
 there is what a worker pays.
 
-Before maps became jobs, the API process loaded the weights and decomposed ``Σ_U`` itself; the
-same script, run from a checkout of that commit, measures the difference::
+Before maps and registrations became jobs, the API process built the model on the meta device,
+hashed the checkpoint, loaded the weights and decomposed ``Σ_U`` itself; the same script, run from
+a checkout of that commit, measures the difference::
 
     .venv/bin/python -m bench.api_memory --out /tmp/api-memory.json
 """

@@ -332,3 +332,21 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         ["service.cli", "workers.celery_app"],
         ["service.jobs.store", "service.storage.base"],
     ]
+
+
+def test_the_api_process_imports_no_job_body_and_no_transformers() -> None:
+    """The API routes jobs and checks requests: the bodies (and transformers, behind them) load only
+    where jobs run (issue 13: the API pod stays small). A fresh interpreter imports the app and the
+    ``engram-service`` entry point and lists what came with them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, service.cli, service.api.app\n"
+        "bodies = ('service.jobs.runner', 'service.concepts.collection', 'service.variants.build',"
+        " 'service.universes.build', 'service.evaluation.run', 'service.calibration.build', 'service.maps.build')\n"
+        "print(sorted(m for m in sys.modules if m in bodies or m == 'transformers' or m.startswith('transformers.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the API process imported: {done.stdout}"

@@ -15,10 +15,9 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
 from safetensors import safe_open
 from torch import nn
 
@@ -41,6 +40,9 @@ from service.engine.model_files import (
     weight_files,
 )
 from service.engine.safetensors_stream import read_header
+
+if TYPE_CHECKING:  # transformers is imported where a model or tokenizer is built, not by importers
+    import transformers
 
 _HASH_CHUNK = 8 * 1024 * 1024
 
@@ -130,6 +132,8 @@ def file_sha256(path: Path, nofollow: bool = False) -> str:
 
 def model_class(config: Mapping[str, Any]) -> type[transformers.PreTrainedModel] | type[transformers.AutoModel]:
     """The transformers class named by ``architectures``, else ``AutoModel``, which picks one itself."""
+    import transformers
+
     for name in config.get("architectures") or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
@@ -141,6 +145,8 @@ def _empty_model(
     cls: type[transformers.PreTrainedModel] | type[transformers.AutoModel], config: transformers.PretrainedConfig
 ) -> transformers.PreTrainedModel:
     """The model of ``config`` (built under the caller's device context: ``meta``, no memory)."""
+    import transformers
+
     if issubclass(cls, transformers.PreTrainedModel):
         model: transformers.PreTrainedModel = cls._from_config(config)  # type: ignore[no-untyped-call]  # untyped in transformers
     else:  # model_class's fallback: AutoModel picks the class from the config
@@ -154,6 +160,8 @@ def inspect_model_dir(path: Path) -> ModelLayout:
     The model is built on the ``meta`` device (no memory) to learn its module tree and which
     parameters are tied; checkpoint keys come from the safetensors headers.
     """
+    import transformers
+
     config_dict = validate_model_dir(path)
     try:
         with clean_view(path) as view:
@@ -297,6 +305,8 @@ class ModelTooLarge(RuntimeError):
 
 def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, read from the checked files only (no remote code)."""
+    import transformers
+
     check_links(path)
     check_tokenizer_config(path)
     with clean_view(path) as view:

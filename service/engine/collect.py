@@ -47,16 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.engine.errors import CollectionCancelled as CollectionCancelled  # noqa: PLC0414  (re-exported)
 from service.engine.experts import DOWN, ExpertRequest, down_input, expert_requests, experts_call, routed_to
 from service.engine.layers import LayerSpec
 from service.engine.linalg import add_upper_gram_, gram, mirror_upper_
 from service.engine.records import Batch
 
 PRODUCT_DTYPE = torch.float32
-
-
-class CollectionCancelled(RuntimeError):
-    """Raised between batches when the caller asked to stop."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from service.engine.errors import EditError as EditError  # noqa: PLC0414  (re-exported: importers name it here)
 from service.engine.layers import LayerSpec
 from service.engine.linalg import PinvFactors, packed_dim, pinv_factors, unpack_symmetric
 
@@ -33,10 +34,6 @@ class GroupedStatistics(Protocol):
 
     @property
     def sums(self) -> Mapping[str, torch.Tensor]: ...
-
-
-class EditError(ValueError):
-    """The requested edit cannot be computed (missing statistics, non-finite result)."""
 
 
 class EngramSource(Protocol):

@@ -40,6 +40,7 @@ keys transformers' conversion mapping merges, ``mlp.experts.{e}.gate_proj.weight
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,11 +53,17 @@ from torch.nn import functional as F
 from service.engine.compose import EditError
 from service.engine.layers import LayerSpec, block_index, is_editable, summarize_names
 
-_default_apply_gate: Callable[..., torch.Tensor] | None
-try:  # transformers' default gate; a class with another one computes something else
-    from transformers.integrations.moe import _default_apply_gate
-except ImportError:  # pragma: no cover - an older transformers: no fused experts are understood
-    _default_apply_gate = None
+
+@functools.cache
+def _default_apply_gate() -> Callable[..., torch.Tensor] | None:
+    """transformers' default gate (a class with another one computes something else); imported on
+    first use, so a process that only checks requests never imports transformers."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate as gate
+    except ImportError:  # pragma: no cover - an older transformers: no fused experts are understood
+        return None
+    return cast("Callable[..., torch.Tensor]", gate)
+
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 PROJECTIONS = (GATE, UP, DOWN)
@@ -147,7 +154,7 @@ def check_adapter_layers(layers: Iterable[LayerSpec]) -> None:
 def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:
     """The module as :class:`FusedExperts` when its layout is the one understood here, else ``None``."""
     params = dict(module.named_parameters())
-    if set(params) != set(FUSED) or _default_apply_gate is None:
+    if set(params) != set(FUSED) or _default_apply_gate() is None:
         return None
     gate_up, down = params["gate_up_proj"], params["down_proj"]
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
@@ -159,7 +166,7 @@ def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:
         return None
     if any(not hasattr(module, option) or getattr(module, option) != value for option, value in _DEFAULT_LAYOUT.items()):
         return None
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate():
         return None
     return FusedExperts(name, experts, hidden, double // 2)
 

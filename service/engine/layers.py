@@ -7,6 +7,7 @@ mathematics works on the canonical ``[out, in]`` matrix; ``Conv1D`` stores its w
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,15 +15,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# The module types the engram edits; GPT-2's Conv1D when transformers (a hard dependency of the
-# service, optional to the core) provides it.
-_EDITABLE_TYPES: tuple[type[nn.Module], ...]
-try:
-    from transformers.pytorch_utils import Conv1D
 
-    _EDITABLE_TYPES = (nn.Linear, Conv1D)
-except ImportError:  # pragma: no cover - transformers is a hard dependency of the service
-    _EDITABLE_TYPES = (nn.Linear,)
+@functools.cache
+def _editable_types() -> tuple[type[nn.Module], ...]:
+    """The module types the engram edits; GPT-2's Conv1D when transformers (a hard dependency of the
+    service, optional to the core) provides it. Imported on first use: a process that only checks
+    requests never imports transformers."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a hard dependency of the service
+        return (nn.Linear,)
+    return (nn.Linear, Conv1D)
+
 
 # Container names whose ``.<name>.<index>.`` segment carries the block index: Llama ``layers``,
 # GPT-2 ``h``, BERT ``layer``, T5/others ``block``/``blocks``.
@@ -57,7 +61,7 @@ class LayerSpec:
 
 def is_editable(module: nn.Module) -> bool:
     """True for the layer types the engram edits (``nn.Linear`` and GPT-2 ``Conv1D``)."""
-    return isinstance(module, _EDITABLE_TYPES)
+    return isinstance(module, _editable_types())
 
 
 def block_index(name: str) -> int | None:

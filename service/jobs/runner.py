@@ -1,4 +1,4 @@
-"""The job runner: one table from job kind to its body and queue, and the state machine every job goes through.
+"""The job runner: the state machine every job goes through, running the body :mod:`service.jobs.kinds` names.
 
 A body is a function ``(ctx, job) -> result`` in its domain (``service.concepts.collection``,
 ``service.universes.build``, ``service.variants.build``, ``service.evaluation.run``,
@@ -20,77 +20,33 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import redis.exceptions
 
-from service.calibration.build import run_calibration
-from service.concepts.collection import run_collection
 from service.context import Context
-from service.engine.collect import CollectionCancelled
+from service.engine.errors import CollectionCancelled
 from service.errors import JobFailed, ProblemError
-from service.evaluation.run import run_evaluation, run_generation
+from service.jobs.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
-from service.jobs.store import FINISHED, JobKind, utc_now
-from service.maps.build import run_map
-from service.models.registration import run_registration
+from service.jobs.store import FINISHED, utc_now
 from service.observability import job_context
 from service.storage.base import StorageUnavailable
-from service.universes.build import help_build_universe, run_universe
-from service.variants.build import run_variant
 
 log = logging.getLogger("engram.runner")
 
-Body = Callable[[Context, dict[str, Any]], dict[str, Any]]
-Queue = Literal["gpu", "cpu"]
-Lane = Literal["collect", "variant", "inference", "map", "register"]
+__all__ = ["KINDS", "UNIVERSE_HELPER", "Kind", "Queue", "run_job", "retry_after", "run_universe_helper"]
 
 
-@dataclass(frozen=True)
-class Kind:
-    """Where a job kind runs, and what runs it.
-
-    Attributes:
-        body: the domain's function that does the work.
-        queue: distributed mode's Celery queue: ``gpu`` where the model runs or the work costs far
-            more than a copy, ``cpu`` for arithmetic builds.
-        task: the Celery task's name (stable: messages in flight name it).
-        lane: embedded mode's thread lane in the job process (one job at a time per lane, so a
-            compose never waits behind a long collection, and a quick evaluation neither).
-    """
-
-    body: Body
-    queue: Queue
-    task: str
-    lane: Lane
-
-
-def _calibrate(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_calibration_job(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """A calibration runs its recommended variant's job inline, through this runner."""
+    from service.calibration.build import run_calibration
+
     return run_calibration(ctx, job, run_job)
 
-
-KINDS: dict[JobKind, Kind] = {
-    "collect": Kind(run_collection, "gpu", "engram.collect", "collect"),
-    "variant": Kind(run_variant, "cpu", "engram.build_variant", "variant"),
-    # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
-    "universe": Kind(run_universe, "gpu", "engram.build_universe", "variant"),
-    "evaluate": Kind(run_evaluation, "gpu", "engram.evaluate", "inference"),
-    "generate": Kind(run_generation, "gpu", "engram.generate", "inference"),
-    # It runs the model over probes, candidate after candidate.
-    "calibrate": Kind(_calibrate, "gpu", "engram.calibrate", "inference"),
-    # A map loads weights and decomposes Σ_U, as a universe build does; its own lane in embedded
-    # mode, so a map waits neither for a collection nor for a variant.
-    "map": Kind(run_map, "gpu", "engram.build_map", "map"),
-    # Downloading and hashing a remote checkpoint: network and disk, no accelerator.
-    "register": Kind(run_registration, "cpu", "engram.register_model", "register"),
-}
-# A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
-UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)
 
 # Errors worth a retry: the job's inputs are fine, a service it needs is briefly away.
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
@@ -164,6 +120,8 @@ def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
     (it failed, or its worker died and its lease expired) the job computes itself, and a job that
     ended or was cancelled stops its helpers at their next part or layer.
     """
+    from service.universes.build import help_build_universe
+
     with job_context(job_id):
         try:
             done = help_build_universe(ctx, universe_id, job_id)

@@ -1,14 +1,13 @@
-"""Registering a model: a ``file://`` folder in the request, a remote one (``s3://``, ``hf://``) as a job.
+"""Registering a model: checked in the request, inspected by a ``register`` job.
 
-Registering a remote checkpoint downloads it and hashes every file the service uses: minutes and
-gigabytes for a real model, which the API process (small, and answering other requests meanwhile)
-must not do. The request checks what it can without reaching the source (the ID, the source's form,
-an earlier registration of the same ID) and starts a ``register`` job, which a worker runs through
-:func:`~service.models.registry.register_model`, exactly as a ``file://`` registration runs in the
-request. The same registration posted while its job runs follows that job.
-
-A ``file://`` folder is read in place, on the API's own disk, so it stays a request: its digest
-reads the files once and needs no download.
+Registering a checkpoint hashes every file the service uses and builds the model on the ``meta``
+device to learn its layers (transformers, about 180 MB that would stay in the process); a remote
+one (``s3://``, ``hf://``) is downloaded first: minutes and gigabytes for a real model. The API
+process (small, and answering other requests meanwhile) does none of it. The request checks what it
+can without reading the checkpoint (the ID, the source's form, for a ``file://`` folder that it lies
+in ``ENGRAM_MODEL_ROOTS``, an earlier registration of the same ID) and starts a ``register`` job,
+which a worker runs through :func:`~service.models.registry.register_model`. The same registration
+posted while its job runs follows that job.
 """
 
 from __future__ import annotations
@@ -17,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.context import Context
-from service.errors import Conflict
+from service.engine.model_checks import validate_model_dir
+from service.engine.model_files import ModelSourceError
+from service.errors import Conflict, InvalidInput
 from service.jobs.store import new_job
 from service.models.registry import find_model, register_model
-from service.models.sources import check_remote_source, is_remote
+from service.models.sources import check_remote_source, is_remote, local_model_dir
 from service.storage.keys import registration_key
 
 _ACTIVE = ("queued", "running")
@@ -42,19 +43,16 @@ class Registration:
 
 
 def request_registration(ctx: Context, model_id: str, source: str) -> Registration:
-    """Register ``file://`` sources now; start (or follow) the job that registers a remote one.
+    """The registration when it exists; else start (or follow) the job that registers the model.
 
     Raises:
         Conflict: the ID is registered, or being registered, with another source.
-        InvalidInput: the source is malformed, or (``file://``) refused.
+        InvalidInput: the source is malformed, or a ``file://`` folder is outside the model roots.
     """
-    if not is_remote(source):
-        manifest, created = register_model(ctx, model_id, source)
-        return Registration(manifest, created, None)
     existing = _registered(ctx, model_id, source)
     if existing is not None:
         return Registration(existing, False, None)
-    check_remote_source(source)
+    check_source(ctx, source)
     with ctx.lock:
         existing = _registered(ctx, model_id, source)
         if existing is not None:
@@ -68,6 +66,22 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
         ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job["job_id"]})
     ctx.dispatch(job)
     return Registration(None, False, ctx.jobs.get(job["job_id"]) or job)
+
+
+def check_source(ctx: Context, source: str) -> None:
+    """Refuse (422) what the request can tell is wrong without reading the weights: an unknown
+    scheme, a malformed ``s3://``/``hf://`` source, a ``file://`` path that is not a folder inside
+    ``ENGRAM_MODEL_ROOTS`` (links resolved), or a folder :func:`validate_model_dir` refuses (no
+    config, remote code, pickle weights, a quantized model, a link leading out). The job checks all
+    of it again, then the weights."""
+    if is_remote(source):
+        check_remote_source(source)
+        return
+    path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
+    try:  # the folder's side files only (config, tokenizer config, file names): a refused one writes nothing
+        validate_model_dir(path)
+    except ModelSourceError as exc:
+        raise InvalidInput(str(exc)) from None
 
 
 def registering_job(ctx: Context, model_id: str) -> dict[str, Any] | None:

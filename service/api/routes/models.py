@@ -27,12 +27,12 @@ RegisterWaitQuery = Annotated[
         ge=0,
         le=60,
         description=(
-            "s3:// and hf:// sources are downloaded by a job: wait up to this many seconds for it "
-            "(201 with the model when it finished, else 202 with the job)"
+            "a register job inspects (and for s3:// and hf://, downloads) the checkpoint: wait up to this "
+            "many seconds for it (201 with the model when it finished, else 202 with the job)"
         ),
     ),
 ]
-DEFAULT_REGISTER_WAIT_S = 30.0  # a small checkpoint registers within it: 201, as for a local folder
+DEFAULT_REGISTER_WAIT_S = 30.0  # most checkpoints register within it: 201, as when the request did it
 _REGISTERING: dict[int | str, dict[str, Any]] = {
     200: {"model": Model, "description": "the identical registration exists"},
     202: {"model": Job, "description": "a job downloads the checkpoint: poll it (Location), then GET /models/{id}"},
@@ -47,9 +47,9 @@ async def register_model(
     response: Response,
     wait: RegisterWaitQuery = DEFAULT_REGISTER_WAIT_S,
 ) -> Any:
-    """Register a checkpoint (201), or return the identical registration (200). A ``file://`` folder
-    is registered in the request; an ``s3://`` or ``hf://`` source by a job that downloads it (202
-    with the job when it takes longer than ``wait``)."""
+    """Register a checkpoint (201), or return the identical registration (200). A ``register`` job
+    hashes and inspects it (and downloads an ``s3://`` or ``hf://`` source first): 202 with the job
+    when it takes longer than ``wait``."""
     answer = await run_in_threadpool(registration.request_registration, ctx, body.model_id, body.source)
     if answer.manifest is not None:
         response.status_code = 201 if answer.created else 200

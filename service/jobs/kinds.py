@@ -1,0 +1,70 @@
+"""Which job kinds exist, where each runs and which function does its work: the one table.
+
+The table names each body by its import path instead of importing it, so the processes that only
+route jobs (the API, which queues them or hands them to its job process) never import a body, nor
+torch and transformers behind it: :func:`service.jobs.runner.run_job` imports a body where it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+from service.jobs.store import JobKind
+
+Body = Callable[[Any, dict[str, Any]], dict[str, Any]]
+Queue = Literal["gpu", "cpu"]
+Lane = Literal["collect", "variant", "inference", "map", "register"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Where a job kind runs, and what runs it.
+
+    Attributes:
+        body_path: ``module:function`` of the domain's function that does the work, ``(ctx, job) -> result``.
+        queue: distributed mode's Celery queue: ``gpu`` where the model runs or the work costs far
+            more than a copy, ``cpu`` for arithmetic builds and downloads.
+        task: the Celery task's name (stable: messages in flight name it).
+        lane: embedded mode's thread lane in the job process (one job at a time per lane, so a
+            compose never waits behind a long collection, and a quick evaluation neither).
+    """
+
+    body_path: str
+    queue: Queue
+    task: str
+    lane: Lane
+
+    @property
+    def body(self) -> Body:
+        """The body function, imported on first use (in the process that runs the job)."""
+        return _import(self.body_path)
+
+
+@cache
+def _import(path: str) -> Body:
+    module, _, name = path.partition(":")
+    body: Body = getattr(importlib.import_module(module), name)
+    return body
+
+
+KINDS: dict[JobKind, Kind] = {
+    "collect": Kind("service.concepts.collection:run_collection", "gpu", "engram.collect", "collect"),
+    "variant": Kind("service.variants.build:run_variant", "cpu", "engram.build_variant", "variant"),
+    # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
+    "universe": Kind("service.universes.build:run_universe", "gpu", "engram.build_universe", "variant"),
+    "evaluate": Kind("service.evaluation.run:run_evaluation", "gpu", "engram.evaluate", "inference"),
+    "generate": Kind("service.evaluation.run:run_generation", "gpu", "engram.generate", "inference"),
+    # It runs the model over probes, candidate after candidate (and its variant's job inline).
+    "calibrate": Kind("service.jobs.runner:run_calibration_job", "gpu", "engram.calibrate", "inference"),
+    # A map loads weights and decomposes Σ_U, as a universe build does; its own lane in embedded
+    # mode, so a map waits neither for a collection nor for a variant.
+    "map": Kind("service.maps.build:run_map", "gpu", "engram.build_map", "map"),
+    # Downloading and hashing a remote checkpoint: network and disk, no accelerator.
+    "register": Kind("service.models.registration:run_registration", "cpu", "engram.register_model", "register"),
+}
+# A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
+UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)
