@@ -15,10 +15,9 @@ from starlette.concurrency import run_in_threadpool
 
 from api_schemas import Job
 from service.api.deps import ContextDep, LanesDep
+from service.api.job_answers import unfinished_answer, waited
 from service.api.lanes import Lanes
-from service.api.problems import PROBLEM_JSON
 from service.context import Context
-from service.jobs.store import FINISHED, public_view
 from service.maps import render
 from service.maps.service import job_map, submit_map
 
@@ -40,7 +39,6 @@ MapWaitQuery = Annotated[
     ),
 ]
 DEFAULT_WAIT_S = 30.0  # a small model's map takes seconds: most requests get the map, as before
-_POLL_AFTER_S = "2"
 
 _COMPUTING: dict[int | str, dict[str, Any]] = {
     202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"}
@@ -68,24 +66,10 @@ async def _map_or_job(
     answer = await run_in_threadpool(submit_map, ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
     if answer.data is not None:
         return answer.data
-    job = answer.job
-    assert job is not None  # a map that is not stored has a job computing it
-    if wait > 0:
-        lanes.admit_waiter()  # 429 when too many requests wait already; the job runs anyway
-        job = await lanes.wait_for_job(ctx, job, wait)
+    assert answer.job is not None  # a map that is not stored has a job computing it
+    job = await waited(ctx, lanes, answer.job, wait)
     data = await run_in_threadpool(job_map, ctx, answer.request, job)
-    if data is not None:
-        return data
-    if job["status"] in FINISHED:  # failed or cancelled: say why, as the job does
-        problem = job.get("error") or {
-            "type": "https://engram.dev/problems/job-cancelled",
-            "title": "Job cancelled",
-            "status": 409,
-            "detail": f"the job computing this map, {job['job_id']}, was cancelled: ask again to start another",
-        }
-        return JSONResponse({**problem, "job_id": job["job_id"]}, status_code=problem["status"], media_type=PROBLEM_JSON)
-    headers = {"Location": f"/jobs/{job['job_id']}", "Retry-After": _POLL_AFTER_S}
-    return JSONResponse(Job.model_validate(public_view(job)).model_dump(mode="json"), status_code=202, headers=headers)
+    return data if data is not None else unfinished_answer(job, "this map")
 
 
 @router.get("/models/{model_id:path}/engram-map.png", response_class=Response, responses=_PNG)

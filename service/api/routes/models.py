@@ -5,16 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import ComposeRequest, Job, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
 from api_schemas.models import EditOptions
 from service.api.deps import ContextDep, LanesDep
-from service.api.problems import PROBLEM_JSON
+from service.api.job_answers import unfinished_answer, waited
 from service.api.routes.jobs import job_view
 from service.context import Context
-from service.jobs.store import FINISHED
 from service.models import registration, registry
 from service.variants import service as variants
 
@@ -54,25 +52,13 @@ async def register_model(
     if answer.manifest is not None:
         response.status_code = 201 if answer.created else 200
         return registry.model_view(answer.manifest)
-    job = answer.job
-    assert job is not None  # not registered yet: a job registers it
-    if wait > 0:
-        lanes.admit_waiter()
-        job = await lanes.wait_for_job(ctx, job, wait)
-    if job["status"] == "succeeded":
-        manifest = await lanes.status(registry.get_model, ctx, body.model_id)
-        response.status_code = 201 if job["result"].get("created", True) else 200
-        return registry.model_view(manifest)
-    if job["status"] in FINISHED:  # failed or cancelled: nothing was registered; say why
-        problem = job.get("error") or {
-            "type": "https://engram.dev/problems/job-cancelled",
-            "title": "Job cancelled",
-            "status": 409,
-            "detail": f"the registration of {body.model_id} was cancelled: post it again to start another",
-        }
-        return JSONResponse({**problem, "job_id": job["job_id"]}, status_code=problem["status"], media_type=PROBLEM_JSON)
-    headers = {"Location": f"/jobs/{job['job_id']}", "Retry-After": "2"}
-    return JSONResponse(Job.model_validate(job_view(job)).model_dump(mode="json"), status_code=202, headers=headers)
+    assert answer.job is not None  # not registered yet: a job registers it
+    job = await waited(ctx, lanes, answer.job, wait)
+    if job["status"] != "succeeded":
+        return unfinished_answer(job, f"the registration of {body.model_id}")
+    manifest = await lanes.status(registry.get_model, ctx, body.model_id)
+    response.status_code = 201 if job["result"].get("created", True) else 200
+    return registry.model_view(manifest)
 
 
 @router.get("/models", response_model=list[Model])
