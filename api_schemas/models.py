@@ -270,6 +270,15 @@ class DatasetReferenceView(DatasetReference):
     digest: str | None = Field(default=None, description="the resolved dataset's digest (null until resolved)")
     status: Literal["pending", "resolved", "failed"] = "pending"
     error: str | None = Field(default=None, description="why it did not resolve (the collection job's problem)")
+    fingerprint: dict[str, str | int] | None = Field(
+        default=None,
+        description=(
+            "what the referenced content was when it was posted, which every read is pinned to (a change is a "
+            "failed job, and posting the reference again makes a new collection): file:// size, mtime_ns and "
+            "inode; s3:// etag and size (and version_id in a versioned bucket); hf:// the commit. null: it "
+            "could not be looked at when posted"
+        ),
+    )
 
 
 class ConceptCreate(Strict):

@@ -1,7 +1,7 @@
 """The Celery app of distributed mode: Redis broker and backend, queues ``gpu`` and ``cpu``.
 
 The tasks are thin: each runs :func:`service.jobs.runner.run_job`, as embedded mode's job process
-does, and takes its name and queue from the runner's table (:data:`service.jobs.runner.KINDS`).
+does, and takes its name and queue from the job table (:data:`service.jobs.kinds.KINDS`).
 Every task sets ``acks_late`` and ``reject_on_worker_lost``, so a worker that dies mid-task leaves
 its message to be redelivered, and the broker's visibility timeout is above the hard time limit,
 so a live task is never handed to a second worker.

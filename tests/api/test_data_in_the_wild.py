@@ -465,6 +465,8 @@ def test_references_give_the_statistics_of_the_same_records_inline(
         concept = api.get(f"/concepts/{name}").json()
         assert concept["dataset_digest"] == expected and concept["num_records"] == len(PAIRS), concept
         assert concept["dataset"]["digest"] == expected and concept["dataset"]["status"] == "resolved", concept
+        pinned = {"file": {"size", "mtime_ns", "inode"}, "s3": {"etag", "size"}, "hf": {"commit"}}[place]
+        assert pinned <= set(concept["dataset"]["fingerprint"] or {}), concept["dataset"]  # what reads are pinned to
         assert concept["models"][CHAT]["status"] == "ready"
         # Idempotent: the same reference again starts nothing.
         again = post(api, name, [CHAT], dataset=reference)

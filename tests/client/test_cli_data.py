@@ -86,6 +86,9 @@ def test_a_reference_gives_the_dataset_and_statistics_of_the_same_records_upload
     assert f"cli-data-facts: {parquet} (10 records, resolved)" in shown.stdout
     assert "cli-data-facts on cli-data/chat: ready" in shown.stdout
     concept = concept_json(world.url, "cli-data-facts")
+    fingerprint = concept["dataset"].pop("fingerprint")
+    assert set(fingerprint) == {"size", "mtime_ns", "inode"}  # a file:// reference: pinned to this file
+    assert fingerprint["size"] == (world.data / "cli-data-facts.parquet").stat().st_size
     assert concept["dataset"] == {
         "uri": parquet,
         "format": "parquet",
