@@ -24,7 +24,7 @@ costs nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ def engram_map(
         (blocks × modules), max, argmax}}, outside_blocks: {concept: {layer: value}}, layers: [...]}``.
     """
     request = map_request(ctx, model_id, concepts, reference, rcond, measure)
-    return find_map(ctx, request) or compute_map(ctx, request, NoProgress())
+    return find_map(ctx, request) or compute_map(ctx, request, lambda _: NoProgress())
 
 
 def run_map(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
@@ -70,16 +70,19 @@ def run_map(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     request = MapRequest.from_json(ctx.storage.get_json(map_request_key(map_id)))
     reused = find_map(ctx, request) is not None
     if not reused:
-        model = get_model(ctx, request.model_id)
-        total = len(request.concepts) * len(model["layout"]["layers"])
-        compute_map(ctx, request, JobProgress(ctx, job["job_id"], total))
+        compute_map(ctx, request, lambda total: JobProgress(ctx, job["job_id"], total))
     return {"map_id": map_id, "model_id": request.model_id, "concepts": list(request.concepts), "reused": reused}
 
 
-def compute_map(ctx: Context, request: MapRequest, progress: Progress) -> dict[str, Any]:
-    """Compute the map (from the statistics and the weights: the worker's work) and store it."""
+def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Progress]) -> dict[str, Any]:
+    """Compute the map (from the statistics and the weights: the worker's work) and store it.
+
+    Args:
+        progress: made with the number of steps (one per concept and layer).
+    """
     model = get_model(ctx, request.model_id)
-    result = _compute(ctx, model, request, progress)
+    steps = len(request.concepts) * len(model["layout"]["layers"])
+    result = _compute(ctx, model, request, progress(steps))
     ctx.storage.put_json(map_key(request.map_id), result)
     return result
 

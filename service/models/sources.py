@@ -59,16 +59,29 @@ def is_remote(source: str) -> bool:
 
 def check_remote_source(source: str) -> None:
     """Refuse (422) an ``s3://`` or ``hf://`` source that is not well formed, without reaching it."""
+    scheme = urlparse(source).scheme
+    if scheme == "hf":
+        _hf_repo(source)
+    elif scheme == "s3":
+        _s3_location(source)
+
+
+def _hf_repo(source: str) -> tuple[str, str | None]:
+    """``hf://org/name[@revision]`` -> (repo, revision); a 422 for anything else."""
+    match = HF_PATTERN.match(source)
+    if match is None:
+        raise InvalidInput(f"hf:// source must be hf://org/name[@revision], got {source!r}")
+    return match.group(1), match.group(2)
+
+
+def _s3_location(source: str) -> tuple[str, str]:
+    """``s3://bucket/prefix/`` -> (bucket, prefix); a 422 for anything else."""
     from service.storage.s3 import parse_s3_url
 
-    scheme = urlparse(source).scheme
-    if scheme == "hf" and HF_PATTERN.match(source) is None:
-        raise InvalidInput(f"hf:// source must be hf://org/name[@revision], got {source!r}")
-    if scheme == "s3":
-        try:
-            parse_s3_url(source)
-        except ValueError:
-            raise InvalidInput(f"s3:// source must be s3://bucket/prefix/, got {source!r}") from None
+    try:
+        return parse_s3_url(source)
+    except ValueError:
+        raise InvalidInput(f"s3:// source must be s3://bucket/prefix/, got {source!r}") from None
 
 
 def file_uri_path(uri: str, what: str) -> str:
@@ -117,10 +130,7 @@ def _checked_download(path: Path, cache: Path, source: str) -> Path:
 
 
 def _hf_source(source: str, cache_dir: Path) -> Path:
-    match = HF_PATTERN.match(source)
-    if match is None:
-        raise InvalidInput(f"hf:// source must be hf://org/name[@revision], got {source!r}")
-    repo_id, revision = match.group(1), match.group(2)
+    repo_id, revision = _hf_repo(source)
     try:
         from huggingface_hub import snapshot_download
 
@@ -152,12 +162,9 @@ def _s3_source(source: str, cache_dir: Path, endpoint_url: str | None) -> Path:
     is renamed into place, so a crash or a concurrent registration never leaves a half-copied model
     where the next call would take it for a whole one.
     """
-    from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client, parse_s3_url
+    from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client
 
-    try:
-        bucket, prefix = parse_s3_url(source)
-    except ValueError:
-        raise InvalidInput(f"s3:// source must be s3://bucket/prefix/, got {source!r}") from None
+    bucket, prefix = _s3_location(source)
     normalised = f"s3://{bucket}/{prefix}"
     root = cache_dir / "s3"
     target = root / hashlib.sha256(normalised.encode()).hexdigest()

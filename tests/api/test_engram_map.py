@@ -28,6 +28,7 @@ from safetensors import safe_open
 from service.demo import make_facts
 from service.engine.stats_io import load_statistics
 from tests.api.test_api import assert_problem
+from tests.api.test_waiting_and_polling import job_process, paused
 from tests.live import LiveServer, wait_concepts_ready, wait_for_job
 
 MODEL = "map/tiny"
@@ -163,17 +164,19 @@ def test_concept_not_ready_on_the_model_is_409(api: httpx.Client, ready: None, t
     assert_problem(api.get(f"/models/{other}/engram-map", params={"concepts": "map-a"}), 409, "map-a")
 
 
-def test_a_map_not_stored_is_computed_by_one_job_and_then_served_from_storage(api: httpx.Client, ready: None) -> None:
+def test_a_map_not_stored_is_computed_by_one_job_and_then_served_from_storage(
+    api: httpx.Client, ready: None, live_server: LiveServer
+) -> None:
     url = f"/models/{MODEL}/engram-map"
     params = {"concepts": "map-b,map-a", "rcond": "3e-6"}  # a cut no other test asks for: not stored yet
-    first = api.get(url, params={**params, "wait": "0"})
-    assert first.status_code == 202, first.text
-    job = first.json()
-    assert job["kind"] == "map" and job["model_id"] == MODEL and job["status"] in ("queued", "running", "succeeded")
-    assert first.headers["location"] == f"/jobs/{job['job_id']}"
-    again = api.get(url, params={**params, "wait": "0"})
-    if again.status_code == 202:  # still computing: the same request follows the same job
-        assert again.json()["job_id"] == job["job_id"]
+    with paused(job_process(live_server)):  # the job stays queued while the same request comes again
+        first = api.get(url, params={**params, "wait": "0"})
+        assert first.status_code == 202, first.text
+        job = first.json()
+        assert job["kind"] == "map" and job["model_id"] == MODEL and job["status"] == "queued"
+        assert first.headers["location"] == f"/jobs/{job['job_id']}"
+        again = api.get(url, params={**params, "wait": "0"})
+        assert again.status_code == 202 and again.json()["job_id"] == job["job_id"]  # one job, followed
     done = wait_for_job(api, job["job_id"], timeout=120)
     assert done["status"] == "succeeded", done
     assert done["result"]["concepts"] == ["map-b", "map-a"] and done["result"]["reused"] is False
