@@ -127,6 +127,13 @@ class Model(BaseModel):
     architecture: str
     num_parameters: int
     layers: list[Layer]
+    layers_not_in_checkpoint: list[str] = Field(
+        default_factory=list,
+        description=(
+            "editable layers of the architecture whose weight the checkpoint does not store under any name "
+            "transformers loads (it initialises them at random on load): never edited"
+        ),
+    )
 
 
 # The roles a chat message may have (service.engine.records.ROLES says the same).

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     BertConfig,
@@ -26,6 +26,8 @@ from transformers import (
     BertModel,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     LlamaForCausalLM,
@@ -222,6 +224,32 @@ def make_tiny_gpt2(
     )
     torch.manual_seed(seed)
     return _save(GPT2LMHeadModel(config), tokenizer, path)
+
+
+def make_tiny_gpt_neox(path: Path, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    """Write a random tiny ``GPTNeoXForCausalLM`` (Pythia's class: fused ``query_key_value``, biased
+    layers, an untied head) whose checkpoint stores the head under its old name ``embed_out.weight``,
+    as Pythia's checkpoints do; transformers renames it to ``lm_head`` as it loads."""
+    tokenizer = make_tokenizer()
+    config = GPTNeoXConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    path = _save(GPTNeoXForCausalLM(config), tokenizer, path)
+    stored = load_file(str(path / "model.safetensors"))
+    if "embed_out.weight" not in stored:  # a transformers that saves the new name: write the old one
+        stored["embed_out.weight"] = stored.pop("lm_head.weight")
+        save_file(stored, str(path / "model.safetensors"), {"format": "pt"})
+    return path
 
 
 def make_tiny_bert(

@@ -209,7 +209,9 @@ def _plan_collections(
             "model_id": model_id,
             "model_digest": manifest["digest"],
             "dataset_digest": concept["dataset_digest"],
-            "settings": collection_settings(ctx.settings, modules, concept.get("template")),
+            "settings": collection_settings(
+                ctx.settings, modules, concept.get("template"), ModelLayout.from_json(manifest["layout"])
+            ),
             "concept": concept["name"],
         }
         if concept["dataset_digest"] is None:  # a reference the job resolves first

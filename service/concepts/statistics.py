@@ -17,11 +17,14 @@ from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.layers import select_layers, summarize_names
 from service.errors import Conflict
-from service.storage.keys import ENGINE_VERSION
+from service.storage.keys import ENGINE_VERSION, canonical_digest
 
 
 def collection_settings(
-    settings: Settings, modules: Sequence[str] | None = None, template: str | None = None
+    settings: Settings,
+    modules: Sequence[str] | None = None,
+    template: str | None = None,
+    layout: ModelLayout | None = None,
 ) -> dict[str, Any]:
     """Everything that changes a statistic (and so is part of its key).
 
@@ -30,10 +33,18 @@ def collection_settings(
             collected); part of the key only when given, so keys without them stay as they were.
         template: ``"chat"``: prompt/completion records rendered as one-turn chats; part of the
             key only when set.
+        layout: the model's layout. The collected layers enter the key when they include a layer
+            stored under a renamed key (``renamed_layers``): versions before those were edited
+            collected the same model without it, and a key shared with such statistics would reuse
+            them, short of that layer. Other keys stay as they were.
     """
     chosen: dict[str, Any] = {"max_length": settings.max_length, "engine": ENGINE_VERSION}
     if modules is not None:
         chosen["modules"] = canonical_modules(modules)
+    if layout is not None and layout.renamed_layers:
+        collected = [spec.name for spec in select_layers(layout.layers, modules)]
+        if set(collected) & set(layout.renamed_layers):
+            chosen["layers"] = canonical_digest(collected)
     if template is not None:
         chosen["template"] = template
     # Only when not the default, so existing keys stay valid.
@@ -95,11 +106,13 @@ _STATS_LAYERS: dict[str, frozenset[str]] = {}  # statistics prefix -> its layers
 
 def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layout: ModelLayout) -> frozenset[str]:
     """The layers a published statistics file holds: those its ``modules`` selected minus the ones
-    collection could not read (``lacking``). Statistics published before ``lacking`` was recorded
-    and holding fewer layers than that are read from the file's header (a few kilobytes)."""
+    collection could not read (``lacking``), when the manifest's count says exactly that. Otherwise
+    (statistics published before ``lacking`` was recorded, or collected from a layout of another
+    version with other layers) they are read from the file's header (a few kilobytes)."""
     chosen = select_layers(layout.layers, manifest.get("settings", {}).get("modules"))
-    if "lacking" in manifest or int(manifest.get("layers", len(chosen))) >= len(chosen):
-        return frozenset(spec.name for spec in chosen) - set(manifest.get("lacking", ()))
+    lacking = set(manifest.get("lacking", ()))
+    if "lacking" in manifest and int(manifest.get("layers", -1)) + len(lacking) == len(chosen):
+        return frozenset(spec.name for spec in chosen) - lacking
     if prefix not in _STATS_LAYERS:
         _STATS_LAYERS[prefix] = frozenset(_header_metadata(ctx, prefix + "statistics.safetensors")["layer_group"])
     return _STATS_LAYERS[prefix]

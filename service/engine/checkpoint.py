@@ -24,6 +24,7 @@ from torch import nn
 from service.engine.compose import LayerWeights
 from service.engine.expert_keys import expert_storage, read_expert_slice
 from service.engine.experts import find_fused_experts, unsupported_experts
+from service.engine.key_renames import renamed_parameters
 from service.engine.layers import LayerSpec, editable_layers, summarize_names
 from service.engine.model_checks import check_weight_dtypes, validate_model_dir
 from service.engine.model_files import (
@@ -55,6 +56,11 @@ class ModelLayout:
         architecture: the transformers class name (``LlamaForCausalLM``).
         num_parameters: distinct parameters (tied ones counted once).
         layers: every editable layer whose weight is in the checkpoint.
+        unstored_layers: editable layers of the model whose weight (or bias) the checkpoint does not
+            store under any name transformers loads: it initialises them at random, so there is
+            nothing to edit; shown to the user, never edited.
+        renamed_layers: layers whose weight the checkpoint stores under a name transformers renames
+            on load (:mod:`service.engine.key_renames`); versions before 2026-11 did not edit them.
         weight_keys / bias_keys: layer -> checkpoint key holding its current weight / bias.
         own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
         tied_partners: layer -> the other parameter names sharing its weight (``embed_tokens``).
@@ -72,6 +78,8 @@ class ModelLayout:
     tied_partners: dict[str, list[str]] = field(default_factory=dict)
     key_files: dict[str, str] = field(default_factory=dict)
     expert_slices: dict[str, list[int]] = field(default_factory=dict)
+    unstored_layers: list[str] = field(default_factory=list)
+    renamed_layers: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -181,9 +189,16 @@ def inspect_model_dir(path: Path) -> ModelLayout:
             "register a model whose experts are fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] (transformers 5), "
             "or a dense model"
         )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelSourceError(
+            f"{type(model).__name__} is an encoder-decoder model, which the service does not edit: a concept's "
+            "statistics come from one stream of tokens, and an encoder-decoder model reads two (its decoder "
+            "needs targets of its own); register a decoder-only (causal LM) or an encoder-only model"
+        )
     key_files = _checkpoint_keys(path)
-    layout = _layout(model, key_files)
-    _add_expert_layers(layout, model, path)
+    shapes = _stored_shapes(path)
+    layout = _layout(model, key_files, renamed_parameters(model, shapes))
+    _add_expert_layers(layout, model, shapes)
     in_checkpoint = {spec.name: layout.weight_keys[spec.name] for spec in layout.layers}
     check_weight_dtypes(path, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])
     return layout
@@ -201,7 +216,17 @@ def _checkpoint_keys(path: Path) -> dict[str, str]:
     return key_files
 
 
-def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
+def _stored_shapes(path: Path) -> dict[str, list[int]]:
+    """Every checkpoint key -> its stored shape, from the safetensors headers (no tensor is read)."""
+    return {
+        key: entry.shape for name in weight_files(path) for key, entry in read_header(resolve_file(path, name))[0].items()
+    }
+
+
+def _layout(model: nn.Module, key_files: dict[str, str], renamed: Mapping[str, str]) -> ModelLayout:
+    """The editable layers whose weight (and bias) the checkpoint stores, under their parameter's
+    name, a tied partner's, or a name transformers renames on load (``renamed``); the others are
+    listed in ``unstored_layers``, never dropped unsaid."""
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -214,35 +239,39 @@ def _layout(model: nn.Module, key_files: dict[str, str]) -> ModelLayout:
         bias_keys={},
         key_files=key_files,
     )
+
+    def stored_key(names: list[str]) -> str | None:
+        direct = next((n for n in names if n in key_files), None)
+        return direct if direct is not None else next((renamed[n] for n in names if n in renamed), None)
+
     for spec in editable_layers(model):
         module = modules[spec.name]
         names = aliases[id(module.weight)]
-        stored = next((n for n in names if n in key_files), None)
-        if stored is None:
-            continue  # not in this checkpoint (a different head class); cannot be edited safely
+        stored = stored_key(names)
+        bias_key = stored_key(aliases[id(module.bias)]) if spec.bias else None
+        if stored is not None and stored not in names:
+            layout.renamed_layers.append(spec.name)
+        if stored is None or (spec.bias and bias_key is None):
+            # transformers initialises such a layer at random on load: there is no weight to edit.
+            layout.unstored_layers.append(spec.name)
+            continue
         own = f"{spec.name}.weight"
         if len(names) > 1:
             layout.own_keys[spec.name] = own
             layout.tied_partners[spec.name] = [n for n in names if n != own]
-        if spec.bias:
-            bias_key = next((n for n in aliases[id(module.bias)] if n in key_files), None)
-            if bias_key is None:
-                continue
+        if bias_key is not None:
             layout.bias_keys[spec.name] = bias_key
         layout.weight_keys[spec.name] = stored
         layout.layers.append(spec)
     return layout
 
 
-def _add_expert_layers(layout: ModelLayout, model: transformers.PreTrainedModel, path: Path) -> None:
+def _add_expert_layers(layout: ModelLayout, model: transformers.PreTrainedModel, shapes: Mapping[str, list[int]]) -> None:
     """Each expert of every fused experts module as layers of its own, in module order, with the key
     (and for a fused key, the slice) holding its weight (:mod:`service.engine.experts`)."""
     experts = find_fused_experts(model)
     if not experts:
         return
-    shapes = {
-        key: entry.shape for name in weight_files(path) for key, entry in read_header(resolve_file(path, name))[0].items()
-    }
     storage = expert_storage(model, experts, shapes)
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     specs = [spec for module in experts for spec in module.layer_specs()]

@@ -87,7 +87,8 @@ def list_models(ctx: Context) -> list[dict[str, Any]]:
 def model_view(manifest: dict[str, Any]) -> dict[str, Any]:
     layers = [{k: spec[k] for k in ("name", "in_features", "out_features", "bias")} for spec in manifest["layout"]["layers"]]
     keys = ("model_id", "source", "digest", "architecture", "num_parameters")
-    return {**{k: manifest[k] for k in keys}, "layers": layers}
+    unstored = manifest["layout"].get("unstored_layers", [])
+    return {**{k: manifest[k] for k in keys}, "layers": layers, "layers_not_in_checkpoint": unstored}
 
 
 def check_chat_templates(manifests: dict[str, dict[str, Any]], why: str) -> None:

@@ -1,4 +1,5 @@
-"""GPT-2 (Conv1D, biased, tied head) and BERT (biased Linear encoder) through the same API path.
+"""GPT-2 (Conv1D, biased, tied head), BERT (biased Linear encoder) and GPT-NeoX (the head stored
+under its old name ``embed_out``) through the same API path.
 
 The downloaded checkpoint must equal the engine's own computation from in-process statistics, keep
 the tied embedding untouched, and load with transformers.
@@ -19,7 +20,7 @@ from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2
+from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_gpt_neox
 from tests.live import wait_concepts_ready, wait_variant_ready
 
 FACTS = make_facts(24, seed=3)
@@ -29,6 +30,7 @@ REFERENCE = [{"text": p + c} for p, c in FACTS[6:]]
 CASES = {
     "gpt2": (make_tiny_gpt2, AutoModelForCausalLM, "transformer.wte.weight"),
     "bert": (make_tiny_bert, AutoModelForMaskedLM, "bert.embeddings.word_embeddings.weight"),
+    "gpt_neox": (make_tiny_gpt_neox, AutoModelForCausalLM, "gpt_neox.embed_in.weight"),
 }
 
 
@@ -83,5 +85,8 @@ def test_architecture_unlearns_through_the_api(
     # The tied embedding is never edited, even though the head that shares it was.
     assert torch.equal(edited_params[embedding_key], base_params[embedding_key])
     assert edited.get_output_embeddings().weight.data_ptr() != edited.get_input_embeddings().weight.data_ptr()
+    # The head is edited, whatever name the checkpoint stores it under.
+    head = next(n for n, m in base.named_modules() if m is base.get_output_embeddings())
+    assert head in expected
     changed = [n for n in expected if not torch.equal(edited_modules[n].weight, dict(base.named_modules())[n].weight)]
     assert len(changed) == len(expected), "every selected layer moved"

@@ -33,9 +33,32 @@ def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_pat
     legacy = {"layers": len(names), "settings": {"max_length": 512}}
     assert statistics_layers(ctx, prefix, legacy, layout) == frozenset(names)  # type: ignore[arg-type]
     # New manifests say it themselves (no file read): modules selected, minus the lacking ones.
-    current = {"layers": 2, "lacking": ["encoder.layer.0.attention.self.key"], "settings": {"modules": ["key", "query"]}}
+    current = {"layers": 3, "lacking": ["encoder.layer.0.attention.self.key"], "settings": {"modules": ["key", "query"]}}
     assert statistics_layers(ctx, "stats/none/", current, layout) == {  # type: ignore[arg-type]
         "encoder.layer.0.attention.self.query",
         "encoder.layer.1.attention.self.query",
         "encoder.layer.1.attention.self.key",
     }
+
+
+def test_statistics_of_a_layout_with_fewer_layers_are_read_from_their_header(tmp_path: Path) -> None:
+    """Statistics share their key with those a version that listed fewer layers collected (GPT-NeoX's
+    head, stored as ``embed_out``, was left out before): their manifest counts fewer layers than
+    today's layout selects, so the file's header decides, and an edit that needs the head is refused
+    by name instead of leaving it unedited."""
+    layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
+    names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
+    stats = LayerStatistics(
+        sums={n: torch.eye(33, dtype=torch.float64) for n in names},
+        counts=dict.fromkeys(names, 40),
+        layer_group={n: n for n in names},
+    )
+    storage = LocalStorage(tmp_path / "store")
+    prefix = "stats/m/d/s/"
+    save_statistics(stats, tmp_path / "stats.safetensors")
+    storage.put_file(prefix + "statistics.safetensors", tmp_path / "stats.safetensors")
+    ctx = SimpleNamespace(storage=storage)
+    older_layout = {"layers": len(names), "lacking": [], "settings": {"max_length": 512}}
+    held = statistics_layers(ctx, prefix, older_layout, layout)  # type: ignore[arg-type]
+    assert held == frozenset(names)
+    assert "pooler.dense" not in held
