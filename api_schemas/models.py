@@ -530,6 +530,13 @@ class Variant(BaseModel):
     status: Literal["building", "ready", "failed"]
     job_id: str | None = None
     files: list[VariantFile] = []
+    unreached_layers: list[str] = Field(
+        default_factory=list,
+        description=(
+            "once ready: selected layers no concept of the universe reached (their forward pass never ran them, "
+            "e.g. a vision tower under text concepts): their edit is zero, and they are written as they were"
+        ),
+    )
     lora: dict[str, Any] | None = Field(
         default=None,
         description=(

@@ -24,13 +24,19 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertModel,
+    CLIPVisionConfig,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
+    LlamaConfig,
     LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedModel,
@@ -250,6 +256,59 @@ def make_tiny_gpt_neox(path: Path, hidden: int = 32, layers: int = 2, seed: int 
         stored["embed_out.weight"] = stored.pop("lm_head.weight")
         save_file(stored, str(path / "model.safetensors"), {"format": "pt"})
     return path
+
+
+def _vlm_text_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, object]:
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 128,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def make_tiny_llava(path: Path, seed: int = 0) -> Path:
+    """Write a random tiny ``LlavaForConditionalGeneration``: a CLIP vision tower (one layer) and a
+    projector beside a 2-layer Llama. Text records never run the vision side."""
+    tokenizer = make_tokenizer()
+    config = LlavaConfig(
+        text_config=LlamaConfig(**_vlm_text_config(tokenizer)),
+        vision_config=CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8
+        ),
+        image_token_index=len(tokenizer) - 1,
+    )
+    torch.manual_seed(seed)
+    return _save(LlavaForConditionalGeneration(config), tokenizer, path)
+
+
+def make_tiny_gemma3_vlm(path: Path, seed: int = 0) -> Path:
+    """Write a random tiny ``Gemma3ForConditionalGeneration``, whose SigLIP tower ends in an
+    attention-pooling head with a ``probe`` parameter of shape [1, 1, D] (not experts)."""
+    tokenizer = make_tokenizer()
+    config = Gemma3Config(
+        text_config={**_vlm_text_config(tokenizer), "model_type": "gemma3_text"},
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        image_token_index=len(tokenizer) - 1,
+        mm_tokens_per_image=4,
+    )
+    torch.manual_seed(seed)
+    return _save(Gemma3ForConditionalGeneration(config), tokenizer, path)
 
 
 def make_tiny_bert(

@@ -38,6 +38,7 @@ from service.calibration.search import (
 from service.calibration.service import calibration_prefix, front_png_url
 from service.calibration.space import arm_layers
 from service.calibration.strengths import measure_strengths
+from service.concepts.statistics import unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.errors import JobFailed
@@ -69,7 +70,10 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     progress = JobProgress(ctx, job["job_id"], request.search.budget)
     universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
     model = get_model(ctx, request.model_id)
-    layout = ModelLayout.from_json(model["layout"])
+    # Layers no member's forward pass ran have zero engrams: no candidate edits them.
+    unreached = unreached_by_every(ctx, [member["stats"] for member in universe["members"]])
+    full = ModelLayout.from_json(model["layout"])
+    layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()
     candidates = InMemoryCandidates(

@@ -82,7 +82,14 @@ def check_statistics_cover(
     Raises:
         Conflict: naming each concept and the layers it has no statistics for.
     """
-    needed = select_layers(layout.layers, modules, layers)
+    selected = select_layers(layout.layers, modules, layers)
+    unreached = unreached_by_every(ctx, [prefix for _, prefix in members])
+    needed = [spec for spec in selected if spec.name not in unreached]
+    if selected and not needed:
+        raise Conflict(
+            f"no concept of the edit reaches the selected layers ({summarize_names(s.name for s in selected)}): "
+            "their forward pass never ran them, so their edit is zero; choose modules/layers the concepts reach"
+        )
     problems = []
     for name, prefix in sorted(set(members)):
         manifest = stats_manifest(ctx, prefix)
@@ -116,6 +123,27 @@ def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layou
     if prefix not in _STATS_LAYERS:
         _STATS_LAYERS[prefix] = frozenset(_header_metadata(ctx, prefix + "statistics.safetensors")["layer_group"])
     return _STATS_LAYERS[prefix]
+
+
+_UNREACHED: dict[str, frozenset[str]] = {}  # statistics prefix -> its unreached layers
+
+
+def unreached_by_every(ctx: Context, prefixes: Iterable[str]) -> frozenset[str]:
+    """The layers no forward pass of these statistics ever ran (a vision tower, for text concepts).
+
+    Their statistics are zero in every member, so the engram of every member is zero there: an edit
+    leaves them as they are, and says so (a variant's ``unreached_layers``) instead of refusing.
+    Statistics not published yet reach everything (the edit is refused elsewhere until they are).
+    """
+    common: frozenset[str] | None = None
+    for prefix in dict.fromkeys(prefixes):
+        if prefix not in _UNREACHED:
+            if stats_manifest(ctx, prefix) is None:
+                return frozenset()
+            metadata = _header_metadata(ctx, prefix + "statistics.safetensors")
+            _UNREACHED[prefix] = frozenset(json.loads(metadata.get("unreached", "[]")))
+        common = _UNREACHED[prefix] if common is None else common & _UNREACHED[prefix]
+    return common or frozenset()
 
 
 def _header_metadata(ctx: Context, key: str) -> dict[str, Any]:

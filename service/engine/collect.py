@@ -69,6 +69,8 @@ class LayerStatistics:
         lacking: hooked layers without statistics: their input was neither one row per token nor
             one per record, or the forward pass never called them (sorted names; empty for every
             dense model).
+        unreached: the lacking layers the forward pass never called (a vision tower, when the
+            records are text): their statistics are zero, so every edit of them is zero too.
     """
 
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -76,6 +78,7 @@ class LayerStatistics:
     layer_group: dict[str, str] = field(default_factory=dict)
     factors: dict[str, torch.Tensor] = field(default_factory=dict)
     lacking: list[str] = field(default_factory=list)
+    unreached: list[str] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)  # group -> where it was accumulated ("cuda:1")
 
     @property
@@ -229,6 +232,7 @@ class _Collector:
         self.stats.devices = {g: d for g, d in self.stats.devices.items() if g in used}
         # Hooked but without statistics: unaligned, or never called by the forward pass.
         self.stats.lacking = sorted(set(self.specs) - set(self.stats.layer_group))
+        self.stats.unreached = sorted(set(self.stats.lacking) - self.unaligned)
         return self.stats
 
 

@@ -185,8 +185,8 @@ def unsupported_experts(model: nn.Module) -> list[str]:
     """Parameters of a mixture of experts that the engram cannot edit: every parameter of a module
     inside an ``experts`` container that is not an understood fused module (per-expert Linears, which
     see only the tokens routed to them; fused layouts other than :func:`describe_fused_experts`'s),
-    and any other weight of 3 or more dimensions outside a convolution (``ParallelExperts``-style
-    packs). Linears named by module path, other parameters by parameter path.
+    and any other weight of 3 or more dimensions with more than one slice, outside a convolution
+    (``ParallelExperts``-style packs). Linears named by module path, other parameters by parameter path.
 
     A router (``mlp.gate``) and shared experts (``shared_expert(s)``) see every token: they are not
     listed (a router that is an ``nn.Linear`` is an ordinary editable layer).
@@ -201,9 +201,17 @@ def unsupported_experts(model: nn.Module) -> list[str]:
             full = f"{module_name}.{param_name}" if module_name else param_name
             if inside:
                 found.append(module_name if is_editable(module) else full)
-            elif param.dim() >= 3 and not isinstance(module, nn.modules.conv._ConvNd) and not is_editable(module):
+            elif _packs_experts(module, param):
                 found.append(full)
     return list(dict.fromkeys(found))
+
+
+def _packs_experts(module: nn.Module, param: nn.Parameter) -> bool:
+    """A weight of 3 or more dimensions, one slice per expert, outside a convolution. A leading
+    dimension of 1 packs nothing: SigLIP's attention-pooling ``probe`` [1, 1, D], ViT's ``cls_token``
+    and ``position_embeddings`` [1, N, D] are single tensors, not experts."""
+    packed = param.dim() >= 3 and param.shape[0] > 1
+    return packed and not isinstance(module, nn.modules.conv._ConvNd) and not is_editable(module)
 
 
 # ---------------------------------------------------------------- collection

@@ -65,7 +65,10 @@ def save_statistics(
         else:
             tensors[group], forms[group] = pack_symmetric(sigma).to(dtype), "packed"
     dims = {g: int(s.shape[0]) for g, s in stats.sums.items()}
-    save_file(tensors, str(path), metadata=_metadata(stats.layer_group, stats.counts, dims, forms, extra or {}))
+    metadata = _metadata(stats.layer_group, stats.counts, dims, forms, extra or {})
+    if stats.unreached:  # only when there are any: other files stay byte for byte as they were
+        metadata["unreached"] = json.dumps(stats.unreached)
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def _metadata(

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.concepts.statistics import unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256
 from service.engine.checkpoint_write import write_checkpoint, write_delta
@@ -57,6 +58,8 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     seconds = round(time.monotonic() - started, 3)
     published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
     published["universe_id"] = request.universe_id
+    if built.unreached_layers:
+        published["unreached_layers"] = built.unreached_layers
     if built.lora is not None:
         published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
     ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
@@ -68,12 +71,14 @@ def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BuiltVariant:
-    """What :func:`build_variant_files` wrote: per-layer scales, a peft report, and the seconds spent
-    building the universe first (None when it existed)."""
+    """What :func:`build_variant_files` wrote: per-layer scales, a peft report, the seconds spent
+    building the universe first (None when it existed), and the selected layers left as they were
+    because no concept of the universe reached them."""
 
     scales: dict[str, float]
     lora: dict[str, Any] | None
     universe_built_s: float | None
+    unreached_layers: list[str] = field(default_factory=list)
 
 
 def build_variant_files(
@@ -93,7 +98,10 @@ def build_variant_files(
     model = get_model(ctx, request.model_id)
     layout = ModelLayout.from_json(model["layout"])
     spec = request.spec
-    layers = select_layers(layout.layers, spec.modules, spec.layers)
+    selected = select_layers(layout.layers, spec.modules, spec.layers)
+    # Layers no member's forward pass ran have zero engrams: written as they are, and named.
+    unreached = unreached_by_every(ctx, request.universe_stats)
+    layers = [layer for layer in selected if layer.name not in unreached]
     steps = progress or NoProgress()
     try:
         if spec.format == "peft":
@@ -107,7 +115,7 @@ def build_variant_files(
         lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
     except (EditError, ModelSourceError) as exc:
         raise JobFailed(str(exc)) from None
-    return BuiltVariant(scales, lora, built_s)
+    return BuiltVariant(scales, lora, built_s, [layer.name for layer in selected if layer.name in unreached])
 
 
 def _engram_source(

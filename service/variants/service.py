@@ -240,6 +240,7 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
         view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
+        view["unreached_layers"] = manifest.get("unreached_layers", [])
         return view
     view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"
     return view
