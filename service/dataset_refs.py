@@ -1,10 +1,11 @@
-"""Datasets by reference: ``s3://``, ``hf://datasets/…`` and ``file://`` JSONL or Parquet, streamed.
+"""Datasets by reference: ``s3://``, ``hf://datasets/…`` and ``file://`` JSONL (also gzip) or Parquet, streamed.
 
 ``POST /concepts`` may name a dataset instead of sending its records. The API process only checks
 the reference (:func:`check_reference`: its scheme and shape, a ``file://`` path inside the allowed
 roots, a row range within ``ENGRAM_MAX_RECORDS``); it never opens it. The collection job resolves it
-(:func:`resolve_reference`): it streams the source, JSONL line by line and Parquet by record batches
-of a row group at a time, maps columns to record fields, and hands each record to the same
+(:func:`resolve_reference`): it streams the source, JSONL line by line (inflated first when it is
+gzip-compressed: ``.jsonl.gz``) and Parquet by record batches of a row group at a time, maps
+columns to record fields, and hands each record to the same
 :class:`~service.datasets.DatasetSpool` an upload uses, so the stored ``datasets/<sha256>.jsonl``
 and its digest are exactly those of the same records posted inline. Nothing is published until the
 whole source has been read without a problem.
@@ -91,9 +92,12 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
         raise InvalidInput(
             f"dataset.uri must be s3://bucket/key, hf://datasets/org/name[@revision]/path or file:///abs/path, got {uri!r}"
         )
-    fmt = raw.get("format") or FORMATS.get(PurePosixPath(path).suffix.lower())
+    fmt = raw.get("format") or format_of(PurePosixPath(path))
     if fmt is None:
-        raise InvalidInput(f"cannot tell the format of {uri} from its extension: give dataset.format (jsonl or parquet)")
+        raise InvalidInput(
+            f"cannot tell the format of {uri} from its extension: give dataset.format (jsonl, plain or "
+            "gzip-compressed, or parquet; CSV, TSV and plain text are not read)"
+        )
     reference: dict[str, Any] = {"uri": uri, "format": fmt}
     columns = {k: v for k, v in (raw.get("columns") or {}).items() if v is not None}
     if columns:
@@ -108,6 +112,16 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
     if start or stop is not None:
         reference["rows"] = {"start": start, **({"stop": int(stop)} if stop is not None else {})}
     return reference
+
+
+def format_of(path: PurePosixPath) -> str | None:
+    """The format a file name's extension tells: ``FORMATS``, or ``jsonl`` for a JSONL name with
+    ``.gz`` after it (the job inflates it; gzip-compressed Parquet is not read)."""
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        inner = FORMATS.get(PurePosixPath(path.stem).suffix.lower())
+        return inner if inner == "jsonl" else None
+    return FORMATS.get(suffix)
 
 
 # ---------------------------------------------------------------- fingerprints: what content a reference names
@@ -165,10 +179,12 @@ def resolve_reference(
         start, stop = int(rows.get("start", 0)), rows.get("stop")
         with DatasetSpool(directory / "dataset.jsonl", settings.max_records, max_bytes=limit) as spool:
             if reference["format"] == "parquet":
-                _parquet(source, reference.get("columns"), start, stop, spool, check)
+                seen = _parquet(source, reference.get("columns"), start, stop, spool, check)
             else:
-                _jsonl(source, reference.get("columns"), start, stop, spool, limit, check)
+                seen = _jsonl(source, reference.get("columns"), start, stop, spool, limit, check)
             source.verify()  # before anything is published: the records are those of the content posted
+            if spool.count == 0 and start > 0:  # "no records" would hide that the file has some
+                raise InvalidInput(f"dataset.rows starts at row {start}, but {reference['uri']} has {seen} rows")
             return spool.finish()
     finally:
         source.close()
@@ -215,7 +231,8 @@ def _jsonl(
     spool: DatasetSpool,
     limit: int,
     check: Callable[[], None] | None,
-) -> None:
+) -> int:
+    """Spool the kept rows of a JSONL source; the number of rows read (blank lines are none)."""
     rows = _Rows(columns, start, stop, check)
 
     def add(raw: Any, where: str) -> None:
@@ -225,7 +242,7 @@ def _jsonl(
         if rows.done:
             raise _Stop
 
-    feed = JsonlFeed(spool, add=add)
+    feed = JsonlFeed(spool, add=add, max_bytes=limit)  # a gzip-compressed source inflates to at most the limit
     read = 0
     try:
         for chunk in source.chunks():
@@ -237,7 +254,8 @@ def _jsonl(
             feed.feed(chunk)
         feed.finish_lines()
     except _Stop:
-        return
+        pass
+    return rows.row + 1
 
 
 def _parquet(
@@ -247,7 +265,8 @@ def _parquet(
     stop: int | None,
     spool: DatasetSpool,
     check: Callable[[], None] | None,
-) -> None:
+) -> int:
+    """Spool the kept rows of a Parquet source; the number of rows read or skipped."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -283,11 +302,12 @@ def _parquet(
                         where = f"dataset row {rows.row}"
                         spool.add({field: _plain(row[column]) for field, column in mapping.items()}, where)
                     if rows.done:
-                        return
+                        return rows.row + 1
         except UnicodeDecodeError:
             raise InvalidInput(f"dataset row {rows.row + 1} of {source.uri} holds a string that is not UTF-8") from None
         except (pa.ArrowException, OSError) as exc:
             raise InvalidInput(f"{source.uri} could not be read as Parquet at row {rows.row + 1}: {exc}") from None
+    return rows.row + 1
 
 
 def _default_columns(names: list[str], uri: str) -> dict[str, str]:

@@ -1,5 +1,9 @@
 """Multipart concept uploads, streamed: the JSONL ``dataset`` part is checked and spooled as it arrives.
 
+The part may be gzip-compressed (told by its first bytes, whatever its file name); it is inflated
+as it arrives, and its decompressed bytes are limited by ``ENGRAM_MAX_UPLOAD_BYTES`` as a plain
+part's bytes are.
+
 ``request.form()`` would first spool the whole file, and the route then read it back whole and parse
 it on the event loop before it could count a single record. Here the body is read chunk by chunk:
 form fields are kept (a few, each small), and the dataset's bytes go, about a megabyte at a time, to
@@ -43,12 +47,13 @@ class Upload:
 
 
 async def read_upload(request: Request, directory: Path, *, max_records: int, max_bytes: int) -> Upload:
-    """Read a ``multipart/form-data`` body with one JSONL part named ``dataset``.
+    """Read a ``multipart/form-data`` body with one JSONL part named ``dataset`` (plain or gzip).
 
     Args:
         directory: a scratch folder for the spooled dataset (``dataset.jsonl``).
         max_records: the most records the dataset may hold (``ENGRAM_MAX_RECORDS``).
-        max_bytes: the most bytes the dataset part may hold (``ENGRAM_MAX_UPLOAD_BYTES``).
+        max_bytes: the most bytes the dataset part may hold (``ENGRAM_MAX_UPLOAD_BYTES``), and,
+            when it is gzip-compressed, the most it may inflate to.
 
     Raises:
         MalformedBody: not multipart, a broken body, a line that is not JSON (naming it).
@@ -62,7 +67,8 @@ async def read_upload(request: Request, directory: Path, *, max_records: int, ma
     parts = _Parts(max_bytes)
     stream = request.stream()
     with DatasetSpool(directory / "dataset.jsonl", max_records) as spool:
-        feed = JsonlFeed(spool)
+        # A gzip-compressed part is inflated as it comes, limited like a plain one to ENGRAM_MAX_UPLOAD_BYTES.
+        feed = JsonlFeed(spool, max_bytes=max_bytes, limit_name="ENGRAM_MAX_UPLOAD_BYTES")
         try:
             parser = MultipartParser(boundary, parts.callbacks())
             async for chunk in stream:

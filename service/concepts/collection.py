@@ -3,6 +3,12 @@
 A concept posted with a dataset reference has no dataset yet: the job resolves the reference first
 (streams it into ``datasets/<digest>.jsonl`` and records the digest on the concept), then collects
 as for any other dataset. Statistics that already exist are not collected again.
+
+Records longer than ``max_length`` tokens are truncated, and the job says so: its result (and the
+statistics manifest, so that a reuse says the same) gives the records read, those truncated (how
+many, the tokens cut, the first indices) and those left without a counted token (a completion or
+assistant turn wholly beyond the limit adds nothing to the statistics). A dataset is never
+shortened silently.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +55,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     prefix = stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
     published = stats_manifest(ctx, prefix)
     if published is not None:
-        return {"tokens": published["tokens"], "stats": prefix, "reused": True}
+        return {"tokens": published["tokens"], "stats": prefix, "reused": True, **published.get("truncation", {})}
     manifest = get_model(ctx, payload["model_id"])
     if manifest["digest"] != payload["model_digest"]:
         raise JobFailed(f"model {payload['model_id']} was re-registered with other weights")
@@ -77,9 +84,12 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
                 except RecordError as exc:
                     raise JobFailed(_chat_problem(str(exc), payload["model_id"])) from None
 
-        progress = JobProgress(ctx, job["job_id"], sum(sum(e.counted) for e in examples()))
-        if progress.total == 0:
-            raise JobFailed("no record has a token that enters the statistics (empty completions after truncation?)")
+        survey = Survey.of(examples(), max_length)
+        if survey.tokens == 0:
+            raise JobFailed(survey.nothing_counted())
+        if survey.truncated:
+            log.warning("collection of %s: %s", payload["concept"], survey.report())
+        progress = JobProgress(ctx, job["job_id"], survey.tokens)
         layout = ModelLayout.from_json(manifest["layout"])
         # A concept posted with modules collects only those layers' input groups.
         layers = select_layers(layout.layers, payload["settings"].get("modules"))
@@ -93,8 +103,72 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         )
     seconds = time.monotonic() - started
     record_collection(stats.tokens, seconds)
-    _publish_statistics(ctx, prefix, stats, payload, seconds)
-    return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3)}
+    report = survey.report()
+    _publish_statistics(ctx, prefix, stats, payload, seconds, report)
+    return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
+
+
+FIRST_LISTED = 10  # record indices a truncation report lists
+
+
+@dataclass
+class Survey:
+    """What ``max_length`` did to a dataset: the counted tokens, the records it truncated and those
+    it left without a counted token (which then add nothing to the statistics)."""
+
+    max_length: int
+    records: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    cut_tokens: int = 0
+    uncounted: int = 0
+    first_truncated: list[int] = field(default_factory=list)
+    first_uncounted: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, examples: Iterable[Example], max_length: int) -> Survey:
+        """One pass over the tokenized records."""
+        survey = cls(max_length)
+        for index, example in enumerate(examples):
+            survey.add(index, example)
+        return survey
+
+    def add(self, index: int, example: Example) -> None:
+        counted = sum(example.counted)
+        self.records += 1
+        self.tokens += counted
+        if example.cut:
+            self.truncated += 1
+            self.cut_tokens += example.cut
+            if len(self.first_truncated) < FIRST_LISTED:
+                self.first_truncated.append(index)
+        if counted == 0:
+            self.uncounted += 1
+            if len(self.first_uncounted) < FIRST_LISTED:
+                self.first_uncounted.append(index)
+
+    def report(self) -> dict[str, Any]:
+        """The job result's and the manifest's account of it."""
+        return {
+            "records": self.records,
+            "truncated": {
+                "max_length": self.max_length,
+                "records": self.truncated,
+                "tokens": self.cut_tokens,
+                "first": self.first_truncated,
+            },
+            "uncounted": {"records": self.uncounted, "first": self.first_uncounted},
+        }
+
+    def nothing_counted(self) -> str:
+        """Why a dataset without a counted token fails, naming the setting when truncation is why."""
+        if self.truncated:
+            return (
+                "no record has a token that enters the statistics: the counted tokens (completions, assistant "
+                f"turns) lie beyond max_length {self.max_length} (ENGRAM_MAX_LENGTH) in every record "
+                f"({self.truncated} of {self.records} truncated)"
+            )
+        return "no record has a token that enters the statistics"
 
 
 SORT_CHUNK = 8192  # examples sorted by length together (a batch wastes little on padding)
@@ -191,7 +265,9 @@ def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> dict[st
     return concept
 
 
-def _publish_statistics(ctx: Context, prefix: str, stats: LayerStatistics, payload: dict[str, Any], seconds: float) -> None:
+def _publish_statistics(
+    ctx: Context, prefix: str, stats: LayerStatistics, payload: dict[str, Any], seconds: float, report: dict[str, Any]
+) -> None:
     with scratch_dir("stats") as tmp:
         file = Path(tmp) / "statistics.safetensors"
         extra = {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]}
@@ -208,6 +284,7 @@ def _publish_statistics(ctx: Context, prefix: str, stats: LayerStatistics, paylo
         "dataset_digest": payload["dataset_digest"],
         "settings": payload["settings"],
         "collection_seconds": round(seconds, 3),
+        "truncation": report,  # what max_length did: a reuse of these statistics reports it too
         "created_at": utc_now(),
     }
     ctx.storage.put_json(prefix + "manifest.json", manifest)

@@ -87,7 +87,7 @@ class Record:
         for field in fields:
             value = raw.get(field)
             if not isinstance(value, str) or not value.strip():
-                raise RecordError(f"record {index}: '{field}' must be a non-empty string")
+                raise RecordError(f"record {index}: '{field}' must be a non-empty string{_got(raw, field)}")
             _check_unicode(value, f"record {index}: '{field}'")
         return cls(**{f: raw[f] for f in fields})
 
@@ -98,6 +98,22 @@ class Record:
         if self.messages is not None:
             return {"messages": [{"role": m.role, "content": m.content} for m in self.messages]}
         return {"prompt": self.prompt or "", "completion": self.completion or ""}
+
+
+_JSON_TYPES = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (dict, "an object"), (list, "an array"))
+
+
+def _got(raw: dict[str, Any], field: str) -> str:
+    """What a record holds instead of a non-empty string, for the message: a user whose ``text`` is
+    a nested object or a null (a Parquet null, a CSV-to-JSON export) should read that, not guess."""
+    if field not in raw:
+        return " (it is missing)"
+    value = raw[field]
+    if value is None:
+        return ", got null"
+    if isinstance(value, str):
+        return ", got an empty string" if not value else ", got only whitespace"
+    return f", got {next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), type(value).__name__)}"
 
 
 def _messages(raw: Any, index: int) -> tuple[Message, ...]:
@@ -145,10 +161,15 @@ def _check_unicode(value: str, name: str) -> None:
 
 @dataclass(frozen=True)
 class Example:
-    """A tokenized record: ids and which positions enter the statistics."""
+    """A tokenized record: ids and which positions enter the statistics.
+
+    ``cut`` is how many tokens ``max_length`` truncated away (counted or not), so that a collection
+    can say which records it shortened instead of shortening them silently.
+    """
 
     input_ids: list[int]
     counted: list[bool]
+    cut: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,7 +188,7 @@ class Batch:
 def encode_record(
     tokenizer: PreTrainedTokenizerBase, record: Record, max_length: int, template: str | None = None, index: int = 0
 ) -> Example:
-    """Tokenize one record, truncated to ``max_length`` tokens.
+    """Tokenize one record, truncated to ``max_length`` tokens (the example says how many were cut).
 
     Args:
         template: ``"chat"``: a prompt/completion record is rendered as a one-turn chat (messages
@@ -183,15 +204,20 @@ def encode_record(
             ids, counted = encode_chat(tokenizer, record.as_chat())
         except RecordError as exc:
             raise RecordError(f"record {index}: {exc}") from None
-        return Example(ids[:max_length], counted[:max_length])
+        return Example(ids[:max_length], counted[:max_length], max(0, len(ids) - max_length))
     if record.text is not None:
+        # The tokenizer truncates (keeping the special tokens it adds at the end, as ai-engram does);
+        # only a record that reached the limit is tokenized whole, to count what was cut.
         ids = tokenizer(record.text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
-        return Example(list(ids), [True] * len(ids))
+        cut = 0
+        if len(ids) >= max_length:
+            cut = len(tokenizer(record.text, add_special_tokens=True)["input_ids"]) - len(ids)
+        return Example(list(ids), [True] * len(ids), cut)
     prompt_ids = tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
     answer_ids = tokenizer(record.completion, add_special_tokens=False)["input_ids"]
     ids = (list(prompt_ids) + list(answer_ids))[:max_length]
     counted = ([False] * len(prompt_ids) + [True] * len(answer_ids))[:max_length]
-    return Example(ids, counted)
+    return Example(ids, counted, len(prompt_ids) + len(answer_ids) - len(ids))
 
 
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -69,6 +69,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
     once it changed, the concept is posted anew over the new content.
     """
     content_type = request.headers.get("content-type", "")
+    _check_identity_coding(request.headers.get("content-encoding", "identity"))
     settings = ctx.settings
     dataset: SpooledDataset | None
     with scratch_dir("upload") as tmp:
@@ -102,6 +103,17 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             template=body.template if "template" in body.model_fields_set else concepts.KEEP,
         )
     return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
+
+
+def _check_identity_coding(coding: str) -> None:
+    """Refuse a compressed request body (``Content-Encoding``; RFC 9110 says 415): the server does
+    not inflate bodies, and reading the compressed bytes as JSON would answer "not UTF-8". A
+    compressed dataset goes as a gzip-compressed multipart ``dataset`` part, which is read."""
+    if coding.strip().lower() not in {"", "identity"}:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {coding!r} is not read: send the body uncompressed, or the records as a "
+            "gzip-compressed JSONL file in a multipart 'dataset' part"
+        )
 
 
 def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[ConceptCreate, SpooledDataset | None]:
