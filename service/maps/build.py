@@ -23,12 +23,14 @@ costs nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from service.concepts.statistics import unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, ModelLayout
 from service.engine.compose import EditError, LayerWeights, augmented_weight, relative_norm, weighted_sum
@@ -81,14 +83,18 @@ def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Pro
         progress: made with the number of steps (one per concept and layer).
     """
     model = get_model(ctx, request.model_id)
-    steps = len(request.concepts) * len(model["layout"]["layers"])
-    result = _compute(ctx, model, request, progress(steps))
+    full = ModelLayout.from_json(model["layout"])
+    # Layers no concept's forward pass ran (a vision tower) have no engram to draw: left off the map.
+    unreached = unreached_by_every(ctx, request.prefixes)
+    layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
+    result = _compute(ctx, model, layout, request, progress(len(request.concepts) * len(layout.layers)))
     ctx.storage.put_json(map_key(request.map_id), result)
     return result
 
 
-def _compute(ctx: Context, model: dict[str, Any], request: MapRequest, progress: Progress) -> dict[str, Any]:
-    layout = ModelLayout.from_json(model["layout"])
+def _compute(
+    ctx: Context, model: dict[str, Any], layout: ModelLayout, request: MapRequest, progress: Progress
+) -> dict[str, Any]:
     reader = CheckpointReader(checked_model_dir(ctx, model), layout)
     weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
     values: dict[str, dict[str, float]] = {}

@@ -7,13 +7,13 @@ stays the same (uploading an unrelated concept changes nothing until the univers
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
 from api_schemas.models import EditOptions
-from service.concepts.statistics import check_statistics_cover
+from service.concepts.statistics import check_statistics_cover, unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.compose import EditError
@@ -56,10 +56,12 @@ def submit_variant(
     layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, edit.modules, edit.layers)
     _check_strengths(layout, edit)
-    _check_servable(layout, edit)
+    _check_servable(edit)
     _check_adapter_layers(layout, edit)
     spec = VariantSpec.from_options(edit)
     resolved = _resolve(ctx, model, terms, edit)
+    # Layers no member reached are written as they are: no bias of theirs moves.
+    _check_vllm_biases(layout, edit, unreached_by_every(ctx, [m.stats for m in resolved.spec.members]))
 
     def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
         members = [(m.name, m.stats) for m in universe.spec.members]
@@ -126,9 +128,9 @@ def _check_adapter_layers(layout: ModelLayout, options: EditOptions) -> None:
         raise InvalidInput(str(exc)) from None
 
 
-def _check_servable(layout: ModelLayout, options: EditOptions) -> None:
-    """``lora_target: "vllm"``: a peft adapter at a rank vLLM serves, of layers without a bias edit
-    (vLLM loads no lora_bias); anything else is refused by name before anything is written."""
+def _check_servable(options: EditOptions) -> None:
+    """``lora_target: "vllm"``: a peft adapter at a rank vLLM serves; anything else is refused by
+    name before anything is written (its layers: :func:`_check_vllm_biases`)."""
     target = options.lora_target
     if target == "peft":
         return
@@ -138,7 +140,14 @@ def _check_servable(layout: ModelLayout, options: EditOptions) -> None:
         rank_cap(options.lora_rank, target)
     except ValueError as exc:
         raise InvalidInput(str(exc)) from None
-    selected = select_layers(layout.layers, options.modules, options.layers)
+
+
+def _check_vllm_biases(layout: ModelLayout, options: EditOptions, unreached: Collection[str]) -> None:
+    """``lora_target: "vllm"``: the edited layers have no bias (vLLM loads no lora_bias), a 422
+    naming them. ``unreached``: layers no concept of the edit reached, never edited."""
+    if options.lora_target != "vllm":
+        return
+    selected = [s for s in select_layers(layout.layers, options.modules, options.layers) if s.name not in unreached]
     biased = vllm_biased_layers(selected)
     if biased:
         raise InvalidInput(vllm_bias_refusal(biased, selected))

@@ -101,6 +101,16 @@ def test_a_vision_language_model_is_edited_where_text_reaches(
         assert not torch.equal(weight, base[layout.weight_keys[name]].to(weight.dtype)), f"{name} moved"
         assert torch.allclose(loaded[name].weight.detach(), weight, rtol=1e-5, atol=1e-6), name
 
+    # The biased vision layers are never edited, so a vLLM adapter (no lora_bias) is fine.
+    adapter = api.post(f"/models/{model_id}/unlearn", json={**request, "format": "peft", "lora_target": "vllm"})
+    assert adapter.status_code in (200, 202), adapter.text
+    adapter_view = wait_variant_ready(api, adapter.json()["variant"]["variant_id"])
+    assert sorted(adapter_view["unreached_layers"]) == sorted(unreached)
+    # The map draws the layers that have an engram.
+    drawn = api.get(f"/models/{model_id}/engram-map", params={"concepts": f"{arch}-vt", "wait": 60})
+    assert drawn.status_code == 200, drawn.text
+    assert sorted(layer["name"] for layer in drawn.json()["layers"]) == sorted(expected)
+
 
 def test_a_single_pooling_probe_is_not_taken_for_packed_experts(tmp_path: Path) -> None:
     """SigLIP's ``head.probe`` is [1, 1, D]: three dimensions, one slice, not a ParallelExperts pack."""
