@@ -37,6 +37,8 @@ from transformers import (
     LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    MambaConfig,
+    MambaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedModel,
@@ -309,6 +311,25 @@ def make_tiny_gemma3_vlm(path: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     return _save(Gemma3ForConditionalGeneration(config), tokenizer, path)
+
+
+def make_tiny_mamba(path: Path, seed: int = 0) -> Path:
+    """Write a random tiny ``MambaForCausalLM``. Its mixer uses ``dt_proj.weight`` directly (the
+    slow path computes ``dt_proj.weight @ x``) and never calls ``dt_proj`` itself."""
+    tokenizer = make_tokenizer()
+    config = MambaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        state_size=4,
+        expand=2,
+        conv_kernel=4,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return _save(MambaForCausalLM(config), tokenizer, path)
 
 
 def make_tiny_bert(

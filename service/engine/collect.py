@@ -104,6 +104,8 @@ class _Collector:
         # id(input tensor), bias -> (tensor kept alive so the id stays unique, group key)
         self._seen: dict[tuple[int, bool], tuple[torch.Tensor, str]] = {}
         self.unaligned: set[str] = set()
+        # Modules holding hooked layers that the forward ran ("": the model itself, which always runs).
+        self.called_parents: set[str] = {""}
         # group -> its rows so far, while the group has seen no more tokens than it is wide
         self._rows: dict[str, list[torch.Tensor]] = {}
 
@@ -131,6 +133,14 @@ class _Collector:
         if key not in self._masks:
             self._masks[key] = mask.to(device)
         return self._masks[key]
+
+    def parent_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        """Records that the module ``name``, which holds hooked layers, ran (see ``unreached``)."""
+
+        def pre_hook(_module: nn.Module, _inputs: tuple[Any, ...]) -> None:
+            self.called_parents.add(name)
+
+        return pre_hook
 
     def hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         spec = self.specs[name]
@@ -232,8 +242,18 @@ class _Collector:
         self.stats.devices = {g: d for g, d in self.stats.devices.items() if g in used}
         # Hooked but without statistics: unaligned, or never called by the forward pass.
         self.stats.lacking = sorted(set(self.specs) - set(self.stats.layer_group))
-        self.stats.unreached = sorted(set(self.stats.lacking) - self.unaligned)
+        # Unreached only when the module holding the layer never ran either (a vision tower under
+        # text): a layer whose parent ran but whose own forward did not has its weight used some
+        # other way (Mamba's dt_proj.weight @ x), so its input exists, unseen: lacking, not zero.
+        self.stats.unreached = sorted(
+            name for name in set(self.stats.lacking) - self.unaligned if _parent(name) not in self.called_parents
+        )
         return self.stats
+
+
+def _parent(layer: str) -> str:
+    """The module holding ``layer`` (``""``: the model itself, which always runs)."""
+    return layer.rpartition(".")[0]
 
 
 @contextmanager
@@ -285,6 +305,8 @@ def collect_statistics(
         modules[name].register_forward_pre_hook(collector.experts_hook(request), with_kwargs=True)
         for name, request in experts.items()
     ]
+    parents = {_parent(spec.name) for spec in layers if spec.name in modules}
+    handles += [modules[name].register_forward_pre_hook(collector.parent_hook(name)) for name in parents if name]
     model.eval()
     try:
         with torch.inference_mode(), _full_precision_matmul():

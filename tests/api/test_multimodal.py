@@ -4,6 +4,9 @@ Text records never run a vision tower or its projector: those layers get no stat
 forward pass never called them ("unreached"), so every engram there is zero. The variant leaves them
 byte for byte as they were and names them (``unreached_layers``); an edit of nothing but them is a
 409. The edited layers equal the engine's own computation from in-process statistics.
+
+A layer whose module runs but whose weight is used without calling it (Mamba's ``dt_proj``) is not
+unreached: its input exists, unseen, so an edit that needs it is refused by name.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import unsupported_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_gemma3_vlm, make_tiny_llava
+from tests.fixtures_models import make_tiny_gemma3_vlm, make_tiny_llava, make_tiny_mamba
 from tests.live import download_variant, wait_concepts_ready, wait_variant_ready
 
 FACTS = make_facts(24, seed=5)
@@ -119,3 +122,26 @@ def test_a_single_pooling_probe_is_not_taken_for_packed_experts(tmp_path: Path) 
     model = Gemma3ForConditionalGeneration.from_pretrained(make_tiny_gemma3_vlm(tmp_path / "g"))
     assert any(name.endswith("head.probe") for name, _ in model.named_parameters())
     assert unsupported_experts(model) == []
+
+
+def test_a_bypassed_layer_is_refused_by_name_and_the_others_edit(api: httpx.Client, model_root: Path) -> None:
+    model_dir = model_root / "mamba"
+    if not model_dir.exists():
+        make_tiny_mamba(model_dir)
+    model_id = "ssm/mamba"
+    assert api.post("/models", json={"model_id": model_id, "source": f"file://{model_dir}"}).status_code in (200, 201)
+    for name, role, records in (("mamba-t", "target", TARGET), ("mamba-r", "reference", REFERENCE)):
+        assert (
+            api.post("/concepts", json={"name": name, "role": role, "models": [model_id], "records": records}).status_code
+            == 202
+        )
+    wait_concepts_ready(api, ["mamba-t", "mamba-r"], model_id)
+    request = {"concepts": ["mamba-t"], "reference": ["mamba-r"]}
+    refused = api.post(f"/models/{model_id}/unlearn", json=request)
+    assert refused.status_code == 409, refused.text
+    assert "dt_proj" in refused.json()["detail"]
+    chosen = {**request, "modules": ["in_proj", "x_proj", "out_proj", "lm_head"]}
+    submitted = api.post(f"/models/{model_id}/unlearn", json=chosen)
+    assert submitted.status_code in (200, 202), submitted.text
+    variant = wait_variant_ready(api, submitted.json()["variant"]["variant_id"])
+    assert variant["unreached_layers"] == []
