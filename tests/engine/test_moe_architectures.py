@@ -1,0 +1,130 @@
+"""Per-expert statistics on the mixture-of-experts families transformers ships in its fused layout.
+
+Each family routes its own way (softmax/sigmoid top-k, grouped routing, sparsemixer, shared experts
+beside the routed ones), but every one hands its experts module the same call: hidden states and the
+top-k expert indices. The statistics must be, expert by expert, the float64 sums of the counted
+tokens routed to it (``x xᵀ`` for gate/up, ``a aᵀ`` with ``a = act(gate)·up`` for down), computed
+here independently from a float64 copy run one record at a time. Bound: 1e-5 relative to the
+largest entry (float32 activations; measured 2e-7 to 6e-7).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers.activations import ACT2FN
+
+from service.demo import make_facts
+from service.engine.checkpoint import inspect_model_dir
+from service.engine.collect import collect_statistics
+from service.engine.experts import find_fused_experts
+from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.fixtures_models import make_tokenizer
+
+BASE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_key_value_heads": 4,  # multi-head latent attention has no grouped KV heads
+        },
+    ),
+}
+RECORDS = [Record.from_mapping({"text": p + c}, i) for i, (p, c) in enumerate(make_facts(8, seed=1))]
+
+
+def _tiny(family: str, path: Path) -> Path:
+    config_name, model_name, extra = FAMILIES[family]
+    tokenizer = make_tokenizer()
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), **{**BASE, **ids, **extra})
+    torch.manual_seed(0)
+    getattr(transformers, model_name)(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _reference_sums(model: torch.nn.Module, examples: list[Any]) -> dict[str, torch.Tensor]:
+    copy64 = copy.deepcopy(model).double().eval()
+    copy64.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    modules = {e.name: copy64.get_submodule(e.name) for e in find_fused_experts(copy64)}
+    act = ACT2FN[copy64.config.hidden_act]
+    calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    handles = [
+        m.register_forward_pre_hook(lambda _m, args, name=name: calls.append((name, args[0], args[1])))
+        for name, m in modules.items()
+    ]
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+    try:
+        with torch.no_grad():
+            for example in examples:
+                counted = torch.tensor(example.counted)
+                calls.clear()
+                copy64(input_ids=torch.tensor([example.input_ids]))
+                for name, hidden, top_k in calls:
+                    fused = modules[name]
+                    hidden, top_k = hidden.reshape(-1, hidden.shape[-1]), top_k.reshape(-1, top_k.shape[-1])
+                    for e in range(fused.gate_up_proj.shape[0]):
+                        x = hidden[(top_k == e).any(dim=-1) & counted]
+                        gate, up = (x @ fused.gate_up_proj[e].T).chunk(2, dim=-1)
+                        a = act(gate) * up
+                        sums[f"{name}.{e}.gate_proj"] = sums[f"{name}.{e}.gate_proj"] + x.T @ x
+                        sums[f"{name}.{e}.down_proj"] = sums[f"{name}.{e}.down_proj"] + a.T @ a
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(sums)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_expert_sums_the_tokens_routed_to_it(family: str, tmp_path: Path) -> None:
+    path = _tiny(family, tmp_path / family)
+    layout = inspect_model_dir(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    examples = [encode_record(tokenizer, r, 64) for r in RECORDS]
+    stats = collect_statistics(model, make_batches(examples, 4, pad_token_id(tokenizer)), layout.layers)
+    reference = _reference_sums(model, examples)
+    assert reference and all(name in stats.layer_group for name in reference)
+    for layer, expected in reference.items():
+        got = stats.sum_for(layer)
+        scale = float(expected.abs().max()) or 1.0
+        assert float((got - expected).abs().max()) <= 1e-5 * scale, layer
+    assert stats.lacking == []
