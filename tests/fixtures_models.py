@@ -332,6 +332,42 @@ def make_tiny_mamba(path: Path, seed: int = 0) -> Path:
     return _save(MambaForCausalLM(config), tokenizer, path)
 
 
+# Families built from their transformers config by name (each with what it needs beyond the common
+# sizes); the checkpoint shapes the service meets in the wild: fused QKV and gate/up (Phi-3), biased
+# QKV (Qwen2), parallel attention and MLP (Falcon), a tied head with a scaled embedding (Gemma 3),
+# learned positions and biases everywhere (OPT).
+CAUSAL_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 64, "word_embed_proj_dim": 32}),
+}
+
+
+def make_tiny_causal_lm(path: Path, family: str, seed: int = 0) -> Path:
+    """Write a random tiny causal LM of a :data:`CAUSAL_FAMILIES` family (2 layers, hidden 32)."""
+    import transformers
+
+    tokenizer = make_tokenizer()
+    config_name, model_name, extra = CAUSAL_FAMILIES[family]
+    sizes: dict[str, object] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = getattr(transformers, config_name)(**{**sizes, **extra})
+    torch.manual_seed(seed)
+    return _save(getattr(transformers, model_name)(config), tokenizer, path)
+
+
 def make_tiny_bert(
     path: Path,
     hidden: int = 32,

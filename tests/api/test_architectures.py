@@ -1,5 +1,6 @@
-"""GPT-2 (Conv1D, biased, tied head), BERT (biased Linear encoder) and GPT-NeoX (the head stored
-under its old name ``embed_out``) through the same API path.
+"""GPT-2 (Conv1D, biased, tied head), BERT (biased Linear encoder), GPT-NeoX (the head stored
+under its old name ``embed_out``) and the causal families of ``CAUSAL_FAMILIES`` (fused QKV, biased
+QKV, parallel blocks, a tied scaled-embedding head, learned positions) through the same API path.
 
 The downloaded checkpoint must equal the engine's own computation from in-process statistics, keep
 the tied embedding untouched, and load with transformers.
@@ -8,6 +9,7 @@ the tied embedding untouched, and load with transformers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,13 @@ from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_gpt_neox
+from tests.fixtures_models import (
+    CAUSAL_FAMILIES,
+    make_tiny_bert,
+    make_tiny_causal_lm,
+    make_tiny_gpt2,
+    make_tiny_gpt_neox,
+)
 from tests.live import wait_concepts_ready, wait_variant_ready
 
 FACTS = make_facts(24, seed=3)
@@ -31,7 +39,13 @@ CASES = {
     "gpt2": (make_tiny_gpt2, AutoModelForCausalLM, "transformer.wte.weight"),
     "bert": (make_tiny_bert, AutoModelForMaskedLM, "bert.embeddings.word_embeddings.weight"),
     "gpt_neox": (make_tiny_gpt_neox, AutoModelForCausalLM, "gpt_neox.embed_in.weight"),
+    "phi3": (partial(make_tiny_causal_lm, family="phi3"), AutoModelForCausalLM, "model.embed_tokens.weight"),
+    "qwen2": (partial(make_tiny_causal_lm, family="qwen2"), AutoModelForCausalLM, "model.embed_tokens.weight"),
+    "falcon": (partial(make_tiny_causal_lm, family="falcon"), AutoModelForCausalLM, "transformer.word_embeddings.weight"),
+    "gemma3": (partial(make_tiny_causal_lm, family="gemma3"), AutoModelForCausalLM, "model.embed_tokens.weight"),
+    "opt": (partial(make_tiny_causal_lm, family="opt"), AutoModelForCausalLM, "model.decoder.embed_tokens.weight"),
 }
+assert set(CAUSAL_FAMILIES) <= set(CASES)
 
 
 def _engine_edits(model_dir: Path, loader: Callable, scaling: str) -> dict[str, torch.Tensor]:
