@@ -60,6 +60,11 @@ def save_statistics(
     forms: dict[str, Form] = {}
     for group, sigma in stats.sums.items():
         factor = stats.factors.get(group)
+        if factor is None and stats.counts.get(group) == 0 and not bool(sigma.any()):
+            # An expert no counted token reached: its sum is zero, and no rows say so in no bytes
+            # (a packed zero triangle per expert would cost a large MoE model gigabytes of zeros).
+            tensors[group], forms[group] = sigma.new_zeros((0, sigma.shape[0]), dtype=ROWS_DTYPE), "rows"
+            continue
         if factor is not None and rows_are_smaller(factor.shape[0], sigma.shape[0], dtype):
             tensors[group], forms[group] = factor.to(ROWS_DTYPE).contiguous(), "rows"
         else:

@@ -154,3 +154,26 @@ def test_gram_from_the_block_upper_triangle_equals_the_float64_product(tokens: i
     expected = rows.double().T @ rows.double()
     assert sigma.dtype == torch.float64 and torch.equal(sigma, sigma.T)
     assert float((sigma - expected).norm() / expected.norm()) < 1e-6
+
+
+def test_a_group_no_token_reached_is_stored_as_no_rows(tmp_path: Path) -> None:
+    """An expert that no counted token reached has a zero sum: it is stored as ``[0, D]`` rows (no
+    bytes) and reads back as that zero sum; a group with tokens keeps its form."""
+    dim = 48
+    reached = torch.randn(100, dim, dtype=torch.float64)
+    stats = LayerStatistics(
+        sums={"idle": torch.zeros(dim, dim, dtype=torch.float64), "busy": reached.T @ reached},
+        counts={"idle": 0, "busy": 100},
+        layer_group={"experts.0.gate_proj": "idle", "experts.1.gate_proj": "busy"},
+    )
+    path = tmp_path / "stats.safetensors"
+    save_statistics(stats, path)
+    stored = StatisticsFile(path)
+    assert stored.forms == {"idle": "rows", "busy": "packed"}
+    with safe_open(str(path), framework="pt") as handle:
+        assert tuple(handle.get_tensor("idle").shape) == (0, dim)
+    loaded = load_statistics(path)
+    assert torch.equal(loaded.sums["idle"], torch.zeros(dim, dim, dtype=torch.float64))
+    assert torch.equal(loaded.sums["busy"], stats.sums["busy"])
+    assert loaded.counts == stats.counts
+    assert path.stat().st_size < dim * (dim + 1) // 2 * 8 + 4096  # one packed triangle, not two
