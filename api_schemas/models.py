@@ -20,6 +20,7 @@ __all__ = [
     "CalibrationCandidate",
     "CalibrationResult",
     "CalibrationSubmission",
+    "CollectionReport",
     "ComposeRequest",
     "Concept",
     "ConceptCreate",
@@ -39,6 +40,8 @@ __all__ = [
     "ModelCreate",
     "Probe",
     "Problem",
+    "TruncatedRecords",
+    "UncountedRecords",
     "RecordIn",
     "Universe",
     "UniverseBytes",
@@ -169,11 +172,55 @@ class RecordIn(Strict):
 
 
 _TEXT = {"type": "string", "pattern": NOT_BLANK}
+# Content given as OpenAI's list of parts: only text parts are read (joined in order with "\n").
+_TEXT_PARTS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "additionalProperties": False,
+    },
+    "description": "text parts, joined in order with a newline; a part of another type (image_url, …) is a 422",
+}
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
-    "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": {"type": "string"}},
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS]},
+        "name": {"type": "string", "pattern": NOT_BLANK, "description": "a participant's name, given to the template"},
+    },
     "additionalProperties": False,
+}
+# ShareGPT's speakers and the roles they are read as (service.engine.record_shapes.SHAREGPT_ROLES).
+SHAREGPT_SPEAKERS = ("human", "user", "gpt", "assistant", "model", "system", "tool")
+_SHAREGPT_TURN = {
+    "type": "object",
+    "required": ["from", "value"],
+    "properties": {"from": {"enum": list(SHAREGPT_SPEAKERS)}, "value": {"anyOf": [{"type": "string"}, _TEXT_PARTS]}},
+    "additionalProperties": False,
+}
+_TURNS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"anyOf": [_MESSAGE, _SHAREGPT_TURN]},
+    "contains": {
+        "anyOf": [
+            {
+                "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [_TEXT, {"type": "array"}]}},
+                "required": ["role"],
+            },
+            {
+                "properties": {
+                    "from": {"enum": ["gpt", "assistant", "model"]},
+                    "value": {"anyOf": [_TEXT, {"type": "array"}]},
+                },
+                "required": ["from"],
+            },
+        ]
+    },
 }
 RECORD_SCHEMA: dict[str, Any] = {
     "oneOf": [
@@ -189,14 +236,35 @@ RECORD_SCHEMA: dict[str, Any] = {
             "required": ["messages"],
             "properties": {
                 "messages": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": _MESSAGE,
-                    "contains": {"properties": {"role": {"const": "assistant"}, "content": _TEXT}},
-                    "description": "rendered with the model's chat template; only assistant turns are counted",
+                    **_TURNS,
+                    "description": (
+                        "rendered with the model's chat template; only assistant turns are counted. Tool-call turns "
+                        "(tool_calls, tool_call_id) are a 422"
+                    ),
                 }
             },
             "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "required": ["conversations"],
+            "properties": {
+                "conversations": {
+                    **_TURNS,
+                    "description": "ShareGPT: human/user, gpt/assistant/model, system, tool turns; read as messages",
+                }
+            },
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "required": ["instruction", "output"],
+            "properties": {"instruction": _TEXT, "input": {"type": ["string", "null"]}, "output": _TEXT},
+            "additionalProperties": False,
+            "description": (
+                "Alpaca: read as {prompt, completion}: prompt = instruction, or instruction + blank line + input "
+                "when input is not empty; completion = output"
+            ),
         },
     ]
 }
@@ -345,10 +413,43 @@ class ConceptCreate(Strict):
         return self
 
 
+class TruncatedRecords(BaseModel):
+    max_length: int = Field(description="the tokens each record is read up to (ENGRAM_MAX_LENGTH when collected)")
+    records: int = Field(description="records longer than max_length, cut there")
+    tokens: int = Field(description="the tokens cut from them (counted or not)")
+    first: list[int] = Field(description="the first of them (up to 10), by record index")
+
+
+class UncountedRecords(BaseModel):
+    records: int = Field(
+        description="records without a counted token (their completion or assistant turns lie beyond max_length)"
+    )
+    first: list[int] = Field(description="the first of them (up to 10), by record index")
+
+
+class CollectionReport(BaseModel):
+    """What ``max_length`` did to a concept's records on one model, as its collection stated it.
+
+    A record index ``i`` is ``records[i]`` of an inline body, the upload's ``i``-th record (0-based,
+    blank lines not counted), or row ``rows.start + i`` of a dataset reference.
+    """
+
+    records: int = Field(description="records read")
+    truncated: TruncatedRecords
+    uncounted: UncountedRecords = Field(description="records that add nothing to the statistics")
+
+
 class ConceptModelState(BaseModel):
     status: Literal["pending", "collecting", "ready", "failed"]
     tokens: int | None = None
     job_id: str | None = None
+    truncation: CollectionReport | None = Field(
+        default=None,
+        description=(
+            "once ready: the records read, those truncated at max_length and those left without a counted token "
+            "(null before then, and for statistics collected before collections stated it)"
+        ),
+    )
 
 
 class Concept(BaseModel):

@@ -44,7 +44,8 @@ README walks through the routes in the order you use them; this page lists them 
 ## Conventions
 
 - **Base URL**: `http://127.0.0.1:8000` with `make run` (`HOST` and `PORT` change it). Bodies are JSON
-  unless stated otherwise; `POST /concepts` also takes `multipart/form-data` (a JSONL upload).
+  unless stated otherwise; `POST /concepts` also takes `multipart/form-data` (a JSONL upload, plain
+  or gzip-compressed, in a file part `dataset`).
 - **Authentication**: {auth} `/healthz` and `/readyz` are public. Without `ENGRAM_API_KEYS` the
   service accepts every request and answers no 401/403 (this reference lists them, as a server with
   keys does).

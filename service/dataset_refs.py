@@ -310,21 +310,33 @@ def _parquet(
     return rows.row + 1
 
 
+# A Parquet file's columns read by name when no dataset.columns is given, the first shape present:
+# an Alpaca export's formatted "text" column (tatsu-lab/alpaca has one) comes after its fields.
+DEFAULT_SHAPES = (
+    (("messages",), ()),
+    (("conversations",), ()),
+    (("prompt", "completion"), ()),
+    (("instruction", "output"), ("input",)),
+    (("text",), ()),
+)
+
+
 def _default_columns(names: list[str], uri: str) -> dict[str, str]:
-    if "messages" in names:
-        return {"messages": "messages"}
-    if "prompt" in names and "completion" in names:
-        return {"prompt": "prompt", "completion": "completion"}
-    if "text" in names:
-        return {"text": "text"}
+    for required, optional in DEFAULT_SHAPES:
+        if all(name in names for name in required):
+            return {name: name for name in (*required, *optional) if name in names}
     raise InvalidInput(
-        f"{uri} has no column messages, prompt+completion or text (its columns: {', '.join(names)}): give dataset.columns"
+        f"{uri} has no column messages, conversations, prompt+completion, instruction+output or text "
+        f"(its columns: {', '.join(names)}): give dataset.columns"
     )
 
 
 def _plain(value: Any) -> Any:
-    """A Parquet value as JSON would carry it: a messages list of structs loses the struct fields that
-    are null (Arrow gives every struct every field of the column's type)."""
+    """A Parquet value as JSON would carry it: a list of structs (messages, ShareGPT turns, content
+    parts) loses the struct fields that are null, at every depth (Arrow gives every struct every
+    field of the column's type: a text part an ``image_url`` of null)."""
     if isinstance(value, list):
-        return [{k: v for k, v in item.items() if v is not None} if isinstance(item, dict) else item for item in value]
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
     return value

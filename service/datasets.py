@@ -91,16 +91,22 @@ class DatasetSpool:
     def add(self, raw: Any, where: str | None = None) -> None:
         """Validate one decoded JSON value and append it as a record.
 
+        Args:
+            where: where the user finds it in what they sent (``"dataset line 7"``, ``"dataset row
+                12"``); ``None``: ``records[i]`` of an inline body, named ``"record i"``. A message
+                names a record one way only: a count of the records kept so far would differ from
+                the line or row wherever blank lines or a row range came before it.
+
         Raises:
             PayloadTooLarge: it would be record ``max_records + 1``.
-            InvalidInput: not a record (the message names it, and ``where`` when given).
+            InvalidInput: not a record (the message names it).
         """
         if self.count >= self.max_records:
             raise PayloadTooLarge(f"the dataset has more than {self.max_records} records (the limit, ENGRAM_MAX_RECORDS)")
         try:
-            record = Record.from_mapping(raw, self.count)
+            record = Record.from_mapping(raw, self.count if where is None else where)
         except RecordError as exc:
-            raise InvalidInput(f"{where}: {exc}" if where else str(exc)) from None
+            raise InvalidInput(str(exc)) from None
         line = record_line(record)
         self.size += len(line)
         if self.max_bytes is not None and self.size > self.max_bytes:

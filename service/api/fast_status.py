@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import Concept, Job
-from service.concepts.service import concept_fields
+from service.concepts.service import concept_fields, ready_state
 from service.context import Context
 from service.jobs.store import public_view, valid_job_id
 from service.storage.keys import concept_key
@@ -97,7 +97,7 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
         # No statistics key while a dataset reference is not resolved: the job's state says it all.
         published_hit, published = ctx.reads.peek(entry["stats"] + "manifest.json") if entry.get("stats") else (False, None)
         if published_hit and published is not None:
-            states[model_id] = {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
+            states[model_id] = ready_state(published, entry["job_id"])
         elif job["status"] in {"queued", "running"}:
             status = "collecting" if job["status"] == "running" else "pending"
             states[model_id] = {"status": status, "tokens": None, "job_id": entry["job_id"]}

@@ -30,7 +30,9 @@ def concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: int
         'A concept\'s records inline, or a `dataset` reference the worker fetches. Each record is `{"text"}` '
         '(every token counts), `{"prompt", "completion"}` (only the completion tokens enter the statistics) or '
         '`{"messages": [{"role", "content"}, …]}` (rendered with the model\'s chat template; only the assistant '
-        f"turns enter the statistics); at most {max_records} records (`ENGRAM_MAX_RECORDS`)."
+        'turns enter the statistics). ShareGPT `{"conversations": [{"from", "value"}, …]}`, Alpaca '
+        '`{"instruction", "input", "output"}` and message contents given as a list of text parts are read '
+        f"as these; at most {max_records} records (`ENGRAM_MAX_RECORDS`)."
     )
     schemas["ConceptCreate"] = create
     props = create["properties"]
@@ -51,7 +53,10 @@ def concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: int
             "dataset": {
                 "type": "string",
                 "format": "binary",
-                "description": f"JSONL: one record per line, the same objects as `records` (at most {max_records})",
+                "description": (
+                    "JSON Lines, plain or gzip-compressed (told by its first bytes; `.jsonl.gz`): one record per "
+                    f"line, the same objects as `records` (at most {max_records})"
+                ),
             },
         },
     }

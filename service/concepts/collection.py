@@ -76,11 +76,13 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         # The stored dataset is read from a local file one line at a time, twice: once to count the
         # tokens that enter the statistics, once in chunks to collect them (no whole dataset in memory).
         path = _local_dataset(ctx, payload["dataset_digest"], Path(tmp))
+        first_row = _first_row(ctx, payload)
 
         def examples() -> Iterator[Example]:
             for i, record in enumerate(iter_records(path)):
                 try:
-                    yield encode_record(tokenizer, record, max_length, template, index=i)
+                    where = i if first_row is None else f"dataset row {first_row + i}"
+                    yield encode_record(tokenizer, record, max_length, template, index=where)
                 except RecordError as exc:
                     raise JobFailed(_chat_problem(str(exc), payload["model_id"])) from None
 
@@ -196,6 +198,19 @@ def _local_dataset(ctx: Context, digest: str, directory: Path) -> Path:
     target = directory / "dataset.jsonl"
     ctx.storage.download(key, target)
     return target
+
+
+def _first_row(ctx: Context, payload: dict[str, Any]) -> int | None:
+    """The source row of a dataset reference's first record (``rows.start``), so that a message names
+    record ``i`` as the row the user finds in their file (``None``: records posted inline or
+    uploaded, named ``record i``)."""
+    reference = payload.get("dataset")
+    if reference is None:
+        concept = find_concept(ctx, payload["concept"])
+        reference = concept.get("dataset") if concept is not None else None
+    if reference is None:
+        return None
+    return int((reference.get("rows") or {}).get("start", 0))
 
 
 def _chat_problem(message: str, model_id: str) -> str:

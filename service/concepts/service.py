@@ -272,9 +272,15 @@ def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
     # No statistics key yet: a dataset reference its job has not resolved.
     published = stats_manifest(ctx, entry["stats"]) if entry.get("stats") else None
     if published is not None:
-        return {"status": "ready", "tokens": published["tokens"], "job_id": entry["job_id"]}
+        return ready_state(published, entry["job_id"])
     status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
     return {"status": status, "tokens": None, "job_id": entry["job_id"]}
+
+
+def ready_state(published: dict[str, Any], job_id: str) -> dict[str, Any]:
+    """A model's state once its statistics are published: their tokens and what ``max_length`` did
+    (the manifest's truncation report; ``None`` in a manifest written before there was one)."""
+    return {"status": "ready", "tokens": published["tokens"], "job_id": job_id, "truncation": published.get("truncation")}
 
 
 def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:

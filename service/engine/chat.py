@@ -68,7 +68,7 @@ def folder_has_chat_template(folder: Path) -> bool | None:
 
 
 def _as_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [m.as_dict() for m in messages]
 
 
 def render_ids(

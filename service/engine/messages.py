@@ -20,7 +20,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation."""
+    """One turn of a conversation; ``name``: a participant's name, handed to the chat template."""
 
     role: str
     content: str
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The turn as a chat template and a stored record take it (``name`` only when given)."""
+        turn = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn

@@ -3,7 +3,8 @@
 A record is ``{"text"}`` (every token enters the statistics), ``{"prompt", "completion"}`` (the
 model reads both, only completion tokens enter the statistics) or ``{"messages": [{"role",
 "content"}, …]}`` (a conversation rendered with the model's chat template; only the assistant turns
-enter the statistics: :mod:`service.engine.chat`). Tokenization of the first two mirrors ai-engram's
+enter the statistics: :mod:`service.engine.chat`). ShareGPT, Alpaca and content-part records are
+read as these (:mod:`service.engine.record_shapes`). Tokenization of the first two mirrors ai-engram's
 ``edit_llm`` exactly (prompt with special tokens, completion without) so the two agree to the token.
 
 Batches are right-padded: with causal attention a real token never attends to a pad that comes
@@ -20,6 +21,7 @@ import torch
 
 from service.engine.chat import encode_chat
 from service.engine.messages import ROLES, Message, RecordError
+from service.engine.record_shapes import alpaca_pair, message_fields, shape_of
 
 if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller
     from transformers import PreTrainedTokenizerBase
@@ -58,45 +60,43 @@ class Record:
         return (Message("user", self.prompt or ""), Message("assistant", self.completion or ""))
 
     @classmethod
-    def from_mapping(cls, raw: Any, index: int) -> Record:
-        """Validate one JSON object.
+    def from_mapping(cls, raw: Any, where: int | str) -> Record:
+        """Validate one JSON object, in any shape :mod:`service.engine.record_shapes` reads.
 
         Args:
             raw: the decoded JSON value.
-            index: its position, for the error message.
+            where: how the record is named in a message: where the user finds it in what they sent
+                (``"dataset line 7"``, ``"dataset row 12"``), or its index in ``records`` (an int:
+                ``"record 3"``).
 
         Returns:
-            The record.
+            The canonical record (ShareGPT turns, Alpaca fields and content parts read as they mean).
 
         Raises:
-            RecordError: not an object, unknown keys, both or neither kinds, empty strings.
+            RecordError: not an object, unknown keys, both or neither kinds, empty strings, a turn
+                the statistics cannot represent.
         """
+        where = f"record {where}" if isinstance(where, int) else where
         if not isinstance(raw, dict):
-            raise RecordError(f"record {index} is not a JSON object")
-        unknown = set(raw) - {"text", "prompt", "completion", "messages"}
-        if unknown:
-            raise RecordError(f"record {index} has unknown field(s) {sorted(unknown)}")
-        has_text = "text" in raw
-        has_pair = "prompt" in raw or "completion" in raw
-        has_messages = "messages" in raw
-        if has_text + has_pair + has_messages != 1:
-            raise RecordError(f"record {index} must have exactly one of 'text', 'prompt'+'completion' or 'messages'")
-        if has_messages:
-            return cls(messages=_messages(raw["messages"], index))
-        fields = ["text"] if has_text else ["prompt", "completion"]
+            raise RecordError(f"{where} is not a JSON object")
+        shape = shape_of(raw, where)
+        if shape in {"messages", "conversations"}:
+            return cls(messages=_messages(raw[shape], where, shape))
+        fields = {"text": ["text"], "prompt": ["prompt", "completion"], "alpaca": ["instruction", "output"]}[shape]
         for field in fields:
-            value = raw.get(field)
-            if not isinstance(value, str) or not value.strip():
-                raise RecordError(f"record {index}: '{field}' must be a non-empty string{_got(raw, field)}")
-            _check_unicode(value, f"record {index}: '{field}'")
+            _check_string(raw, field, where)
+        if shape == "alpaca":
+            prompt, completion = alpaca_pair(raw, where)
+            _check_unicode(prompt, f"{where}: 'input'")
+            return cls(prompt=prompt, completion=completion)
         return cls(**{f: raw[f] for f in fields})
 
     def to_json(self) -> dict[str, Any]:
-        """The record as the user sent it (without absent fields)."""
+        """The record in its canonical shape (without absent fields): what is stored and hashed."""
         if self.text is not None:
             return {"text": self.text}
         if self.messages is not None:
-            return {"messages": [{"role": m.role, "content": m.content} for m in self.messages]}
+            return {"messages": [m.as_dict() for m in self.messages]}
         return {"prompt": self.prompt or "", "completion": self.completion or ""}
 
 
@@ -116,30 +116,34 @@ def _got(raw: dict[str, Any], field: str) -> str:
     return f", got {next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), type(value).__name__)}"
 
 
-def _messages(raw: Any, index: int) -> tuple[Message, ...]:
-    """A conversation checked: a non-empty list of ``{"role", "content"}`` objects with known roles and
-    string contents, at least one assistant turn (non-blank), not opening with the assistant."""
-    where = f"record {index}"
+def _check_string(raw: dict[str, Any], field: str, where: str) -> None:
+    value = raw.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise RecordError(f"{where}: '{field}' must be a non-empty string{_got(raw, field)}")
+    _check_unicode(value, f"{where}: '{field}'")
+
+
+def _messages(raw: Any, where: str, field: str = "messages") -> tuple[Message, ...]:
+    """A conversation checked: a non-empty list of turns (:func:`~service.engine.record_shapes.message_fields`)
+    with known roles and text contents, at least one assistant turn (non-blank), not opening with the
+    assistant."""
     if not isinstance(raw, list) or not raw:
-        raise RecordError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise RecordError(f"{where}: '{field}' must be a non-empty list of {{role, content}} objects")
     messages = []
     for i, item in enumerate(raw):
         at = f"{where}: message {i}"
-        if not isinstance(item, dict):
-            raise RecordError(f"{at} is not a JSON object")
-        if set(item) != {"role", "content"}:
-            extra, missing = sorted(set(item) - {"role", "content"}), sorted({"role", "content"} - set(item))
-            what = f"unknown field(s) {extra}" if extra else f"no {' or '.join(repr(m) for m in missing)}"
-            raise RecordError(f"{at} has {what} (a message is {{role, content}})")
-        role, content = item["role"], item["content"]
+        role, content, name = message_fields(item, at)
         if not isinstance(role, str) or role not in ROLES:
             raise RecordError(f"{at} has role {role!r:.60}; a role is one of {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise RecordError(f"{at}: 'content' must be a string")
+            got = "null" if content is None else type(content).__name__
+            raise RecordError(f"{at}: 'content' must be a string or a list of text parts, got {got}")
         if role == "assistant" and not content.strip():
             raise RecordError(f"{at}: an assistant message must have non-empty content (its tokens are counted)")
         _check_unicode(content, f"{at}: 'content'")
-        messages.append(Message(role, content))
+        if name is not None:
+            _check_unicode(name, f"{at}: 'name'")
+        messages.append(Message(role, content, name))
     if not any(m.role == "assistant" for m in messages):
         raise RecordError(f"{where} has no assistant message: only assistant turns enter the statistics")
     if messages[0].role == "assistant":
@@ -186,14 +190,18 @@ class Batch:
 
 
 def encode_record(
-    tokenizer: PreTrainedTokenizerBase, record: Record, max_length: int, template: str | None = None, index: int = 0
+    tokenizer: PreTrainedTokenizerBase,
+    record: Record,
+    max_length: int,
+    template: str | None = None,
+    index: int | str = 0,
 ) -> Example:
     """Tokenize one record, truncated to ``max_length`` tokens (the example says how many were cut).
 
     Args:
         template: ``"chat"``: a prompt/completion record is rendered as a one-turn chat (messages
             records always are).
-        index: the record's position, for error messages.
+        index: the record's position (``record i`` in a message), or how a message names it.
 
     Raises:
         RecordError: a conversation the model's chat template cannot render with its counted tokens
@@ -203,7 +211,7 @@ def encode_record(
         try:
             ids, counted = encode_chat(tokenizer, record.as_chat())
         except RecordError as exc:
-            raise RecordError(f"record {index}: {exc}") from None
+            raise RecordError(f"{f'record {index}' if isinstance(index, int) else index}: {exc}") from None
         return Example(ids[:max_length], counted[:max_length], max(0, len(ids) - max_length))
     if record.text is not None:
         # The tokenizer truncates (keeping the special tokens it adds at the end, as ai-engram does);

@@ -172,7 +172,10 @@ def test_messages_are_stored_in_their_canonical_form() -> None:
             "'content' must be a string",
         ),
         ({"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]}, "no 'content'"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, r"unknown field\(s\) \['tool_calls'\]"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            r"message 0 is a tool-call turn \('tool_calls'\)",
+        ),
         ({"messages": [{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "y"}]}, "lone surrogate"),
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "p"}, "exactly one of"),
     ],
