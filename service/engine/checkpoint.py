@@ -197,8 +197,9 @@ def inspect_model_dir(path: Path) -> ModelLayout:
         )
     key_files = _checkpoint_keys(path)
     shapes = _stored_shapes(path)
-    layout = _layout(model, key_files, renamed_parameters(model, shapes))
-    _add_expert_layers(layout, model, shapes)
+    renamed = renamed_parameters(model, shapes)
+    layout = _layout(model, key_files, renamed)
+    _add_expert_layers(layout, model, shapes, renamed)
     in_checkpoint = {spec.name: layout.weight_keys[spec.name] for spec in layout.layers}
     check_weight_dtypes(path, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])
     return layout
@@ -266,13 +267,18 @@ def _layout(model: nn.Module, key_files: dict[str, str], renamed: Mapping[str, s
     return layout
 
 
-def _add_expert_layers(layout: ModelLayout, model: transformers.PreTrainedModel, shapes: Mapping[str, list[int]]) -> None:
+def _add_expert_layers(
+    layout: ModelLayout,
+    model: transformers.PreTrainedModel,
+    shapes: Mapping[str, list[int]],
+    renamed: Mapping[str, str],
+) -> None:
     """Each expert of every fused experts module as layers of its own, in module order, with the key
     (and for a fused key, the slice) holding its weight (:mod:`service.engine.experts`)."""
     experts = find_fused_experts(model)
     if not experts:
         return
-    storage = expert_storage(model, experts, shapes)
+    storage = expert_storage(model, experts, shapes, renamed)
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     specs = [spec for module in experts for spec in module.layer_specs()]
     position = {spec.name: order[spec.name.rsplit(".", 2)[0]] for spec in specs}

@@ -40,7 +40,10 @@ class ExpertStorage:
 
 
 def expert_storage(
-    model: PreTrainedModel, experts: Sequence[FusedExperts], shapes: Mapping[str, Sequence[int]]
+    model: PreTrainedModel,
+    experts: Sequence[FusedExperts],
+    shapes: Mapping[str, Sequence[int]],
+    renamed: Mapping[str, str] | None = None,
 ) -> ExpertStorage:
     """Map every expert layer to its place in the checkpoint.
 
@@ -48,6 +51,9 @@ def expert_storage(
         model: the model (on the meta device is enough), for transformers' conversion mapping.
         experts: its fused experts modules.
         shapes: every checkpoint key -> its stored shape.
+        renamed: parameter name -> the checkpoint key transformers renames into it
+            (:func:`service.engine.key_renames.renamed_parameters`): GraniteMoE stores its fused
+            experts as ``block_sparse_moe.input_linear.weight`` / ``output_linear.weight``.
 
     Raises:
         ModelSourceError: naming the experts whose weights the checkpoint stores in another layout.
@@ -57,7 +63,7 @@ def expert_storage(
     per_expert = _per_expert_keys(model, shapes)
     unread = []
     for module in experts:
-        fused = [f"{module.name}.{name}" for name in FUSED]
+        fused = [_stored_key(f"{module.name}.{name}", shapes, renamed or {}) for name in FUSED]
         if all(key in shapes for key in fused):
             expected = (
                 (module.num_experts, 2 * module.intermediate, module.hidden),
@@ -70,7 +76,7 @@ def expert_storage(
                 for projection in PROJECTIONS:
                     layer = module.layer_name(expert, projection)
                     param, start, stop = module.rows(projection)
-                    weight_keys[layer] = f"{module.name}.{param}"
+                    weight_keys[layer] = fused[FUSED.index(param)]
                     slices[layer] = [expert, start, stop]
             continue
         keys = per_expert.get(module.name, {})
@@ -86,6 +92,11 @@ def expert_storage(
             "expert that transformers merges into them); nothing of this model can be edited"
         )
     return ExpertStorage(weight_keys, slices)
+
+
+def _stored_key(parameter: str, shapes: Mapping[str, Sequence[int]], renamed: Mapping[str, str]) -> str:
+    """The checkpoint key of a fused parameter: its own name, else the key renamed into it."""
+    return parameter if parameter in shapes else renamed.get(parameter, parameter)
 
 
 def _stored_as(key: str | None, shapes: Mapping[str, Sequence[int]], shape: tuple[int, int]) -> bool:

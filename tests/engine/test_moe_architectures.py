@@ -1,4 +1,6 @@
-"""Per-expert statistics on the mixture-of-experts families transformers ships in its fused layout.
+"""Per-expert statistics on the mixture-of-experts families transformers ships in its fused layout,
+and GraniteMoE's experts, stored under the names its checkpoints use (``input_linear``,
+``output_linear``), edited in place.
 
 Each family routes its own way (softmax/sigmoid top-k, grouped routing, sparsemixer, shared experts
 beside the routed ones), but every one hands its experts module the same call: hidden states and the
@@ -18,11 +20,14 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from transformers.activations import ACT2FN
 
 from service.demo import make_facts
-from service.engine.checkpoint import inspect_model_dir
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir
+from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import collect_statistics
+from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import find_fused_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tokenizer
@@ -42,6 +47,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
     ),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "deepseek_v3": (
         "DeepseekV3Config",
@@ -128,3 +134,60 @@ def test_each_expert_sums_the_tokens_routed_to_it(family: str, tmp_path: Path) -
         scale = float(expected.abs().max()) or 1.0
         assert float((got - expected).abs().max()) <= 1e-5 * scale, layer
     assert stats.lacking == []
+
+
+def test_granitemoe_experts_stored_under_their_old_names_are_edited_in_place(tmp_path: Path) -> None:
+    """GraniteMoE checkpoints keep the fused experts as ``block_sparse_moe.input_linear.weight``
+    [E, 2I, H] and ``output_linear.weight`` [E, H, I], which transformers renames to
+    ``experts.gate_up_proj``/``down_proj`` on load. Each expert is read from, and written back into,
+    its slice of the stored key; the variant loads with transformers and holds the engine's edits."""
+    path = _tiny("granitemoe", tmp_path / "granite")
+    layout = inspect_model_dir(path)
+    experts = [spec for spec in layout.layers if ".experts." in spec.name]
+    assert len(experts) == 2 * 4 * 3  # blocks x experts x (gate, up, down)
+    for spec in experts:
+        stored = layout.weight_keys[spec.name]
+        assert stored.endswith("output_linear.weight" if spec.name.endswith("down_proj") else "input_linear.weight")
+        assert spec.name in layout.expert_slices
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    reader = CheckpointReader(path, layout)
+    fused = model.get_submodule("model.layers.0.block_sparse_moe.experts")
+    inter = fused.down_proj.shape[2]
+    assert torch.equal(
+        reader.layer_weights(layout.layer("model.layers.0.block_sparse_moe.experts.1.up_proj")).weight,
+        fused.gate_up_proj[1, inter:],
+    )
+
+    def stats(records: list[Record]) -> Any:
+        examples = [encode_record(tokenizer, r, 64) for r in records]
+        return collect_statistics(model, make_batches(examples, 4, pad_token_id(tokenizer)), layout.layers)
+
+    target, reference = stats(RECORDS[:4]), stats(RECORDS[4:])
+    algebra = EngramAlgebra([(-1.0, target)], [target, reference])
+    scales = layer_scales(layout.layers, algebra, reader.layer_weights, "uniform")
+    expected = {e.spec.name: e.weight for e in layer_edits(layout.layers, algebra, reader.layer_weights, scales)}
+    edits = {e.spec.name: e for e in layer_edits(layout.layers, algebra, reader.layer_weights, scales)}
+    out = tmp_path / "variant"
+    out.mkdir()
+    write_checkpoint(path, out, layout, lambda spec: edits.get(spec.name), set(edits))
+    with (
+        safe_open(str(path / "model.safetensors"), framework="pt") as before,
+        safe_open(str(out / "model.safetensors"), framework="pt") as after,
+    ):
+        assert set(before.keys()) == set(after.keys())  # the checkpoint's own names and layout
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    moved = 0
+    for spec in experts:
+        container, _, rest = spec.name.partition(".experts.")
+        expert, projection = int(rest.split(".")[0]), rest.split(".")[1]
+        module = loaded.get_submodule(container + ".experts")
+        if projection == "down_proj":
+            weight = module.down_proj[expert]
+        else:
+            weight = (
+                module.gate_up_proj[expert, :inter] if projection == "gate_proj" else module.gate_up_proj[expert, inter:]
+            )
+        assert torch.allclose(weight.detach(), expected[spec.name].to(weight.dtype), rtol=1e-5, atol=1e-6), spec.name
+        moved += not torch.equal(weight.detach(), reader.layer_weights(spec).weight)
+    assert moved > len(experts) // 2, "most experts were reached and edited"
