@@ -27,7 +27,7 @@ from service.calibration.search import Arm, Outcome
 from service.calibration.space import arm_layers
 from service.engine.checkpoint import CheckpointReader, ModelLayout, load_model, load_tokenizer
 from service.engine.compose import EditError
-from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, is_causal_lm, summarize
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engrams.store import stored_editor, stored_engrams
 from service.errors import JobFailed
@@ -108,7 +108,7 @@ class InMemoryCandidates:
         self.reader = CheckpointReader(model_dir, layout)
         untie = any(spec.name in layout.tied_partners for spec in union)
         self.model = load_model(model_dir, device=device, untie=untie)
-        if not type(self.model).__name__.endswith("ForCausalLM"):
+        if not is_causal_lm(self.model):
             raise JobFailed(f"calibration needs a causal language model; this one is a {type(self.model).__name__}")
         self.tokenizer = load_tokenizer(model_dir)
         check_probes(self.tokenizer, probes)

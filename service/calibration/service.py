@@ -17,13 +17,14 @@ Storage layout:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from api_schemas.models import CalibrateRequest
 from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
-from service.concepts.statistics import check_statistics_cover
+from service.concepts.statistics import check_statistics_cover, unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import ModelLayout
 from service.engine.experts import is_expert_layer
@@ -69,13 +70,17 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     urls = callbacks.check_optional_url(options.callback_url, ctx.settings)
     options = one_term_each(options)
     model = get_model(ctx, model_id)
-    layout = ModelLayout.from_json(model["layout"])
-    space = request_space(layout, options)
-    _check_format(space, layout, options)
+    full = ModelLayout.from_json(model["layout"])
+    space = request_space(full, options)
     if has_messages(options):
         check_chat_templates({model_id: model}, "messages probes")
     resolved = _resolve(ctx, model, options)
-    _check_cover(ctx, layout, resolved, space)
+    # Layers no member reached (a vision tower) are never edited: what a candidate can carry is
+    # checked on the others, as the job evaluates them (service.calibration.build).
+    unreached = unreached_by_every(ctx, [m.stats for m in resolved.spec.members])
+    layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
+    _check_format(space, layout, options)
+    _check_cover(ctx, full, resolved, space)
     probes = stored_probes(options)
     digest = probes_digest(probes)
     with ctx.lock:

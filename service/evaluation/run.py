@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from service.context import Context
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, is_causal_lm, summarize
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
 from service.jobs.progress import JobProgress
@@ -97,7 +97,7 @@ def _base_plus_delta(base_dir: Path, delta_file: Path, device: str) -> Any:
 
 
 def _causal(model: Any) -> None:
-    if not type(model).__name__.endswith("ForCausalLM"):
+    if not is_causal_lm(model):
         raise JobFailed(f"evaluation and generation need a causal language model; this one is a {type(model).__name__}")
 
 

@@ -64,21 +64,28 @@ def _engine_edits(model_dir: Path, loader: Callable, scaling: str) -> dict[str, 
     return {e.spec.name: e.weight for e in layer_edits(layout.layers, algebra, reader.layer_weights, scales)}
 
 
-@pytest.mark.parametrize("arch", sorted(CASES))
-@pytest.mark.parametrize("scaling", ["uniform", "weight_norm"])
-def test_architecture_unlearns_through_the_api(
-    arch: str, scaling: str, api: httpx.Client, model_root: Path, tmp_path: Path
-) -> None:
-    make, loader, embedding_key = CASES[arch]
+def _registered(api: httpx.Client, model_root: Path, arch: str) -> tuple[Path, str]:
+    """The tiny model of ``arch`` registered with its target and reference concepts collected
+    (posting both again is idempotent): its folder and model ID."""
     model_dir = model_root / f"arch-{arch}"
     if not model_dir.exists():
-        make(model_dir)
+        CASES[arch][0](model_dir)
     model_id = f"arch/{arch}"
     assert api.post("/models", json={"model_id": model_id, "source": f"file://{model_dir}"}).status_code in (200, 201)
     for name, role, records in ((f"{arch}-t", "target", TARGET), (f"{arch}-r", "reference", REFERENCE)):
         body = {"name": name, "role": role, "models": [model_id], "records": records}
         assert api.post("/concepts", json=body).status_code == 202
     wait_concepts_ready(api, [f"{arch}-t", f"{arch}-r"], model_id)
+    return model_dir, model_id
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+@pytest.mark.parametrize("scaling", ["uniform", "weight_norm"])
+def test_architecture_unlearns_through_the_api(
+    arch: str, scaling: str, api: httpx.Client, model_root: Path, tmp_path: Path
+) -> None:
+    _, loader, embedding_key = CASES[arch]
+    model_dir, model_id = _registered(api, model_root, arch)
 
     request = {"concepts": [f"{arch}-t"], "reference": [f"{arch}-r"], "alpha": 1.0, "scaling": scaling}
     submitted = api.post(f"/models/{model_id}/unlearn", json=request)
@@ -104,3 +111,19 @@ def test_architecture_unlearns_through_the_api(
     assert head in expected
     changed = [n for n in expected if not torch.equal(edited_modules[n].weight, dict(base.named_modules())[n].weight)]
     assert len(changed) == len(expected), "every selected layer moved"
+
+
+@pytest.mark.parametrize("arch", sorted(a for a, case in CASES.items() if case[1] is AutoModelForCausalLM))
+def test_a_causal_variant_is_evaluated_whatever_its_class_is_called(arch: str, api: httpx.Client, model_root: Path) -> None:
+    """Evaluation takes any model that predicts the next token (GPT-2's class is ``GPT2LMHeadModel``)."""
+    _, model_id = _registered(api, model_root, arch)
+    request = {"concepts": [f"{arch}-t"], "reference": [f"{arch}-r"], "alpha": 1.0, "scaling": "uniform"}
+    variant = api.post(f"/models/{model_id}/unlearn", json=request)
+    assert variant.status_code in (200, 202), variant.text  # built by the test above, or now
+    variant_id = wait_variant_ready(api, variant.json()["variant"]["variant_id"])["variant_id"]
+    probes = [{"prompt": p, "completion": c} for p, c in FACTS[:2]]
+    answer = api.post(f"/variants/{variant_id}/evaluate", params={"wait": 60}, json={"forget": probes, "retain": probes})
+    assert answer.status_code == 200, answer.text
+    job = answer.json()
+    assert job["status"] == "succeeded", job["error"]
+    assert job["result"]["summary"]["variant"]["forget"]["n"] == 2

@@ -27,7 +27,7 @@ from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import unsupported_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tiny_gemma3_vlm, make_tiny_llava, make_tiny_mamba
-from tests.live import download_variant, wait_concepts_ready, wait_variant_ready
+from tests.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 FACTS = make_facts(24, seed=5)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]
@@ -109,6 +109,23 @@ def test_a_vision_language_model_is_edited_where_text_reaches(
     assert adapter.status_code in (200, 202), adapter.text
     adapter_view = wait_variant_ready(api, adapter.json()["variant"]["variant_id"])
     assert sorted(adapter_view["unreached_layers"]) == sorted(unreached)
+    # Calibration evaluates candidates of the reached layers only, so a vLLM adapter is fine there too.
+    probes = [{"prompt": p, "completion": c} for p, c in FACTS[:2]]
+    calibrate = {
+        "concepts": [f"{arch}-vt"],
+        "reference": [f"{arch}-vr"],
+        "forget": probes,
+        "retain": [{"prompt": p, "completion": c} for p, c in FACTS[6:8]],
+        "budget": 2,
+        "scalings": ["uniform"],
+        "module_sets": ["all"],
+        "format": "peft",
+        "lora_target": "vllm",
+    }
+    started = api.post(f"/models/{model_id}/calibrate", json=calibrate)
+    assert started.status_code in (200, 202), started.text
+    job = wait_for_job(api, started.json()["job"]["job_id"], timeout=180)
+    assert job["status"] == "succeeded", job["error"]
     # The map draws the layers that have an engram.
     drawn = api.get(f"/models/{model_id}/engram-map", params={"concepts": f"{arch}-vt", "wait": 60})
     assert drawn.status_code == 200, drawn.text
