@@ -30,7 +30,18 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from api_schemas import Concept, ConceptSubmission, Job, Model, Variant, VariantFile, VariantSubmission
+from api_schemas import (
+    Concept,
+    ConceptSubmission,
+    Job,
+    Model,
+    Universe,
+    UniverseSubmission,
+    UniverseUsage,
+    Variant,
+    VariantFile,
+    VariantSubmission,
+)
 
 __all__ = [
     "DEFAULT_URL",
@@ -101,7 +112,15 @@ class EngramAPIError(EngramError):
 
 
 class EngramConnectionError(EngramError):
-    """The service could not be reached (refused, DNS, TLS, timeout) after the retries."""
+    """The service could not be reached (refused, DNS, TLS, timeout) after the retries.
+
+    Attributes:
+        timed_out: the service was reached but did not answer within the client's timeout.
+    """
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class EngramDownloadError(EngramError):
@@ -288,6 +307,11 @@ class EngramClient:
         """A job's status and progress."""
         return self._parse(Job, self._request("GET", f"/jobs/{_quote(job_id)}"))
 
+    def list_jobs(self, status: Sequence[str] | None = None) -> list[Job]:
+        """The jobs not finished yet, oldest first; ``status`` (``queued``, ``running``) narrows them."""
+        params = {"status": list(status)} if status else None
+        return self._parse_list(Job, self._request("GET", "/jobs", params=params))
+
     def cancel_job(self, job_id: str) -> Job:
         """Cancel a job: a queued one at once, a running one at its next checkpoint."""
         return self._parse(Job, self._request("DELETE", f"/jobs/{_quote(job_id)}"))
@@ -333,6 +357,33 @@ class EngramClient:
                 running = [j for j, job in latest.items() if job.status not in FINISHED]
                 raise EngramTimeoutError(f"jobs {', '.join(running)} did not finish within {timeout}s")
             time.sleep(poll_s)
+
+    # ------------------------------------------------------------ universes
+
+    def create_universe(
+        self,
+        model_id: str,
+        concepts: Sequence[str] | None = None,
+        rcond: float | None = None,
+        callback_url: str | None = None,
+    ) -> UniverseSubmission:
+        """Build the universe of ``concepts`` (default: every concept ready on the model) and make it the
+        model's current one; a universe already built answers at once (``job`` is then ``None``)."""
+        body = _set_only(concepts=list(concepts) if concepts else None, rcond=rcond, callback_url=callback_url)
+        return self._parse(UniverseSubmission, self._request("POST", f"/models/{_quote(model_id)}/universes", json=body))
+
+    def list_universes(self, model_id: str) -> list[Universe]:
+        """Every universe of a model, oldest first; ``current`` marks the one requests use."""
+        return self._parse_list(Universe, self._request("GET", f"/models/{_quote(model_id)}/universes"))
+
+    def get_universe(self, universe_id: str) -> Universe:
+        """A universe: members, status, groups decomposed so far, bytes once built, last use."""
+        return self._parse(Universe, self._request("GET", f"/universes/{_quote(universe_id)}"))
+
+    def universe_usage(self, model_id: str | None = None) -> UniverseUsage:
+        """Bytes the universes store (one model's, or all) against the service's budget."""
+        params = _set_only(model_id=model_id)
+        return self._parse(UniverseUsage, self._request("GET", "/universes/usage", params=params))
 
     # ------------------------------------------------------------ unlearning and composition
 
@@ -584,14 +635,22 @@ class EngramClient:
     # ------------------------------------------------------------ memory-trace maps
 
     def engram_map(
-        self, model_id: str, concepts: Sequence[str], reference: Sequence[str] | None = None, rcond: float | None = None
+        self,
+        model_id: str,
+        concepts: Sequence[str],
+        reference: Sequence[str] | None = None,
+        rcond: float | None = None,
+        *,
+        measure: str | None = None,
     ) -> dict[str, Any]:
-        """Where each concept's engram lives: ``ρ_l = ‖W_l⁺‖_F / ‖W_l‖_F`` by block and module type.
+        """Where each concept's engram lives, by block and module type.
 
         Args:
             concepts: up to 8 concepts ready on the model.
             reference: the universe's other concepts (default: every concept ready on the model; ``[]``: none).
             rcond: the pseudo-inverse cut, as for :meth:`unlearn`.
+            measure: ``data`` (the service's default): ``‖W_l⁺X‖_F / ‖W_l X‖_F`` over the universe's
+                inputs, 0 to 1; ``weight``: the paper's ``‖W_l⁺‖_F / ‖W_l‖_F``.
 
         Returns:
             ``{model_id, concepts, reference, rcond, blocks, modules, maps: {concept: {rho, max, argmax}},
@@ -601,7 +660,7 @@ class EngramClient:
         Raises:
             EngramJobError: the map's job failed.
         """
-        params = _map_params(concepts, reference, rcond)
+        params = _map_params(concepts, reference, rcond, measure)
         return self._answer_after_job("GET", f"/models/{_quote(model_id)}/engram-map", params=params).json()
 
     def engram_map_png(
@@ -613,13 +672,15 @@ class EngramClient:
         *,
         width: int | None = None,
         height: int | None = None,
+        measure: str | None = None,
     ) -> bytes:
-        """The map as a PNG heatmap, one panel per concept; ``width`` × ``height`` pixels (200 to 4000 each).
+        """The map as a PNG heatmap, one panel per concept; ``width`` × ``height`` pixels (200 to 4000 each);
+        ``measure`` as for :meth:`engram_map`.
 
         Raises:
             EngramError: the answer is not a PNG image.
         """
-        params = _map_params(concepts, reference, rcond) | _set_only(width=width, height=height)
+        params = _map_params(concepts, reference, rcond, measure) | _set_only(width=width, height=height)
         headers = {"Accept": "image/png, application/problem+json"}
         response = self._answer_after_job(
             "GET", f"/models/{_quote(model_id)}/engram-map.png", params=params, headers=headers
@@ -703,8 +764,11 @@ class EngramClient:
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     def _connection_error(self, exc: httpx.TransportError) -> EngramConnectionError:
-        what = "did not answer in time" if isinstance(exc, httpx.TimeoutException) else "could not be reached"
-        return EngramConnectionError(f"the Engram service at {self.base_url} {what} ({type(exc).__name__}: {exc})")
+        timed_out = isinstance(exc, httpx.TimeoutException)
+        what = "did not answer in time" if timed_out else "could not be reached"
+        return EngramConnectionError(
+            f"the Engram service at {self.base_url} {what} ({type(exc).__name__}: {exc})", timed_out
+        )
 
     def _download_file(self, variant_id: str, entry: VariantFile, dest: Path, on_progress: DownloadCallback | None) -> None:
         """Stream one file to ``dest`` (retried whole on connection errors), then verify size and sha256."""
@@ -835,8 +899,11 @@ def _names(names: Sequence[str] | str) -> str:
     return names if isinstance(names, str) else ",".join(names)
 
 
-def _map_params(concepts: Sequence[str], reference: Sequence[str] | None, rcond: float | None) -> dict[str, Any]:
-    return _set_only(concepts=_names(concepts), reference=_names(reference) if reference is not None else None, rcond=rcond)
+def _map_params(
+    concepts: Sequence[str], reference: Sequence[str] | None, rcond: float | None, measure: str | None
+) -> dict[str, Any]:
+    names = _names(reference) if reference is not None else None
+    return _set_only(concepts=_names(concepts), reference=names, rcond=rcond, measure=measure)
 
 
 def _retry_after(response: httpx.Response) -> float:

@@ -17,7 +17,7 @@ This module assembles the command tree, in the order ``engram --help`` lists it;
   stdout and stderr, the tables, the progress of jobs and downloads;
 - :mod:`~engram_client.cli.options`, :mod:`~engram_client.cli.files`: shared options, local files;
 - one module per command or group: ``models``, ``concepts``, ``edits`` (unlearn, compose),
-  ``evaluation`` (evaluate, generate, map), ``calibration``, ``jobs``, ``variants``.
+  ``evaluation`` (evaluate, generate, map), ``calibration``, ``jobs``, ``variants``, ``universes``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from engram_client.cli.evaluation import engram_map, evaluate, generate
 from engram_client.cli.jobs import jobs_app
 from engram_client.cli.models import models_app
 from engram_client.cli.root import app
+from engram_client.cli.universes import universes_app
 from engram_client.cli.variants import variants_app
 
 app.add_typer(models_app, name="models")
 app.add_typer(concepts_app, name="concepts")
 app.add_typer(jobs_app, name="jobs")
 app.add_typer(variants_app, name="variants")
+app.add_typer(universes_app, name="universes")
 app.command()(unlearn)
 app.command()(compose)
 app.command()(evaluate)

@@ -7,6 +7,7 @@ checked here before anything is sent, so a usage mistake is a usage error rather
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path, PurePosixPath
@@ -23,6 +24,9 @@ from engram_client.cli.root import session
 concepts_app = typer.Typer(help="Upload concept datasets and watch their collection.", no_args_is_help=True)
 
 DATASET_FIELDS = ("text", "prompt", "completion", "messages")  # what --column may map
+# The service's rules, checked here so that a mistake is named in CLI terms rather than as a regex.
+CONCEPT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+DATASET_SCHEMES = ("s3://", "hf://datasets/", "file:///")
 
 
 class Role(str, Enum):
@@ -77,10 +81,30 @@ def _reference_name(uri: str) -> str:
     return PurePosixPath(uri.split("?", 1)[0].rstrip("/")).stem
 
 
+def _concept_name(name: str | None, file: Path | None, dataset_uri: str | None) -> str:
+    """--name, or the stem of the file or URI; a stem that is no concept name asks for --name."""
+    if name is not None:
+        return name
+    stem = file.stem if file is not None else _reference_name(dataset_uri or "")
+    if not CONCEPT_NAME.fullmatch(stem):
+        raise typer.BadParameter(
+            f"the concept name would be {stem!r}, the stem of the dataset's name, but a concept name is 1 to 128 "
+            "letters, digits, '.', '_' or '-': choose one with --name",
+            param_hint="--name",
+        )
+    return stem
+
+
 def _dataset_reference(
     dataset_uri: str, dataset_format: DatasetFormat | None, column: list[str] | None, rows: str | None
 ) -> dict[str, Any]:
     """The ``dataset`` the service's worker fetches: the URI and only the options that were given."""
+    if not dataset_uri.startswith(DATASET_SCHEMES):
+        raise typer.BadParameter(
+            f"{dataset_uri} is not a URI the service fetches: s3://bucket/key, "
+            "hf://datasets/org/name[@revision]/path or file:///abs/path (or upload a local FILE)",
+            param_hint="--dataset-uri",
+        )
     reference: dict[str, Any] = {"uri": dataset_uri}
     for key, value in (
         ("format", dataset_format.value if dataset_format else None),
@@ -105,7 +129,7 @@ def concepts_add(
         typer.Option(
             "--dataset-uri",
             help="Instead of FILE: a dataset the service's worker fetches, s3://bucket/key, "
-            "hf://datasets/org/name[@revision]/path or file:///abs/path (JSONL or Parquet).",
+            "hf://datasets/org/name\\[@revision]/path or file:///abs/path (JSONL or Parquet).",
         ),
     ] = None,
     dataset_format: Annotated[
@@ -148,7 +172,7 @@ def concepts_add(
     reference: dict[str, Any] | None = (
         None if dataset_uri is None else _dataset_reference(dataset_uri, dataset_format, column, rows)
     )
-    name = name or (file.stem if file is not None else _reference_name(dataset_uri or ""))
+    name = _concept_name(name, file, dataset_uri)
     with session(ctx) as client:
         submission = client.add_concept(
             name,

@@ -23,6 +23,11 @@ from engram_client.cli.root import session
 from engram_client.client import FINISHED, EngramClient
 
 
+class Measure(str, Enum):
+    data = "data"
+    weight = "weight"
+
+
 class Generator(str, Enum):
     base = "base"
     variant = "variant"
@@ -115,16 +120,27 @@ def engram_map(
     ] = None,
     width: Annotated[int | None, typer.Option(help="--png width in pixels (200 to 4000).")] = None,
     height: Annotated[int | None, typer.Option(help="--png height in pixels (200 to 4000).")] = None,
+    measure: Annotated[
+        Measure | None,
+        typer.Option(
+            help="data (the default): ‖W⁺X‖F / ‖WX‖F over the universe's inputs, 0 to 1; "
+            "weight: the paper's W-Norm ‖W⁺‖F / ‖W‖F."
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Where each concept's memory lives: ρ = ‖W⁺‖F / ‖W‖F by block and module type (the paper's Fig. 4)."""
+    """Where each concept's memory lives, by block and module type (the paper's Fig. 4): the share of each
+    layer's output on the data that the concept's engram accounts for (--measure)."""
     if png is None and (width is not None or height is not None):
         raise typer.BadParameter("--width and --height size the --png image", param_hint="--width/--height")
+    chosen = measure.value if measure else None
     with session(ctx) as client:
         if png is None:
-            data = client.engram_map(model, concept, reference or None, rcond)
+            data = client.engram_map(model, concept, reference or None, rcond, measure=chosen)
         else:
-            image = client.engram_map_png(model, concept, reference or None, rcond, width=width, height=height)
+            image = client.engram_map_png(
+                model, concept, reference or None, rcond, width=width, height=height, measure=chosen
+            )
             write_atomically(png, image)
     if png is None:
         emit(ctx, as_json, data, lambda: render_map(data))

@@ -1,4 +1,4 @@
-"""``engram jobs watch | show | cancel``: any job by its ID, whichever command started it.
+"""``engram jobs list | watch | show | cancel``: any job by its ID, whichever command started it.
 
 The exit code of ``watch`` is the job's outcome (0 succeeded, 1 failed or cancelled), so a script
 can wait for a job it submitted with ``--no-wait``.
@@ -6,16 +6,38 @@ can wait for a job it submitted with ``--no-wait``.
 
 from __future__ import annotations
 
+from enum import Enum
+from typing import Annotated
+
 import typer
 
 from engram_client.cli.options import JsonFlag
 from engram_client.cli.output import emit, job_failed, stderr
 from engram_client.cli.progress import watch
-from engram_client.cli.render import render_job
+from engram_client.cli.render import render_job, render_jobs
 from engram_client.cli.root import session
 from engram_client.client import FINISHED
 
 jobs_app = typer.Typer(help="Watch, inspect and cancel jobs.", no_args_is_help=True)
+
+
+class Unfinished(str, Enum):
+    queued = "queued"
+    running = "running"
+
+
+@jobs_app.command("list")
+def jobs_list(
+    ctx: typer.Context,
+    status: Annotated[
+        list[Unfinished] | None, typer.Option("--status", help="Only jobs in this state (repeat; default: both).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The jobs not finished yet (queued or running), oldest first: what the service is working on."""
+    with session(ctx) as client:
+        jobs = client.list_jobs([s.value for s in status] if status else None)
+    emit(ctx, as_json, jobs, lambda: render_jobs(jobs))
 
 
 @jobs_app.command("watch")

@@ -16,22 +16,31 @@ models_app = typer.Typer(help="Register and inspect models.", no_args_is_help=Tr
 
 
 def _source_uri(source: str) -> str:
-    """A bare local directory becomes ``file:///abs/dir``; URIs pass unchanged."""
-    if "://" not in source and Path(source).is_dir():
-        return Path(source).resolve().as_uri()
-    return source
+    """A bare local directory becomes ``file:///abs/dir``; URIs pass unchanged; anything else is a usage error."""
+    if "://" in source:
+        return source
+    if not Path(source).is_dir():
+        raise typer.BadParameter(
+            f"{source} is no directory here; give a local checkpoint directory or a URI "
+            "(file:///abs/dir, s3://bucket/prefix/, hf://org/name)",
+            param_hint="SOURCE",
+        )
+    return Path(source).resolve().as_uri()
 
 
 @models_app.command("add")
 def models_add(
     ctx: typer.Context,
     model_id: Annotated[str, typer.Argument(help="Hugging Face style ID: name or org/name.")],
-    source: Annotated[str, typer.Argument(help="file:///abs/dir, s3://bucket/prefix/, hf://org/name[@rev] or a local dir.")],
+    source: Annotated[
+        str, typer.Argument(help="file:///abs/dir, s3://bucket/prefix/, hf://org/name\\[@rev] or a local dir.")
+    ],
     as_json: JsonFlag = False,
 ) -> None:
     """Register a model checkpoint (the same registration again is a no-op)."""
+    uri = _source_uri(source)
     with session(ctx) as client:
-        model = client.register_model(model_id, _source_uri(source))
+        model = client.register_model(model_id, uri)
     emit(
         ctx,
         as_json,

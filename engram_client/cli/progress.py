@@ -6,6 +6,7 @@ so it can be copied from the log::
     collect job 3f2a…e1 120/300 tokens (40%) running
 
 Ctrl-C while watching stops the watching only (exit 130): the service keeps working on the job.
+Ctrl-C while downloading exits 130 too, and leaves the output directory as it was.
 """
 
 from __future__ import annotations
@@ -138,7 +139,10 @@ def download(client: EngramClient, variant: Variant, out: Path, force: bool) -> 
             got = sum(received.values())
             view.show("download", label, got, total, "bytes", final=got == total)
 
-        client.download_variant(variant.variant_id, out, overwrite=force, on_progress=progress)
+        try:
+            client.download_variant(variant.variant_id, out, overwrite=force, on_progress=progress)
+        except KeyboardInterrupt:  # the client removed its staging directory: nothing half-written remains
+            fail("Download interrupted", f"{out} is as it was; run the same command again to download", code=130)
     size = filesize.decimal(total)
     files = f"{len(variant.files)} file" + ("s" if len(variant.files) != 1 else "")
     stderr.print(f"variant {variant.variant_id} in {out}: {files}, {size}, sha256 verified")

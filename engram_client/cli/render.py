@@ -14,7 +14,7 @@ from rich import filesize
 from rich.table import Table
 from rich.text import Text
 
-from api_schemas import CalibrationResult, Concept, Job, Model, Variant
+from api_schemas import CalibrationResult, Concept, Job, Model, Universe, UniverseUsage, Variant
 from engram_client.cli.output import print_lines, stdout
 
 
@@ -88,6 +88,19 @@ def render_concept(concept: Concept) -> None:
 # ---------------------------------------------------------------- jobs and variants
 
 
+def render_jobs(jobs: Sequence[Job]) -> None:
+    if not jobs:
+        stdout.print("no job is queued or running")
+        return
+    rows = table("job", "kind", "model", "status", "progress", "created")
+    for job in jobs:
+        p = job.progress
+        progress = f"{p.done}/{p.total or '?'} {p.unit}"
+        created = job.created_at.isoformat(timespec="seconds")
+        rows.add_row(job.job_id, job.kind, job.model_id or "-", job.status, progress, created)
+    stdout.print(rows)
+
+
 def render_job(job: Job) -> None:
     p = job.progress
     percent = f" ({100 * p.done // p.total}%)" if p.total else ""
@@ -95,9 +108,33 @@ def render_job(job: Job) -> None:
     times = {"created": job.created_at, "started": job.started_at, "finished": job.finished_at}
     stdout.print("  ".join(f"{k} {v.isoformat(timespec='seconds')}" for k, v in times.items() if v is not None))
     if job.result:
-        stdout.print(f"result {json.dumps(job.result)}")
+        _render_result(job)
     if job.error is not None:
         stdout.print(Text(f"{job.error.title}: {job.error.detail}", style="red"))
+
+
+RESULT_LINE_CHARS = 300  # a longer result of a kind without a table of its own is summarised
+
+
+def _render_result(job: Job) -> None:
+    """A result as the command that asked for it prints it; a short one as JSON; a long one by its keys."""
+    result = job.result or {}
+    tables = {
+        "evaluate": lambda: render_evaluation(result),
+        "generate": lambda: render_generation(result),
+        "calibrate": lambda: render_calibration(CalibrationResult.model_validate(result)),
+    }
+    if job.status == "succeeded" and job.kind in tables:
+        try:
+            tables[job.kind]()
+            return
+        except (KeyError, TypeError, ValueError):  # another shape than expected: fall back to the JSON
+            pass
+    text = json.dumps(result)
+    if len(text) <= RESULT_LINE_CHARS:
+        stdout.print(f"result {text}")
+    else:
+        stdout.print(f"result keys {', '.join(result)} (engram --json jobs show {job.job_id} for all of it)")
 
 
 def _terms(variant: Variant) -> str:
@@ -125,6 +162,48 @@ def render_variant(variant: Variant) -> None:
         for f in variant.files:
             rows.add_row(f.path, str(f.size), f.sha256)
         stdout.print(rows)
+
+
+# ---------------------------------------------------------------- universes
+
+
+def _size(value: int | None) -> str:
+    return "-" if value is None else filesize.decimal(value)
+
+
+def render_universes(universes: Sequence[Universe]) -> None:
+    if not universes:
+        stdout.print("no universe yet: the first unlearn or compose, or engram universes build, makes one")
+        return
+    rows = table("universe", "current", "members", "status", "size", "last used")
+    for u in universes:
+        last = u.last_used.isoformat(timespec="seconds") if u.last_used else "-"
+        members = ", ".join(m.name for m in u.members)
+        rows.add_row(u.universe_id, "*" if u.current else "", members, u.status, _size(u.bytes), last)
+    stdout.print(rows)
+
+
+def render_universe(universe: Universe) -> None:
+    current = ", current" if universe.current else ""
+    stdout.print(f"universe {universe.universe_id} of {universe.model_id}: {universe.status}{current}")
+    stdout.print(f"members {', '.join(m.name for m in universe.members) or '-'}")
+    groups = f"{universe.groups.done}/{universe.groups.total if universe.groups.total is not None else '?'}"
+    rcond = f"  rcond {universe.rcond:g}" if universe.rcond is not None else ""
+    stdout.print(f"input groups {groups}  size {_size(universe.bytes)}  projected {_size(universe.projected_bytes)}{rcond}")
+    if universe.last_used is not None:
+        stdout.print(f"last used {universe.last_used.isoformat(timespec='seconds')}")
+
+
+def render_universe_usage(usage: UniverseUsage) -> None:
+    whose = f"universes of {usage.model_id}" if usage.model_id else "all universes"
+    budget = filesize.decimal(usage.budget_bytes) if usage.budget_bytes else "no limit"
+    stdout.print(f"{whose}: {filesize.decimal(usage.bytes.total)} stored, budget {budget}")
+    stdout.print(
+        f"factors {filesize.decimal(usage.bytes.groups)}  engrams {filesize.decimal(usage.bytes.engrams)}  "
+        f"reserved {filesize.decimal(usage.reserved_bytes)}  evictable {filesize.decimal(usage.evictable_bytes)}"
+    )
+    counts = usage.universes
+    stdout.print(f"ready {counts.ready}  building {counts.building}  failed {counts.failed}  evicted {counts.evicted}")
 
 
 # ---------------------------------------------------------------- evaluate, generate, map

@@ -27,6 +27,12 @@ from engram_client.client import (
     EngramOutputExistsError,
 )
 
+# What the CLI user does about a missing or weak key (the service's words are for any HTTP client).
+KEY_HINTS = {
+    401: "; pass the key with --api-key or set ENGRAM_API_KEY",
+    403: "; use a key with that scope (--api-key or ENGRAM_API_KEY)",
+}
+
 app = typer.Typer(
     name="engram",
     help="Make transformers models forget concepts with closed-form AI Engram edits (Engram Service client).",
@@ -53,6 +59,13 @@ def _package_version() -> str:
         return "unknown"
 
 
+def _positive_timeout(value: float) -> float:
+    """0 would fail every request as unreachable, a negative value with a traceback: refuse both here."""
+    if not value > 0:
+        raise typer.BadParameter(f"{value:g} is not a number of seconds above 0", param_hint="--timeout")
+    return value
+
+
 def _print_version(value: bool) -> None:
     if value:
         stdout.print(f"engram {_package_version()}")
@@ -67,7 +80,9 @@ def main(
         str | None, typer.Option(envvar="ENGRAM_API_KEY", help="API key (sent as a Bearer token).", show_default=False)
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for each HTTP answer.")] = 60.0,
+    timeout: Annotated[
+        float, typer.Option(callback=_positive_timeout, help="Seconds to wait for each HTTP answer (above 0).")
+    ] = 60.0,
     version: Annotated[
         bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
     ] = False,
@@ -84,10 +99,13 @@ def session(ctx: typer.Context) -> Iterator[EngramClient]:
         with EngramClient(state.url, state.api_key, timeout=state.timeout) as client:
             yield client
     except EngramAPIError as exc:
-        fail(f"{exc.title} ({exc.status})", exc.detail)
+        hint = KEY_HINTS.get(exc.status, "")
+        fail(f"{exc.title} ({exc.status})", f"{exc.detail}{hint}")
     except EngramJobError as exc:
         job_failed(exc.job)
     except EngramConnectionError as exc:
+        if exc.timed_out:
+            fail("Connection error", f"{exc}; give it longer with --timeout (now {state.timeout:g} s), or check --url")
         fail("Connection error", f"{exc}; check --url or ENGRAM_URL")
     except EngramOutputExistsError as exc:
         fail("Error", f"{exc}; choose a new directory or pass --force to replace it")
