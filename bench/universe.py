@@ -184,7 +184,7 @@ def setup(profile: Profile, root: Path) -> dict[str, Any]:
     """Model, concepts and universe under ``root``; returns what the variant phase needs and the
     universe's one-time build (from its manifest)."""
     from bench.common import build_model, checkpoint_bytes
-    from service.models.registry import register_model
+    from service.models.inspection import register_model
 
     model_dir = build_model(profile, root / "model")
     ctx = service_context(root)

@@ -26,7 +26,7 @@ from service.engine.records import Record, encode_record, make_batches, pad_toke
 from service.engine.stats_io import save_statistics
 from service.jobs.runner import run_job
 from service.jobs.store import JobStore, utc_now
-from service.models.registry import register_model
+from service.models.inspection import register_model
 from service.storage.keys import canonical_digest, stats_prefix
 from service.storage.local import LocalStorage
 
