@@ -299,7 +299,7 @@ def variants_in_fresh_process(root: Path, setup_info: dict[str, Any], reps: int)
 
 def measure(profile: Profile, root: Path, reps: int = 3, exactness: bool = True) -> dict[str, Any]:
     """Everything this module measures, on ``profile``'s model built under ``root``."""
-    from service.engine.checkpoint import ModelLayout
+    from service.engine.layout import ModelLayout
     from service.models.registry import get_model
 
     info = setup(profile, root)

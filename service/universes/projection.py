@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import ModelLayout
 from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.engrams.format import ENGRAMS_FORMAT, engram_dtype
 from service.models.registry import find_model
 from service.universes.spec import FACTORS_FORMAT, UniverseSpec
