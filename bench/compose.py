@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.engine.checkpoint import CheckpointReader, ModelLayout
+from service.engine.checkpoint import CheckpointReader
 from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_editor, layer_scales
 from service.engine.layers import select_layers
+from service.engine.layout import ModelLayout
 from service.engine.model_files import weight_files
 from service.engine.stats_io import StatisticsFile
 

@@ -184,7 +184,7 @@ def setup(profile: Profile, root: Path) -> dict[str, Any]:
     """Model, concepts and universe under ``root``; returns what the variant phase needs and the
     universe's one-time build (from its manifest)."""
     from bench.common import build_model, checkpoint_bytes
-    from service.models.registry import register_model
+    from service.models.inspection import register_model
 
     model_dir = build_model(profile, root / "model")
     ctx = service_context(root)
@@ -299,7 +299,7 @@ def variants_in_fresh_process(root: Path, setup_info: dict[str, Any], reps: int)
 
 def measure(profile: Profile, root: Path, reps: int = 3, exactness: bool = True) -> dict[str, Any]:
     """Everything this module measures, on ``profile``'s model built under ``root``."""
-    from service.engine.checkpoint import ModelLayout
+    from service.engine.layout import ModelLayout
     from service.models.registry import get_model
 
     info = setup(profile, root)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.engine.experts import expert_layer
+from service.engine.expert_names import expert_layer
 from service.engine.linalg import default_rcond
 from service.engine.records import Record, encode_record
 

@@ -20,13 +20,14 @@ from service.concepts.statistics import collection_settings
 from service.config import Settings
 from service.context import Context
 from service.demo import make_facts
-from service.engine.checkpoint import ModelLayout, load_model, load_tokenizer
+from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
+from service.engine.layout import ModelLayout
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
 from service.jobs.runner import run_job
 from service.jobs.store import JobStore, utc_now
-from service.models.registry import register_model
+from service.models.inspection import register_model
 from service.storage.keys import canonical_digest, stats_prefix
 from service.storage.local import LocalStorage
 

@@ -344,9 +344,37 @@ def test_the_api_process_imports_no_job_body_and_no_transformers() -> None:
     probe = (
         "import sys, service.cli, service.api.app\n"
         "bodies = ('service.jobs.runner', 'service.concepts.collection', 'service.variants.build',"
-        " 'service.universes.build', 'service.evaluation.run', 'service.calibration.build', 'service.maps.build')\n"
+        " 'service.universes.build', 'service.evaluation.run', 'service.calibration.build', 'service.maps.build',"
+        " 'service.models.inspection')\n"
         "print(sorted(m for m in sys.modules if m in bodies or m == 'transformers' or m.startswith('transformers.')))\n"
     )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the API process imported: {done.stdout}"
+
+
+def test_the_api_process_imports_no_torch(tmp_path: Path) -> None:
+    """The API checks requests against registered layouts (layer names, LoRA and expert rules, a
+    universe's projected bytes) and routes jobs: torch (160 MB of a 267 MB process, and a second of
+    start-up), ``safetensors.torch`` and transformers load only where jobs run. A fresh interpreter
+    imports every module of ``service.api`` (the app and each router) and the entry point, builds the
+    app in both modes (embedded, and with a broker: what ``engram-service serve`` runs beside
+    workers), and lists what came with them."""
+    import subprocess
+    import sys
+
+    probe = f"""
+import importlib, pkgutil, sys
+import service.api, service.cli
+from service.api.app import create_app
+from service.config import Settings
+for module in pkgutil.walk_packages(service.api.__path__, "service.api."):
+    importlib.import_module(module.name)
+for mode, broker in (("embedded", None), ("distributed", "redis://127.0.0.1:1/0")):
+    root = {str(tmp_path)!r} + "/" + mode
+    create_app(Settings(storage_url="file://" + root + "/storage", cache_dir=root + "/cache", broker_url=broker))
+print(sorted(name for name in ("torch", "safetensors.torch", "transformers") if name in sys.modules))
+"""
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"the API process imported: {done.stdout}"

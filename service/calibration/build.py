@@ -40,7 +40,7 @@ from service.calibration.space import arm_layers
 from service.calibration.strengths import measure_strengths
 from service.concepts.statistics import unreached_by_every
 from service.context import Context
-from service.engine.checkpoint import ModelLayout
+from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
 from service.jobs.store import FINISHED

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from api_schemas.models import CalibrateRequest, Probe
 from service.calibration.search import Arm, SearchSettings
 from service.calibration.space import EditSpace
-from service.engine.lora import LoraTarget
+from service.engine.lora_rules import LoraTarget
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.service import EditUniverse
 

@@ -26,10 +26,10 @@ from service.calibration.request import CalibrationRequest, has_messages, one_te
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
 from service.concepts.statistics import check_statistics_cover, unreached_by_every
 from service.context import Context
-from service.engine.checkpoint import ModelLayout
-from service.engine.experts import is_expert_layer
+from service.engine.expert_names import is_expert_layer
 from service.engine.layers import LayerSpec, summarize_names
-from service.engine.lora import vllm_bias_refusal, vllm_biased_layers
+from service.engine.layout import ModelLayout
+from service.engine.lora_rules import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.store import FINISHED, new_job

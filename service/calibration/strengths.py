@@ -23,9 +23,11 @@ import torch
 from service.calibration.search import Arm
 from service.calibration.space import arm_layers
 from service.context import Context
-from service.engine.checkpoint import CheckpointReader, ModelLayout
-from service.engine.compose import COMPUTE_DTYPE, EditError, augmented_weight, weighted_sum
+from service.engine.checkpoint import CheckpointReader
+from service.engine.compose import COMPUTE_DTYPE, augmented_weight, weighted_sum
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec, module_strength, module_type
+from service.engine.layout import ModelLayout
 from service.engine.stats_io import StatisticsFile
 from service.engrams.store import StoredEngrams, stored_engrams
 from service.errors import JobFailed

@@ -26,9 +26,10 @@ from service.concepts.service import CHAT_KINDS, find_concept, iter_records
 from service.concepts.statistics import stats_manifest
 from service.context import Context
 from service.dataset_refs import resolve_reference
-from service.engine.checkpoint import ModelLayout, ModelTooLarge
+from service.engine.checkpoint import ModelTooLarge
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
+from service.engine.layout import ModelLayout
 from service.engine.records import Batch, Example, RecordError, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
 from service.errors import InvalidInput, JobFailed

@@ -18,8 +18,8 @@ from service.concepts.statistics import canonical_modules, collection_settings, 
 from service.context import Context
 from service.dataset_refs import content_changed, same_reference
 from service.datasets import SpooledDataset, record_line
-from service.engine.checkpoint import ModelLayout
 from service.engine.layers import unmatched_suffixes
+from service.engine.layout import ModelLayout
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks

@@ -14,8 +14,8 @@ from typing import Any
 
 from service.config import Settings
 from service.context import Context
-from service.engine.checkpoint import ModelLayout
 from service.engine.layers import select_layers, summarize_names
+from service.engine.layout import ModelLayout
 from service.errors import Conflict
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 

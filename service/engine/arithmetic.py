@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from service.engine.compose import COMPUTE_DTYPE, EditError, LayerEdit, LayerWeights
+from service.engine.compose import COMPUTE_DTYPE, LayerEdit, LayerWeights
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 
 # Values per block of :func:`apply_engrams`: 1 MB of float32, in a core's cache, and big enough for

@@ -1,5 +1,6 @@
 """Hugging Face model directories: their layout (which layers can be edited, where their weights
-are stored), their digest, loading the model and tokenizer, and reading single tensors.
+are stored: :class:`~service.engine.layout.ModelLayout`, inspected here), their digest, loading the
+model and tokenizer, and reading single tensors.
 
 Only safetensors weights are ever read; pickle weights and remote code are refused, because either
 would run code a user sent us. Only the files :mod:`service.engine.model_files` names are read from a
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +22,12 @@ from safetensors import safe_open
 from torch import nn
 
 from service.engine.compose import LayerWeights
+from service.engine.editable import editable_layers
 from service.engine.expert_keys import expert_storage, read_expert_slice
 from service.engine.experts import find_fused_experts, unsupported_experts
 from service.engine.key_renames import renamed_parameters
-from service.engine.layers import LayerSpec, editable_layers, summarize_names
+from service.engine.layers import LayerSpec, summarize_names
+from service.engine.layout import ModelLayout
 from service.engine.model_checks import check_weight_dtypes, validate_model_dir
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
@@ -46,57 +48,6 @@ if TYPE_CHECKING:  # transformers is imported where a model or tokenizer is buil
     import transformers
 
 _HASH_CHUNK = 8 * 1024 * 1024
-
-
-@dataclass
-class ModelLayout:
-    """What the service needs to know about a checkpoint, kept in the model's manifest.
-
-    Attributes:
-        architecture: the transformers class name (``LlamaForCausalLM``).
-        num_parameters: distinct parameters (tied ones counted once).
-        layers: every editable layer whose weight is in the checkpoint.
-        unstored_layers: editable layers of the model whose weight (or bias) the checkpoint does not
-            store under any name transformers loads: it initialises them at random, so there is
-            nothing to edit; shown to the user, never edited.
-        renamed_layers: layers whose weight the checkpoint stores under a name transformers renames
-            on load (:mod:`service.engine.key_renames`); versions before 2026-11 did not edit them.
-        weight_keys / bias_keys: layer -> checkpoint key holding its current weight / bias.
-        own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
-        tied_partners: layer -> the other parameter names sharing its weight (``embed_tokens``).
-        key_files: checkpoint key -> shard file name.
-        expert_slices: expert layer -> ``[expert, first row, row stop]`` of its fused weight key
-            (:mod:`service.engine.experts`); experts stored one key each are ordinary layers here.
-    """
-
-    architecture: str
-    num_parameters: int
-    layers: list[LayerSpec]
-    weight_keys: dict[str, str]
-    bias_keys: dict[str, str]
-    own_keys: dict[str, str] = field(default_factory=dict)
-    tied_partners: dict[str, list[str]] = field(default_factory=dict)
-    key_files: dict[str, str] = field(default_factory=dict)
-    expert_slices: dict[str, list[int]] = field(default_factory=dict)
-    unstored_layers: list[str] = field(default_factory=list)
-    renamed_layers: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["layers"] = [asdict(spec) for spec in self.layers]
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ModelLayout:
-        fields = dict(data)
-        fields["layers"] = [LayerSpec(**spec) for spec in data["layers"]]
-        return cls(**fields)
-
-    def layer(self, name: str) -> LayerSpec:
-        for spec in self.layers:
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
 
 
 def directory_digest(path: Path, every_file: bool = False) -> str:

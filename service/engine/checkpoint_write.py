@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from service.engine.checkpoint import CheckpointReader, ModelLayout
+from service.engine.checkpoint import CheckpointReader
 from service.engine.compose import LayerEdit
 from service.engine.expert_keys import fused_tensor_with_edits
 from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.engine.model_files import (
     INDEX_FILE,
     SIDE_FILES,

@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from service.engine.errors import CollectionCancelled as CollectionCancelled  # noqa: PLC0414  (re-exported)
-from service.engine.experts import DOWN, ExpertRequest, down_input, expert_requests, experts_call, routed_to
+from service.engine.expert_names import DOWN
+from service.engine.experts import ExpertRequest, down_input, expert_requests, experts_call, routed_to
 from service.engine.layers import LayerSpec
 from service.engine.linalg import add_upper_gram_, gram, mirror_upper_
 from service.engine.records import Batch

@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from service.engine.errors import EditError as EditError  # noqa: PLC0414  (re-exported: importers name it here)
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.linalg import PinvFactors, packed_dim, pinv_factors, unpack_symmetric
 

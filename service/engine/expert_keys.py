@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from service.engine.experts import DOWN, FUSED, GATE, PROJECTIONS, UP, FusedExperts
+from service.engine.expert_names import DOWN, GATE, PROJECTIONS, UP
+from service.engine.experts import FUSED, FusedExperts
 from service.engine.layers import LayerSpec, summarize_names
 from service.engine.model_files import ModelSourceError
 

@@ -41,7 +41,6 @@ keys transformers' conversion mapping merges, ``mlp.experts.{e}.gate_proj.weight
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -50,8 +49,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.engine.compose import EditError
-from service.engine.layers import LayerSpec, block_index, is_editable, summarize_names
+from service.engine.editable import is_editable
+from service.engine.expert_names import DOWN, GATE, PROJECTIONS, UP, expert_layer
+from service.engine.layers import LayerSpec, block_index
 
 
 @functools.cache
@@ -65,8 +65,6 @@ def _default_apply_gate() -> Callable[..., torch.Tensor] | None:
     return cast("Callable[..., torch.Tensor]", gate)
 
 
-GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
-PROJECTIONS = (GATE, UP, DOWN)
 FUSED = ("gate_up_proj", "down_proj")  # the fused parameters, as named in the module and the checkpoint
 # use_experts_implementation's options and the values of the layout read here.
 _DEFAULT_LAYOUT = {
@@ -76,7 +74,6 @@ _DEFAULT_LAYOUT = {
     "has_gate": True,
     "has_post_expert_norm": False,
 }
-_EXPERT_LAYER = re.compile(r"^(?P<container>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -117,38 +114,6 @@ class FusedExperts:
         if projection == UP:
             return "gate_up_proj", self.intermediate, 2 * self.intermediate
         return "down_proj", 0, self.hidden
-
-
-def expert_layer(name: str) -> tuple[str, int, str] | None:
-    """``(experts module, expert, projection)`` of an expert layer's name, else ``None``."""
-    match = _EXPERT_LAYER.match(name)
-    if match is None:
-        return None
-    return match["container"], int(match["expert"]), match["projection"]
-
-
-def is_expert_layer(name: str) -> bool:
-    """Whether a layer of a model's layout is one expert's projection of a fused experts module
-    (per-expert ``nn.Linear`` modules inside an ``experts`` container are refused at registration,
-    so a layout holds no other layer with such a name)."""
-    return expert_layer(name) is not None
-
-
-def check_adapter_layers(layers: Iterable[LayerSpec]) -> None:
-    """Refuse expert layers in a peft adapter: LoRA wraps modules, and an expert of a fused module is
-    a slice of a 3-D parameter that no module holds, so peft would load the adapter without its
-    expert weights (a silent half-edit).
-
-    Raises:
-        EditError: naming the expert layers and what to do instead.
-    """
-    experts = [spec.name for spec in layers if is_expert_layer(spec.name)]
-    if experts:
-        raise EditError(
-            f'format "peft" cannot carry the expert layers {summarize_names(experts)} (each is a slice of a fused '
-            'parameter, which no LoRA module wraps); use format "checkpoint" or "delta", or modules that leave the '
-            "experts out"
-        )
 
 
 def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:
@@ -223,7 +188,7 @@ class ExpertRequest:
 
     Attributes:
         experts: the module.
-        wanted: expert -> projections asked for (a subset of :data:`PROJECTIONS`).
+        wanted: expert -> projections asked for (a subset of :data:`~service.engine.expert_names.PROJECTIONS`).
     """
 
     experts: FusedExperts

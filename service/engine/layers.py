@@ -1,32 +1,16 @@
-"""Which layers of a transformers model the engram edits, and how their weights are laid out.
+"""Editable layers by name: what the service knows of each (:class:`LayerSpec`), and the rules that
+select them, weigh them and name them to a user.
 
-Every ``nn.Linear`` and every GPT-2 style ``Conv1D`` is an editable layer. The engram
-mathematics works on the canonical ``[out, in]`` matrix; ``Conv1D`` stores its weight transposed
-(``[in, out]``), so the two helpers here are the only place that knows about the difference.
+Pure data and string rules, no torch: the API checks a request's ``modules`` and ``layers`` against
+a registered model's layout with these. Which modules of a live model are editable, and how their
+weights are laid out, is :mod:`service.engine.editable`.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
-from torch import nn
-
-
-@functools.cache
-def _editable_types() -> tuple[type[nn.Module], ...]:
-    """The module types the engram edits; GPT-2's Conv1D when transformers (a hard dependency of the
-    service, optional to the core) provides it. Imported on first use: a process that only checks
-    requests never imports transformers."""
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a hard dependency of the service
-        return (nn.Linear,)
-    return (nn.Linear, Conv1D)
-
 
 # Container names whose ``.<name>.<index>.`` segment carries the block index: Llama ``layers``,
 # GPT-2 ``h``, BERT ``layer``, T5/others ``block``/``blocks``.
@@ -59,11 +43,6 @@ class LayerSpec:
         return self.in_features + (1 if self.bias else 0)
 
 
-def is_editable(module: nn.Module) -> bool:
-    """True for the layer types the engram edits (``nn.Linear`` and GPT-2 ``Conv1D``)."""
-    return isinstance(module, _editable_types())
-
-
 def block_index(name: str) -> int | None:
     """Parse the transformer-block index from a module path, or ``None``."""
     match = _LAYER_INDEX.search(name)
@@ -74,40 +53,6 @@ def module_type(name: str) -> str:
     """The module's path inside its block (``self_attn.q_proj``), or the whole path outside blocks."""
     match = _LAYER_INDEX.search(name)
     return name[match.end() :] if match and match.end() < len(name) else name
-
-
-def layer_spec(name: str, module: nn.Module) -> LayerSpec:
-    """Describe an editable module.
-
-    Args:
-        name: its path in ``model.named_modules()``.
-        module: an ``nn.Linear`` or ``Conv1D``.
-
-    Returns:
-        The layer's :class:`LayerSpec`.
-    """
-    transposed = not isinstance(module, nn.Linear)
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
-    rows, cols = weight.shape
-    in_features, out_features = (rows, cols) if transposed else (cols, rows)
-    has_bias = getattr(module, "bias", None) is not None
-    return LayerSpec(name, int(in_features), int(out_features), has_bias, transposed, block_index(name))
-
-
-def editable_layers(model: nn.Module) -> list[LayerSpec]:
-    """Every editable layer of ``model``, in module order."""
-    return [layer_spec(name, m) for name, m in model.named_modules() if is_editable(m)]
-
-
-def weight_matrix(weight: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    """The canonical ``[out, in]`` view of a stored weight."""
-    return weight.mT if spec.transposed else weight
-
-
-def stored_weight(matrix: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    """Back from ``[out, in]`` to the layout the checkpoint stores."""
-    return matrix.mT.contiguous() if spec.transposed else matrix.contiguous()
 
 
 def select_layers(

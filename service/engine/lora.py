@@ -27,39 +27,32 @@ the error before and after that cast, and compares the adapter's size with the d
 ``lora_target="vllm"`` writes what vLLM's LoRA loader takes (checked against its ``PEFTHelper``
 and ``LoRAModel.from_local_checkpoint``): vLLM reads the global ``r`` and ``lora_alpha`` only
 (scaling ``lora_alpha / r`` for the whole adapter, no rank or alpha patterns), refuses an ``r``
-above the server's ``--max-lora-rank`` (one of :data:`VLLM_LORA_RANKS`), and knows no
-``lora_B.bias`` key. So every layer gets the same rank ``r`` from that set, ``lora_alpha = r``, and
-no bias: a layer whose edit moves a bias cannot be served and is refused by name
-(:func:`vllm_bias_refusal`); a LoRA computes ``B·A·x`` and cannot add a constant. A layer whose
-edit has fewer directions than ``r`` (or a matrix narrower than ``r``) is padded with zero
-directions, which change nothing; one with more is truncated to its top ``r`` singular directions,
-and the report gives the share of ``‖ΔW‖_F²`` they keep.
+above the server's ``--max-lora-rank`` (one of :data:`~api_schemas.models.VLLM_LORA_RANKS`), and
+knows no ``lora_B.bias`` key. So every layer gets the same rank ``r`` from that set,
+``lora_alpha = r``, and no bias: a layer whose edit moves a bias cannot be served and is refused by
+name (:func:`~service.engine.lora_rules.vllm_bias_refusal`); a LoRA computes ``B·A·x`` and cannot
+add a constant. A layer whose edit has fewer directions than ``r`` (or a matrix narrower than
+``r``) is padded with zero directions, which change nothing; one with more is truncated to its top
+``r`` singular directions, and the report gives the share of ``‖ΔW‖_F²`` they keep.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from api_schemas.models import VLLM_LORA_RANKS
-from service.engine.compose import COMPUTE_DTYPE, EditError, LayerDelta
-from service.engine.layers import LayerSpec
+from service.engine.compose import COMPUTE_DTYPE, LayerDelta
+from service.engine.errors import EditError
+from service.engine.lora_rules import EXACT_RTOL, LoraTarget, rank_cap, vllm_bias_refusal, vllm_rank
 
-# Singular values at or below EXACT_RTOL · σ₁ are taken as zero. The collector's per-batch float32
-# products leave a rounding floor near 1e-7 · σ₁ under a concept's directions; on mini-TOFU this cut
-# lands exactly on the forget set's 98 completion tokens (62 distinct at layer 0's attention input)
-# and drops under 1e-6 of ‖ΔW‖ (a float32 checkpoint's own rounding is ~3e-8 of it).
-EXACT_RTOL = 1e-6
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 REPORT_FILE = "lora_report.json"
 KEY_PREFIX = "base_model.model."
-LoraTarget = Literal["peft", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -251,58 +244,6 @@ def layer_loras(
     rank_cap(max_rank, lora_target)  # a bad rank is refused before the first delta is computed
     for item in deltas:
         yield layer_lora(item, max_rank, rtol, lora_target)
-
-
-# ---------------------------------------------------------------- vLLM's rules
-
-
-def rank_cap(max_rank: int | None, lora_target: LoraTarget) -> int | None:
-    """The factorization's rank cap: ``max_rank``; for vLLM one of its ranks, at most the largest.
-
-    Raises:
-        ValueError: an unknown target, or for vLLM a rank it does not serve.
-    """
-    if lora_target == "peft":
-        return max_rank
-    if lora_target != "vllm":
-        raise ValueError(f"unknown lora_target {lora_target!r}: 'peft' or 'vllm'")
-    if max_rank is None:
-        return VLLM_LORA_RANKS[-1]
-    if max_rank not in VLLM_LORA_RANKS:
-        allowed = ", ".join(map(str, VLLM_LORA_RANKS))
-        raise ValueError(f"lora_rank {max_rank} is not a rank vLLM serves; use one of {allowed}")
-    return max_rank
-
-
-def vllm_rank(directions: Iterable[int]) -> int:
-    """The smallest rank vLLM serves that holds every layer's kept directions (at most the largest)."""
-    need = max(directions, default=1)
-    return next((rank for rank in VLLM_LORA_RANKS if rank >= need), VLLM_LORA_RANKS[-1])
-
-
-def vllm_biased_layers(layers: Iterable[LayerSpec]) -> list[LayerSpec]:
-    """The layers vLLM cannot take an edit of: those with a bias (the edit moves it; vLLM has no LoRA bias)."""
-    return [spec for spec in layers if spec.bias]
-
-
-def vllm_bias_refusal(biased: Sequence[LayerSpec], selected: Sequence[LayerSpec] = ()) -> str:
-    """What to tell a user whose vLLM adapter would need ``lora_bias``: the layers, and what to do.
-
-    Args:
-        biased: the selected layers with a bias.
-        selected: the whole selection, to suggest the ``modules`` that have no bias.
-    """
-    names = ", ".join(spec.name for spec in biased)
-    biased_suffixes = {spec.name.rsplit(".", 1)[-1] for spec in biased}
-    bias_free = list(dict.fromkeys(s.name.rsplit(".", 1)[-1] for s in selected if not s.bias))
-    keep = [suffix for suffix in bias_free if suffix not in biased_suffixes]
-    suggestion = f'select bias-free layers ("modules": {json.dumps(keep)}), ' if keep else ""
-    return (
-        f'lora_target "vllm": vLLM loads no LoRA bias (lora_bias), and the edit changes the bias of '
-        f"{len(biased)} selected layer(s): {names}. To serve it with vLLM, {suggestion}or use format "
-        '"checkpoint" or "delta" (the whole edit, biases included); lora_target "peft" keeps the bias edits in '
-        "lora_bias for PeftModel"
-    )
 
 
 def pad_rank(lora: LayerLora, rank: int) -> LayerLora:

@@ -17,17 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from service.engine.compose import EditError
-from service.engine.lora import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    EXACT_RTOL,
-    KEY_PREFIX,
-    REPORT_FILE,
-    LayerLora,
-    LoraTarget,
-    servable_by_vllm,
-)
+from service.engine.errors import EditError
+from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, REPORT_FILE, LayerLora, servable_by_vllm
+from service.engine.lora_rules import EXACT_RTOL, LoraTarget
 
 # ---------------------------------------------------------------- the adapter directory
 

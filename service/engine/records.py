@@ -17,13 +17,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from service.engine.chat import encode_chat
 from service.engine.messages import ROLES, Message, RecordError
 from service.engine.record_shapes import alpaca_pair, message_fields, shape_of
 
-if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller
+if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller, batches are built in _pad
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ROLES", "TEMPLATES", "Message", "Record", "RecordError"]
@@ -251,6 +250,8 @@ def make_batches(examples: Sequence[Example], batch_size: int, pad_id: int) -> I
 
 
 def _pad(chunk: Sequence[Example], pad_id: int) -> Batch:
+    import torch  # here, not at the top: the API validates records with this module and never imports torch
+
     width = max(len(e.input_ids) for e in chunk)
     ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(chunk), width), dtype=torch.long)

@@ -30,15 +30,9 @@ from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, GroupedStatisti
 from service.engine.layers import LayerSpec
 from service.engine.linalg import PinvFactors
 from service.engine.safetensors_stream import Planned, TensorEntry, write_streaming
+from service.engrams.format import ENGRAMS_FORMAT, engram_dtype
 
-ENGRAMS_FORMAT = "engram-engrams/1"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16}
-
-
-def engram_dtype(weight_dtype: str) -> str:
-    """The stored dtype of a layer's engram (safetensors name) for its weight's stored dtype (see
-    the module's docstring)."""
-    return weight_dtype if weight_dtype in ("F64", "BF16") else "F32"
 
 
 @dataclass

@@ -16,15 +16,8 @@ from safetensors import safe_open
 
 from service.context import Context
 from service.engine.arithmetic import apply_engrams, combined_norm
-from service.engine.compose import (
-    COMPUTE_DTYPE,
-    EditError,
-    EngramAlgebra,
-    EngramSource,
-    LayerEdit,
-    LayerWeights,
-    layer_editor,
-)
+from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, EngramSource, LayerEdit, LayerWeights, layer_editor
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
 from service.storage.keys import canonical_digest, engram_key

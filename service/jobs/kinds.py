@@ -64,7 +64,7 @@ KINDS: dict[JobKind, Kind] = {
     # mode, so a map waits neither for a collection nor for a variant.
     "map": Kind("service.maps.build:run_map", "gpu", "engram.build_map", "map"),
     # Downloading and hashing a remote checkpoint: network and disk, no accelerator.
-    "register": Kind("service.models.registration:run_registration", "cpu", "engram.register_model", "register"),
+    "register": Kind("service.models.inspection:run_registration", "cpu", "engram.register_model", "register"),
 }
 # A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
 UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)

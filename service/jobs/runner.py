@@ -2,7 +2,7 @@
 
 A body is a function ``(ctx, job) -> result`` in its domain (``service.concepts.collection``,
 ``service.universes.build``, ``service.variants.build``, ``service.evaluation.run``,
-``service.calibration.build``, ``service.maps.build``, ``service.models.registration``). The
+``service.calibration.build``, ``service.maps.build``, ``service.models.inspection``). The
 runner is the same in both modes: embedded mode's job process (:mod:`service.jobs.embedded`) and
 distributed mode's Celery tasks (:mod:`workers.celery_app`) call :func:`run_job`. A body re-reads
 its inputs from storage, checks whether its output already exists (a redelivered job then finishes

@@ -32,9 +32,11 @@ import torch
 
 from service.concepts.statistics import unreached_by_every
 from service.context import Context
-from service.engine.checkpoint import CheckpointReader, ModelLayout
-from service.engine.compose import EditError, LayerWeights, augmented_weight, relative_norm, weighted_sum
+from service.engine.checkpoint import CheckpointReader
+from service.engine.compose import LayerWeights, augmented_weight, relative_norm, weighted_sum
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec, module_type
+from service.engine.layout import ModelLayout
 from service.engine.stats_io import StatisticsFile
 from service.engrams.store import statistics_algebra
 from service.errors import JobFailed

@@ -6,7 +6,7 @@ one (``s3://``, ``hf://``) is downloaded first: minutes and gigabytes for a real
 process (small, and answering other requests meanwhile) does none of it. The request checks what it
 can without reading the checkpoint (the ID, the source's form, for a ``file://`` folder that it lies
 in ``ENGRAM_MODEL_ROOTS``, an earlier registration of the same ID) and starts a ``register`` job,
-which a worker runs through :func:`~service.models.registry.register_model`. The same registration
+which a worker runs (:func:`service.models.inspection.run_registration`). The same registration
 posted while its job runs follows that job.
 """
 
@@ -20,7 +20,7 @@ from service.engine.model_checks import validate_model_dir
 from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
 from service.jobs.store import new_job
-from service.models.registry import find_model, register_model
+from service.models.registry import find_model
 from service.models.sources import check_remote_source, is_remote, local_model_dir
 from service.storage.keys import registration_key
 
@@ -89,16 +89,6 @@ def registering_job(ctx: Context, model_id: str) -> dict[str, Any] | None:
     pending = ctx.storage.find_json(registration_key(model_id))
     job = ctx.jobs.get(pending["job_id"]) if pending and pending.get("job_id") else None
     return job if job is not None and job["status"] in _ACTIVE else None
-
-
-def run_registration(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
-    """The ``register`` job body: download and inspect the checkpoint, then write the registration
-    (the manifest last: a failed download registers nothing)."""
-    payload = job["payload"]
-    ctx.jobs.set_progress(job["job_id"], 0, 1)
-    manifest, created = register_model(ctx, payload["model_id"], payload["source"])
-    ctx.jobs.set_progress(job["job_id"], 1, 1)
-    return {"model_id": manifest["model_id"], "digest": manifest["digest"], "created": created}
 
 
 def _registered(ctx: Context, model_id: str, source: str) -> dict[str, Any] | None:

@@ -27,8 +27,8 @@ from service.engine.compose import GroupedStatistics, weighted_sum
 from service.engine.linalg import PinvFactors, pinv_factors, pinv_factors_from_rows
 from service.errors import JobFailed
 from service.storage.base import Storage
+from service.universes.spec import FACTORS_FORMAT
 
-FACTORS_FORMAT = "engram-factors/1"
 _STORED_DTYPES = {"F32": torch.float32, "F64": torch.float64}
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import CheckpointReader, ModelLayout
+from service.engine.checkpoint import CheckpointReader
 from service.engine.compose import GroupedStatistics
 from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.engine.linalg import PinvFactors
 from service.engine.stats_io import StatisticsFile
 from service.engrams.build import write_member_engrams

@@ -3,7 +3,7 @@
 Per input group of width ``D`` whose members hold ``T`` tokens in all, at most ``k = min(D, T)``
 directions are kept, stored as the explicit ``[D, D]`` matrix when ``2k > D`` and as the ``[D, k]``
 basis otherwise, plus ``k`` inverse eigenvalues, all float64; per member and layer, the dense
-``[out, in(+1)]`` engram at its stored precision (:func:`service.engrams.build.engram_dtype`). The
+``[out, in(+1)]`` engram at its stored precision (:func:`service.engrams.format.engram_dtype`). The
 files' headers are computed exactly as the writers lay them out. :mod:`service.universes.retention`
 applies the budget and the retention rule with these figures.
 """
@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import ModelLayout
 from service.engine.layers import LayerSpec
-from service.engrams.build import ENGRAMS_FORMAT, engram_dtype
+from service.engine.layout import ModelLayout
+from service.engrams.format import ENGRAMS_FORMAT, engram_dtype
 from service.models.registry import find_model
-from service.universes.factors import FACTORS_FORMAT
-from service.universes.spec import UniverseSpec
+from service.universes.spec import FACTORS_FORMAT, UniverseSpec
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2}
 # A factors file's header is the safetensors library's JSON of the same entries (its own key order):

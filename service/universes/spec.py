@@ -13,6 +13,9 @@ from typing import Any
 from service.storage.keys import canonical_digest
 
 UNIVERSE_FORMAT = "engram-universe/1"
+# Its input groups' pseudo-inverse factors files (service.universes.factors writes them); named here,
+# without torch, for the API's projection of a build's bytes (service.universes.projection).
+FACTORS_FORMAT = "engram-factors/1"
 
 
 @dataclass(frozen=True)

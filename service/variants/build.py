@@ -18,11 +18,13 @@ from typing import Any
 
 from service.concepts.statistics import unreached_by_every
 from service.context import Context
-from service.engine.checkpoint import CheckpointReader, ModelLayout, file_sha256
+from service.engine.checkpoint import CheckpointReader, file_sha256
 from service.engine.checkpoint_write import write_checkpoint, write_delta
-from service.engine.compose import EditError, EngramSource, layer_deltas, layer_scales, normalized_scales
-from service.engine.experts import check_adapter_layers
+from service.engine.compose import EngramSource, layer_deltas, layer_scales, normalized_scales
+from service.engine.errors import EditError
+from service.engine.expert_names import check_adapter_layers
 from service.engine.layers import LayerSpec, select_layers, with_module_strengths
+from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
 from service.engine.lora_files import write_adapter
 from service.engine.model_files import ModelSourceError

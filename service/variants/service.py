@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from api_schemas.models import EditOptions
 from service.concepts.statistics import check_statistics_cover, unreached_by_every
 from service.context import Context
-from service.engine.checkpoint import ModelLayout
-from service.engine.compose import EditError
-from service.engine.experts import check_adapter_layers
+from service.engine.errors import EditError
+from service.engine.expert_names import check_adapter_layers
 from service.engine.layers import select_layers, unmatched_suffixes
-from service.engine.lora import rank_cap, vllm_bias_refusal, vllm_biased_layers
+from service.engine.layout import ModelLayout
+from service.engine.lora_rules import rank_cap, vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.store import FINISHED, new_job

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from api_schemas.models import EditOptions
-from service.engine.compose import EditError
-from service.engine.lora import EXACT_RTOL, LoraTarget
+from service.engine.errors import EditError
+from service.engine.lora_rules import EXACT_RTOL, LoraTarget
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.service import EditUniverse
 

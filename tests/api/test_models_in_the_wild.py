@@ -31,7 +31,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from service.demo import make_facts
 from service.engine.checkpoint import load_model, load_tokenizer
-from service.engine.experts import is_expert_layer
+from service.engine.expert_names import is_expert_layer
 from service.engine.linalg import default_rcond
 from service.engine.records import Record
 from tests.fixtures_models import (

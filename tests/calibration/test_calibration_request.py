@@ -22,8 +22,8 @@ from service.calibration.request import (
     stored_probes,
 )
 from service.calibration.service import request_space
-from service.engine.checkpoint import ModelLayout
 from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.universes.service import EditUniverse
 from service.universes.spec import Member, UniverseSpec
 

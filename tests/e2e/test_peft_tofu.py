@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from api_schemas.models import VLLM_LORA_RANKS
 from service.demo import read_probes
 from service.engine.evaluate import Probe
-from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXACT_RTOL
+from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from service.engine.lora_rules import EXACT_RTOL
 from tests.e2e.tofu import post_concept, probe_metrics
 from tests.live import LiveServer, download_variant, wait_for_job
 

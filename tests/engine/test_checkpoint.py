@@ -13,11 +13,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from service.demo import make_facts
-from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerEdit, layer_edits, layer_scales
-from service.engine.layers import LayerSpec, editable_layers
+from service.engine.editable import editable_layers
+from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.engine.model_files import ModelSourceError
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import load_statistics, save_statistics

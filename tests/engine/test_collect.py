@@ -21,7 +21,7 @@ from torch import nn
 from service.demo import make_facts
 from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
-from service.engine.layers import editable_layers
+from service.engine.editable import editable_layers
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tiny_bert, make_tiny_bert_encoder, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 

@@ -22,10 +22,11 @@ from torch import nn
 from service.demo import make_facts
 from service.engine import collect as collect_module
 from service.engine import compose as compose_module
-from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, LayerEdit, LayerWeights, layer_edits, layer_scales
 from service.engine.layers import LayerSpec, select_layers, unmatched_suffixes
+from service.engine.layout import ModelLayout
 from service.engine.linalg import EPS_FLOAT32, default_rcond, pinv_factors
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import StatisticsFile, save_statistics

@@ -29,12 +29,14 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from service.demo import make_facts
-from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerEdit, layer_editor, layer_edits, layer_scales
-from service.engine.experts import find_fused_experts, is_expert_layer
+from service.engine.expert_names import is_expert_layer
+from service.engine.experts import find_fused_experts
 from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.engine.model_files import ModelSourceError
 from service.engine.records import Example, Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tiny_gpt_oss, make_tiny_mixtral, make_tiny_qwen3_moe, make_tokenizer

@@ -23,24 +23,16 @@ from transformers import AutoModelForCausalLM
 
 from api_schemas.models import VLLM_LORA_RANKS
 from service.demo import make_facts
-from service.engine.checkpoint import CheckpointReader, ModelLayout, inspect_model_dir, load_model, load_tokenizer
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import LayerStatistics, collect_statistics
-from service.engine.compose import EditError, EngramAlgebra, LayerDelta, layer_deltas, layer_editor, layer_scales
+from service.engine.compose import EngramAlgebra, LayerDelta, layer_deltas, layer_editor, layer_scales
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
-from service.engine.lora import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    EXACT_RTOL,
-    REPORT_FILE,
-    LoraTarget,
-    factorize,
-    layer_lora,
-    layer_loras,
-    vllm_bias_refusal,
-    vllm_rank,
-)
+from service.engine.layout import ModelLayout
+from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, REPORT_FILE, factorize, layer_lora, layer_loras
 from service.engine.lora_files import write_adapter
+from service.engine.lora_rules import EXACT_RTOL, LoraTarget, vllm_bias_refusal, vllm_rank
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 

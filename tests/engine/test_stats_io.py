@@ -21,7 +21,7 @@ from service.demo import make_facts
 from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerWeights
-from service.engine.layers import editable_layers
+from service.engine.editable import editable_layers
 from service.engine.linalg import gram, pack_symmetric
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import (

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from service.engine import arithmetic as arithmetic_module
 from service.engine.arithmetic import apply_engrams, combined_norm
-from service.engine.compose import EditError, LayerWeights, layer_edits
+from service.engine.compose import LayerWeights, layer_edits
+from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engrams.store import StoredEngrams
 

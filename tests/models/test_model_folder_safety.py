@@ -19,15 +19,9 @@ import pytest
 from safetensors import safe_open
 
 from service.demo import make_facts
-from service.engine.checkpoint import (
-    CheckpointReader,
-    ModelLayout,
-    directory_digest,
-    inspect_model_dir,
-    load_model,
-    load_tokenizer,
-)
+from service.engine.checkpoint import CheckpointReader, directory_digest, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
+from service.engine.layout import ModelLayout
 from service.engine.model_files import SIDE_FILES, ModelSourceError, target_file, used_files
 from service.errors import InvalidInput, JobFailed
 from service.models.loaded import checked_model_dir

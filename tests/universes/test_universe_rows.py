@@ -19,8 +19,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from service.engine.checkpoint import CheckpointReader, ModelLayout
+from service.engine.checkpoint import CheckpointReader
 from service.engine.collect import LayerStatistics
+from service.engine.layout import ModelLayout
 from service.storage.keys import engram_key, group_key, universe_prefix
 from service.universes import factors as factors_module
 from service.universes.build import ensure_universe

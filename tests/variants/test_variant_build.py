@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from service.engine import compose as compose_module
-from service.engine.checkpoint import ModelLayout
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
 from service.engine.layers import LayerSpec
+from service.engine.layout import ModelLayout
 from service.universes import factors as factors_module
 from service.universes.records import find_manifest, find_request
 from service.universes.service import submit_universe

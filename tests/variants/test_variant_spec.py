@@ -13,7 +13,7 @@ import pytest
 
 from api_schemas import ComposeRequest, UnlearnRequest
 from api_schemas.models import EditOptions
-from service.engine.compose import EditError
+from service.engine.errors import EditError
 from service.errors import InvalidInput
 from service.universes.service import EditUniverse
 from service.universes.spec import Member, UniverseSpec

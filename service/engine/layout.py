@@ -1,0 +1,64 @@
+"""A registered checkpoint's layout: which layers can be edited and where their weights are stored.
+
+Pure data, no torch: the API reads it from a model's manifest to check requests against the model's
+layers. :func:`service.engine.checkpoint.inspect_model_dir` makes it (on the ``meta`` device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from service.engine.layers import LayerSpec
+
+
+@dataclass
+class ModelLayout:
+    """What the service needs to know about a checkpoint, kept in the model's manifest.
+
+    Attributes:
+        architecture: the transformers class name (``LlamaForCausalLM``).
+        num_parameters: distinct parameters (tied ones counted once).
+        layers: every editable layer whose weight is in the checkpoint.
+        unstored_layers: editable layers of the model whose weight (or bias) the checkpoint does not
+            store under any name transformers loads: it initialises them at random, so there is
+            nothing to edit; shown to the user, never edited.
+        renamed_layers: layers whose weight the checkpoint stores under a name transformers renames
+            on load (:mod:`service.engine.key_renames`); versions before 2026-11 did not edit them.
+        weight_keys / bias_keys: layer -> checkpoint key holding its current weight / bias.
+        own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
+        tied_partners: layer -> the other parameter names sharing its weight (``embed_tokens``).
+        key_files: checkpoint key -> shard file name.
+        expert_slices: expert layer -> ``[expert, first row, row stop]`` of its fused weight key
+            (:mod:`service.engine.experts`); experts stored one key each are ordinary layers here.
+    """
+
+    architecture: str
+    num_parameters: int
+    layers: list[LayerSpec]
+    weight_keys: dict[str, str]
+    bias_keys: dict[str, str]
+    own_keys: dict[str, str] = field(default_factory=dict)
+    tied_partners: dict[str, list[str]] = field(default_factory=dict)
+    key_files: dict[str, str] = field(default_factory=dict)
+    expert_slices: dict[str, list[int]] = field(default_factory=dict)
+    unstored_layers: list[str] = field(default_factory=list)
+    renamed_layers: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layers"] = [asdict(spec) for spec in self.layers]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelLayout:
+        fields = dict(data)
+        fields["layers"] = [LayerSpec(**spec) for spec in data["layers"]]
+        return cls(**fields)
+
+    def layer(self, name: str) -> LayerSpec:
+        for spec in self.layers:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
