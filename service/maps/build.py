@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from service.concepts.statistics import unreached_by_every
+from service.concepts.statistics import statistics_layers, stats_manifest, unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
 from service.engine.compose import LayerWeights, augmented_weight, relative_norm, weighted_sum
@@ -86,12 +86,36 @@ def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Pro
     """
     model = get_model(ctx, request.model_id)
     full = ModelLayout.from_json(model["layout"])
-    # Layers no concept's forward pass ran (a vision tower) have no engram to draw: left off the map.
-    unreached = unreached_by_every(ctx, request.prefixes)
-    layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
+    layout, left_out = _drawable(ctx, full, request)
     result = _compute(ctx, model, layout, request, progress(len(request.concepts) * len(layout.layers)))
+    result["left_out"] = left_out
     ctx.storage.put_json(map_key(request.map_id), result)
     return result
+
+
+def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[ModelLayout, dict[str, list[str]]]:
+    """The layers the map can draw: those every concept of the universe has statistics for. The
+    others are left off and named: ``unreached`` (no concept's forward pass ran them, a vision
+    tower: no engram), ``without_statistics`` (a concept collected with ``modules`` lacks them:
+    ``Σ_U`` cannot be formed there; a ``reference`` of concepts that have them draws them).
+
+    Raises:
+        JobFailed: no layer is covered by every concept.
+    """
+    unreached = unreached_by_every(ctx, request.prefixes)
+    held = [statistics_layers(ctx, p, stats_manifest(ctx, p) or {}, full) for p in request.prefixes]
+    covered = frozenset.intersection(*held) if held else frozenset()
+    layers = [spec for spec in full.layers if spec.name in covered and spec.name not in unreached]
+    left_out = {
+        "unreached": [spec.name for spec in full.layers if spec.name in unreached],
+        "without_statistics": [s.name for s in full.layers if s.name not in covered and s.name not in unreached],
+    }
+    if not layers:
+        raise JobFailed(
+            f"no layer has statistics in every concept of the map's universe ({', '.join(request.universe_names)}); "
+            "concepts collected with modules cover only those: pass a reference of concepts that cover the same layers"
+        )
+    return dataclasses.replace(full, layers=layers), left_out
 
 
 def _compute(

@@ -203,3 +203,26 @@ def test_a_failed_map_job_is_answered_with_its_problem(api: httpx.Client, ready:
     assert_problem(failed, 422, "changed since registration")
     job = api.get(f"/jobs/{failed.json()['job_id']}").json()
     assert job["kind"] == "map" and job["status"] == "failed"
+
+
+def test_a_map_draws_the_layers_every_concept_covers_and_names_the_others(api: httpx.Client, tiny_llama_dir: Path) -> None:
+    """A reference collected with ``modules`` covers only those layers: ``Σ_U`` exists there alone,
+    so the map draws them and names every layer it leaves off (it was a failed job naming a layer)."""
+    model = "map/limited"
+    assert api.post("/models", json={"model_id": model, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    records = [{"prompt": p, "completion": c} for p, c in FACTS[:8]]
+    posts = [
+        {"name": "lim-a", "role": "target", "models": [model], "records": records[:4]},
+        {"name": "lim-q", "role": "reference", "models": [model], "records": records[4:], "modules": ["q_proj"]},
+    ]
+    for body in posts:
+        assert api.post("/concepts", json=body).status_code == 202
+    wait_concepts_ready(api, ["lim-a", "lim-q"], model)
+    response = api.get(f"/models/{model}/engram-map", params={"concepts": "lim-a", "reference": "lim-q", "wait": 60})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    drawn = [layer["name"] for layer in data["layers"]]
+    assert drawn == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    left = data["left_out"]
+    assert left["unreached"] == [] and "lm_head" in left["without_statistics"]
+    assert "model.layers.0.mlp.down_proj" in left["without_statistics"] and not set(drawn) & set(left["without_statistics"])
