@@ -56,6 +56,8 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     prefix = stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
     published = stats_manifest(ctx, prefix)
     if published is not None:
+        # Reused statistics: the job is done with every token it would have counted (not "0/0").
+        ctx.jobs.set_progress(job["job_id"], int(published["tokens"]), int(published["tokens"]))
         return {"tokens": published["tokens"], "stats": prefix, "reused": True, **published.get("truncation", {})}
     manifest = get_model(ctx, payload["model_id"])
     if manifest["digest"] != payload["model_digest"]:

@@ -463,6 +463,8 @@ def test_references_give_the_statistics_of_the_same_records_inline(
         job = collected(api, response)
         assert job["result"]["stats"] == inline["result"]["stats"], name  # the same key: the same statistics
         assert job["result"]["reused"] is True, name  # no collection ran again
+        tokens = job["result"]["tokens"]
+        assert tokens > 0 and (job["progress"]["done"], job["progress"]["total"]) == (tokens, tokens), job["progress"]
         concept = api.get(f"/concepts/{name}").json()
         assert concept["dataset_digest"] == expected and concept["num_records"] == len(PAIRS), concept
         assert concept["dataset"]["digest"] == expected and concept["dataset"]["status"] == "resolved", concept
