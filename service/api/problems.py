@@ -76,9 +76,15 @@ def install_problem_handlers(app: FastAPI) -> None:
         title = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, "HTTP error")
         slug = title.lower().replace(" ", "-")
         headers = dict(exc.headers or {})
+        detail = str(exc.detail)
+        where = f"{request.method} {request.url.path}"
         if exc.status_code == 405:  # RFC 9110 §15.5.6: Allow lists what the resource supports
             headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
-        return problem_response(exc.status_code, title, str(exc.detail), slug, headers=headers or None)
+            if detail == "Method Not Allowed":  # Starlette's own words: say what the path serves
+                detail = f"{where}: this path serves {headers['Allow'] or 'no method'}"
+        elif exc.status_code == 404 and detail == "Not Found":  # no route matched (not an unknown resource)
+            detail = f"no route {where}; the API's routes are listed at /docs and /openapi.json"
+        return problem_response(exc.status_code, title, detail, slug, headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

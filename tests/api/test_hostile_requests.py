@@ -211,6 +211,16 @@ def test_405_names_the_allowed_methods(
         assert {m.strip() for m in response.headers["allow"].split(",")} >= allowed
         if path.startswith("/models/"):  # the action's own methods only, as the API documents them
             assert {m.strip() for m in response.headers["allow"].split(",")} == allowed
+        assert response.json()["detail"].startswith(f"{method} /") and "serves" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("path", ["/api/models", "/v1/concepts", "/variant/abc"])
+def test_an_unknown_route_is_a_404_that_says_so(server: LiveServer, path: str) -> None:
+    """Not the bare "Not Found" of the framework: the route, and where the routes are listed."""
+    response = server.client.get(path)
+    assert_problem(response, 404)
+    detail = response.json()["detail"]
+    assert path in detail and "/docs" in detail, detail
 
 
 # ---------------------------------------------------------------- concept names and roles
