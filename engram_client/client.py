@@ -526,7 +526,8 @@ class EngramClient:
 
         Raises:
             EngramDownloadError: a file's size or sha256 is wrong (``out_dir`` is left untouched).
-            EngramOutputExistsError: ``out_dir`` holds something else and ``overwrite`` is off.
+            EngramOutputExistsError: ``out_dir`` holds something else and ``overwrite`` is off, or is a
+                file (never replaced, even with ``overwrite``).
             EngramError: the variant is not ready.
         """
         variant = self.get_variant(variant_id)
@@ -535,6 +536,9 @@ class EngramClient:
         for entry in variant.files:
             _check_relative(entry.path)
         target = Path(out_dir)
+        if (target.exists() or target.is_symlink()) and not target.is_dir():
+            # --force replaces a directory of files, never a file that happens to have that name.
+            raise EngramOutputExistsError(f"{target} is a file, not a directory: name a directory to download into")
         if _non_empty(target) and not overwrite:
             if _holds_exactly(target, variant.files):
                 return target

@@ -84,7 +84,8 @@ def _build_and_fetch(
     variant = submission.variant
     if no_wait and variant.status != "ready":
         stderr.print(f"variant {variant.variant_id}: {variant.status}")
-        emit(ctx, as_json, submission, lambda: stdout.print(variant.variant_id))
+        # The variant, as without --no-wait (`jq -r .variant_id` reads both); its job_id is the build.
+        emit(ctx, as_json, variant, lambda: stdout.print(variant.variant_id))
         return
     if variant.status == "ready":
         stderr.print(f"variant {variant.variant_id} exists already")

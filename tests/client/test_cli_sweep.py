@@ -281,3 +281,22 @@ def test_ctrl_c_while_downloading_says_nothing_was_written(cli2: ReadyVariant, a
     assert "Traceback" not in stderr and "Download interrupted" in stderr and "run the same command again" in stderr
     assert not out.exists()
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # no staging directory left behind
+
+
+def test_unlearn_json_prints_the_variant_with_or_without_waiting(cli2: ReadyVariant) -> None:
+    """``engram --json unlearn … | jq -r .variant_id`` works with --no-wait too: both print the
+    variant (a build not finished names its job in ``job_id``)."""
+    args = ("--json", "unlearn", "cli2-tiny", "-c", "cli2-forget", "--alpha", "0.37")
+    submitted = json.loads(ok(run_cli(cli2.url, *args, "--no-wait")).stdout)
+    assert submitted["status"] in {"building", "ready"} and len(submitted["variant_id"]) == 32
+    assert submitted["status"] == "ready" or submitted["job_id"]
+    waited = json.loads(ok(run_cli(cli2.url, *args)).stdout)
+    assert waited["variant_id"] == submitted["variant_id"] and waited["status"] == "ready"
+
+
+def test_force_never_replaces_a_file_with_the_variant(cli2: ReadyVariant, tmp_path: Path) -> None:
+    precious = tmp_path / "model.safetensors"
+    precious.write_bytes(b"my weights")
+    result = run_cli(cli2.url, "variants", "download", cli2.variant_id, "--out", precious, "--force")
+    assert result.returncode != 0 and "is a file" in result.stderr, result.stderr
+    assert precious.read_bytes() == b"my weights"
