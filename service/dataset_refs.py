@@ -54,7 +54,6 @@ from service.datasets import DatasetSpool, JsonlFeed, SpooledDataset
 from service.errors import InvalidInput, PayloadTooLarge
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
-FIELDS = ("text", "prompt", "completion", "messages")
 _BATCH_ROWS = 4096
 _CHECK_EVERY = 10_000  # records between cancellation checks
 

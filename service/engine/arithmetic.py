@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from service.engine.compose import COMPUTE_DTYPE, LayerEdit, LayerWeights
+from service.engine.editable import stored_weight, weight_matrix
 from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 
@@ -72,7 +73,7 @@ def apply_engrams(
         _add_in_float32(spec, weights, terms, new_w, new_b)
     else:
         _add_in_float64(spec, weights, terms, new_w, new_b)
-    weight = new_w.mT.contiguous() if spec.transposed else new_w
+    weight = stored_weight(new_w, spec)
     return LayerEdit(spec, weight, new_b, scale)
 
 
@@ -89,7 +90,7 @@ def _add_in_float64(
     new_b: torch.Tensor | None,
 ) -> None:
     """``new_w | new_b = [W | b] + Σ c_k E_k``, summed in float64, one cast at the end."""
-    w = weights.weight.mT if spec.transposed else weights.weight
+    w = weight_matrix(weights.weight, spec)
     for first, acc in _row_blocks(spec.out_features, spec.stat_dim, COMPUTE_DTYPE):
         last = first + acc.shape[0]
         acc[:, : spec.in_features].copy_(w[first:last])
@@ -122,7 +123,7 @@ def _add_in_float32(
     ``c·E`` to 16 bits when both operands are 16-bit, and its mixed-dtype add into a 16-bit output
     runs at half the speed of a float32 add and a cast.
     """
-    w = weights.weight.mT if spec.transposed else weights.weight
+    w = weight_matrix(weights.weight, spec)
     cols = spec.in_features
     block_rows = max(1, APPLY_BLOCK_VALUES // spec.stat_dim)
     to_float32 = new_w.dtype == torch.float32

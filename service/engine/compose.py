@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from service.engine.editable import stored_weight, weight_matrix
 from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.linalg import PinvFactors, packed_dim, pinv_factors, unpack_symmetric
@@ -247,8 +248,7 @@ def weighted_sum(pairs: Iterable[tuple[float, torch.Tensor]]) -> torch.Tensor:
 
 def augmented_weight(spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
     """``[W | b]`` in canonical ``[out, in(+1)]`` layout, float64."""
-    w = weights.weight.to(COMPUTE_DTYPE)
-    w = w.mT if spec.transposed else w
+    w = weight_matrix(weights.weight.to(COMPUTE_DTYPE), spec)
     if spec.bias:
         if weights.bias is None:
             raise EditError(f"layer {spec.name} has statistics with a bias column but no bias tensor")
@@ -357,8 +357,7 @@ def _apply_delta(spec: LayerSpec, weights: LayerWeights, delta: torch.Tensor, sc
     new_w = augmented_weight(spec, weights) + delta
     if not torch.isfinite(new_w).all():
         raise EditError(f"the edit of layer {spec.name} is not finite; try a larger rcond")
-    weight = new_w[:, : spec.in_features]
-    weight = weight.mT if spec.transposed else weight
+    weight = stored_weight(new_w[:, : spec.in_features], spec)
     bias = new_w[:, spec.in_features] if spec.bias else None
     return LayerEdit(
         spec,
