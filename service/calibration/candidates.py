@@ -27,9 +27,9 @@ from service.calibration.search import Arm, Outcome
 from service.calibration.space import arm_layers
 from service.engine.checkpoint import CheckpointReader, load_model, load_tokenizer
 from service.engine.errors import EditError
-from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, is_causal_lm, summarize
+from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
 from service.engine.layers import LayerSpec, with_module_strengths
-from service.engine.layout import ModelLayout
+from service.engine.layout import ModelLayout, is_causal_lm
 from service.engrams.store import stored_editor, stored_engrams
 from service.errors import JobFailed
 from service.variants.build import variant_scales

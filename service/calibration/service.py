@@ -34,7 +34,7 @@ from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
-from service.models.registry import check_chat_templates, get_model
+from service.models.registry import check_causal_lm, check_chat_templates, get_model
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
@@ -70,6 +70,7 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     urls = callbacks.check_optional_url(options.callback_url, ctx.settings)
     options = one_term_each(options)
     model = get_model(ctx, model_id)
+    check_causal_lm(model, "calibration's evaluations")
     full = ModelLayout.from_json(model["layout"])
     space = request_space(full, options)
     if has_messages(options):

@@ -27,7 +27,7 @@ from service.engine.expert_keys import expert_storage, read_expert_slice
 from service.engine.experts import find_fused_experts, unsupported_experts
 from service.engine.key_renames import renamed_parameters
 from service.engine.layers import LayerSpec, summarize_names
-from service.engine.layout import ModelLayout
+from service.engine.layout import ModelLayout, is_causal_lm
 from service.engine.model_checks import check_weight_dtypes, validate_model_dir
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
@@ -150,6 +150,7 @@ def inspect_model_dir(path: Path) -> ModelLayout:
     shapes = _stored_shapes(path)
     renamed = renamed_parameters(model, shapes)
     layout = _layout(model, key_files, renamed)
+    layout.causal_lm = is_causal_lm(model)
     _add_expert_layers(layout, model, shapes, renamed)
     in_checkpoint = {spec.name: layout.weight_keys[spec.name] for spec in layout.layers}
     check_weight_dtypes(path, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])

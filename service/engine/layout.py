@@ -30,6 +30,8 @@ class ModelLayout:
         own_keys: layer -> its own parameter key, for layers whose weight is tied to another key.
         tied_partners: layer -> the other parameter names sharing its weight (``embed_tokens``).
         key_files: checkpoint key -> shard file name.
+        causal_lm: whether the model predicts the next token (:func:`is_causal_lm`), which
+            evaluation, generation and calibration need; None in a layout recorded before this was.
         expert_slices: expert layer -> ``[expert, first row, row stop]`` of its fused weight key
             (:mod:`service.engine.experts`); experts stored one key each are ordinary layers here.
     """
@@ -45,6 +47,7 @@ class ModelLayout:
     expert_slices: dict[str, list[int]] = field(default_factory=dict)
     unstored_layers: list[str] = field(default_factory=list)
     renamed_layers: list[str] = field(default_factory=list)
+    causal_lm: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -62,3 +65,12 @@ class ModelLayout:
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` predicts the next token of a text it reads: a generating model that is not
+    an encoder-decoder. By behaviour, not by class name: GPT-2's ``GPT2LMHeadModel`` is one, and so
+    is a vision-language ``…ForConditionalGeneration`` given text alone; BERT's masked LM is not."""
+    config = getattr(model, "config", None)
+    can_generate = getattr(model, "can_generate", None)
+    return bool(callable(can_generate) and can_generate()) and not getattr(config, "is_encoder_decoder", False)

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from service.context import Context
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, is_causal_lm, summarize
+from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.engine.layout import is_causal_lm
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
 from service.jobs.progress import JobProgress

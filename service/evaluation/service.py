@@ -17,7 +17,7 @@ from service.context import Context
 from service.errors import Conflict
 from service.jobs import callbacks
 from service.jobs.store import new_job
-from service.models.registry import check_chat_templates, get_model
+from service.models.registry import check_causal_lm, check_chat_templates, get_model
 from service.storage.keys import canonical_digest, probes_key
 from service.variants.service import variant_view
 
@@ -28,6 +28,7 @@ def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
     view = variant_view(ctx, variant_id)  # 404 for an unknown variant
     if view["status"] != "ready":
         raise Conflict(f"variant {variant_id} is {view['status']}, not ready; wait for its job {view['job_id']}")
+    check_causal_lm(get_model(ctx, view["model_id"]), "evaluation and generation")
     return view
 
 

@@ -63,3 +63,14 @@ def check_chat_templates(manifests: dict[str, dict[str, Any]], why: str) -> None
                 f"model {model_id} has no chat template (chat_template.jinja, or chat_template in "
                 f"tokenizer_config.json), which {why} need"
             )
+
+
+def check_causal_lm(model: dict[str, Any], what: str) -> None:
+    """A 422 before any job when the registered model does not predict the next token (a masked or
+    encoder model), as recorded at registration; a model registered before that was recorded is
+    checked by the job itself when it loads the model."""
+    if model["layout"].get("causal_lm") is False:
+        raise InvalidInput(
+            f"{what} need a model that predicts the next token; model {model['model_id']} is a "
+            f"{model['architecture']} (a masked-language or encoder model)"
+        )

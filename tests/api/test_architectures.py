@@ -127,3 +127,23 @@ def test_a_causal_variant_is_evaluated_whatever_its_class_is_called(arch: str, a
     job = answer.json()
     assert job["status"] == "succeeded", job["error"]
     assert job["result"]["summary"]["variant"]["forget"]["n"] == 2
+
+
+def test_a_masked_lm_is_refused_evaluation_before_any_job(api: httpx.Client, model_root: Path) -> None:
+    """BERT predicts masked tokens, not the next one: evaluate, generate and calibrate are a 422 at
+    once (recorded at registration), not a job that fails later."""
+    _, model_id = _registered(api, model_root, "bert")
+    request = {"concepts": ["bert-t"], "reference": ["bert-r"], "alpha": 1.0, "scaling": "uniform"}
+    variant = api.post(f"/models/{model_id}/unlearn", json=request)
+    variant_id = wait_variant_ready(api, variant.json()["variant"]["variant_id"])["variant_id"]
+    probes = [{"prompt": p, "completion": c} for p, c in FACTS[:2]]
+    jobs_before = {job["job_id"] for job in api.get("/jobs").json()}
+    answers = [
+        api.post(f"/variants/{variant_id}/evaluate", json={"forget": probes}),
+        api.post(f"/variants/{variant_id}/generate", json={"prompt": "Paris is"}),
+        api.post(f"/models/{model_id}/calibrate", json={"concepts": ["bert-t"], "forget": probes, "retain": probes}),
+    ]
+    for answer in answers:
+        assert answer.status_code == 422, answer.text
+        assert "predicts the next token" in answer.json()["detail"] and "BertForMaskedLM" in answer.json()["detail"]
+    assert {job["job_id"] for job in api.get("/jobs").json()} == jobs_before  # nothing queued
