@@ -202,12 +202,12 @@ def _layout(model: nn.Module, key_files: dict[str, str], renamed: Mapping[str, s
         names = aliases[id(module.weight)]
         stored = stored_key(names)
         bias_key = stored_key(aliases[id(module.bias)]) if spec.bias else None
-        if stored is not None and stored not in names:
-            layout.renamed_layers.append(spec.name)
         if stored is None or (spec.bias and bias_key is None):
             # transformers initialises such a layer at random on load: there is no weight to edit.
             layout.unstored_layers.append(spec.name)
             continue
+        if stored not in names:
+            layout.renamed_layers.append(spec.name)
         own = f"{spec.name}.weight"
         if len(names) > 1:
             layout.own_keys[spec.name] = own
