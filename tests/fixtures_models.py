@@ -14,7 +14,7 @@ as hub checkpoints are or fused as the model holds them (``fused_on_disk``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -347,10 +347,17 @@ CAUSAL_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 
 def make_tiny_causal_lm(path: Path, family: str, seed: int = 0) -> Path:
     """Write a random tiny causal LM of a :data:`CAUSAL_FAMILIES` family (2 layers, hidden 32)."""
+    config_name, model_name, extra = CAUSAL_FAMILIES[family]
+    return make_tiny_from_config(path, config_name, model_name, extra, seed)
+
+
+def make_tiny_from_config(path: Path, config_name: str, model_name: str, extra: Mapping[str, object], seed: int = 0) -> Path:
+    """Write a random tiny model of any transformers family, named by its config and model classes:
+    2 layers, hidden 32, MLP 64, 4 heads (2 KV heads), with :func:`make_tokenizer`'s tokenizer;
+    ``extra`` adds or overrides config fields (expert counts, head dims)."""
     import transformers
 
     tokenizer = make_tokenizer()
-    config_name, model_name, extra = CAUSAL_FAMILIES[family]
     sizes: dict[str, object] = {
         "vocab_size": len(tokenizer),
         "hidden_size": 32,

@@ -15,11 +15,8 @@ from service.storage.local import LocalStorage
 from tests.fixtures_models import make_tiny_bert_encoder
 
 
-def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_path: Path) -> None:
-    """Statistics published before per-record layers were collected hold no pooler and their
-    manifest has no ``lacking``: the layers come from the file's header, so an edit names the pooler."""
-    layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
-    names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
+def _stored_without_the_pooler(tmp_path: Path, names: list[str]) -> tuple[SimpleNamespace, str]:
+    """A store holding statistics of ``names`` (every layer but BERT's pooler), and their prefix."""
     stats = LayerStatistics(
         sums={n: torch.eye(33, dtype=torch.float64) for n in names},
         counts=dict.fromkeys(names, 40),
@@ -29,7 +26,15 @@ def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_pat
     prefix = "stats/m/d/s/"
     save_statistics(stats, tmp_path / "stats.safetensors")
     storage.put_file(prefix + "statistics.safetensors", tmp_path / "stats.safetensors")
-    ctx = SimpleNamespace(storage=storage)
+    return SimpleNamespace(storage=storage), prefix
+
+
+def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_path: Path) -> None:
+    """Statistics published before per-record layers were collected hold no pooler and their
+    manifest has no ``lacking``: the layers come from the file's header, so an edit names the pooler."""
+    layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
+    names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
+    ctx, prefix = _stored_without_the_pooler(tmp_path, names)
     legacy = {"layers": len(names), "settings": {"max_length": 512}}
     assert statistics_layers(ctx, prefix, legacy, layout) == frozenset(names)  # type: ignore[arg-type]
     # New manifests say it themselves (no file read): modules selected, minus the lacking ones.
@@ -48,16 +53,7 @@ def test_statistics_of_a_layout_with_fewer_layers_are_read_from_their_header(tmp
     by name instead of leaving it unedited."""
     layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
     names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
-    stats = LayerStatistics(
-        sums={n: torch.eye(33, dtype=torch.float64) for n in names},
-        counts=dict.fromkeys(names, 40),
-        layer_group={n: n for n in names},
-    )
-    storage = LocalStorage(tmp_path / "store")
-    prefix = "stats/m/d/s/"
-    save_statistics(stats, tmp_path / "stats.safetensors")
-    storage.put_file(prefix + "statistics.safetensors", tmp_path / "stats.safetensors")
-    ctx = SimpleNamespace(storage=storage)
+    ctx, prefix = _stored_without_the_pooler(tmp_path, names)
     older_layout = {"layers": len(names), "lacking": [], "settings": {"max_length": 512}}
     held = statistics_layers(ctx, prefix, older_layout, layout)  # type: ignore[arg-type]
     assert held == frozenset(names)

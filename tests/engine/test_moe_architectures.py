@@ -30,16 +30,8 @@ from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import find_fused_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tokenizer
+from tests.fixtures_models import make_tiny_from_config
 
-BASE: dict[str, Any] = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_moe": (
         "Qwen2MoeConfig",
@@ -74,17 +66,7 @@ RECORDS = [Record.from_mapping({"text": p + c}, i) for i, (p, c) in enumerate(ma
 
 def _tiny(family: str, path: Path) -> Path:
     config_name, model_name, extra = FAMILIES[family]
-    tokenizer = make_tokenizer()
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), **{**BASE, **ids, **extra})
-    torch.manual_seed(0)
-    getattr(transformers, model_name)(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return make_tiny_from_config(path, config_name, model_name, extra)
 
 
 def _reference_sums(model: torch.nn.Module, examples: list[Any]) -> dict[str, torch.Tensor]:
