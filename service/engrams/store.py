@@ -8,6 +8,7 @@ one layer out (as :class:`~service.engine.checkpoint.CheckpointReader` does for 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, EngramSource, L
 from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
+from service.engrams.pairs import combined_norms
 from service.storage.keys import canonical_digest, engram_key
 from service.storage.local_copies import local_object, statistics
 from service.storage.lru import ByteLRU
@@ -32,10 +34,16 @@ class StoredEngrams:
         terms: ``(c_k, engram file)`` per term; a file named twice has its coefficients added.
         layers: the layers the universe has engrams for (any other is refused by name).
         members: engram file -> its member key in the universe's manifest (where its norms are).
+        combined_norms: every layer's ``‖Σ_k c_k E_k,l[:, :in]‖`` at once, without reading the
+            engrams (None: each layer's is computed from its engrams).
     """
 
     def __init__(
-        self, terms: Sequence[tuple[float, Path]], layers: Collection[str], members: Mapping[Path, str] | None = None
+        self,
+        terms: Sequence[tuple[float, Path]],
+        layers: Collection[str],
+        members: Mapping[Path, str] | None = None,
+        combined_norms: Callable[[Sequence[LayerSpec]], dict[str, float]] | None = None,
     ) -> None:
         self.members = dict(members or {})
         merged: dict[Path, float] = {}
@@ -43,6 +51,8 @@ class StoredEngrams:
             merged[path] = merged.get(path, 0.0) + float(coefficient)
         self.terms = [(c, p) for p, c in merged.items()]
         self.layers = set(layers)
+        # Several terms' W-Norm numerators from the universe's pair products (service.engrams.pairs).
+        self.combined_norms = combined_norms
 
     def read(self, spec: LayerSpec) -> list[tuple[float, torch.Tensor]]:
         """``(c_k, E_k,l)`` per term, as stored (float32 or float64)."""
@@ -84,7 +94,10 @@ def stored_engrams(ctx: Context, manifest: Mapping[str, Any], terms: Mapping[str
         raise EditError(f"statistics {', '.join(outside)} are not members of universe {manifest['universe_id']}")
     paths = {p: local_object(ctx, engram_key(manifest["universe_id"], keys[p])) for p in terms}
     members = {paths[p]: keys[p] for p in terms}
-    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest["layers"], members)
+    member_terms = [(c, keys[p]) for p, c in terms.items()]
+    member_paths = {keys[p]: paths[p] for p in terms}
+    norms = partial(combined_norms, ctx, manifest, member_terms, member_paths)
+    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest["layers"], members, norms)
 
 
 def stored_editor(
@@ -104,19 +117,23 @@ def stored_editor(
 def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest: Mapping[str, Any]) -> dict[str, float]:
     """W-Norm's ``ρ_l = ‖Σ_k c_k E_k,l[:, :in]‖_F / ‖W_l‖_F`` of every layer.
 
-    One member: from the norms recorded when the universe was built (nothing read). Several: the
-    norm of the summed stored engram, one layer at a time.
+    One member: from the norms recorded when the universe was built (nothing read). Several: from
+    those norms and the members' pair products (:mod:`service.engrams.pairs`, computed once per pair),
+    else the norm of the summed stored engram, one layer at a time.
     """
-    rho = {}
     for spec in layers:
         if spec.name not in engrams.layers:
             raise EditError(f"no statistics for layer {spec.name}")
+    several = len(engrams.terms) > 1 and engrams.combined_norms is not None
+    combined = engrams.combined_norms(layers) if several and engrams.combined_norms else {}
+    rho = {}
+    for spec in layers:
         weight_norm = max(float(manifest["layers"][spec.name]["weight_norm"]), 1e-30)
         if len(engrams.terms) == 1 and engrams.terms[0][1] in engrams.members:
             coefficient, path = engrams.terms[0]
             norm = abs(coefficient) * float(manifest["engrams"][engrams.members[path]]["norms"][spec.name])
         else:
-            norm = engrams.norm(spec)
+            norm = combined[spec.name] if spec.name in combined else engrams.norm(spec)
         rho[spec.name] = norm / weight_norm
     return rho
 

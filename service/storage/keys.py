@@ -8,7 +8,8 @@
 - ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
 - ``universes/<universe id>/``: ``request.json``, ``plan.json``, ``groups/<group>.safetensors``,
   ``engrams/<member>.safetensors`` (and ``.json``), ``parts/<kind>-<name>.json``, ``manifest.json``
-  last, ``usage.json``; ``model-universes/<quoted model id>/``: ``current.json`` and ``known/<id>``
+  last, ``usage.json``, ``pairs/<member>+<member>.json`` (engram inner products, on first need);
+  ``model-universes/<quoted model id>/``: ``current.json`` and ``known/<id>``
   (:mod:`service.universes.service` says what each holds)
 - ``probes/<sha256>.json`` and ``evaluations/<evaluation id>.json``: evaluation's inputs and results
 - ``jobs/<job id>.json``, and ``jobs/open/<job id>`` while the job is unfinished
@@ -120,6 +121,12 @@ def group_key(universe_id: str, group: str) -> str:
 
 def engram_key(universe_id: str, member: str, suffix: str = ".safetensors") -> str:
     return f"{universe_prefix(universe_id)}engrams/{member}{suffix}"
+
+
+def engram_pair_key(universe_id: str, first: str, second: str) -> str:
+    """Two members' engram inner products per layer (W-Norm of several terms): one key per pair."""
+    low, high = sorted((first, second))
+    return f"{universe_prefix(universe_id)}pairs/{low}+{high}.json"
 
 
 def part_key(universe_id: str, kind: str, name: str) -> str:

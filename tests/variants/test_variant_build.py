@@ -19,6 +19,7 @@ from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
+from service.engrams import store as stored_engrams_module
 from service.universes import factors as factors_module
 from service.universes.records import find_manifest, find_request
 from service.universes.service import submit_universe
@@ -257,3 +258,36 @@ def test_the_first_variant_of_a_new_universe_builds_it(world: dict[str, Any]) ->
     job = w.ctx.jobs.get(variant["job_id"])
     assert job["result"]["universe_built_s"] is not None
     assert job["progress"]["done"] == job["progress"]["total"] == len(layout_of(w, "v/gpt2").layers)
+
+
+def test_weight_norm_of_several_terms_reads_pair_products_once_known(
+    world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W-Norm of several terms: ``‖Σ c_k E_k‖`` from the members' norms and their pairs' inner
+    products, computed once per pair and kept in the universe. The scales equal the combined
+    engram's own norms; once the pairs are known, no layer's norm is computed from the engrams."""
+    w: StoreWorld = world["world"]
+    universe = ["forget", "other", "retain"]
+    view, _ = submit_universe(w.ctx, "v/llama", universe, None)
+    w.run_pending()
+    universe_id = view["universe_id"]
+    manifest = find_manifest(w.ctx, universe_id)
+    assert manifest is not None
+    terms = {"forget": -0.7, "other": 0.45, "retain": -0.2}
+    prefixes = {m["name"] if "name" in m else m["key"]: m["stats"] for m in manifest["members"]}
+    stats_of = {name: w.ctx.storage.get_json(f"concepts/{name}.json")["models"]["v/llama"]["stats"] for name in terms}
+    assert set(stats_of.values()) <= set(prefixes.values())
+    engrams = stored_engrams_module.stored_engrams(w.ctx, manifest, {stats_of[n]: c for n, c in terms.items()})
+    layers = layout_of(w, "v/llama").layers
+    direct = {spec.name: engrams.norm(spec) for spec in layers}  # the combined engram, read layer by layer
+    w.ctx.storage.delete_prefix(f"universes/{universe_id}/pairs/")  # earlier W-Norm variants of this universe made some
+    from_pairs = stored_engrams_module.relative_norms(layers, engrams, manifest)
+    weight_norms = {spec.name: float(manifest["layers"][spec.name]["weight_norm"]) for spec in layers}
+    for name, norm in direct.items():
+        assert from_pairs[name] * weight_norms[name] == pytest.approx(norm, rel=1e-9, abs=1e-12), name
+    assert len(w.ctx.storage.list(f"universes/{universe_id}/pairs/")) == 3  # one file per pair of terms
+    _forbid(monkeypatch, stored_engrams_module.StoredEngrams, "norm")
+    for subset in ({"forget": -1.0, "other": -1.0}, terms):
+        variant = build(w, "v/llama", subset, universe=universe_id, scaling="weight_norm")
+        assert variant["status"] == "ready"
+        assert_matches(world, "v/llama", variant, reference_deltas(world, "v/llama", subset, universe, "weight_norm"))
