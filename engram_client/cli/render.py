@@ -51,6 +51,8 @@ def render_model(model: Model) -> None:
     for layer in model.layers:
         rows.add_row(layer.name, str(layer.in_features), str(layer.out_features), "yes" if layer.bias else "no")
     stdout.print(rows)
+    if model.layers_not_in_checkpoint:  # never edited: the checkpoint holds no weight for them
+        stdout.print(f"not in the checkpoint (never edited): {', '.join(model.layers_not_in_checkpoint)}")
 
 
 def concept_state_lines(concept: Concept) -> list[str]:
@@ -157,6 +159,8 @@ def render_variant(variant: Variant) -> None:
     chosen = "  ".join(f"{k} {v}" for k, v in selection.items() if v is not None)
     if chosen:
         stdout.print(chosen)
+    if variant.unreached_layers:  # no concept ran them (a vision tower): written as they were
+        stdout.print(f"unchanged, reached by no concept: {', '.join(variant.unreached_layers)}")
     if variant.files:
         rows = table("file", "size", "sha256")
         for f in variant.files:

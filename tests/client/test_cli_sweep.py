@@ -300,3 +300,37 @@ def test_force_never_replaces_a_file_with_the_variant(cli2: ReadyVariant, tmp_pa
     result = run_cli(cli2.url, "variants", "download", cli2.variant_id, "--out", precious, "--force")
     assert result.returncode != 0 and "is a file" in result.stderr, result.stderr
     assert precious.read_bytes() == b"my weights"
+
+
+def test_model_and_variant_views_name_the_layers_left_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """``models show`` names layers the checkpoint lacks; ``variants show`` the ones no concept reached."""
+    from api_schemas.models import Model, Variant
+    from engram_client.cli.render import render_model, render_variant
+
+    render_model(
+        Model(
+            model_id="m",
+            source="file:///m",
+            digest="d",
+            architecture="LlavaForConditionalGeneration",
+            num_parameters=1,
+            layers=[],
+            layers_not_in_checkpoint=["lm_head"],
+        )
+    )
+    render_variant(
+        Variant(
+            variant_id="v" * 32,
+            model_id="m",
+            terms={"a": -1.0},
+            alpha=1.0,
+            scaling="uniform",
+            format="checkpoint",
+            reference=[],
+            status="ready",
+            unreached_layers=["model.vision_tower.encoder.layers.0.mlp.fc1"],
+        )
+    )
+    shown = capsys.readouterr().out
+    assert "not in the checkpoint (never edited): lm_head" in shown
+    assert "reached by no concept: model.vision_tower.encoder.layers.0.mlp.fc1" in shown
