@@ -81,7 +81,7 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
     except TRANSIENT_ERRORS as exc:
         if not raise_transient:
-            _fail(ctx, job_id, JobFailed(f"a service was unreachable: {exc}").to_problem())
+            _fail(ctx, job_id, JobFailed(f"a service it needs was unavailable: {exc}").to_problem())
             return
         log.warning("job %s hit a transient error, to be retried: %s", job_id, exc)
         ctx.jobs.update(job_id, status="queued", persist=False)

@@ -2,21 +2,28 @@
 
 Every write is atomic: the bytes go to a temporary file under ``<root>/.tmp/`` (named with its
 owner, :func:`service.storage.base.owner_tag`) and are renamed into place, so a reader sees a whole
-object or none.
+object or none. A write the file system refuses for good reasons of its own (full, over quota, a file
+too large for it, read-only, not ours to write) is :class:`StorageUnavailable` naming the reason, as
+``ping`` (``/readyz``) says for a folder that is not writable: the operator's to fix, not a bug.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable, owner_tag
 
 _CHUNK = 1024 * 1024
+# errnos by which the file system refuses a write: the operator's to fix (space can be freed, the disk
+# remounted), so a 503 to the request and a capped retry to a job, never an internal error
+_REFUSED_WRITES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class LocalStorage(Storage):
@@ -38,15 +45,26 @@ class LocalStorage(Storage):
             raise ObjectNotFound(key)  # no file system can hold such a name, so nothing is stored there
         return self.root / key
 
+    @contextmanager
+    def _writing(self, key: str) -> Iterator[None]:
+        """Turn the file system's refusal of a write to ``key`` into :class:`StorageUnavailable`."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in _REFUSED_WRITES:
+                raise
+            raise StorageUnavailable(f"storage directory {self.root} refused to write {key}: {exc.strerror}") from exc
+
     def _publish(self, key: str, write: Any) -> None:
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.tmp_dir / f"{owner_tag()}.{uuid.uuid4().hex}"
-        try:
-            write(tmp)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with self._writing(key):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                write(tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def put_file(self, key: str, source: Path) -> None:
         self._publish(key, lambda tmp: shutil.copyfile(source, tmp))
@@ -88,7 +106,9 @@ class LocalStorage(Storage):
         return sorted(keys)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        with self._writing(key):
+            path.unlink(missing_ok=True)
 
     def iter_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
         path = self._path(key)
