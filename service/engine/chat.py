@@ -18,7 +18,6 @@ the template writes its own BOS).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,7 +43,7 @@ def folder_has_chat_template(folder: Path) -> bool | None:
     (``chat_template.jinja``, ``chat_template.json``, ``tokenizer_config.json``'s ``chat_template``),
     without loading the tokenizer. ``None`` when the folder cannot be read here (a worker will know).
     """
-    from service.engine.model_files import ModelSourceError, present, read_bytes, resolve_file
+    from service.engine.model_files import ModelSourceError, present, read_bytes, read_side_json, resolve_file
 
     try:
         if not folder.is_dir():
@@ -52,12 +51,12 @@ def folder_has_chat_template(folder: Path) -> bool | None:
         for name in TEMPLATE_FILES:
             if not present(folder, name):
                 continue
-            data = read_bytes(resolve_file(folder, name))
             if name.endswith(".jinja"):
-                if data.strip():
+                if read_bytes(resolve_file(folder, name)).strip():
                     return True
                 continue
-            value = json.loads(data).get("chat_template")
+            # read_side_json: a file too large or nested too deeply is refused, not a crash of the request
+            value = read_side_json(folder, name).get("chat_template")
             if isinstance(value, str) and value.strip():
                 return True
             if isinstance(value, list) and any(isinstance(t, dict) and t.get("template") for t in value):

@@ -13,6 +13,7 @@ hold to be read at all is checked by :mod:`service.engine.model_checks`; variant
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from service.engine.model_files import (
     check_tokenizer_config,
     clean_view,
     open_file,
+    present,
     resolve_file,
     used_files,
     weight_files,
@@ -298,6 +300,39 @@ def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     check_tokenizer_config(path)
     with clean_view(path) as view:
         return transformers.AutoTokenizer.from_pretrained(str(view), trust_remote_code=False)
+
+
+# The files transformers builds a tokenizer from: a folder with none of them (weights for variants
+# only) registers without a tokenizer, as before.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+_VIEW_PATH = re.compile(r"\S*engram-model-view-\w+")
+
+
+def check_tokenizer(path: Path) -> None:
+    """Load the folder's tokenizer once, when it ships one: one transformers cannot build (broken
+    files, a class it lacks) is then refused at registration, not the failure of every later job.
+
+    Raises:
+        ModelSourceError: transformers' error, with the private view's path replaced.
+    """
+    if not any(present(path, name) for name in TOKENIZER_FILES):
+        return
+    try:
+        load_tokenizer(path)
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # transformers and tokenizers raise many types for broken files
+        detail = _VIEW_PATH.sub("the model folder", f"{type(exc).__name__}: {exc}")[:500]
+        raise ModelSourceError(f"transformers cannot load the tokenizer: {detail}") from None
 
 
 class CheckpointReader:

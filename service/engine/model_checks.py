@@ -44,6 +44,7 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
     if "auto_map" in config:
         raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
     check_not_quantized(config)
+    check_side_json(path)
     check_tokenizer_config(path)
     if not weight_files(path):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -51,6 +52,36 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
             raise ModelSourceError(f"pickle weights are refused ({', '.join(pickles)}); convert to safetensors")
         raise ModelSourceError(f"{path} has no safetensors weights")
     return config
+
+
+# JSON side files transformers reads as objects (not tokenizer.json or vocab.json: large, and read by
+# the registration job's tokenizer check), and those of them whose ``auto_map`` asks for remote code.
+_OBJECT_FILES = (
+    "generation_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+_CODE_FILES = ("tokenizer_config.json", "preprocessor_config.json")
+
+
+def check_side_json(path: Path) -> None:
+    """Refuse a JSON side file that is not an object, or that asks for remote code: either
+    registered before, and every job that loads the tokenizer then failed.
+
+    Raises:
+        ModelSourceError: naming the file (also one too large or nested too deeply to parse).
+    """
+    for name in _OBJECT_FILES:
+        if not present(path, name):
+            continue
+        values = read_side_json(path, name)
+        if not isinstance(values, dict):
+            raise ModelSourceError(f"{name} is not a JSON object")
+        if name in _CODE_FILES and "auto_map" in values:
+            raise ModelSourceError(f"the model needs remote code ({name} has auto_map), which is refused")
 
 
 # Where config.json declares quantization: transformers' key, compressed-tensors' older one, and

@@ -67,6 +67,11 @@ SIDE_FILES: tuple[str, ...] = (
     "preprocessor_config.json",
 )
 
+# The JSON side files are parsed whole in memory, some in the API process itself: one of gigabytes
+# would take it down. The largest real ones (a 671B model's index, a tokenizer_config.json with
+# every added token) are under 10 MB.
+MAX_SIDE_JSON_BYTES = 64 << 20
+
 _HUB_REPO_PREFIXES = ("models--",)
 _COPY_CHUNK = 8 * 1024 * 1024
 
@@ -161,11 +166,17 @@ def read_json(path: Path) -> Any:
 
 def read_side_json(folder: Path, name: str, dirs: tuple[Path, ...] | None = None) -> Any:
     """A side file's JSON, after the folder's rules (:func:`resolve_file`); anything unreadable is a
-    :class:`ModelSourceError` naming the file."""
+    :class:`ModelSourceError` naming the file: one over :data:`MAX_SIDE_JSON_BYTES` (refused before
+    it is read) or nested deeper than Python's parser goes (a ``RecursionError``, not a ``ValueError``)."""
     try:
-        return read_json(resolve_file(folder, name, dirs))
+        with open_file(resolve_file(folder, name, dirs)) as handle:
+            if os.fstat(handle.fileno()).st_size > MAX_SIDE_JSON_BYTES:
+                raise ModelSourceError(f"{name} is larger than {MAX_SIDE_JSON_BYTES >> 20} MiB, which is refused")
+            return json.loads(handle.read())
     except ModelSourceError:
         raise
+    except RecursionError:
+        raise ModelSourceError(f"{name} is JSON nested too deeply to parse") from None
     except (OSError, ValueError) as exc:
         raise ModelSourceError(f"{name} is not valid JSON: {exc}") from None
 
@@ -194,8 +205,9 @@ def weight_map(folder: Path, dirs: tuple[Path, ...] | None = None) -> dict[str, 
     """The index's ``weight_map`` (tensor key -> shard), every shard name checked, or ``{}`` without an index.
 
     Raises:
-        ModelSourceError: an unreadable index, or a shard that is not a plain ``*.safetensors``
-            name of a regular file in the folder (the message names it; that file is never opened).
+        ModelSourceError: an unreadable index, a shard that is not a plain ``*.safetensors`` name
+            of a regular file in the folder (the message names it; that file is never opened), or
+            an index without the ``metadata`` object transformers needs.
     """
     if not present(folder, INDEX_FILE):
         return {}
@@ -208,6 +220,9 @@ def weight_map(folder: Path, dirs: tuple[Path, ...] | None = None) -> dict[str, 
             resolve_file(folder, shard, dirs)
         except ModelSourceError as exc:
             raise ModelSourceError(f"{INDEX_FILE} names the shard {shard!r}: {exc}") from None
+    if not isinstance(index.get("metadata"), dict):  # after the shards: a bad name is the worse news
+        # transformers reads index["metadata"] unconditionally: without it no job could load the model
+        raise ModelSourceError(f"{INDEX_FILE} has no metadata object, which transformers needs to load the checkpoint")
     return dict(mapping)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import directory_digest, inspect_model_dir
+from service.engine.checkpoint import check_tokenizer, directory_digest, inspect_model_dir
 from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
 from service.jobs.store import utc_now
@@ -42,6 +42,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
         # Refuses links leading out of the folder and shard names that are not plain file names
         # in it (service.engine.model_files), before any of those files is opened.
         layout = inspect_model_dir(path)
+        check_tokenizer(path)  # one no job could load is refused now, not at every collection
         digest, fingerprint = directory_digest(path), file_fingerprint(path)
     except ModelSourceError as exc:
         raise InvalidInput(str(exc)) from None
