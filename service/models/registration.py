@@ -33,7 +33,8 @@ class Registration:
 
     Attributes:
         manifest: the registration (``None`` while a job downloads the checkpoint).
-        created: this request registered the model (``False``: it was registered already).
+        created: this request registered the model, or started the job that registers it
+            (``False``: it was registered already, or another request's job is registering it).
         job: the ``register`` job, while it runs.
     """
 
@@ -61,11 +62,11 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
         if running is not None:
             if running["payload"]["source"] != source:
                 raise Conflict(f"model {model_id} is being registered with source {running['payload']['source']}")
-            return Registration(None, False, running)
+            return Registration(None, False, running)  # another request's job: that one answers 201
         job = ctx.jobs.create(new_job("register", {"model_id": model_id, "source": source}, unit="steps"))
         ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job["job_id"]})
     ctx.dispatch(job)
-    return Registration(None, False, ctx.jobs.get(job["job_id"]) or job)
+    return Registration(None, True, ctx.jobs.get(job["job_id"]) or job)
 
 
 def check_source(ctx: Context, source: str) -> None:

@@ -205,6 +205,20 @@ def test_healthz_readyz_and_openapi(live_server: LiveServer) -> None:
 # ---------------------------------------------------------------- models
 
 
+def test_concurrent_identical_registrations_answer_one_201(live_server: LiveServer, tiny_llama_dir: Path) -> None:
+    """Eight identical POST /models at once: one registration job, one 201 (the request that started
+    it); the others followed it and answer 200, as for a registration that exists."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(_: int) -> int:
+        with httpx.Client(base_url=live_server.base_url, timeout=60) as client:
+            return register(client, "acme/racing", tiny_llama_dir).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = sorted(pool.map(post, range(8)))
+    assert codes == [200] * 7 + [201], codes
+
+
 def test_register_model_created_then_same_then_conflict(live_server: LiveServer, tiny_llama_dir: Path) -> None:
     api = live_server.client
     first = register(api, "acme/first", tiny_llama_dir)

@@ -57,7 +57,8 @@ async def register_model(
     if job["status"] != "succeeded":
         return unfinished_answer(job, f"the registration of {body.model_id}")
     manifest = await lanes.status(registry.get_model, ctx, body.model_id)
-    response.status_code = 201 if job["result"].get("created", True) else 200
+    # 201 for the request that started the job; one that followed it answers 200, as for a registration done
+    response.status_code = 201 if answer.created and job["result"].get("created", True) else 200
     return registry.model_view(manifest)
 
 
