@@ -31,7 +31,8 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
 
     Raises:
         ModelSourceError: missing config, pickle-only weights, remote code, unreadable files, a
-            link leading out of the folder, a shard name that is not a plain file name in it.
+            link leading out of the folder, a shard name that is not a plain file name in it, more
+            layers than :data:`MAX_LAYERS`.
     """
     if not path.is_dir():
         raise ModelSourceError(f"{path} is not a directory")
@@ -44,6 +45,7 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
     if "auto_map" in config:
         raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
     check_not_quantized(config)
+    check_layer_count(config)
     check_side_json(path)
     check_tokenizer_config(path)
     if not weight_files(path):
@@ -52,6 +54,30 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
             raise ModelSourceError(f"pickle weights are refused ({', '.join(pickles)}); convert to safetensors")
         raise ModelSourceError(f"{path} has no safetensors weights")
     return config
+
+
+# transformers builds every declared layer, even on the meta device, in time that grows faster than
+# their number: 1024 Llama layers take 2 s, 200 000 held a registration job for hours, its memory
+# growing by gigabytes. The largest published models have under 200 layers.
+MAX_LAYERS = 1024
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers")
+
+
+def check_layer_count(config: Mapping[str, Any]) -> None:
+    """Refuse a config declaring more than :data:`MAX_LAYERS` layers, counted over the config and its
+    sub-configs one level down (``text_config``, ``vision_config``…: built as well).
+
+    Raises:
+        ModelSourceError: naming the count.
+    """
+    scopes = [config, *(value for value in config.values() if isinstance(value, Mapping))]
+    layers = sum(max((_count(scope.get(key)) for key in _LAYER_KEYS), default=0) for scope in scopes)
+    if layers > MAX_LAYERS:
+        raise ModelSourceError(f"config.json declares {layers} layers; the service registers models of at most {MAX_LAYERS}")
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 # JSON side files transformers reads as objects (not tokenizer.json or vocab.json: large, and read by

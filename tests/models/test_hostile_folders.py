@@ -141,3 +141,17 @@ def test_an_index_without_a_metadata_object_is_refused(api: httpx.Client, folder
     del index["metadata"]
     (folder / INDEX).write_text(json.dumps(index))
     assert_refused(api, folder, INDEX, "metadata")
+
+
+# ---------------------------------------------------------------- a config that held the job process
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "n_layer"])
+def test_a_config_declaring_more_layers_than_any_model_is_refused_before_building(
+    api: httpx.Client, folder: Path, key: str
+) -> None:
+    """transformers builds every declared layer, even on the meta device: 200 000 held the (only)
+    embedded job process for over 8 minutes with 4 GB and growing, and cancelling it did nothing.
+    2000 (built in seconds, so that the unfixed service fails this test quickly) is refused too."""
+    add_to_json(folder / "config.json", **{key: 2000})
+    assert_refused(api, folder, "config.json", "2000 layers")
