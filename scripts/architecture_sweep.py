@@ -132,6 +132,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "layer_types": ["linear_attention", "full_attention"],
         },
     ),
+    "bart": (
+        "BartConfig",
+        "BartForConditionalGeneration",
+        {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64},
+    ),
     "t5": (
         "T5Config",
         "T5ForConditionalGeneration",
@@ -143,6 +148,7 @@ ENCODERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bert": ("BertConfig", "BertForMaskedLM", {}),
     "roberta": ("RobertaConfig", "RobertaForMaskedLM", {"type_vocab_size": 1}),
     "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", {"dim": 32, "hidden_dim": 64, "n_layers": 2, "n_heads": 4}),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM", {}),
 }
 VISION: dict[str, Callable[[Path], Path]] = {"llava": make_tiny_llava, "gemma3_vlm": make_tiny_gemma3_vlm}
 
