@@ -27,7 +27,13 @@ import torch
 import transformers
 
 from service.demo import make_facts
-from tests.fixtures_models import make_bert_tokenizer, make_tiny_from_config, make_tiny_gemma3_vlm, make_tiny_llava
+from tests.fixtures_models import (
+    MOE_FAMILIES,
+    make_tiny_encoder,
+    make_tiny_from_config,
+    make_tiny_gemma3_vlm,
+    make_tiny_llava,
+)
 from tests.live import download_variant, start_server, stop_server
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -78,7 +84,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "use_mamba_kernels": False,
         },
     ),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**MOE, "shared_expert_intermediate_size": 32}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE, "head_dim": 8}),
     "qwen3_next": (
         "Qwen3NextConfig",
@@ -95,28 +100,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 4,
-            "qk_nope_head_dim": 4,
-            "v_head_dim": 8,
-            "n_group": 1,
-            "topk_group": 1,
-            "num_key_value_heads": 4,
-        },
-    ),
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",
         "Ernie4_5_MoeForCausalLM",
@@ -137,6 +120,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "BartForConditionalGeneration",
         {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64},
     ),
+    **MOE_FAMILIES,
     "t5": (
         "T5Config",
         "T5ForConditionalGeneration",
@@ -161,23 +145,7 @@ def _build(family: str, path: Path) -> Path:
     if family in VISION:
         return VISION[family](path)
     if family in ENCODERS:
-        config_name, model_name, extra = ENCODERS[family]
-        tokenizer = make_bert_tokenizer()
-        config = getattr(transformers, config_name)(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=128,
-            pad_token_id=tokenizer.pad_token_id,
-            **extra,
-        )
-        torch.manual_seed(0)
-        path.mkdir(parents=True, exist_ok=True)
-        getattr(transformers, model_name)(config).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        return path
+        return make_tiny_encoder(path, *ENCODERS[family])
     config_name, model_name, extra = FAMILIES[family]
     return make_tiny_from_config(path, config_name, model_name, extra)
 

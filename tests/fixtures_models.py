@@ -345,6 +345,39 @@ CAUSAL_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 }
 
 
+# Mixture-of-experts families in transformers' fused layout, each routing its own way (shared experts,
+# sparsemixer, grouped routing with latent attention; GraniteMoE's experts stored under old names).
+MOE_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_key_value_heads": 4,  # multi-head latent attention has no grouped KV heads
+        },
+    ),
+}
+
+
 def make_tiny_causal_lm(path: Path, family: str, seed: int = 0) -> Path:
     """Write a random tiny causal LM of a :data:`CAUSAL_FAMILIES` family (2 layers, hidden 32)."""
     config_name, model_name, extra = CAUSAL_FAMILIES[family]
@@ -368,6 +401,26 @@ def make_tiny_from_config(path: Path, config_name: str, model_name: str, extra: 
         "max_position_embeddings": 128,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = getattr(transformers, config_name)(**{**sizes, **extra})
+    torch.manual_seed(seed)
+    return _save(getattr(transformers, model_name)(config), tokenizer, path)
+
+
+def make_tiny_encoder(path: Path, config_name: str, model_name: str, extra: Mapping[str, object], seed: int = 0) -> Path:
+    """Write a random tiny encoder of any transformers family (BERT, RoBERTa, DistilBERT…), named by
+    its config and model classes, with :func:`make_bert_tokenizer`'s tokenizer: 2 layers, hidden 32."""
+    import transformers
+
+    tokenizer = make_bert_tokenizer()
+    sizes: dict[str, object] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = getattr(transformers, config_name)(**{**sizes, **extra})

@@ -30,37 +30,9 @@ from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import find_fused_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_from_config
+from tests.fixtures_models import MOE_FAMILIES, make_tiny_from_config
 
-FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
-    ),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 4,
-            "qk_nope_head_dim": 4,
-            "v_head_dim": 8,
-            "n_group": 1,
-            "topk_group": 1,
-            "num_key_value_heads": 4,  # multi-head latent attention has no grouped KV heads
-        },
-    ),
-}
+FAMILIES = MOE_FAMILIES
 RECORDS = [Record.from_mapping({"text": p + c}, i) for i, (p, c) in enumerate(make_facts(8, seed=1))]
 
 
