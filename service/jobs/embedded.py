@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ class SqliteJobStore(JobStore):
 
     def prune(self, keep: timedelta = _KEEP_FINISHED) -> None:
         """Drop live records of jobs finished long ago (their durable records stay in storage)."""
-        cutoff = (datetime.now(UTC) - keep).isoformat()
+        cutoff = (datetime.now(timezone.utc) - keep).isoformat()
         with self._lock:
             self._connection().execute("DELETE FROM jobs WHERE finished_at IS NOT NULL AND finished_at < ?", (cutoff,))
 

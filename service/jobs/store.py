@@ -17,7 +17,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from api_schemas import Job
@@ -32,7 +32,7 @@ log = logging.getLogger("engram.jobs")
 
 
 def utc_now() -> str:
-    return datetime.now(UTC).isoformat()
+    return datetime.now(timezone.utc).isoformat()
 
 
 def new_job(kind: JobKind, payload: dict[str, Any], unit: str, callback_urls: list[str] | None = None) -> dict[str, Any]:

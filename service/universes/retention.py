@@ -34,7 +34,7 @@ import hashlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from service.context import Context
@@ -97,7 +97,7 @@ def note_use(ctx: Context, universe_id: str, *, projected: Projection | None = N
     usage = find_usage(ctx, universe_id)
     changed = projected is not None or (rebuilding and usage.get("evicted_at") is not None)
     last = _parse_time(usage.get("last_used"))
-    if not changed and last is not None and (datetime.now(UTC) - last).total_seconds() < _USE_WRITE_INTERVAL_S:
+    if not changed and last is not None and (datetime.now(timezone.utc) - last).total_seconds() < _USE_WRITE_INTERVAL_S:
         return
     usage["last_used"] = utc_now()
     if projected is not None:
@@ -166,7 +166,7 @@ class UniverseStorage:
 
     def evictable(self, now: datetime | None = None, excluding: str | None = None) -> list[StoredUniverse]:
         """Evictable universes, least recently used first."""
-        moment = now or datetime.now(UTC)
+        moment = now or datetime.now(timezone.utc)
         found = [u for u in self.universes if u.universe_id != excluding and u.evictable(moment, self.retention_s)]
         return sorted(found, key=lambda u: (u.last_used, u.universe_id))
 
@@ -203,7 +203,7 @@ def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool
     if request is None:
         return None
     usage = find_usage(ctx, universe_id)
-    last_used = _parse_time(usage.get("last_used")) or _parse_time(request.get("created_at")) or datetime.now(UTC)
+    last_used = _parse_time(usage.get("last_used")) or _parse_time(request.get("created_at")) or datetime.now(timezone.utc)
     manifest = find_manifest(ctx, universe_id)
     job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
     building = busy or (job is not None and job["status"] not in FINISHED)
@@ -404,4 +404,4 @@ def _parse_time(value: Any) -> datetime | None:
         parsed = datetime.fromisoformat(str(value))
     except ValueError:
         return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -204,7 +204,7 @@ def stored_universe(store: Path, universe_id: str, *, days_ago: float, current_o
     """A built universe as the build stores it (two groups, one member), last used ``days_ago``;
     ``current_of``: the current universe of that model. Returns its folder."""
     folder = store / "universes" / universe_id
-    used = (datetime.now(UTC) - timedelta(days=days_ago)).isoformat()
+    used = (datetime.now(timezone.utc) - timedelta(days=days_ago)).isoformat()
     request = {"universe_id": universe_id, "model_id": "m", "model_digest": "d", "members": [], "rcond": None}
     write_json(folder / "request.json", {**request, "job_id": None, "created_at": used})
     write_json(folder / "usage.json", {"last_used": used})

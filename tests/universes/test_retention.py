@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import hashlib
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,7 @@ def stored(w: StoreWorld) -> dict[str, tuple[int, int]]:
 def used_at(w: StoreWorld, universe_id: str, days_ago: float) -> None:
     """Backdate a universe's last use (the clock the retention rule reads)."""
     usage = find_usage(w.ctx, universe_id)
-    usage["last_used"] = (datetime.now(UTC) - timedelta(days=days_ago)).isoformat()
+    usage["last_used"] = (datetime.now(timezone.utc) - timedelta(days=days_ago)).isoformat()
     w.ctx.storage.put_json(usage_key(universe_id), usage)
 
 
@@ -295,7 +295,7 @@ def test_note_use_is_written_at_most_once_a_minute(world: StoreWorld) -> None:
     used_at(world, uid, 1)
     retention.note_use(world.ctx, uid)
     written = datetime.fromisoformat(find_usage(world.ctx, uid)["last_used"])
-    assert abs((datetime.now(UTC) - written).total_seconds()) < 60
+    assert abs((datetime.now(timezone.utc) - written).total_seconds()) < 60
 
 
 def _part_digests(w: StoreWorld, universe_id: str) -> dict[str, Any]:
@@ -319,4 +319,4 @@ def test_asking_for_a_variant_again_counts_as_a_use(world: StoreWorld) -> None:
     again, job = submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "universe": uid})
     assert job is None and again["variant_id"] == first["variant_id"]
     written = datetime.fromisoformat(find_usage(world.ctx, uid)["last_used"])
-    assert abs((datetime.now(UTC) - written).total_seconds()) < 60, "served from it: the retention clock restarts"
+    assert abs((datetime.now(timezone.utc) - written).total_seconds()) < 60, "served from it: the retention clock restarts"
