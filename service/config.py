@@ -85,6 +85,14 @@ class Settings(BaseSettings):
     # Requests waiting with ?wait= hold no thread, but each polls the job: beyond this many at once,
     # one more is a 429 with Retry-After.
     max_waiters: int = Field(default=128, ge=0, le=100_000)
+    # Admission control: jobs not finished yet (queued or running), in total and per API key (the
+    # anonymous caller counts as one key when auth is off). Past either, a request that would start
+    # a job is a 429 with Retry-After and submits nothing; a request answered by an existing job or
+    # result is never refused. A job runs for seconds to minutes on one worker lane, so 64 queued
+    # per key is hours of work, enough for a sweep, and 512 in total keeps eight such clients busy;
+    # beyond that a client waits for its jobs instead of growing a queue no worker will reach soon.
+    max_queued_jobs: int = Field(default=512, ge=1, le=1_000_000)
+    max_queued_jobs_per_key: int = Field(default=64, ge=1, le=1_000_000)
 
     # Completion callbacks: only these hosts (``host`` or ``host:port``) may be called back, and
     # every call is signed with the secret (Standard Webhooks: webhook-id/-timestamp/-signature).

@@ -50,12 +50,13 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.config import Settings
 from service.errors import Forbidden, ProblemError, Unauthorized
+from service.jobs.admission import ANONYMOUS as ANONYMOUS_OWNER
 
 log = logging.getLogger("engram.api")
 
@@ -119,6 +120,21 @@ def parse_api_keys(raw: str) -> dict[str, str]:
             raise ValueError(f"{where} repeats the key of an earlier entry")
         keys[key] = scope
     return keys
+
+
+# Who calls when auth is off: one caller with every right, counted as one key by admission control.
+ANONYMOUS = Principal(ANONYMOUS_OWNER, "admin")
+
+
+def request_principal(request: Request) -> Principal:
+    """The principal the middleware admitted this request as; :data:`ANONYMOUS` without auth."""
+    principal = getattr(request.state, "auth", None)
+    return principal if isinstance(principal, Principal) else ANONYMOUS
+
+
+def may_start_work(principal: Principal) -> bool:
+    """Whether a request may cause a job or a write: a read key never does, whatever the route."""
+    return RANK[principal.scope] >= RANK["write"]
 
 
 def required_scope(method: str, path: str) -> str | None:

@@ -32,6 +32,7 @@ from service.engine.layout import ModelLayout
 from service.engine.lora_rules import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
+from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_causal_lm, check_chat_templates, get_model
@@ -85,15 +86,16 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     probes = stored_probes(options)
     digest = probes_digest(probes)
     with ctx.lock:
-        if resolved.becomes_current is not None:
-            if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
-                set_current(ctx, resolved.becomes_current)
-            else:  # another request fixed it first: use that one
-                resolved = _resolve(ctx, model, options)
-                _check_cover(ctx, layout, resolved, space)
+        if resolved.becomes_current is not None and current_pointer(ctx, model_id) is not None:
+            resolved = _resolve(ctx, model, options)  # another request fixed the current universe first: use it
+            _check_cover(ctx, layout, resolved, space)
         request = CalibrationRequest.new(model, options, resolved, space, digest)
         calibration_id = request.calibration_id
         existing = _answering_job(ctx, calibration_id)
+        if existing is None:  # before anything is written; a calibration answered already is never refused
+            admit(ctx)
+        if resolved.becomes_current is not None:  # the first request without a universe fixes it
+            set_current(ctx, resolved.becomes_current)
         if existing is not None:
             return calibration_id, attach_callbacks(ctx, existing, urls), existing["status"] in FINISHED
         projected = make_room(ctx, resolved.spec)  # a 409 here changes nothing

@@ -23,6 +23,7 @@ from service.engine.layout import ModelLayout
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
+from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
@@ -125,6 +126,7 @@ def submit_concept(
         if "messages" in kinds or chosen_template == "chat":
             held = concept["models"] if concept is not None else {}
             check_chat_templates({m: v for m, v in manifests.items() if m not in held}, CHAT_KINDS)
+        admit(ctx, len(_models_to_collect(ctx, concept, manifests, modules)))
         if concept is None:
             if dataset is not None:
                 key = dataset_key(dataset.digest)
@@ -192,19 +194,8 @@ def _plan_collections(
     modules: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     created = []
-    for model_id, manifest in manifests.items():
-        entry = concept["models"].get(model_id)
-        if entry is not None:
-            job = ctx.jobs.get(entry["job_id"])
-            if job is not None and job["status"] not in {"failed", "cancelled"}:
-                if modules is not None and entry.get("modules") != modules:
-                    held = entry.get("modules")
-                    raise Conflict(
-                        f"concept {concept['name']} is collected on model {model_id} with "
-                        f"{'modules ' + ', '.join(held) if held else 'every module'}, not modules {', '.join(modules)}; "
-                        "delete it first to collect other modules, or omit modules"
-                    )
-                continue  # already collecting or collected: posting again changes nothing
+    for model_id in _models_to_collect(ctx, concept, manifests, modules):
+        manifest = manifests[model_id]
         payload = {
             "model_id": model_id,
             "model_digest": manifest["digest"],
@@ -223,6 +214,35 @@ def _plan_collections(
             concept["models"][model_id]["modules"] = modules
         created.append(job)
     return created
+
+
+def _models_to_collect(
+    ctx: Context, concept: dict[str, Any] | None, manifests: dict[str, Any], modules: list[str] | None
+) -> list[str]:
+    """The listed models that need a collection job: those the concept is not collecting or
+    collected on (a new concept: every one).
+
+    Raises:
+        Conflict: the concept is collected on a model with other modules.
+    """
+    if concept is None:
+        return list(manifests)
+    needed = []
+    for model_id in manifests:
+        entry = concept["models"].get(model_id)
+        if entry is not None:
+            job = ctx.jobs.get(entry["job_id"])
+            if job is not None and job["status"] not in {"failed", "cancelled"}:
+                if modules is not None and entry.get("modules") != modules:
+                    held = entry.get("modules")
+                    raise Conflict(
+                        f"concept {concept['name']} is collected on model {model_id} with "
+                        f"{'modules ' + ', '.join(held) if held else 'every module'}, not modules {', '.join(modules)}; "
+                        "delete it first to collect other modules, or omit modules"
+                    )
+                continue  # already collecting or collected: posting again changes nothing
+        needed.append(model_id)
+    return needed
 
 
 def _stats_prefix_for(payload: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from service.context import Context
 from service.errors import Conflict
 from service.jobs import callbacks
+from service.jobs.admission import admit
 from service.jobs.store import new_job
 from service.models.registry import check_causal_lm, check_chat_templates, get_model
 from service.storage.keys import canonical_digest, probes_key
@@ -42,13 +43,15 @@ def submit_evaluation(
         _check_chat_template(ctx, view, "messages probes")
     data = json.dumps({s: probes.get(s, []) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
     digest = hashlib.sha256(data).hexdigest()
-    ctx.storage.put_bytes(probes_key(digest), data)  # before the job: the task reads it
     payload = {
         "variant_id": variant_id,
         "probes_digest": digest,
         "evaluation_id": canonical_digest({"variant_id": variant_id, "probes": digest})[:32],
     }
-    job = ctx.jobs.create(new_job("evaluate", payload, unit="probes", callback_urls=urls))
+    with ctx.lock:  # admission counts and the job it admits, together
+        admit(ctx)  # before the probes are stored: a refusal writes nothing
+        ctx.storage.put_bytes(probes_key(digest), data)  # before the job: the task reads it
+        job = ctx.jobs.create(new_job("evaluate", payload, unit="probes", callback_urls=urls))
     ctx.dispatch(job)
     return job
 
@@ -75,7 +78,9 @@ def submit_generation(
     if messages is not None:
         _check_chat_template(ctx, view, "messages")
         payload["messages"] = messages
-    job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))
+    with ctx.lock:  # admission counts and the job it admits, together
+        admit(ctx)
+        job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))
     ctx.dispatch(job)
     return job
 

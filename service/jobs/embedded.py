@@ -110,6 +110,11 @@ class SqliteJobStore(JobStore):
     def active(self) -> list[dict[str, Any]]:
         return self.with_status(("queued", "running"))
 
+    def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
+        # Unfinished rows only (admission keeps them to a few hundred): exact, as the file is the truth.
+        jobs = self.active()
+        return len(jobs), sum(1 for j in jobs if j.get("owner") == owner)
+
     def queued_by_queue(self) -> dict[str, int]:
         """Jobs waiting to run, named like the distributed queues (gpu: the model runs; cpu: builds)."""
         depths = {"gpu": 0, "cpu": 0}

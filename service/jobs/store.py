@@ -22,12 +22,14 @@ from typing import Any, Literal
 
 from api_schemas import Job
 from service.jobs import callbacks
+from service.jobs.admission import job_owner
 from service.observability import record_job_state
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
 FINISHED = {"succeeded", "failed", "cancelled"}
+OPEN_SET = "engram:open-jobs"  # Redis: the unfinished jobs' IDs (``:<owner>`` for one owner's)
 log = logging.getLogger("engram.jobs")
 
 
@@ -36,7 +38,9 @@ def utc_now() -> str:
 
 
 def new_job(kind: JobKind, payload: dict[str, Any], unit: str, callback_urls: list[str] | None = None) -> dict[str, Any]:
-    """A fresh queued job record; ``callback_urls`` are POSTed the job when it ends."""
+    """A fresh queued job record; ``callback_urls`` are POSTed the job when it ends. ``owner``: the
+    API key whose request submits it (admission control counts it against that key), None for the
+    follow-up work a job submits itself."""
     return {
         "job_id": uuid.uuid4().hex,
         "kind": kind,
@@ -50,6 +54,7 @@ def new_job(kind: JobKind, payload: dict[str, Any], unit: str, callback_urls: li
         "payload": payload,
         "cancel_requested": False,
         "callbacks": list(callback_urls or []),
+        "owner": job_owner.get(),
     }
 
 
@@ -131,6 +136,12 @@ class JobStore:
                 job["progress"].update(progress)
                 self._write_live(job)
 
+    def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
+        """(jobs not finished in total, those of ``owner``): what admission control bounds.
+        ``exact``: recount from the records where a store keeps a faster, drifting count."""
+        jobs = [j for j in self._live.values() if j["status"] not in FINISHED]
+        return len(jobs), sum(1 for j in jobs if j.get("owner") == owner)
+
     def unfinished(self) -> list[dict[str, Any]]:
         """Jobs not known to be finished, from the durable markers (survives any restart)."""
         found = []
@@ -190,6 +201,44 @@ class RedisJobStore(JobStore):
     def _read_live(self, job_id: str) -> dict[str, Any] | None:
         raw = self.redis.get(f"engram:job:{job_id}")
         return None if raw is None else json.loads(raw)
+
+    # -- admission counts: a set of unfinished job IDs in total and one per owner. A job leaves them
+    # when a store records it finished; a process that dies in between leaves a stale member, which
+    # open_counts(exact=True) drops (admission asks for it before it refuses anyone).
+    def create(self, job: dict[str, Any]) -> dict[str, Any]:
+        with self.redis.pipeline() as pipe:
+            pipe.sadd(OPEN_SET, job["job_id"])
+            if job.get("owner"):
+                pipe.sadd(OPEN_SET + ":" + job["owner"], job["job_id"])
+            pipe.execute()
+        try:
+            return super().create(job)
+        except BaseException:
+            self._forget_open(job)
+            raise
+
+    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> dict[str, Any]:
+        job = super().update(job_id, persist=persist, **fields)
+        if job["status"] in FINISHED:
+            self._forget_open(job)
+        return job
+
+    def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
+        mine = OPEN_SET + ":" + owner
+        if exact:
+            for key in (OPEN_SET, mine):
+                members = [m.decode() for m in self.redis.smembers(key)]
+                stale = [m for m in members if (j := self.get(m)) is None or j["status"] in FINISHED]
+                if stale:
+                    self.redis.srem(key, *stale)
+        return int(self.redis.scard(OPEN_SET)), int(self.redis.scard(mine))
+
+    def _forget_open(self, job: dict[str, Any]) -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.srem(OPEN_SET, job["job_id"])
+            if job.get("owner"):
+                pipe.srem(OPEN_SET + ":" + job["owner"], job["job_id"])
+            pipe.execute()
 
     def _write_live(self, job: dict[str, Any]) -> None:
         self.redis.set(f"engram:job:{job['job_id']}", json.dumps(job))

@@ -3,7 +3,9 @@
 The API process reads records only (the model, the concepts, the universe they resolve to): the map
 itself loads weights and decomposes ``Σ_U`` (:mod:`service.maps.build`), a worker's work. A request
 whose map is stored is answered at once; one whose map is being computed follows that job; any
-other starts one (the map's ID, its content address, names it: the same request twice starts one job).
+other starts one (the map's ID, its content address, names it: the same request twice starts one job),
+unless it comes with a read key, which never starts work (:class:`MapNotComputed`), or its key has
+too many jobs queued already (:func:`service.jobs.admission.admit`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 from service.concepts.service import resolve_universe
 from service.context import Context
-from service.errors import InvalidInput
+from service.errors import Forbidden, InvalidInput
+from service.jobs.admission import admit
 from service.jobs.store import new_job
 from service.models.registry import get_model
 from service.storage.keys import canonical_digest, map_key, map_request_key
@@ -111,6 +114,19 @@ def find_map(ctx: Context, request: MapRequest) -> dict[str, Any] | None:
     return {**cached, "model_id": request.model_id, "measure": request.measure}
 
 
+class MapNotComputed(Forbidden):
+    """A read key asked for a map that no one computed yet: computing it is work, which read keys never start."""
+
+    headers = {"WWW-Authenticate": 'Bearer realm="engram-service", error="insufficient_scope", scope="write"'}
+
+    def __init__(self, request: MapRequest) -> None:
+        super().__init__(
+            f"the engram map of {', '.join(request.concepts)} on model {request.model_id} with these options "
+            f"(rcond={request.rcond}, measure={request.measure}) is not computed yet, and a read key never starts "
+            "work: make this same request once with a write or admin key (it computes the map), then any key reads it"
+        )
+
+
 @dataclass(frozen=True)
 class MapAnswer:
     """A map request's answer: the map when it is stored, else the job computing it."""
@@ -127,8 +143,18 @@ def submit_map(
     reference: Sequence[str] | None,
     rcond: float | None,
     measure: str = "data",
+    *,
+    may_start: bool = True,
 ) -> MapAnswer:
-    """The stored map, or the job that computes it (started here unless one is queued or running)."""
+    """The stored map, or the job that computes it (started here unless one is queued or running).
+
+    Args:
+        may_start: whether the caller may start the job (False for a read key).
+
+    Raises:
+        MapNotComputed: ``may_start`` is False and neither the map nor a job computing it exists.
+        TooManyJobs: starting the job would exceed a bound on queued jobs.
+    """
     request = map_request(ctx, model_id, concepts, reference, rcond, measure)
     data = find_map(ctx, request)
     if data is not None:
@@ -142,6 +168,9 @@ def submit_map(
             data = find_map(ctx, request)
             if data is not None:
                 return MapAnswer(request, data, None)
+        if not may_start:
+            raise MapNotComputed(request)
+        admit(ctx)
         payload = {"map_id": request.map_id, "model_id": model_id}
         job = ctx.jobs.create(new_job("map", payload, unit="layers"))
         ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job["job_id"]})

@@ -19,6 +19,7 @@ from service.context import Context
 from service.engine.model_checks import validate_model_dir
 from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
+from service.jobs.admission import admit
 from service.jobs.store import new_job
 from service.models.registry import find_model
 from service.models.sources import check_remote_source, is_remote, local_model_dir
@@ -63,6 +64,7 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
             if running["payload"]["source"] != source:
                 raise Conflict(f"model {model_id} is being registered with source {running['payload']['source']}")
             return Registration(None, False, running)  # another request's job: that one answers 201
+        admit(ctx)
         job = ctx.jobs.create(new_job("register", {"model_id": model_id, "source": source}, unit="steps"))
         ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job["job_id"]})
     ctx.dispatch(job)

@@ -31,6 +31,7 @@ from service.concepts.service import default_reference, ready_statistics
 from service.context import Context
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
+from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
@@ -188,6 +189,15 @@ def _named_universe(
 # ---------------------------------------------------------------- POST /models/{id}/universes
 
 
+def _needs_build(ctx: Context, universe_id: str) -> bool:
+    """Whether requesting this universe starts a job: it is neither stored nor being built."""
+    if find_manifest(ctx, universe_id) is not None:
+        return False
+    record = find_request(ctx, universe_id)
+    running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
+    return running is None or running["status"] in FINISHED
+
+
 def submit_universe(
     ctx: Context, model_id: str, concepts: Sequence[str] | None, rcond: float | None, callback_url: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -214,6 +224,8 @@ def submit_universe(
     uid = spec.universe_id
     job = created = None
     with ctx.lock:
+        if _needs_build(ctx, uid):  # first, with make_room: a refusal leaves everything as it was
+            admit(ctx)
         projected = retention.make_room(ctx, spec)  # first: a refusal leaves everything as it was
         set_current(ctx, spec)
         if find_manifest(ctx, uid) is not None:

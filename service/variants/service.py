@@ -22,6 +22,7 @@ from service.engine.layout import ModelLayout
 from service.engine.lora_rules import rank_cap, vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
+from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
@@ -69,24 +70,27 @@ def submit_variant(
 
     check_cover(resolved)  # before anything is written: a refused request fixes no current universe
     with ctx.lock:
-        projected = _room_for(ctx, model, terms, alpha, spec, resolved)  # a 409 here changes nothing
-        if resolved.becomes_current is not None:
-            if current_pointer(ctx, model_id) is None:  # the first request without a universe fixes it
-                set_current(ctx, resolved.becomes_current)
-            else:  # another request fixed it first: use that one
-                resolved = _resolve(ctx, model, terms, edit)
-                check_cover(resolved)
-                projected = _room_for(ctx, model, terms, alpha, spec, resolved)
+        if resolved.becomes_current is not None and current_pointer(ctx, model_id) is not None:
+            resolved = _resolve(ctx, model, terms, edit)  # another request fixed the current universe first: use it
+            check_cover(resolved)
         request = VariantRequest.new(model, terms, alpha, spec, resolved)
         variant_id = request.variant_id
         existing = find_variant_request(ctx, variant_id)
-        if existing is not None:
-            job = ctx.jobs.get(existing.job_id) if existing.job_id else None
-            if variant_manifest(ctx, variant_id) is not None or (job and job["status"] not in {"failed", "cancelled"}):
-                if job is not None:  # the same variant again: its build calls this URL back too
-                    job = attach_callbacks(ctx, job, urls)
-                note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
-                return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
+        job = ctx.jobs.get(existing.job_id) if existing is not None and existing.job_id else None
+        answered = existing is not None and (
+            variant_manifest(ctx, variant_id) is not None
+            or (job is not None and job["status"] not in {"failed", "cancelled"})
+        )
+        if not answered:  # before anything is written; a variant built or building starts no job and is never refused
+            admit(ctx)
+        projected = _room_for(ctx, model, terms, alpha, spec, resolved)  # a 409 here changes nothing
+        if resolved.becomes_current is not None:  # the first request without a universe fixes it
+            set_current(ctx, resolved.becomes_current)
+        if answered:
+            if job is not None:  # the same variant again: its build calls this URL back too
+                job = attach_callbacks(ctx, job, urls)
+            note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
+            return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
         payload = {"variant_id": variant_id, "model_id": model_id}
         if not built:  # it builds its universe first: far more than a copy, a GPU worker's work

@@ -258,3 +258,83 @@ def test_keys_never_reach_the_server_log(auth: AuthWorld) -> None:
     assert "API key auth enabled: 3 keys" in log
     for key in auth.secrets():
         assert key not in log
+
+
+# ---------------------------------------------------------------- a read key never starts work
+
+
+def _stored_files(root: Path) -> dict[str, int]:
+    """Every file of the server's storage with its modification time: what a write would change."""
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def mapped(auth: AuthWorld) -> str:
+    """A model with two ready concepts, registered and collected with the write key; its ID."""
+    from service.demo import make_facts
+    from tests.live import wait_concepts_ready
+
+    model = "acme/mapped"
+    write = httpx.Client(base_url=auth.server.base_url, headers=auth.headers(auth.write), timeout=60.0)
+    response = write.post("/models", json={"model_id": model, "source": f"file://{auth.model_dir}"})
+    assert response.status_code in (200, 201), response.text
+    facts = make_facts(12, seed=7)
+    for name, role, part in (("auth-a", "target", facts[:4]), ("auth-ref", "reference", facts[4:])):
+        records = [{"prompt": p, "completion": c} for p, c in part]
+        body = {"name": name, "role": role, "models": [model], "records": records}
+        assert write.post("/concepts", json=body).status_code == 202
+    wait_concepts_ready(write, ["auth-a", "auth-ref"], model)
+    return model
+
+
+def test_a_read_key_asking_for_a_new_map_gets_a_403_and_no_job(auth: AuthWorld, mapped: str) -> None:
+    """Issue 23, finding 4: every new ``rcond`` a read key asked for queued a map job (30 requests,
+    30 jobs). Now a map nobody computed yet is a 403 naming the write key, and nothing is written;
+    the write key's same request computes it, and the read key then reads it."""
+    admin, read = auth.headers(auth.admin), auth.headers(auth.read)
+    path = f"/models/{mapped}/engram-map"
+    before_jobs = auth.api.get("/jobs", headers=admin).json()
+    before = _stored_files(auth.server.storage_dir)
+    for index in range(5):
+        params = {"concepts": "auth-a", "rcond": f"1e-{index + 3}", "wait": "0"}
+        problem = assert_problem(auth.api.get(path, params=params, headers=read), 403, auth)
+        assert "write" in problem["detail"] and "not computed yet" in problem["detail"]
+        assert_problem(auth.api.get(path + ".png", params=params, headers=read), 403, auth)
+    assert auth.api.get("/jobs", headers=admin).json() == before_jobs
+    assert _stored_files(auth.server.storage_dir) == before  # no job record, no map request, nothing
+
+    params = {"concepts": "auth-a", "rcond": "1e-3", "wait": "60"}
+    computed = auth.api.get(path, params=params, headers=auth.headers(auth.write))
+    assert computed.status_code == 200, computed.text
+    again = auth.api.get(path, params=params, headers=read)  # stored now: a read
+    assert again.status_code == 200, again.text
+    assert again.json() == computed.json()
+    png = auth.api.get(path + ".png", params=params, headers=read)
+    assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+
+
+def test_no_get_route_writes_with_a_read_key(auth: AuthWorld, mapped: str) -> None:
+    """The audit of finding 4: every GET route, asked with a read key in every way that could start
+    work (a map of a new cut or measure, listings, usage, files), leaves the storage as it was."""
+    read = auth.headers(auth.read)
+    before = _stored_files(auth.server.storage_dir)
+    paths = [
+        "/models",
+        f"/models/{mapped}",
+        f"/models/{mapped}/variants",
+        f"/models/{mapped}/universes",
+        "/concepts",
+        "/concepts/auth-a",
+        "/jobs",
+        "/variants",
+        "/universes/usage",
+        f"/universes/usage?model_id={mapped}",
+        f"/models/{mapped}/engram-map?concepts=auth-a&measure=weight&wait=0",
+        f"/models/{mapped}/engram-map.png?concepts=auth-a,auth-ref&rcond=0.5&wait=0",
+        "/metrics",
+        "/readyz",
+    ]
+    for path in paths:
+        response = auth.api.get(path, headers=read)
+        assert response.status_code in (200, 403, 404), (path, response.text)
+    assert _stored_files(auth.server.storage_dir) == before

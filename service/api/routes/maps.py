@@ -3,17 +3,21 @@
 A map is computed by a ``map`` job on a worker (it loads weights and decomposes ``Σ_U``); the route
 answers from storage when the map exists, else waits up to ``?wait=`` seconds for its job: 200 with
 the map when it finished, 202 with the job otherwise (poll ``Location``, then ask again).
+
+A read key never starts work: it gets a stored map, or follows the job already computing it, and a
+map nobody asked for yet is a 403 saying that a write key's request computes it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import Job
+from service.api.auth import may_start_work, request_principal
 from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
 from service.api.lanes import Lanes
@@ -41,7 +45,9 @@ MapWaitQuery = Annotated[
 DEFAULT_WAIT_S = 30.0  # a small model's map takes seconds: most requests get the map, as before
 
 _COMPUTING: dict[int | str, dict[str, Any]] = {
-    202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"}
+    202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"},
+    403: {"description": "a read key asked for a map not computed yet: a write or admin key's request computes it"},
+    429: {"description": "computing the map would exceed the key's or the service's bound on queued jobs"},
 }
 _PNG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/png": {}}}, **_COMPUTING}
 
@@ -53,6 +59,7 @@ def _split(values: list[str] | None) -> list[str] | None:
 
 
 async def _map_or_job(
+    request: Request,
     ctx: Context,
     lanes: Lanes,
     wait: float,
@@ -63,7 +70,10 @@ async def _map_or_job(
     measure: str,
 ) -> dict[str, Any] | JSONResponse:
     """The map, or the answer to give while its job runs (202) or after it failed (its problem)."""
-    answer = await run_in_threadpool(submit_map, ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure)
+    may_start = may_start_work(request_principal(request))
+    answer = await run_in_threadpool(
+        submit_map, ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure, may_start=may_start
+    )
     if answer.data is not None:
         return answer.data
     assert answer.job is not None  # a map that is not stored has a job computing it
@@ -74,6 +84,7 @@ async def _map_or_job(
 
 @router.get("/models/{model_id:path}/engram-map.png", response_class=Response, responses=_PNG)
 async def engram_map_png(
+    request: Request,
     model_id: str,
     ctx: ContextDep,
     lanes: LanesDep,
@@ -87,7 +98,7 @@ async def engram_map_png(
 ) -> Response:
     """The paper's Fig. 4 for these concepts: one heatmap per concept (blocks × module types, and the
     layers outside the blocks), every panel on one colour scale. 202 with the job while it is computed."""
-    data = await _map_or_job(ctx, lanes, wait, model_id, concepts, reference, rcond, measure)
+    data = await _map_or_job(request, ctx, lanes, wait, model_id, concepts, reference, rcond, measure)
     if isinstance(data, Response):
         return data
     default_width, default_height = render.default_size(data)
@@ -97,6 +108,7 @@ async def engram_map_png(
 
 @router.get("/models/{model_id:path}/engram-map", responses=_COMPUTING)
 async def engram_map_json(
+    request: Request,
     model_id: str,
     ctx: ContextDep,
     lanes: LanesDep,
@@ -109,4 +121,4 @@ async def engram_map_json(
     """Where each concept's engram lives, by block and module type: ``‖W_l⁺X‖_F / ‖W_l X‖_F`` over the
     universe's inputs (``measure=data``), or ``‖W_l⁺‖_F / ‖W_l‖_F`` (``measure=weight``). 202 with
     the job while it is computed."""
-    return await _map_or_job(ctx, lanes, wait, model_id, concepts, reference, rcond, measure)
+    return await _map_or_job(request, ctx, lanes, wait, model_id, concepts, reference, rcond, measure)

@@ -1,0 +1,169 @@
+"""Admission control (issue 23, finding 5): a bound on unfinished jobs per API key and in total.
+
+A red team's one write key had 1,600 distinct collections accepted. Here the bounds are tiny
+(``ENGRAM_MAX_QUEUED_JOBS_PER_KEY=2``, ``ENGRAM_MAX_QUEUED_JOBS=3``) and the server's job process
+is paused (SIGSTOP), so the jobs it was handed stay queued: past a bound, a request that would
+start a job is a 429 with ``Retry-After`` and stores nothing (no job, no concept, no dataset, no
+upload spool), while another key is still admitted and a request answered by an existing job is
+never refused. Distributed mode counts in Redis: a real ``redis-server`` checks that store.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.demo import make_facts
+from tests.api.test_waiting_and_polling import job_process, paused
+from tests.live import LiveServer, running_server, start_redis, stop_redis, wait_for_job
+
+PER_KEY, TOTAL = 2, 3
+FACTS = make_facts(12, seed=11)
+MODEL = "admitted/tiny"
+
+
+@dataclass
+class World:
+    server: LiveServer
+    spool: Path
+    keys: dict[str, str]  # name -> key
+
+    def client(self, name: str) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.keys[name]}"}
+        return httpx.Client(base_url=self.server.base_url, headers=headers, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, model_root: Path) -> Iterator[World]:
+    root = tmp_path_factory.mktemp("admission")
+    spool = root / "tmp"  # the server's TMPDIR: where an upload is spooled while it is read
+    spool.mkdir()
+    keys = {name: secrets.token_urlsafe(24) for name in ("a", "b", "admin")}
+    api_keys = f"{keys['a']}:write,{keys['b']}:write,{keys['admin']}:admin"
+    env = {
+        "ENGRAM_API_KEYS": api_keys,
+        "ENGRAM_MAX_QUEUED_JOBS_PER_KEY": str(PER_KEY),
+        "ENGRAM_MAX_QUEUED_JOBS": str(TOTAL),
+        "TMPDIR": str(spool),
+    }
+    with running_server(root, model_root, **env) as server:
+        world = World(server, spool, keys)
+        admin = world.client("admin")
+        registered = admin.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
+        assert registered.status_code == 201, registered.text
+        yield world
+
+
+def _concept(name: str, facts: list[tuple[str, str]] = FACTS[:4]) -> dict[str, Any]:
+    records = [{"prompt": p, "completion": c} for p, c in facts]
+    return {"name": name, "models": [MODEL], "records": records}
+
+
+def _stored(server: LiveServer, folder: str) -> set[str]:
+    base = server.storage_dir / folder
+    return {str(p.relative_to(base)) for p in base.rglob("*") if p.is_file()} if base.exists() else set()
+
+
+def _assert_too_many(response: httpx.Response, setting: str) -> None:
+    assert response.status_code == 429, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert int(response.headers["retry-after"]) > 0
+    problem = response.json()
+    assert problem["status"] == 429 and setting in problem["detail"] and "Nothing was submitted" in problem["detail"]
+
+
+def test_past_the_per_key_bound_a_key_gets_429_and_nothing_is_stored(world: World) -> None:
+    a, b, admin = world.client("a"), world.client("b"), world.client("admin")
+    with paused(job_process(world.server)):
+        assert a.post("/concepts", json=_concept("a-1", FACTS[:4])).status_code == 202
+        assert a.post("/concepts", json=_concept("a-2", FACTS[4:8])).status_code == 202
+        jobs = {j["job_id"] for j in admin.get("/jobs").json()}
+        stored = {f: _stored(world.server, f) for f in ("jobs", "concepts", "datasets")}
+
+        refused = a.post("/concepts", json=_concept("a-3", FACTS[8:12]))
+        _assert_too_many(refused, "ENGRAM_MAX_QUEUED_JOBS_PER_KEY")
+        upload = a.post(  # the multipart form, spooled to a file while read: the spool goes too
+            "/concepts",
+            data={"name": "a-4", "models": MODEL},
+            files={"dataset": ("d.jsonl", b'{"text": "an uploaded record"}\n', "application/jsonl")},
+        )
+        _assert_too_many(upload, "ENGRAM_MAX_QUEUED_JOBS_PER_KEY")
+        assert a.get("/concepts/a-3").status_code == 404 and a.get("/concepts/a-4").status_code == 404
+        assert {j["job_id"] for j in admin.get("/jobs").json()} == jobs
+        assert {f: _stored(world.server, f) for f in stored} == stored  # no job, concept or dataset record
+        assert not list(world.spool.glob("engram-upload.*"))
+
+        again = a.post("/concepts", json=_concept("a-1", FACTS[:4]))  # the same job: answered, not refused
+        assert again.status_code == 202, again.text
+        assert {j["job_id"] for j in again.json()["jobs"]} <= jobs
+
+        other = b.post("/concepts", json=_concept("b-1", FACTS[8:12]))  # another key is still admitted
+        assert other.status_code == 202, other.text
+        # Three jobs queued now: the total bound refuses key b's second, though b has one only.
+        _assert_too_many(b.post("/concepts", json=_concept("b-2", FACTS[:2])), "ENGRAM_MAX_QUEUED_JOBS")
+    for job_id in {j["job_id"] for j in admin.get("/jobs").json()}:
+        assert wait_for_job(admin, job_id)["status"] == "succeeded"
+    # Finished jobs free their slots.
+    assert a.post("/concepts", json=_concept("a-3", FACTS[8:12])).status_code == 202
+
+
+@pytest.fixture(scope="module")
+def anonymous(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[LiveServer]:
+    with running_server(tmp_path_factory.mktemp("anonymous"), model_root, ENGRAM_MAX_QUEUED_JOBS_PER_KEY="1") as server:
+        yield server
+
+
+def test_without_auth_every_caller_is_one_key(anonymous: LiveServer, tiny_llama_dir: Path) -> None:
+    """No ENGRAM_API_KEYS: the per-key bound holds for everyone together (a register job is one job)."""
+    api = anonymous.client
+    with paused(job_process(anonymous)):
+        first = api.post("/models", params={"wait": 0}, json={"model_id": "anon/one", "source": f"file://{tiny_llama_dir}"})
+        assert first.status_code == 202, first.text
+        second = api.post("/models", params={"wait": 0}, json={"model_id": "anon/two", "source": f"file://{tiny_llama_dir}"})
+        _assert_too_many(second, "ENGRAM_MAX_QUEUED_JOBS_PER_KEY")
+        assert api.get("/models/anon/two").status_code == 404
+        followed = api.post(
+            "/models", params={"wait": 0}, json={"model_id": "anon/one", "source": f"file://{tiny_llama_dir}"}
+        )
+        assert followed.status_code == 202 and followed.json()["job_id"] == first.json()["job_id"]
+    assert wait_for_job(api, first.json()["job_id"])["status"] == "succeeded"
+
+
+def test_the_redis_store_counts_unfinished_jobs_per_owner(tmp_path: Path) -> None:
+    """Distributed mode's counts: sets in Redis that a finished job leaves, and a stale member (its
+    process died before it said so) is dropped by the exact count admission asks for before refusing."""
+    import redis
+
+    from service.jobs.admission import job_owner
+    from service.jobs.store import OPEN_SET, RedisJobStore, new_job
+    from service.storage.local import LocalStorage
+
+    server = start_redis()
+    try:
+        client = redis.Redis.from_url(server.url)
+        store = RedisJobStore(LocalStorage(tmp_path), client, heartbeat_ttl_s=30)
+        token = job_owner.set("key#1")
+        try:
+            mine = [store.create(new_job("map", {}, unit="layers")) for _ in range(3)]
+        finally:
+            job_owner.reset(token)
+        store.create(new_job("map", {}, unit="layers"))  # a job's own follow-up work: no owner
+        assert store.open_counts("key#1") == (4, 3)
+        assert store.open_counts("key#2") == (4, 0)
+        store.update(mine[0]["job_id"], status="succeeded")
+        assert store.open_counts("key#1") == (3, 2)
+        client.set(
+            f"engram:job:{mine[1]['job_id']}",
+            client.get(f"engram:job:{mine[1]['job_id']}").replace(b'"queued"', b'"failed"'),
+        )
+        assert store.open_counts("key#1") == (3, 2)  # the fast count has not seen it finish
+        assert store.open_counts("key#1", exact=True) == (2, 1)
+        assert client.scard(OPEN_SET + ":key#1") == 1
+    finally:
+        stop_redis(server)
