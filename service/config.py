@@ -72,6 +72,19 @@ class Settings(BaseSettings):
     presign_downloads: bool = False
     presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
 
+    # Chat templates are programs from the model folder: collection renders them in a child process
+    # (service/engine/template_render.py) bounded by these. A real template renders a conversation in
+    # milliseconds, in a few MB: 10 s, 1 GiB and 32 Mi characters (a whole JSON body's worth of
+    # text) refuse only templates that loop or build huge strings; the record fails naming the setting.
+    template_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    template_memory_bytes: int = Field(default=1 << 30, ge=256 << 20)
+    template_max_chars: int = Field(default=32 << 20, ge=1024)
+    # Embedded mode: a job that has not stopped this many seconds after DELETE /jobs/{id} (stuck in
+    # native code: a tokenizer, a model load, a blocking read) is stopped by killing the job process,
+    # which is replaced at once; the other jobs it was running are queued again (jobs are idempotent).
+    # Every phase checks cancellation at least every second, so 10 s only catches what cannot.
+    cancel_grace_s: float = Field(default=10.0, gt=0, le=3600)
+
     # Request limits: a JSON body and a multipart upload.
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)

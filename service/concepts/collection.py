@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,10 @@ from service.engine.checkpoint import ModelTooLarge
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
 from service.engine.layout import ModelLayout
+from service.engine.record_budget import char_budget
 from service.engine.records import Batch, Example, RecordError, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
+from service.engine.template_render import TemplateLimits, TemplateProcess
 from service.errors import InvalidInput, JobFailed
 from service.jobs.progress import JobCancelled, JobProgress
 from service.jobs.store import utc_now
@@ -75,7 +77,11 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         raise JobFailed(str(exc)) from None
     max_length = int(payload["settings"]["max_length"])
     template = payload["settings"].get("template")
-    with scratch_dir("collect") as tmp:
+    cancelled = cancel_check(ctx, job["job_id"])
+    # Every text is cut to this many characters before it is tokenized: a record of any size costs
+    # bounded memory, and one within the budget is tokenized exactly as before (record_budget.py).
+    budget = char_budget(tokenizer, max_length)
+    with scratch_dir("collect") as tmp, TemplateProcess(_template_limits(ctx), cancelled) as renderer:
         # The stored dataset is read from a local file one line at a time, twice: once to count the
         # tokens that enter the statistics, once in chunks to collect them (no whole dataset in memory).
         path = _local_dataset(ctx, payload["dataset_digest"], Path(tmp))
@@ -85,11 +91,13 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
             for i, record in enumerate(iter_records(path)):
                 try:
                     where = i if first_row is None else f"dataset row {first_row + i}"
-                    yield encode_record(tokenizer, record, max_length, template, index=where)
+                    yield encode_record(
+                        tokenizer, record, max_length, template, index=where, budget=budget, renderer=renderer
+                    )
                 except RecordError as exc:
                     raise JobFailed(_chat_problem(str(exc), payload["model_id"])) from None
 
-        survey = Survey.of(examples(), max_length)
+        survey = Survey.of(examples(), max_length, cancelled)
         if survey.tokens == 0:
             raise JobFailed(survey.nothing_counted())
         if survey.truncated:
@@ -109,7 +117,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     seconds = time.monotonic() - started
     record_collection(stats.tokens, seconds)
     report = survey.report()
-    _publish_statistics(ctx, prefix, stats, payload, seconds, report)
+    _publish_statistics(ctx, prefix, stats, payload, seconds, report, cancelled)
     return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
 
 
@@ -131,10 +139,17 @@ class Survey:
     first_uncounted: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, examples: Iterable[Example], max_length: int) -> Survey:
-        """One pass over the tokenized records."""
+    def of(cls, examples: Iterable[Example], max_length: int, should_stop: Callable[[], bool] | None = None) -> Survey:
+        """One pass over the tokenized records, stopping when ``should_stop`` says so (a large
+        dataset's first pass takes minutes: a cancellation must not wait for its end).
+
+        Raises:
+            JobCancelled: ``should_stop`` returned True.
+        """
         survey = cls(max_length)
         for index, example in enumerate(examples):
+            if should_stop is not None and should_stop():
+                raise JobCancelled()
             survey.add(index, example)
         return survey
 
@@ -190,6 +205,34 @@ def _chunked_batches(examples: Iterable[Example], batch_size: int, pad_id: int) 
             chunk = []
     if chunk:
         yield from make_batches(chunk, batch_size, pad_id)
+
+
+CANCEL_CHECK_S = 0.5  # how often a collection's loops read the job record for a cancellation
+
+
+class CancelCheck:
+    """Whether the job was cancelled, read from its record at most every :data:`CANCEL_CHECK_S`
+    (a loop over records may call it for each one)."""
+
+    def __init__(self, ctx: Context, job_id: str) -> None:
+        self.ctx, self.job_id, self._last = ctx, job_id, 0.0
+
+    def __call__(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if not force and now - self._last < CANCEL_CHECK_S:
+            return False
+        self._last = now
+        job = self.ctx.jobs.get(self.job_id)
+        return bool(job and job["cancel_requested"])
+
+
+def cancel_check(ctx: Context, job_id: str) -> CancelCheck:
+    return CancelCheck(ctx, job_id)
+
+
+def _template_limits(ctx: Context) -> TemplateLimits:
+    settings = ctx.settings
+    return TemplateLimits(settings.template_max_chars, settings.template_memory_bytes, settings.template_timeout_s)
 
 
 def _local_dataset(ctx: Context, digest: str, directory: Path) -> Path:
@@ -284,13 +327,21 @@ def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> dict[st
 
 
 def _publish_statistics(
-    ctx: Context, prefix: str, stats: LayerStatistics, payload: dict[str, Any], seconds: float, report: dict[str, Any]
+    ctx: Context,
+    prefix: str,
+    stats: LayerStatistics,
+    payload: dict[str, Any],
+    seconds: float,
+    report: dict[str, Any],
+    cancelled: CancelCheck,
 ) -> None:
     with scratch_dir("stats") as tmp:
         file = Path(tmp) / "statistics.safetensors"
         extra = {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]}
         dtype = getattr(torch, payload["settings"].get("stats_dtype", "float64"))
         save_statistics(stats, file, extra, dtype=dtype)
+        if cancelled(force=True):  # the last point where stopping leaves nothing behind
+            raise JobCancelled()
         ctx.storage.put_file(prefix + "statistics.safetensors", file)
     manifest = {
         "tokens": stats.tokens,

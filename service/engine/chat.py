@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from service.engine.messages import Message, RecordError
+from service.engine.record_budget import count_tokens, cut
 
 if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller
     from transformers import PreTrainedTokenizerBase
@@ -106,22 +107,129 @@ def _check_prefix(shorter: list[int], longer: list[int], what: str) -> None:
         )
 
 
+class Renderer(Protocol):
+    """What renders a conversation's prefixes: :class:`InProcess`, or the bounded child process of
+    :mod:`service.engine.template_render` (collection: templates from model folders are untrusted code)."""
+
+    def render(
+        self, tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], prefixes: Sequence[tuple[int, bool]]
+    ) -> list[str]: ...
+
+
+class InProcess:
+    """``apply_chat_template(tokenize=False)`` in this process, unbounded (the tests' reference)."""
+
+    def render(
+        self, tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], prefixes: Sequence[tuple[int, bool]]
+    ) -> list[str]:
+        texts = []
+        for count, add_generation_prompt in prefixes:
+            try:
+                text = tokenizer.apply_chat_template(
+                    _as_dicts(messages[:count]), tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            except Exception as exc:  # jinja's TemplateError, raise_exception() inside the template, ...
+                raise RecordError(
+                    f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}"
+                ) from None
+            if not isinstance(text, str):
+                raise RecordError(f"the chat template gave {type(text).__name__}, not a string")
+            texts.append(text)
+        return texts
+
+
+TURNS_PER_REQUEST = 8  # assistant turns rendered per request (a request stops at the budget)
+
+
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> tuple[list[int], list[bool]]:
-    """The rendered conversation and which of its tokens are counted (the assistant turns).
+    """The rendered conversation and which of its tokens are counted (the assistant turns), rendered
+    in this process, uncut.
 
     Raises:
         NoChatTemplate: the tokenizer has none.
         RecordError: a render fails, or breaks the prefix property (naming the message).
     """
-    ids = render_ids(tokenizer, messages)
-    counted = [False] * len(ids)
-    for i, message in enumerate(messages):
-        if message.role != "assistant":
-            continue
-        start, stop = turn_span(tokenizer, messages, i, ids)
-        for position in range(start, stop):
-            counted[position] = True
+    ids, counted, _ = encode_conversation(tokenizer, messages)
     return ids, counted
+
+
+def encode_conversation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    renderer: Renderer | None = None,
+    budget: int | None = None,
+) -> tuple[list[int], list[bool], int]:
+    """The rendered conversation, which of its tokens are counted (the assistant turns), and how many
+    tokens lie beyond ``budget``.
+
+    Renders are tokenized as ``apply_chat_template(tokenize=True)`` tokenizes them (no special tokens
+    added). With a ``budget`` (:mod:`service.engine.record_budget`), each message's content and each
+    render are cut to that many characters before tokenizing; the tokens beyond are only counted
+    (the third value), and a turn whose prompt is already past the budget is not rendered further:
+    its tokens lie beyond ``max_length``.
+
+    Raises:
+        NoChatTemplate: the tokenizer has none.
+        RecordError: a render fails, or breaks the prefix property (naming the message).
+    """
+    if not has_chat_template(tokenizer):
+        raise NoChatTemplate("the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+    renderer = InProcess() if renderer is None else renderer
+    messages, beyond = _cut_contents(tokenizer, messages, budget)
+    (whole_text,) = renderer.render(tokenizer, messages, [(len(messages), False)])
+    ids, rest = _tokens(tokenizer, whole_text, budget)
+    beyond += rest
+    counted = [False] * len(ids)
+    turns = [i for i, message in enumerate(messages) if message.role == "assistant"]
+    if turns and turns[0] == 0:
+        raise RecordError("message 0 is an assistant message; a conversation opens with another role")
+    for start in range(0, len(turns), TURNS_PER_REQUEST):
+        group = turns[start : start + TURNS_PER_REQUEST]
+        texts = renderer.render(tokenizer, messages, [p for i in group for p in ((i, True), (i + 1, False))])
+        for k, i in enumerate(group):
+            prompt_text, through_text = texts[2 * k], texts[2 * k + 1]
+            if budget is not None and len(prompt_text) >= budget:
+                return ids, counted, beyond  # this turn and the later ones start beyond max_length
+            prompt, through = _tokens(tokenizer, prompt_text, budget)[0], _tokens(tokenizer, through_text, budget)[0]
+            begin, stop = _span(prompt, through, ids, i)
+            for position in range(begin, stop):
+                counted[position] = True
+    return ids, counted, beyond
+
+
+def _cut_contents(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], budget: int | None
+) -> tuple[tuple[Message, ...], int]:
+    """Each content cut to ``budget`` characters, and the tokens cut away (a content that long
+    already reaches past ``max_length`` wherever it stands)."""
+    if budget is None:
+        return tuple(messages), 0
+    kept, beyond = [], 0
+    for message in messages:
+        head, rest = cut(message.content, budget)
+        if rest:
+            beyond += count_tokens(tokenizer, message.content, budget) - count_tokens(tokenizer, head, budget)
+            message = Message(message.role, head, message.name)
+        kept.append(message)
+    return tuple(kept), beyond
+
+
+def _tokens(tokenizer: PreTrainedTokenizerBase, text: str, budget: int | None) -> tuple[list[int], int]:
+    """A render's token IDs (of its first ``budget`` characters) and how many more the whole has."""
+    head, rest = cut(text, budget)
+    ids = [int(i) for i in tokenizer(head, add_special_tokens=False)["input_ids"]]
+    if not rest or budget is None:
+        return ids, 0
+    return ids, max(0, count_tokens(tokenizer, text, budget) - len(ids))
+
+
+def _span(prompt: list[int], through: list[int], whole: list[int], i: int) -> tuple[int, int]:
+    """Assistant message ``i``'s counted tokens ``[start, stop)`` from its renders' tokens."""
+    _check_prefix(prompt, through, f"messages[:{i}] with the generation prompt is not a token prefix of messages[:{i + 1}]")
+    _check_prefix(through, whole, f"messages[:{i + 1}] is not a token prefix of the whole conversation")
+    if len(through) == len(prompt):
+        raise RecordError(f"assistant message {i} renders to no tokens")
+    return len(prompt), len(through)
 
 
 def turn_span(

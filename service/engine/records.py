@@ -17,8 +17,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from service.engine.chat import encode_chat
+from service.engine.chat import Renderer, encode_conversation
 from service.engine.messages import ROLES, Message, RecordError
+from service.engine.record_budget import count_tokens, cut
 from service.engine.record_shapes import alpaca_pair, message_fields, shape_of
 
 if TYPE_CHECKING:  # annotations only: a tokenizer is loaded by the caller, batches are built in _pad
@@ -194,6 +195,9 @@ def encode_record(
     max_length: int,
     template: str | None = None,
     index: int | str = 0,
+    *,
+    budget: int | None = None,
+    renderer: Renderer | None = None,
 ) -> Example:
     """Tokenize one record, truncated to ``max_length`` tokens (the example says how many were cut).
 
@@ -201,30 +205,57 @@ def encode_record(
         template: ``"chat"``: a prompt/completion record is rendered as a one-turn chat (messages
             records always are).
         index: the record's position (``record i`` in a message), or how a message names it.
+        budget: characters of each text that are tokenized
+            (:func:`service.engine.record_budget.char_budget`; ``None``: all of them). A record within
+            it is tokenized exactly as without it; the tokens beyond it are only counted.
+        renderer: what renders chat templates (default: ``apply_chat_template`` in this process).
 
     Raises:
         RecordError: a conversation the model's chat template cannot render with its counted tokens
-            told apart (see :func:`service.engine.chat.encode_chat`), or no chat template.
+            told apart (see :func:`service.engine.chat.encode_conversation`), or no chat template.
     """
     if record.messages is not None or template == "chat":
         try:
-            ids, counted = encode_chat(tokenizer, record.as_chat())
+            ids, counted, beyond = encode_conversation(tokenizer, record.as_chat(), renderer, budget)
         except RecordError as exc:
-            raise RecordError(f"{f'record {index}' if isinstance(index, int) else index}: {exc}") from None
-        return Example(ids[:max_length], counted[:max_length], max(0, len(ids) - max_length))
+            raise type(exc)(f"{f'record {index}' if isinstance(index, int) else index}: {exc}") from None
+        return Example(ids[:max_length], counted[:max_length], max(0, len(ids) - max_length) + beyond)
     if record.text is not None:
-        # The tokenizer truncates (keeping the special tokens it adds at the end, as ai-engram does);
-        # only a record that reached the limit is tokenized whole, to count what was cut.
-        ids = tokenizer(record.text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
-        cut = 0
-        if len(ids) >= max_length:
-            cut = len(tokenizer(record.text, add_special_tokens=True)["input_ids"]) - len(ids)
-        return Example(list(ids), [True] * len(ids), cut)
-    prompt_ids = tokenizer(record.prompt, add_special_tokens=True)["input_ids"]
-    answer_ids = tokenizer(record.completion, add_special_tokens=False)["input_ids"]
+        return _encode_text(tokenizer, record.text, max_length, budget)
+    return _encode_pair(tokenizer, record.prompt or "", record.completion or "", max_length, budget)
+
+
+def _encode_text(tokenizer: PreTrainedTokenizerBase, text: str, max_length: int, budget: int | None) -> Example:
+    # The tokenizer truncates (keeping the special tokens it adds at the end, as ai-engram does);
+    # only a record that reached the limit is counted whole (a piece at a time beyond the budget).
+    head, rest = cut(text, budget)
+    ids = tokenizer(head, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+    if len(ids) < max_length and not rest:
+        return Example(list(ids), [True] * len(ids), 0)
+    whole = _count(tokenizer, text, budget, special=True)
+    return Example(list(ids), [True] * len(ids), whole - len(ids))
+
+
+def _encode_pair(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, max_length: int, budget: int | None
+) -> Example:
+    (prompt_head, prompt_rest), (answer_head, answer_rest) = cut(prompt, budget), cut(completion, budget)
+    prompt_ids = tokenizer(prompt_head, add_special_tokens=True)["input_ids"]
+    answer_ids = tokenizer(answer_head, add_special_tokens=False)["input_ids"]
+    if prompt_rest and len(prompt_ids) < max_length:  # a prompt cut short of max_length tokens (see record_budget)
+        answer_ids = []  # the answer does not follow a cut prompt
     ids = (list(prompt_ids) + list(answer_ids))[:max_length]
     counted = ([False] * len(prompt_ids) + [True] * len(answer_ids))[:max_length]
-    return Example(ids, counted, len(prompt_ids) + len(answer_ids) - len(ids))
+    whole = len(prompt_ids) if not prompt_rest else _count(tokenizer, prompt, budget, special=True)
+    whole += len(answer_ids) if not answer_rest and answer_ids else _count(tokenizer, completion, budget)
+    return Example(ids, counted, whole - len(ids))
+
+
+def _count(tokenizer: PreTrainedTokenizerBase, text: str, budget: int | None, *, special: bool = False) -> int:
+    """The tokens of all of ``text`` (a piece at a time beyond a budget: bounded memory)."""
+    if budget is None:
+        return len(tokenizer(text, add_special_tokens=special)["input_ids"])
+    return count_tokens(tokenizer, text, budget, special=special)
 
 
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:

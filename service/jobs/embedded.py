@@ -175,6 +175,7 @@ class ProcessExecutor:
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._cancel_seen: dict[str, float] = {}  # job -> when the monitor first saw its cancellation
 
     def start(self) -> None:
         self._spawn()
@@ -231,6 +232,52 @@ class ProcessExecutor:
                 time.sleep(_MONITOR_S)
             if not self._stopping.is_set() and not self._process.is_alive():
                 self._replace_dead_process()
+            elif not self._stopping.is_set():
+                self._enforce_bounds()
+
+    def _enforce_bounds(self) -> None:
+        """Kill the job process when a running job ignores its cancellation for ENGRAM_CANCEL_GRACE_S,
+        or has run past ENGRAM_TASK_HARD_LIMIT_S: stuck where no check runs (native code, a blocking
+        read), it would hold its lane, and every job queued behind it, until a restart."""
+        running = self.jobs.with_status(("running",))
+        now = time.monotonic()
+        asked = {job["job_id"] for job in running if job["cancel_requested"]}
+        self._cancel_seen = {job_id: self._cancel_seen.get(job_id, now) for job_id in asked}
+        ignored = {j for j, since in self._cancel_seen.items() if now - since >= self.settings.cancel_grace_s}
+        overdue = {
+            job["job_id"] for job in running if _seconds_since(job.get("started_at")) > self.settings.task_hard_limit_s
+        }
+        if ignored or overdue:
+            self._kill_and_replace(ignored, overdue - ignored)
+
+    def _kill_and_replace(self, ignored: set[str], overdue: set[str]) -> None:
+        """Kill the job process: the jobs that had to stop are cancelled or failed, the others it was
+        running (other lanes) go back to the queue, and a new process takes the queue."""
+        log.warning(
+            "killing the job process %s: job(s) %s did not stop within %gs of cancellation, %s ran past %ss",
+            self._process.pid,
+            sorted(ignored),
+            self.settings.cancel_grace_s,
+            sorted(overdue),
+            self.settings.task_hard_limit_s,
+        )
+        with self._start_lock:
+            self._process.kill()
+            self._process.join(timeout=10)
+            for job in self.jobs.with_status(("running",)):  # read again: a job may have ended meanwhile
+                job_id = job["job_id"]
+                if job_id in ignored:
+                    self.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+                elif job_id in overdue:
+                    self.jobs.update(job_id, status="failed", error=_overdue_problem(self.settings), finished_at=utc_now())
+                else:
+                    self.jobs.update(job_id, status="queued", started_at=None)
+            self._cancel_seen.clear()
+            self._spawn_locked()
+            for job in self.jobs.with_status(("queued",)):
+                self._inbox.put({"job_id": job["job_id"], "kind": job["kind"]})
+        if self.on_finished is not None:
+            self.on_finished()  # the cancelled and failed jobs' callbacks
 
     def _replace_dead_process(self) -> None:
         code = self._process.exitcode
@@ -247,6 +294,31 @@ class ProcessExecutor:
         self._spawn()
         for job in self.jobs.with_status(("queued",)):
             self.submit(job)
+
+
+def _seconds_since(timestamp: str | None) -> float:
+    """Seconds since an ISO timestamp of a job record (0 when there is none)."""
+    if not timestamp:
+        return 0.0
+    try:
+        started = datetime.fromisoformat(timestamp)
+    except ValueError:
+        return 0.0
+    if started.tzinfo is None:
+        started = started.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - started).total_seconds()
+
+
+def _overdue_problem(settings: Settings) -> dict[str, Any]:
+    return {
+        "type": "https://engram.dev/problems/job-failed",
+        "title": "Job failed",
+        "status": 500,
+        "detail": (
+            f"the job ran past {settings.task_hard_limit_s} s (ENGRAM_TASK_HARD_LIMIT_S) and was stopped; "
+            "raise the limit, or submit less work (fewer or shorter records, a smaller model)"
+        ),
+    }
 
 
 # ---------------------------------------------------------------- the job process
