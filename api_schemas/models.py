@@ -50,6 +50,7 @@ __all__ = [
     "UniverseMember",
     "UniverseStatusCounts",
     "UniverseSubmission",
+    "UniverseKeyUsage",
     "UniverseUsage",
     "UnlearnRequest",
     "Variant",
@@ -711,11 +712,34 @@ class UniverseStatusCounts(BaseModel):
     evicted: int
 
 
+class UniverseKeyUsage(BaseModel):
+    key: str = Field(description="an API key's identity (key- and 12 hex digits of its SHA-256; anonymous without auth)")
+    bytes: int = Field(description="what the universes this key alone used within the retention age hold")
+    universes: int
+
+
 class UniverseUsage(BaseModel):
     """What universes hold in storage against ``ENGRAM_UNIVERSE_BYTES_BUDGET``."""
 
     model_id: str | None = Field(default=None, description="the model these totals are of; null: every universe")
-    budget_bytes: int = Field(description="ENGRAM_UNIVERSE_BYTES_BUDGET (0: no limit)")
+    budget_bytes: int = Field(
+        description="the budget in force (0: no limit): ENGRAM_UNIVERSE_BYTES_BUDGET, capped for file:// storage to "
+        "ENGRAM_UNIVERSE_VOLUME_FRACTION of the store's volume"
+    )
+    configured_budget_bytes: int | None = Field(default=None, description="ENGRAM_UNIVERSE_BYTES_BUDGET as configured")
+    volume_bytes: int | None = Field(
+        default=None, description="file:// storage: the store's volume (used + free bytes); null for s3"
+    )
+    budget_note: str | None = Field(
+        default=None, description="why the budget in force differs from the configured one, or what was not checked"
+    )
+    key_share: float | None = Field(
+        default=None, description="ENGRAM_UNIVERSE_KEY_SHARE: the fraction of the budget one API key may keep alive"
+    )
+    key_share_bytes: int | None = Field(default=None, description="key_share × budget_bytes")
+    keys: list[UniverseKeyUsage] = Field(
+        default_factory=list, description="per API key: the universes only it used within the retention age"
+    )
     retention_s: float = Field(description="ENGRAM_UNIVERSE_RETENTION_S: unused this long, a universe may be evicted")
     bytes: UniverseBytes = Field(description="stored now: factors and engrams of every universe (partial builds too)")
     reserved_bytes: int = Field(description="projected bytes of builds still running beyond what they stored so far")

@@ -380,6 +380,11 @@ class EngramClient:
         """A universe: members, status, groups decomposed so far, bytes once built, last use."""
         return self._parse(Universe, self._request("GET", f"/universes/{_quote(universe_id)}"))
 
+    def delete_universe(self, universe_id: str) -> None:
+        """Delete a universe and its stored factors and engrams (an admin key; variants built from it
+        stay). A 409 while a job builds or reads it, or while it is a model's current universe."""
+        self._request("DELETE", f"/universes/{_quote(universe_id)}")
+
     def universe_usage(self, model_id: str | None = None) -> UniverseUsage:
         """Bytes the universes store (one model's, or all) against the service's budget."""
         params = _set_only(model_id=model_id)

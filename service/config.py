@@ -55,6 +55,15 @@ class Settings(BaseSettings):
     # kept, as is any model's current universe or one a running job builds or reads; any other
     # may be evicted: to make room within the budget, and by the janitor.
     universe_retention_s: float = Field(default=7 * 24 * 3600, ge=0)
+    # The fraction of the (effective) universe budget that the universes one API key alone keeps
+    # alive may hold; a key past it gets a 409 naming this setting, so one key cannot fill the
+    # budget for everyone. Unset: 0.5 with ENGRAM_API_KEYS (two keys can each still build),
+    # 1.0 without (every caller is the same key: a share would only shrink the budget).
+    universe_key_share: float | None = Field(default=None, gt=0, le=1)
+    # file:// storage: the universe budget is capped at this fraction of the store's volume (its
+    # used + free bytes), as the budget's default (256 GiB) exceeds many disks; the store also holds
+    # statistics, uploads and variant files, so half by default. S3 has no volume to check.
+    universe_volume_fraction: float = Field(default=0.5, gt=0, le=1)
     # How often each API process's janitor applies the retention rule (0: at start-up only).
     janitor_interval_s: float = Field(default=3600, ge=0)
 
@@ -178,6 +187,13 @@ class Settings(BaseSettings):
     def storage_path(self) -> Path:
         """The local storage directory (``file://`` storage only)."""
         return Path(urlparse(self.storage_url).path)
+
+    @property
+    def key_share(self) -> float:
+        """ENGRAM_UNIVERSE_KEY_SHARE, or its default: 0.5 with API keys, 1.0 without (one caller)."""
+        if self.universe_key_share is not None:
+            return self.universe_key_share
+        return 0.5 if self.api_keys is not None else 1.0
 
     @property
     def embedded(self) -> bool:

@@ -208,6 +208,13 @@ def render_universe_usage(usage: UniverseUsage) -> None:
     )
     counts = usage.universes
     stdout.print(f"ready {counts.ready}  building {counts.building}  failed {counts.failed}  evicted {counts.evicted}")
+    if usage.budget_note:
+        stdout.print(usage.budget_note)
+    if usage.key_share_bytes is not None and usage.key_share is not None and usage.key_share < 1:
+        share = filesize.decimal(usage.key_share_bytes)
+        stdout.print(f"per API key: at most {share} kept alive (ENGRAM_UNIVERSE_KEY_SHARE {usage.key_share:g})")
+    for entry in usage.keys:
+        stdout.print(f"  {entry.key}: {filesize.decimal(entry.bytes)} in {entry.universes} universe(s)")
 
 
 # ---------------------------------------------------------------- evaluate, generate, map

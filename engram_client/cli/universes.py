@@ -1,4 +1,4 @@
-"""``engram universes build | list | show | usage``: the sets of concept statistics edits are relative to.
+"""``engram universes build | list | show | delete | usage``: the sets of concept statistics edits are relative to.
 
 A universe is built once (a ``universe`` job: each input group decomposed, every member's engrams
 stored); after that every variant of it is arithmetic on stored engrams. Building one makes it the
@@ -67,6 +67,14 @@ def universes_show(ctx: typer.Context, universe_id: str, as_json: JsonFlag = Fal
     with session(ctx) as client:
         universe = client.get_universe(universe_id)
     emit(ctx, as_json, universe, lambda: render_universe(universe))
+
+
+@universes_app.command("delete")
+def universes_delete(ctx: typer.Context, universe_id: str) -> None:
+    """Delete a universe and its stored factors and engrams (an admin key; variants built from it stay)."""
+    with session(ctx) as client:
+        client.delete_universe(universe_id)
+    stderr.print(f"deleted universe {universe_id}")
 
 
 @universes_app.command("usage")

@@ -38,7 +38,9 @@ Scopes (``admin`` ⊃ ``write`` ⊃ ``read``):
 Keys are compared in constant time: the presented token and every configured key are hashed
 (SHA-256, so lengths do not leak either) and the token is compared with *every* key with
 ``hmac.compare_digest``, without stopping at a match. Keys are never logged and never appear in a
-response; the request's scope (and the index of the key, as ``key#N``) is put in
+response; the request's scope and the key's identity (:func:`key_identity`: ``key-`` and the first 12
+hex digits of the key's SHA-256, the same whatever the order of ``ENGRAM_API_KEYS``, so records that
+name it, such as a universe's users, stay right when keys are added or removed) are put in
 ``request.state.auth`` for handlers that want it.
 """
 
@@ -148,6 +150,13 @@ def required_scope(method: str, path: str) -> str | None:
     return "admin"
 
 
+def key_identity(key: str) -> str:
+    """A key's stable, printable identity: ``key-`` + 12 hex digits of its SHA-256 (an operator finds
+    it with ``printf %s "$KEY" | sha256sum | cut -c1-12``). 48 bits of a hash of a key of at least 16
+    characters tell nothing usable about the key."""
+    return "key-" + hashlib.sha256(key.encode("ascii")).hexdigest()[:12]
+
+
 def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
@@ -158,8 +167,7 @@ class APIKeyAuth:
     def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
         self.app = app
         self._keys = tuple(
-            _Key(_digest(key.encode("ascii")), Principal(f"key#{i}", scope))
-            for i, (key, scope) in enumerate(keys.items(), 1)
+            _Key(_digest(key.encode("ascii")), Principal(key_identity(key), scope)) for key, scope in keys.items()
         )
 
     def authenticate(self, authorization: list[bytes]) -> Principal | None:

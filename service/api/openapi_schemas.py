@@ -199,4 +199,5 @@ def _callback_pattern(allowed: frozenset[str]) -> str:
             options.append(f"{http}{anycase(host)}")
         if port == "443":
             options.append(f"{https}{anycase(host)}")
-    return f"^({'|'.join(options)})([/?#]|$)"
+    # No control or whitespace character anywhere: the service refuses them (a parser may drop them).
+    return f"^({'|'.join(options)})([/?#][^\\s\\x00-\\x1f\\x7f-\\x9f]*)?$"

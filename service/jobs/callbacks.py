@@ -5,11 +5,14 @@ an outbox entry per URL is written to storage (``callbacks/pending/``) *before* 
 marker is dropped; a dispatcher thread in every API process delivers due entries, deletes an entry
 only after a 2xx answer, and retries the others with exponential backoff
 (``ENGRAM_CALLBACK_BACKOFF_S`` doubling up to 10 minutes, ``ENGRAM_CALLBACK_MAX_ATTEMPTS``), after
-which the entry moves to ``callbacks/failed/``. The receiver deduplicates by the ``webhook-id``
-header, which is the job ID (the same for every retry).
+which the entry moves to ``callbacks/failed/`` with the reason (``last_error``). A failure of any
+kind, an exception included, counts against its own entry only and never holds up the others; an
+entry whose URL can never be sent (stored by an older version that accepted it) is dead-lettered at
+once. The receiver deduplicates by the ``webhook-id`` header, which is the job ID (the same for every retry).
 
 Security: only hosts in ``ENGRAM_CALLBACK_HOSTS`` may be called (checked when the URL is submitted,
-so a refused URL is a 422 that stores nothing, and again before every delivery), redirects are never
+so a refused URL is a 422 that stores nothing, and again before every delivery, on the host and port
+as the HTTP client parses them: a URL that parsers read differently is refused), redirects are never
 followed (a redirect could point anywhere), and every request is signed as Standard Webhooks
 prescribe: ``webhook-signature: v1,<base64 HMAC-SHA256(secret, "<id>.<timestamp>.<body>")>``.
 """
@@ -22,6 +25,7 @@ import hmac
 import json
 import logging
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +36,7 @@ import httpx
 from service.config import Settings
 from service.errors import InvalidInput
 from service.jobs.periodic import PeriodicDuty
-from service.storage.base import ObjectNotFound, Storage
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import FAILED_CALLBACKS, PENDING_CALLBACKS
 
 log = logging.getLogger("engram.callbacks")
@@ -41,6 +45,61 @@ EVENT = "job.finished"
 
 
 # ---------------------------------------------------------------- what may be called
+
+
+# A URL is shown and parsed the same way only when it holds no control, format (invisible, bidi) or
+# whitespace character: Python's urlsplit silently drops a TAB or newline that httpx refuses, so
+# the allowlist would judge one URL and the dispatcher send another (or fail on it forever).
+_UNPRINTABLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a callback goes, as the HTTP client will send it: ``url`` is what is POSTed."""
+
+    url: httpx.URL
+    host: str
+    port: int
+
+
+def callback_target(url: str) -> Target:
+    """``url`` parsed as httpx sends it, refused unless every parser reads the same host and port.
+
+    Raises:
+        InvalidInput: not an absolute http(s) URL, credentials in it, an unprintable character,
+            a URL httpx refuses, or a scheme, host or port that ``urlsplit`` reads otherwise than
+            httpx (the allowlist must judge the place the request really goes to).
+    """
+    bad = next((i for i, ch in enumerate(url) if unicodedata.category(ch) in _UNPRINTABLE), None)
+    if bad is not None:
+        raise InvalidInput(
+            f"callback_url holds a control or whitespace character ({ascii(url[bad])} at position {bad}): "
+            "remove it, or percent-encode it in the path or query"
+        )
+    parts = urlsplit(url)
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+        raise InvalidInput(f"callback_url must be an absolute http(s) URL, got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidInput("callback_url must not carry credentials; callbacks are signed instead")
+    try:
+        split_port = parts.port
+        sent = httpx.URL(url)
+        host = sent.raw_host.decode("ascii").lower()
+    except (httpx.InvalidURL, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidInput(f"callback_url cannot be sent: {exc}") from None
+    default = _DEFAULT_PORTS[parts.scheme]
+    port = sent.port if sent.port is not None else default
+    seen = (parts.scheme, parts.hostname.lower(), split_port if split_port is not None else default)
+    if (sent.scheme, host, port) != seen:
+        raise InvalidInput(
+            f"callback_url is read as {seen[0]}://{seen[1]}:{seen[2]} by one URL parser and as "
+            f"{sent.scheme}://{host}:{port} by the HTTP client: write the host in plain ASCII "
+            "(IDNA 'xn--' form for an international name) and the port as decimal digits"
+        )
+    if not 1 <= port <= 65535:
+        raise InvalidInput(f"callback_url has an invalid port {port}: use 1 to 65535")
+    return Target(sent, host, port)
 
 
 def check_callback_url(url: str, settings: Settings) -> str:
@@ -53,22 +112,18 @@ def check_callback_url(url: str, settings: Settings) -> str:
     Returns:
         ``url`` unchanged.
     """
-    parts = urlsplit(url)
-    if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise InvalidInput(f"callback_url must be an absolute http(s) URL, got {url!r}")
-    if parts.username is not None or parts.password is not None:
-        raise InvalidInput("callback_url must not carry credentials; callbacks are signed instead")
+    _allowed_target(url, settings)
+    return url
+
+
+def _allowed_target(url: str, settings: Settings) -> Target:
+    target = callback_target(url)
     allowed = settings.callback_allowed_hosts
     if not allowed:
         raise InvalidInput("callbacks are disabled on this service (ENGRAM_CALLBACK_HOSTS is empty)")
-    host = parts.hostname.lower()
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise InvalidInput(f"callback_url has an invalid port: {url!r}") from None
-    if host not in allowed and f"{host}:{port}" not in allowed:
-        raise InvalidInput(f"callback host {host}:{port} is not in the allowlist (ENGRAM_CALLBACK_HOSTS)")
-    return url
+    if target.host not in allowed and f"{target.host}:{target.port}" not in allowed:
+        raise InvalidInput(f"callback host {target.host}:{target.port} is not in the allowlist (ENGRAM_CALLBACK_HOSTS)")
+    return target
 
 
 def check_optional_url(url: str | None, settings: Settings) -> list[str]:
@@ -122,14 +177,40 @@ def enqueue(storage: Storage, job: dict[str, Any]) -> None:
 
 @dataclass
 class Delivery:
-    """The outcome of one POST: ``ok`` for a 2xx answer, else why not."""
+    """The outcome of one POST: ``ok`` for a 2xx answer, else why not; ``final`` when retrying
+    cannot help (a URL that can never be sent), so the entry is dead-lettered at once."""
 
     ok: bool
     error: str | None = None
+    final: bool = False
+
+
+_ENTRY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "job_id": str,
+    "url": str,
+    "attempts": int,
+    "next_attempt_at": (int, float),
+}
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """Why an outbox entry cannot be delivered as stored (``None``: it can be attempted)."""
+    if not isinstance(entry, dict):
+        return f"the outbox entry is a JSON {type(entry).__name__}, not an object"
+    for name, kind in _ENTRY_FIELDS.items():
+        if not isinstance(entry.get(name), kind) or isinstance(entry.get(name), bool):
+            return f"the outbox entry's {name!r} is missing or not a {getattr(kind, '__name__', 'number')}"
+    return None
 
 
 class CallbackDispatcher:
     """Delivers due outbox entries from a daemon thread.
+
+    Every entry is handled on its own: whatever goes wrong with one (a URL that cannot be sent, a
+    receiver that fails, an exception nobody foresaw, an entry that is not one) counts against that
+    entry only, which is retried with backoff and then moved to ``callbacks/failed/`` with the
+    reason (``last_error``); the entries after it are delivered in the same pass. Only storage being
+    unavailable ends a pass early (every entry would fail the same way; the next pass retries).
 
     Args:
         storage: where the outbox and the job records are.
@@ -138,6 +219,7 @@ class CallbackDispatcher:
         view: turns a job record into what the API shows (the callback body carries the same).
         lock: a factory of a non-blocking lock shared by every API process (distributed mode), so
             one process delivers at a time; ``None`` in embedded mode.
+        transport: the HTTP transport (tests put a failing one in front of the real one).
     """
 
     def __init__(
@@ -169,40 +251,82 @@ class CallbackDispatcher:
         delivered = 0
         for key in self.storage.list(PENDING_CALLBACKS):
             try:
-                entry = self.storage.get_json(key)
-            except (ObjectNotFound, ValueError):
-                continue
-            if entry["next_attempt_at"] <= time.time() and self._attempt(key, entry):
-                delivered += 1
+                delivered += self._deliver_entry(key)
+            except StorageUnavailable:
+                raise  # every other entry would fail alike: the next pass tries again
+            except Exception as exc:  # recording the outcome failed: this entry only, try the next
+                log.warning("callback outbox entry %s skipped this pass: %s: %s", key, type(exc).__name__, exc)
         return delivered
 
-    def _attempt(self, key: str, entry: dict[str, Any]) -> bool:
-        job = self.get_job(entry["job_id"])
-        if job is None or job["status"] not in {"succeeded", "failed", "cancelled"}:
-            return False  # the job is being run again: it will enqueue this entry once it ends
-        outcome = self.post(entry["url"], job)
+    def _deliver_entry(self, key: str) -> bool:
+        try:
+            entry = self.storage.get_json(key)
+        except ObjectNotFound:
+            return False  # delivered or dead-lettered by another pass meanwhile
+        except ValueError as exc:
+            self._dead_letter(key, {"raw": None}, f"the outbox entry is not JSON: {exc}")
+            return False
+        problem = _entry_problem(entry)
+        if problem is not None:
+            self._dead_letter(key, entry if isinstance(entry, dict) else {"raw": entry}, problem)
+            return False
+        if entry["next_attempt_at"] > time.time():
+            return False
+        outcome = self._attempt(entry)
+        if outcome is None:
+            return False
+        self._record(key, entry, outcome)
+        return outcome.ok
+
+    def _attempt(self, entry: dict[str, Any]) -> Delivery | None:
+        """One delivery of an entry; ``None`` while its job is being run again (it will enqueue
+        the entry anew once it ends)."""
+        try:
+            job = self.get_job(entry["job_id"])
+            if job is None:
+                return Delivery(False, f"job {entry['job_id']} no longer exists")
+            if job.get("status") not in {"succeeded", "failed", "cancelled"}:
+                return None
+            return self.post(entry["url"], job)
+        except StorageUnavailable:
+            raise
+        except Exception as exc:  # an entry must never stop the pass: it fails, and is retried
+            return Delivery(False, f"{type(exc).__name__}: {exc}")
+
+    def _record(self, key: str, entry: dict[str, Any], outcome: Delivery) -> None:
+        """Delete a delivered entry; schedule a failed one's retry, or dead-letter it."""
+        job_id, url = entry["job_id"], entry["url"]
         if outcome.ok:
             self.storage.delete(key)
-            log.info("callback for job %s delivered to %s", job["job_id"], entry["url"])
-            return True
+            log.info("callback for job %s delivered to %r", job_id, url)
+            return
         entry["attempts"] += 1
         entry["last_error"] = outcome.error
-        if entry["attempts"] >= self.settings.callback_max_attempts:
-            log.error("callback for job %s to %s given up: %s", job["job_id"], entry["url"], outcome.error)
-            self.storage.put_json(FAILED_CALLBACKS + key.removeprefix(PENDING_CALLBACKS), entry)
-            self.storage.delete(key)
-            return False
+        if outcome.final or entry["attempts"] >= self.settings.callback_max_attempts:
+            self._dead_letter(key, entry, outcome.error or "failed")
+            return
         delay = min(MAX_BACKOFF_S, self.settings.callback_backoff_s * 2 ** (entry["attempts"] - 1))
         entry["next_attempt_at"] = time.time() + delay
-        log.warning("callback for job %s failed (%s); retry in %.1fs", job["job_id"], outcome.error, delay)
+        log.warning("callback for job %s to %r failed (%s); retry in %.1fs", job_id, url, outcome.error, delay)
         self.storage.put_json(key, entry)
-        return False
+
+    def _dead_letter(self, key: str, entry: dict[str, Any], reason: str) -> None:
+        """Move an entry to ``callbacks/failed/`` (same name) with the reason it was given up."""
+        failed = {**entry, "last_error": reason, "failed_at": time.time()}
+        log.error("callback for job %s to %r given up: %s", entry.get("job_id"), entry.get("url"), reason)
+        self.storage.put_json(FAILED_CALLBACKS + key.removeprefix(PENDING_CALLBACKS), failed)
+        self.storage.delete(key)
 
     def post(self, url: str, job: dict[str, Any]) -> Delivery:
-        """One signed POST of the job to ``url`` (the allowlist is checked again: it may have changed)."""
+        """One signed POST of the job to ``url`` (checked again: the allowlist may have changed, and
+        an entry stored by an older version may hold a URL no longer accepted)."""
         try:
-            check_callback_url(url, self.settings)
+            callback_target(url)
         except InvalidInput as exc:
+            return Delivery(False, f"the URL can never be sent: {exc.detail}", final=True)
+        try:
+            target = _allowed_target(url, self.settings)
+        except InvalidInput as exc:  # the allowlist may be widened again by a restart: retried
             return Delivery(False, f"refused: {exc.detail}")
         body = json.dumps({"type": EVENT, "data": self.view(job)}, sort_keys=True).encode()
         timestamp = int(time.time())
@@ -214,9 +338,9 @@ class CallbackDispatcher:
             "webhook-signature": sign(self.settings.callback_secret.get_secret_value(), job["job_id"], timestamp, body),
             "user-agent": "engram-service-callbacks/1",
         }
-        try:
-            response = self._client.post(url, content=body, headers=headers)
-        except httpx.HTTPError as exc:
+        try:  # the URL the allowlist judged is the one sent
+            response = self._client.post(target.url, content=body, headers=headers)
+        except Exception as exc:  # httpx.HTTPError, and whatever else a transport raises
             return Delivery(False, f"{type(exc).__name__}: {exc}")
         if 200 <= response.status_code < 300:
             return Delivery(True)

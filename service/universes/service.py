@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from service.concepts.service import default_reference, ready_statistics
 from service.context import Context
@@ -36,6 +37,7 @@ from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
 from service.storage.keys import (
+    MODEL_UNIVERSES,
     current_pointer_key,
     known_universe_key,
     universe_plan_key,
@@ -246,6 +248,57 @@ def submit_universe(
         ctx.dispatch(created)
         job = ctx.jobs.get(created["job_id"])
     return universe_view(ctx, uid), job
+
+
+# ---------------------------------------------------------------- DELETE /universes/{id}
+
+
+def delete_universe(ctx: Context, universe_id: str) -> int:
+    """Delete a universe and everything it stores (admin only: the route's scope).
+
+    Refused (409, nothing deleted) while a job not finished builds or reads it (the job is named:
+    cancel it or wait), and while it is some model's current universe: requests without
+    ``universe`` resolve to it, so deleting it would either change silently what those requests
+    give (another universe, other variant IDs) or have the next one rebuild it (freeing nothing);
+    the admin makes another universe current first. Variants built from it keep their files.
+
+    Returns:
+        The bytes of factors and engrams freed.
+
+    Raises:
+        NotFound: no such universe.
+        Conflict: a job needs it, or it is a model's current universe.
+    """
+    with ctx.lock:
+        request = find_request(ctx, universe_id)
+        if request is None:
+            raise NotFound(f"universe {universe_id} does not exist (GET /models/{{id}}/universes lists a model's)")
+        jobs = set(retention.busy_jobs(ctx).get(universe_id, []))
+        builder = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+        if builder is not None and builder["status"] not in FINISHED:
+            jobs.add(builder["job_id"])  # a calibration builds the universe it needs too
+        if jobs:
+            raise Conflict(
+                f"universe {universe_id} is being built or read by job(s) {', '.join(sorted(jobs))}: nothing was "
+                "deleted. Wait until they finish (GET /jobs/{id}) or cancel them (DELETE /jobs/{id}), then delete it"
+            )
+        models = _current_of(ctx, universe_id)
+        if models:
+            raise Conflict(
+                f"universe {universe_id} is the current universe of model(s) {', '.join(models)}: requests without "
+                '"universe" use it, so it is not deleted. Make another universe current first (POST '
+                f"/models/{models[0]}/universes with other concepts), then delete it"
+            )
+        return retention.remove_universe(ctx, universe_id)
+
+
+def _current_of(ctx: Context, universe_id: str) -> list[str]:
+    """The model IDs whose current universe this is."""
+    found = []
+    for key in ctx.storage.list(MODEL_UNIVERSES):
+        if key.endswith("/current.json") and (ctx.storage.find_json(key) or {}).get("universe_id") == universe_id:
+            found.append(unquote(key.removeprefix(MODEL_UNIVERSES).removesuffix("/current.json")))
+    return sorted(found)
 
 
 # ---------------------------------------------------------------- views

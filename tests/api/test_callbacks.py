@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -232,3 +233,141 @@ def test_signature_rejects_stale_timestamps() -> None:
     headers = {"webhook-id": "j", "webhook-timestamp": str(old), "webhook-signature": sign(SECRET, "j", old, body)}
     assert not verify_signature(SECRET, headers, body)
     assert verify_signature(SECRET, headers, body, tolerance_s=7200)
+
+
+# ---------------------------------------------------------------- callbacks that cannot jam (issue 23, finding 1)
+
+
+def _tabbed(receiver: Receiver) -> str:
+    """The receiver's URL with a TAB inside its port: ``urlsplit`` drops it (and reads the allowed
+    port), httpx refuses the URL. Before issue 23 it passed the allowlist and jammed the outbox."""
+    port = str(receiver.port)
+    return f"http://127.0.0.1:{port[:2]}\t{port[2:]}/hook"
+
+
+@pytest.fixture(scope="module")
+def jam_server(work: Path, model_root: Path, tiny_llama_dir: Path, receiver: Receiver) -> Iterator[LiveServer]:
+    """A server of its own (the module's is stopped by the restart test) that gives up after 3 tries."""
+    live = start_server(
+        work / "jam-store",
+        model_root,
+        work / "jam-server.log",
+        ENGRAM_CALLBACK_HOSTS=f"127.0.0.1:{receiver.port},hooks.example.org",
+        ENGRAM_CALLBACK_SECRET=SECRET,
+        ENGRAM_CALLBACK_BACKOFF_S="0.2",
+        ENGRAM_CALLBACK_POLL_S="0.2",
+        ENGRAM_CALLBACK_MAX_ATTEMPTS="3",
+    )
+    try:
+        response = live.client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
+        assert response.status_code == 201, response.text
+        yield live
+    finally:
+        stop_server(live)
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("TABBED", "'\\t' at position"),  # the red team's URL: urlsplit drops the TAB, httpx refuses it
+        ("http://hooks.example.org/a\nb", "'\\n' at position"),
+        ("http://hooks.example.org/a b", "' ' at position"),
+        ("http://hooks.example.org/\x7f", "'\\x7f' at position"),
+        ("http://hooks.example.org/\u200b", "'\\u200b' at position"),  # invisible (format) character
+        ("http://hooks.example.org:0/hook", "invalid port 0"),  # urlsplit's 0 read as the default 80
+        ("http://hooks.ex\u00e4mple.org/hook", "xn--"),  # the client sends the IDNA form: not what was checked
+    ],
+)
+def test_callback_url_that_parsers_read_differently_is_422_and_stores_nothing(
+    jam_server: LiveServer, receiver: Receiver, url: str, named: str
+) -> None:
+    url = _tabbed(receiver) if url == "TABBED" else url
+    problem = assert_problem(_concept(jam_server, "cb-unsendable", ["some text"], url), 422, named)
+    assert "callback_url" in problem["detail"]
+    assert_problem(jam_server.client.get("/concepts/cb-unsendable"), 404)
+    assert not (jam_server.storage_dir / "callbacks" / "pending").exists() or not list(
+        (jam_server.storage_dir / "callbacks" / "pending").glob("*.json")
+    )
+
+
+def test_a_jammed_outbox_entry_is_dead_lettered_and_later_callbacks_are_delivered(
+    jam_server: LiveServer, receiver: Receiver
+) -> None:
+    """Entries stored before the fix (a URL httpx refuses, an entry that is no object) sort first in
+    the outbox; each is dead-lettered with its reason, and a callback queued after them arrives."""
+    receiver.fail_first, receiver.fail_always = 0, False
+    first = _concept(jam_server, "cb-jam-a", [f"jam fact {i}" for i in range(6)], None)
+    job_a = first.json()["jobs"][0]["job_id"]
+    assert wait_for_job(jam_server.client, job_a)["status"] == "succeeded"
+    pending = jam_server.storage_dir / "callbacks" / "pending"
+    pending.mkdir(parents=True, exist_ok=True)
+    entry = {"job_id": job_a, "url": _tabbed(receiver), "attempts": 0, "next_attempt_at": 0.0, "last_error": None}
+    (pending / "0-jammed.json").write_text(json.dumps(entry))
+    (pending / "0-not-an-object.json").write_text("[1, 2]")
+
+    second = _concept(jam_server, "cb-jam-b", [f"later fact {i}" for i in range(6)], receiver.url)
+    job_b = second.json()["jobs"][0]["job_id"]
+    assert wait_for_job(jam_server.client, job_b)["status"] == "succeeded"
+    _assert_signed_job(receiver.wait_for(job_b, count=1)[0], job_b)
+
+    failed = jam_server.storage_dir / "callbacks" / "failed"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(list(failed.glob("0-*.json"))) < 2:
+        time.sleep(0.05)
+    jammed = json.loads((failed / "0-jammed.json").read_text())
+    assert "can never be sent" in jammed["last_error"] and "'\\t'" in jammed["last_error"], jammed
+    assert (jammed["job_id"], jammed["url"]) == (job_a, entry["url"])
+    assert "not an object" in json.loads((failed / "0-not-an-object.json").read_text())["last_error"]
+    assert not list(pending.glob("0-*.json"))
+    assert "Traceback" not in jam_server.log_tail(200_000), "a bad entry must be a log line, not a traceback"
+
+
+def test_a_delivery_that_raises_is_retried_then_dead_lettered_and_blocks_nothing(tmp_path: Path, receiver: Receiver) -> None:
+    """The dispatcher alone, on real local storage and the real receiver. A transport that raises
+    something httpx never would stands in for an unforeseen failure (no real server can make the
+    client raise an arbitrary exception); every other URL goes over the real transport."""
+    from service.jobs.callbacks import CallbackDispatcher, enqueue
+    from service.storage.local import LocalStorage
+
+    class Exploding(httpx.BaseTransport):
+        def __init__(self) -> None:
+            self.real = httpx.HTTPTransport()
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.host == "hooks.example.org":
+                raise RuntimeError("the transport broke")
+            return self.real.handle_request(request)
+
+    receiver.fail_first, receiver.fail_always = 0, False
+    storage = LocalStorage(tmp_path / "store")
+    settings = Settings(
+        callback_hosts=f"127.0.0.1:{receiver.port},hooks.example.org",
+        callback_secret=SECRET,
+        callback_max_attempts=2,
+        callback_backoff_s=0.05,
+    )
+    jobs = {j: {"job_id": j, "status": "succeeded"} for j in ("a-explodes", "b-delivered")}
+    dispatcher = CallbackDispatcher(storage, settings, jobs.get, dict, transport=Exploding())
+    try:
+        enqueue(storage, {**jobs["a-explodes"], "callbacks": ["http://hooks.example.org/hook"]})
+        enqueue(storage, {"job_id": "c-vanished", "callbacks": [receiver.url]})  # its job record is gone
+        enqueue(storage, {**jobs["b-delivered"], "callbacks": [receiver.url]})
+        assert dispatcher.deliver_due() == 1
+        assert len(receiver.deliveries("b-delivered")) == 1
+        retried = {storage.get_json(k)["job_id"]: storage.get_json(k) for k in storage.list("callbacks/pending/")}
+        assert retried.keys() == {"a-explodes", "c-vanished"}
+        assert retried["a-explodes"]["attempts"] == 1
+        assert retried["a-explodes"]["last_error"] == "RuntimeError: the transport broke"
+        assert retried["a-explodes"]["next_attempt_at"] > time.time() - 1  # backoff before the retry
+        time.sleep(0.1)
+        assert dispatcher.deliver_due() == 0
+        assert storage.list("callbacks/pending/") == []
+        reasons = {
+            storage.get_json(k)["job_id"]: storage.get_json(k)["last_error"] for k in storage.list("callbacks/failed/")
+        }
+        assert reasons == {
+            "a-explodes": "RuntimeError: the transport broke",
+            "c-vanished": "job c-vanished no longer exists",
+        }
+    finally:
+        dispatcher._client.close()  # never started: no thread to stop

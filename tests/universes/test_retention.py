@@ -275,7 +275,7 @@ def test_a_universe_built_before_usage_records_counts_from_its_request(world: St
 
 def test_the_gauges_show_the_stored_bytes(world: StoreWorld, settings: Any) -> None:
     build(world, MODEL, ["a", "b"])
-    settings(universe_bytes_budget=123 << 30)
+    settings(universe_bytes_budget=123 << 20)  # below any test volume: not capped
     retention.refresh_metrics(world.ctx)
     summary = retention.storage_summary(world.ctx)
     manifests = [world.ctx.storage.get_json(k) for k in world.ctx.storage.list("universes/") if k.endswith("/manifest.json")]
@@ -283,7 +283,7 @@ def test_the_gauges_show_the_stored_bytes(world: StoreWorld, settings: Any) -> N
     assert summary["bytes"]["engrams"] == sum(m["bytes"]["engrams"] for m in manifests) > 0
     assert REGISTRY.get_sample_value("engram_universe_bytes", {"part": "groups"}) == summary["bytes"]["groups"]
     assert REGISTRY.get_sample_value("engram_universe_bytes", {"part": "engrams"}) == summary["bytes"]["engrams"]
-    assert REGISTRY.get_sample_value("engram_universe_budget_bytes") == 123 << 30
+    assert REGISTRY.get_sample_value("engram_universe_budget_bytes") == 123 << 20
     assert REGISTRY.get_sample_value("engram_universes", {"status": "ready"}) == summary["universes"]["ready"]
 
 

@@ -44,6 +44,21 @@ async def universe_usage(ctx: ContextDep, lanes: LanesDep, model_id: ModelQuery 
     return await lanes.status(retention.storage_summary, ctx, model_id)
 
 
+@router.delete(
+    "/universes/{universe_id}",
+    status_code=204,
+    response_class=Response,
+    responses={
+        404: {"description": "no such universe"},
+        409: {"description": "a job not finished builds or reads it (named), or it is a model's current universe"},
+    },
+)
+def delete_universe(universe_id: str, ctx: ContextDep) -> Response:
+    """Delete a universe: its factors, engrams and records (admin); variants built from it stay."""
+    universes.delete_universe(ctx, universe_id)
+    return Response(status_code=204)
+
+
 @router.get("/universes/{universe_id}", response_model=Universe)
 async def get_universe(universe_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """A universe: its members, status, groups decomposed so far, bytes once built, last use."""
