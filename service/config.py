@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -9,6 +10,11 @@ from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# S3's rule for bucket names (what AWS, MinIO and SeaweedFS create): a name botocore or the server
+# would refuse, or one that is no name at all (``user@host``, ``host:port``), is refused by this rule.
+S3_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+S3_BUCKET_RULE = "3 to 63 lower-case letters, digits, dots and hyphens, beginning and ending with a letter or digit"
 
 
 class Settings(BaseSettings):
@@ -22,6 +28,12 @@ class Settings(BaseSettings):
     model_roots: str = ""
     # Where file:// dataset references may point (besides ENGRAM_MODEL_ROOTS), ":"-separated.
     dataset_roots: str = ""
+    # The buckets s3:// dataset references may name, comma-separated. Empty (the default): s3://
+    # datasets are refused, as file:// ones are without roots. The service's credentials usually
+    # read more than datasets (its own store, other teams' buckets), and a reference makes the
+    # service read for whoever posts it, so the readable buckets are listed, never guessed. The
+    # store's own bucket (ENGRAM_STORAGE_URL) is never one: listing it stops the service at start-up.
+    dataset_buckets: str = Field(default="", description="comma-separated S3 bucket names")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "engram-service")
     api_keys: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -151,10 +163,34 @@ class Settings(BaseSettings):
         return value or None
 
     @model_validator(mode="after")
+    def _dataset_buckets_are_buckets(self) -> Settings:
+        for name in self.dataset_bucket_names:
+            if not S3_BUCKET_NAME.fullmatch(name):
+                raise ValueError(f"ENGRAM_DATASET_BUCKETS: {name!r} is not a bucket name ({S3_BUCKET_RULE})")
+        if self.storage_bucket in self.dataset_bucket_names:
+            raise ValueError(
+                f"ENGRAM_DATASET_BUCKETS lists {self.storage_bucket!r}, the bucket of ENGRAM_STORAGE_URL: "
+                "the service's own store is never a dataset source (anyone could read its statistics "
+                "and variants through a reference); remove it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _callbacks_are_signed(self) -> Settings:
         if self.callback_allowed_hosts and not (self.callback_secret and self.callback_secret.get_secret_value()):
             raise ValueError("ENGRAM_CALLBACK_HOSTS is set: set ENGRAM_CALLBACK_SECRET too (callbacks are always signed)")
         return self
+
+    @property
+    def dataset_bucket_names(self) -> frozenset[str]:
+        """The buckets ``s3://`` dataset references may name (ENGRAM_DATASET_BUCKETS)."""
+        return frozenset(b.strip() for b in self.dataset_buckets.split(",") if b.strip())
+
+    @property
+    def storage_bucket(self) -> str | None:
+        """The bucket of an ``s3://`` ENGRAM_STORAGE_URL; ``None`` for ``file://`` storage."""
+        parsed = urlparse(self.storage_url)
+        return parsed.netloc if parsed.scheme == "s3" else None
 
     @property
     def callback_allowed_hosts(self) -> frozenset[str]:

@@ -44,6 +44,8 @@ from service.config import Settings
 from service.dataset_sources import (
     FINGERPRINT,
     Source,
+    allowed_s3_key,
+    check_regular_file,
     file_path,
     fingerprint_reference,
     hf_parts,
@@ -72,8 +74,10 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
         given, absent options left out (so the same reference always has the same form).
 
     Raises:
-        InvalidInput: an unknown scheme, a path with ``..``, a ``file://`` path outside the roots,
-            a format the extension does not tell.
+        InvalidInput: an unknown scheme, a path with ``..``, a ``file://`` path outside the roots
+            or that is no regular file (a FIFO, socket or device could block the job that opens
+            it), an ``s3://`` bucket that is no bucket name, not in ``ENGRAM_DATASET_BUCKETS`` or
+            the store's own, a format the extension does not tell.
         PayloadTooLarge: a row range longer than ``ENGRAM_MAX_RECORDS``.
     """
     uri = raw["uri"]
@@ -110,6 +114,10 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
         )
     if start or stop is not None:
         reference["rows"] = {"start": start, **({"stop": int(stop)} if stop is not None else {})}
+    if scheme == "s3":  # last, so a malformed reference hears what is wrong with it first
+        allowed_s3_key(uri, settings)
+    elif scheme == "file":
+        check_regular_file(Path(path))
     return reference
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from service.config import Settings
+from service.config import S3_BUCKET_NAME, S3_BUCKET_RULE, Settings
 from service.errors import Conflict, InvalidInput
 from service.models.sources import file_uri_path
 from service.storage.base import ObjectNotFound, StorageUnavailable
@@ -56,12 +56,68 @@ def file_path(uri: str, roots: list[Path], *, strict: bool = False) -> Path:
     return path
 
 
+_FILE_TYPES = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def _not_regular(path: Path, info: os.stat_result) -> InvalidInput:
+    what = _FILE_TYPES.get(stat.S_IFMT(info.st_mode), "not a regular file")
+    return InvalidInput(
+        f"the dataset {path} is {what}: a dataset is a regular file (reading anything else can block "
+        "or never end); give the path of a JSONL or Parquet file"
+    )
+
+
+def check_regular_file(path: Path) -> None:
+    """Refuse a dataset path that names something other than a regular file, without opening it
+    (opening a FIFO blocks until a writer comes; a device may never end). A path that does not
+    exist yet passes: the job says so if it still does not."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISREG(info.st_mode):
+        raise _not_regular(path, info)
+
+
 def s3_key(uri: str) -> tuple[str, str]:
+    """``(bucket, key)`` of an ``s3://`` reference whose bucket is a bucket name (S3's rule: what
+    else botocore would refuse with an exception of its own, or send somewhere unexpected)."""
     parsed = urlparse(uri)
     key = unquote(parsed.path.lstrip("/"))
     if not parsed.netloc or not key or any(part in {"", ".", ".."} for part in key.split("/")):
         raise InvalidInput(f"an s3:// dataset is s3://bucket/key with no empty, '.' or '..' segment, got {uri!r}")
+    if not S3_BUCKET_NAME.fullmatch(parsed.netloc):
+        raise InvalidInput(f"{parsed.netloc!r} in {uri!r} is not an S3 bucket name: a bucket name is {S3_BUCKET_RULE}")
     return parsed.netloc, key
+
+
+def allowed_s3_key(uri: str, settings: Settings) -> tuple[str, str]:
+    """:func:`s3_key`, for a bucket ``ENGRAM_DATASET_BUCKETS`` lists and that is not the store's own.
+
+    The service reads with its own credentials for whoever posts a reference, so only the listed
+    buckets are read; the store's bucket never is, even when listed (the settings refuse that at
+    start-up; a worker started with other settings refuses it here).
+    """
+    bucket, key = s3_key(uri)
+    if bucket == settings.storage_bucket:
+        raise InvalidInput(
+            f"s3://{bucket} is this service's own store: datasets are never read from it; "
+            "upload the records, or copy them to a bucket of ENGRAM_DATASET_BUCKETS"
+        )
+    allowed = settings.dataset_bucket_names
+    if bucket not in allowed:
+        listed = ", ".join(sorted(allowed)) if allowed else "none: s3:// datasets are off on this service"
+        raise InvalidInput(
+            f"the bucket {bucket!r} is not one s3:// datasets may name (ENGRAM_DATASET_BUCKETS: {listed}); "
+            "upload the records, or ask the operator to list the bucket"
+        )
+    return bucket, key
 
 
 def hf_parts(uri: str) -> tuple[str, str | None, str]:
@@ -114,7 +170,7 @@ def _stat_print(info: os.stat_result) -> dict[str, Any]:
 def _s3_print(uri: str, settings: Settings) -> dict[str, Any] | None:
     from service.storage.s3 import BucketNotFound, S3CredentialsMissing, make_s3_client
 
-    bucket, key = s3_key(uri)
+    bucket, key = allowed_s3_key(uri, settings)
     try:
         return _head_print(_head(make_s3_client(settings.s3_endpoint_url), bucket, key))
     except (ObjectNotFound, BucketNotFound, S3CredentialsMissing):  # the job reads it, or says why not
@@ -204,8 +260,12 @@ class _LocalSource(Source):
     nothing read; an in-place write shows in ``fstat`` (checked when opened and after reading)."""
 
     def __init__(self, uri: str, path: Path, fingerprint: dict[str, Any] | None = None) -> None:
+        # Refused unopened when it is no regular file; opened non-blocking all the same, so a FIFO
+        # swapped in after that look cannot block the job (fstat then refuses it).
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            check_regular_file(path)
+            fd = os.open(path, flags)
         except FileNotFoundError:
             raise InvalidInput(f"the dataset {uri} does not exist") from None
         except OSError as exc:
@@ -213,7 +273,8 @@ class _LocalSource(Source):
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise InvalidInput(f"the dataset {uri} is not a regular file")
+            raise _not_regular(path, info)
+        os.set_blocking(fd, True)  # a regular file: ordinary reads from here on
         self.opened = _stat_print(info)
         if fingerprint is not None and fingerprint != self.opened:
             os.close(fd)
@@ -284,7 +345,7 @@ class _S3Source(Source):
     def __init__(self, uri: str, settings: Settings, fingerprint: dict[str, Any] | None = None) -> None:
         from service.storage.s3 import BucketNotFound, make_s3_client
 
-        self.bucket, self.key = s3_key(uri)
+        self.bucket, self.key = allowed_s3_key(uri, settings)
         self.client = make_s3_client(settings.s3_endpoint_url)
         # A version is immutable: a versioned bucket's posted version is read even if the key moved on.
         version = (fingerprint or {}).get("version_id")

@@ -263,6 +263,10 @@ class JsonlFeed:
             raw = json.loads(line.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise _unreadable(line, number, exc, first) from None
+        except ValueError:  # an integer of over 4,300 digits, which Python refuses to read (CVE-2020-10735)
+            raise MalformedBody(
+                f"dataset line {number} holds a number of over 4300 digits; no record field takes one"
+            ) from None
         except RecursionError:
             raise MalformedBody(f"dataset line {number} is nested too deeply") from None
         if first and isinstance(raw, list):

@@ -6,6 +6,7 @@ includes the jobs it runs); a distributed worker serves its own on ``ENGRAM_WORK
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -18,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 from pythonjsonlogger.json import JsonFormatter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import ProblemError
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 JOB_ID: ContextVar[str | None] = ContextVar("job_id", default=None)
@@ -126,7 +129,8 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        undecodable = _header_not_utf8(scope["headers"])
+        headers = {} if undecodable else {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         request_id = headers.get("x-request-id", "")[:64] or uuid.uuid4().hex
         token = REQUEST_ID.set(request_id)
         started, status = time.perf_counter(), 500
@@ -139,13 +143,49 @@ class RequestContext:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            if undecodable:
+                await _refuse_header(undecodable, scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             REQUEST_SECONDS.labels(route=route, method=scope["method"], status=str(status)).observe(
                 time.perf_counter() - started
             )
             REQUEST_ID.reset(token)
+
+
+class MalformedHeader(ProblemError):
+    status, title, slug = 400, "Malformed header", "malformed-header"
+
+
+def _header_not_utf8(raw: list[tuple[bytes, bytes]]) -> str | None:
+    """The name of the first header whose bytes are not UTF-8 text, if any.
+
+    HTTP lets a header carry any byte above 0x7F; nothing this service reads is meant to, and
+    every layer after this one (the request ID, the size limit, the routes) reads headers as text:
+    refused here, once, before anything can fail on them.
+    """
+    for name, value in raw:
+        try:
+            name.decode()
+            value.decode()
+        except UnicodeDecodeError:
+            return name.decode("ascii", "backslashreplace")
+    return None
+
+
+async def _refuse_header(name: str, scope: Scope, receive: Receive, send: Send) -> None:
+    problem = MalformedHeader(f"the {name} header is not UTF-8 text: send header values as ASCII or UTF-8")
+    body = json.dumps(problem.to_problem()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": problem.status,
+            "headers": [(b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 class _ContextFilter(logging.Filter):

@@ -145,7 +145,7 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}  # never fails
         multipart = headers.get("content-type", "").startswith("multipart/")
         limit = self.upload_limit if multipart else self.json_limit
         setting = "ENGRAM_MAX_UPLOAD_BYTES" if multipart else "ENGRAM_MAX_JSON_BYTES"

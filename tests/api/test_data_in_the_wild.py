@@ -104,12 +104,14 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(root: Path, seaweed: SeaweedServer) -> Iterator[LiveServer]:
+def server(root: Path, seaweed: SeaweedServer, s3_bucket: str) -> Iterator[LiveServer]:
     live = start_server(
         root / "store",
         root / "models",
         root / "server.log",
         ENGRAM_DATASET_ROOTS=str(root / "datasets"),
+        # The module's bucket, and the names the refusal cases use (so they meet the rule they test).
+        ENGRAM_DATASET_BUCKETS=f"{s3_bucket},bucket,nowhere",
         ENGRAM_MAX_RECORDS=str(MAX_RECORDS),
         ENGRAM_MAX_DATASET_BYTES=str(MAX_BYTES),
         ENGRAM_MAX_UPLOAD_BYTES=str(MAX_BYTES),

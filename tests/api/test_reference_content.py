@@ -55,11 +55,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(root: Path, seaweed: SeaweedServer) -> Iterator[LiveServer]:
+def server(root: Path, seaweed: SeaweedServer, s3_bucket: str) -> Iterator[LiveServer]:
     with running_server(
         root,
         root / "models",
         ENGRAM_DATASET_ROOTS=str(root / "datasets"),
+        ENGRAM_DATASET_BUCKETS=s3_bucket,
         ENGRAM_S3_ENDPOINT_URL=seaweed.endpoint_url,
         ENGRAM_CACHE_DIR=str(root / "cache"),
         **seaweed.env(),

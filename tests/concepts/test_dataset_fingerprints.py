@@ -56,9 +56,16 @@ def digest_of(records: list[dict[str, Any]]) -> str:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, seaweed: SeaweedServer) -> Settings:
+def settings(tmp_path: Path, seaweed: SeaweedServer, request: pytest.FixtureRequest) -> Settings:
     (tmp_path / "data").mkdir()
-    return Settings(dataset_roots=str(tmp_path / "data"), cache_dir=tmp_path / "cache", s3_endpoint_url=seaweed.endpoint_url)
+    # s3:// datasets are read from listed buckets only (ENGRAM_DATASET_BUCKETS): the test's own.
+    buckets = [request.getfixturevalue(name) for name in ("bucket", "versioned_bucket") if name in request.fixturenames]
+    return Settings(
+        dataset_roots=str(tmp_path / "data"),
+        cache_dir=tmp_path / "cache",
+        s3_endpoint_url=seaweed.endpoint_url,
+        dataset_buckets=",".join(buckets),
+    )
 
 
 def resolve(reference: dict[str, Any], settings: Settings, tmp_path: Path, check: Any = None) -> Any:

@@ -21,6 +21,7 @@ from service.errors import InvalidInput, MalformedBody, ProblemError
 from service.storage.base import scratch_dir
 
 router = APIRouter(tags=["concepts"])
+_MAX_INT_DIGITS = 4300  # sys.get_int_max_str_digits() by default: json.loads refuses longer integers
 
 _MULTIPART_SCHEMA = {
     "type": "object",
@@ -123,6 +124,10 @@ def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[Concep
         fields = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MalformedBody(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # Python reads no integer of over 4,300 digits (CVE-2020-10735)
+        raise MalformedBody(
+            f"the request body holds a number of over {_MAX_INT_DIGITS} digits; no field takes one"
+        ) from None
     except RecursionError:
         raise MalformedBody("the request body is nested too deeply") from None
     body = _validate(ConceptCreate, fields)
