@@ -44,7 +44,7 @@ from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
 from service.jobs.store import FINISHED
-from service.models.loaded import checked_model_dir
+from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.universes.build import ensure_universe
 from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
@@ -78,7 +78,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     loaded = time.monotonic()
     candidates = InMemoryCandidates(
         ctx,
-        checked_model_dir(ctx, model),
+        checked_model_files(ctx, model),
         layout,
         universe,
         term_prefixes,

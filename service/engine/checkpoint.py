@@ -16,7 +16,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -32,17 +32,19 @@ from service.engine.layout import ModelLayout, is_causal_lm
 from service.engine.model_checks import check_weight_dtypes, validate_model_dir
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
+    ModelFiles,
     ModelSourceError,
     allowed_dirs,
+    as_model_files,
     check_links,
     check_shard_name,
     check_tokenizer_config,
     clean_view,
+    model_files_of,
     open_file,
-    present,
+    open_model_files,
+    open_without_links,
     resolve_file,
-    used_files,
-    weight_files,
 )
 from service.engine.safetensors_stream import read_header
 
@@ -55,7 +57,7 @@ _HASH_CHUNK = 8 * 1024 * 1024
 def directory_digest(path: Path, every_file: bool = False) -> str:
     """sha256 over the names and contents of the files the service uses from a model folder
     (:func:`~service.engine.model_files.used_files`: side files and shards, each checked to lie
-    inside the folder).
+    inside the folder), read through descriptors opened once (:func:`files_digest`).
 
     Args:
         path: the model folder.
@@ -66,28 +68,42 @@ def directory_digest(path: Path, every_file: bool = False) -> str:
     Raises:
         ModelSourceError: a used file breaks a rule of :mod:`service.engine.model_files`.
     """
-    if every_file:
-        check_links(path)
-        dirs = allowed_dirs(path)
-        files = {}
-        for entry in sorted(path.iterdir()):
-            if entry.suffix in PICKLE_SUFFIXES or not entry.is_file():
-                continue
-            files[entry.name] = resolve_file(path, entry.name, dirs)
-    else:
-        files = used_files(path)
+    if not every_file:
+        with open_model_files(path) as files:
+            return files_digest(files)
+    check_links(path)
+    dirs = allowed_dirs(path)
     outer = hashlib.sha256()
-    for name, real in files.items():
-        outer.update(name.encode() + b"\0" + file_sha256(real, nofollow=True).encode() + b"\n")
+    for entry in sorted(path.iterdir()):
+        if entry.suffix in PICKLE_SUFFIXES or not entry.is_file():
+            continue
+        real = resolve_file(path, entry.name, dirs)
+        fd = open_without_links(real, entry.name)
+        with open(fd, "rb") as handle:
+            outer.update(entry.name.encode() + b"\0" + _sha256_of(handle).encode() + b"\n")
+    return outer.hexdigest()
+
+
+def files_digest(files: ModelFiles) -> str:
+    """sha256 over the names and contents of opened model files, read through their descriptors:
+    the registration's digest."""
+    outer = hashlib.sha256()
+    for name in files.names:
+        with files.open(name) as handle:
+            outer.update(name.encode() + b"\0" + _sha256_of(handle).encode() + b"\n")
     return outer.hexdigest()
 
 
 def file_sha256(path: Path, nofollow: bool = False) -> str:
     """sha256 of a file's bytes (``nofollow``: ``path`` is resolved and must not be a link now)."""
-    digest = hashlib.sha256()
     with open_file(path) if nofollow else path.open("rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
+        return _sha256_of(handle)
+
+
+def _sha256_of(handle: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    while chunk := handle.read(_HASH_CHUNK):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -115,17 +131,25 @@ def _empty_model(
     return model
 
 
-def inspect_model_dir(path: Path) -> ModelLayout:
+def inspect_model_dir(source: Path | ModelFiles) -> ModelLayout:
     """Validate a checkpoint and describe its editable layers without reading its weights.
 
     The model is built on the ``meta`` device (no memory) to learn its module tree and which
-    parameters are tied; checkpoint keys come from the safetensors headers.
+    parameters are tied; checkpoint keys come from the safetensors headers. Everything is read
+    through the opened files (a folder is opened here, after its rules are checked by name).
     """
+    if isinstance(source, Path):
+        validate_model_dir(source)  # by name first: a folder's first problem is named as users expect
+    with model_files_of(source) as files:
+        return _inspect(files)
+
+
+def _inspect(files: ModelFiles) -> ModelLayout:
     import transformers
 
-    config_dict = validate_model_dir(path)
+    config_dict = validate_model_dir(files.folder, files)
     try:
-        with clean_view(path) as view:
+        with clean_view(files) as view:
             config = transformers.AutoConfig.from_pretrained(str(view), trust_remote_code=False)
         cls = model_class(config_dict)
         with torch.device("meta"):
@@ -148,34 +172,44 @@ def inspect_model_dir(path: Path) -> ModelLayout:
             "statistics come from one stream of tokens, and an encoder-decoder model reads two (its decoder "
             "needs targets of its own); register a decoder-only (causal LM) or an encoder-only model"
         )
-    key_files = _checkpoint_keys(path)
-    shapes = _stored_shapes(path)
+    key_files = _checkpoint_keys(files)
+    shapes = _stored_shapes(files)
     renamed = renamed_parameters(model, shapes)
     layout = _layout(model, key_files, renamed)
     layout.causal_lm = is_causal_lm(model)
     _add_expert_layers(layout, model, shapes, renamed)
     in_checkpoint = {spec.name: layout.weight_keys[spec.name] for spec in layout.layers}
-    check_weight_dtypes(path, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])
+    check_weight_dtypes(files, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])
     return layout
 
 
-def _checkpoint_keys(path: Path) -> dict[str, str]:
+def _checkpoint_keys(files: ModelFiles) -> dict[str, str]:
+    """Every checkpoint key -> the shard holding it.
+
+    Raises:
+        ModelSourceError: an unreadable shard, or a tensor stored in two shards: transformers would
+            load one copy and a variant would edit (or copy) each, so the two would disagree.
+    """
     key_files: dict[str, str] = {}
-    for name in weight_files(path):
-        real = resolve_file(path, name)
+    for name in files.shards:
         try:
-            with safe_open(str(real), framework="pt") as handle:
-                key_files.update(dict.fromkeys(handle.keys(), name))  # noqa: SIM118
+            with safe_open(str(files.path(name)), framework="pt") as handle:
+                keys = list(handle.keys())  # noqa: SIM118
         except Exception as exc:
             raise ModelSourceError(f"{name} is not a readable safetensors file: {exc}") from None
+        for key in keys:
+            if key in key_files:
+                raise ModelSourceError(
+                    f"the tensor {key!r} is stored in two shards, {key_files[key]} and {name}; a checkpoint "
+                    "must store each tensor once: remove one copy (and fix model.safetensors.index.json)"
+                )
+            key_files[key] = name
     return key_files
 
 
-def _stored_shapes(path: Path) -> dict[str, list[int]]:
+def _stored_shapes(files: ModelFiles) -> dict[str, list[int]]:
     """Every checkpoint key -> its stored shape, from the safetensors headers (no tensor is read)."""
-    return {
-        key: entry.shape for name in weight_files(path) for key, entry in read_header(resolve_file(path, name))[0].items()
-    }
+    return {key: entry.shape for name in files.shards for key, entry in read_header(files.path(name))[0].items()}
 
 
 def _layout(model: nn.Module, key_files: dict[str, str], renamed: Mapping[str, str]) -> ModelLayout:
@@ -242,7 +276,7 @@ def _add_expert_layers(
 
 
 def load_model(
-    path: Path,
+    source: Path | ModelFiles,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     untie: bool = False,
@@ -251,10 +285,11 @@ def load_model(
 ) -> nn.Module:
     """Load a validated checkpoint (safetensors only, no remote code).
 
-    transformers sees only the checked files (:func:`~service.engine.model_files.clean_view`).
+    transformers sees only the checked files, through their descriptors
+    (:func:`~service.engine.model_files.clean_view`).
 
     Args:
-        path: the checkpoint directory.
+        source: the checkpoint directory, or its files opened by a job.
         device: where the model goes (ignored with a ``device_map``).
         dtype: override of the stored dtype.
         untie: load with ``tie_word_embeddings=False`` (a delta variant that edited a tied head
@@ -264,7 +299,19 @@ def load_model(
             A placement that would need disk offload is refused by transformers (no offload folder).
         max_memory: with ``device_map``, accelerate's per-device budget (``{0: "10GiB", "cpu": …}``).
     """
-    config = validate_model_dir(path)
+    with model_files_of(source) as files:
+        return _load_model(files, device, dtype, untie, device_map, max_memory)
+
+
+def _load_model(
+    files: ModelFiles,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+    untie: bool,
+    device_map: str | dict[str, Any] | None,
+    max_memory: dict[Any, Any] | None,
+) -> nn.Module:
+    config = validate_model_dir(files.folder, files)
     cls = model_class(config)
     kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": False}
     if dtype is not None:
@@ -275,7 +322,7 @@ def load_model(
         kwargs["device_map"] = device_map
         if max_memory is not None:
             kwargs["max_memory"] = max_memory
-    with clean_view(path) as view:
+    with clean_view(files) as view:
         model: nn.Module = cls.from_pretrained(str(view), **kwargs)
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     if "disk" in devices:
@@ -292,14 +339,15 @@ class ModelTooLarge(RuntimeError):
     """A ``device_map`` placement that would need disk offload."""
 
 
-def load_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer, read from the checked files only (no remote code)."""
+def load_tokenizer(source: Path | ModelFiles) -> transformers.PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, read from the checked files only, through their descriptors (no
+    remote code)."""
     import transformers
 
-    check_links(path)
-    check_tokenizer_config(path)
-    with clean_view(path) as view:
-        return transformers.AutoTokenizer.from_pretrained(str(view), trust_remote_code=False)
+    with model_files_of(source) as files:
+        check_tokenizer_config(files.folder, files)
+        with clean_view(files) as view:
+            return transformers.AutoTokenizer.from_pretrained(str(view), trust_remote_code=False)
 
 
 # The files transformers builds a tokenizer from: a folder with none of them (weights for variants
@@ -317,17 +365,17 @@ TOKENIZER_FILES = (
 _VIEW_PATH = re.compile(r"\S*engram-model-view-\w+")
 
 
-def check_tokenizer(path: Path) -> None:
+def check_tokenizer(files: ModelFiles) -> None:
     """Load the folder's tokenizer once, when it ships one: one transformers cannot build (broken
     files, a class it lacks) is then refused at registration, not the failure of every later job.
 
     Raises:
         ModelSourceError: transformers' error, with the private view's path replaced.
     """
-    if not any(present(path, name) for name in TOKENIZER_FILES):
+    if not any(files.has(name) for name in TOKENIZER_FILES):
         return
     try:
-        load_tokenizer(path)
+        load_tokenizer(files)
     except ModelSourceError:
         raise
     except Exception as exc:  # transformers and tokenizers raise many types for broken files
@@ -340,20 +388,19 @@ class CheckpointReader:
 
     Each read maps the shard only while it copies the tensor out: a mapping kept open would leave
     every page read so far resident in this process, a whole model's worth after one variant.
-    The layout's shard names are checked and resolved once, when the reader is made.
+    Shards are read through the descriptors of :class:`~service.engine.model_files.ModelFiles`
+    (given, or opened once when the reader is made), never by their names in the folder.
 
     Raises:
         ModelSourceError: (at construction) a shard name or file that breaks a rule of
             :mod:`service.engine.model_files`.
     """
 
-    def __init__(self, path: Path, layout: ModelLayout) -> None:
-        self.path = path
+    def __init__(self, source: Path | ModelFiles, layout: ModelLayout) -> None:
+        self.files = as_model_files(source)  # a job's checked files, or a folder's opened now
+        self.path = self.files.folder
         self.layout = layout
-        dirs = allowed_dirs(path)
-        self._files = {
-            name: resolve_file(path, check_shard_name(name), dirs) for name in sorted(set(layout.key_files.values()))
-        }
+        self._files = {name: self.files.path(check_shard_name(name)) for name in sorted(set(layout.key_files.values()))}
 
     def tensor(self, key: str) -> torch.Tensor:
         with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:

@@ -12,6 +12,7 @@ its own key and setting ``tie_word_embeddings: false``; the embedding keeps its 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from pathlib import Path
@@ -23,20 +24,11 @@ from service.engine.compose import LayerEdit
 from service.engine.expert_keys import fused_tensor_with_edits
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
-from service.engine.model_files import (
-    INDEX_FILE,
-    SIDE_FILES,
-    allowed_dirs,
-    copy_file,
-    read_json,
-    resolve_file,
-    target_file,
-    used_files,
-    weight_files,
-)
+from service.engine.model_files import INDEX_FILE, SIDE_FILES, ModelFiles, model_files_of, target_file
 from service.engine.safetensors_stream import Planned, TensorEntry, read_header, write_streaming
 
 _target_file = target_file  # write_delta's parameter of that name shadows it
+_COPY_CHUNK = 8 << 20
 
 
 def edit_plan(spec: LayerSpec, layout: ModelLayout) -> list[tuple[str, str, str]]:
@@ -122,10 +114,9 @@ class _LayerValues:
         return self._values[key] if key in self._values else self.reader.tensor(base_key)
 
 
-def _shard_paths(source: Path) -> dict[str, Path]:
-    """Checked shard name -> resolved path, in shard order."""
-    dirs = allowed_dirs(source)
-    return {shard: resolve_file(source, shard, dirs) for shard in weight_files(source, dirs)}
+def _shard_paths(files: ModelFiles) -> dict[str, Path]:
+    """Shard name -> the path of its opened descriptor, in shard order."""
+    return {shard: files.path(shard) for shard in files.shards}
 
 
 def _all_entries(shards: Mapping[str, Path]) -> dict[str, TensorEntry]:
@@ -136,7 +127,7 @@ def _all_entries(shards: Mapping[str, Path]) -> dict[str, TensorEntry]:
 
 
 def write_checkpoint(
-    source: Path,
+    source: Path | ModelFiles,
     target: Path,
     layout: ModelLayout,
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
@@ -150,13 +141,25 @@ def write_checkpoint(
     copied byte for byte from the source. Memory: one layer's edit, never a shard.
 
     Args:
-        source: the base model directory.
+        source: the base model directory, or its files opened by a job (read only through them).
         target: an empty directory to fill.
         layout: the base model's layout.
         edit_layer: computes one layer's edit (``None``: it turned out unchanged).
         edited: names of the layers to edit (they decide the keys, before any edit is computed).
         on_layer: progress callback, once per edited layer.
     """
+    with model_files_of(source) as files:
+        _write_checkpoint(files, target, layout, edit_layer, edited, on_layer)
+
+
+def _write_checkpoint(
+    source: ModelFiles,
+    target: Path,
+    layout: ModelLayout,
+    edit_layer: Callable[[LayerSpec], LayerEdit | None],
+    edited: Collection[str],
+    on_layer: Callable[[], None] | None,
+) -> None:
     shards = _shard_paths(source)
     entries = _all_entries(shards)
     shard = ""
@@ -183,29 +186,33 @@ def write_checkpoint(
         planned += [Planned(key, entry, real) for key, entry in shard_entries.items() if key not in claimed]
         write_streaming(target_file(target, shard), planned, {**metadata, "format": "pt"})
     _copy_side_files(source, target, bool(new_keys), new_keys)
+    # What was read must still be what was opened: a file rewritten in place during the write (a new
+    # mtime or size; the descriptor sees the new bytes) fails the build instead of publishing a mix.
+    source.check(source.identity())
 
 
-def _copy_side_files(source: Path, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
+def _copy_side_files(source: ModelFiles, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
     """Copy the :data:`SIDE_FILES` the source has (only those: never a README or any other file),
     untying the config and adding the new keys to the index when the edit untied a weight."""
-    for name, real in used_files(source).items():
+    for name in source.names:
         if name not in SIDE_FILES:
             continue  # a shard: written above
         out = target_file(target, name)
         if name == "config.json" and untied:
-            config = read_json(real)
+            config = source.read_json(name)
             config["tie_word_embeddings"] = False
             out.write_text(json.dumps(config, indent=2))
         elif name == INDEX_FILE and new_keys:
-            index = read_json(real)
+            index = source.read_json(name)
             index["weight_map"].update(new_keys)
             out.write_text(json.dumps(index, indent=2))
         else:
-            copy_file(real, out)
+            with source.open(name) as src, out.open("xb") as dst:
+                shutil.copyfileobj(src, dst, _COPY_CHUNK)
 
 
 def write_delta(
-    source: Path,
+    source: Path | ModelFiles,
     target_file: Path,
     layout: ModelLayout,
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
@@ -219,18 +226,36 @@ def write_delta(
     Loading: read the base model, then ``model.load_state_dict(delta, strict=False)``; when the
     metadata says ``untied``, untie the embeddings first (``config.tie_word_embeddings = False``).
     """
-    entries = _all_entries(_shard_paths(source))
-    values = _LayerValues(edit_layer, layout, CheckpointReader(source, layout), on_layer and (lambda _spec: on_layer()))
+    with model_files_of(source) as files:
+        entries = _all_entries(_shard_paths(files))
+        reader = CheckpointReader(files, layout)
+        values = _LayerValues(edit_layer, layout, reader, on_layer and (lambda _spec: on_layer()))
+        planned = _delta_plan(files, entries, layout, edit_layer, edited, values, on_layer)
+        untied = any(key not in layout.key_files for key in planned)
+        out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
+        write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
+        files.check(files.identity())  # as write_checkpoint: nothing rewritten in place meanwhile
+
+
+def _delta_plan(
+    files: ModelFiles,
+    entries: Mapping[str, TensorEntry],
+    layout: ModelLayout,
+    edit_layer: Callable[[LayerSpec], LayerEdit | None],
+    edited: Collection[str],
+    values: _LayerValues,
+    on_layer: Callable[[], None] | None,
+) -> dict[str, Planned]:
+    """The delta's tensors by key: each edited layer's (computed when written), then fused experts'."""
     planned: dict[str, Planned] = {}
     for spec in (s for s in layout.layers if s.name in edited and s.name not in layout.expert_slices):
         for key, base_key, _role in edit_plan(spec, layout):
             produce = partial(values.value, spec, key, base_key)
-            planned.setdefault(key, Planned(key, entries[base_key], source, produce))
-    for item in _expert_slice_plans(entries, source, layout, edit_layer, edited, values.reader, on_layer):
+            # never copied (``produce`` is set): the source path is only the planned entry's origin
+            planned.setdefault(key, Planned(key, entries[base_key], files.folder, produce))
+    for item in _expert_slice_plans(entries, files.folder, layout, edit_layer, edited, values.reader, on_layer):
         planned[item.key] = item
-    untied = any(key not in layout.key_files for key in planned)
-    out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
-    write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
+    return planned
 
 
 def _expert_slice_plans(

@@ -5,7 +5,8 @@ full-precision weights, neither declared quantized in ``config.json`` nor stored
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +15,24 @@ from safetensors import safe_open
 from service.engine.layers import summarize_names
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
+    ModelFiles,
     ModelSourceError,
-    allowed_dirs,
     check_links,
     check_shard_name,
     check_tokenizer_config,
     present,
     read_side_json,
-    resolve_file,
     weight_files,
 )
 
 
-def validate_model_dir(path: Path) -> dict[str, Any]:
+def validate_model_dir(path: Path, files: ModelFiles | None = None) -> dict[str, Any]:
     """Check a directory is a safe Hugging Face checkpoint and return its ``config.json``.
+
+    Args:
+        path: the model folder.
+        files: its files opened by a job or a registration: the side files are then read through
+            these descriptors, so what is checked is what is used (else by name, as the API does).
 
     Raises:
         ModelSourceError: missing config, pickle-only weights, remote code, unreadable files, a
@@ -37,18 +42,19 @@ def validate_model_dir(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise ModelSourceError(f"{path} is not a directory")
     check_links(path)
-    if not present(path, "config.json"):
+    has, read = _side_readers(path, files)
+    if not has("config.json"):
         raise ModelSourceError(f"{path} has no config.json")
-    config = read_side_json(path, "config.json")
+    config = read("config.json")
     if not isinstance(config, dict):
         raise ModelSourceError("config.json is not a JSON object")
     if "auto_map" in config:
         raise ModelSourceError("the model needs remote code (config.json has auto_map), which is refused")
     check_not_quantized(config)
     check_layer_count(config)
-    check_side_json(path)
-    check_tokenizer_config(path)
-    if not weight_files(path):
+    check_side_json(path, files)
+    check_tokenizer_config(path, files)
+    if not (files.shards if files is not None else weight_files(path)):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise ModelSourceError(f"pickle weights are refused ({', '.join(pickles)}); convert to safetensors")
@@ -93,17 +99,25 @@ _OBJECT_FILES = (
 _CODE_FILES = ("tokenizer_config.json", "preprocessor_config.json")
 
 
-def check_side_json(path: Path) -> None:
+def _side_readers(path: Path, files: ModelFiles | None) -> tuple[Callable[[str], bool], Callable[[str], Any]]:
+    """``(has, read_json)`` of a folder's side files: through ``files`` when given, else by name."""
+    if files is not None:
+        return files.has, files.read_json
+    return partial(present, path), partial(read_side_json, path)
+
+
+def check_side_json(path: Path, files: ModelFiles | None = None) -> None:
     """Refuse a JSON side file that is not an object, or that asks for remote code: either
     registered before, and every job that loads the tokenizer then failed.
 
     Raises:
         ModelSourceError: naming the file (also one too large or nested too deeply to parse).
     """
+    has, read = _side_readers(path, files)
     for name in _OBJECT_FILES:
-        if not present(path, name):
+        if not has(name):
             continue
-        values = read_side_json(path, name)
+        values = read(name)
         if not isinstance(values, dict):
             raise ModelSourceError(f"{name} is not a JSON object")
         if name in _CODE_FILES and "auto_map" in values:
@@ -158,12 +172,12 @@ _PACKED_SUFFIXES = (".qweight", ".weight_packed")
 
 
 def check_weight_dtypes(
-    path: Path, weight_keys: Mapping[str, str], key_files: Mapping[str, str], names: Collection[str]
+    files: ModelFiles, weight_keys: Mapping[str, str], key_files: Mapping[str, str], names: Collection[str]
 ) -> None:
     """Refuse packed or 8-bit weights for editable layers that a config without quantization hides.
 
     Args:
-        path: the model folder.
+        files: the model folder's opened files.
         weight_keys: each editable layer whose weight is in the checkpoint -> the key holding it,
             in the order the refusal lists them (the layout's).
         key_files: every checkpoint key -> its shard.
@@ -173,12 +187,11 @@ def check_weight_dtypes(
         ModelSourceError: naming each such layer and its stored dtype (or its packed key).
     """
     found: dict[str, list[str]] = {}
-    dirs = allowed_dirs(path)
     by_shard: dict[str, list[tuple[str, str]]] = {}
     for layer, key in weight_keys.items():
         by_shard.setdefault(key_files[key], []).append((layer, key))
     for shard, entries in by_shard.items():
-        with safe_open(str(resolve_file(path, check_shard_name(shard), dirs)), framework="pt") as handle:
+        with safe_open(str(files.path(check_shard_name(shard))), framework="pt") as handle:
             for layer, key in entries:
                 dtype = str(handle.get_slice(key).get_dtype())
                 if dtype not in _EDITABLE_DTYPES:

@@ -22,10 +22,11 @@ from service.context import Context
 from service.engine.checkpoint import load_model
 from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
+from service.engine.model_files import ModelFiles
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
 from service.jobs.progress import JobProgress
-from service.models.loaded import MODELS, checked_model_dir
+from service.models.loaded import MODELS, checked_model_files
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.storage.keys import evaluation_key, probes_key, variant_file_key
@@ -57,8 +58,8 @@ class _VariantModels:
         with self._lock:
             if variant_id not in self._items:
                 self._items.clear()  # one variant at a time: a model-sized object each
-                base_dir = checked_model_dir(ctx, model_manifest)
-                self._items[variant_id] = _load_variant(ctx, variant_id, request, manifest, base_dir, device)
+                with checked_model_files(ctx, model_manifest) as base_files:
+                    self._items[variant_id] = _load_variant(ctx, variant_id, request, manifest, base_files, device)
             return base, self._items[variant_id], tokenizer
 
 
@@ -66,7 +67,7 @@ VARIANT_MODELS = _VariantModels()
 
 
 def _load_variant(
-    ctx: Context, variant_id: str, request: VariantRequest, manifest: dict[str, Any], base_dir: Path, device: str
+    ctx: Context, variant_id: str, request: VariantRequest, manifest: dict[str, Any], base_dir: ModelFiles, device: str
 ) -> Any:
     """The variant as shipped: its checkpoint, the base plus its delta, or the base plus its adapter."""
     with scratch_dir("variant-load") as tmp:
@@ -87,7 +88,7 @@ def _load_variant(
     raise JobFailed(f"variant {variant_id} has format {fmt!r}, which cannot be evaluated")
 
 
-def _base_plus_delta(base_dir: Path, delta_file: Path, device: str) -> Any:
+def _base_plus_delta(base_dir: ModelFiles, delta_file: Path, device: str) -> Any:
     with safe_open(str(delta_file), framework="pt") as handle:
         untied = json.loads((handle.metadata() or {}).get("untied", "false"))
     model = load_model(base_dir, device=device, untie=untied)

@@ -42,7 +42,7 @@ from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
 from service.jobs.progress import JobProgress, NoProgress, Progress
 from service.maps.service import MapRequest, find_map, map_request
-from service.models.loaded import checked_model_dir
+from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.storage.keys import map_key, map_request_key
 from service.storage.local_copies import statistics
@@ -121,7 +121,7 @@ def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[Mod
 def _compute(
     ctx: Context, model: dict[str, Any], layout: ModelLayout, request: MapRequest, progress: Progress
 ) -> dict[str, Any]:
-    reader = CheckpointReader(checked_model_dir(ctx, model), layout)
+    reader = CheckpointReader(checked_model_files(ctx, model), layout)
     weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
     values: dict[str, dict[str, float]] = {}
     for name in request.concepts:

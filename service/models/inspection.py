@@ -8,15 +8,19 @@ the job imports this module (``service.jobs.kinds`` names its body by import pat
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import check_tokenizer, directory_digest, inspect_model_dir
-from service.engine.model_files import ModelSourceError
+from service.engine.checkpoint import check_tokenizer, files_digest, inspect_model_dir
+from service.engine.layout import ModelLayout
+from service.engine.model_checks import validate_model_dir
+from service.engine.model_files import FileIdentity, ModelFilesChanged, ModelSourceError, open_model_files
 from service.errors import Conflict, InvalidInput
 from service.jobs.store import utc_now
-from service.models.registry import file_fingerprint, find_model
-from service.models.sources import local_model_dir
+from service.models.loaded import write_copy_record
+from service.models.registry import files_changed, find_model
+from service.models.sources import is_remote, local_model_dir
 from service.storage.keys import model_key
 
 
@@ -31,21 +35,16 @@ def run_registration(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, Any], bool]:
-    """Register a checkpoint; returns (manifest, created). Same registration twice is a no-op."""
+    """Register a checkpoint; returns (manifest, created). Same registration twice is a no-op, unless
+    the folder's files changed since (:func:`files_changed`): it is then registered anew."""
     existing = find_model(ctx, model_id)
     if existing is not None:
         if existing["source"] != source:
             raise Conflict(f"model {model_id} is already registered with source {existing['source']}")
-        return existing, False
+        if not files_changed(existing):
+            return existing, False
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
-    try:
-        # Refuses links leading out of the folder and shard names that are not plain file names
-        # in it (service.engine.model_files), before any of those files is opened.
-        layout = inspect_model_dir(path)
-        check_tokenizer(path)  # one no job could load is refused now, not at every collection
-        digest, fingerprint = directory_digest(path), file_fingerprint(path)
-    except ModelSourceError as exc:
-        raise InvalidInput(str(exc)) from None
+    layout, digest, identity = _inspect(ctx, source, path)
     if not layout.layers:
         raise InvalidInput("the model has no editable Linear or Conv1D layers in its safetensors weights")
     manifest = {
@@ -53,7 +52,9 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
         "source": source,
         "path": str(path),
         "digest": digest,
-        "fingerprint": fingerprint,
+        "identity": {name: value.to_json() for name, value in identity.items()},
+        # sizes and mtimes, as registrations made before identities were: what an older worker reads
+        "fingerprint": {name: value.to_json()[:2] for name, value in identity.items()},
         "architecture": layout.architecture,
         "num_parameters": layout.num_parameters,
         "layout": layout.to_json(),
@@ -61,7 +62,32 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
     }
     with ctx.lock:
         again = find_model(ctx, model_id)
-        if again is not None:
+        if again is not None and again != existing:  # another registration landed meanwhile: answer it
             return register_model(ctx, model_id, source)
         ctx.storage.put_json(model_key(model_id), manifest)
     return manifest, True
+
+
+def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, str, dict[str, FileIdentity]]:
+    """The folder's layout, digest and file identities, every file opened once and read through
+    its descriptor: the identity recorded is that of the bytes hashed and inspected.
+
+    Raises:
+        InvalidInput: the folder breaks a rule (a link leading out of it, a shard name that is not a
+            plain file name in it, a tensor in two shards...: checked before any weight is read), or
+            a file changed while it was read.
+    """
+    try:
+        validate_model_dir(path)  # by name first, as the request did: the first problem named as users expect
+        with open_model_files(path) as files:
+            layout = inspect_model_dir(files)
+            check_tokenizer(files)  # one no job could load is refused now, not at every collection
+            digest = files_digest(files)
+            files.check(files.identity())  # nothing rewritten in place while it was read
+            if is_remote(source):  # this machine's copy is verified: its jobs need not hash it again
+                write_copy_record(ctx, files, digest)
+            return layout, digest, files.identity()
+    except ModelFilesChanged as exc:
+        raise InvalidInput(f"{exc}: the model folder changed while it was registered; register it again") from None
+    except ModelSourceError as exc:
+        raise InvalidInput(str(exc)) from None

@@ -21,7 +21,7 @@ from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
 from service.jobs.admission import admit
 from service.jobs.store import new_job
-from service.models.registry import find_model
+from service.models.registry import files_changed, find_model
 from service.models.sources import check_remote_source, is_remote, local_model_dir
 from service.storage.keys import registration_key
 
@@ -95,8 +95,9 @@ def registering_job(ctx: Context, model_id: str) -> dict[str, Any] | None:
 
 
 def _registered(ctx: Context, model_id: str, source: str) -> dict[str, Any] | None:
-    """The registration of ``model_id`` when it has this source; a 409 when it has another."""
+    """The registration of ``model_id`` when it has this source (``None`` when its files changed since:
+    registered anew); a 409 when it has another."""
     existing = find_model(ctx, model_id)
     if existing is not None and existing["source"] != source:
         raise Conflict(f"model {model_id} is already registered with source {existing['source']}")
-    return existing
+    return None if existing is not None and files_changed(existing) else existing

@@ -1,8 +1,9 @@
 """Models: reading registrations (:mod:`service.models.inspection` writes them) and the file fingerprint.
 
 A registration is ``models/<quoted id>.json``: the source, the resolved folder, the content digest
-of the files the service uses, their sizes and mtimes (a cheap check that they did not change under
-us) and the checkpoint's layout (its editable layers).
+of the files the service uses, their identity (size, mtime, inode and ctime of each, taken through the
+descriptors the digest was read through: what every job compares, instead of hashing again; the
+older ``fingerprint`` is sizes and mtimes only) and the checkpoint's layout (its editable layers).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
-from service.engine.model_files import used_files
+from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files, used_files
 from service.errors import InvalidInput, NotFound
 from service.storage.keys import MODELS, model_key
 
@@ -28,6 +29,38 @@ def file_fingerprint(path: Path) -> dict[str, list[int]]:
     """
     stats = {name: real.stat() for name, real in used_files(path).items()}
     return {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
+
+
+def registered_identity(manifest: dict[str, Any]) -> dict[str, FileIdentity] | None:
+    """The identity of each file recorded at registration; ``None`` for a registration made before
+    identities were recorded (or one whose record is not readable: it is then checked by content)."""
+    recorded = manifest.get("identity")
+    if not isinstance(recorded, dict) or not recorded:
+        return None
+    identity = {name: FileIdentity.from_json(value) for name, value in recorded.items()}
+    if any(value is None for value in identity.values()):
+        return None
+    return {name: value for name, value in identity.items() if value is not None}
+
+
+def files_changed(manifest: dict[str, Any]) -> bool:
+    """Whether a ``file://`` model's files are no longer the ones registered (their identities; only
+    the index is read). Posting the same registration again then registers the folder anew, which
+    is what a job failing with "re-register the model" asks for. A remote source's registration
+    (its private copies are checked where they lie) and one without recorded identities never are.
+    """
+    registered = registered_identity(manifest)
+    if registered is None or not str(manifest.get("source", "")).startswith("file://"):
+        return False
+    path = Path(manifest["path"])
+    try:
+        if path.resolve() != path:
+            return True
+        with open_model_files(path) as files:
+            files.check(registered)
+    except (ModelSourceError, OSError):
+        return True
+    return False
 
 
 def find_model(ctx: Context, model_id: str) -> dict[str, Any] | None:

@@ -32,7 +32,7 @@ from service.errors import JobFailed
 from service.jobs.leases import Leases, LocalLeases, RedisLeases, worker_name
 from service.jobs.progress import Progress
 from service.jobs.store import utc_now
-from service.models.loaded import checked_model_dir
+from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
 from service.storage.local_copies import local_object, statistics
@@ -280,7 +280,7 @@ class UniverseBuild:
     def reader(self) -> CheckpointReader:
         if self._reader is None:
             layout = ModelLayout.from_json(self.model["layout"])
-            self._reader = CheckpointReader(checked_model_dir(self.ctx, self.model), layout)
+            self._reader = CheckpointReader(checked_model_files(self.ctx, self.model), layout)
         return self._reader
 
     # ------------------------------------------------------------ manifest

@@ -37,7 +37,7 @@ from service.engrams.store import (
 )
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
-from service.models.loaded import checked_model_dir
+from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.storage.keys import variant_file_key, variant_manifest_key, variant_request_key
@@ -109,7 +109,7 @@ def build_variant_files(
         if spec.format == "peft":
             check_adapter_layers(layers)  # before the universe is built
         source, universe, built_s = _engram_source(ctx, request, steps, job_id)
-        reader = CheckpointReader(checked_model_dir(ctx, model), layout)
+        reader = CheckpointReader(checked_model_files(ctx, model), layout)
         if isinstance(steps, JobProgress):
             steps.restart(len(layers))
         # W-Norm's f_l (or 1) first, then each module type's strength factor
@@ -168,7 +168,7 @@ def write_variant(
     edit_layer = stored_editor(source, reader.layer_weights, scales)
     edited = {name for name, scale in scales.items() if scale != 0.0}
     if request.spec.format == "checkpoint":
-        write_checkpoint(reader.path, out, layout, edit_layer, edited, on_layer=progress.advance)
+        write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance)
         return None
     if request.spec.format == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
@@ -184,7 +184,7 @@ def write_variant(
             lora_target=target,
         )
     metadata = {"variant_id": request.variant_id, "terms": json.dumps(dict(request.terms))}
-    write_delta(reader.path, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
+    write_delta(reader.files, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
     return None
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,19 @@ import httpx
 import pytest
 from safetensors import safe_open
 
+from service.config import Settings
+from service.context import Context
 from service.demo import make_facts
 from service.engine.checkpoint import CheckpointReader, directory_digest, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.layout import ModelLayout
-from service.engine.model_files import SIDE_FILES, ModelSourceError, target_file, used_files
+from service.engine.model_files import SIDE_FILES, ModelSourceError, open_model_files, target_file, used_files
 from service.errors import InvalidInput, JobFailed
-from service.models.loaded import checked_model_dir
+from service.models.loaded import checked_model_files
 from service.models.registry import file_fingerprint
 from service.models.sources import local_model_dir
+from service.storage.keys import model_key
+from service.storage.local import LocalStorage
 from tests.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 SECRET = b"ENGRAM_API_KEYS=read-key-0123456789abcdef\nAWS_SECRET_ACCESS_KEY=hunter2-hunter2\n"
@@ -327,30 +332,39 @@ def test_digest_and_fingerprint_cover_only_the_used_files_inside(folder: Path, o
 
 
 def _manifest(path: Path) -> dict[str, Any]:
+    """A registration of ``path`` as the register job writes it (file identities included)."""
     layout = inspect_model_dir(path)
+    with open_model_files(path) as files:
+        identity = {name: value.to_json() for name, value in files.identity().items()}
     return {
         "model_id": "safety/job",
         "source": f"file://{path}",
         "path": str(path),
         "digest": directory_digest(path),
         "fingerprint": file_fingerprint(path),
+        "identity": identity,
         "layout": layout.to_json(),
     }
 
 
+def _checked_folder(ctx: Any, manifest: dict[str, Any]) -> Path:
+    with checked_model_files(ctx, manifest) as files:
+        return files.folder
+
+
 def test_job_time_check_catches_a_link_swapped_in_after_registration(folder: Path, outside: Path) -> None:
     manifest = _manifest(folder)
-    assert checked_model_dir(None, manifest) == folder  # type: ignore[arg-type]
+    assert _checked_folder(None, manifest) == folder
     (folder / "secrets.txt").symlink_to(outside / "environ")  # a new link out, even unused
     with pytest.raises(JobFailed, match="secrets.txt"):
-        checked_model_dir(None, manifest)  # type: ignore[arg-type]
+        _checked_folder(None, manifest)
     (folder / "secrets.txt").unlink()
     original = (folder / "tokenizer.json").read_bytes()
     (outside / "tokenizer-copy.json").write_bytes(original)  # same bytes, outside the folder
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.json").symlink_to(outside / "tokenizer-copy.json")
     with pytest.raises(JobFailed, match="tokenizer.json"):
-        checked_model_dir(None, manifest)  # type: ignore[arg-type]
+        _checked_folder(None, manifest)
 
 
 def test_job_time_check_catches_the_folder_replaced_by_a_link(folder: Path, outside: Path) -> None:
@@ -360,20 +374,33 @@ def test_job_time_check_catches_the_folder_replaced_by_a_link(folder: Path, outs
     folder.symlink_to(outside, target_is_directory=True)
     try:
         with pytest.raises(JobFailed, match="symbolic link"):
-            checked_model_dir(None, manifest)  # type: ignore[arg-type]
+            _checked_folder(None, manifest)
     finally:
         folder.unlink()
         moved.rename(folder)
 
 
-def test_a_registration_made_before_the_allowlist_still_checks(folder: Path) -> None:
+def test_a_registration_made_before_the_allowlist_still_checks(folder: Path, tmp_path: Path) -> None:
+    """Registrations made before identities were recorded (and before the allowlist, whose digest
+    covered every file) are checked by content once, then get the identity of the files checked."""
     (folder / "README.md").write_text("hello")
     manifest = _manifest(folder)
+    del manifest["identity"]
     manifest["fingerprint"]["README.md"] = [5, 1]  # old registrations listed every file
-    assert checked_model_dir(None, manifest) == folder  # type: ignore[arg-type]
+    manifest["digest"] = directory_digest(folder, every_file=True)
+    storage = LocalStorage(tmp_path / "store")
+    ctx = Context(
+        settings=Settings(cache_dir=tmp_path / "cache"), storage=storage, jobs=None, dispatch=None, lock=threading.RLock()
+    )  # type: ignore[arg-type]
+    storage.put_json(model_key(manifest["model_id"]), manifest)
+    assert _checked_folder(ctx, dict(manifest)) == folder
+    recorded = storage.get_json(model_key(manifest["model_id"]))["identity"]
+    assert set(recorded) == set(used_files(folder)) and all(len(value) == 4 for value in recorded.values())
     (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text() + " ")
-    with pytest.raises(JobFailed, match="changed since registration"):
-        checked_model_dir(None, manifest)  # type: ignore[arg-type]
+    with pytest.raises(JobFailed, match="tokenizer.json.*re-register the model"):
+        _checked_folder(ctx, storage.get_json(model_key(manifest["model_id"])))
+    with pytest.raises(JobFailed, match="digest differs.*re-register the model"):
+        _checked_folder(ctx, manifest)  # not recorded yet: checked by content, which changed
 
 
 # ---------------------------------------------------------------- hub snapshots, s3 copies

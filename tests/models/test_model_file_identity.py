@@ -1,0 +1,251 @@
+"""Model files checked at every job against the identity recorded at registration (issue 23, finding 7),
+and one tensor stored in two shards refused at registration (issue 23, item 9).
+
+Everything goes through the session's real server (``live_server``: embedded mode, whose job process
+keeps its last model loaded between jobs) and real files: each test registers a fresh copy of the
+tiny Llama inside the model root, collects and builds a variant while the files are as registered
+(so the model is loaded and cached), then changes a shard the way an attacker with write access to
+the folder would. On main, the next collection succeeded (the cached model was reused without any
+check) and the ones that did check compared sizes and mtimes only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.demo import make_facts
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir
+from service.engine.model_files import ModelFilesChanged, ModelSourceError, open_model_files, open_without_links
+from tests.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+
+FACTS = make_facts(24, seed=5)
+SHARD = "model.safetensors"
+REREGISTER = "re-register the model"
+
+
+@pytest.fixture(scope="module")
+def outside(engram_root: Path) -> Path:
+    """A directory outside ENGRAM_MODEL_ROOTS (``engram_root/models``)."""
+    path = engram_root / "outside-identity"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def folder(model_root: Path, tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Path:
+    """A fresh copy of the tiny Llama inside the model root, named after the test."""
+    path = model_root / ("identity-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12])
+    if path.exists() or path.is_symlink():
+        shutil.rmtree(path)
+    shutil.copytree(tiny_llama_dir, path)
+    return path
+
+
+def _other_weights(shard: Path) -> bytes:
+    """The bytes of ``shard`` with every tensor's data negated: same size, same header, other weights."""
+    raw = bytearray(shard.read_bytes())
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = (8 + length + offset for offset in entry["data_offsets"])
+        assert entry["dtype"] == "F32", entry
+        values = torch.frombuffer(bytearray(raw[start:end]), dtype=torch.float32)
+        raw[start:end] = (-values - 0.5).numpy().tobytes()
+    assert len(raw) == shard.stat().st_size
+    return bytes(raw)
+
+
+def _link_to_a_copy_outside(folder: Path, outside: Path) -> None:
+    copy = outside / f"{folder.name}-{SHARD}"
+    copy.write_bytes(_other_weights(folder / SHARD))
+    (folder / SHARD).unlink()
+    (folder / SHARD).symlink_to(copy)
+
+
+def _rewritten_in_place(folder: Path, _outside: Path) -> None:
+    data = _other_weights(folder / SHARD)
+    with (folder / SHARD).open("r+b") as handle:  # same inode, same size, a new mtime
+        handle.write(data)
+
+
+def _rewritten_in_place_mtime_restored(folder: Path, _outside: Path) -> None:
+    before = (folder / SHARD).stat()
+    _rewritten_in_place(folder, _outside)
+    os.utime(folder / SHARD, ns=(before.st_atime_ns, before.st_mtime_ns))  # only the ctime tells now
+    after = (folder / SHARD).stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+
+
+def _renamed_over(folder: Path, _outside: Path) -> None:
+    before = (folder / SHARD).stat()
+    staged = folder / ".staged"
+    staged.write_bytes(_other_weights(folder / SHARD))
+    os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))  # same size and mtime: a new inode only
+    os.replace(staged, folder / SHARD)
+
+
+ATTACKS: dict[str, Callable[[Path, Path], None]] = {
+    "link-out": _link_to_a_copy_outside,
+    "in-place": _rewritten_in_place,
+    "in-place-mtime-restored": _rewritten_in_place_mtime_restored,
+    "renamed-over": _renamed_over,
+}
+
+
+def _register(api: httpx.Client, model_id: str, folder: Path) -> httpx.Response:
+    return api.post("/models", json={"model_id": model_id, "source": f"file://{folder}"})
+
+
+def _collect(api: httpx.Client, model_id: str, name: str, facts: list[tuple[str, str]]) -> str:
+    """Post a concept on ``model_id``; its collection job's ID."""
+    body = {"name": name, "models": [model_id], "records": [{"prompt": p, "completion": c} for p, c in facts]}
+    posted = api.post("/concepts", json=body)
+    assert posted.status_code in (200, 202), posted.text
+    concept = api.get(f"/concepts/{name}").json()
+    return str(concept["models"][model_id]["job_id"])
+
+
+def _assert_failed_naming_the_file(api: httpx.Client, job_id: str) -> None:
+    job = wait_for_job(api, job_id)
+    assert job["status"] == "failed", job
+    detail = job["error"]["detail"]
+    assert SHARD in detail and REREGISTER in detail, detail
+
+
+def _published_statistics(server: LiveServer, digest: str) -> set[Path]:
+    return {p for p in (server.storage_dir / "stats" / digest).rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_a_shard_changed_after_registration_fails_every_next_job(
+    live_server: LiveServer, folder: Path, outside: Path, attack: str
+) -> None:
+    api = live_server.client
+    model_id = f"identity/{attack}"
+    registered = _register(api, model_id, folder)
+    assert registered.status_code == 201, registered.text
+    digest = registered.json()["digest"]
+    names = {role: f"identity-{attack}-{role}" for role in ("forget", "retain", "late")}
+    jobs = [_collect(api, model_id, names["forget"], FACTS[:4]), _collect(api, model_id, names["retain"], FACTS[4:12])]
+    wait_concepts_ready(api, [names["forget"], names["retain"]], model_id)
+    body = {"concepts": [names["forget"]], "reference": [names["forget"], names["retain"]]}
+    first = api.post(f"/models/{model_id}/unlearn", json=body)
+    assert first.status_code in (200, 202), first.text
+    wait_variant_ready(api, first.json()["variant"]["variant_id"])  # as registered: the model is loaded now
+    published = _published_statistics(live_server, digest)
+    assert len(jobs) == 2 and published
+
+    ATTACKS[attack](folder, outside)
+
+    # The next collection (its model cached in the job process) and the next variant build both fail,
+    # naming the shard; nothing is published.
+    _assert_failed_naming_the_file(api, _collect(api, model_id, names["late"], FACTS[12:20]))
+    assert api.get(f"/concepts/{names['late']}").json()["models"][model_id]["status"] == "failed"
+    again = api.post(f"/models/{model_id}/unlearn", json={**body, "alpha": 0.5})
+    assert again.status_code == 202, again.text
+    _assert_failed_naming_the_file(api, again.json()["job"]["job_id"])
+    assert api.get(f"/variants/{again.json()['variant']['variant_id']}").json()["status"] != "ready"
+    assert _published_statistics(live_server, digest) == published
+
+    # Re-registering (the same request again) registers the files as they are now: other weights.
+    renewed = _register(api, model_id, folder)
+    if attack == "link-out":  # a shard leading out of the folder is refused, as at any registration
+        assert renewed.status_code == 422, renewed.text
+        assert SHARD in renewed.json()["detail"]
+        assert api.get(f"/models/{model_id}").json()["digest"] == digest
+        return
+    assert renewed.status_code == 201, renewed.text
+    assert renewed.json()["digest"] != digest
+    assert _register(api, model_id, folder).status_code == 200  # unchanged since: the same registration
+
+
+def test_an_unchanged_model_is_registered_once_and_its_jobs_run(live_server: LiveServer, folder: Path) -> None:
+    """The identity check refuses nothing that did not change: reading a file (its atime) is no change."""
+    api = live_server.client
+    model_id = "identity/unchanged"
+    assert _register(api, model_id, folder).status_code == 201
+    (folder / SHARD).read_bytes()
+    (folder / "README.md").write_text("not a file the service uses")
+    assert _register(api, model_id, folder).status_code == 200
+    name = "identity-unchanged"
+    job = wait_for_job(api, _collect(api, model_id, name, FACTS[:6]))
+    assert job["status"] == "succeeded", job
+
+
+# ---------------------------------------------------------------- one tensor in two shards
+
+
+def _two_shards_with_a_duplicate(folder: Path, key: str) -> tuple[str, str]:
+    """Split the checkpoint into two shards, ``key`` stored in both with different values."""
+    tensors = load_file(str(folder / SHARD))
+    keys = sorted(tensors)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    half = len(keys) // 2
+    shard_of = {k: first if i < half else second for i, k in enumerate(keys)}
+    assert shard_of[key] == first
+    save_file({k: tensors[k] for k in keys if shard_of[k] == first}, str(folder / first), metadata={"format": "pt"})
+    later = {k: tensors[k] for k in keys if shard_of[k] == second}
+    later[key] = tensors[key] + 1.0  # the copy transformers would not load, and a variant would edit too
+    save_file(later, str(folder / second), metadata={"format": "pt"})
+    (folder / SHARD).unlink()
+    index = {"metadata": {"total_size": 0}, "weight_map": shard_of}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return first, second
+
+
+def test_a_tensor_stored_in_two_shards_is_refused_at_registration(live_server: LiveServer, folder: Path) -> None:
+    api = live_server.client
+    key = sorted(load_file(str(folder / SHARD)))[0]
+    first, second = _two_shards_with_a_duplicate(folder, key)
+    model_id = "identity/duplicate-tensor"
+    response = _register(api, model_id, folder)
+    assert response.status_code == 422, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    detail = response.json()["detail"]
+    assert key in detail and first in detail and second in detail, detail
+    assert api.get(f"/models/{model_id}").status_code == 404
+
+
+# ---------------------------------------------------------------- the descriptors themselves
+
+
+def test_reads_go_through_the_descriptor_checked_not_the_name(folder: Path, outside: Path) -> None:
+    """A shard swapped for other weights after the files were opened and checked is never read."""
+    layout = inspect_model_dir(folder)
+    key = layout.weight_keys[layout.layers[0].name]
+    original = load_file(str(folder / SHARD))[key]
+    with open_model_files(folder) as files:
+        _renamed_over(folder, outside)
+        assert not torch.equal(load_file(str(folder / SHARD))[key], original)  # the name holds other weights now
+        assert torch.equal(CheckpointReader(files, layout).tensor(key), original)
+        with pytest.raises(ModelFilesChanged, match=SHARD):
+            open_model_files(folder).check(files.identity())
+
+
+def test_a_link_put_into_the_path_or_a_fifo_in_place_of_a_file_is_refused_without_blocking(
+    folder: Path, outside: Path
+) -> None:
+    """What :func:`open_without_links` refuses when the folder changes between its checks and the open."""
+    real = (folder / SHARD).resolve()
+    linked_parent = outside / f"{folder.name}-link"
+    linked_parent.symlink_to(folder, target_is_directory=True)
+    with pytest.raises(ModelSourceError, match="symbolic link"):
+        open_without_links(linked_parent / SHARD, SHARD)
+    fifo = outside / f"{folder.name}.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelSourceError, match="not a regular file"):
+        open_without_links(fifo, SHARD)  # no writer: a blocking open would hang here
+    os.close(open_without_links(real, SHARD))
