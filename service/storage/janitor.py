@@ -24,7 +24,9 @@ delays start-up; a Celery worker sweeps before its pool starts.
 The API's janitor thread then runs the periodic pass its runtime hands it (the universes' retention
 rule, :func:`service.universes.retention.expire_unused`: universes nobody uses are deleted, least
 recently used first) at start-up and every ``ENGRAM_JANITOR_INTERVAL_S`` (0: at start-up only).
-Workers do not: one pass per API process is enough, and each pass holds the registry lock. The pass
+That first pass also states the universe budget in force: a ``file://`` store's budget larger than
+``ENGRAM_UNIVERSE_VOLUME_FRACTION`` of its volume is capped there, with a warning
+(:func:`service.universes.retention.effective_budget`). Workers do not: one pass per API process is enough, and each pass holds the registry lock. The pass
 is handed in, not imported, so that storage depends on no domain.
 """
 

@@ -247,7 +247,16 @@ class Budget:
     note: str | None = None
 
 
-_warned: set[tuple[str, int, int]] = set()  # (store, configured, capped) already logged by this process
+_logged: set[tuple[str, int, int]] = set()  # (store, configured, in force) already logged by this process
+
+
+def _log_once(ctx: Context, budget: Budget, level: int, message: str) -> None:
+    """Say what the budget in force is once per process and budget (the janitor's pass at start-up
+    is the first to ask), not on every request."""
+    marker = (repr(ctx.storage), budget.configured, budget.bytes)
+    if marker not in _logged:
+        _logged.add(marker)
+        log.log(level, message)
 
 
 def effective_budget(ctx: Context) -> Budget:
@@ -260,7 +269,9 @@ def effective_budget(ctx: Context) -> Budget:
     configured = settings.universe_bytes_budget
     if not isinstance(ctx.storage, LocalStorage):
         note = "object storage (s3): no volume to check the budget against; ENGRAM_UNIVERSE_BYTES_BUDGET applies as set"
-        return Budget(configured, configured, None, note)
+        budget = Budget(configured, configured, None, note)
+        _log_once(ctx, budget, logging.INFO, note)
+        return budget
     try:
         disk = shutil.disk_usage(ctx.storage.root)
     except OSError as exc:  # the store is away: storage errors say so elsewhere; keep the configured budget
@@ -274,11 +285,9 @@ def effective_budget(ctx: Context) -> Budget:
         f"{settings.universe_volume_fraction:g} of the volume holding {ctx.storage.root} ({_size(volume)}): "
         f"the budget in force is {_size(cap)}"
     )
-    marker = (str(ctx.storage.root), configured, cap)
-    if marker not in _warned:
-        _warned.add(marker)
-        log.warning("%s; lower ENGRAM_UNIVERSE_BYTES_BUDGET, or give the store a larger volume", note)
-    return Budget(cap, configured, volume, note)
+    budget = Budget(cap, configured, volume, note)
+    _log_once(ctx, budget, logging.WARNING, f"{note}; lower ENGRAM_UNIVERSE_BYTES_BUDGET, or give the store a larger volume")
+    return budget
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,9 +25,12 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
+from service.context import Context
+from service.jobs.store import JobStore
 from service.storage.base import HOST_TAG
 from service.storage.janitor import clean_leftovers
 from service.storage.s3 import S3Storage
+from service.universes.retention import effective_budget
 from tests.live import (
     REPO_ROOT,
     server_env,
@@ -205,7 +210,13 @@ def stored_universe(store: Path, universe_id: str, *, days_ago: float, current_o
     ``current_of``: the current universe of that model. Returns its folder."""
     folder = store / "universes" / universe_id
     used = (datetime.now(timezone.utc) - timedelta(days=days_ago)).isoformat()
-    request = {"universe_id": universe_id, "model_id": "m", "model_digest": "d", "members": [], "rcond": None}
+    request: dict[str, object] = {
+        "universe_id": universe_id,
+        "model_id": "m",
+        "model_digest": "d",
+        "members": [],
+        "rcond": None,
+    }
     write_json(folder / "request.json", {**request, "job_id": None, "created_at": used})
     write_json(folder / "usage.json", {"last_used": used})
     write_json(folder / "plan.json", {"groups": {}, "layers": []})
@@ -263,3 +274,38 @@ def test_the_api_janitor_evicts_unused_universes_at_start_up_and_periodically(tm
     assert not evicted(current) and (current / "manifest.json").exists(), "a model's current universe is kept"
     assert not evicted(recent) and (recent / "engrams/k.safetensors").exists(), "used within the retention age"
     assert json.loads((old / "usage.json").read_text())["evicted_bytes"] == 1000
+
+
+# ---------------------------------------------------------------- the universe budget against the volume
+
+
+def test_the_api_start_caps_a_universe_budget_larger_than_the_volume(tmp_path: Path, model_root: Path) -> None:
+    """Issue 23, finding 6: the budget (256 GiB by default) was never checked against the disk. The
+    janitor's start-up pass warns that the budget in force is ENGRAM_UNIVERSE_VOLUME_FRACTION of the
+    store's volume, and GET /universes/usage shows both budgets."""
+    store = tmp_path / "store"
+    store.mkdir()
+    env = {"ENGRAM_UNIVERSE_BYTES_BUDGET": str(1 << 60), "ENGRAM_CACHE_DIR": str(tmp_path / "cache")}
+    server = start_server(store, model_root, tmp_path / "server.log", **env)
+    try:
+        deadline = time.monotonic() + 30
+        while "ENGRAM_UNIVERSE_VOLUME_FRACTION" not in server.log_tail(100_000):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        usage = server.client.get("/universes/usage").json()
+    finally:
+        stop_server(server)
+    disk = shutil.disk_usage(store)
+    assert usage["configured_budget_bytes"] == 1 << 60
+    assert abs(usage["budget_bytes"] - (disk.used + disk.free) // 2) < (disk.used + disk.free) // 100
+    assert usage["volume_bytes"] and "ENGRAM_UNIVERSE_VOLUME_FRACTION=0.5" in usage["budget_note"]
+
+
+def test_s3_storage_has_no_volume_and_says_so(seaweed: SeaweedServer, s3_bucket: str, tmp_path: Path) -> None:
+    settings = Settings(storage_url=f"s3://{s3_bucket}/budget", cache_dir=tmp_path / "cache", universe_bytes_budget=1 << 60)
+    storage = S3Storage(seaweed.client(), s3_bucket, "budget/")
+    jobs = JobStore(storage)
+    ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=lambda job: None, lock=threading.RLock())
+    budget = effective_budget(ctx)
+    assert (budget.bytes, budget.volume) == (1 << 60, None), "nothing to cap an object store's budget to"
+    assert budget.note is not None and "no volume" in budget.note
