@@ -13,6 +13,12 @@ CONCEPT_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
 # The schemes service.sources accepts (urlparse lower-cases the scheme, so any case does).
 SOURCE_PATTERN = r"^([Ff][Ii][Ll][Ee]|[Ss]3|[Hh][Ff]):"
 NOT_BLANK = r"\S"  # a non-empty string that is not only whitespace
+# Paginated lists (GET /concepts, /models, /jobs, /variants, /models/{id}/variants, /models/{id}/universes):
+# ?limit= (default, maximum) and ?cursor=; the body is a JSON list of one page, and the next page's
+# cursor comes in this header (and in Link: <...>; rel="next"), absent on the last page.
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+NEXT_CURSOR_HEADER = "X-Next-Cursor"
 
 __all__ = [
     "CalibrateRequest",

@@ -84,8 +84,16 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     415: "Unsupported media type",
     416: "Range not satisfiable",
     422: "Invalid input: `errors` lists each invalid field (`loc`, `msg`, `type`)",
-    429: "Too many requests are waiting (`?wait=`): retry after `Retry-After` seconds, or poll without waiting",
+    429: "Too many requests are waiting (`?wait=`), or the request would start a job past "
+    "ENGRAM_MAX_QUEUED_JOBS_PER_KEY or ENGRAM_MAX_QUEUED_JOBS (nothing was submitted): retry after "
+    "`Retry-After` seconds",
     503: "Storage or the job broker is unavailable: retry after `Retry-After` seconds",
+}
+
+# GETs that a read key may not make in full: they would start work, which only write keys may.
+READ_KEY_REFUSALS: dict[tuple[str, str], str] = {
+    ("GET", path): "A read key asked for a map not computed yet: a write or admin key's same request computes it"
+    for path in ("/models/{model_id}/engram-map", "/models/{model_id}/engram-map.png")
 }
 
 # Statuses only the handler's code knows: (METHOD, path) -> {status: description}.
@@ -299,14 +307,16 @@ def _complete_operation(path: str, method: str, operation: dict[str, Any], *, au
         errors[422] = None
     if any(p.get("in") == "path" for p in parameters):
         errors[404] = None
-    if any(p.get("in") == "query" and p.get("name") == "wait" for p in parameters):
-        errors[429] = None
+    if method == "POST" or any(p.get("in") == "query" and p.get("name") == "wait" for p in parameters):
+        errors[429] = None  # every POST may start a job: admission control (service.jobs.admission)
     if path != "/healthz":
         errors[503] = None
     if auth and not public:
         errors[401] = None
         if required_scope(method, path) != "read":
             errors[403] = f"This request needs the `{required_scope(method, path)}` scope"
+        elif key in READ_KEY_REFUSALS:
+            errors[403] = READ_KEY_REFUSALS[key]
     errors.update(EXTRA_RESPONSES.get(key, {}))
     responses.pop("422", None)  # FastAPI's HTTPValidationError: the Problem below replaces it
     for status_text, declared in list(responses.items()):  # a route's own `responses=` errors: problem+json

@@ -269,6 +269,12 @@ def list_concepts(ctx: Context, *, recent: bool = False) -> list[dict[str, Any]]
     return [concept for concept in found if concept is not None]
 
 
+def concept_names(ctx: Context) -> list[str]:
+    """Every concept's name, sorted (as of at most a second ago: for views)."""
+    keys = ctx.reads.recent_listing(CONCEPTS)
+    return sorted(k.removeprefix(CONCEPTS).removesuffix(".json") for k in keys if k.endswith(".json"))
+
+
 def delete_concept(ctx: Context, name: str) -> None:
     """Forget a concept. Its statistics stay cached (content-addressed, maybe shared)."""
     with ctx.lock:

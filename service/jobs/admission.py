@@ -15,12 +15,10 @@ and are admitted with the work that started them.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from service.config import Settings
 from service.errors import ProblemError
-
-if TYPE_CHECKING:
-    from service.context import Context
 
 ANONYMOUS = "anonymous"
 # Jobs take seconds to minutes: a retry sooner than this would mostly be refused again.
@@ -29,12 +27,27 @@ RETRY_AFTER_S = 30
 job_owner: ContextVar[str | None] = ContextVar("engram_job_owner", default=None)
 
 
+class _Counting(Protocol):
+    def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]: ...
+
+
+class _Admitting(Protocol):
+    """What :func:`admit` reads of a :class:`service.context.Context` (which imports the job store,
+    which imports this module: a Protocol keeps the import one way)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def jobs(self) -> _Counting: ...
+
+
 class TooManyJobs(ProblemError):
     status, title, slug = 429, "Too many jobs", "too-many-jobs"
     headers = {"Retry-After": str(RETRY_AFTER_S)}
 
 
-def admit(ctx: Context, count: int = 1) -> None:
+def admit(ctx: _Admitting, count: int = 1) -> None:
     """Admit ``count`` new jobs of the current request's owner, or refuse them all.
 
     Call under ``ctx.lock``, before anything is written, with the number of jobs the request

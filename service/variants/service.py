@@ -259,6 +259,23 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     return view
 
 
+def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
+    """Every variant's ID, sorted (404 when ``model_id`` names no registered model; its variants are
+    told apart by :func:`variant_of`)."""
+    if model_id is not None:
+        get_model(ctx, model_id)
+    return sorted({k.split("/")[1] for k in ctx.reads.recent_listing(VARIANTS) if k.endswith("/request.json")})
+
+
+def variant_of(ctx: Context, variant_id: str, model_id: str | None) -> dict[str, Any] | None:
+    """The variant's view when it exists and is ``model_id``'s (any model's: None), else None."""
+    try:
+        view = variant_view(ctx, variant_id)
+    except NotFound:  # gone since it was listed
+        return None
+    return view if model_id is None or view["model_id"] == model_id else None
+
+
 def list_variants(ctx: Context, model_id: str | None = None) -> list[dict[str, Any]]:
     """Every variant, or those of one model (404 when that model is not registered)."""
     if model_id is not None:

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api_schemas import Concept, ConceptCreate, ConceptSubmission
 from service.api.deps import ContextDep, LanesDep
+from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
 from service.concepts import service as concepts
@@ -158,10 +159,16 @@ def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
         raise MalformedBody("the request body is nested too deeply") from None
 
 
-@router.get("/concepts", response_model=list[Concept])
-async def list_concepts(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
-    """Every concept with its per-model collection status."""
-    return await lanes.status(lambda: [concepts.concept_view(ctx, c) for c in concepts.list_concepts(ctx, recent=True)])
+@router.get("/concepts", response_model=list[Concept], responses=PAGED_HEADERS)
+async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+    """Concepts by name, with their per-model collection status: one page (``limit``, ``cursor``)."""
+
+    def view(key: SortKey) -> dict[str, Any] | None:
+        concept = concepts.find_concept(ctx, key[0], recent=True)  # None: deleted since it was listed
+        return None if concept is None else concepts.concept_view(ctx, concept)
+
+    keys = await lanes.status(lambda: [(name,) for name in concepts.concept_names(ctx)])
+    return page.answer(*await lanes.status(page.select, keys, view))
 
 
 @router.get("/concepts/{name}", response_model=Concept)

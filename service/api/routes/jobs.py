@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 
 from api_schemas import Job
 from service.api.deps import ContextDep, LanesDep
+from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.errors import NotFound
 from service.jobs.store import FINISHED, public_view, utc_now
 
@@ -22,16 +23,21 @@ def _job(ctx: Any, job_id: str) -> dict[str, Any]:
     return job
 
 
-@router.get("/jobs", response_model=list[Job])
+@router.get("/jobs", response_model=list[Job], responses=PAGED_HEADERS)
 async def list_jobs(
     ctx: ContextDep,
     lanes: LanesDep,
+    page: PageDep,
     status: Annotated[list[Literal["queued", "running"]] | None, Query(description="only jobs in these states")] = None,
 ) -> list[dict[str, Any]]:
-    """Jobs not finished yet (queued or running), oldest first: what the service is working on."""
+    """Jobs not finished yet (queued or running), oldest first (by creation, then ID): what the service
+    is working on, one page (``limit``, ``cursor``)."""
     wanted = set(status or ("queued", "running"))
-    jobs = await lanes.status(ctx.jobs.active)
-    return [job_view(job) for job in jobs if job["status"] in wanted]
+    jobs: dict[SortKey, dict[str, Any]] = {
+        (j["created_at"], j["job_id"]): j for j in await lanes.status(ctx.jobs.active) if j["status"] in wanted
+    }
+    items, next_key = page.select(sorted(jobs), lambda key: job_view(jobs[key]))
+    return page.answer(items, next_key)
 
 
 @router.get("/jobs/{job_id}", response_model=Job)

@@ -45,9 +45,7 @@ MapWaitQuery = Annotated[
 DEFAULT_WAIT_S = 30.0  # a small model's map takes seconds: most requests get the map, as before
 
 _COMPUTING: dict[int | str, dict[str, Any]] = {
-    202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"},
-    403: {"description": "a read key asked for a map not computed yet: a write or admin key's request computes it"},
-    429: {"description": "computing the map would exceed the key's or the service's bound on queued jobs"},
+    202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"}
 }
 _PNG: dict[int | str, dict[str, Any]] = {200: {"content": {"image/png": {}}}, **_COMPUTING}
 

@@ -11,6 +11,8 @@ from api_schemas import ComposeRequest, Job, Model, ModelCreate, UnlearnRequest,
 from api_schemas.models import EditOptions
 from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
+from service.api.pagination import PAGED_HEADERS, PageDep
+from service.api.routes import variants as variant_routes
 from service.api.routes.jobs import job_view
 from service.context import Context
 from service.models import registration, registry
@@ -62,10 +64,12 @@ async def register_model(
     return registry.model_view(manifest)
 
 
-@router.get("/models", response_model=list[Model])
-async def list_models(ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
-    """Every registered model."""
-    return [registry.model_view(m) for m in await lanes.status(registry.list_models, ctx)]
+@router.get("/models", response_model=list[Model], responses=PAGED_HEADERS)
+async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+    """Registered models by ID: one page (``limit``, ``cursor``)."""
+    found = {m["model_id"]: m for m in await lanes.status(registry.list_models, ctx)}
+    items, next_key = page.select(((i,) for i in sorted(found)), lambda key: registry.model_view(found[key[0]]))
+    return page.answer(items, next_key)
 
 
 @router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
@@ -94,10 +98,10 @@ def _submit(
     return {"variant": variant, "job": job_view(job) if job else None}
 
 
-@router.get("/models/{model_id:path}/variants", response_model=list[Variant])
-async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
-    """Every variant built from this model."""
-    return await lanes.status(variants.list_variants, ctx, model_id)
+@router.get("/models/{model_id:path}/variants", response_model=list[Variant], responses=PAGED_HEADERS)
+async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+    """The variants built from this model, by ID: one page (``limit``, ``cursor``)."""
+    return page.answer(*await lanes.status(variant_routes.variants_page, ctx, page, model_id))
 
 
 @router.get("/models/{model_id:path}", response_model=Model)

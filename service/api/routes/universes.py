@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Response
 
 from api_schemas import Universe, UniverseCreate, UniverseSubmission, UniverseUsage
 from service.api.deps import ContextDep, LanesDep
+from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.api.routes.jobs import job_view
 from service.universes import retention
 from service.universes import service as universes
@@ -26,10 +27,14 @@ def create_universe(model_id: str, body: UniverseCreate, ctx: ContextDep, respon
     return {"universe": universe, "job": job_view(job) if job else None}
 
 
-@router.get("/models/{model_id:path}/universes", response_model=list[Universe])
-async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep) -> list[dict[str, Any]]:
-    """Every universe of this model, oldest first; ``current`` marks the one requests use."""
-    return await lanes.status(universes.list_universes, ctx, model_id)
+@router.get("/models/{model_id:path}/universes", response_model=list[Universe], responses=PAGED_HEADERS)
+async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+    """This model's universes, oldest first (by creation, then ID); ``current`` marks the one requests
+    use. One page (``limit``, ``cursor``)."""
+    found: dict[SortKey, dict[str, Any]] = {
+        (u["created_at"] or "", u["universe_id"]): u for u in await lanes.status(universes.list_universes, ctx, model_id)
+    }
+    return page.answer(*page.select(sorted(found), lambda key: found[key]))
 
 
 # Before /universes/{universe_id}: "usage" is no universe ID, and this route must match first.

@@ -10,6 +10,7 @@ from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from api_schemas import Variant
 from service.api.deps import ContextDep, LanesDep
+from service.api.pagination import PAGED_HEADERS, Page, PageDep, SortKey
 from service.context import Context
 from service.errors import NotFound, ProblemError
 from service.storage.keys import variant_file_key
@@ -29,10 +30,18 @@ class RangeNotSatisfiable(ProblemError):
         self.headers = {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"}
 
 
-@router.get("/variants", response_model=list[Variant])
-async def list_variants(ctx: ContextDep, lanes: LanesDep, model_id: str | None = None) -> list[dict[str, Any]]:
-    """Every variant, or only those of ``?model_id=``."""
-    return await lanes.status(variants.list_variants, ctx, model_id)
+@router.get("/variants", response_model=list[Variant], responses=PAGED_HEADERS)
+async def list_variants(
+    ctx: ContextDep, lanes: LanesDep, page: PageDep, model_id: str | None = None
+) -> list[dict[str, Any]]:
+    """Variants by ID, or only those of ``?model_id=``: one page (``limit``, ``cursor``)."""
+    return page.answer(*await lanes.status(variants_page, ctx, page, model_id))
+
+
+def variants_page(ctx: Context, page: Page, model_id: str | None) -> tuple[list[dict[str, Any]], SortKey | None]:
+    """Only the page's variants (and one more) are read."""
+    ids = variants.variant_ids(ctx, model_id)
+    return page.select(((i,) for i in ids), lambda key: variants.variant_of(ctx, key[0], model_id))
 
 
 @router.get("/variants/{variant_id}", response_model=Variant)
