@@ -138,13 +138,15 @@ def test_bytes_show_on_universes_their_totals_and_metrics(api: httpx.Client, bui
     assert totals["model_id"] == MODEL and totals["universes"]["ready"] == len(ready) >= 1
     assert totals["bytes"]["groups"] == sum(u["bytes_detail"]["groups"] for u in ready)
     assert totals["bytes"]["engrams"] == sum(u["bytes_detail"]["engrams"] for u in ready)
-    assert totals["budget_bytes"] == 256 << 30, "the default budget"
+    assert totals["configured_budget_bytes"] == 256 << 30, "the default budget"
+    # In force: capped to half the store's volume where that is smaller (issue 23, finding 6).
+    assert totals["budget_bytes"] == min(256 << 30, int(totals["volume_bytes"] * 0.5))
 
     everything = api.get("/universes/usage").json()
     gauges = _gauges(api.get("/metrics").text)
     assert gauges[("engram_universe_bytes", (("part", "groups"),))] == everything["bytes"]["groups"]
     assert gauges[("engram_universe_bytes", (("part", "engrams"),))] == everything["bytes"]["engrams"]
-    assert gauges[("engram_universe_budget_bytes", ())] == 256 << 30
+    assert gauges[("engram_universe_budget_bytes", ())] == everything["budget_bytes"], "the budget in force"
     assert gauges[("engram_universes", (("status", "ready"),))] == everything["universes"]["ready"]
 
 
