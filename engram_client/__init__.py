@@ -13,6 +13,7 @@ from engram_client.client import (
     EngramJobError,
     EngramOutputExistsError,
     EngramTimeoutError,
+    Page,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "EngramJobError",
     "EngramOutputExistsError",
     "EngramTimeoutError",
+    "Page",
 ]

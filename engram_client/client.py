@@ -20,11 +20,11 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -42,6 +42,7 @@ from api_schemas import (
     VariantFile,
     VariantSubmission,
 )
+from api_schemas.models import MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 
 __all__ = [
     "DEFAULT_URL",
@@ -54,6 +55,7 @@ __all__ = [
     "EngramOutputExistsError",
     "EngramTimeoutError",
     "FINISHED",
+    "Page",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -75,6 +77,15 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------- errors
+
+
+class Page(list[M], Generic[M]):
+    """A list the service answered page by page: its items, and ``next_cursor``, the cursor of the
+    page after them (``None`` when they end the list, always so for a list read whole)."""
+
+    def __init__(self, items: Iterable[M] = (), next_cursor: str | None = None) -> None:
+        super().__init__(items)
+        self.next_cursor = next_cursor
 
 
 class EngramError(Exception):
@@ -170,6 +181,8 @@ class EngramClient:
         transport: an httpx transport (tests, proxies, custom TLS); default: the network.
         retries: how often an idempotent GET is retried on connection errors and 503.
         backoff_s: the first retry's delay; each further retry doubles it.
+        page_size: items per request when a list is read whole (the service's maximum by default:
+            the fewest round trips).
     """
 
     def __init__(
@@ -181,6 +194,7 @@ class EngramClient:
         *,
         retries: int = 3,
         backoff_s: float = 0.5,
+        page_size: int = MAX_PAGE_SIZE,
     ) -> None:
         self.base_url = (base_url or os.environ.get("ENGRAM_URL") or DEFAULT_URL).rstrip("/")
         api_key = api_key if api_key is not None else os.environ.get("ENGRAM_API_KEY")
@@ -188,6 +202,7 @@ class EngramClient:
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         self.retries, self.backoff_s, self.timeout = retries, backoff_s, timeout
+        self.page_size = page_size
         # Redirects are followed by hand (see _stream): the Authorization header must never reach another host.
         self._http = httpx.Client(
             base_url=self.base_url, headers=headers, timeout=timeout, transport=transport, follow_redirects=False
@@ -226,9 +241,9 @@ class EngramClient:
         body = {"model_id": model_id, "source": source}
         return self._parse(Model, self._answer_after_job("POST", "/models", json=body))
 
-    def list_models(self) -> list[Model]:
-        """Every registered model."""
-        return self._parse_list(Model, self._request("GET", "/models"))
+    def list_models(self, *, limit: int | None = None, cursor: str | None = None) -> Page[Model]:
+        """Registered models by ID: all of them, or one page with ``limit``/``cursor`` (see :meth:`_list`)."""
+        return self._list(Model, "/models", None, limit, cursor)
 
     def get_model(self, model_id: str) -> Model:
         """One model and its editable layers."""
@@ -289,9 +304,10 @@ class EngramClient:
             response = self._request("POST", "/concepts", data=fields, files=files)
         return self._parse(ConceptSubmission, response)
 
-    def list_concepts(self) -> list[Concept]:
-        """Every concept with its per-model collection status."""
-        return self._parse_list(Concept, self._request("GET", "/concepts"))
+    def list_concepts(self, *, limit: int | None = None, cursor: str | None = None) -> Page[Concept]:
+        """Concepts by name with their per-model collection status: all of them, or one page with
+        ``limit``/``cursor`` (see :meth:`_list`)."""
+        return self._list(Concept, "/concepts", None, limit, cursor)
 
     def get_concept(self, name: str) -> Concept:
         """One concept."""
@@ -307,10 +323,13 @@ class EngramClient:
         """A job's status and progress."""
         return self._parse(Job, self._request("GET", f"/jobs/{_quote(job_id)}"))
 
-    def list_jobs(self, status: Sequence[str] | None = None) -> list[Job]:
-        """The jobs not finished yet, oldest first; ``status`` (``queued``, ``running``) narrows them."""
+    def list_jobs(
+        self, status: Sequence[str] | None = None, *, limit: int | None = None, cursor: str | None = None
+    ) -> Page[Job]:
+        """The jobs not finished yet, oldest first; ``status`` (``queued``, ``running``) narrows them.
+        All of them, or one page with ``limit``/``cursor`` (see :meth:`_list`)."""
         params = {"status": list(status)} if status else None
-        return self._parse_list(Job, self._request("GET", "/jobs", params=params))
+        return self._list(Job, "/jobs", params, limit, cursor)
 
     def cancel_job(self, job_id: str) -> Job:
         """Cancel a job: a queued one at once, a running one at its next checkpoint."""
@@ -372,9 +391,10 @@ class EngramClient:
         body = _set_only(concepts=list(concepts) if concepts else None, rcond=rcond, callback_url=callback_url)
         return self._parse(UniverseSubmission, self._request("POST", f"/models/{_quote(model_id)}/universes", json=body))
 
-    def list_universes(self, model_id: str) -> list[Universe]:
-        """Every universe of a model, oldest first; ``current`` marks the one requests use."""
-        return self._parse_list(Universe, self._request("GET", f"/models/{_quote(model_id)}/universes"))
+    def list_universes(self, model_id: str, *, limit: int | None = None, cursor: str | None = None) -> Page[Universe]:
+        """A model's universes, oldest first; ``current`` marks the one requests use. All of them, or
+        one page with ``limit``/``cursor`` (see :meth:`_list`)."""
+        return self._list(Universe, f"/models/{_quote(model_id)}/universes", None, limit, cursor)
 
     def get_universe(self, universe_id: str) -> Universe:
         """A universe: members, status, groups decomposed so far, bytes once built, last use."""
@@ -475,10 +495,13 @@ class EngramClient:
         """A variant: its terms, options, status and files."""
         return self._parse(Variant, self._request("GET", f"/variants/{_quote(variant_id)}"))
 
-    def list_variants(self, model_id: str | None = None) -> list[Variant]:
-        """Every variant, or only those built from ``model_id``."""
+    def list_variants(
+        self, model_id: str | None = None, *, limit: int | None = None, cursor: str | None = None
+    ) -> Page[Variant]:
+        """Variants by ID, or only those built from ``model_id``: all of them, or one page with
+        ``limit``/``cursor`` (see :meth:`_list`)."""
         params = {"model_id": model_id} if model_id is not None else None
-        return self._parse_list(Variant, self._request("GET", "/variants", params=params))
+        return self._list(Variant, "/variants", params, limit, cursor)
 
     def wait_for_variant(
         self,
@@ -837,6 +860,29 @@ class EngramClient:
         if not _same_origin(url, self._http.base_url):
             request.headers.pop("Authorization", None)
         return request
+
+    def _list(
+        self, model: type[M], path: str, params: Mapping[str, Any] | None, limit: int | None, cursor: str | None
+    ) -> Page[M]:
+        """A paginated list: every page, followed to the end, when neither ``limit`` nor ``cursor`` is
+        given; else the one page of up to ``limit`` items (:attr:`page_size` unless given) starting
+        at ``cursor`` (a previous page's ``next_cursor``; ``None``: the first page).
+
+        Each item of a list that existed when paging began is returned once, even while others are
+        added (the service pages in a stable order). A server without pagination answers the whole
+        list at once, which this returns as it is.
+        """
+        one_page = limit is not None or cursor is not None
+        query: dict[str, Any] = {**(params or {}), "limit": limit if limit is not None else self.page_size}
+        items: list[M] = []
+        while True:
+            if cursor is not None:
+                query["cursor"] = cursor
+            response = self._request("GET", path, params=query)
+            items.extend(self._parse_list(model, response))
+            cursor = response.headers.get(NEXT_CURSOR_HEADER) or None
+            if one_page or cursor is None:
+                return Page(items, cursor)
 
     @staticmethod
     def _parse(model: type[M], response: httpx.Response) -> M:

@@ -15,8 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
-from engram_client.cli.options import CallbackOpt, JsonFlag, NoWait
-from engram_client.cli.output import emit, job_failed, print_lines, stderr
+from engram_client.cli.options import CallbackOpt, CursorOpt, JsonFlag, LimitOpt, NoWait
+from engram_client.cli.output import emit, job_failed, note_next_page, print_lines, stderr
 from engram_client.cli.progress import watch
 from engram_client.cli.render import concept_state_lines, render_concept, render_concepts
 from engram_client.cli.root import session
@@ -200,11 +200,12 @@ def concepts_add(
 
 
 @concepts_app.command("list")
-def concepts_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
-    """Every concept with its collection status per model."""
+def concepts_list(ctx: typer.Context, limit: LimitOpt = None, cursor: CursorOpt = None, as_json: JsonFlag = False) -> None:
+    """Concepts by name with their collection status per model (every page unless --limit/--cursor)."""
     with session(ctx) as client:
-        concepts = client.list_concepts()
+        concepts = client.list_concepts(limit=limit, cursor=cursor)
     emit(ctx, as_json, concepts, lambda: render_concepts(concepts))
+    note_next_page(concepts.next_cursor)
 
 
 @concepts_app.command("show")

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from engram_client.cli.options import JsonFlag
-from engram_client.cli.output import emit, job_failed, stderr
+from engram_client.cli.options import CursorOpt, JsonFlag, LimitOpt
+from engram_client.cli.output import emit, job_failed, note_next_page, stderr
 from engram_client.cli.progress import watch
 from engram_client.cli.render import render_job, render_jobs
 from engram_client.cli.root import session
@@ -32,12 +32,16 @@ def jobs_list(
     status: Annotated[
         list[Unfinished] | None, typer.Option("--status", help="Only jobs in this state (repeat; default: both).")
     ] = None,
+    limit: LimitOpt = None,
+    cursor: CursorOpt = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """The jobs not finished yet (queued or running), oldest first: what the service is working on."""
+    """The jobs not finished yet (queued or running), oldest first: what the service is working on
+    (every page unless --limit/--cursor)."""
     with session(ctx) as client:
-        jobs = client.list_jobs([s.value for s in status] if status else None)
+        jobs = client.list_jobs([s.value for s in status] if status else None, limit=limit, cursor=cursor)
     emit(ctx, as_json, jobs, lambda: render_jobs(jobs))
+    note_next_page(jobs.next_cursor)
 
 
 @jobs_app.command("watch")

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from engram_client.cli.options import JsonFlag
-from engram_client.cli.output import emit, stdout
+from engram_client.cli.options import CursorOpt, JsonFlag, LimitOpt
+from engram_client.cli.output import emit, note_next_page, stdout
 from engram_client.cli.render import render_model, render_models
 from engram_client.cli.root import session
 
@@ -53,11 +53,12 @@ def models_add(
 
 
 @models_app.command("list")
-def models_list(ctx: typer.Context, as_json: JsonFlag = False) -> None:
-    """Every registered model."""
+def models_list(ctx: typer.Context, limit: LimitOpt = None, cursor: CursorOpt = None, as_json: JsonFlag = False) -> None:
+    """Registered models by ID (every page unless --limit/--cursor)."""
     with session(ctx) as client:
-        models = client.list_models()
+        models = client.list_models(limit=limit, cursor=cursor)
     emit(ctx, as_json, models, lambda: render_models(models))
+    note_next_page(models.next_cursor)
 
 
 @models_app.command("show")

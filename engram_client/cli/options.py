@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from api_schemas.models import MAX_PAGE_SIZE
+
 
 class Scaling(str, Enum):
     uniform = "uniform"
@@ -30,6 +32,14 @@ class Format(str, Enum):
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+# Lists: every page by default; --limit (or --cursor) shows one page, and stderr says how to get the next.
+LimitOpt = Annotated[
+    int | None,
+    typer.Option("--limit", min=1, max=MAX_PAGE_SIZE, help="Show one page of at most N items (default: all of them)."),
+]
+CursorOpt = Annotated[
+    str | None, typer.Option("--cursor", help="Show the page that starts here: the cursor a previous page printed.")
+]
 NoWait = Annotated[bool, typer.Option("--no-wait", help="Submit and return at once; do not watch the job.")]
 OutDir = Annotated[Path | None, typer.Option("--out", "-o", help="Download the variant into this new directory.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty --out directory (only once all files verified).")]

@@ -75,6 +75,12 @@ def emit(ctx: typer.Context, as_json: bool, data: Any, render: Callable[[], None
         render()
 
 
+def note_next_page(next_cursor: str | None) -> None:
+    """After one page of a list (``--limit``/``--cursor``): say on stderr how to ask for the next."""
+    if next_cursor is not None:
+        stderr.print(f"more items follow: repeat with --cursor {next_cursor}")
+
+
 def print_lines(lines: Sequence[str]) -> None:
     """Each line on stdout as it is (no wrapping of its own beyond the console's)."""
     for line in lines:

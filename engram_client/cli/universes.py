@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from engram_client.cli.options import CallbackOpt, JsonFlag, NoWait, RcondOpt
-from engram_client.cli.output import emit, job_failed, stderr
+from engram_client.cli.options import CallbackOpt, CursorOpt, JsonFlag, LimitOpt, NoWait, RcondOpt
+from engram_client.cli.output import emit, job_failed, note_next_page, stderr
 from engram_client.cli.progress import watch
 from engram_client.cli.render import render_universe, render_universe_usage, render_universes
 from engram_client.cli.root import session
@@ -53,12 +53,18 @@ def universes_build(
 
 @universes_app.command("list")
 def universes_list(
-    ctx: typer.Context, model: Annotated[str, typer.Argument(help="A registered model.")], as_json: JsonFlag = False
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="A registered model.")],
+    limit: LimitOpt = None,
+    cursor: CursorOpt = None,
+    as_json: JsonFlag = False,
 ) -> None:
-    """Every universe of a model, oldest first; the current one (what requests use) is marked."""
+    """A model's universes, oldest first; the current one (what requests use) is marked (every page
+    unless --limit/--cursor)."""
     with session(ctx) as client:
-        universes = client.list_universes(model)
+        universes = client.list_universes(model, limit=limit, cursor=cursor)
     emit(ctx, as_json, universes, lambda: render_universes(universes))
+    note_next_page(universes.next_cursor)
 
 
 @universes_app.command("show")

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from engram_client.cli.options import Force, JsonFlag
-from engram_client.cli.output import emit
+from engram_client.cli.options import CursorOpt, Force, JsonFlag, LimitOpt
+from engram_client.cli.output import emit, note_next_page
 from engram_client.cli.progress import download
 from engram_client.cli.render import render_variant, render_variants
 from engram_client.cli.root import session
@@ -20,12 +20,16 @@ variants_app = typer.Typer(help="List, inspect and download variants.", no_args_
 def variants_list(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Only the variants of this model.")] = None,
+    limit: LimitOpt = None,
+    cursor: CursorOpt = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Every variant (or one model's) with its terms, options and status."""
+    """Variants by ID (or one model's) with their terms, options and status (every page unless
+    --limit/--cursor)."""
     with session(ctx) as client:
-        variants = client.list_variants(model)
+        variants = client.list_variants(model, limit=limit, cursor=cursor)
     emit(ctx, as_json, variants, lambda: render_variants(variants))
+    note_next_page(variants.next_cursor)
 
 
 @variants_app.command("show")
