@@ -342,6 +342,7 @@ def build_demo(
     seed: int = 0,
     steps: int | None = None,
     chat: bool = False,
+    threads: int | None = None,
 ) -> DemoPaths:
     """Train the demo model and write it with its forget/retain probe sets.
 
@@ -357,6 +358,9 @@ def build_demo(
         steps: Training steps; defaults to :data:`DEFAULT_STEPS`.
         chat: A chat model: the tokenizer gets :data:`CHAT_TEMPLATE`, the model is trained on the
             facts rendered as one-turn chats, and the probe files hold ``{"messages"}`` records.
+        threads: Train with this many torch threads (restored afterwards); None: the caller's.
+            A fixed count makes the trained weights the same on every run of one machine: the
+            float sums of a step depend on how many threads share them.
 
     Returns:
         The written paths.
@@ -368,7 +372,13 @@ def build_demo(
         tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer=tokenizer))
-    train_on_facts(model, tokenizer, facts, steps=DEFAULT_STEPS if steps is None else steps, seed=seed, chat=chat)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        train_on_facts(model, tokenizer, facts, steps=DEFAULT_STEPS if steps is None else steps, seed=seed, chat=chat)
+    finally:
+        torch.set_num_threads(previous_threads)
 
     paths = DemoPaths(out_dir, out_dir / "model", out_dir / "forget.jsonl", out_dir / "retain.jsonl")
     paths.model_dir.mkdir(parents=True, exist_ok=True)

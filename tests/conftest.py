@@ -49,7 +49,7 @@ def mini_tofu_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from service.demo import build_demo
 
     root = tmp_path_factory.mktemp("mini-tofu")
-    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0)
+    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, threads=1)
     return root
 
 

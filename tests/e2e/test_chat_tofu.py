@@ -40,7 +40,7 @@ def chat_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from service.demo import build_demo
 
     root = tmp_path_factory.mktemp("chat-tofu")
-    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, chat=True)
+    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, chat=True, threads=1)
     return root
 
 
