@@ -26,7 +26,9 @@ Scopes (``admin`` ⊃ ``write`` ⊃ ``read``):
   ``/openapi.json`` and ``/metrics``: the API description and the counters are not secret
   enough for ``write``, but the contract keeps every route but the probes behind a key
   (Prometheus sends one with ``authorization: {credentials: ...}``; a browser on ``/docs`` needs an
-  extension or a proxy that adds the header).
+  extension or a proxy that adds the header). A read never causes a job or a write: a ``GET`` that
+  would start work (a memory-trace map not computed yet) answers a read key 403 naming the write
+  key that may ask for it (:func:`may_start_work`, checked by the route, which knows).
 * ``POST``/``DELETE`` under ``/models``, ``/concepts``, ``/variants``: ``write``. That includes
   ``POST /models/{id}/unlearn`` and ``/compose``, which build variants.
 * anything else: ``admin``. In particular ``DELETE /jobs/{id}``: jobs carry no owner, so

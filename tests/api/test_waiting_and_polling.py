@@ -78,7 +78,12 @@ def paused(pid: int) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, model_root: Path) -> Iterator[LiveServer]:
-    with running_server(tmp_path_factory.mktemp("polling"), model_root, ENGRAM_MAX_WAITERS=str(MAX_WAITERS)) as live:
+    # These tests queue over a hundred evaluations from one caller on purpose: admission control's
+    # bounds (service.jobs.admission) are raised past them.
+    bounds = {"ENGRAM_MAX_QUEUED_JOBS": "1000", "ENGRAM_MAX_QUEUED_JOBS_PER_KEY": "1000"}
+    with running_server(
+        tmp_path_factory.mktemp("polling"), model_root, ENGRAM_MAX_WAITERS=str(MAX_WAITERS), **bounds
+    ) as live:
         yield live
 
 
