@@ -167,3 +167,34 @@ def test_the_redis_store_counts_unfinished_jobs_per_owner(tmp_path: Path) -> Non
         assert client.scard(OPEN_SET + ":key#1") == 1
     finally:
         stop_redis(server)
+
+
+def test_distributed_api_processes_share_the_bounds(tmp_path: Path, tiny_llama_dir: Path, model_root: Path) -> None:
+    """Two API processes on one Redis broker (no worker: their jobs stay queued) count the same jobs:
+    the anonymous caller's one queued registration, submitted through either, fills its bound in
+    both; cancelling it frees the slot everywhere."""
+    from tests.live import start_server, stop_server
+
+    redis = start_redis()
+    env = {"ENGRAM_BROKER_URL": redis.url, "ENGRAM_MAX_QUEUED_JOBS_PER_KEY": "1"}
+
+    def register(server: LiveServer, model_id: str) -> httpx.Response:
+        body = {"model_id": model_id, "source": f"file://{tiny_llama_dir}"}
+        return server.client.post("/models", params={"wait": 0}, json=body)
+
+    (tmp_path / "one").mkdir()
+    try:
+        with running_server(tmp_path / "one", model_root, **env) as one:
+            two = start_server(one.storage_dir, model_root, tmp_path / "two.log", **env)
+            try:
+                first = register(one, "spread/one")
+                assert first.status_code == 202, first.text
+                _assert_too_many(register(two, "spread/two"), "ENGRAM_MAX_QUEUED_JOBS_PER_KEY")
+                assert two.client.get("/models/spread/two").status_code == 404
+                cancelled = two.client.delete(f"/jobs/{first.json()['job_id']}")
+                assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+                assert register(two, "spread/two").status_code == 202
+            finally:
+                stop_server(two)
+    finally:
+        stop_redis(redis)
