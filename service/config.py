@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
     max_records: int = Field(default=1_000_000, ge=1)
+    # One record's stored bytes, whatever brings it (a JSON body, an upload, a reference): past it a
+    # 413 names this setting. Collection cuts every text to a character budget before tokenizing
+    # (service/engine/record_budget.py), so a long record costs no tokenizer memory; this bound is
+    # on what reading one record costs (a JSON line parsed whole, in the API and in the job).
+    # 16 MiB: 128× the ~128 KB of text the largest max_length (32768 tokens) reads.
+    max_record_bytes: int = Field(default=16 << 20, ge=1024)
     # A dataset by reference: the source object's bytes and its stored records' bytes (each).
     max_dataset_bytes: int = Field(default=4 << 30, ge=1024)
     # hf:// dataset files a worker keeps in ENGRAM_CACHE_DIR/hf-datasets, in bytes: after each fetch
@@ -136,6 +142,10 @@ class Settings(BaseSettings):
     callback_backoff_s: float = Field(default=1.0, gt=0, le=3600, description="first retry delay; doubles up to 10 min")
     callback_timeout_s: float = Field(default=10.0, gt=0, le=120)
     callback_poll_s: float = Field(default=1.0, gt=0, le=300, description="how often pending callbacks are looked for")
+    # Deliveries at once. A receiver that never answers holds one for ENGRAM_CALLBACK_TIMEOUT_S and
+    # is then on backoff; 8 lets seven such receivers at once leave a lane for everyone else's
+    # callbacks, at the cost of 8 idle threads, and stays far below any receiver's connection limit.
+    callback_concurrency: int = Field(default=8, ge=1, le=64)
 
     @field_validator("storage_url")
     @classmethod

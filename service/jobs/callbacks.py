@@ -27,6 +27,7 @@ import logging
 import time
 import unicodedata
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -206,7 +207,8 @@ def _entry_problem(entry: Any) -> str | None:
 class CallbackDispatcher:
     """Delivers due outbox entries from a daemon thread.
 
-    Every entry is handled on its own: whatever goes wrong with one (a URL that cannot be sent, a
+    Every entry is handled on its own, up to ``ENGRAM_CALLBACK_CONCURRENCY`` at once, so a receiver
+    that answers slowly delays no other; whatever goes wrong with one (a URL that cannot be sent, a
     receiver that fails, an exception nobody foresaw, an entry that is not one) counts against that
     entry only, which is retried with backoff and then moved to ``callbacks/failed/`` with the
     reason (``last_error``); the entries after it are delivered in the same pass. Only storage being
@@ -232,7 +234,13 @@ class CallbackDispatcher:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.storage, self.settings, self.get_job, self.view = storage, settings, get_job, view
-        self._client = httpx.Client(timeout=settings.callback_timeout_s, follow_redirects=False, transport=transport)
+        self._client = httpx.Client(
+            timeout=settings.callback_timeout_s,
+            follow_redirects=False,
+            transport=transport,
+            limits=httpx.Limits(max_connections=settings.callback_concurrency),
+        )
+        self._pool = ThreadPoolExecutor(settings.callback_concurrency, thread_name_prefix="engram-callback")
         self._duty = PeriodicDuty("callbacks", self.deliver_due, settings.callback_poll_s, lock)
 
     def start(self) -> None:
@@ -240,6 +248,11 @@ class CallbackDispatcher:
 
     def stop(self) -> None:
         self._duty.stop(timeout_s=self.settings.callback_timeout_s + 5)
+        self.close()
+
+    def close(self) -> None:
+        """Release the HTTP client and the delivery threads (what :meth:`stop` ends with)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
     def wake(self) -> None:
@@ -247,16 +260,20 @@ class CallbackDispatcher:
         self._duty.wake()
 
     def deliver_due(self) -> int:
-        """Attempt every due entry once; returns how many were delivered."""
-        delivered = 0
-        for key in self.storage.list(PENDING_CALLBACKS):
-            try:
-                delivered += self._deliver_entry(key)
-            except StorageUnavailable:
-                raise  # every other entry would fail alike: the next pass tries again
-            except Exception as exc:  # recording the outcome failed: this entry only, try the next
-                log.warning("callback outbox entry %s skipped this pass: %s: %s", key, type(exc).__name__, exc)
-        return delivered
+        """Attempt every due entry once, ``ENGRAM_CALLBACK_CONCURRENCY`` at a time (a receiver that
+        answers slowly holds one lane, not the pass); returns how many were delivered."""
+        keys = self.storage.list(PENDING_CALLBACKS)
+        # map() re-raises StorageUnavailable (every entry would fail alike: the next pass tries again).
+        return sum(self._pool.map(self._deliver_guarded, keys))
+
+    def _deliver_guarded(self, key: str) -> bool:
+        try:
+            return self._deliver_entry(key)
+        except StorageUnavailable:
+            raise
+        except Exception as exc:  # recording the outcome failed: this entry only, the others go on
+            log.warning("callback outbox entry %s skipped this pass: %s: %s", key, type(exc).__name__, exc)
+            return False
 
     def _deliver_entry(self, key: str) -> bool:
         try:

@@ -35,6 +35,7 @@ class Receiver:
     port: int
     fail_first: int = 0
     fail_always: bool = False
+    slow_s: float = 0.0  # how long a POST to /slow waits before it is answered
     calls: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -61,6 +62,9 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - the http.server API
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
             headers = {k.lower(): v for k, v in self.headers.items()}
+            if self.path.startswith("/slow"):
+                time.sleep(receiver.slow_s)  # the client has given up by then: nothing to answer
+                return
             with receiver.lock:
                 earlier = [c for c in receiver.calls if c["headers"].get("webhook-id") == headers.get("webhook-id")]
                 status = 500 if receiver.fail_always or len(earlier) < receiver.fail_first else 200
@@ -370,4 +374,34 @@ def test_a_delivery_that_raises_is_retried_then_dead_lettered_and_blocks_nothing
             "c-vanished": "job c-vanished no longer exists",
         }
     finally:
-        dispatcher._client.close()  # never started: no thread to stop
+        dispatcher.close()  # never started: no thread to stop
+
+
+def test_slow_receivers_do_not_delay_other_callbacks(tmp_path: Path, receiver: Receiver) -> None:
+    """Five entries to a receiver that never answers in time sort before a good one: the good one
+    is delivered at once, not after five timeouts (deliveries run ENGRAM_CALLBACK_CONCURRENCY at once)."""
+    from service.jobs.callbacks import CallbackDispatcher, enqueue
+    from service.storage.local import LocalStorage
+
+    receiver.fail_first, receiver.fail_always, receiver.slow_s = 0, False, 3.0
+    storage = LocalStorage(tmp_path / "store")
+    settings = Settings(callback_hosts=f"127.0.0.1:{receiver.port}", callback_secret=SECRET, callback_timeout_s=1.0)
+    slow = [f"a-slow-{i}" for i in range(5)]
+    jobs = {j: {"job_id": j, "status": "succeeded"} for j in [*slow, "b-prompt"]}
+    dispatcher = CallbackDispatcher(storage, settings, jobs.get, dict)
+    try:
+        for job_id in slow:
+            enqueue(storage, {**jobs[job_id], "callbacks": [f"http://127.0.0.1:{receiver.port}/slow"]})
+        enqueue(storage, {**jobs["b-prompt"], "callbacks": [receiver.url]})
+        started = time.monotonic()
+        passing = threading.Thread(target=dispatcher.deliver_due)
+        passing.start()
+        receiver.wait_for("b-prompt", count=1, timeout=10)
+        assert time.monotonic() - started < 2.5, "the good callback waited behind the slow ones"
+        passing.join(timeout=15)
+        pending = [storage.get_json(k) for k in storage.list("callbacks/pending/")]
+        assert sorted(e["job_id"] for e in pending) == slow
+        assert all(e["attempts"] == 1 and "Timeout" in e["last_error"] for e in pending), pending
+    finally:
+        receiver.slow_s = 0.0
+        dispatcher.close()
