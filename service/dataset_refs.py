@@ -184,7 +184,8 @@ def resolve_reference(
             )
         rows = reference.get("rows") or {}
         start, stop = int(rows.get("start", 0)), rows.get("stop")
-        with DatasetSpool(directory / "dataset.jsonl", settings.max_records, max_bytes=limit) as spool:
+        spool_file, record_limit = directory / "dataset.jsonl", settings.max_record_bytes
+        with DatasetSpool(spool_file, settings.max_records, max_bytes=limit, max_record_bytes=record_limit) as spool:
             if reference["format"] == "parquet":
                 seen = _parquet(source, reference.get("columns"), start, stop, spool, check)
             else:

@@ -69,13 +69,22 @@ class DatasetSpool:
         max_bytes: the most bytes its stored form may have (``None``: no limit of its own; an
             upload is limited by the bytes it sends).
         limit_name: the setting ``max_bytes`` comes from, for the message.
+        max_record_bytes: the most bytes one record's stored form may have (``ENGRAM_MAX_RECORD_BYTES``;
+            ``None``: no limit of its own).
     """
 
     def __init__(
-        self, path: Path, max_records: int, max_bytes: int | None = None, limit_name: str = "ENGRAM_MAX_DATASET_BYTES"
+        self,
+        path: Path,
+        max_records: int,
+        max_bytes: int | None = None,
+        limit_name: str = "ENGRAM_MAX_DATASET_BYTES",
+        *,
+        max_record_bytes: int | None = None,
     ) -> None:
         self.path, self.max_records = path, max_records
         self.max_bytes, self.limit_name = max_bytes, limit_name
+        self.max_record_bytes = max_record_bytes
         self.count = 0
         self.size = 0
         self.kinds: set[str] = set()
@@ -108,6 +117,8 @@ class DatasetSpool:
         except RecordError as exc:
             raise InvalidInput(str(exc)) from None
         line = record_line(record)
+        if self.max_record_bytes is not None and len(line) > self.max_record_bytes:
+            raise record_too_large(where or f"record {self.count}", len(line), self.max_record_bytes)
         self.size += len(line)
         if self.max_bytes is not None and self.size > self.max_bytes:
             raise PayloadTooLarge(f"the dataset's records exceed {self.max_bytes} bytes (the limit, {self.limit_name})")
@@ -124,9 +135,26 @@ class DatasetSpool:
         return SpooledDataset(self.path, self._sha.hexdigest(), self.count, frozenset(self.kinds), self.size)
 
 
-def spool_records(raw_records: Iterable[Any], path: Path, max_records: int) -> SpooledDataset:
+def record_too_large(where: str, size: int, limit: int, *, at_least: bool = False) -> PayloadTooLarge:
+    """A record over ``ENGRAM_MAX_RECORD_BYTES``: refused rather than read (a record is cut to
+    max_length tokens anyway; what bounds a collection's memory is that no record is larger)."""
+    return PayloadTooLarge(
+        f"{where} is {'over ' if at_least else ''}{size} bytes, more than {limit} (the limit for one record, "
+        "ENGRAM_MAX_RECORD_BYTES); "
+        "split it into shorter records: a collection reads only its first max_length tokens"
+    )
+
+
+# A JSON line longer than this many times ENGRAM_MAX_RECORD_BYTES cannot hold a record within it
+# (``\uXXXX`` spells a byte in 6): refused before it is parsed.
+_ESCAPED_BYTES = 6
+
+
+def spool_records(
+    raw_records: Iterable[Any], path: Path, max_records: int, max_record_bytes: int | None = None
+) -> SpooledDataset:
     """Records already decoded (a JSON body's ``records``) spooled to ``path``."""
-    with DatasetSpool(path, max_records) as spool:
+    with DatasetSpool(path, max_records, max_record_bytes=max_record_bytes) as spool:
         for raw in raw_records:
             spool.add(raw)
         return spool.finish()
@@ -204,6 +232,7 @@ class JsonlFeed:
         self.lines = 0
         self.content_lines = 0  # lines that were not blank
         self._partial: list[bytes] = []  # the pieces of a line not ended yet
+        self._partial_size = 0
         self._head: bytes | None = b""  # the first bytes until they tell gzip from plain (then None)
         self._gunzip: Gunzip | None = None
 
@@ -245,10 +274,21 @@ class JsonlFeed:
             if self._partial:
                 piece = b"".join([*self._partial, piece])  # once per line: no quadratic copying
                 self._partial.clear()
+                self._partial_size = 0
+            self._check_line(len(piece))
             self._line(piece)
             start = end + 1
         if start < len(chunk):
             self._partial.append(chunk[start:])
+            self._partial_size += len(chunk) - start
+            self._check_line(self._partial_size)
+
+    def _check_line(self, size: int) -> None:
+        """Refuse a line too long to hold a record within ENGRAM_MAX_RECORD_BYTES before it is
+        buffered whole or parsed (a single-line upload would otherwise be held in memory at once)."""
+        limit = self.spool.max_record_bytes
+        if limit is not None and size > _ESCAPED_BYTES * limit + 4096:
+            raise record_too_large(f"dataset line {self.lines + 1}", size, limit, at_least=True)
 
     def _line(self, line: bytes) -> None:
         self.lines += 1

@@ -46,12 +46,15 @@ class Upload:
     dataset: SpooledDataset
 
 
-async def read_upload(request: Request, directory: Path, *, max_records: int, max_bytes: int) -> Upload:
+async def read_upload(
+    request: Request, directory: Path, *, max_records: int, max_bytes: int, max_record_bytes: int | None = None
+) -> Upload:
     """Read a ``multipart/form-data`` body with one JSONL part named ``dataset`` (plain or gzip).
 
     Args:
         directory: a scratch folder for the spooled dataset (``dataset.jsonl``).
         max_records: the most records the dataset may hold (``ENGRAM_MAX_RECORDS``).
+        max_record_bytes: the most bytes one record may hold (``ENGRAM_MAX_RECORD_BYTES``).
         max_bytes: the most bytes the dataset part may hold (``ENGRAM_MAX_UPLOAD_BYTES``), and,
             when it is gzip-compressed, the most it may inflate to.
 
@@ -66,7 +69,7 @@ async def read_upload(request: Request, directory: Path, *, max_records: int, ma
         raise MalformedBody("a multipart/form-data body needs a boundary in its Content-Type")
     parts = _Parts(max_bytes)
     stream = request.stream()
-    with DatasetSpool(directory / "dataset.jsonl", max_records) as spool:
+    with DatasetSpool(directory / "dataset.jsonl", max_records, max_record_bytes=max_record_bytes) as spool:
         # A gzip-compressed part is inflated as it comes, limited like a plain one to ENGRAM_MAX_UPLOAD_BYTES.
         feed = JsonlFeed(spool, max_bytes=max_bytes, limit_name="ENGRAM_MAX_UPLOAD_BYTES")
         try:

@@ -9,17 +9,23 @@
   collection runs; left alone it fails at ENGRAM_TEMPLATE_TIMEOUT_S, naming it.
 - A template that builds a huge string fails naming the bound it passed (``'a' * 1500000000`` is
   refused before it allocates; a string doubled in a loop hits ENGRAM_TEMPLATE_MEMORY_BYTES).
+- A record over ENGRAM_MAX_RECORD_BYTES is a 413 naming the setting, in a JSON body or an upload,
+  and nothing is stored; a JSONL line too long to hold one is refused before it is buffered whole.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from service.datasets import DatasetSpool, JsonlFeed
+from service.errors import PayloadTooLarge
 from tests.fixtures_models import CHAT_TEMPLATE, make_tiny_chat_llama
 from tests.job_process import job_process, peak_rss_bytes, template_children
 from tests.live import LiveServer, running_server, wait_concepts_ready, wait_for_job
@@ -40,6 +46,7 @@ CHAT = [{"messages": [{"role": "user", "content": "hi there"}, {"role": "assista
 UNIT = " the quiet cat sat on the warm mat."  # additive under the byte-level pre-tokenizer: N units, N × its tokens
 RECORD_BYTES = 8_000_000
 RSS_BOUND = 128 << 20  # the growth of the job process's peak RSS allowed for one 8 MB record
+MAX_RECORD_BYTES = 10_000_000
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "ENGRAM_MAX_JSON_BYTES": str(64 << 20),
         "ENGRAM_MAX_LENGTH": str(MAX_LENGTH),
         "ENGRAM_TEMPLATE_TIMEOUT_S": str(TIMEOUT_S),
+        "ENGRAM_MAX_RECORD_BYTES": str(MAX_RECORD_BYTES),
     }
     with running_server(root, models, **env) as live:
         for name in TEMPLATES:
@@ -144,3 +152,33 @@ def test_the_render_process_never_outlives_a_collection(server: LiveServer) -> N
     post(api, "plain-chat", "plain", CHAT)
     wait_concepts_ready(api, ["plain-chat"])
     assert template_children(job_process(server)) == []
+
+
+def assert_413_naming_the_setting(response: httpx.Response) -> None:
+    assert response.status_code == 413, response.text[:500]
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert "ENGRAM_MAX_RECORD_BYTES" in response.json()["detail"], response.json()
+
+
+def test_a_record_over_the_record_limit_is_413_naming_it_and_stores_nothing(server: LiveServer) -> None:
+    api = server.client
+    text = UNIT * (MAX_RECORD_BYTES // len(UNIT) + 10)
+    body = {"name": "too-long", "models": ["t/plain"], "records": [{"text": "short"}, {"text": text}]}
+    assert_413_naming_the_setting(api.post("/concepts", json=body))
+    line = json.dumps({"text": text}).encode()
+    files = {"dataset": ("d.jsonl", b'{"text": "short"}\n' + line + b"\n", "application/x-ndjson")}
+    assert_413_naming_the_setting(api.post("/concepts", data={"name": "too-long", "models": "t/plain"}, files=files))
+    assert api.get("/concepts/too-long").status_code == 404
+
+
+def feed_unended_line(feed: JsonlFeed, kilobytes: int) -> None:
+    for _ in range(kilobytes):
+        feed.feed(b"a" * 1024)
+
+
+def test_a_line_too_long_for_a_record_is_refused_before_it_is_buffered(tmp_path: Path) -> None:
+    with DatasetSpool(tmp_path / "d.jsonl", 10, max_record_bytes=1024) as spool:
+        feed = JsonlFeed(spool)
+        with pytest.raises(PayloadTooLarge, match="dataset line 1 is over .* ENGRAM_MAX_RECORD_BYTES"):
+            feed_unended_line(feed, 100)  # refused once it passes 6 × 1024 + 4096 bytes
+        assert sum(len(piece) for piece in feed._partial) < 16 * 1024

@@ -77,13 +77,19 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
     with scratch_dir("upload") as tmp:
         if content_type.startswith("multipart/form-data"):
             upload = await read_upload(
-                request, Path(tmp), max_records=settings.max_records, max_bytes=settings.max_upload_bytes
+                request,
+                Path(tmp),
+                max_records=settings.max_records,
+                max_bytes=settings.max_upload_bytes,
+                max_record_bytes=settings.max_record_bytes,
             )
             body: ConceptCreate = _validate(_UploadFields, _form_fields(upload.fields))
             dataset = upload.dataset
         elif content_type.startswith("application/json"):
             raw = await request.body()
-            body, dataset = await run_in_threadpool(_json_concept, raw, Path(tmp), settings.max_records)
+            body, dataset = await run_in_threadpool(
+                _json_concept, raw, Path(tmp), settings.max_records, settings.max_record_bytes
+            )
         else:
             raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
         # A reference is only checked (scheme, shape, roots, row range) and fingerprinted (a stat, a
@@ -118,7 +124,9 @@ def _check_identity_coding(coding: str) -> None:
         )
 
 
-def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[ConceptCreate, SpooledDataset | None]:
+def _json_concept(
+    raw: bytes, directory: Path, max_records: int, max_record_bytes: int
+) -> tuple[ConceptCreate, SpooledDataset | None]:
     """A JSON body decoded, validated and its records spooled (in a worker thread: bodies run to
     ``ENGRAM_MAX_JSON_BYTES``)."""
     try:
@@ -134,7 +142,7 @@ def _json_concept(raw: bytes, directory: Path, max_records: int) -> tuple[Concep
     body = _validate(ConceptCreate, fields)
     if body.records is None:  # a dataset reference
         return body, None
-    return body, spool_records(body.records, directory / "dataset.jsonl", max_records)
+    return body, spool_records(body.records, directory / "dataset.jsonl", max_records, max_record_bytes)
 
 
 def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
