@@ -9,6 +9,13 @@ statistics manifest, so that a reuse says the same) gives the records read, thos
 many, the tokens cut, the first indices) and those left without a counted token (a completion or
 assistant turn wholly beyond the limit adds nothing to the statistics). A dataset is never
 shortened silently.
+
+Bounds. Every text is cut to a character budget before it is tokenized (a record of any size costs
+bounded memory; :mod:`service.engine.record_budget`), chat templates render in a child process
+bounded by ENGRAM_TEMPLATE_TIMEOUT_S / _MEMORY_BYTES / _MAX_CHARS, and cancellation is checked in
+every phase: resolution (per chunk read), the first pass (every half second), each template render
+(every 0.1 s), each batch, and before publication. What no check can reach (native code) embedded
+mode's executor ends by replacing the job process (ENGRAM_CANCEL_GRACE_S).
 """
 
 from __future__ import annotations

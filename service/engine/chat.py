@@ -13,7 +13,9 @@ breaks it). Every render is checked; a conversation that breaks the property is 
 message that says which render, never counted approximately.
 
 Renders are tokenized the way ``apply_chat_template(tokenize=True)`` does (no special tokens added:
-the template writes its own BOS).
+the template writes its own BOS). A collection renders in a bounded child process
+(:mod:`service.engine.template_render`: a template is untrusted code) and cuts contents and renders
+to the record budget (:mod:`service.engine.record_budget`) before tokenizing.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ enter the statistics: :mod:`service.engine.chat`). ShareGPT, Alpaca and content-
 read as these (:mod:`service.engine.record_shapes`). Tokenization of the first two mirrors ai-engram's
 ``edit_llm`` exactly (prompt with special tokens, completion without) so the two agree to the token.
 
+Every text is cut to a character budget before it is tokenized (:mod:`service.engine.record_budget`):
+a record of any size costs bounded tokenizer memory, and one within the budget is tokenized exactly
+as without it.
+
 Batches are right-padded: with causal attention a real token never attends to a pad that comes
 after it, and position ids count from the first real token, so padding changes no statistic.
 """
