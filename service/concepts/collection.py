@@ -292,10 +292,10 @@ def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     concept = _own_concept(ctx, name, model_id, job["job_id"])
     digest, num_records = concept["dataset_digest"], concept["num_records"]
     if digest is None:
-        progress = JobProgress(ctx, job["job_id"], 0)
+        cancelled = cancel_check(ctx, job["job_id"])
 
         def check() -> None:
-            if progress.cancelled():
+            if cancelled():
                 raise JobCancelled()
 
         with scratch_dir("dataset") as tmp:
