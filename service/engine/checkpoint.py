@@ -87,10 +87,23 @@ def directory_digest(path: Path, every_file: bool = False) -> str:
 def files_digest(files: ModelFiles) -> str:
     """sha256 over the names and contents of opened model files, read through their descriptors:
     the registration's digest."""
-    outer = hashlib.sha256()
+    return combined_digest(file_digests(files))
+
+
+def file_digests(files: ModelFiles) -> dict[str, str]:
+    """Each opened model file's sha256, read through its descriptor, by name."""
+    sums = {}
     for name in files.names:
         with files.open(name) as handle:
-            outer.update(name.encode() + b"\0" + _sha256_of(handle).encode() + b"\n")
+            sums[name] = _sha256_of(handle)
+    return sums
+
+
+def combined_digest(sums: Mapping[str, str]) -> str:
+    """The folder's digest from its files' (:func:`file_digests`), in name order."""
+    outer = hashlib.sha256()
+    for name in sorted(sums):
+        outer.update(name.encode() + b"\0" + sums[name].encode() + b"\n")
     return outer.hexdigest()
 
 

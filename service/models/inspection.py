@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import check_tokenizer, files_digest, inspect_model_dir
+from service.engine.checkpoint import check_tokenizer, combined_digest, file_digests, inspect_model_dir
 from service.engine.layout import ModelLayout
 from service.engine.model_checks import validate_model_dir
 from service.engine.model_files import FileIdentity, ModelFilesChanged, ModelSourceError, open_model_files
@@ -44,14 +44,15 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
         if not files_changed(existing):
             return existing, False
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
-    layout, digest, identity = _inspect(ctx, source, path)
+    layout, sums, identity = _inspect(ctx, source, path)
     if not layout.layers:
         raise InvalidInput("the model has no editable Linear or Conv1D layers in its safetensors weights")
     manifest = {
         "model_id": model_id,
         "source": source,
         "path": str(path),
-        "digest": digest,
+        "digest": combined_digest(sums),
+        "file_sha256": sums,  # names the file whose content changed, where a job checks it by content
         "identity": {name: value.to_json() for name, value in identity.items()},
         # sizes and mtimes, as registrations made before identities were: what an older worker reads
         "fingerprint": {name: value.to_json()[:2] for name, value in identity.items()},
@@ -68,8 +69,8 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, 
     return manifest, True
 
 
-def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, str, dict[str, FileIdentity]]:
-    """The folder's layout, digest and file identities, every file opened once and read through
+def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, dict[str, str], dict[str, FileIdentity]]:
+    """The folder's layout, its files' digests and identities, every file opened once and read through
     its descriptor: the identity recorded is that of the bytes hashed and inspected.
 
     Raises:
@@ -82,11 +83,11 @@ def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, str, d
         with open_model_files(path) as files:
             layout = inspect_model_dir(files)
             check_tokenizer(files)  # one no job could load is refused now, not at every collection
-            digest = files_digest(files)
+            sums = file_digests(files)
             files.check(files.identity())  # nothing rewritten in place while it was read
             if is_remote(source):  # this machine's copy is verified: its jobs need not hash it again
-                write_copy_record(ctx, files, digest)
-            return layout, digest, files.identity()
+                write_copy_record(ctx, files, combined_digest(sums))
+            return layout, sums, files.identity()
     except ModelFilesChanged as exc:
         raise InvalidInput(f"{exc}: the model folder changed while it was registered; register it again") from None
     except ModelSourceError as exc:

@@ -19,8 +19,15 @@ from typing import Any
 import torch
 
 from service.context import Context
-from service.engine.checkpoint import directory_digest, files_digest, load_model, load_tokenizer
-from service.engine.model_files import FileIdentity, ModelFiles, ModelSourceError, check_links, open_model_files
+from service.engine.checkpoint import combined_digest, directory_digest, file_digests, load_model, load_tokenizer
+from service.engine.model_files import (
+    FileIdentity,
+    ModelFiles,
+    ModelFilesChanged,
+    ModelSourceError,
+    check_links,
+    open_model_files,
+)
 from service.errors import JobFailed
 from service.models.registry import find_model, registered_identity
 from service.models.sources import local_model_dir
@@ -32,11 +39,9 @@ REREGISTER = "re-register the model"
 def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
     """The files of a registered model on this machine, opened and checked (:mod:`service.engine.model_files`).
 
-    A ``file://`` model is read in place: each file must have the identity (size, mtime, inode, ctime)
-    recorded at registration. A remote one (``s3://``, ``hf://``) is read from this machine's
-    private copy, which need not be the registering machine's: its content digest is checked once
-    per copy, and the identity it had then is what later jobs compare (:func:`_check_private_copy`).
-    No job hashes a checkpoint whose identity is known.
+    A ``file://`` model is read in place, a remote one (``s3://``, ``hf://``) from this machine's
+    private copy. Either way every used file is opened once, through no link leading out, and its
+    identity compared (:func:`_check_files`): no job hashes a checkpoint whose identity is known.
 
     Raises:
         JobFailed: a file is not the registered one, or breaks a rule of the model folder; the
@@ -45,12 +50,19 @@ def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
     model_id = manifest["model_id"]
     try:
         if manifest["source"].startswith("file://"):
-            return _checked_in_place(ctx, manifest)
-        path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
-        check_links(path)  # local_model_dir checked it too; a link out is refused even where unused
+            path = Path(manifest["path"])
+            if not path.is_dir():
+                raise ModelSourceError(f"the model folder {path} is gone")
+            if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
+                raise ModelSourceError("the model folder was replaced by a symbolic link")
+            registered = registered_identity(manifest)
+        else:
+            path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
+            registered = None  # each machine downloads its own copy: other inodes and times
+        check_links(path)  # a link leading out is refused even where no used file is one (registration did)
         files = open_model_files(path)
         try:
-            _check_private_copy(ctx, manifest, files)
+            _check_files(ctx, manifest, files, registered)
         except BaseException:
             files.close()
             raise
@@ -59,82 +71,92 @@ def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
         raise JobFailed(f"the files of model {model_id} changed since registration: {exc}; {REREGISTER}") from None
 
 
-def _checked_in_place(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
-    """A ``file://`` model's files, opened in its registered folder and checked against the identity
-    recorded at registration (recorded now, after its digest is checked, for an older registration)."""
-    path = Path(manifest["path"])
-    if not path.is_dir():
-        raise ModelSourceError(f"the model folder {path} is gone")
-    if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
-        raise ModelSourceError("the model folder was replaced by a symbolic link")
-    check_links(path)  # a link leading out is refused even where no used file is one (registration did)
-    files = open_model_files(path)
-    try:
-        registered = registered_identity(manifest)
-        if registered is None:
-            _record_identity(ctx, manifest, files)
-        else:
-            files.check(registered)
-    except BaseException:
-        files.close()
-        raise
-    return files
+def _check_files(
+    ctx: Context, manifest: dict[str, Any], files: ModelFiles, registered: dict[str, FileIdentity] | None
+) -> None:
+    """Check opened model files by identity, never by hashing them again where it is known.
+
+    - A ``file://`` registration's files must have the identity recorded at registration: any
+      difference fails the job (posting the registration again registers the files as they are).
+    - A remote model's private copy (or the folder of a registration made before identities were
+      recorded) must have the identity it had when this machine last checked its content
+      (:func:`copy_record`). Where there is none (a copy new to this machine, an older
+      registration), or the copy differs from it (the cache is the service's own: a change is
+      damage, not a new version), the content decides, once: each file is hashed through its
+      descriptor and compared with the registration, and the identity is remembered.
+
+    Raises:
+        ModelFilesChanged: naming the first file that is not the registered one.
+    """
+    if registered is not None:
+        files.check(registered)
+        return
+    mismatch: ModelFilesChanged | None = None
+    known = _machine_identity(ctx, manifest, files.folder)
+    if known is not None:
+        try:
+            files.check(known)
+            return
+        except ModelFilesChanged as exc:
+            mismatch = exc
+    _check_content(manifest, files, mismatch)
+    write_copy_record(ctx, files, manifest["digest"])
+    if manifest["source"].startswith("file://"):
+        _record_identity(ctx, manifest, files)
+
+
+def _check_content(manifest: dict[str, Any], files: ModelFiles, mismatch: ModelFilesChanged | None) -> None:
+    """Raise unless ``files`` hold the registered content, naming the first file that does not
+    (registrations made before per-file digests were recorded: by the folder's digest, including
+    the one of registrations made before the allowlist, which hashed every in-folder file)."""
+    sums = file_digests(files)
+    recorded = manifest.get("file_sha256")
+    why = f" ({mismatch})" if mismatch is not None else ""
+    if isinstance(recorded, dict):
+        for name in sorted(set(recorded) | set(sums)):
+            if recorded.get(name) != sums.get(name):
+                state = "is missing" if name not in sums else "was added" if name not in recorded else "has other content"
+                raise ModelFilesChanged(f"{name} {state} since registration{why}")
+    elif combined_digest(sums) != manifest["digest"]:
+        if directory_digest(files.folder, every_file=True) != manifest["digest"]:
+            raise ModelFilesChanged(f"the files' content is not the registered content (their digest differs){why}")
+    files.check(files.identity())  # nothing rewritten in place while it was hashed
 
 
 def _record_identity(ctx: Context, manifest: dict[str, Any], files: ModelFiles) -> None:
-    """Give a registration made before identities were recorded the identity of its files, once:
-    only after their content, read through the same descriptors, proves to be the registered digest.
+    """Give a registration made before identities were recorded the identity of its files, their
+    content just checked: from then on it is checked as any other.
 
-    Lazily, not by refusal: a model cannot be registered again under its ID (the same source is the
-    same registration), so refusing would end every such model for good; one hash per model, ever,
-    is the price, and the check after it is the one every newer registration gets.
-
-    Raises:
-        ModelSourceError: the content is not the registered content.
+    Lazily, not by refusal: such a model cannot be registered again under its ID (posting the
+    same registration again returns it: nothing recorded says its files changed), so refusing
+    would end it for good; one hash per model is the price.
     """
-    _check_digest(manifest, files)
     identity = {name: value.to_json() for name, value in files.identity().items()}
     with ctx.lock:
         current = find_model(ctx, manifest["model_id"])
         if current is not None and current["digest"] == manifest["digest"] and "identity" not in current:
             ctx.storage.put_json(model_key(manifest["model_id"]), {**current, "identity": identity})
-    manifest["identity"] = identity
 
 
-def _check_digest(manifest: dict[str, Any], files: ModelFiles) -> None:
-    """Raise unless ``files`` hold the registered content (registrations made before the allowlist
-    hashed every in-folder file: their digest is recognised too)."""
-    digest = manifest["digest"]
-    if files_digest(files) != digest and directory_digest(files.folder, every_file=True) != digest:
-        raise ModelSourceError("their content is not the registered content (its digest differs)")
-
-
-def _check_private_copy(ctx: Context, manifest: dict[str, Any], files: ModelFiles) -> None:
-    """Check this machine's copy of a remote model: against the identity it had when its digest was
-    last checked on this machine (kept beside the cache, :func:`copy_record`), else by its digest,
-    once, recording its identity for the jobs that follow.
-
-    The registered identity does not apply: each machine downloads its own copy (other inodes and
-    mtimes). The copy lies in ``ENGRAM_CACHE_DIR``, written only by the service.
-    """
-    record = copy_record(ctx, files.folder)
-    saved = _read_record(record)
-    if saved is not None and saved.get("digest") == manifest["digest"]:
-        identity = {name: FileIdentity.from_json(value) for name, value in saved.get("identity", {}).items()}
-        if all(value is not None for value in identity.values()):
-            files.check({name: value for name, value in identity.items() if value is not None})
-            return
-    _check_digest(manifest, files)
-    write_copy_record(ctx, files, manifest["digest"])
+def _machine_identity(ctx: Context, manifest: dict[str, Any], folder: Path) -> dict[str, FileIdentity] | None:
+    """The identity ``folder``'s files had when this machine last found them holding the registered
+    content (:func:`write_copy_record`), if it did."""
+    saved = _read_record(copy_record(ctx, folder))
+    if saved is None or saved.get("digest") != manifest["digest"] or not isinstance(saved.get("identity"), dict):
+        return None
+    identity = {name: FileIdentity.from_json(value) for name, value in saved["identity"].items()}
+    return {name: value for name, value in identity.items() if value is not None} if all(identity.values()) else None
 
 
 def copy_record(ctx: Context, folder: Path) -> Path:
-    """Where the identity of a verified private copy of a remote model is kept: beside the cache."""
+    """Where this machine keeps the identity of a model folder whose content it checked (a remote
+    model's private copy, or an older registration's folder): in ``ENGRAM_CACHE_DIR``, which only
+    the service writes."""
     return ctx.cache_dir / "verified-models" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:40]}.json"
 
 
 def write_copy_record(ctx: Context, files: ModelFiles, digest: str) -> None:
-    """Record that ``files`` (a private copy) hold ``digest``, with their identity, atomically."""
+    """Record that ``files`` hold ``digest`` on this machine, with their identity, atomically."""
     record = copy_record(ctx, files.folder)
     record.parent.mkdir(parents=True, exist_ok=True)
     identity = {name: value.to_json() for name, value in files.identity().items()}

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +25,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.config import Settings
+from service.context import Context
 from service.demo import make_facts
-from service.engine.checkpoint import CheckpointReader, inspect_model_dir
+from service.engine.checkpoint import CheckpointReader, combined_digest, file_digests, inspect_model_dir
 from service.engine.model_files import ModelFilesChanged, ModelSourceError, open_model_files, open_without_links
-from tests.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from service.errors import JobFailed
+from service.models import loaded
+from service.models.loaded import checked_model_files, copy_record
+from service.storage.local import LocalStorage
+from tests.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 FACTS = make_facts(24, seed=5)
 SHARD = "model.safetensors"
@@ -172,16 +179,25 @@ def test_a_shard_changed_after_registration_fails_every_next_job(
     assert _register(api, model_id, folder).status_code == 200  # unchanged since: the same registration
 
 
-def test_an_unchanged_model_is_registered_once_and_its_jobs_run(live_server: LiveServer, folder: Path) -> None:
-    """The identity check refuses nothing that did not change: reading a file (its atime) is no change."""
+def test_what_the_identity_sees_and_what_re_registering_does(live_server: LiveServer, folder: Path) -> None:
+    """Reading a file (its atime) or adding one the service does not use changes nothing; a ``chmod``
+    (a new ctime, the same bytes) fails the next job like any change of identity, and posting the
+    registration again, as the job says, registers the files as they are (the same digest here)."""
     api = live_server.client
-    model_id = "identity/unchanged"
-    assert _register(api, model_id, folder).status_code == 201
+    model_id = "identity/chmod"
+    registered = _register(api, model_id, folder)
+    assert registered.status_code == 201
     (folder / SHARD).read_bytes()
     (folder / "README.md").write_text("not a file the service uses")
     assert _register(api, model_id, folder).status_code == 200
-    name = "identity-unchanged"
-    job = wait_for_job(api, _collect(api, model_id, name, FACTS[:6]))
+    job = wait_for_job(api, _collect(api, model_id, "identity-chmod", FACTS[:6]))
+    assert job["status"] == "succeeded", job
+    os.chmod(folder / SHARD, 0o600)
+    _assert_failed_naming_the_file(api, _collect(api, model_id, "identity-chmod-late", FACTS[6:12]))
+    renewed = _register(api, model_id, folder)
+    assert renewed.status_code == 201, renewed.text
+    assert renewed.json()["digest"] == registered.json()["digest"]
+    job = wait_for_job(api, _collect(api, model_id, "identity-chmod-again", FACTS[12:18]))
     assert job["status"] == "succeeded", job
 
 
@@ -249,3 +265,35 @@ def test_a_link_put_into_the_path_or_a_fifo_in_place_of_a_file_is_refused_withou
     with pytest.raises(ModelSourceError, match="not a regular file"):
         open_without_links(fifo, SHARD)  # no writer: a blocking open would hang here
     os.close(open_without_links(real, SHARD))
+
+
+def test_a_remote_models_private_copy_is_hashed_once_per_machine_then_checked_by_identity(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``s3://`` model's copy on this machine (another machine's registration recorded other inodes):
+    its content is checked once, then its identity; a copy changed since fails naming the file.
+    ``file_digests`` is replaced by a spy that refuses, only to show the second job hashes nothing."""
+    source = "s3://bucket/models/identity/"
+    cache = tmp_path / "cache"
+    copy = cache / "s3" / hashlib.sha256(source.encode()).hexdigest()
+    shutil.copytree(tiny_llama_dir, copy)
+    unreachable = f"http://127.0.0.1:{free_port()}"  # the cached copy is used: S3 is never asked
+    settings = Settings(cache_dir=cache, s3_endpoint_url=unreachable)
+    store, lock = LocalStorage(tmp_path / "store"), threading.RLock()
+    ctx = Context(settings=settings, storage=store, jobs=None, dispatch=None, lock=lock)  # type: ignore[arg-type]
+    with open_model_files(copy) as files:
+        sums = file_digests(files)
+    manifest = {"model_id": "identity/s3", "source": source, "digest": combined_digest(sums), "file_sha256": sums}
+    with checked_model_files(ctx, manifest) as files:
+        assert files.folder == copy
+    assert copy_record(ctx, copy).is_file()
+
+    def no_hashing(_files: object) -> dict[str, str]:
+        raise AssertionError("a job hashed a checkpoint whose identity is known")
+
+    monkeypatch.setattr(loaded, "file_digests", no_hashing)
+    checked_model_files(ctx, manifest).close()
+    monkeypatch.undo()
+    _rewritten_in_place_mtime_restored(copy, tmp_path)
+    with pytest.raises(JobFailed, match=f"{SHARD} has other content.*{REREGISTER}"):
+        checked_model_files(ctx, manifest)

@@ -347,40 +347,48 @@ def _manifest(path: Path) -> dict[str, Any]:
     }
 
 
+@pytest.fixture
+def job_ctx(tmp_path: Path) -> Context:
+    """What a job process's context gives the check: file storage, this machine's cache, the lock."""
+    storage = LocalStorage(tmp_path / "store")
+    settings = Settings(cache_dir=tmp_path / "cache")
+    return Context(settings=settings, storage=storage, jobs=None, dispatch=None, lock=threading.RLock())  # type: ignore[arg-type]
+
+
 def _checked_folder(ctx: Any, manifest: dict[str, Any]) -> Path:
     with checked_model_files(ctx, manifest) as files:
         return files.folder
 
 
-def test_job_time_check_catches_a_link_swapped_in_after_registration(folder: Path, outside: Path) -> None:
+def test_job_time_check_catches_a_link_swapped_in_after_registration(folder: Path, outside: Path, job_ctx: Context) -> None:
     manifest = _manifest(folder)
-    assert _checked_folder(None, manifest) == folder
+    assert _checked_folder(job_ctx, manifest) == folder
     (folder / "secrets.txt").symlink_to(outside / "environ")  # a new link out, even unused
     with pytest.raises(JobFailed, match="secrets.txt"):
-        _checked_folder(None, manifest)
+        _checked_folder(job_ctx, manifest)
     (folder / "secrets.txt").unlink()
     original = (folder / "tokenizer.json").read_bytes()
     (outside / "tokenizer-copy.json").write_bytes(original)  # same bytes, outside the folder
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.json").symlink_to(outside / "tokenizer-copy.json")
     with pytest.raises(JobFailed, match="tokenizer.json"):
-        _checked_folder(None, manifest)
+        _checked_folder(job_ctx, manifest)
 
 
-def test_job_time_check_catches_the_folder_replaced_by_a_link(folder: Path, outside: Path) -> None:
+def test_job_time_check_catches_the_folder_replaced_by_a_link(folder: Path, outside: Path, job_ctx: Context) -> None:
     manifest = _manifest(folder)
     moved = folder.with_name(folder.name + "-moved")
     folder.rename(moved)
     folder.symlink_to(outside, target_is_directory=True)
     try:
         with pytest.raises(JobFailed, match="symbolic link"):
-            _checked_folder(None, manifest)
+            _checked_folder(job_ctx, manifest)
     finally:
         folder.unlink()
         moved.rename(folder)
 
 
-def test_a_registration_made_before_the_allowlist_still_checks(folder: Path, tmp_path: Path) -> None:
+def test_a_registration_made_before_the_allowlist_still_checks(folder: Path, job_ctx: Context) -> None:
     """Registrations made before identities were recorded (and before the allowlist, whose digest
     covered every file) are checked by content once, then get the identity of the files checked."""
     (folder / "README.md").write_text("hello")
@@ -388,10 +396,7 @@ def test_a_registration_made_before_the_allowlist_still_checks(folder: Path, tmp
     del manifest["identity"]
     manifest["fingerprint"]["README.md"] = [5, 1]  # old registrations listed every file
     manifest["digest"] = directory_digest(folder, every_file=True)
-    storage = LocalStorage(tmp_path / "store")
-    ctx = Context(
-        settings=Settings(cache_dir=tmp_path / "cache"), storage=storage, jobs=None, dispatch=None, lock=threading.RLock()
-    )  # type: ignore[arg-type]
+    ctx, storage = job_ctx, job_ctx.storage
     storage.put_json(model_key(manifest["model_id"]), manifest)
     assert _checked_folder(ctx, dict(manifest)) == folder
     recorded = storage.get_json(model_key(manifest["model_id"]))["identity"]
@@ -400,7 +405,7 @@ def test_a_registration_made_before_the_allowlist_still_checks(folder: Path, tmp
     with pytest.raises(JobFailed, match="tokenizer.json.*re-register the model"):
         _checked_folder(ctx, storage.get_json(model_key(manifest["model_id"])))
     with pytest.raises(JobFailed, match="digest differs.*re-register the model"):
-        _checked_folder(ctx, manifest)  # not recorded yet: checked by content, which changed
+        _checked_folder(ctx, manifest)  # without the identity it got: checked by content, which changed
 
 
 # ---------------------------------------------------------------- hub snapshots, s3 copies
