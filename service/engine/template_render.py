@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +148,7 @@ class TemplateProcess:
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
+            env=_child_env(),
         )
         self._read(time.monotonic() + _START_TIMEOUT_S, "start")
         return self._child
@@ -180,6 +181,14 @@ class TemplateProcess:
         self.close()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return {"error": "memory" if code == -9 else "render", "detail": f"the render process died ({how})"}
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the folder holding the ``service`` package first on the path (the
+    child runs ``-m service.engine.template_child`` wherever the job process was started from)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def _json_safe(value: Any) -> Any:
