@@ -44,7 +44,7 @@ from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
 from service.jobs.store import FINISHED
-from service.models.loaded import checked_model_files
+from service.models.loaded import check_model_unchanged, checked_model_files
 from service.models.registry import get_model
 from service.universes.build import ensure_universe
 from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
@@ -109,6 +109,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
         "search": round(search_s, 3),
         "per_candidate": round(search_s / max(1, len(found.candidates)), 4),
     }
+    check_model_unchanged(ctx, model)  # its mapped weights were not rewritten while they were scored
     ctx.storage.put_bytes(prefix + "front.png", render_front_png(result))
     ctx.storage.put_json(prefix + "result.json", result)  # last: the calibration is answered
     ctx.jobs.set_progress(job["job_id"], len(found.candidates), len(found.candidates))

@@ -44,7 +44,7 @@ from service.engine.template_render import TemplateLimits, TemplateProcess
 from service.errors import InvalidInput, JobFailed
 from service.jobs.progress import JobCancelled, JobProgress
 from service.jobs.store import utc_now
-from service.models.loaded import MODELS
+from service.models.loaded import MODELS, check_model_unchanged
 from service.models.registry import get_model
 from service.observability import record_collection
 from service.storage.base import scratch_dir
@@ -124,6 +124,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     seconds = time.monotonic() - started
     record_collection(stats.tokens, seconds)
     report = survey.report()
+    check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran (issue 23, 7)
     _publish_statistics(ctx, prefix, stats, payload, seconds, report, cancelled)
     return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
 

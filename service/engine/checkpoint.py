@@ -416,9 +416,11 @@ class CheckpointReader:
         self._files = {name: self.files.path(check_shard_name(name)) for name in sorted(set(layout.key_files.values()))}
 
     def tensor(self, key: str) -> torch.Tensor:
-        with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
+        shard = self.layout.key_files[key]
+        with safe_open(str(self._files[shard]), framework="pt") as handle:
             tensor: torch.Tensor = handle.get_tensor(key)
-            return tensor
+        self.files.check_unchanged(shard)  # not rewritten in place while it was read
+        return tensor
 
     def stored_dtype(self, key: str) -> str:
         """A tensor's dtype as the file stores it (``F32``, ``BF16``, ``F64``…), from the header only."""
@@ -427,8 +429,11 @@ class CheckpointReader:
 
     def expert_slice(self, key: str, where: list[int]) -> torch.Tensor:
         """One expert's ``[out, in]`` weight from a fused experts key (``where``: expert, row range)."""
-        with safe_open(str(self._files[self.layout.key_files[key]]), framework="pt") as handle:
-            return read_expert_slice(handle, key, where)
+        shard = self.layout.key_files[key]
+        with safe_open(str(self._files[shard]), framework="pt") as handle:
+            sliced = read_expert_slice(handle, key, where)
+        self.files.check_unchanged(shard)
+        return sliced
 
     def layer_weights(self, spec: LayerSpec) -> LayerWeights:
         where = self.layout.expert_slices.get(spec.name)

@@ -188,7 +188,7 @@ def _write_checkpoint(
     _copy_side_files(source, target, bool(new_keys), new_keys)
     # What was read must still be what was opened: a file rewritten in place during the write (a new
     # mtime or size; the descriptor sees the new bytes) fails the build instead of publishing a mix.
-    source.check(source.identity())
+    source.check_unchanged()
 
 
 def _copy_side_files(source: ModelFiles, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
@@ -234,7 +234,7 @@ def write_delta(
         untied = any(key not in layout.key_files for key in planned)
         out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
         write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
-        files.check(files.identity())  # as write_checkpoint: nothing rewritten in place meanwhile
+        files.check_unchanged()  # as write_checkpoint: nothing rewritten in place meanwhile
 
 
 def _delta_plan(

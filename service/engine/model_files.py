@@ -425,6 +425,23 @@ class ModelFiles:
         """Each file's identity as it was when opened."""
         return dict(self._identity)
 
+    def check_unchanged(self, name: str | None = None) -> None:
+        """Refuse ``name`` (every file, when ``None``) if it was written since it was opened
+        (``fstat``: a write in place sets a new ctime). A model loaded on the CPU maps its shards:
+        such a write changes the weights a job is using, so a reader checks after each read, and a
+        job before it publishes.
+
+        Raises:
+            ModelFilesChanged: naming the file.
+        """
+        for each in self._fds if name is None else [name]:
+            now = FileIdentity.of(os.fstat(self._fds[each]))
+            if now != self._identity[each]:
+                raise ModelFilesChanged(
+                    f"{each} was written while it was being read ({self._identity[each].differences(now)}); "
+                    "re-register the model once its files no longer change"
+                )
+
     def check(self, registered: Mapping[str, FileIdentity]) -> None:
         """Refuse files that are not the registered ones (checked by ``fstat`` of the opened
         descriptors, now: a file rewritten in place since it was opened counts as changed).

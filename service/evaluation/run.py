@@ -26,7 +26,7 @@ from service.engine.model_files import ModelFiles
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
 from service.jobs.progress import JobProgress
-from service.models.loaded import MODELS, checked_model_files
+from service.models.loaded import MODELS, check_model_unchanged, checked_model_files
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.storage.keys import evaluation_key, probes_key, variant_file_key
@@ -137,8 +137,17 @@ def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
             for i in range(len(probes[split]))
         ],
     }
+    _check_base_unchanged(ctx, payload["variant_id"])
     ctx.storage.put_json(key, result)
     return result
+
+
+def _check_base_unchanged(ctx: Context, variant_id: str) -> None:
+    """The base model's files as registered still (a shard rewritten in place while the job ran
+    changed the mapped weights it used): checked before a result is kept or answered."""
+    request = find_variant_request(ctx, variant_id)
+    if request is not None:
+        check_model_unchanged(ctx, get_model(ctx, request.model_id))
 
 
 def _probe(raw: dict[str, Any]) -> Probe:
@@ -194,6 +203,7 @@ def run_generation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     for name in payload["models"]:
         outputs[name] = greedy_generate(models[name], tokenizer, prompt, payload["max_new_tokens"])
         progress.advance(1)
+    _check_base_unchanged(ctx, payload["variant_id"])
     result = {"variant_id": payload["variant_id"], "prompt": payload["prompt"], "outputs": outputs}
     if messages is not None:
         result["messages"] = messages

@@ -15,7 +15,7 @@ from service.context import Context
 from service.engine.checkpoint import check_tokenizer, combined_digest, file_digests, inspect_model_dir
 from service.engine.layout import ModelLayout
 from service.engine.model_checks import validate_model_dir
-from service.engine.model_files import FileIdentity, ModelFilesChanged, ModelSourceError, open_model_files
+from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
 from service.errors import Conflict, InvalidInput
 from service.jobs.store import utc_now
 from service.models.loaded import write_copy_record
@@ -84,11 +84,9 @@ def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, dict[s
             layout = inspect_model_dir(files)
             check_tokenizer(files)  # one no job could load is refused now, not at every collection
             sums = file_digests(files)
-            files.check(files.identity())  # nothing rewritten in place while it was read
+            files.check_unchanged()  # nothing rewritten in place while it was read
             if is_remote(source):  # this machine's copy is verified: its jobs need not hash it again
                 write_copy_record(ctx, files, combined_digest(sums))
             return layout, sums, files.identity()
-    except ModelFilesChanged as exc:
-        raise InvalidInput(f"{exc}: the model folder changed while it was registered; register it again") from None
     except ModelSourceError as exc:
         raise InvalidInput(str(exc)) from None

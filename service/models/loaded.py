@@ -71,6 +71,17 @@ def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
         raise JobFailed(f"the files of model {model_id} changed since registration: {exc}; {REREGISTER}") from None
 
 
+def check_model_unchanged(ctx: Context, manifest: dict[str, Any]) -> None:
+    """Check a model's files again, before a job publishes what it computed with them: a model
+    loaded on the CPU maps its shards, so a shard rewritten in place while the job ran changed the
+    weights it used (and its identity: a new ctime).
+
+    Raises:
+        JobFailed: as :func:`checked_model_files`.
+    """
+    checked_model_files(ctx, manifest).close()
+
+
 def _check_files(
     ctx: Context, manifest: dict[str, Any], files: ModelFiles, registered: dict[str, FileIdentity] | None
 ) -> None:
@@ -120,7 +131,7 @@ def _check_content(manifest: dict[str, Any], files: ModelFiles, mismatch: ModelF
     elif combined_digest(sums) != manifest["digest"]:
         if directory_digest(files.folder, every_file=True) != manifest["digest"]:
             raise ModelFilesChanged(f"the files' content is not the registered content (their digest differs){why}")
-    files.check(files.identity())  # nothing rewritten in place while it was hashed
+    files.check_unchanged()  # nothing rewritten in place while it was hashed
 
 
 def _record_identity(ctx: Context, manifest: dict[str, Any], files: ModelFiles) -> None:

@@ -239,16 +239,39 @@ def test_a_tensor_stored_in_two_shards_is_refused_at_registration(live_server: L
 
 
 def test_reads_go_through_the_descriptor_checked_not_the_name(folder: Path, outside: Path) -> None:
-    """A shard swapped for other weights after the files were opened and checked is never read."""
+    """A shard swapped for other weights after the files were opened and checked is never read: the
+    descriptor's path still reads the checked file. (Unlinking that file changed its ctime, so a
+    reader that checks after each read refuses to go on, and a job opening the folder afresh sees a
+    new file.)"""
     layout = inspect_model_dir(folder)
     key = layout.weight_keys[layout.layers[0].name]
     original = load_file(str(folder / SHARD))[key]
     with open_model_files(folder) as files:
+        reader = CheckpointReader(files, layout)
         _renamed_over(folder, outside)
         assert not torch.equal(load_file(str(folder / SHARD))[key], original)  # the name holds other weights now
-        assert torch.equal(CheckpointReader(files, layout).tensor(key), original)
+        assert torch.equal(load_file(str(files.path(SHARD)))[key], original)
         with pytest.raises(ModelFilesChanged, match=SHARD):
+            reader.tensor(key)
+        with pytest.raises(ModelFilesChanged, match=f"{SHARD} is not the file registered.*inode"):
             open_model_files(folder).check(files.identity())
+
+
+def test_a_shard_written_while_a_job_reads_it_fails_the_read_and_the_job(folder: Path, outside: Path) -> None:
+    """A model loaded on the CPU maps its shards (transformers with safetensors), so a write in place
+    while a job runs changes the weights it uses: each checkpoint read checks its shard afterwards,
+    a variant's writer checks every file before it finishes, and the jobs that run a loaded model
+    check again before they publish (``check_model_unchanged``)."""
+    layout = inspect_model_dir(folder)
+    key = layout.weight_keys[layout.layers[0].name]
+    with open_model_files(folder) as files:
+        reader = CheckpointReader(files, layout)
+        reader.tensor(key)
+        _rewritten_in_place(folder, outside)
+        with pytest.raises(ModelFilesChanged, match=f"{SHARD} was written.*{REREGISTER}"):
+            reader.tensor(key)
+        with pytest.raises(ModelFilesChanged, match=SHARD):
+            files.check_unchanged()
 
 
 def test_a_link_put_into_the_path_or_a_fifo_in_place_of_a_file_is_refused_without_blocking(
