@@ -20,7 +20,8 @@ Where the document cannot say what the service checks (a model source must be a 
 ``ENGRAM_MODEL_ROOTS``; ``modules``/``layers`` must select layers of that model; a multipart
 dataset must be UTF-8 JSONL; chat messages need a model with a chat template), schema-valid
 requests may be refused, so ``positive_data_acceptance`` also expects 422 (and 400 for the upload)
-on those operations. A body over the size limit is
+on those operations, and 400 on the paginated lists (a ``cursor`` is opaque: one the service did
+not give is refused, whatever its shape). A body over the size limit is
 answered 413 before anything else (auth included): a rejection like the others for
 ``negative_data_rejection``. Checks whose premise the API's contract does not meet are off where
 it does not:
@@ -151,6 +152,11 @@ def config(target: Target) -> str:
         "",
         "[[operations]]",
         'include-name = "POST /concepts"',
+        f"checks.positive_data_acceptance.expected-statuses = {json.dumps([*refused, '400'])}",
+        "",
+        "[[operations]]",  # a cursor is opaque: one the service did not give is a 400, whatever its shape
+        'include-name = ["GET /concepts", "GET /models", "GET /jobs", "GET /variants", '
+        '"GET /models/{model_id}/variants", "GET /models/{model_id}/universes"]',
         f"checks.positive_data_acceptance.expected-statuses = {json.dumps([*refused, '400'])}",
     ]
     return "\n".join(lines) + "\n"
