@@ -10,6 +10,8 @@ so a live task is never handed to a second worker.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from functools import cache
 from typing import Any
 
@@ -49,11 +51,18 @@ def _run(task: Task, job_id: str) -> None:
     """Run the job; after a transient error, retry the task with backoff until the runner gives up."""
     ctx = worker_context()
     try:
-        run_job(ctx, job_id, raise_transient=True)
+        run_job(ctx, job_id, raise_transient=True, stuck_cancel=_end_pool_process)
     except TRANSIENT_ERRORS as exc:
         delay = retry_after(ctx, job_id, exc, task.request.retries, settings.task_max_retries)
         if delay is not None:
             raise task.retry(exc=exc, countdown=delay, max_retries=settings.task_max_retries) from exc
+
+
+def _end_pool_process() -> None:
+    """A job stuck past its cancellation (native code, a blocking read): end this pool process. The
+    task is ``reject_on_worker_lost``, so its message comes back, and the runner, finding the job's
+    cancellation, marks it cancelled; the worker starts a fresh pool process for the next task."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @job_task("collect")

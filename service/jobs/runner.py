@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -56,7 +57,9 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None:
+def run_job(
+    ctx: Context, job_id: str, *, raise_transient: bool = False, stuck_cancel: Callable[[], None] | None = None
+) -> None:
     """Run one job to a final state; the outcome is in the job record.
 
     Args:
@@ -64,6 +67,9 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         job_id: the job to run (a finished one is left alone: redelivery is harmless).
         raise_transient: re-raise a transient error (storage or Redis unreachable) after putting
             the job back to ``queued``, so the caller (Celery) can retry it with backoff.
+        stuck_cancel: called when the job is still running ENGRAM_CANCEL_GRACE_S after its
+            cancellation was asked (stuck where no check runs: native code, a blocking read); a
+            Celery worker ends its pool process, and the redelivered message finds the job cancelled.
     """
     job = ctx.jobs.get(job_id)
     if job is None or job["status"] in FINISHED:
@@ -73,7 +79,7 @@ def run_job(ctx: Context, job_id: str, *, raise_transient: bool = False) -> None
         return
     ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)
     try:
-        with job_context(job_id), _heartbeat(ctx, job_id):
+        with job_context(job_id), _heartbeat(ctx, job_id), _cancel_watchdog(ctx, job_id, stuck_cancel):
             log.info("%s job started", job["kind"])
             result = {**KINDS[job["kind"]].body(ctx, job), "worker": worker_name()}
             log.info("%s job succeeded", job["kind"])
@@ -151,6 +157,42 @@ def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
             stop.wait(max(1.0, ctx.settings.heartbeat_ttl_s / 4))
 
     thread = threading.Thread(target=loop, name=f"heartbeat-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+_WATCH_S = 1.0  # how often the cancel watchdog reads the job
+
+
+@contextmanager
+def _cancel_watchdog(ctx: Context, job_id: str, stuck_cancel: Callable[[], None] | None) -> Iterator[None]:
+    """While the body runs, call ``stuck_cancel`` once the job has ignored its cancellation for
+    ENGRAM_CANCEL_GRACE_S (every phase checks it within a second or so; this catches the rest)."""
+    if stuck_cancel is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        asked: float | None = None
+        while not stop.wait(_WATCH_S):
+            try:
+                job = ctx.jobs.get(job_id)
+            except Exception:  # Redis briefly away: look again at the next tick
+                continue
+            if job is None or not job["cancel_requested"]:
+                continue
+            asked = time.monotonic() if asked is None else asked
+            if time.monotonic() - asked >= ctx.settings.cancel_grace_s and not stop.is_set():
+                log.error("job %s ignored its cancellation for %gs: stopping it", job_id, ctx.settings.cancel_grace_s)
+                stuck_cancel()
+                return
+
+    thread = threading.Thread(target=loop, name=f"cancel-watchdog-{job_id}", daemon=True)
     thread.start()
     try:
         yield
