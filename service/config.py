@@ -100,10 +100,11 @@ class Settings(BaseSettings):
     template_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     template_memory_bytes: int = Field(default=1 << 30, ge=256 << 20)
     template_max_chars: int = Field(default=32 << 20, ge=1024)
-    # Embedded mode: a job that has not stopped this many seconds after DELETE /jobs/{id} (stuck in
-    # native code: a tokenizer, a model load, a blocking read) is stopped by killing the job process,
-    # which is replaced at once; the other jobs it was running are queued again (jobs are idempotent).
-    # Every phase checks cancellation at least every second, so 10 s only catches what cannot.
+    # A job that has not stopped this many seconds after DELETE /jobs/{id} (stuck in native code: a
+    # tokenizer, a model load, a blocking read) is stopped by ending its process: embedded mode kills
+    # the job process and starts another (the other jobs it ran are queued again: jobs are
+    # idempotent); a Celery worker ends its pool process and the redelivered message finds the job
+    # cancelled. Every phase checks cancellation within a second, so 10 s only catches what cannot.
     cancel_grace_s: float = Field(default=10.0, gt=0, le=3600)
 
     # Request limits: a JSON body and a multipart upload.
