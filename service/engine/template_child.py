@@ -20,7 +20,8 @@ with its environment class replaced by the bounded one below, so a render is the
 ``apply_chat_template(tokenize=False)`` gives. The process dies with its parent (``PR_SET_PDEATHSIG``).
 
 Protocol, on stdin/stdout: frames of an 8-byte big-endian length and UTF-8 JSON. A request is
-``{"template", "tokens", "messages", "prefixes": [[n, add_generation_prompt], …]}``; the answer is
+``{"template", "tokens", "messages", "prefixes": [[n, add_generation_prompt], …]}`` (``template``
+null: the previous request's); the answer is
 ``{"renders": [str, …]}`` or ``{"error": "render" | "size" | "memory", "detail": str}``.
 """
 
@@ -144,7 +145,9 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     write_frame(stdout, {"ready": True})
+    template = None
     while (request := read_frame(stdin)) is not None:
+        template = request["template"] = request["template"] if request["template"] is not None else template
         write_frame(stdout, answer(request, max_chars))
 
 

@@ -67,6 +67,7 @@ class TemplateProcess:
         self.limits = limits
         self.should_stop = should_stop
         self._child: subprocess.Popen[bytes] | None = None
+        self._template: str | None = None  # the template the running child holds (sent once)
 
     def __enter__(self) -> TemplateProcess:
         return self
@@ -99,13 +100,16 @@ class TemplateProcess:
             RecordError: the template fails on these messages.
             CollectionCancelled: ``should_stop`` said so while the template rendered.
         """
+        template = tokenizer.get_chat_template()
+        child_has_it = template == self._template and self.pid is not None
         request = {
-            "template": tokenizer.get_chat_template(),
+            "template": None if child_has_it else template,
             "tokens": _json_safe(tokenizer.special_tokens_map),
             "messages": [m.as_dict() for m in messages],
             "prefixes": [[n, bool(add)] for n, add in prefixes],
         }
         reply = self._ask(request)
+        self._template = template if self._child is not None else None
         if "error" in reply:
             raise self._problem(reply["error"], reply["detail"])
         renders: list[str] = reply["renders"]
