@@ -15,9 +15,9 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.s3 import SeaweedServer
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def start_s3_server(seaweed: SeaweedServer, bucket: str, root: Path, name: str, 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This module's files: ``models/`` (the model root) and the server logs."""
-    from tests.fixtures_models import make_tiny_llama
+    from engram_fixtures.models import make_tiny_llama
 
     path = tmp_path_factory.mktemp("api-on-s3")
     make_tiny_llama(path / "models" / "tiny", hidden=32, layers=2, tie_word_embeddings=True)
