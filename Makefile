@@ -50,7 +50,7 @@ run: install
 
 # DEMO_ARGS=--threads=1 on a busy machine: torch's spinning threads slow a tiny model down many times.
 demo: install
-	$(PY) -m service.demo --out demo $(DEMO_ARGS)
+	$(PY) -m engram_fixtures.demo --out demo $(DEMO_ARGS)
 
 # The suite starts private redis-server processes (and restarts them, to test a Redis that lost
 # everything), so the binary itself must be on PATH; a Redis answering somewhere is not enough.

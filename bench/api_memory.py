@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from bench.common import Profile, build_model
-from service.demo import make_facts
-from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready
 
 MODEL_ID = "bench/api-memory"
 PROFILE = Profile(

@@ -138,7 +138,7 @@ def build_model(profile: Profile, path: Path, seed: int = 0) -> Path:
     """Write a random ``LlamaForCausalLM`` of ``profile`` (safetensors) with a BPE tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from service.demo import make_facts, train_tokenizer
+    from engram_fixtures.demo import make_facts, train_tokenizer
 
     corpus = [p + c for p, c in make_facts(400, seed=1000)]
     tokenizer = train_tokenizer(corpus, vocab_size=min(profile.vocab, 2048))
@@ -173,7 +173,7 @@ def checkpoint_bytes(path: Path) -> int:
 
 def text_records(n: int, facts_per_record: int, seed: int) -> list[Any]:
     """``n`` text records, each ``facts_per_record`` synthetic facts (prompt + answer) in a row."""
-    from service.demo import make_facts
+    from engram_fixtures.demo import make_facts
     from service.engine.records import Record
 
     facts = make_facts(n * facts_per_record, seed=seed)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.live import start_server, stop_server, wait_for_job
+from engram_fixtures.live import start_server, stop_server, wait_for_job
 
 
 def write_rows(path: Path, rows: int) -> int:
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--no-collect", action="store_true", help="stop after the dataset is resolved")
     args = parser.parse_args()
-    from tests.fixtures_models import make_tiny_llama
+    from engram_fixtures.models import make_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="dataset-stream-") as tmp:
         root = Path(tmp)

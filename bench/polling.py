@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import LLAMA_TINY, build_model, median, text_records
-from tests.live import LiveServer, start_server, stop_server, wait_for_job
+from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for_job
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_ID = "bench/polled"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.live import start_server, stop_server
+from engram_fixtures.live import start_server, stop_server
 
 
 def write_dataset(path: Path, megabytes: float) -> int:

@@ -9,8 +9,8 @@ probe sets, so the service can be exercised end to end on it.
 
 Usage::
 
-    python -m service.demo --out demo
-    python -m service.demo --out demo-chat --chat   # the same facts as one-turn chats (a chat template)
+    python -m engram_fixtures.demo --out demo
+    python -m engram_fixtures.demo --out demo-chat --chat   # the same facts as one-turn chats (a chat template)
 """
 
 from __future__ import annotations
@@ -407,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["evaluate"]:
         return evaluate_main(args_list[1:])
-    parser = argparse.ArgumentParser(prog="python -m service.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engram_fixtures.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("demo"), help="output directory (default: demo)")
     parser.add_argument("--n-facts", type=int, default=200)
     parser.add_argument("--forget-fraction", type=float, default=0.1)
@@ -428,8 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def evaluate_main(argv: Sequence[str]) -> int:
-    """``python -m service.demo evaluate --model DIR [--model DIR …] --probes DEMO_DIR``."""
-    parser = argparse.ArgumentParser(prog="python -m service.demo evaluate")
+    """``python -m engram_fixtures.demo evaluate --model DIR [--model DIR …] --probes DEMO_DIR``."""
+    parser = argparse.ArgumentParser(prog="python -m engram_fixtures.demo evaluate")
     parser.add_argument("--model", type=Path, action="append", required=True, help="a checkpoint directory")
     parser.add_argument("--probes", type=Path, default=Path("demo"), help="folder with forget/retain.jsonl")
     args = parser.parse_args(argv)

@@ -48,7 +48,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from service.demo import make_facts, tiny_llama_config, train_tokenizer
+from engram_fixtures.demo import make_facts, tiny_llama_config, train_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -80,7 +80,7 @@ def default_corpus() -> list[str]:
 
 
 def make_tokenizer(corpus: Sequence[str] | None = None, vocab_size: int = 300) -> PreTrainedTokenizerFast:
-    """Byte-level BPE tokenizer with ``<s>``/``</s>``/``<pad>`` (see ``service.demo.train_tokenizer``).
+    """Byte-level BPE tokenizer with ``<s>``/``</s>``/``<pad>`` (see ``engram_fixtures.demo.train_tokenizer``).
 
     Args:
         corpus: Training texts; defaults to :func:`default_corpus`.

@@ -26,15 +26,15 @@ import httpx
 import torch
 import transformers
 
-from service.demo import make_facts
-from tests.fixtures_models import (
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import download_variant, start_server, stop_server
+from engram_fixtures.models import (
     MOE_FAMILIES,
     make_tiny_encoder,
     make_tiny_from_config,
     make_tiny_gemma3_vlm,
     make_tiny_llava,
 )
-from tests.live import download_variant, start_server, stop_server
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 # family -> (config class, model class, config fields beyond make_tiny_from_config's sizes)

@@ -1,4 +1,4 @@
-"""``engram-service serve | worker | demo``."""
+"""``engram-service serve | worker``."""
 
 from __future__ import annotations
 
@@ -15,15 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     worker = sub.add_parser("worker", help="run a Celery worker (distributed mode; uses CUDA when present)")
     worker.add_argument("--queues", default="gpu,cpu", help="comma-separated queues to consume (default gpu,cpu)")
-    demo = sub.add_parser("demo", help="build the offline mini-TOFU demo model and datasets")
-    demo.add_argument("--out", default="demo")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args.host, args.port)
-    if args.command == "demo":
-        from service import demo as demo_module
-
-        return demo_module.main(["--out", args.out]) or 0
     return _worker(args.queues)
 
 

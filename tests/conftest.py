@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live import LiveServer, start_server, stop_server
+from engram_fixtures.live import LiveServer, start_server, stop_server
 from tests.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop_seaweed, weed_binary
 
 # ---------------------------------------------------------------- tiny models on disk
@@ -21,7 +21,7 @@ from tests.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop
 
 def build_tiny_llama(path: Path) -> Path:
     """The session's tiny Llama (hidden 32, 2 layers, tied head) with its tokenizer, at ``path``."""
-    from tests.fixtures_models import make_tiny_llama
+    from engram_fixtures.models import make_tiny_llama
 
     return make_tiny_llama(path, hidden=32, layers=2, tie_word_embeddings=True)
 
@@ -46,7 +46,7 @@ def mini_tofu_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Returns the model root holding ``demo/model``, ``demo/forget.jsonl`` and ``demo/retain.jsonl``.
     """
-    from service.demo import build_demo
+    from engram_fixtures.demo import build_demo
 
     root = tmp_path_factory.mktemp("mini-tofu")
     build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, threads=1)

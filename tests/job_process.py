@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.live import LiveServer
+from engram_fixtures.live import LiveServer
 
 
 def children(pid: int) -> list[int]:

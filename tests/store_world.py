@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from engram_fixtures.demo import make_facts
 from service.concepts.statistics import collection_settings
 from service.config import Settings
 from service.context import Context
-from service.demo import make_facts
 from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layout import ModelLayout

@@ -10,6 +10,9 @@ functions count too) and checked against:
   entry point ``service.cli`` (``engram-service serve | worker | …`` starts the API or a Celery
   worker), which nothing imports;
 - the wire contract (``api_schemas``) imports no server code and no torch;
+- the product (``service``, ``workers``) never imports the fixtures (``engram_fixtures``: the demo,
+  the tiny model builders and the live server that tests, bench and scripts share), entry point
+  included, so the images need not ship them;
 - the client (``service.client`` today, ``engram_client`` once it is its own distribution)
   imports only ``api_schemas``, itself and its own libraries;
 - dependencies point down the layers of :data:`LAYERS` (``api_schemas`` ← ``engine`` ← ``storage``
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("service", "workers", "api_schemas", "engram_client")
+PACKAGES = ("service", "workers", "api_schemas", "engram_client", "engram_fixtures")
 
 # Third-party roots a pure engine must not reach for.
 ENGINE_FORBIDDEN = ("fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "boto3", "botocore", "httpx")
@@ -38,6 +41,8 @@ CLIENT_ALLOWED_THIRD_PARTY = ("httpx", "pydantic", "typer", "rich", "click", "ap
 CLIENT_PACKAGES = ("service.client", "engram_client")
 # Process entry points: they start the API or a worker, so they sit above both; nothing imports them.
 ENTRY_POINTS = ("service.cli",)
+# What tests, bench and scripts share (a dev package): it may import the service, never the reverse.
+FIXTURES = "engram_fixtures"
 # The house's layers, lowest first (../shared/ARCHITECTURE.md): a module imports modules of its own
 # layer and of the layers below, never above. A name covers its package; the longest name that
 # covers a module decides its layer, and the bare ``service`` package is itself only.
@@ -62,13 +67,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "service.evaluation",
             "service.maps",
             "service.calibration",
-            "service.demo",
         ),
     ),
     ("the runner", ("service.jobs.runner",)),  # the kind -> body table and the state machine: above every body
     ("who runs the runner", ("service.jobs.queue", "service.jobs.embedded", "service.runtime")),
     ("the API and the workers", ("service.api", "workers")),
     ("the entry point", ("service.cli",)),
+    ("the fixtures of tests, bench and scripts", (FIXTURES,)),
 )
 
 
@@ -149,8 +154,10 @@ def violations(found: Iterable[Import], modules: set[str]) -> list[str]:
             broken.append(f"{where} (nothing under service imports workers)")
         if imp.importer not in ENTRY_POINTS and _resolve(imp.imported, modules) in ENTRY_POINTS:
             broken.append(f"{where} (nothing imports the entry point)")
+        if (_within(imp.importer, "service") or _within(imp.importer, "workers")) and root == FIXTURES:
+            broken.append(f"{where} (the product never imports the fixtures: they are for tests, bench and scripts)")
         if _within(imp.importer, "api_schemas") and (
-            root in ("service", "workers", "torch", "engram_client") or root in ENGINE_FORBIDDEN
+            root in ("service", "workers", "torch", "engram_client", FIXTURES) or root in ENGINE_FORBIDDEN
         ):
             broken.append(f"{where} (the wire contract imports pydantic and the standard library only)")
         client = next((p for p in CLIENT_PACKAGES if _within(imp.importer, p)), None)
@@ -294,8 +301,10 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service/client/__init__.py": "",
         "service/client/cli.py": "import typer\nimport api_schemas\nfrom service.jobs import g\nimport boto3\n",
         "workers/__init__.py": "",
-        "workers/celery_app.py": "import service.cli\n",
-        "service/cli.py": "from workers.celery_app import app\n",
+        "workers/celery_app.py": "import service.cli\ndef h():\n    from engram_fixtures.demo import build_demo\n",
+        "service/cli.py": "from workers.celery_app import app\nfrom engram_fixtures import demo\n",
+        "engram_fixtures/__init__.py": "",
+        "engram_fixtures/demo.py": "from service.engine.pure import z\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -311,10 +320,13 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service.client.cli:3 imports service.jobs (the client imports api_schemas",
         "service.client.cli:4 imports boto3 (the client imports api_schemas",
         "workers.celery_app:1 imports service.cli (nothing imports the entry point)",
+        "workers.celery_app:3 imports engram_fixtures.demo (the product never imports the fixtures",
+        "service.cli:2 imports engram_fixtures (the product never imports the fixtures",
     ):
         assert expected in broken, f"missing: {expected}\n{broken}"
     assert "pure:1 imports torch" not in broken and "cli:1 imports typer" not in broken
     assert "cli:2 imports api_schemas" not in broken and "service.cli:1" not in broken
+    assert "engram_fixtures.demo:1" not in broken, "the fixtures may import the service"
     upward = "\n".join(upward_imports(found, modules))
     for expected in (
         "service.storage.base:1 imports service.jobs.store (storage -> the jobs' records, a layer above",
@@ -322,9 +334,10 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service.engine.other:3 imports service.storage (the engine -> storage, a layer above",
         "workers.celery_app:1 imports service.cli (the API and the workers -> the entry point",
         "service.lonely has no layer",
+        "service.cli:2 imports engram_fixtures (the entry point -> the fixtures of tests, bench and scripts",
     ):
         assert expected in upward, f"missing: {expected}\n{upward}"
-    downward = ("service.jobs.runner:", "service.concepts.collection:")
+    downward = ("service.jobs.runner:", "service.concepts.collection:", "engram_fixtures.demo:")
     assert not [line for line in upward.splitlines() if line.startswith(downward)], "imports that point down"
     assert "service.client" not in upward, "the client is checked by its own rule"
     # storage -> jobs at the top, jobs -> storage inside a function: a cycle all the same.

@@ -18,9 +18,9 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from service.demo import build_demo, make_facts, read_probes, tiny_llama_config, train_on_facts, train_tokenizer
+from engram_fixtures.demo import build_demo, make_facts, read_probes, tiny_llama_config, train_on_facts, train_tokenizer
+from engram_fixtures.models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
-from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 PROBES = [
     Probe("Q: Where was Kuguk Vringem born?", " Kruxgyr"),

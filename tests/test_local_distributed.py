@@ -19,9 +19,9 @@ import boto3
 import httpx
 import pytest
 
-from service.demo import make_facts
-from tests.fixtures_models import make_tiny_llama
-from tests.live import REPO_ROOT, wait_concepts_ready, wait_variant_ready
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import REPO_ROOT, wait_concepts_ready, wait_variant_ready
+from engram_fixtures.models import make_tiny_llama
 
 SCRIPT = REPO_ROOT / "scripts" / "local-distributed.sh"
 

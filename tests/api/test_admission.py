@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, running_server, start_redis, stop_redis, wait_for_job
 from tests.api.test_waiting_and_polling import job_process, paused
-from tests.live import LiveServer, running_server, start_redis, stop_redis, wait_for_job
 
 PER_KEY, TOTAL = 2, 3
 FACTS = make_facts(12, seed=11)
@@ -173,7 +173,7 @@ def test_distributed_api_processes_share_the_bounds(tmp_path: Path, tiny_llama_d
     """Two API processes on one Redis broker (no worker: their jobs stay queued) count the same jobs:
     the anonymous caller's one queued registration, submitted through either, fills its bound in
     both; cancelling it frees the slot everywhere."""
-    from tests.live import start_server, stop_server
+    from engram_fixtures.live import start_server, stop_server
 
     redis = start_redis()
     env = {"ENGRAM_BROKER_URL": redis.url, "ENGRAM_MAX_QUEUED_JOBS_PER_KEY": "1"}

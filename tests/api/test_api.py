@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-from service.demo import make_facts
-from tests.live import (
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import (
     MAX_JSON_BYTES,
     LiveServer,
     wait_concepts_ready,

@@ -17,19 +17,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-from service.demo import make_facts
-from service.engine.checkpoint import CheckpointReader, inspect_model_dir
-from service.engine.collect import collect_statistics
-from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
-from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import (
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import wait_concepts_ready, wait_variant_ready
+from engram_fixtures.models import (
     CAUSAL_FAMILIES,
     make_tiny_bert,
     make_tiny_causal_lm,
     make_tiny_gpt2,
     make_tiny_gpt_neox,
 )
-from tests.live import wait_concepts_ready, wait_variant_ready
+from service.engine.checkpoint import CheckpointReader, inspect_model_dir
+from service.engine.collect import collect_statistics
+from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
+from service.engine.records import Record, encode_record, make_batches, pad_token_id
 
 FACTS = make_facts(24, seed=3)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.api.auth import parse_api_keys, required_scope
-from tests.live import LiveServer, start_server, stop_server
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -48,7 +48,7 @@ class AuthWorld:
 @pytest.fixture(scope="module")
 def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthWorld]:
     """A live server with one key per scope, and a tiny Llama inside its model root."""
-    from tests.fixtures_models import make_tiny_llama
+    from engram_fixtures.models import make_tiny_llama
 
     root = tmp_path_factory.mktemp("auth")
     model_root = root / "models"
@@ -271,8 +271,8 @@ def _stored_files(root: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def mapped(auth: AuthWorld) -> str:
     """A model with two ready concepts, registered and collected with the write key; its ID."""
-    from service.demo import make_facts
-    from tests.live import wait_concepts_ready
+    from engram_fixtures.demo import make_facts
+    from engram_fixtures.live import wait_concepts_ready
 
     model = "acme/mapped"
     write = httpx.Client(base_url=auth.server.base_url, headers=auth.headers(auth.write), timeout=60.0)

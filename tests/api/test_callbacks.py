@@ -19,10 +19,10 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from engram_fixtures.live import LiveServer, free_port, start_server, stop_server, wait_for_job
 from service.config import Settings
 from service.jobs.callbacks import sign, verify_signature
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, free_port, start_server, stop_server, wait_for_job
 
 SECRET = "test-callback-secret"
 MODEL = "cb/tiny"

@@ -29,13 +29,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.datasets import record_line
-from service.demo import make_facts
-from service.engine.records import Record
-from service.engine.stats_io import load_statistics
-from tests.api.test_api import assert_problem, unchanged
-from tests.fixtures_models import make_tiny_chat_llama
-from tests.live import (
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import (
     LiveServer,
     download_variant,
     start_server,
@@ -44,6 +39,11 @@ from tests.live import (
     wait_for_job,
     wait_variant_ready,
 )
+from engram_fixtures.models import make_tiny_chat_llama
+from service.datasets import record_line
+from service.engine.records import Record
+from service.engine.stats_io import load_statistics
+from tests.api.test_api import assert_problem, unchanged
 from tests.s3 import SeaweedServer
 
 CHAT = "chat/tiny"

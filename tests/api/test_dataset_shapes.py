@@ -26,11 +26,11 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for_job
+from engram_fixtures.models import make_tiny_llama
 from service.datasets import record_line
 from service.engine.records import Record
 from tests.api.test_api import assert_problem, unchanged
-from tests.fixtures_models import make_tiny_llama
-from tests.live import LiveServer, start_server, stop_server, wait_for_job
 
 MODEL = "shapes/tiny"
 MAX_LENGTH = 32

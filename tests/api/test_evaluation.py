@@ -15,10 +15,10 @@ import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 MODEL = "eval/tiny"
 FACTS = make_facts(30, seed=3)

@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_variant_ready
 from service.concepts.service import dataset_bytes
-from service.demo import make_facts
 from service.engine.records import Record
 from tests.api.test_api import assert_problem, jsonl, unchanged
-from tests.live import LiveServer, running_server, wait_concepts_ready, wait_variant_ready
 
 MODEL = "hostile/tiny"
 MAX_RECORDS = 50

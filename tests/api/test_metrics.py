@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.demo import make_facts
-from tests.live import LiveServer, wait_for_job
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, wait_for_job
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

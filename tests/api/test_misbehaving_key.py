@@ -30,12 +30,12 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.live import LiveServer, free_port, running_server, wait_for_job
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.concepts.service import ready_statistics
 from service.models.registry import get_model
 from service.universes.projection import project_universe
 from service.universes.spec import make_spec
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
-from tests.live import LiveServer, free_port, running_server, wait_for_job
 from tests.store_world import StoreWorld, text_records
 
 MODEL = "neighbours/llama"

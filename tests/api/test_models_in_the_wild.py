@@ -29,19 +29,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from service.demo import make_facts
-from service.engine.checkpoint import load_model, load_tokenizer
-from service.engine.expert_names import is_expert_layer
-from service.engine.linalg import default_rcond
-from service.engine.records import Record
-from tests.fixtures_models import (
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
+from engram_fixtures.models import (
     make_tiny_bert_encoder,
     make_tiny_gpt_oss,
     make_tiny_llama,
     make_tiny_mixtral,
     make_tiny_qwen3_moe,
 )
-from tests.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
+from service.engine.checkpoint import load_model, load_tokenizer
+from service.engine.expert_names import is_expert_layer
+from service.engine.linalg import default_rcond
+from service.engine.records import Record
 from tests.moe_reference import expert_weight, reference_pinv, reference_rows
 
 FACTS = make_facts(24, seed=5)

@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
+from engram_fixtures.models import make_tiny_gemma3_vlm, make_tiny_llava, make_tiny_mamba
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import unsupported_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_gemma3_vlm, make_tiny_llava, make_tiny_mamba
-from tests.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 FACTS = make_facts(24, seed=5)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]

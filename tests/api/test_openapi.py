@@ -20,12 +20,12 @@ from openapi_spec_validator import OpenAPIV31SpecValidator
 from pydantic import ValidationError
 
 from api_schemas import ConceptCreate
+from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.api.auth import PUBLIC_PATHS, required_scope
 from service.api.openapi import READ_KEY_REFUSALS
 from service.config import Settings
 from service.errors import InvalidInput
 from service.jobs.callbacks import check_callback_url
-from tests.live import LiveServer, start_server, stop_server
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEM_REF = "#/components/schemas/Problem"

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from api_schemas.models import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
+from engram_fixtures.live import LiveServer, running_server, wait_for_job
 from tests.api.test_waiting_and_polling import job_process, paused
-from tests.live import LiveServer, running_server, wait_for_job
 
 READ_CACHE_S = 1.1  # listings are served as of at most a second ago (service.storage.read_cache)
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.live import REPO_ROOT, LiveServer, kill_worker, server_env
 from tests.distributed.cluster import Cluster
-from tests.live import REPO_ROOT, LiveServer, kill_worker, server_env
 
 # Long enough that a worker stopped cleanly is seen gone well before its entry could have expired.
 TTL_S = 15

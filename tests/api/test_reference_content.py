@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.live import LiveServer, running_server, wait_for_job
+from engram_fixtures.models import make_tiny_chat_llama
 from service.datasets import record_line
 from service.engine.records import Record
-from tests.fixtures_models import make_tiny_chat_llama
-from tests.live import LiveServer, running_server, wait_for_job
 from tests.s3 import SeaweedServer
 
 MODEL = "tiny/ref"

@@ -51,8 +51,8 @@ from pathlib import Path
 
 import pytest
 
-from service.demo import make_facts
-from tests.live import REPO_ROOT, LiveServer, start_server, stop_server, wait_concepts_ready, wait_variant_ready
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import REPO_ROOT, LiveServer, start_server, stop_server, wait_concepts_ready, wait_variant_ready
 
 ADMIN_KEY = "st-admin-" + secrets.token_urlsafe(24)
 MODEL = "org/tiny"
@@ -74,7 +74,7 @@ class Target:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    from tests.fixtures_models import make_tiny_llama
+    from engram_fixtures.models import make_tiny_llama
 
     root = tmp_path_factory.mktemp("schemathesis")
     model_dir = make_tiny_llama(root / "models" / "tiny-llama", hidden=32, layers=2, tie_word_embeddings=True)

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.api.test_api import assert_problem
-from tests.live import LiveServer, running_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 MODEL = "uni/tiny"
 FACTS = make_facts(60, seed=4)

@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.demo import make_facts
-from tests.api.test_api import assert_problem
-from tests.live import (
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import (
     LiveServer,
     running_server,
     start_server,
@@ -32,6 +31,7 @@ from tests.live import (
     wait_for_job,
     wait_variant_ready,
 )
+from tests.api.test_api import assert_problem
 
 MODEL = "poll/tiny"
 MAX_WAITERS = 64

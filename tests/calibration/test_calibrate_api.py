@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
 from tests.api.test_api import assert_problem, unchanged
-from tests.live import LiveServer, wait_concepts_ready, wait_for_job
 
 MODEL = "cal/tiny"
 FACTS = make_facts(40, seed=11)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engram_client import EngramClient
-from service.demo import make_facts
-from tests.live import LiveServer
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer
 
 CLI2_MODEL = "cli2-tiny"
 _FACTS = make_facts(20, seed=23)

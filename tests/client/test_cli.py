@@ -27,9 +27,9 @@ import pytest
 import torch
 from PIL import Image
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 from tests.client.conftest import CLI2_MODEL, ReadyVariant
-from tests.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 
 MODEL = "cli/tiny"
 FACTS = make_facts(40, seed=7)

@@ -27,10 +27,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from engram_client import EngramClient
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer
+from engram_fixtures.models import make_tiny_chat_llama
 from tests.client.test_cli import failed, ok, run_cli, write_jsonl
-from tests.fixtures_models import make_tiny_chat_llama
-from tests.live import LiveServer
 
 CHAT_MODEL = "cli-data/chat"
 PLAIN_MODEL = "cli-data/plain"

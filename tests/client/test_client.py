@@ -35,9 +35,9 @@ from engram_client import (
     EngramOutputExistsError,
     EngramTimeoutError,
 )
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 from tests.client.conftest import ReadyVariant
-from tests.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 from tests.s3 import SeaweedServer
 
 MODEL = "cli/tiny-client"

@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from engram_client import EngramClient, Page
+from engram_fixtures.live import LiveServer, running_server
 from tests.api.test_pagination import READ_CACHE_S, _write_concept
 from tests.client.test_cli import ok, run_cli
-from tests.live import LiveServer, running_server
 
 NAMES = [f"p{index:03d}" for index in range(250)]
 

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job
+from engram_fixtures.models import CHAT_TEMPLATE, make_tiny_chat_llama
 from service.datasets import DatasetSpool, JsonlFeed
 from service.errors import PayloadTooLarge
-from tests.fixtures_models import CHAT_TEMPLATE, make_tiny_chat_llama
 from tests.job_process import job_process, peak_rss_bytes, template_children
-from tests.live import LiveServer, running_server, wait_concepts_ready, wait_for_job
 
 MAX_LENGTH = 64
 TIMEOUT_S = 5

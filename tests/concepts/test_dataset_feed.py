@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from engram_fixtures.models import CHAT_TEMPLATE, make_tokenizer
 from service.concepts.collection import Survey
 from service.datasets import INFLATE_PIECE, DatasetSpool, Gunzip, JsonlFeed, SpooledDataset
 from service.engine.records import Record, encode_record
 from service.errors import InvalidInput, MalformedBody, PayloadTooLarge
-from tests.fixtures_models import CHAT_TEMPLATE, make_tokenizer
 
 RECORDS = [{"text": f"record {i} 😀"} for i in range(50)] + [{"prompt": "Q?", "completion": " A"}]
 PLAIN = b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in RECORDS).encode()

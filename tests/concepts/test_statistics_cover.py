@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import torch
 
+from engram_fixtures.models import make_tiny_bert_encoder
 from service.concepts.statistics import statistics_layers
 from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import LayerStatistics
 from service.engine.stats_io import save_statistics
 from service.storage.local import LocalStorage
-from tests.fixtures_models import make_tiny_bert_encoder
 
 
 def _stored_without_the_pooler(tmp_path: Path, names: list[str]) -> tuple[SimpleNamespace, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.live import (
+from engram_fixtures.live import (
     LiveServer,
     RedisServer,
     kill_worker,

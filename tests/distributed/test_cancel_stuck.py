@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.live import REPO_ROOT, wait_concepts_ready, wait_for_job
+from engram_fixtures.models import make_tiny_llama
 from tests.distributed.cluster import Cluster
-from tests.fixtures_models import make_tiny_llama
-from tests.live import REPO_ROOT, wait_concepts_ready, wait_for_job
 
 INJECTOR = Path(__file__).parents[1] / "api" / "stalling_tokenizer"
 MODEL = "stuck/tiny"

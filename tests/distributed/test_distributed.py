@@ -17,17 +17,17 @@ import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import (
+    kill_worker,
+    wait_for_job,
+)
+from engram_fixtures.models import make_tiny_llama
 from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import collect_statistics
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import load_statistics
 from tests.distributed.cluster import Cluster
-from tests.fixtures_models import make_tiny_llama
-from tests.live import (
-    kill_worker,
-    wait_for_job,
-)
 
 MODEL = "dist/tiny"
 FACTS = make_facts(60, seed=11)

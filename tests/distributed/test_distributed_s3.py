@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import kill_worker, wait_for_job
 from tests.distributed.cluster import Cluster
 from tests.e2e.tofu import run_mini_tofu
-from tests.live import kill_worker, wait_for_job
 from tests.s3 import SeaweedServer, restart_seaweed, stop_seaweed
 
 PREFIX = "engram"
@@ -67,7 +67,7 @@ def test_s3_outage_is_503_and_the_job_survives_it(s3_cluster: Cluster, seaweed: 
     client = s3_cluster.api.client
     tiny = s3_cluster.models / "tiny"
     if not tiny.exists():
-        from tests.fixtures_models import make_tiny_llama
+        from engram_fixtures.models import make_tiny_llama
 
         make_tiny_llama(tiny, hidden=32, layers=2)
     assert client.post("/models", json={"model_id": "s3/tiny", "source": f"file://{tiny}"}).status_code == 201

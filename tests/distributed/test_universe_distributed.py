@@ -36,17 +36,17 @@ import redis
 import torch
 from safetensors import safe_open
 
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import kill_worker, wait_for_job
+from engram_fixtures.models import make_tiny_llama
 from service.config import Settings
 from service.context import Context
-from service.demo import make_facts
 from service.jobs.store import JobStore
 from service.storage.keys import engram_key, group_key, universe_prefix
 from service.storage.local import LocalStorage
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
 from tests.distributed.cluster import Cluster
-from tests.fixtures_models import make_tiny_llama
-from tests.live import kill_worker, wait_for_job
 
 MODEL = "dist/wide"
 FACTS = make_facts(60, seed=21)

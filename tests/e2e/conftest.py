@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.live import LiveServer, start_server, stop_server
+from engram_fixtures.live import LiveServer, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.demo import read_probes
+from engram_fixtures.demo import read_probes
+from engram_fixtures.live import REPO_ROOT, LiveServer, download_variant, wait_for_job
 from service.engine.evaluate import Probe, answer_nll
 from tests.e2e.tofu import post_concept, probe_metrics
-from tests.live import REPO_ROOT, LiveServer, download_variant, wait_for_job
 
 MODEL_ID = "demo/calibrate-tofu"
 LIMIT = 2.0  # max_retain_nll_ratio

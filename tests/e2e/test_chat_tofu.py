@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
+from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 pytestmark = pytest.mark.slow
 MODEL_ID = "demo/chat-tofu"
@@ -37,7 +37,7 @@ ALPHA = 0.6  # the paper's uniform TOFU strength (its TOFU table; ai-engram benc
 @pytest.fixture(scope="module")
 def chat_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The chat demo (trained on the facts rendered with its chat template); the model root holding it."""
-    from service.demo import build_demo
+    from engram_fixtures.demo import build_demo
 
     root = tmp_path_factory.mktemp("chat-tofu")
     build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, chat=True, threads=1)

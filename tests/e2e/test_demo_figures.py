@@ -5,7 +5,7 @@ every fact but drops retain exact match to about 41%, and W-Norm scaling on the 
 every fact while keeping most retained ones (α=2: 84%), or nearly all of them (α=1.5: 97%) with
 the forgotten answers' NLL still far up. Each variant here is built and scored by the service itself
 (``POST /variants/{id}/evaluate``: greedy exact match and answer NLL of the shipped checkpoint, the
-metrics ``python -m service.demo evaluate`` prints). The bounds leave room for the few-percent
+metrics ``python -m engram_fixtures.demo evaluate`` prints). The bounds leave room for the few-percent
 differences a retrained demo shows on another machine (thread counts change float summation order).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.demo import read_probes
-from tests.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from engram_fixtures.demo import read_probes
+from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 MODEL = "demo/readme-figures"
 MLP = ["gate_proj", "up_proj", "down_proj"]

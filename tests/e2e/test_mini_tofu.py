@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engram_fixtures.live import LiveServer
 from tests.e2e.tofu import run_mini_tofu
-from tests.live import LiveServer
 
 
 def test_mini_tofu_forgets_and_retains_like_the_oracle(

@@ -26,12 +26,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api_schemas.models import VLLM_LORA_RANKS
-from service.demo import read_probes
+from engram_fixtures.demo import read_probes
+from engram_fixtures.live import LiveServer, download_variant, wait_for_job
 from service.engine.evaluate import Probe
 from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from service.engine.lora_rules import EXACT_RTOL
 from tests.e2e.tofu import post_concept, probe_metrics
-from tests.live import LiveServer, download_variant, wait_for_job
 
 MODEL_ID = "demo/peft-tofu"
 NLL_TOL = 0.05  # the bar: forget and retain NLLs within 5% of the checkpoint variant's

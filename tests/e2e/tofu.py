@@ -16,9 +16,9 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.demo import read_probes
+from engram_fixtures.demo import read_probes
+from engram_fixtures.live import download_variant, wait_for_job
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
-from tests.live import download_variant, wait_for_job
 
 
 def probe_metrics(model: torch.nn.Module, tokenizer: object, probes: list[Probe]) -> dict[str, float]:

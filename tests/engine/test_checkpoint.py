@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.collect import LayerStatistics, collect_statistics
@@ -23,7 +24,6 @@ from service.engine.layout import ModelLayout
 from service.engine.model_files import ModelSourceError
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import load_statistics, save_statistics
-from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 HIDDEN = 32
 EDITED = ("lm_head", "model.layers.0.self_attn.q_proj")

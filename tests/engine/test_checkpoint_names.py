@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
+from engram_fixtures.models import make_tiny_gpt_neox, make_tiny_llama, make_tokenizer
 from service.concepts.statistics import collection_settings
 from service.config import Settings
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.model_files import ModelSourceError
 from service.models.registry import model_view
-from tests.fixtures_models import make_tiny_gpt_neox, make_tiny_llama, make_tokenizer
 
 
 def _rewrite_keys(folder: Path, rename: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> None:

@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_bert, make_tiny_bert_encoder, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.editable import editable_layers
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_bert, make_tiny_bert_encoder, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 MAX_LENGTH = 120  # below the fixtures' 128 positions, so no record is ever truncated
 REL_TOL = 1e-5  # float32 forward + float32 GEMM per batch vs an all-float64 reference

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine import collect as collect_module
 from service.engine import compose as compose_module
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
@@ -30,7 +31,6 @@ from service.engine.layout import ModelLayout
 from service.engine.linalg import EPS_FLOAT32, default_rcond, pinv_factors
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import StatisticsFile, save_statistics
-from tests.fixtures_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 MAX_LENGTH = 120
 ALPHA = 0.8

@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_gpt_oss, make_tiny_mixtral, make_tiny_qwen3_moe, make_tokenizer
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.collect import LayerStatistics, collect_statistics
@@ -39,7 +40,6 @@ from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.engine.model_files import ModelSourceError
 from service.engine.records import Example, Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_gpt_oss, make_tiny_mixtral, make_tiny_qwen3_moe, make_tokenizer
 from tests.moe_reference import expert_weight, reference_pinv, reference_rows
 
 MAX_LENGTH = 64

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from api_schemas.models import VLLM_LORA_RANKS
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import LayerStatistics, collect_statistics
@@ -34,7 +35,6 @@ from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, REPORT_FILE, fa
 from service.engine.lora_files import write_adapter
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget, vllm_bias_refusal, vllm_rank
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 
 HIDDEN = 32
 FLOAT64_TOL = 1e-12  # a float64 SVD reproduces its matrix to ~1e-15 relative

@@ -23,14 +23,14 @@ import transformers
 from safetensors import safe_open
 from transformers.activations import ACT2FN
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import MOE_FAMILIES, make_tiny_from_config
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import find_fused_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import MOE_FAMILIES, make_tiny_from_config
 
 FAMILIES = MOE_FAMILIES
 RECORDS = [Record.from_mapping({"text": p + c}, i) for i, (p, c) in enumerate(make_facts(8, seed=1))]

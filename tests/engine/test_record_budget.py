@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from engram_fixtures.live import REPO_ROOT
+from engram_fixtures.models import CHAT_TEMPLATE, make_tokenizer
 from service.engine.messages import Message
 from service.engine.record_budget import PIECE_CHARS, char_budget
 from service.engine.records import Record, encode_record
-from tests.fixtures_models import CHAT_TEMPLATE, make_tokenizer
-from tests.live import REPO_ROOT
 
 MAX_LENGTH = 32
 WORDS = "the cat sat on a warm mat while Zürich slept and ℵ₀ counted sheep quietly".split()
@@ -98,7 +98,7 @@ def test_a_huge_record_encodes_in_bounded_memory() -> None:
         import json, resource, sys
         from service.engine.record_budget import char_budget
         from service.engine.records import Record, encode_record
-        from tests.fixtures_models import make_tokenizer
+        from engram_fixtures.models import make_tokenizer
         tok = make_tokenizer()
         text = ("the cat sat on a warm mat while Zürich slept " * 90_000)[:4_000_000]
         encode_record(tok, Record(text="warm up"), 512, budget=char_budget(tok, 512))

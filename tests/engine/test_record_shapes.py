@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from engram_fixtures.models import make_tokenizer
 from service.dataset_refs import _plain
 from service.engine.records import Record, RecordError, encode_record
-from tests.fixtures_models import make_tokenizer
 
 ANSWER = {"role": "assistant", "content": "yes"}
 

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.compose import EngramAlgebra, LayerWeights
@@ -31,7 +32,6 @@ from service.engine.stats_io import (
     rows_are_smaller,
     save_statistics,
 )
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
 
 HIDDEN = 32  # groups 32 wide (attention, MLP input, lm_head) and 64 wide (down_proj)
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from service.demo import make_facts
+from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_llava, make_tiny_mamba
 from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from tests.fixtures_models import make_tiny_llava, make_tiny_mamba
 
 RECORDS = [{"text": p + c} for p, c in make_facts(6, seed=2)]
 

@@ -25,16 +25,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.config import Settings
 from service.context import Context
-from service.demo import make_facts
 from service.engine.checkpoint import CheckpointReader, combined_digest, file_digests, inspect_model_dir
 from service.engine.model_files import ModelFilesChanged, ModelSourceError, open_model_files, open_without_links
 from service.errors import JobFailed
 from service.models import loaded
 from service.models.loaded import checked_model_files, copy_record
 from service.storage.local import LocalStorage
-from tests.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 FACTS = make_facts(24, seed=5)
 SHARD = "model.safetensors"

@@ -19,9 +19,10 @@ import httpx
 import pytest
 from safetensors import safe_open
 
+from engram_fixtures.demo import make_facts
+from engram_fixtures.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.config import Settings
 from service.context import Context
-from service.demo import make_facts
 from service.engine.checkpoint import CheckpointReader, directory_digest, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.layout import ModelLayout
@@ -32,7 +33,6 @@ from service.models.registry import file_fingerprint
 from service.models.sources import local_model_dir
 from service.storage.keys import model_key
 from service.storage.local import LocalStorage
-from tests.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 
 SECRET = b"ENGRAM_API_KEYS=read-key-0123456789abcdef\nAWS_SECRET_ACCESS_KEY=hunter2-hunter2\n"
 INDEX = "model.safetensors.index.json"

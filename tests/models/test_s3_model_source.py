@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from engram_fixtures.live import free_port
 from service.errors import InvalidInput
 from service.models.sources import local_model_dir
 from service.storage.base import StorageUnavailable
-from tests.live import free_port
 from tests.s3 import SeaweedServer
 
 
@@ -21,7 +21,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.fixtures_models import make_tiny_llama
+    from engram_fixtures.models import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("s3-model") / "tiny", hidden=32, layers=2, tie_word_embeddings=True)
 

@@ -24,14 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Settings
-from service.context import Context
-from service.jobs.store import JobStore
-from service.storage.base import HOST_TAG
-from service.storage.janitor import clean_leftovers
-from service.storage.s3 import S3Storage
-from service.universes.retention import effective_budget
-from tests.live import (
+from engram_fixtures.live import (
     REPO_ROOT,
     server_env,
     start_redis,
@@ -40,6 +33,13 @@ from tests.live import (
     stop_redis,
     stop_server,
 )
+from service.config import Settings
+from service.context import Context
+from service.jobs.store import JobStore
+from service.storage.base import HOST_TAG
+from service.storage.janitor import clean_leftovers
+from service.storage.s3 import S3Storage
+from service.universes.retention import effective_budget
 from tests.s3 import SeaweedServer
 
 DAY_AGO = time.time() - 24 * 3600

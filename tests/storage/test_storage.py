@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
+from engram_fixtures.live import free_port
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.factory import open_storage
 from service.storage.local import LocalStorage
 from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client
-from tests.live import free_port
 from tests.s3 import SeaweedServer, restart_seaweed, stop_seaweed
 
 MiB = 1024 * 1024

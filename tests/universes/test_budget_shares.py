@@ -13,7 +13,7 @@ a universe, and the budget was never checked against the disk.
   store's volume, said in a warning and in ``GET /universes/usage``.
 
 Real file storage and the real job bodies in-process (tests.store_world), and a real server with
-three keys for the HTTP paths (tests.live).
+three keys for the HTTP paths (engram_fixtures.live).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import httpx
 import pytest
 
 from engram_client import EngramAPIError, EngramClient
+from engram_fixtures.live import REPO_ROOT, running_server, wait_for_job
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.concepts.service import ready_statistics
 from service.errors import Conflict, NotFound
 from service.jobs.admission import job_owner
@@ -44,8 +46,6 @@ from service.universes.retention import UniverseBudgetExceeded, UniverseShareExc
 from service.universes.service import delete_universe, submit_universe, universe_view
 from service.universes.spec import make_spec
 from service.variants.service import submit_variant
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
-from tests.live import REPO_ROOT, running_server, wait_for_job
 from tests.store_world import StoreWorld, text_records
 
 MODEL = "shares/llama"

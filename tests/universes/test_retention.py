@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 from safetensors import safe_open
 
+from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.concepts.service import ready_statistics
 from service.context import Context
 from service.models.registry import get_model
@@ -32,7 +33,6 @@ from service.universes.retention import UniverseBudgetExceeded, expire_unused, u
 from service.universes.service import submit_universe, universe_view
 from service.universes.spec import UniverseSpec, make_spec
 from service.variants.service import submit_variant
-from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, float64_copy, text_records
 
 MODEL = "r/llama"

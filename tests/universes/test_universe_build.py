@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine import compose as compose_module
 from service.engine.checkpoint import CheckpointReader
 from service.engine.collect import LayerStatistics
@@ -30,7 +31,6 @@ from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
 from service.universes.service import submit_universe
 from tests.engine.test_compose import reference_engram, reference_pinv, rel
-from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, float64_copy, text_records
 
 FACTOR_TOL = 1e-9

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import redis
 
+from engram_fixtures.live import RedisServer, start_redis, stop_redis
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.jobs.leases import RedisLeases, worker_name
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress
 from service.jobs.store import new_job
@@ -25,8 +27,6 @@ from service.storage.keys import part_key
 from service.universes import parts as parts_module
 from service.universes.parts import UniverseBuild
 from service.universes.service import submit_universe
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
-from tests.live import RedisServer, start_redis, stop_redis
 from tests.store_world import StoreWorld, text_records
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import CheckpointReader
 from service.engine.collect import LayerStatistics
 from service.engine.layout import ModelLayout
@@ -28,7 +29,6 @@ from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
 from service.universes.service import submit_universe
 from tests.engine.test_compose import reference_engram, reference_pinv, rel
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, text_records
 
 FACTOR_TOL = 1e-9

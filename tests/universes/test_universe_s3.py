@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.config import Settings
 from service.context import Context
 from service.engine.stats_io import load_statistics
@@ -24,7 +25,6 @@ from service.storage.s3 import S3Storage
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors, stored_rows
 from service.universes.service import submit_universe
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.s3 import SeaweedServer
 from tests.store_world import StoreWorld, text_records
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine import compose as compose_module
 from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
@@ -25,7 +26,6 @@ from service.universes.records import find_manifest, find_request
 from service.universes.service import submit_universe
 from service.variants.service import submit_variant, variant_view
 from tests.engine.test_compose import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
-from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, float64_copy, text_records
 
 ALPHA = 0.8

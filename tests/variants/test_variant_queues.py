@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from engram_fixtures.live import RedisServer, start_redis, stop_redis
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.config import Settings
 from service.runtime import build_runtime
 from service.variants.service import submit_variant
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
-from tests.live import RedisServer, start_redis, stop_redis
 from tests.store_world import StoreWorld, text_records
 
 MODEL = "q/llama"

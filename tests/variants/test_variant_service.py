@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.errors import Conflict, InvalidInput, NotFound
 from service.universes.records import current_pointer
 from service.universes.service import list_universes, submit_universe, universe_view
 from service.variants.service import submit_variant
-from tests.fixtures_models import make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, text_records
 
 MODEL, OTHER_MODEL = "s/llama", "s/other"

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from api_schemas import ComposeRequest, UnlearnRequest
 from api_schemas.models import VLLM_LORA_RANKS
+from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.errors import InvalidInput
 from service.universes.records import current_pointer
 from service.variants.service import submit_variant, variant_view
-from tests.fixtures_models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from tests.store_world import StoreWorld, text_records
 
 LLAMA, GPT2 = "vllm/llama", "vllm/gpt2"
