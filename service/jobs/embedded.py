@@ -313,7 +313,7 @@ def _overdue_problem(settings: Settings) -> dict[str, Any]:
     return {
         "type": "https://engram.dev/problems/job-failed",
         "title": "Job failed",
-        "status": 500,
+        "status": 422,  # as a JobFailed: the user can act (less work, or a higher limit)
         "detail": (
             f"the job ran past {settings.task_hard_limit_s} s (ENGRAM_TASK_HARD_LIMIT_S) and was stopped; "
             "raise the limit, or submit less work (fewer or shorter records, a smaller model)"

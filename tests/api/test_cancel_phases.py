@@ -10,6 +10,8 @@ live server in embedded mode.
   cannot be produced here on purpose, a native call lasting minutes, is stood in for by a test-only
   ``sitecustomize`` (``tests/api/stalling_tokenizer``) that sleeps inside the record cut for one
   marked record; everything else is the real server.
+- The same stuck job, never cancelled, fails at ENGRAM_TASK_HARD_LIMIT_S naming it: embedded mode
+  bounds a job's time as a Celery worker's hard limit does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tests.job_process import job_process
 INJECTOR = Path(__file__).parent / "stalling_tokenizer"
 MODEL = "cancel/tiny"
 GRACE_S = 3.0
+HARD_LIMIT_S = 10  # ENGRAM_TASK_HARD_LIMIT_S: every other job here ends within a few seconds
 ROWS = 200_000
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -37,6 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llam
     env = {
         "ENGRAM_MAX_JSON_BYTES": str(64 << 20),
         "ENGRAM_CANCEL_GRACE_S": str(GRACE_S),
+        "ENGRAM_TASK_HARD_LIMIT_S": str(HARD_LIMIT_S),
         "PYTHONPATH": f"{INJECTOR}:{REPO_ROOT}",
     }
     with running_server(tmp_path_factory.mktemp("cancel-phases"), model_root, **env) as live:
@@ -98,3 +102,16 @@ def test_a_phase_stuck_in_native_code_is_stopped_by_replacing_the_job_process(se
     assert replacement != pid
     post(api, "after-the-stall", [{"text": "the new job process takes the next collection"}])
     wait_concepts_ready(api, ["after-the-stall"], timeout=120)
+
+
+def test_a_stuck_job_fails_at_the_hard_time_limit_naming_it(server: LiveServer) -> None:
+    api = server.client
+    job = post(api, "stuck-forever", [{"text": "STALL-IN-NATIVE-CODE and nobody cancels it"}])
+    wait_running(api, job["job_id"])
+    started = time.monotonic()
+    final = wait_for_job(api, job["job_id"], timeout=HARD_LIMIT_S + 30)
+    print(f"\nstuck, not cancelled: {final['status']} after {time.monotonic() - started:.1f}s")  # noqa: T201
+    assert final["status"] == "failed", final
+    assert "ENGRAM_TASK_HARD_LIMIT_S" in final["error"]["detail"], final["error"]
+    post(api, "after-the-limit", [{"text": "and the next collection runs"}])
+    wait_concepts_ready(api, ["after-the-limit"], timeout=120)
