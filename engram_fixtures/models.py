@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -260,7 +261,7 @@ def make_tiny_gpt_neox(path: Path, hidden: int = 32, layers: int = 2, seed: int 
     return path
 
 
-def _vlm_text_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, object]:
+def _vlm_text_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
     return {
         "vocab_size": len(tokenizer),
         "hidden_size": 32,
@@ -495,7 +496,7 @@ def make_tiny_bert_encoder(
     return _save(BertModel(config, add_pooling_layer=True), tokenizer, path)
 
 
-def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int | None]:
+def _token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
     return {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -530,7 +531,7 @@ def make_tiny_qwen3_moe(
         ``path``.
     """
     tokenizer = make_tokenizer() if tokenizer is None else tokenizer
-    config = Qwen3MoeConfig(
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim is taken through **kwargs, not the signature
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
