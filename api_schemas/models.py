@@ -37,6 +37,7 @@ __all__ = [
     "DatasetReference",
     "DatasetReferenceView",
     "DatasetRows",
+    "EditOptions",
     "EvaluateRequest",
     "GenerateRequest",
     "Job",

@@ -1,6 +1,6 @@
 """``engram calibrate``: search for the strongest unlearning that keeps the retain probes within a bound.
 
-The client side of a calibration (submit, fetch, the front's PNG) is in :mod:`engram_client.calibrate`;
+The client side of a calibration (submit, fetch, the front's PNG) is :class:`~engram_client.EngramClient`'s;
 this module is only the command: its options, the watching, and where the results are printed.
 """
 
@@ -12,7 +12,6 @@ from typing import Annotated, Any
 import typer
 from rich import filesize
 
-from engram_client.calibrate import calibrate, calibration_front_png, get_calibration
 from engram_client.cli.files import png_size, read_probes, write_atomically
 from engram_client.cli.options import (
     CallbackOpt,
@@ -104,7 +103,7 @@ def calibrate_command(
     }
     with session(ctx) as client:
         probes = {"forget": read_probes(forget), "retain": read_probes(retain)}
-        submission = calibrate(client, model, concept, probes["forget"], probes["retain"], **options)
+        submission = client.calibrate(model, concept, probes["forget"], probes["retain"], **options)
         job = submission.job
         stderr.print(
             f"calibration {submission.calibration_id}: {len(probes['forget'])} forget and "
@@ -120,8 +119,8 @@ def calibrate_command(
             job = watch(client, [job.job_id])[0]
         if job.status != "succeeded":
             job_failed(job)
-        found = get_calibration(client, submission.calibration_id)
-        image = calibration_front_png(client, submission.calibration_id) if png is not None else None
+        found = client.get_calibration(submission.calibration_id)
+        image = client.calibration_front_png(submission.calibration_id) if png is not None else None
     if found.result is None:
         fail("Error", f"calibration {submission.calibration_id} has no result")
     result = found.result

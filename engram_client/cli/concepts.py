@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
 import typer
 
-from engram_client.cli.options import CallbackOpt, CursorOpt, JsonFlag, LimitOpt, NoWait
+from engram_client.cli.options import CallbackOpt, CursorOpt, DatasetFormat, JsonFlag, LimitOpt, NoWait, Role, Template
 from engram_client.cli.output import emit, job_failed, note_next_page, print_lines, stderr
 from engram_client.cli.progress import watch
 from engram_client.cli.render import concept_state_lines, render_concept, render_concepts
@@ -27,20 +26,6 @@ DATASET_FIELDS = ("text", "prompt", "completion", "messages")  # what --column m
 # The service's rules, checked here so that a mistake is named in CLI terms rather than as a regex.
 CONCEPT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 DATASET_SCHEMES = ("s3://", "hf://datasets/", "file:///")
-
-
-class Role(str, Enum):
-    target = "target"
-    reference = "reference"
-
-
-class DatasetFormat(str, Enum):
-    jsonl = "jsonl"
-    parquet = "parquet"
-
-
-class Template(str, Enum):
-    chat = "chat"
 
 
 def _parse_columns(columns: Sequence[str]) -> dict[str, str] | None:
@@ -153,7 +138,7 @@ def concepts_add(
     name: Annotated[
         str | None, typer.Option(help="Concept name (default: the stem of the file or of the URI's last segment).")
     ] = None,
-    role: Annotated[Role, typer.Option(help="target (to edit) or reference (shapes the universe).")] = Role.target,
+    role: Annotated[Role, typer.Option(help="target (to edit) or reference (shapes the universe).")] = Role("target"),
     description: Annotated[str | None, typer.Option(help="Free text kept with the concept.")] = None,
     callback_url: CallbackOpt = None,
     module: Annotated[

@@ -55,19 +55,20 @@ def _edit_options(
     lora_target: LoraTarget | None = None,
     universe: str | None = None,
 ) -> dict[str, Any]:
-    """The client's keyword arguments; an option not given stays None and is not sent."""
+    """The client's keyword arguments, named as :class:`api_schemas.EditOptions` names them (every one of
+    its fields has a flag: tests/client/test_options.py); an option not given stays None and is not sent."""
     return {
         "scaling": scaling.value if scaling else None,
         "modules": module or None,  # typer gives [] for a repeatable option that was not used
         "layers": layer or None,
+        "module_strengths": _parse_pairs(strength, "--strength", "SUFFIX=S (e.g. q_proj=1.5)") or None,
         "rcond": rcond,
         "reference": reference or None,
+        "universe": universe,
         "format": fmt.value if fmt else None,
         "lora_rank": lora_rank,
-        "callback_url": callback_url,
-        "module_strengths": _parse_pairs(strength, "--strength", "SUFFIX=S (e.g. q_proj=1.5)") or None,
         "lora_target": lora_target.value if lora_target else None,
-        "universe": universe,
+        "callback_url": callback_url,
     }
 
 

@@ -15,7 +15,7 @@ from rich import filesize
 
 from api_schemas import Job
 from engram_client.cli.files import png_size, read_probes, write_atomically
-from engram_client.cli.options import CallbackOpt, JsonFlag, NoWait, RcondOpt, ReferenceOpt
+from engram_client.cli.options import CallbackOpt, Generator, JsonFlag, NoWait, RcondOpt, ReferenceOpt
 from engram_client.cli.output import emit, job_failed, stderr, stdout
 from engram_client.cli.progress import watch
 from engram_client.cli.render import render_evaluation, render_generation, render_map
@@ -26,11 +26,6 @@ from engram_client.client import FINISHED, EngramClient
 class Measure(str, Enum):
     data = "data"
     weight = "weight"
-
-
-class Generator(str, Enum):
-    base = "base"
-    variant = "variant"
 
 
 def _finish_job(ctx: typer.Context, client: EngramClient, job: Job, no_wait: bool, as_json: bool) -> Job | None:

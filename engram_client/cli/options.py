@@ -8,27 +8,47 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import typer
+from pydantic import BaseModel
 
+from api_schemas import ConceptCreate, DatasetReference, EditOptions, GenerateRequest
 from api_schemas.models import MAX_PAGE_SIZE
 
 
-class Scaling(str, Enum):
-    uniform = "uniform"
-    weight_norm = "weight_norm"
+def contract_choices(model: type[BaseModel], field: str) -> type[Enum]:
+    """The values of a ``Literal`` field of the wire contract as an Enum, the choices of a flag: a value
+    the contract gains is a choice of the CLI with no change here."""
+    values = _literal_values(model.model_fields[field].annotation)
+    if not values or not all(isinstance(v, str) for v in values):
+        raise TypeError(f"{model.__name__}.{field} is not a Literal of strings: its flag cannot list its choices")
+    return Enum(field, {v: v for v in values}, type=str)  # type: ignore[return-value]  # mypy reads only literals
 
 
-class LoraTarget(str, Enum):
-    peft = "peft"
-    vllm = "vllm"
+def _literal_values(annotation: Any) -> tuple[Any, ...]:
+    """The values of the ``Literal`` in an annotation, also inside ``| None`` or ``list[...]``."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    return tuple(value for arg in get_args(annotation) for value in _literal_values(arg))
 
 
-class Format(str, Enum):
-    checkpoint = "checkpoint"
-    delta = "delta"
-    peft = "peft"
+if TYPE_CHECKING:  # mypy cannot see the members of an Enum made at import time; the commands read only .value
+    Scaling = Enum
+    Format = Enum
+    LoraTarget = Enum
+    Role = Enum
+    Template = Enum
+    DatasetFormat = Enum
+    Generator = Enum
+else:
+    Scaling = contract_choices(EditOptions, "scaling")
+    Format = contract_choices(EditOptions, "format")
+    LoraTarget = contract_choices(EditOptions, "lora_target")
+    Role = contract_choices(ConceptCreate, "role")
+    Template = contract_choices(ConceptCreate, "template")
+    DatasetFormat = contract_choices(DatasetReference, "format")
+    Generator = contract_choices(GenerateRequest, "models")
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]

@@ -1,0 +1,110 @@
+"""Evaluation and generation: jobs that run a ready variant and its base on probes or a prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from api_schemas import Job
+from engram_client.resources.jobs import JobsResource, ProgressCallback
+from engram_client.transport import _quote, _set_only
+
+# A probe: ``{"prompt", "completion"}`` (other keys are ignored) or a ``(prompt, completion)`` pair.
+ProbeLike = Mapping[str, Any] | Sequence[str]
+
+
+class EvaluationResource(JobsResource):
+    # ------------------------------------------------------------ evaluation and generation
+    #
+    # Both start a job. One design for both: the call returns the job as the service answered it,
+    # finished when it ended within ``wait_s`` (the service holds the answer up to 60 s), else queued
+    # or running, to be polled with wait_for_job. With ``wait=True`` the client polls until the job
+    # ends and returns it succeeded, or raises EngramJobError, as wait_for_variant does.
+
+    def evaluate(
+        self,
+        variant_id: str,
+        forget: Sequence[ProbeLike] = (),
+        retain: Sequence[ProbeLike] = (),
+        *,
+        callback_url: str | None = None,
+        wait_s: float = 0,
+        wait: bool = False,
+        on_progress: ProgressCallback | None = None,
+        poll_s: float = 0.5,
+        timeout: float | None = None,
+    ) -> Job:
+        """Score a ready variant and its base model on probes: answer NLL and greedy exact match (job kind ``evaluate``).
+
+        Args:
+            forget: what the variant should have forgotten: ``{"prompt", "completion"}`` mappings (other keys
+                are dropped, so JSONL records with an ``id`` pass) or ``(prompt, completion)`` pairs.
+            retain: what it should keep, in the same forms; at least one of the two must hold a probe.
+            callback_url: POSTed the job when it ends (its host must be allowlisted).
+            wait_s: let the service hold its answer up to this many seconds (0 to 60) for the job to end.
+            wait: then poll until the job ends (``on_progress``, ``poll_s`` and ``timeout`` as in
+                :meth:`wait_for_job`).
+
+        Returns:
+            The job; without ``wait`` it may still be queued or running. Its ``result``, once succeeded:
+            ``summary.{base,variant}.{forget,retain}`` = ``{mean_nll, exact_match, n}`` (a split without
+            probes is absent) and ``records``, one per probe in request order with both models' scores.
+
+        Raises:
+            ValueError: a probe is neither such a mapping nor a pair.
+            EngramJobError: with ``wait``, the job failed or was cancelled.
+            EngramTimeoutError: with ``wait``, the timeout passed.
+        """
+        body = _set_only(forget=_probes(forget, "forget"), retain=_probes(retain, "retain"), callback_url=callback_url)
+        path = f"/variants/{_quote(variant_id)}/evaluate"
+        return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
+
+    def generate(
+        self,
+        variant_id: str,
+        prompt: str | Sequence[Mapping[str, str]],
+        max_new_tokens: int = 32,
+        models: Sequence[str] | None = None,
+        *,
+        callback_url: str | None = None,
+        wait_s: float = 0,
+        wait: bool = False,
+        on_progress: ProgressCallback | None = None,
+        poll_s: float = 0.5,
+        timeout: float | None = None,
+    ) -> Job:
+        """Greedy continuation of ``prompt`` by a ready variant and/or its base (job kind ``generate``).
+
+        Args:
+            prompt: text, or chat messages (``[{"role", "content"}, …]``) that the service renders with
+                the model's chat template and its generation prompt.
+            models: ``base``, ``variant`` or both (the default).
+            callback_url, wait_s, wait, on_progress, poll_s, timeout: as for :meth:`evaluate`.
+
+        Returns:
+            The job; once succeeded, ``result`` is ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
+        """
+        body = _set_only(
+            prompt=prompt if isinstance(prompt, str) else None,
+            messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
+            max_new_tokens=max_new_tokens,
+            models=list(models) if models is not None else None,
+            callback_url=callback_url,
+        )
+        path = f"/variants/{_quote(variant_id)}/generate"
+        return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
+
+
+def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:
+    """``{"prompt", "completion"}`` for each probe, whichever form it came in; a bad one is named by split and index."""
+    out: list[dict[str, Any]] = []
+    for i, probe in enumerate(probes):
+        if isinstance(probe, Mapping) and "messages" in probe:
+            out.append({"messages": [dict(m) for m in probe["messages"]]})
+        elif isinstance(probe, Mapping) and "prompt" in probe and "completion" in probe:
+            out.append({"prompt": probe["prompt"], "completion": probe["completion"]})
+        elif isinstance(probe, Sequence) and not isinstance(probe, str) and len(probe) == 2:
+            out.append({"prompt": probe[0], "completion": probe[1]})
+        else:
+            raise ValueError(f"{split}[{i}] is neither a {{prompt, completion}} mapping nor a pair: {probe!r:.100}")
+    return out
