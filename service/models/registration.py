@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 from service.context import Context
 from service.engine.model_checks import validate_model_dir
@@ -79,12 +80,29 @@ def check_source(ctx: Context, source: str) -> None:
     of it again, then the weights."""
     if is_remote(source):
         check_remote_source(source)
+        _refuse_the_store_bucket(ctx, source)
         return
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     try:  # the folder's side files only (config, tokenizer config, file names): a refused one writes nothing
         validate_model_dir(path)
     except ModelSourceError as exc:
         raise InvalidInput(str(exc)) from None
+
+
+def _refuse_the_store_bucket(ctx: Context, source: str) -> None:
+    """An ``s3://`` model inside the service's own store (ENGRAM_STORAGE_URL's bucket and prefix) is a
+    422: registering it would copy stored statistics, engrams or other users' variants into a model
+    anyone may read back. The rest of that bucket may hold models."""
+    store = urlparse(ctx.settings.storage_url)
+    parsed = urlparse(source)
+    if store.scheme != "s3" or parsed.netloc != store.netloc:
+        return
+    store_prefix = store.path.strip("/") + "/" if store.path.strip("/") else ""
+    if (parsed.path.lstrip("/").rstrip("/") + "/").startswith(store_prefix):
+        raise InvalidInput(
+            f"{source!r} lies inside the service's own store ({ctx.settings.storage_url}, ENGRAM_STORAGE_URL), "
+            "which is never a model source: upload the checkpoint to another bucket or prefix"
+        )
 
 
 def registering_job(ctx: Context, model_id: str) -> dict[str, Any] | None:

@@ -189,3 +189,17 @@ def test_an_unreadable_s3_source_fails_its_job_and_registers_nothing(server: Liv
     assert job["kind"] == "register" and job["status"] == "failed"
     assert api.get("/models/org/nothing").status_code == 404
     assert_problem(api.post("/models", json={"model_id": "org/bad", "source": "s3:///no-bucket/"}), 422)
+
+
+@pytest.mark.parametrize("inside", ["", "variants/", "stats/some/"])
+def test_a_model_inside_the_services_own_store_is_refused(
+    server: LiveServer, flow: dict[str, Any], s3_bucket: str, inside: str
+) -> None:
+    """Issue 23: the store's objects (statistics, engrams, other users' variants) never become a model
+    anyone may read back; the same bucket outside the store's prefix may hold models (``sources/``)."""
+    api = server.client
+    body = {"model_id": "org/from-the-store", "source": f"s3://{s3_bucket}/{PREFIX}/{inside}"}
+    refused = api.post("/models", params={"wait": 0}, json=body)
+    assert_problem(refused, 422, "ENGRAM_STORAGE_URL")
+    assert api.get("/models/org/from-the-store").status_code == 404
+    assert not [j for j in api.get("/jobs").json() if j.get("model_id") == "org/from-the-store"], "no job started"
