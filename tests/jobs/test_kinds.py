@@ -1,0 +1,89 @@
+"""Which job kinds exist, where each runs and which function does its work (``service.jobs.kinds``),
+and the sender that puts a job on its kind's queue (``service.jobs.queue``): the one table, and the
+Celery worker registered from it. The sender is tested against a private ``redis-server`` as
+Celery's broker: the messages are read back from Redis' lists as a worker would take them.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import json
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+import redis
+
+from engram_fixtures.live import RedisServer
+from service.config import Settings
+from service.jobs.kinds import KINDS, UNIVERSE_HELPER
+from service.jobs.queue import QUEUES, CelerySender, make_celery
+from service.jobs.store import JobKind, RedisJobStore, new_job
+from service.storage.local import LocalStorage
+
+
+def test_every_kind_has_one_entry_with_its_own_task() -> None:
+    assert set(KINDS) == set(get_args(JobKind))
+    tasks = [kind.task for kind in KINDS.values()] + [UNIVERSE_HELPER[0]]
+    assert len(set(tasks)) == len(tasks), "a task name per kind"
+    assert {kind.queue for kind in KINDS.values()} == set(QUEUES) == {"gpu", "cpu"}
+    assert UNIVERSE_HELPER[1] == KINDS["universe"].queue, "helpers run where their universe's job runs"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_body_is_a_function_of_a_context_and_a_job(kind: str) -> None:
+    body = KINDS[kind].body  # type: ignore[index]
+    assert callable(body)
+    assert len(inspect.signature(body).parameters) == 2, KINDS[kind].body_path  # type: ignore[index]
+
+
+def test_the_worker_registers_a_task_per_kind_on_the_kinds_queue() -> None:
+    from workers.celery_app import app
+
+    for kind in KINDS.values():
+        assert kind.task in app.tasks, kind
+        assert app.tasks[kind.task].queue == kind.queue, kind
+    assert app.tasks[UNIVERSE_HELPER[0]].queue == UNIVERSE_HELPER[1]
+
+
+def queued_messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
+    """Celery messages waiting in ``queue`` (kombu's Redis transport: one list per queue)."""
+    found = []
+    for raw in client.lrange(queue, 0, -1):
+        message = json.loads(raw)
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        found.append({"task": message["headers"]["task"], "kwargs": kwargs})
+    return found
+
+
+@pytest.fixture
+def sender(redis_server: RedisServer, client: redis.Redis, tmp_path: Path) -> CelerySender:
+    settings = Settings(storage_url=f"file://{tmp_path}", cache_dir=tmp_path / "cache", broker_url=redis_server.url)
+    jobs = RedisJobStore(LocalStorage(tmp_path), client, heartbeat_ttl_s=30)
+    return CelerySender(make_celery(settings), jobs)
+
+
+def test_a_job_is_sent_to_its_kinds_queue_stamped_with_the_epoch(sender: CelerySender, client: redis.Redis) -> None:
+    collect = sender.jobs.create(new_job("collect", {}, unit="tokens"))
+    variant = sender.jobs.create(new_job("variant", {}, unit="layers"))
+    sender.dispatch(collect)
+    sender.dispatch(variant)
+    assert queued_messages(client, "gpu") == [{"task": "engram.collect", "kwargs": {"job_id": collect["job_id"]}}]
+    assert queued_messages(client, "cpu") == [{"task": "engram.build_variant", "kwargs": {"job_id": variant["job_id"]}}]
+    assert sender.jobs.get(collect["job_id"])["dispatch_epoch"] == sender.jobs.epoch()  # type: ignore[index]
+
+
+def test_a_payload_may_send_its_job_to_another_queue(sender: CelerySender, client: redis.Redis) -> None:
+    """A variant that must build its universe first goes where universes are built."""
+    variant = sender.jobs.create(new_job("variant", {"queue": "gpu"}, unit="layers"))
+    sender.dispatch(variant)
+    assert [m["task"] for m in queued_messages(client, "gpu")] == ["engram.build_variant"]
+    assert queued_messages(client, "cpu") == []
+
+
+def test_universe_helpers_are_messages_not_jobs(sender: CelerySender, client: redis.Redis) -> None:
+    sender.universe_helpers("u1", "j" * 32, 3)
+    helpers = queued_messages(client, UNIVERSE_HELPER[1])
+    assert helpers == [{"task": UNIVERSE_HELPER[0], "kwargs": {"universe_id": "u1", "job_id": "j" * 32}}] * 3
+    assert sender.jobs.active() == []
