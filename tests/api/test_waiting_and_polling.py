@@ -11,10 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,49 +29,13 @@ from engram_fixtures.live import (
     wait_for_job,
     wait_variant_ready,
 )
-from tests.api.test_api import assert_problem
+from tests.helpers.api import assert_problem
+from tests.helpers.job_process import alive, job_process, paused
 
 MODEL = "poll/tiny"
 MAX_WAITERS = 64
 FACTS = make_facts(24, seed=11)
 PROBES = [{"prompt": p, "completion": c} for p, c in FACTS[:2]]
-
-
-def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found]
-
-
-def job_process(server: LiveServer) -> int:
-    """The PID of the server's job process (its only child running ``service.jobs.embedded``)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for pid in _children(server.process.pid):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"multiprocessing" in cmdline and b"resource_tracker" not in cmdline:
-                return pid
-        time.sleep(0.1)
-    raise AssertionError(f"no job process under {server.process.pid}: {_children(server.process.pid)}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in {"Z", "X"}
-
-
-@contextmanager
-def paused(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +108,8 @@ def test_fast_status_answers_equal_the_routes(server: LiveServer, variant: dict[
     with paused(job_process(server)):
         job = _evaluate(server, variant["variant_id"], 0.0, 5000).json()
         polled = api.get(f"/jobs/{job['job_id']}").json()  # answered from memory
-        listed = next(j for j in api.get("/jobs").json() if j["job_id"] == job["job_id"])  # the route
+        # the route; earlier tests left over a hundred jobs queued: more than the default page
+        listed = next(j for j in api.get("/jobs", params={"limit": 1000}).json() if j["job_id"] == job["job_id"])
         assert polled == listed and polled["status"] == "queued"
         api.get("/concepts")  # the route caches the concept document
         assert api.get("/concepts/polled").json() == next(c for c in api.get("/concepts").json() if c["name"] == "polled")
