@@ -280,6 +280,15 @@ def test_no_import_cycles_between_service_modules() -> None:
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
 
 
+def test_bench_scripts_and_fixtures_import_nothing_of_tests() -> None:
+    """``bench/``, ``scripts/`` and ``engram_fixtures`` run without the suite (and the fixtures are
+    installed): what they share with the tests lives in ``engram_fixtures``, never in ``tests/``."""
+    found, modules = collect(REPO, ("bench", "scripts", "engram_fixtures"))
+    assert any(_within(m, "bench") for m in modules) and any(_within(m, "scripts") for m in modules)
+    broken = [f"{imp.importer}:{imp.line} imports {imp.imported}" for imp in found if _within(imp.imported, "tests")]
+    assert not broken, "\n".join(broken)
+
+
 def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     files = {
         "service/__init__.py": "",
