@@ -1,4 +1,4 @@
-"""Real service processes for tests and the helpers that wait on them.
+"""Real service processes for tests and benchmarks, and the helpers that wait on them.
 
 House rule: services in tests are real processes. :func:`start_server` runs
 ``python -m service.cli serve`` on a free port with file storage and a model root, waits for

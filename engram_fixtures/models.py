@@ -1,4 +1,4 @@
-"""Builders of tiny, randomly initialised Hugging Face checkpoints for tests.
+"""Builders of tiny, randomly initialised Hugging Face checkpoints for tests, bench and scripts.
 
 Every builder writes an ordinary model directory (``config.json`` +
 ``model.safetensors`` + tokenizer files) that loads offline with
