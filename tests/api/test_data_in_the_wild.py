@@ -43,7 +43,7 @@ from engram_fixtures.models import make_tiny_chat_llama
 from service.datasets import record_line
 from service.engine.records import Record
 from service.engine.stats_io import load_statistics
-from tests.api.test_api import assert_problem, unchanged
+from tests.helpers.api import assert_problem, unchanged
 from tests.s3 import SeaweedServer
 
 CHAT = "chat/tiny"

@@ -30,7 +30,7 @@ from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for
 from engram_fixtures.models import make_tiny_llama
 from service.datasets import record_line
 from service.engine.records import Record
-from tests.api.test_api import assert_problem, unchanged
+from tests.helpers.api import assert_problem, unchanged
 
 MODEL = "shapes/tiny"
 MAX_LENGTH = 32

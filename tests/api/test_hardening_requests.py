@@ -23,7 +23,7 @@ from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.config import Settings
 from service.dataset_refs import resolve_reference
 from service.errors import InvalidInput
-from tests.api.test_api import assert_problem
+from tests.helpers.api import assert_problem
 from tests.s3 import SeaweedServer, drop_bucket, new_bucket
 
 NOT_UTF8 = b"caf\xe9"  # latin-1 "café": a valid HTTP field value, not UTF-8 text

@@ -28,7 +28,7 @@ from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready
 from engram_fixtures.models import CHAT_TEMPLATE, make_tiny_chat_llama
 from service.datasets import DatasetSpool, JsonlFeed
 from service.errors import PayloadTooLarge
-from tests.job_process import job_process, peak_rss_bytes, template_children
+from tests.helpers.job_process import job_process, peak_rss_bytes, template_children
 
 MAX_LENGTH = 64
 TIMEOUT_S = 5
