@@ -12,6 +12,8 @@ from engram_client.transport import PNG_SIGNATURE, Transport, _quote
 
 
 class CalibrationResource(Transport):
+    """``/models/{id}/calibrate`` and ``/calibrations/{id}``; options from ``CalibrateRequest``."""
+
     def calibrate(
         self,
         model_id: str,

@@ -12,6 +12,8 @@ from engram_client.transport import Page, Transport, _quote, _set_only
 
 
 class ConceptsResource(Transport):
+    """``/concepts``: a concept's records go inline, as a multipart upload, or as a reference."""
+
     def add_concept(
         self,
         name: str,

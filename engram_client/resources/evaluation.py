@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api_schemas import Job
+from api_schemas import EvaluateRequest, GenerateRequest, Job
+from engram_client.bodies import fields_body
 from engram_client.resources.jobs import JobsResource, ProgressCallback
-from engram_client.transport import _quote, _set_only
+from engram_client.transport import _quote
 
 # A probe: ``{"prompt", "completion"}`` (other keys are ignored) or a ``(prompt, completion)`` pair.
 ProbeLike = Mapping[str, Any] | Sequence[str]
 
 
 class EvaluationResource(JobsResource):
+    """``/variants/{id}/evaluate`` and ``/variants/{id}/generate``: jobs, answered or waited for."""
+
     # ------------------------------------------------------------ evaluation and generation
     #
     # Both start a job. One design for both: the call returns the job as the service answered it,
@@ -55,7 +58,8 @@ class EvaluationResource(JobsResource):
             EngramJobError: with ``wait``, the job failed or was cancelled.
             EngramTimeoutError: with ``wait``, the timeout passed.
         """
-        body = _set_only(forget=_probes(forget, "forget"), retain=_probes(retain, "retain"), callback_url=callback_url)
+        given = {"forget": _probes(forget, "forget"), "retain": _probes(retain, "retain"), "callback_url": callback_url}
+        body = fields_body(EvaluateRequest, given)
         path = f"/variants/{_quote(variant_id)}/evaluate"
         return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
 
@@ -84,13 +88,14 @@ class EvaluationResource(JobsResource):
         Returns:
             The job; once succeeded, ``result`` is ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
         """
-        body = _set_only(
-            prompt=prompt if isinstance(prompt, str) else None,
-            messages=None if isinstance(prompt, str) else [dict(m) for m in prompt],
-            max_new_tokens=max_new_tokens,
-            models=list(models) if models is not None else None,
-            callback_url=callback_url,
-        )
+        given = {
+            "prompt": prompt if isinstance(prompt, str) else None,
+            "messages": None if isinstance(prompt, str) else [dict(m) for m in prompt],
+            "max_new_tokens": max_new_tokens,
+            "models": models,
+            "callback_url": callback_url,
+        }
+        body = fields_body(GenerateRequest, given)
         path = f"/variants/{_quote(variant_id)}/generate"
         return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
 

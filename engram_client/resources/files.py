@@ -20,7 +20,7 @@ DownloadCallback = Callable[[VariantFile, int], None]
 
 
 class FilesResource(VariantsResource):
-    # a download starts from the variant's manifest, hence VariantsResource
+    """``/variants/{id}/files/…``: a download starts from the variant's manifest, hence VariantsResource."""
 
     def download_variant(
         self,

@@ -19,6 +19,8 @@ ProgressCallback = Callable[[Job], None]
 
 
 class JobsResource(Transport):
+    """``/jobs``, and the submit-and-wait of every call that starts a job (evaluate, a map, a registration)."""
+
     def get_job(self, job_id: str) -> Job:
         """A job's status and progress."""
         return self._parse(Job, self._request("GET", f"/jobs/{_quote(job_id)}"))

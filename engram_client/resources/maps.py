@@ -11,6 +11,8 @@ from engram_client.transport import PNG_SIGNATURE, _quote, _set_only
 
 
 class MapsResource(JobsResource):
+    """``/models/{id}/engram-map`` and its PNG: a map not computed yet is a job this waits for."""
+
     def engram_map(
         self,
         model_id: str,

@@ -10,7 +10,7 @@ from engram_client.transport import Page, _quote
 
 
 class ModelsResource(JobsResource):
-    # the remote registration is a job the client waits for, hence JobsResource
+    """``/healthz``, ``/readyz`` and ``/models``; a remote registration is a job this waits for."""
 
     def health(self) -> dict[str, Any]:
         """``GET /healthz``: the process is up."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from api_schemas import Universe, UniverseSubmission, UniverseUsage
+from api_schemas import Universe, UniverseCreate, UniverseSubmission, UniverseUsage
+from engram_client.bodies import fields_body
 from engram_client.transport import Page, Transport, _quote, _set_only
 
 
 class UniversesResource(Transport):
+    """``/models/{id}/universes``, ``/universes/{id}`` and ``/universes/usage``."""
+
     def create_universe(
         self,
         model_id: str,
@@ -18,7 +21,8 @@ class UniversesResource(Transport):
     ) -> UniverseSubmission:
         """Build the universe of ``concepts`` (default: every concept ready on the model) and make it the
         model's current one; a universe already built answers at once (``job`` is then ``None``)."""
-        body = _set_only(concepts=list(concepts) if concepts else None, rcond=rcond, callback_url=callback_url)
+        given = {"concepts": list(concepts) if concepts else None, "rcond": rcond, "callback_url": callback_url}
+        body = fields_body(UniverseCreate, given)
         return self._parse(UniverseSubmission, self._request("POST", f"/models/{_quote(model_id)}/universes", json=body))
 
     def list_universes(self, model_id: str, *, limit: int | None = None, cursor: str | None = None) -> Page[Universe]:

@@ -13,6 +13,8 @@ from engram_client.transport import FINISHED, Page, _quote
 
 
 class VariantsResource(JobsResource):
+    """``/models/{id}/unlearn``, ``/models/{id}/compose`` and ``/variants``; options from ``EditOptions``."""
+
     def unlearn(
         self,
         model_id: str,
