@@ -18,7 +18,10 @@ functions count too) and checked against:
 - dependencies point down the layers of :data:`LAYERS` (``api_schemas`` ← ``engine`` ← ``storage``
   ← the jobs' records ← the domains ← ``jobs.runner`` ← the queues and the process wiring ← ``api`` /
   ``workers``): no module imports one of a higher layer, and every module has a layer;
-- no import cycle between the service's modules.
+- no import cycle between the service's modules;
+- no module imports a test module (``test_*.py``): what tests share lives in ``tests/helpers/``
+  (or ``tests/store_world.py``, ``tests/s3.py``, ``engram_fixtures``), so running, moving or
+  deleting one test module never changes another.
 
 ``test_the_checker_catches_each_kind_of_violation`` feeds the checker synthetic modules, so a
 checker that silently finds nothing fails too.
@@ -33,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("service", "workers", "api_schemas", "engram_client", "engram_fixtures")
+# Where a test module could be imported from: the tests themselves, and what runs beside them.
+TEST_IMPORTERS = ("tests", "bench", "scripts", *PACKAGES)
 
 # Third-party roots a pure engine must not reach for.
 ENGINE_FORBIDDEN = ("fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "boto3", "botocore", "httpx")
@@ -200,6 +205,23 @@ def upward_imports(found: Iterable[Import], modules: set[str]) -> list[str]:
     return sorted(broken)
 
 
+def is_test_module(module: str) -> bool:
+    return module.rsplit(".", 1)[-1].startswith("test_")
+
+
+def imports_of_test_modules(found: Iterable[Import], modules: set[str]) -> list[str]:
+    """Each import of a test module (``test_*.py``) by any other module, a conftest included."""
+    broken = set()
+    for imp in found:
+        target = _resolve(imp.imported, modules)
+        if target is not None and target != imp.importer and is_test_module(target):
+            broken.add(
+                f"{imp.importer}:{imp.line} imports {target} "
+                "(no module imports a test module: move what they share to tests/helpers/)"
+            )
+    return sorted(broken)
+
+
 def _is_stdlib(root: str) -> bool:
     import sys
 
@@ -287,6 +309,44 @@ def test_bench_scripts_and_fixtures_import_nothing_of_tests() -> None:
     assert any(_within(m, "bench") for m in modules) and any(_within(m, "scripts") for m in modules)
     broken = [f"{imp.importer}:{imp.line} imports {imp.imported}" for imp in found if _within(imp.imported, "tests")]
     assert not broken, "\n".join(broken)
+
+
+def test_no_module_imports_a_test_module() -> None:
+    found, modules = collect(REPO, TEST_IMPORTERS)
+    assert sum(map(is_test_module, modules)) > 100, "the checker read the tests"
+    broken = imports_of_test_modules(found, modules)
+    assert not broken, "\n".join(broken)
+
+
+def test_the_checker_catches_a_test_module_imported(tmp_path: Path) -> None:
+    files = {
+        "tests/__init__.py": "",
+        "tests/helpers/__init__.py": "",
+        "tests/helpers/api.py": "def assert_problem(): ...\n",
+        "tests/api/__init__.py": "",
+        "tests/api/conftest.py": "from tests.api.test_api import world\n",
+        "tests/api/test_api.py": "from tests.helpers.api import assert_problem\nimport tests.api\n",
+        "tests/api/test_callbacks.py": "from tests.api.test_api import assert_problem\n",
+        "tests/api/test_pages.py": "def f():\n    from . import test_api\n",
+        "tests/api/test_more.py": "import tests.api.test_api as api\nfrom .test_api import x\n",
+        "bench/__init__.py": "",
+        "bench/polling.py": "from tests.api.test_api import assert_problem\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found, modules = collect(tmp_path, ("tests", "bench"))
+    broken = "\n".join(imports_of_test_modules(found, modules))
+    for expected in (
+        "tests.api.conftest:1 imports tests.api.test_api (no module imports a test module",
+        "tests.api.test_callbacks:1 imports tests.api.test_api (",
+        "tests.api.test_pages:2 imports tests.api.test_api (",
+        "tests.api.test_more:1 imports tests.api.test_api (",
+        "tests.api.test_more:2 imports tests.api.test_api (",
+        "bench.polling:1 imports tests.api.test_api (",
+    ):
+        assert expected in broken, f"missing: {expected}\n{broken}"
+    assert "tests.api.test_api:" not in broken, "a test module may import the helpers and packages"
 
 
 def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:

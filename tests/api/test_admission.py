@@ -21,7 +21,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, running_server, start_redis, stop_redis, wait_for_job
-from tests.api.test_waiting_and_polling import job_process, paused
+from tests.helpers.job_process import job_process, paused
 
 PER_KEY, TOTAL = 2, 3
 FACTS = make_facts(12, seed=11)

@@ -12,7 +12,6 @@ import http.client
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,12 @@ from engram_fixtures.live import (
     LiveServer,
     wait_concepts_ready,
     wait_for_job,
-    wait_idle,
     wait_variant_ready,
 )
+from tests.helpers.api import PROBLEM_KEYS, assert_problem, jsonl, unchanged
 
 MODEL = "org/tiny"  # the happy path's model: concepts "forget" and "retain"
 MODEL_B = "org/tiny-b"  # same checkpoint, other ID: multipart uploads and cancelled collections
-PROBLEM_KEYS = {"type", "title", "status", "detail"}
 FACTS = make_facts(40, seed=0)
 
 
@@ -48,59 +46,7 @@ RETAIN = pairs(FACTS[4:20])
 UPLOADED = pairs(FACTS[20:28])
 
 
-def jsonl(records: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(r) + "\n" for r in records).encode()
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def assert_problem(response: httpx.Response, status: int, *mentions: str) -> dict[str, Any]:
-    """A problem+json response with the given status whose detail names every ``mentions``."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/problem+json"), response.headers
-    problem = response.json()
-    assert problem.keys() >= PROBLEM_KEYS, problem
-    assert problem["status"] == status
-    assert problem["title"]
-    assert problem["detail"]
-    assert problem["type"]
-    for mention in mentions:
-        assert mention in problem["detail"], problem
-    return problem
-
-
-def snapshot(server: LiveServer) -> dict[str, Any]:
-    """Everything a request could change: API listings and the files in storage (size, mtime)."""
-    wait_idle(server)
-    api = server.client
-    models = api.get("/models").json()
-    files = {
-        path.relative_to(server.storage_dir).as_posix(): (path.stat().st_size, path.stat().st_mtime_ns)
-        for path in server.storage_dir.rglob("*")
-        if path.is_file()
-    }
-    return {
-        "models": sorted(models, key=lambda m: m["model_id"]),
-        "concepts": sorted(api.get("/concepts").json(), key=lambda c: c["name"]),
-        "variants": {m["model_id"]: api.get(f"/models/{m['model_id']}/variants").json() for m in models},
-        "files": files,
-    }
-
-
-@contextmanager
-def unchanged(server: LiveServer) -> Iterator[None]:
-    """Assert the block changes no listing and no stored file."""
-    before = snapshot(server)
-    yield
-    after = snapshot(server)
-    old, new = before["files"], after["files"]
-    assert new == old, {
-        "added": sorted(new.keys() - old.keys()),
-        "removed": sorted(old.keys() - new.keys()),
-        "modified": sorted(k for k in old.keys() & new.keys() if old[k] != new[k]),
-    }
-    assert after == before
 
 
 def raw_get(server: LiveServer, path: str) -> tuple[int, str, bytes]:

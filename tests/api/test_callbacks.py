@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from engram_fixtures.live import LiveServer, free_port, start_server, stop_server, wait_for_job
 from service.config import Settings
 from service.jobs.callbacks import sign, verify_signature
-from tests.api.test_api import assert_problem
+from tests.helpers.api import assert_problem
 
 SECRET = "test-callback-secret"
 MODEL = "cb/tiny"

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from engram_fixtures.live import REPO_ROOT, LiveServer, running_server, wait_concepts_ready, wait_for_job
-from tests.job_process import job_process
+from tests.helpers.job_process import job_process
 
 INJECTOR = Path(__file__).parent / "stalling_tokenizer"
 MODEL = "cancel/tiny"

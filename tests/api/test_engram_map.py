@@ -28,8 +28,8 @@ from safetensors import safe_open
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
 from service.engine.stats_io import load_statistics
-from tests.api.test_api import assert_problem
-from tests.api.test_waiting_and_polling import job_process, paused
+from tests.helpers.api import assert_problem
+from tests.helpers.job_process import job_process, paused
 
 MODEL = "map/tiny"
 FACTS = make_facts(36, seed=5)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
-from tests.api.test_api import assert_problem
+from tests.helpers.api import assert_problem
 
 MODEL = "eval/tiny"
 FACTS = make_facts(30, seed=3)

@@ -20,7 +20,7 @@ from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_variant_ready
 from service.concepts.service import dataset_bytes
 from service.engine.records import Record
-from tests.api.test_api import assert_problem, jsonl, unchanged
+from tests.helpers.api import assert_problem, jsonl, unchanged
 
 MODEL = "hostile/tiny"
 MAX_RECORDS = 50

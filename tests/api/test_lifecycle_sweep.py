@@ -22,7 +22,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, LiveServer, running_server, wait_concepts_ready, wait_for_job
-from tests.api.test_api import assert_problem
+from tests.helpers.api import assert_problem
 
 MODEL = "sweep/tiny"
 RECORDS = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=5)]

@@ -12,7 +12,6 @@ the test's time budget both refuse, and a concept's collection has nothing to do
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,30 +22,14 @@ import pytest
 
 from api_schemas.models import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 from engram_fixtures.live import LiveServer, running_server, wait_for_job
-from tests.api.test_waiting_and_polling import job_process, paused
-
-READ_CACHE_S = 1.1  # listings are served as of at most a second ago (service.storage.read_cache)
+from tests.helpers.api import READ_CACHE_S, write_concept
+from tests.helpers.job_process import job_process, paused
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[LiveServer]:
     with running_server(tmp_path_factory.mktemp("pages"), model_root) as live:
         yield live
-
-
-def _write_concept(server: LiveServer, name: str) -> None:
-    folder = server.storage_dir / "concepts"
-    folder.mkdir(parents=True, exist_ok=True)
-    document = {
-        "name": name,
-        "role": "target",
-        "description": None,
-        "num_records": 1,
-        "dataset_digest": "0" * 64,
-        "models": {},
-        "created_at": "2026-01-01T00:00:00+00:00",
-    }
-    (folder / f"{name}.json").write_text(json.dumps(document))
 
 
 def _pages(api: httpx.Client, path: str, limit: int, between: Any = None) -> Iterator[httpx.Response]:
@@ -70,13 +53,13 @@ def test_paging_through_250_concepts_serves_each_exactly_once_while_others_are_a
     api = server.client
     names = [f"c{index:03d}" for index in range(250)]
     for name in names:
-        _write_concept(server, name)
+        write_concept(server, name)
     time.sleep(READ_CACHE_S)
     added: list[str] = []
 
     def add_some() -> None:  # new concepts sorting before, among and after those still to come
         for name in (f"a-{len(added)}", f"c{len(added):03d}x", f"z-{len(added)}"):
-            _write_concept(server, name)
+            write_concept(server, name)
             added.append(name)
         time.sleep(READ_CACHE_S)
 

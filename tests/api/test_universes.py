@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job, wait_variant_ready
-from tests.api.test_api import assert_problem
+from tests.helpers.api import assert_problem
 
 MODEL = "uni/tiny"
 FACTS = make_facts(60, seed=4)

@@ -15,7 +15,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
-from tests.api.test_api import assert_problem, unchanged
+from tests.helpers.api import assert_problem, unchanged
 
 MODEL = "cal/tiny"
 FACTS = make_facts(40, seed=11)

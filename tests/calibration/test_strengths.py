@@ -23,10 +23,10 @@ from service.engrams.store import stored_engrams
 from service.maps.build import engram_map
 from service.storage.local_copies import statistics
 from service.universes.records import find_manifest
-from tests.engine.test_compose import augmented
+from tests.helpers.algebra import augmented
+from tests.helpers.variants import build, checkpoint_of, layout_of, reference_edit
+from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
 from tests.store_world import StoreWorld
-from tests.variants.test_variant_build import build, checkpoint_of, layout_of, reference_edit
-from tests.variants.test_variant_build import world as world  # noqa: PLC0414  (the module's fixture, shared)
 
 MODEL = "v/llama"
 UNIVERSE = ["forget", "retain"]

@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,46 +27,14 @@ import torch
 from PIL import Image
 
 from engram_fixtures.demo import make_facts
-from engram_fixtures.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
+from engram_fixtures.live import LiveServer, free_port, start_server, stop_server
 from tests.client.conftest import CLI2_MODEL, ReadyVariant
+from tests.helpers.cli import failed, ok, run_cli, write_jsonl
 
 MODEL = "cli/tiny"
 FACTS = make_facts(40, seed=7)
 FORGET = [{"prompt": p, "completion": c} for p, c in FACTS[:12]]
 RETAIN = [{"prompt": p, "completion": c} for p, c in FACTS[12:36]]
-
-
-def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def run_cli(
-    url: str, *args: str | Path, api_key: str | None = None, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    """``engram ARGS`` as a subprocess with ENGRAM_URL (and ENGRAM_API_KEY) set; no other ENGRAM_* leaks in."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_") and k != "COLUMNS"}
-    env.update(ENGRAM_URL=url, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
-    if api_key is not None:
-        env["ENGRAM_API_KEY"] = api_key
-    command = [sys.executable, "-m", "engram_client.cli", *map(str, args)]
-    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    """Assert exit code 0 (showing both streams otherwise) and that nothing printed a traceback."""
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
-
-
-def failed(result: subprocess.CompletedProcess[str], *mentions: str) -> str:
-    """Assert exit code 1, no traceback, and every ``mentions`` on stderr; return stderr."""
-    assert result.returncode == 1, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert "Traceback" not in result.stderr, result.stderr
-    for mention in mentions:
-        assert mention in result.stderr, result.stderr
-    return result.stderr
 
 
 def sha256(path: Path) -> str:

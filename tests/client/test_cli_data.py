@@ -30,7 +30,7 @@ from engram_client import EngramClient
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer
 from engram_fixtures.models import make_tiny_chat_llama
-from tests.client.test_cli import failed, ok, run_cli, write_jsonl
+from tests.helpers.cli import failed, ok, run_cli, write_jsonl
 
 CHAT_MODEL = "cli-data/chat"
 PLAIN_MODEL = "cli-data/plain"

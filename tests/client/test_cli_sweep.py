@@ -28,7 +28,7 @@ from engram_client import EngramClient
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, LiveServer, start_server, stop_server
 from tests.client.conftest import ReadyVariant
-from tests.client.test_cli import failed, ok, run_cli, write_jsonl
+from tests.helpers.cli import failed, ok, run_cli, write_jsonl
 
 SWEEP_MODEL = "sweep/tiny"
 _FACTS = make_facts(16, seed=31)

@@ -22,8 +22,8 @@ import pytest
 
 from engram_client import EngramClient, Page
 from engram_fixtures.live import LiveServer, running_server
-from tests.api.test_pagination import READ_CACHE_S, _write_concept
-from tests.client.test_cli import ok, run_cli
+from tests.helpers.api import READ_CACHE_S, write_concept
+from tests.helpers.cli import ok, run_cli
 
 NAMES = [f"p{index:03d}" for index in range(250)]
 
@@ -32,7 +32,7 @@ NAMES = [f"p{index:03d}" for index in range(250)]
 def seeded(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[LiveServer]:
     with running_server(tmp_path_factory.mktemp("client-pages"), model_root) as server:
         for name in NAMES:
-            _write_concept(server, name)
+            write_concept(server, name)
         time.sleep(READ_CACHE_S)
         yield server
 

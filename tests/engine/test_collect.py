@@ -9,7 +9,6 @@ from ``service.engine.records``, so a wrong mask in the engine cannot hide in th
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.editable import editable_layers
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.helpers.collection import MAX_LENGTH, collect, mixed_records, rel_error
 
-MAX_LENGTH = 120  # below the fixtures' 128 positions, so no record is ever truncated
 REL_TOL = 1e-5  # float32 forward + float32 GEMM per batch vs an all-float64 reference
 
 
@@ -48,19 +47,6 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def loaded(model_dirs: dict[str, Path]) -> dict[str, tuple[nn.Module, Any]]:
     torch.manual_seed(0)
     return {arch: (load_model(path), load_tokenizer(path)) for arch, path in model_dirs.items()}
-
-
-def mixed_records(seed: int = 0) -> list[Record]:
-    """Text and prompt/completion records of very different lengths (2 to ~80 tokens)."""
-    rng = random.Random(seed)
-    facts = make_facts(24, seed=seed)
-    records = [Record(prompt=p, completion=c) for p, c in facts[:12]]
-    records += [Record(text=p + c) for p, c in facts[12:20]]
-    records.append(Record(text="Hi"))
-    records.append(Record(text=" ".join(p + c for p, c in facts[20:22])))  # the long one
-    records.append(Record(prompt="Q: Who?", completion=" " + " ".join(c.strip() for _, c in facts[:4])))
-    rng.shuffle(records)
-    return records
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -119,17 +105,6 @@ def reference_with_counts(
         for handle in handles:
             handle.remove()
     return sums, tokens, counts
-
-
-def collect(model: nn.Module, tokenizer: Any, records: Sequence[Record], batch_size: int) -> LayerStatistics:
-    """The engine's path: encode, right-pad into batches, hook every editable layer."""
-    examples = [encode_record(tokenizer, record, MAX_LENGTH) for record in records]
-    batches = make_batches(examples, batch_size, pad_token_id(tokenizer))
-    return collect_statistics(model, batches, editable_layers(model))
-
-
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def assert_matches_reference(

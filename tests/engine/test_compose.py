@@ -28,14 +28,13 @@ from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, LayerEdit, LayerWeights, layer_edits, layer_scales
 from service.engine.layers import LayerSpec, select_layers, unmatched_suffixes
 from service.engine.layout import ModelLayout
-from service.engine.linalg import EPS_FLOAT32, default_rcond, pinv_factors
+from service.engine.linalg import default_rcond, pinv_factors
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import StatisticsFile, save_statistics
+from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
 
 MAX_LENGTH = 120
 ALPHA = 0.8
-WEIGHT_TOL = 1e-6  # new weights vs reference: the float32 cast of the result costs ~6e-8
-DELTA_TOL = 1e-4  # the edit itself (new - old) vs reference, the brief's exactness bar
 LINEAR_TOL = 1e-6
 # Measured: max relative delta difference to ai-engram 5.7e-4 over the 15 layers (median 1e-6
 # uniform, 1.3e-4 weight_norm); ai-engram projects in float32 from incrementally averaged means.
@@ -89,43 +88,6 @@ def forget_retain(tiny: dict[str, Tiny]) -> dict[str, tuple[LayerStatistics, Lay
 
 
 # ------------------------------------------------------------------------------------- references
-
-
-def reference_pinv(sigma: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
-    """Dense float64 pseudo-inverse keeping eigenvalues above ``rcond · λ_max`` (default D · eps32)."""
-    sym = (sigma.double() + sigma.double().T) * 0.5
-    cut = sigma.shape[0] * EPS_FLOAT32 if rcond is None else rcond
-    lam, vec = torch.linalg.eigh(sym)
-    keep = lam > cut * lam.max()
-    return (vec[:, keep] / lam[keep]) @ vec[:, keep].T
-
-
-def augmented(spec: LayerSpec, weights: LayerWeights) -> torch.Tensor:
-    """``[W | b]`` as ``[out, in(+1)]`` float64, written out here rather than imported."""
-    w = weights.weight.double()
-    if spec.transposed:
-        w = w.T
-    if spec.bias:
-        assert weights.bias is not None
-        w = torch.cat([w, weights.bias.double()[:, None]], dim=1)
-    return w
-
-
-def reference_engram(spec: LayerSpec, weights: LayerWeights, target: torch.Tensor, universe: torch.Tensor) -> torch.Tensor:
-    return augmented(spec, weights) @ target.double() @ reference_pinv(universe)
-
-
-def canonical(edit: LayerEdit) -> torch.Tensor:
-    """An edit's ``[W | b]`` in ``[out, in(+1)]`` layout, float64."""
-    w = edit.weight.double()
-    w = w.T if edit.spec.transposed else w
-    if edit.bias is not None:
-        w = torch.cat([w, edit.bias.double()[:, None]], dim=1)
-    return w
-
-
-def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm())
 
 
 def edits_by_name(

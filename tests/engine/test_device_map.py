@@ -19,7 +19,7 @@ from torch import nn
 from engram_fixtures.models import make_tiny_bert_encoder, make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import ModelTooLarge, load_model, load_tokenizer
 from service.engine.collect import LayerStatistics
-from tests.engine.test_collect import collect, mixed_records, rel_error
+from tests.helpers.collection import collect, mixed_records, rel_error
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,12 @@
-"""The embedded job process of a live server, found and measured through ``/proc`` (Linux)."""
+"""The embedded job process of a live server, found, paused and measured through ``/proc`` (Linux)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from engram_fixtures.live import LiveServer
@@ -50,3 +54,22 @@ def peak_rss_bytes(pid: int) -> int:
 def template_children(pid: int) -> list[int]:
     """The chat-template render processes a job process runs now."""
     return [child for child in children(pid) if "service.engine.template_child" in cmdline(child)]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie or a reaped process does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in {"Z", "X"}
+
+
+@contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """``pid`` stopped (SIGSTOP) for the block, then continued (SIGCONT)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

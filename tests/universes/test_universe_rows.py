@@ -28,7 +28,7 @@ from service.universes import factors as factors_module
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
 from service.universes.service import submit_universe
-from tests.engine.test_compose import reference_engram, reference_pinv, rel
+from tests.helpers.algebra import reference_engram, reference_pinv, rel
 from tests.store_world import StoreWorld, text_records
 
 FACTOR_TOL = 1e-9

@@ -14,10 +14,10 @@ import pytest
 from service.engine.layers import module_strength, with_module_strengths
 from service.errors import InvalidInput
 from service.variants.service import submit_variant
-from tests.engine.test_compose import WEIGHT_TOL
+from tests.helpers.algebra import WEIGHT_TOL
+from tests.helpers.variants import ALPHA, assert_matches, build, reference_edit
+from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
 from tests.store_world import StoreWorld
-from tests.variants.test_variant_build import ALPHA, assert_matches, build, reference_edit
-from tests.variants.test_variant_build import world as world  # noqa: PLC0414  (the module's fixture, shared)
 
 STRENGTHS = {"q_proj": 2.0, "mlp.gate_proj": 0.25, "gate_proj": 3.0, "down_proj": 0.5}
 

@@ -14,73 +14,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine import compose as compose_module
-from service.engine.collect import LayerStatistics
 from service.engine.compose import EngramAlgebra, layer_edits
-from service.engine.layers import LayerSpec
-from service.engine.layout import ModelLayout
 from service.engrams import store as stored_engrams_module
 from service.universes import factors as factors_module
 from service.universes.records import find_manifest, find_request
 from service.universes.service import submit_universe
-from service.variants.service import submit_variant, variant_view
-from tests.engine.test_compose import DELTA_TOL, WEIGHT_TOL, augmented, canonical, reference_engram, rel
-from tests.store_world import StoreWorld, float64_copy, text_records
+from tests.helpers.algebra import WEIGHT_TOL, canonical
+from tests.helpers.variants import ALPHA, assert_matches, build, checkpoint_of, layout_of, new_weights, reference_edit
+from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
+from tests.store_world import StoreWorld
 
-ALPHA = 0.8
 FLOAT64_TOL = 1e-10
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("variant-build")
-    w = StoreWorld(root)
-    tokenizer = make_tokenizer()
-    llama = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=tokenizer)
-    paths = {
-        "v/llama": llama,
-        "v/llama64": float64_copy(llama, root / "models" / "llama64"),
-        "v/gpt2": make_tiny_gpt2(root / "models" / "gpt2", hidden=32, layers=2, seed=0, tokenizer=tokenizer),
-    }
-    stats: dict[str, dict[str, LayerStatistics]] = {}
-    for model_id, path in paths.items():
-        w.register(model_id, path)
-        stats[model_id] = {
-            "forget": w.publish(model_id, "forget", text_records(0, 40)),
-            "retain": w.publish(model_id, "retain", text_records(40, 120)),
-            "other": w.publish(model_id, "other", text_records(0, 30, seed=5)),
-        }
-    return {"world": w, "paths": paths, "stats": stats}
-
-
-def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any) -> dict[str, Any]:
-    """Submit a variant and run its job; returns the variant view."""
-    options = {"scaling": "uniform", "format": "checkpoint", **options}
-    view, job = submit_variant(w.ctx, model_id, terms, None, options)
-    if job is not None:
-        [done] = w.run_pending()
-        assert done["status"] == "succeeded", done
-        view = variant_view(w.ctx, view["variant_id"])
-    return {**view, "manifest": w.ctx.storage.get_json(f"variants/{view['variant_id']}/manifest.json")}
-
-
-def checkpoint_of(w: StoreWorld, variant: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return load_file(str(w.ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")))
-
-
-def layout_of(w: StoreWorld, model_id: str) -> ModelLayout:
-    return ModelLayout.from_json(w.ctx.storage.get_json(f"models/{model_id.replace('/', '%2F')}.json")["layout"])
-
-
-def new_weights(spec: LayerSpec, layout: ModelLayout, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A written layer's ``[W | b]`` as ``[out, in(+1)]`` float64 (its own key when the edit untied it)."""
-    key = layout.own_keys.get(spec.name, layout.weight_keys[spec.name])
-    w = tensors[key].double()
-    w = w.T if spec.transposed else w
-    if spec.bias:
-        w = torch.cat([w, tensors[layout.bias_keys[spec.name]].double()[:, None]], dim=1)
-    return w
 
 
 def reference_deltas(
@@ -89,48 +34,6 @@ def reference_deltas(
     """``f_l · Σ_k c_k W Σ_k Σ_U⁺`` per layer, float64, with W-Norm's ρ from the float64 engram."""
     engrams, scales = reference_edit(world, model_id, terms, universe, scaling)
     return {n: scales[n] * e for n, e in engrams.items()}
-
-
-def reference_edit(
-    world: dict[str, Any], model_id: str, terms: dict[str, float], universe: list[str], scaling: str
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """``Σ_k c_k W Σ_k Σ_U⁺`` per layer (float64) and the layers' ``f_l``."""
-    from service.engine.checkpoint import CheckpointReader
-
-    stats = world["stats"][model_id]
-    layout = layout_of(world["world"], model_id)
-    reader = CheckpointReader(world["paths"][model_id], layout)
-    engrams, rho = {}, {}
-    for spec in layout.layers:
-        weights = reader.layer_weights(spec)
-        total = sum(stats[n].sum_for(spec.name) for n in universe)
-        engrams[spec.name] = sum(
-            c * reference_engram(spec, weights, stats[n].sum_for(spec.name), total) for n, c in terms.items()
-        )
-        rho[spec.name] = float(engrams[spec.name][:, : spec.in_features].norm() / weights.weight.double().norm())
-    top = max(rho.values())
-    return engrams, {n: (1.0 if scaling == "uniform" else rho[n] / top) for n in engrams}
-
-
-def assert_matches(
-    world: dict[str, Any], model_id: str, variant: dict[str, Any], expected: dict[str, torch.Tensor], tol: float = WEIGHT_TOL
-) -> float:
-    """The written checkpoint equals base + expected delta; returns the worst relative delta error."""
-    from service.engine.checkpoint import CheckpointReader
-
-    w: StoreWorld = world["world"]
-    layout = layout_of(w, model_id)
-    reader = CheckpointReader(world["paths"][model_id], layout)
-    written = checkpoint_of(w, variant)
-    worst = 0.0
-    for spec in layout.layers:
-        old = augmented(spec, reader.layer_weights(spec))
-        new = new_weights(spec, layout, written)
-        assert rel(new, old + expected[spec.name]) < tol, spec.name
-        error = rel(new - old, expected[spec.name])
-        assert error < max(DELTA_TOL, tol), (spec.name, error)
-        worst = max(worst, error)
-    return worst
 
 
 # ---------------------------------------------------------------- exactness

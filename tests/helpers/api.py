@@ -1,0 +1,85 @@
+"""What a request to the live API must answer and leave unchanged: a problem+json answer that names
+what is wrong, and a block that changes no listing and no stored file; concepts written straight
+into a server's storage, for listings to page through."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from engram_fixtures.live import LiveServer, wait_idle
+
+PROBLEM_KEYS = {"type", "title", "status", "detail"}
+READ_CACHE_S = 1.1  # listings are served as of at most a second ago (service.storage.read_cache)
+
+
+def jsonl(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def assert_problem(response: httpx.Response, status: int, *mentions: str) -> dict[str, Any]:
+    """A problem+json response with the given status whose detail names every ``mentions``."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json"), response.headers
+    problem = response.json()
+    assert problem.keys() >= PROBLEM_KEYS, problem
+    assert problem["status"] == status
+    assert problem["title"]
+    assert problem["detail"]
+    assert problem["type"]
+    for mention in mentions:
+        assert mention in problem["detail"], problem
+    return problem
+
+
+def snapshot(server: LiveServer) -> dict[str, Any]:
+    """Everything a request could change: API listings and the files in storage (size, mtime)."""
+    wait_idle(server)
+    api = server.client
+    models = api.get("/models").json()
+    files = {
+        path.relative_to(server.storage_dir).as_posix(): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in server.storage_dir.rglob("*")
+        if path.is_file()
+    }
+    return {
+        "models": sorted(models, key=lambda m: m["model_id"]),
+        "concepts": sorted(api.get("/concepts").json(), key=lambda c: c["name"]),
+        "variants": {m["model_id"]: api.get(f"/models/{m['model_id']}/variants").json() for m in models},
+        "files": files,
+    }
+
+
+@contextmanager
+def unchanged(server: LiveServer) -> Iterator[None]:
+    """Assert the block changes no listing and no stored file."""
+    before = snapshot(server)
+    yield
+    after = snapshot(server)
+    old, new = before["files"], after["files"]
+    assert new == old, {
+        "added": sorted(new.keys() - old.keys()),
+        "removed": sorted(old.keys() - new.keys()),
+        "modified": sorted(k for k in old.keys() & new.keys() if old[k] != new[k]),
+    }
+    assert after == before
+
+
+def write_concept(server: LiveServer, name: str) -> None:
+    """A concept document written straight into the server's storage (no job): listings to page through."""
+    folder = server.storage_dir / "concepts"
+    folder.mkdir(parents=True, exist_ok=True)
+    document = {
+        "name": name,
+        "role": "target",
+        "description": None,
+        "num_records": 1,
+        "dataset_digest": "0" * 64,
+        "models": {},
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }
+    (folder / f"{name}.json").write_text(json.dumps(document))
