@@ -277,7 +277,7 @@ RECORD_SCHEMA: dict[str, Any] = {
     ]
 }
 
-# Where a dataset reference may point (service.dataset_refs checks the rest: roots, path segments).
+# Where a dataset reference may point (service.datasets.refs checks the rest: roots, path segments).
 DATASET_URI_PATTERN = r"^(s3://[^/]+/.+|hf://datasets/[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?/.+|file:///.+)$"
 
 

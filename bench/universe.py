@@ -106,7 +106,7 @@ def run_pending(ctx: Any) -> list[dict[str, Any]]:
 def submit_concepts(ctx: Any, profile: Profile, scratch: Path) -> list[str]:
     """``CONCEPTS`` concepts of the compose benchmarks' size, submitted and collected on the model."""
     from service.concepts.service import submit_concept
-    from service.datasets import spool_records
+    from service.datasets.spool import spool_records
 
     names = []
     for k in range(CONCEPTS):

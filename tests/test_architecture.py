@@ -64,8 +64,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "service.models",
             "service.concepts",
             "service.datasets",
-            "service.dataset_refs",
-            "service.dataset_sources",
             "service.universes",
             "service.engrams",
             "service.variants",

@@ -8,7 +8,7 @@ part's bytes are.
 it on the event loop before it could count a single record. Here the body is read chunk by chunk:
 form fields are kept (a few, each small), and the dataset's bytes go, about a megabyte at a time, to
 a worker thread that cuts them into lines and hands each record to a
-:class:`~service.datasets.DatasetSpool`, which writes the normalised record to a scratch file and
+:class:`~service.datasets.spool.DatasetSpool`, which writes the normalised record to a scratch file and
 stops the upload at the first record over ``ENGRAM_MAX_RECORDS``. At no point is more than about a
 megabyte of the upload (or one longer line) in memory.
 """
@@ -26,7 +26,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from service.datasets import DatasetSpool, JsonlFeed, SpooledDataset
+from service.datasets.spool import DatasetSpool, JsonlFeed, SpooledDataset
 
 if TYPE_CHECKING:  # python_multipart declares its callback types for type checkers only
     from python_multipart.multipart import MultipartCallbacks

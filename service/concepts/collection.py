@@ -32,7 +32,7 @@ import torch
 from service.concepts.service import CHAT_KINDS, find_concept, iter_records
 from service.concepts.statistics import stats_manifest
 from service.context import Context
-from service.dataset_refs import resolve_reference
+from service.datasets.refs import resolve_reference
 from service.engine.checkpoint import ModelTooLarge
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import select_layers

@@ -16,8 +16,8 @@ from typing import Any
 
 from service.concepts.statistics import canonical_modules, collection_settings, stats_manifest
 from service.context import Context
-from service.dataset_refs import content_changed, same_reference
-from service.datasets import SpooledDataset, record_line
+from service.datasets.refs import content_changed, same_reference
+from service.datasets.spool import SpooledDataset, record_line
 from service.engine.layers import unmatched_suffixes
 from service.engine.layout import ModelLayout
 from service.engine.records import Record
@@ -33,7 +33,7 @@ KEEP: Any = object()  # an option left out of a request: an existing concept kee
 
 
 def dataset_bytes(records: Sequence[Record]) -> bytes:
-    """The stored bytes of a dataset (what :class:`service.datasets.DatasetSpool` writes, record by record)."""
+    """The stored bytes of a dataset (what :class:`service.datasets.spool.DatasetSpool` writes, record by record)."""
     return b"".join(record_line(r) for r in records)
 
 
@@ -80,7 +80,7 @@ def submit_concept(
         modules: module suffixes (as ``modules`` on unlearn): collect only those layers' input
             groups; ``None`` collects every editable layer. A suffix that matches no layer of a
             listed model is a 422; a model already collecting or collected with other modules, a 409.
-        reference: a dataset reference from :func:`service.dataset_refs.submitted_reference`:
+        reference: a dataset reference from :func:`service.datasets.refs.submitted_reference`:
             nothing is fetched here; each collection job resolves it first (the concept has no
             dataset digest until then). The same reference with another content fingerprint is a
             new concept under the same name (the old one's unfinished jobs are cancelled).

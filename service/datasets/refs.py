@@ -6,7 +6,7 @@ roots, a row range within ``ENGRAM_MAX_RECORDS``); it never opens it. The collec
 (:func:`resolve_reference`): it streams the source, JSONL line by line (inflated first when it is
 gzip-compressed: ``.jsonl.gz``) and Parquet by record batches of a row group at a time, maps
 columns to record fields, and hands each record to the same
-:class:`~service.datasets.DatasetSpool` an upload uses, so the stored ``datasets/<sha256>.jsonl``
+:class:`~service.datasets.spool.DatasetSpool` an upload uses, so the stored ``datasets/<sha256>.jsonl``
 and its digest are exactly those of the same records posted inline. Nothing is published until the
 whole source has been read without a problem.
 
@@ -15,8 +15,9 @@ source object's size, checked before reading when the source tells it, and again
 and on the stored records). Each is a problem naming the setting.
 
 Content identity. A URI names a place, not content: the object behind it may be replaced. So the
-API also takes a cheap *fingerprint* of what the reference names now (:func:`~service.dataset_sources.fingerprint_reference`:
-a ``stat``, an S3 ``HEAD`` or the hub commit the revision resolves to, never the bytes), stored on
+API also takes a cheap *fingerprint* of what the reference names now
+(:func:`~service.datasets.sources.fingerprint_reference`: a ``stat``, an S3 ``HEAD`` or the hub
+commit the revision resolves to, never the bytes), stored on
 the concept with the reference; the same reference with another fingerprint is other content (a new
 collection). The job reads exactly the fingerprinted content or fails: an ``hf://`` download is
 pinned to the posted commit and an S3 read to the posted version (versioned buckets), else every
@@ -27,10 +28,10 @@ jobs could read different content). The job still hashes every record it keeps: 
 by that digest, so content that turns out unchanged (a touched file) is never collected twice.
 
 ``hf://`` files are downloaded into ``ENGRAM_CACHE_DIR/hf-datasets``, kept within
-``ENGRAM_HF_DATASETS_CACHE_BYTES`` by :func:`~service.dataset_sources.trim_hf_cache` after each download.
+``ENGRAM_HF_DATASETS_CACHE_BYTES`` by :func:`~service.datasets.sources.trim_hf_cache` after each download.
 
 The sources themselves (URI shapes, fingerprints, pinned reads, the hub cache) are
-:mod:`service.dataset_sources`; this module checks references and turns their bytes into records.
+:mod:`service.datasets.sources`; this module checks references and turns their bytes into records.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from service.config import Settings
-from service.dataset_sources import (
+from service.datasets.sources import (
     FINGERPRINT,
     Source,
     allowed_s3_key,
@@ -52,7 +53,7 @@ from service.dataset_sources import (
     open_source,
     s3_key,
 )
-from service.datasets import DatasetSpool, JsonlFeed, SpooledDataset
+from service.datasets.spool import DatasetSpool, JsonlFeed, SpooledDataset
 from service.errors import InvalidInput, PayloadTooLarge
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}

@@ -6,7 +6,7 @@ hub commit a revision resolves to, never the bytes), the sources a collection jo
 (:func:`open_source`, pinned to the fingerprinted content: an ``hf://`` download at the posted
 commit, an S3 read at the posted version or with ``If-Match`` on the posted ETag, a ``file://``
 dataset that must ``fstat`` as posted), and the hub download cache, kept within
-``ENGRAM_HF_DATASETS_CACHE_BYTES`` by :func:`trim_hf_cache`. :mod:`service.dataset_refs` checks
+``ENGRAM_HF_DATASETS_CACHE_BYTES`` by :func:`trim_hf_cache`. :mod:`service.datasets.refs` checks
 references and turns what these sources yield into records.
 """
 

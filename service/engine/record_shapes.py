@@ -21,7 +21,7 @@ the canonical record it means, and nothing else:
   ``instruction + "\\n\\n" + input`` (the separator Alpaca's own prompt puts between them), and the
   completion ``output`` as it is.
 
-Digests. A stored dataset's digest is that of its canonical records (:func:`service.datasets.record_line`):
+Digests. A stored dataset's digest is that of its canonical records (:func:`service.datasets.spool.record_line`):
 JSON key order and spacing, a Parquet struct's null fields, a column mapping never entered it, so two
 forms of the same records are the same dataset. These shapes follow that convention: a ShareGPT or
 Alpaca record, or content given as parts, has the digest of the canonical record it is read as, and

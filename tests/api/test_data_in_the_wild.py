@@ -40,7 +40,7 @@ from engram_fixtures.live import (
     wait_variant_ready,
 )
 from engram_fixtures.models import make_tiny_chat_llama
-from service.datasets import record_line
+from service.datasets.spool import record_line
 from service.engine.records import Record
 from service.engine.stats_io import load_statistics
 from tests.helpers.api import assert_problem, unchanged

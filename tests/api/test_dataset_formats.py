@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for_job
 from engram_fixtures.models import make_tiny_chat_llama
-from service.datasets import record_line
+from service.datasets.spool import record_line
 from service.engine.records import Record, encode_record
 from tests.helpers.api import assert_problem, unchanged
 

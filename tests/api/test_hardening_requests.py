@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.config import Settings
-from service.dataset_refs import resolve_reference
+from service.datasets.refs import resolve_reference
 from service.errors import InvalidInput
 from tests.helpers.api import assert_problem
 from tests.s3 import SeaweedServer, drop_bucket, new_bucket
@@ -229,7 +229,7 @@ def test_the_job_opens_without_blocking_even_when_the_look_before_was_raced(
 ) -> None:
     """A FIFO swapped in between the job's ``stat`` and its ``open``: stood in for by skipping the
     ``stat`` check (the swap itself cannot be timed from a test). The open must not block."""
-    import service.dataset_sources as sources
+    import service.datasets.sources as sources
 
     path = tmp_path / "facts.jsonl"
     os.mkfifo(path)

@@ -29,7 +29,7 @@ import pytest
 
 from engram_fixtures.live import LiveServer, running_server, wait_for_job
 from engram_fixtures.models import make_tiny_chat_llama
-from service.datasets import record_line
+from service.datasets.spool import record_line
 from service.engine.records import Record
 from tests.s3 import SeaweedServer
 

@@ -26,7 +26,7 @@ import pytest
 
 from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job
 from engram_fixtures.models import CHAT_TEMPLATE, make_tiny_chat_llama
-from service.datasets import DatasetSpool, JsonlFeed
+from service.datasets.spool import DatasetSpool, JsonlFeed
 from service.errors import PayloadTooLarge
 from tests.helpers.job_process import job_process, peak_rss_bytes, template_children
 

@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.config import Settings
-from service.dataset_refs import resolve_reference, submitted_reference
-from service.dataset_sources import FINGERPRINT, hub_commit, trim_hf_cache
-from service.datasets import record_line
+from service.datasets.refs import resolve_reference, submitted_reference
+from service.datasets.sources import FINGERPRINT, hub_commit, trim_hf_cache
+from service.datasets.spool import record_line
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput
 from tests.s3 import SeaweedServer, drop_bucket, new_bucket

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from engram_fixtures.models import CHAT_TEMPLATE, make_tokenizer
-from service.datasets import record_line
+from service.datasets.spool import record_line
 from service.engine.chat import NoChatTemplate, encode_chat, generation_prompt, last_turn
 from service.engine.evaluate import Probe, encode_probe
 from service.engine.records import Message, Record, RecordError, encode_record

@@ -16,8 +16,8 @@ from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
 from service.concepts import service as concepts
-from service.dataset_refs import submitted_reference
-from service.datasets import SpooledDataset, spool_records
+from service.datasets.refs import submitted_reference
+from service.datasets.spool import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
 from service.storage.base import scratch_dir
 
