@@ -77,7 +77,10 @@ def run_job(
     if job["cancel_requested"]:
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
         return
-    ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)
+    if ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)["cancel_requested"]:
+        # A DELETE landed between the read above and this write: the job was answered cancelled.
+        ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
+        return
     try:
         with job_context(job_id), _heartbeat(ctx, job_id), _cancel_watchdog(ctx, job_id, stuck_cancel):
             log.info("%s job started", job["kind"])

@@ -220,6 +220,29 @@ def test_cancelling_a_running_job_stops_it_at_its_next_check(ctx: Context, use_b
     assert job(ctx, job_id)["status"] == "cancelled" and len(steps) < 1000 and not is_open(ctx, job_id)
 
 
+def test_a_cancel_landing_while_the_job_starts_keeps_it_cancelled_and_its_body_unrun(
+    ctx: Context, use_body: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API's DELETE lands between the runner's read of the queued job and its write of
+    ``running``: the job was answered (and called back) cancelled, its open marker dropped. Starting
+    it anyway would run the work nobody wants, report it succeeded after all, and leave a running
+    job no reconciler looks at (no open marker) if its worker died."""
+    calls: list[int] = []
+    use_body(lambda c, j: calls.append(1) or {})
+    job_id = submit(ctx)
+    update = ctx.jobs.update
+
+    def racing_update(jid: str, **fields: Any) -> dict[str, Any]:
+        if fields.get("status") == "running":
+            cancel_job(jid, ctx)  # the DELETE, in the window
+        return update(jid, **fields)
+
+    monkeypatch.setattr(ctx.jobs, "update", racing_update)
+    run_job(ctx, job_id)
+    assert calls == [], "the body ran after its job was cancelled"
+    assert job(ctx, job_id)["status"] == "cancelled" and not is_open(ctx, job_id)
+
+
 @pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled"])
 def test_cancelling_a_finished_job_changes_nothing(ctx: Context, outcome: str) -> None:
     job_id = submit(ctx)
