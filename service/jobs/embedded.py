@@ -89,8 +89,12 @@ class SqliteJobStore(JobStore):
         return None if row is None else json.loads(row[0])
 
     def _write_live(self, job: dict[str, Any]) -> None:
+        # An upsert, not INSERT OR REPLACE: a replaced row gets a new rowid, and the rowid is the
+        # creation order that with_status lists (and a replaced job process is handed) jobs in.
         self._connection().execute(
-            "INSERT OR REPLACE INTO jobs (job_id, kind, status, finished_at, body) VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO jobs (job_id, kind, status, finished_at, body) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT (job_id) DO UPDATE SET kind = excluded.kind, status = excluded.status, "
+            "finished_at = excluded.finished_at, body = excluded.body",
             (job["job_id"], job["kind"], job["status"], job.get("finished_at"), json.dumps(job)),
         )
 
