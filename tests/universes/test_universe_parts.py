@@ -1,7 +1,7 @@
 """Parts of a universe claimed through Redis leases, in this process against a private redis-server:
-a lease is exclusive, renewed while held and expires when its holder stops; two builders share a
-universe's parts and compute each once; a builder waits for a part another holds, takes it over
-when that holder's lease expires, and stops waiting when its job is cancelled.
+two builders share a universe's parts and compute each once; a builder waits for a part another
+holds, takes it over when that holder's lease expires, and stops waiting when its job is cancelled.
+(The lease itself: ``tests/jobs/test_leases.py``.)
 
 (The same against real worker processes, killed and all: ``tests/distributed/test_universe_distributed.py``.)
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,45 +69,6 @@ def builder(w: StoreWorld, client: redis.Redis, universe_id: str, ttl_s: float =
     build = UniverseBuild.open(w.ctx, universe_id)
     build.leases = RedisLeases(client, f"universe:{universe_id}", ttl_s)
     return build
-
-
-# ---------------------------------------------------------------- the lease
-
-
-def test_a_lease_is_exclusive_names_its_holder_and_is_released(client: redis.Redis) -> None:
-    leases = RedisLeases(client, f"test:{uuid.uuid4().hex}", ttl_s=5)
-    with leases.claim("group:x") as held:
-        assert held
-        holder = leases.holder("group:x")
-        assert holder is not None and holder.startswith(worker_name() + ":")
-        with leases.claim("group:x") as again:
-            assert not again, "held: a second claim is refused"
-        with leases.claim("group:y") as other:
-            assert other, "another part is free"
-    assert leases.holder("group:x") is None
-    with leases.claim("group:x") as held:
-        assert held
-
-
-def test_a_held_lease_is_renewed_past_its_expiry(client: redis.Redis) -> None:
-    leases = RedisLeases(client, f"test:{uuid.uuid4().hex}", ttl_s=1)
-    with leases.claim("group:x") as held:
-        assert held
-        time.sleep(2.5)  # 2.5 expiries
-        assert leases.holder("group:x") is not None
-        assert 0 < client.pttl(leases.key("group:x")) <= 1000
-
-
-def test_a_dead_holders_lease_expires_and_its_release_cannot_touch_the_next(client: redis.Redis) -> None:
-    leases = RedisLeases(client, f"test:{uuid.uuid4().hex}", ttl_s=1)
-    client.set(leases.key("group:x"), "gone:1:dead", px=600)  # a holder that died: no one renews it
-    with leases.claim("group:x") as held:
-        assert not held
-    time.sleep(0.8)
-    with leases.claim("group:x") as held:
-        assert held
-        leases._release(keys=[leases.key("group:x")], args=["gone:1:dead"])  # the dead holder, late
-        assert leases.holder("group:x") is not None, "only the holder's own token releases a lease"
 
 
 # ---------------------------------------------------------------- builders sharing a universe
