@@ -135,40 +135,6 @@ def test_without_auth_every_caller_is_one_key(anonymous: LiveServer, tiny_llama_
     assert wait_for_job(api, first.json()["job_id"])["status"] == "succeeded"
 
 
-def test_the_redis_store_counts_unfinished_jobs_per_owner(tmp_path: Path) -> None:
-    """Distributed mode's counts: sets in Redis that a finished job leaves, and a stale member (its
-    process died before it said so) is dropped by the exact count admission asks for before refusing."""
-    import redis
-
-    from service.jobs.admission import job_owner
-    from service.jobs.store import OPEN_SET, RedisJobStore, new_job
-    from service.storage.local import LocalStorage
-
-    server = start_redis()
-    try:
-        client = redis.Redis.from_url(server.url)
-        store = RedisJobStore(LocalStorage(tmp_path), client, heartbeat_ttl_s=30)
-        token = job_owner.set("key#1")
-        try:
-            mine = [store.create(new_job("map", {}, unit="layers")) for _ in range(3)]
-        finally:
-            job_owner.reset(token)
-        store.create(new_job("map", {}, unit="layers"))  # a job's own follow-up work: no owner
-        assert store.open_counts("key#1") == (4, 3)
-        assert store.open_counts("key#2") == (4, 0)
-        store.update(mine[0]["job_id"], status="succeeded")
-        assert store.open_counts("key#1") == (3, 2)
-        client.set(
-            f"engram:job:{mine[1]['job_id']}",
-            client.get(f"engram:job:{mine[1]['job_id']}").replace(b'"queued"', b'"failed"'),
-        )
-        assert store.open_counts("key#1") == (3, 2)  # the fast count has not seen it finish
-        assert store.open_counts("key#1", exact=True) == (2, 1)
-        assert client.scard(OPEN_SET + ":key#1") == 1
-    finally:
-        stop_redis(server)
-
-
 def test_distributed_api_processes_share_the_bounds(tmp_path: Path, tiny_llama_dir: Path, model_root: Path) -> None:
     """Two API processes on one Redis broker (no worker: their jobs stay queued) count the same jobs:
     the anonymous caller's one queued registration, submitted through either, fills its bound in

@@ -2,18 +2,20 @@
 and what each state change leaves in storage (the record, the open marker, the callback outbox).
 
 Both stores are real: the in-memory one over local storage, and the Redis one against a private
-``redis-server`` (its admission counts are tested in ``tests/api/test_admission.py``).
+``redis-server`` (live admission control over both: ``tests/api/test_admission.py``).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
 from api_schemas import Job
+from engram_fixtures.live import start_redis, stop_redis
 from service.context import Context
 from service.jobs.admission import job_owner
 from service.jobs.store import FINISHED, JobStore, RedisJobStore, new_job, public_view, valid_job_id
@@ -199,3 +201,37 @@ def test_the_epoch_names_a_redis_incarnation(redis_ctx: Context, client: redis.R
     assert store.epoch() == first == RedisJobStore(redis_ctx.storage, client, 2).epoch()
     client.flushdb()
     assert store.epoch() != first
+
+
+def test_the_redis_store_counts_unfinished_jobs_per_owner(tmp_path: Path) -> None:
+    """Distributed mode's counts: sets in Redis that a finished job leaves, and a stale member (its
+    process died before it said so) is dropped by the exact count admission asks for before refusing."""
+    import redis
+
+    from service.jobs.admission import job_owner
+    from service.jobs.store import OPEN_SET, RedisJobStore, new_job
+    from service.storage.local import LocalStorage
+
+    server = start_redis()
+    try:
+        client = redis.Redis.from_url(server.url)
+        store = RedisJobStore(LocalStorage(tmp_path), client, heartbeat_ttl_s=30)
+        token = job_owner.set("key#1")
+        try:
+            mine = [store.create(new_job("map", {}, unit="layers")) for _ in range(3)]
+        finally:
+            job_owner.reset(token)
+        store.create(new_job("map", {}, unit="layers"))  # a job's own follow-up work: no owner
+        assert store.open_counts("key#1") == (4, 3)
+        assert store.open_counts("key#2") == (4, 0)
+        store.update(mine[0]["job_id"], status="succeeded")
+        assert store.open_counts("key#1") == (3, 2)
+        client.set(
+            f"engram:job:{mine[1]['job_id']}",
+            client.get(f"engram:job:{mine[1]['job_id']}").replace(b'"queued"', b'"failed"'),
+        )
+        assert store.open_counts("key#1") == (3, 2)  # the fast count has not seen it finish
+        assert store.open_counts("key#1", exact=True) == (2, 1)
+        assert client.scard(OPEN_SET + ":key#1") == 1
+    finally:
+        stop_redis(server)
