@@ -34,7 +34,7 @@ def make_context(root: Path, redis_client: redis.Redis | None = None, **settings
 
 @pytest.fixture
 def context_with(tmp_path: Path) -> Callable[..., Context]:
-    """``context_with(**settings)``: a Context over this test's folder with these settings."""
+    """``context_with([redis_client], **settings)``: a Context over this test's folder with these settings."""
     return functools.partial(make_context, tmp_path)
 
 
