@@ -30,11 +30,11 @@ from service.engine.stats_io import StatisticsFile
 
 
 def service_caches() -> tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None:
-    """The worker's own per-process caches (``service.storage.local_copies.STATS_CACHE`` and
+    """The worker's own per-process caches (``service.statistics.local.STATS_CACHE`` and
     ``service.engrams.store.FACTOR_CACHE``): statistics by storage key, universe pseudo-inverse
     factors by universe."""
     from service.engrams.store import FACTOR_CACHE
-    from service.storage.local_copies import STATS_CACHE
+    from service.statistics.local import STATS_CACHE
 
     return STATS_CACHE, FACTOR_CACHE
 

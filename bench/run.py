@@ -330,7 +330,7 @@ class ModelBench:
             self.stored_stat_files.append(file)
             local = local_dir / file.name
             started = time.perf_counter()
-            if StatisticsFile(file).has_rows:  # what service.storage.local_copies.local_statistics_file does once
+            if StatisticsFile(file).has_rows:  # what service.statistics.local.local_statistics_file does once
                 expand_statistics(file, local)
                 expand_s.append(time.perf_counter() - started)
             else:

@@ -147,7 +147,7 @@ def float32_storage_effect(ctx: Any, variant_id: str, layout: Any, model_dir: Pa
     from safetensors.torch import load_file
 
     from bench.compose import clear, compose_variant
-    from service.storage.local_copies import local_statistics_file
+    from service.statistics.local import local_statistics_file
     from service.variants.build import build_variant_files
     from service.variants.service import find_variant_request
 

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engram_fixtures.demo import make_facts
-from service.concepts.statistics import collection_settings
 from service.config import Settings
 from service.context import Context
 from service.engine.checkpoint import load_model, load_tokenizer
@@ -28,7 +27,8 @@ from service.engine.stats_io import save_statistics
 from service.jobs.runner import run_job
 from service.jobs.store import JobStore, utc_now
 from service.models.inspection import register_model
-from service.storage.keys import canonical_digest, stats_prefix
+from service.statistics.manifest import publish_statistics
+from service.statistics.spec import CollectionSpec
 from service.storage.local import LocalStorage
 
 MAX_LENGTH = 120
@@ -80,11 +80,10 @@ class StoreWorld:
         stats = self.collect(model_id, records)
         manifest = self.ctx.storage.get_json(f"models/{model_id.replace('/', '%2F')}.json")
         digest = hashlib.sha256("\n".join(repr(r) for r in records).encode()).hexdigest()
-        prefix = stats_prefix(manifest["digest"], digest, canonical_digest(collection_settings(self.ctx.settings)))
+        prefix = CollectionSpec.of(self.ctx.settings).key(manifest["digest"], digest).prefix
         file = self.root / f"{digest}.safetensors"
         save_statistics(stats, file)
-        self.ctx.storage.put_file(prefix + "statistics.safetensors", file)
-        self.ctx.storage.put_json(prefix + "manifest.json", {"tokens": stats.tokens})
+        publish_statistics(self.ctx, prefix, file, lambda: {"tokens": stats.tokens})
         concept = self.ctx.storage.find_json(f"concepts/{name}.json") or {
             "name": name,
             "role": role,

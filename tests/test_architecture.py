@@ -19,6 +19,8 @@ functions count too) and checked against:
   ← the jobs' records ← the domains ← ``jobs.runner`` ← the queues and the process wiring ← ``api`` /
   ``workers``): no module imports one of a higher layer, and every module has a layer;
 - no import cycle between the service's modules;
+- no module outside ``service.statistics`` spells a statistics file name or builds a statistics
+  prefix by hand (``StatsKey`` spells them once and parses them back);
 - no module imports a test module (``test_*.py``): what tests share lives in ``tests/helpers/``
   (or ``tests/store_world.py``, ``tests/s3.py``, ``engram_fixtures``), so running, moving or
   deleting one test module never changes another.
@@ -61,6 +63,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "the domains",
         (
+            "service.statistics",  # the lowest of the domains (ARCHITECTURE.md): its key, spec and files
             "service.models",
             "service.concepts",
             "service.datasets",
@@ -458,3 +461,93 @@ print(sorted(name for name in ("torch", "safetensors.torch", "transformers") if 
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"the API process imported: {done.stdout}"
+
+
+# ---------------------------------------------------------------- statistics keys spelled once
+# Where statistics keys may be spelled: the package that owns them. What the service, the workers,
+# the bench, the scripts and the fixtures need of a key they get from service.statistics.key.
+STATS_KEY_OWNER = "service.statistics"
+STATS_KEY_READERS = ("service", "workers", "bench", "scripts", "engram_fixtures")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring nodes of ``tree`` (prose may name the files; code may not)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def hand_spelled_stats_keys(source: str, module: str) -> Iterator[str]:
+    """Each string in code (not a docstring) that spells ``statistics.safetensors`` or starts a
+    ``stats/`` prefix, and each ``….split("/")[-2]`` (a prefix parsed back by hand)."""
+    tree = ast.parse(source)
+    prose = _docstrings(tree)
+    prose |= {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            if "statistics.safetensors" in node.value or node.value.startswith("stats/"):
+                yield f"{module}:{node.lineno} spells {node.value!r}"
+        elif isinstance(node, ast.JoinedStr) and node.values:
+            head = node.values[0]
+            if isinstance(head, ast.Constant) and isinstance(head.value, str) and head.value.startswith("stats/"):
+                yield f"{module}:{node.lineno} builds a statistics prefix with an f-string"
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call):
+            call, index = node.value, node.slice
+            splits_on_slash = (
+                isinstance(call.func, ast.Attribute)
+                and call.func.attr == "split"
+                and len(call.args) == 1
+                and isinstance(call.args[0], ast.Constant)
+                and call.args[0].value == "/"
+            )
+            if splits_on_slash and ast.unparse(index) == "-2":
+                yield f"{module}:{node.lineno} parses a key back with split('/')[-2]"
+
+
+def stats_key_spellings(root: Path, packages: Iterable[str] = STATS_KEY_READERS) -> list[str]:
+    """Every hand-spelled statistics key outside :data:`STATS_KEY_OWNER`."""
+    broken: list[str] = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")) if (root / package).is_dir() else ():
+            module = module_name(path, root)
+            if not _within(module, STATS_KEY_OWNER):
+                broken.extend(hand_spelled_stats_keys(path.read_text(), module))
+    return [f"{b} (use service.statistics.key: StatsKey, statistics_key, manifest_key)" for b in broken]
+
+
+def test_statistics_keys_are_spelled_only_in_service_statistics() -> None:
+    assert (REPO / "service" / "statistics" / "key.py").is_file(), "the checker knows where the keys live"
+    broken = stats_key_spellings(REPO)
+    assert not broken, "\n".join(broken)
+
+
+def test_the_checker_catches_a_hand_spelled_statistics_key(tmp_path: Path) -> None:
+    files = {
+        "service/statistics/key.py": 'STATISTICS_FILE = "statistics.safetensors"\nSTATS = "stats/"\n',
+        "service/universes/a.py": 'def f(p):\n    return p + "statistics.safetensors"\n',
+        "service/universes/b.py": 'def f(m, d, s):\n    return f"stats/{m}/{d}/{s}/"\n',
+        "service/universes/c.py": 'def f(p):\n    return p.rstrip("/").split("/")[-2]\n',
+        "bench/d.py": 'KEY = "stats/m/d/s/manifest.json"\n',
+        "service/universes/fine.py": '"""Reads ``statistics.safetensors`` under ``stats/…/``."""\n\n'
+        'def f(p):\n    """The ``stats/`` prefix\'s ``statistics.safetensors``."""\n    return p.split("/")[1]\n',
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    broken = "\n".join(stats_key_spellings(tmp_path))
+    for expected in (
+        "service.universes.a:2 spells 'statistics.safetensors'",
+        "service.universes.b:2 builds a statistics prefix with an f-string",
+        "service.universes.c:2 parses a key back with split('/')[-2]",
+        "bench.d:1 spells 'stats/m/d/s/manifest.json'",
+    ):
+        assert expected in broken, f"missing: {expected}\n{broken}"
+    lines = broken.splitlines()
+    assert len(lines) == 4, "one finding each, an f-string's parts not again"
+    assert not [line for line in lines if line.startswith(("service.statistics", "service.universes.fine"))], (
+        "the owner may spell them, and prose may name them"
+    )

@@ -27,6 +27,7 @@ from api_schemas import Concept, Job
 from service.concepts.service import concept_fields, ready_state
 from service.context import Context
 from service.jobs.store import public_view, valid_job_id
+from service.statistics.key import manifest_key
 from service.storage.keys import concept_key
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -95,7 +96,7 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
         if job is None:
             return None
         # No statistics key while a dataset reference is not resolved: the job's state says it all.
-        published_hit, published = ctx.reads.peek(entry["stats"] + "manifest.json") if entry.get("stats") else (False, None)
+        published_hit, published = ctx.reads.peek(manifest_key(entry["stats"])) if entry.get("stats") else (False, None)
         if published_hit and published is not None:
             states[model_id] = ready_state(published, entry["job_id"])
         elif job["status"] in {"queued", "running"}:

@@ -38,7 +38,6 @@ from service.calibration.search import (
 from service.calibration.service import calibration_prefix, front_png_url
 from service.calibration.space import arm_layers
 from service.calibration.strengths import measure_strengths
-from service.concepts.statistics import unreached_by_every
 from service.context import Context
 from service.engine.layout import ModelLayout
 from service.errors import JobFailed
@@ -46,6 +45,7 @@ from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
 from service.jobs.store import FINISHED
 from service.models.loaded import check_model_unchanged, checked_model_files
 from service.models.registry import get_model
+from service.statistics.cover import unreached_by_every
 from service.universes.build import ensure_universe
 from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
 

@@ -24,7 +24,6 @@ from typing import Any
 from api_schemas.models import CalibrateRequest
 from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
-from service.concepts.statistics import check_statistics_cover, unreached_by_every
 from service.context import Context
 from service.engine.expert_names import is_expert_layer
 from service.engine.layers import LayerSpec, summarize_names
@@ -36,6 +35,7 @@ from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_causal_lm, check_chat_templates, get_model
+from service.statistics.cover import check_statistics_cover, unreached_by_every
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current

@@ -32,7 +32,7 @@ from service.engine.stats_io import StatisticsFile
 from service.engrams.store import StoredEngrams, stored_engrams
 from service.errors import JobFailed
 from service.maps.build import data_weighted_ratio
-from service.storage.local_copies import statistics
+from service.statistics.local import statistics
 
 # The weakest strength a type is given: module_strengths are > 0, and three significant figures
 # below this change nothing a probe can see.

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from service.concepts.service import CHAT_KINDS, find_concept, iter_records
-from service.concepts.statistics import stats_manifest
 from service.context import Context
 from service.datasets.refs import resolve_reference
 from service.engine.checkpoint import ModelTooLarge
@@ -47,8 +46,11 @@ from service.jobs.store import utc_now
 from service.models.loaded import MODELS, check_model_unchanged
 from service.models.registry import get_model
 from service.observability import record_collection
+from service.statistics.key import STATISTICS_FILE
+from service.statistics.manifest import publish_statistics, stats_manifest
+from service.statistics.spec import CollectionSpec
 from service.storage.base import scratch_dir
-from service.storage.keys import canonical_digest, concept_key, dataset_key, stats_prefix
+from service.storage.keys import concept_key, dataset_key
 
 log = logging.getLogger("engram.collection")
 
@@ -62,7 +64,8 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     payload = job["payload"]
     if payload.get("dataset_digest") is None:
         payload = _resolve_dataset(ctx, job)
-    prefix = stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
+    spec = CollectionSpec.model_validate(payload["settings"])
+    prefix = spec.key(payload["model_digest"], payload["dataset_digest"]).prefix
     published = stats_manifest(ctx, prefix)
     if published is not None:
         # Reused statistics: the job is done with every token it would have counted (not "0/0").
@@ -74,7 +77,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     MODELS.capacity = ctx.settings.model_cache_size
     # The model may run in bfloat16 (ENGRAM_COLLECT_DTYPE); the covariances still accumulate in
     # float32 products and float64 sums (see service.engine.collect).
-    dtype = payload["settings"].get("collect_dtype")
+    dtype = spec.collect_dtype
     # ENGRAM_DEVICE_MAP=auto: a model bigger than one GPU is spread over the node's GPUs (and the
     # CPU); each layer's accumulators stay on its device, the statistics are the same.
     device_map = None if ctx.settings.device_map == "none" else ctx.settings.device_map
@@ -82,8 +85,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device, dtype, device_map)
     except ModelTooLarge as exc:
         raise JobFailed(str(exc)) from None
-    max_length = int(payload["settings"]["max_length"])
-    template = payload["settings"].get("template")
+    max_length, template = spec.max_length, spec.template
     cancelled = cancel_check(ctx, job["job_id"])
     # Every text is cut to this many characters before it is tokenized: a record of any size costs
     # bounded memory, and one within the budget is tokenized exactly as before (record_budget.py).
@@ -112,7 +114,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         progress = JobProgress(ctx, job["job_id"], survey.tokens)
         layout = ModelLayout.from_json(manifest["layout"])
         # A concept posted with modules collects only those layers' input groups.
-        layers = select_layers(layout.layers, payload["settings"].get("modules"))
+        layers = select_layers(layout.layers, spec.module_list)
         started = time.monotonic()
         stats = collect_statistics(
             model,
@@ -125,7 +127,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     record_collection(stats.tokens, seconds)
     report = survey.report()
     check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran (issue 23, 7)
-    _publish_statistics(ctx, prefix, stats, payload, seconds, report, cancelled)
+    _publish_statistics(ctx, prefix, stats, payload, spec, seconds, report, cancelled)
     return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
 
 
@@ -301,7 +303,7 @@ def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
 
         with scratch_dir("dataset") as tmp:
             spooled = resolve_reference(payload["dataset"], ctx.settings, Path(tmp), check)
-            if payload["settings"].get("template") == "chat" and "text" in spooled.kinds:
+            if CollectionSpec.model_validate(payload["settings"]).template == "chat" and "text" in spooled.kinds:
                 raise InvalidInput(f'{payload["dataset"]["uri"]} holds text records, which template "chat" cannot render')
             key = dataset_key(spooled.digest)
             if not ctx.storage.exists(key):
@@ -318,8 +320,8 @@ def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
                 f"the dataset {payload['dataset']['uri']} changed while it was being resolved "
                 f"(digest {concept['dataset_digest']}, then {digest}); post the concept again under another name"
             )
-        concept["models"][model_id]["stats"] = stats_prefix(
-            payload["model_digest"], digest, canonical_digest(payload["settings"])
+        concept["models"][model_id]["stats"] = (
+            CollectionSpec.model_validate(payload["settings"]).key(payload["model_digest"], digest).prefix
         )
         ctx.storage.put_json(concept_key(name), concept)
         ctx.reads.forget(concept_key(name))
@@ -339,19 +341,24 @@ def _publish_statistics(
     prefix: str,
     stats: LayerStatistics,
     payload: dict[str, Any],
+    spec: CollectionSpec,
     seconds: float,
     report: dict[str, Any],
     cancelled: CancelCheck,
 ) -> None:
     with scratch_dir("stats") as tmp:
-        file = Path(tmp) / "statistics.safetensors"
+        file = Path(tmp) / STATISTICS_FILE
         extra = {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]}
-        dtype = getattr(torch, payload["settings"].get("stats_dtype", "float64"))
+        dtype = getattr(torch, spec.sums_dtype)
         save_statistics(stats, file, extra, dtype=dtype)
         if cancelled(force=True):  # the last point where stopping leaves nothing behind
             raise JobCancelled()
-        ctx.storage.put_file(prefix + "statistics.safetensors", file)
-    manifest = {
+        publish_statistics(ctx, prefix, file, lambda: _manifest(stats, payload, seconds, report))
+
+
+def _manifest(stats: LayerStatistics, payload: dict[str, Any], seconds: float, report: dict[str, Any]) -> dict[str, Any]:
+    """The published statistics' manifest (their format: :mod:`service.statistics.manifest`)."""
+    return {
         "tokens": stats.tokens,
         "groups": len(stats.sums),
         "layers": len(stats.layer_group),
@@ -364,4 +371,3 @@ def _publish_statistics(
         "truncation": report,  # what max_length did: a reuse of these statistics reports it too
         "created_at": utc_now(),
     }
-    ctx.storage.put_json(prefix + "manifest.json", manifest)

@@ -3,7 +3,7 @@
 A concept is ``concepts/<name>.json`` (:mod:`service.storage.keys`): name, role, the digest of its
 stored dataset (``datasets/<sha256>.jsonl``, or none yet for a dataset reference its collection job
 resolves first) and one collection job per model, each naming the statistics it publishes
-(:mod:`service.concepts.statistics`; the job body: :mod:`service.concepts.collection`).
+(:mod:`service.statistics`; the job body: :mod:`service.concepts.collection`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.concepts.statistics import canonical_modules, collection_settings, stats_manifest
 from service.context import Context
 from service.datasets.refs import content_changed, same_reference
 from service.datasets.spool import SpooledDataset, record_line
@@ -27,7 +26,9 @@ from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
-from service.storage.keys import CONCEPTS, canonical_digest, concept_key, dataset_key, stats_prefix
+from service.statistics.manifest import stats_manifest
+from service.statistics.spec import CollectionSpec, canonical_modules
+from service.storage.keys import CONCEPTS, concept_key, dataset_key
 
 KEEP: Any = object()  # an option left out of a request: an existing concept keeps its own
 
@@ -200,9 +201,9 @@ def _plan_collections(
             "model_id": model_id,
             "model_digest": manifest["digest"],
             "dataset_digest": concept["dataset_digest"],
-            "settings": collection_settings(
+            "settings": CollectionSpec.of(
                 ctx.settings, modules, concept.get("template"), ModelLayout.from_json(manifest["layout"])
-            ),
+            ).dump(),
             "concept": concept["name"],
         }
         if concept["dataset_digest"] is None:  # a reference the job resolves first
@@ -246,7 +247,7 @@ def _models_to_collect(
 
 
 def _stats_prefix_for(payload: dict[str, Any]) -> str:
-    return stats_prefix(payload["model_digest"], payload["dataset_digest"], canonical_digest(payload["settings"]))
+    return CollectionSpec.model_validate(payload["settings"]).key(payload["model_digest"], payload["dataset_digest"]).prefix
 
 
 def find_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any] | None:

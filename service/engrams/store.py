@@ -22,8 +22,9 @@ from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
 from service.engrams.pairs import combined_norms
+from service.statistics.local import statistics
 from service.storage.keys import canonical_digest, engram_key
-from service.storage.local_copies import local_object, statistics
+from service.storage.local_copies import local_object
 from service.storage.lru import ByteLRU
 
 

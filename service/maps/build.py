@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from service.concepts.statistics import statistics_layers, stats_manifest, unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
 from service.engine.compose import LayerWeights, augmented_weight, relative_norm, weighted_sum
@@ -44,8 +43,10 @@ from service.jobs.progress import JobProgress, NoProgress, Progress
 from service.maps.service import MapRequest, find_map, map_request
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
+from service.statistics.cover import statistics_layers, unreached_by_every
+from service.statistics.local import statistics
+from service.statistics.manifest import stats_manifest
 from service.storage.keys import map_key, map_request_key
-from service.storage.local_copies import statistics
 
 
 def engram_map(

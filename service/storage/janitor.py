@@ -59,7 +59,8 @@ SCRATCH_UNOWNED = re.compile(r"^engram-(?!metrics-)[a-z][a-z-]*-[a-z0-9_]{8}$")
 # LocalStorage's <root>/.tmp/<pid>.<host tag>.<uuid hex> (or a bare uuid hex from older versions).
 STORAGE_TMP = re.compile(r"^(?:(?P<pid>\d+)\.(?P<host>[0-9a-f]{8})\.)?[0-9a-f]{32}$")
 PARTIAL_DOWNLOAD = re.compile(r"^\.partial-")  # service.models.sources: ENGRAM_CACHE_DIR/s3/.partial-*
-STATS_PARTIAL = re.compile(r"^\..+\.(?:part|download)$")  # service.storage.local_copies: ENGRAM_CACHE_DIR/stats/, universes/
+# service.storage.local_copies.cached_copy and service.statistics.local: ENGRAM_CACHE_DIR/stats/, universes/
+STATS_PARTIAL = re.compile(r"^\..+\.(?:part|download)$")
 _CLOCK_SLACK_S = 2.0  # /proc's boot time has a resolution of a second
 
 

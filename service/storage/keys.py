@@ -3,8 +3,8 @@
 - ``models/<quoted id>.json``: registration and checkpoint layout
 - ``datasets/<sha256>.jsonl``: the records a user sent, byte for byte as normalised JSON lines
 - ``concepts/<name>.json``: name, role, dataset digest, and one collection job per model
-- ``stats/<model digest>/<dataset digest>/<settings digest>/``: ``statistics.safetensors`` and
-  ``manifest.json`` (written last: statistics exist exactly when it does)
+- ``stats/<model digest>/<dataset digest>/<settings digest>/``: a concept's statistics on a model
+  (:mod:`service.statistics.key` spells the prefix and its files: storage knows no statistics format)
 - ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
 - ``universes/<universe id>/``: ``request.json``, ``plan.json``, ``groups/<group>.safetensors``,
   ``engrams/<member>.safetensors`` (and ``.json``), ``parts/<kind>-<name>.json``, ``manifest.json``
@@ -50,10 +50,6 @@ def dataset_key(digest: str) -> str:
 
 def concept_key(name: str) -> str:
     return f"{CONCEPTS}{name}.json"
-
-
-def stats_prefix(model_digest: str, dataset_digest: str, settings_digest: str) -> str:
-    return f"stats/{model_digest}/{dataset_digest}/{settings_digest}/"
 
 
 def variant_request_key(variant_id: str) -> str:

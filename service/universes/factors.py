@@ -26,6 +26,7 @@ from service.context import Context
 from service.engine.compose import GroupedStatistics, weighted_sum
 from service.engine.linalg import PinvFactors, pinv_factors, pinv_factors_from_rows
 from service.errors import JobFailed
+from service.statistics.key import statistics_key
 from service.storage.base import Storage
 from service.universes.spec import FACTORS_FORMAT
 
@@ -58,7 +59,7 @@ def group_rows(ctx: Context, members: Mapping[str, GroupedStatistics], keys: Map
     (dim,) = dims
     if sum(c for c in counts if c is not None) >= dim:  # both checked for None above
         return None
-    rows = [stored_rows(ctx.storage, prefix + "statistics.safetensors", group) for prefix, group in keys.items()]
+    rows = [stored_rows(ctx.storage, statistics_key(prefix), group) for prefix, group in keys.items()]
     present = [r for r in rows if r is not None]
     return present if len(present) == len(rows) else None
 
@@ -101,7 +102,7 @@ class _ExactSums(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, group: str) -> torch.Tensor:
         if group in self._rows_groups:
-            rows = stored_rows(self._ctx.storage, self._prefix + "statistics.safetensors", group)
+            rows = stored_rows(self._ctx.storage, statistics_key(self._prefix), group)
             if rows is None:
                 raise JobFailed(f"statistics {self._prefix} no longer store rows for group {group}")
             x = rows.to(torch.float64)

@@ -34,8 +34,10 @@ from service.jobs.progress import Progress
 from service.jobs.store import utc_now
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
+from service.statistics.key import StatsKey
+from service.statistics.local import statistics
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
-from service.storage.local_copies import local_object, statistics
+from service.storage.local_copies import local_object
 from service.universes.factors import (
     GroupFile,
     RowsExact,
@@ -304,7 +306,7 @@ class UniverseBuild:
                 {
                     "names": sorted(m.name for m in spec.members if m.stats == prefix),
                     "stats": prefix,
-                    "dataset_digest": prefix.rstrip("/").split("/")[-2],
+                    "dataset_digest": StatsKey.parse(prefix).dataset_digest,
                     "key": keys[prefix],
                     "tokens": self.members[prefix].tokens,
                 }

@@ -23,6 +23,7 @@ from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.engrams.format import ENGRAMS_FORMAT, engram_dtype
 from service.models.registry import find_model
+from service.statistics.key import statistics_key
 from service.universes.spec import FACTORS_FORMAT, UniverseSpec
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2}
@@ -161,7 +162,7 @@ def _safetensors_size(tensors: Sequence[tuple[str, str, list[int]]], metadata: M
 def _stats_header(ctx: Context, prefix: str) -> _StatsHeader:
     """A published statistics file's layer groups, widths and token counts, read by range."""
     if prefix not in _STATS_HEADERS:
-        key = prefix + "statistics.safetensors"
+        key = statistics_key(prefix)
         length = int.from_bytes(b"".join(ctx.storage.iter_range(key, 0, 7)), "little")
         meta = json.loads(b"".join(ctx.storage.iter_range(key, 8, 8 + length - 1))).get("__metadata__") or {}
         _STATS_HEADERS[prefix] = _StatsHeader(

@@ -36,6 +36,7 @@ from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
+from service.statistics.key import StatsKey
 from service.storage.keys import (
     MODEL_UNIVERSES,
     current_pointer_key,
@@ -58,7 +59,7 @@ from service.universes.spec import UniverseSpec, make_spec, settings_digest
 def member_keys(prefixes: Sequence[str]) -> dict[str, str]:
     """prefix -> the name of its engram file: the dataset digest, plus the settings digest where
     two members hold the same records collected with other settings."""
-    digests = [p.rstrip("/").split("/")[-2] for p in prefixes]
+    digests = [StatsKey.parse(p).dataset_digest for p in prefixes]
     return {p: d if digests.count(d) == 1 else f"{d}-{settings_digest(p)}" for p, d in zip(prefixes, digests, strict=True)}
 
 
@@ -160,7 +161,7 @@ def resolve_for_edit(
         names = default_reference(ctx, model_id)
         new_current = make_spec(model, ready_statistics(ctx, model_id, names), None)
         pointer = {"members": {m.name: m.stats for m in new_current.members}, "rcond": None}
-    members = {n: {"prefix": p, "dataset_digest": p.rstrip("/").split("/")[-2]} for n, p in pointer["members"].items()}
+    members = {n: {"prefix": p, "dataset_digest": StatsKey.parse(p).dataset_digest} for n, p in pointer["members"].items()}
     members.update({n: r for n, r in term_stats.items() if r["prefix"] not in {m["prefix"] for m in members.values()}})
     chosen_rcond = rcond if rcond is not None else pointer["rcond"]
     spec = make_spec(model, members, chosen_rcond)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from service.statistics.key import StatsKey
 from service.storage.keys import canonical_digest
 
 UNIVERSE_FORMAT = "engram-universe/1"
@@ -82,4 +83,4 @@ def make_spec(model: Mapping[str, Any], resolved: Mapping[str, Mapping[str, str]
 
 def settings_digest(prefix: str) -> str:
     """The collection-settings digest of a statistics prefix (its last segment)."""
-    return prefix.rstrip("/").rsplit("/", 1)[-1]
+    return StatsKey.parse(prefix).settings_digest

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.concepts.statistics import unreached_by_every
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, file_sha256
 from service.engine.checkpoint_write import write_checkpoint, write_delta
@@ -39,6 +38,7 @@ from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
+from service.statistics.cover import unreached_by_every
 from service.storage.base import scratch_dir
 from service.storage.keys import variant_file_key, variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe

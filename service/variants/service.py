@@ -13,7 +13,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from api_schemas.models import EditOptions
-from service.concepts.statistics import check_statistics_cover, unreached_by_every
 from service.context import Context
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
@@ -26,6 +25,7 @@ from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
+from service.statistics.cover import check_statistics_cover, unreached_by_every
 from service.storage.keys import VARIANTS, variant_manifest_key, variant_request_key
 from service.universes.projection import Projection
 from service.universes.records import current_pointer, find_manifest

@@ -21,7 +21,7 @@ from service.engine.evaluate import Probe
 from service.engine.layers import LayerSpec, module_type
 from service.engrams.store import stored_engrams
 from service.maps.build import engram_map
-from service.storage.local_copies import statistics
+from service.statistics.local import statistics
 from service.universes.records import find_manifest
 from tests.helpers.algebra import augmented
 from tests.helpers.variants import build, checkpoint_of, layout_of, reference_edit

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
 from engram_fixtures.models import make_tiny_gpt_neox, make_tiny_llama, make_tokenizer
-from service.concepts.statistics import collection_settings
 from service.config import Settings
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.model_files import ModelSourceError
 from service.models.registry import model_view
+from service.statistics.spec import CollectionSpec
 
 
 def _rewrite_keys(folder: Path, rename: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> None:
@@ -98,6 +98,6 @@ def test_the_collected_layers_enter_the_statistics_key_only_with_a_renamed_layer
     settings = Settings()
     neox = inspect_model_dir(make_tiny_gpt_neox(tmp_path / "neox"))
     llama = inspect_model_dir(make_tiny_llama(tmp_path / "llama"))
-    assert "layers" in collection_settings(settings, layout=neox)
-    assert "layers" not in collection_settings(settings, modules=["dense_h_to_4h"], layout=neox)  # no head collected
-    assert collection_settings(settings, layout=llama) == collection_settings(settings)
+    assert "layers" in CollectionSpec.of(settings, layout=neox).dump()
+    assert "layers" not in CollectionSpec.of(settings, modules=["dense_h_to_4h"], layout=neox).dump()  # no head collected
+    assert CollectionSpec.of(settings, layout=llama).dump() == CollectionSpec.of(settings).dump()

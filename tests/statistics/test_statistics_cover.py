@@ -1,4 +1,4 @@
-"""Which layers published statistics hold (``registry.statistics_layers``), new and legacy manifests."""
+"""Which layers published statistics hold (``service.statistics.cover.statistics_layers``), new and legacy manifests."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import torch
 
 from engram_fixtures.models import make_tiny_bert_encoder
-from service.concepts.statistics import statistics_layers
 from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import LayerStatistics
 from service.engine.stats_io import save_statistics
+from service.statistics.cover import statistics_layers
+from service.statistics.key import statistics_key
 from service.storage.local import LocalStorage
 
 
@@ -25,7 +26,7 @@ def _stored_without_the_pooler(tmp_path: Path, names: list[str]) -> tuple[Simple
     storage = LocalStorage(tmp_path / "store")
     prefix = "stats/m/d/s/"
     save_statistics(stats, tmp_path / "stats.safetensors")
-    storage.put_file(prefix + "statistics.safetensors", tmp_path / "stats.safetensors")
+    storage.put_file(statistics_key(prefix), tmp_path / "stats.safetensors")
     return SimpleNamespace(storage=storage), prefix
 
 

@@ -14,8 +14,9 @@ from service.context import Context
 from service.engine.collect import LayerStatistics
 from service.engine.linalg import gram, pack_symmetric
 from service.engine.stats_io import StatisticsFile, save_statistics
+from service.statistics.local import local_statistics_file
 from service.storage.local import LocalStorage
-from service.storage.local_copies import local_statistics_file, trim_disk_cache
+from service.storage.local_copies import trim_disk_cache
 
 
 class RemoteLikeStorage(LocalStorage):
@@ -98,7 +99,7 @@ def test_disk_cache_drops_the_oldest_files_beyond_its_budget(tmp_path: Path) -> 
 def test_two_stores_in_one_process_keep_their_own_statistics(tmp_path: Path) -> None:
     """The process-wide caches key by the store as well as the key: the same prefix in two stores
     (two test worlds, or two contexts) may hold different bytes, and each context reads its own."""
-    from service.storage.local_copies import statistics
+    from service.statistics.local import statistics
 
     first, second = LocalStorage(tmp_path / "one"), LocalStorage(tmp_path / "two")
     _store(first, tmp_path / "one", "stats/same/", tokens=40, dim=16)

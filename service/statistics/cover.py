@@ -1,0 +1,119 @@
+"""What published statistics cover: the layers each holds, those no forward pass reached, and the
+check that refuses an edit needing a layer some member's statistics lack.
+
+Statistics never change once published, so what their headers say is read once per process and kept
+by :data:`HEADERS`, keyed by store and prefix (one process may hold several stores: tests do).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from service.context import Context
+from service.engine.layers import select_layers, summarize_names
+from service.engine.layout import ModelLayout
+from service.errors import Conflict
+from service.statistics.manifest import header_metadata, stats_manifest
+
+
+def check_statistics_cover(
+    ctx: Context,
+    layout: ModelLayout,
+    members: Iterable[tuple[str, str]],
+    modules: Sequence[str] | None,
+    layers: Sequence[int] | None,
+) -> None:
+    """Refuse an edit that needs a layer some member's statistics lack (collected with ``modules``,
+    or a layer collection could not read).
+
+    Args:
+        layout: the model's layout.
+        members: ``(concept name, statistics prefix)`` of every concept of the edit's universe.
+        modules, layers: the edit's selection.
+
+    Raises:
+        Conflict: naming each concept and the layers it has no statistics for.
+    """
+    selected = select_layers(layout.layers, modules, layers)
+    unreached = unreached_by_every(ctx, [prefix for _, prefix in members])
+    needed = [spec for spec in selected if spec.name not in unreached]
+    if selected and not needed:
+        raise Conflict(
+            f"no concept of the edit reaches the selected layers ({summarize_names(s.name for s in selected)}): "
+            "their forward pass never ran them, so their edit is zero; choose modules/layers the concepts reach"
+        )
+    problems = []
+    for name, prefix in sorted(set(members)):
+        manifest = stats_manifest(ctx, prefix)
+        if manifest is None:
+            continue  # not ready: refused by name where the universe is resolved
+        held = statistics_layers(ctx, prefix, manifest, layout)
+        missing = [spec.name for spec in needed if spec.name not in held]
+        if missing:
+            collected = manifest.get("settings", {}).get("modules")
+            how = f" (collected with modules {', '.join(collected)})" if collected else ""
+            problems.append(f"concept {name} has no statistics for {summarize_names(missing)}{how}")
+    if problems:
+        raise Conflict(
+            f"the edit needs layers that its concepts' statistics lack: {'; '.join(problems)}. Choose modules/layers "
+            "they cover, or post the concept with modules that include those layers"
+        )
+
+
+class PublishedHeaders:
+    """What published statistics' headers say (their layers, their unreached layers), read once per
+    process and store: statistics never change, so nothing here goes stale."""
+
+    def __init__(self) -> None:
+        self._layers: dict[tuple[str, str], frozenset[str]] = {}
+        self._unreached: dict[tuple[str, str], frozenset[str]] = {}
+
+    def layers(self, ctx: Context, prefix: str) -> frozenset[str]:
+        """The layers the statistics file at ``prefix`` holds, from its header."""
+        key = (ctx.storage.location, prefix)
+        if key not in self._layers:
+            self._layers[key] = frozenset(header_metadata(ctx.storage, prefix)["layer_group"])
+        return self._layers[key]
+
+    def unreached(self, ctx: Context, prefix: str) -> frozenset[str] | None:
+        """The layers no forward pass of the statistics at ``prefix`` ran, from its header; ``None``
+        while they are not published."""
+        key = (ctx.storage.location, prefix)
+        if key not in self._unreached:
+            if stats_manifest(ctx, prefix) is None:
+                return None
+            self._unreached[key] = frozenset(json.loads(header_metadata(ctx.storage, prefix).get("unreached", "[]")))
+        return self._unreached[key]
+
+
+HEADERS = PublishedHeaders()
+
+
+def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layout: ModelLayout) -> frozenset[str]:
+    """The layers a published statistics file holds: those its ``modules`` selected minus the ones
+    collection could not read (``lacking``), when the manifest's count says exactly that. Otherwise
+    (statistics published before ``lacking`` was recorded, or collected from a layout of another
+    version with other layers) they are read from the file's header (a few kilobytes)."""
+    chosen = select_layers(layout.layers, manifest.get("settings", {}).get("modules"))
+    lacking = set(manifest.get("lacking", ()))
+    if "lacking" in manifest and int(manifest.get("layers", -1)) + len(lacking) == len(chosen):
+        return frozenset(spec.name for spec in chosen) - lacking
+    return HEADERS.layers(ctx, prefix)
+
+
+def unreached_by_every(ctx: Context, prefixes: Iterable[str]) -> frozenset[str]:
+    """The layers no forward pass of these statistics ever ran (a vision tower, for text concepts).
+
+    Their statistics are zero in every member, so the engram of every member is zero there: an edit
+    leaves them as they are, and says so (a variant's ``unreached_layers``) instead of refusing.
+    Statistics not published yet reach everything (the edit is refused elsewhere until they are).
+    """
+    common: frozenset[str] | None = None
+    for prefix in dict.fromkeys(prefixes):
+        unreached = HEADERS.unreached(ctx, prefix)
+        if unreached is None:
+            return frozenset()
+        common = unreached if common is None else common & unreached
+    return common or frozenset()

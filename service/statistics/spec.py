@@ -1,0 +1,102 @@
+"""What changes a concept's statistics, as one frozen record: the collection job's configuration and,
+by its digest, the statistics' identity (:class:`service.statistics.key.StatsKey`).
+
+The stored form (a job's ``payload["settings"]``, a statistics manifest's ``settings``) is
+:meth:`CollectionSpec.dump`: the fields that are set, nothing else, so the digest of every key
+published before this record existed is unchanged (an optional field enters only when it is not
+its default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from service.config import Settings
+from service.engine.layers import select_layers
+from service.engine.layout import ModelLayout
+from service.statistics.key import StatsKey
+from service.storage.keys import ENGINE_VERSION, canonical_digest
+
+DEFAULT_STATS_DTYPE = "float64"
+
+
+class CollectionSpec(BaseModel):
+    """Everything that changes a statistic (and so is part of its key).
+
+    ``None`` means "not part of the key": the default (every module, no template, float64 sums,
+    the model's stored dtype), spelled by absence so that keys from before each field stay valid.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_length: int
+    engine: str
+    modules: tuple[str, ...] | None = None  # sorted, each suffix once (canonical_modules)
+    layers: str | None = None  # digest of the collected layers, when they include a renamed one
+    template: str | None = None  # "chat": prompt/completion records rendered as one-turn chats
+    stats_dtype: str | None = None  # the stored sums' dtype, when not float64
+    collect_dtype: str | None = None  # the dtype the model runs in, when not the stored one
+
+    @classmethod
+    def of(
+        cls,
+        settings: Settings,
+        modules: Sequence[str] | None = None,
+        template: str | None = None,
+        layout: ModelLayout | None = None,
+    ) -> CollectionSpec:
+        """The spec of a collection under ``settings``.
+
+        Args:
+            modules: the module suffixes a concept was posted with (only their input groups are
+                collected); part of the key only when given, so keys without them stay as they were.
+            template: ``"chat"``: prompt/completion records rendered as one-turn chats; part of the
+                key only when set.
+            layout: the model's layout. The collected layers enter the key when they include a layer
+                stored under a renamed key (``renamed_layers``): versions before those were edited
+                collected the same model without it, and a key shared with such statistics would reuse
+                them, short of that layer. Other keys stay as they were.
+        """
+        layers = None
+        if layout is not None and layout.renamed_layers:
+            collected = [spec.name for spec in select_layers(layout.layers, modules)]
+            if set(collected) & set(layout.renamed_layers):
+                layers = canonical_digest(collected)
+        return cls(
+            max_length=settings.max_length,
+            engine=ENGINE_VERSION,
+            modules=tuple(canonical_modules(modules)) if modules is not None else None,
+            layers=layers,
+            template=template,
+            stats_dtype=settings.stats_dtype if settings.stats_dtype != DEFAULT_STATS_DTYPE else None,
+            collect_dtype=settings.collect_dtype if settings.collect_dtype != "stored" else None,  # Σ depends on it
+        )
+
+    def dump(self) -> dict[str, Any]:
+        """The stored form: the fields that are set (a job payload's and a manifest's ``settings``)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def digest(self) -> str:
+        """The settings digest of the statistics' key: byte for byte what it was as a dict."""
+        return canonical_digest(self.dump())
+
+    def key(self, model_digest: str, dataset_digest: str) -> StatsKey:
+        return StatsKey(model_digest, dataset_digest, self.digest())
+
+    @property
+    def sums_dtype(self) -> str:
+        """The dtype the statistics' sums are stored in (a ``torch`` attribute name)."""
+        return self.stats_dtype or DEFAULT_STATS_DTYPE
+
+    @property
+    def module_list(self) -> list[str] | None:
+        """The module selection as :func:`service.engine.layers.select_layers` takes it."""
+        return list(self.modules) if self.modules is not None else None
+
+
+def canonical_modules(modules: Sequence[str]) -> list[str]:
+    """A module selection in the form that enters a statistics key: sorted, each suffix once."""
+    return sorted(set(modules))
