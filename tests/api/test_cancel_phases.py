@@ -29,8 +29,8 @@ from tests.helpers.job_process import job_process
 
 INJECTOR = Path(__file__).parent / "stalling_tokenizer"
 MODEL = "cancel/tiny"
-GRACE_S = 3.0
-HARD_LIMIT_S = 10  # ENGRAM_TASK_HARD_LIMIT_S: every other job here ends within a few seconds
+GRACE_S = 5.0  # a cooperative cancel must come well before it; a stuck job is killed at it
+HARD_LIMIT_S = 30  # ENGRAM_TASK_HARD_LIMIT_S: every other job here ends within seconds, even on a loaded machine
 ROWS = 200_000
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -84,7 +84,7 @@ def test_a_large_dataset_is_cancelled_within_seconds_during_its_first_pass(serve
     print(f"\n{ROWS} rows: cancelled during the first pass {latency:.2f}s after DELETE")  # noqa: T201
     assert final["status"] == "cancelled", final
     assert final["progress"]["total"] == 0  # the first pass never finished
-    assert latency < 2.0
+    assert latency < GRACE_S  # its own check, before the grace kill (typically 0.1-0.4 s)
     assert job_process(server) == pid  # it stopped by itself: the job process was not killed
 
 
@@ -97,7 +97,7 @@ def test_a_phase_stuck_in_native_code_is_stopped_by_replacing_the_job_process(se
     final, latency = cancel(api, job["job_id"])
     print(f"\nstuck in native code: cancelled {latency:.2f}s after DELETE (grace {GRACE_S}s)")  # noqa: T201
     assert final["status"] == "cancelled", final
-    assert GRACE_S <= latency < GRACE_S + 3.0
+    assert GRACE_S <= latency < GRACE_S + 10.0  # killed at the grace, replaced in seconds
     replacement = job_process(server)
     assert replacement != pid
     post(api, "after-the-stall", [{"text": "the new job process takes the next collection"}])

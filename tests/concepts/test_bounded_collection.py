@@ -120,7 +120,7 @@ def test_a_looping_template_is_cancelled_within_a_second_and_the_next_collection
     latency = time.monotonic() - asked
     print(f"\nlooping template: cancelled {latency:.2f}s after DELETE")  # noqa: T201
     assert final["status"] == "cancelled", final
-    assert latency < 3.0
+    assert latency < 8.0  # typically 0.25-0.35 s; the margin is for a loaded machine
     assert job_process(server) == pid  # stopped by its own check, not by killing the job process
     assert template_children(pid) == []  # the render process went with the job
     post(api, "after-the-loop", "plain", [{"text": "the collect lane is free again"}])
