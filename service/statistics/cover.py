@@ -1,13 +1,9 @@
 """What published statistics cover: the layers each holds, those no forward pass reached, and the
-check that refuses an edit needing a layer some member's statistics lack.
-
-Statistics never change once published, so what their headers say is read once per process and kept
-by :data:`HEADERS`, keyed by store and prefix (one process may hold several stores: tests do).
-"""
+check that refuses an edit needing a layer some member's statistics lack (their headers:
+:data:`service.statistics.manifest.HEADERS`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,7 +11,7 @@ from service.context import Context
 from service.engine.layers import select_layers, summarize_names
 from service.engine.layout import ModelLayout
 from service.errors import Conflict
-from service.statistics.manifest import header_metadata, stats_manifest
+from service.statistics.manifest import HEADERS, stats_manifest
 
 
 def check_statistics_cover(
@@ -62,35 +58,6 @@ def check_statistics_cover(
         )
 
 
-class PublishedHeaders:
-    """What published statistics' headers say (their layers, their unreached layers), read once per
-    process and store: statistics never change, so nothing here goes stale."""
-
-    def __init__(self) -> None:
-        self._layers: dict[tuple[str, str], frozenset[str]] = {}
-        self._unreached: dict[tuple[str, str], frozenset[str]] = {}
-
-    def layers(self, ctx: Context, prefix: str) -> frozenset[str]:
-        """The layers the statistics file at ``prefix`` holds, from its header."""
-        key = (ctx.storage.location, prefix)
-        if key not in self._layers:
-            self._layers[key] = frozenset(header_metadata(ctx.storage, prefix)["layer_group"])
-        return self._layers[key]
-
-    def unreached(self, ctx: Context, prefix: str) -> frozenset[str] | None:
-        """The layers no forward pass of the statistics at ``prefix`` ran, from its header; ``None``
-        while they are not published."""
-        key = (ctx.storage.location, prefix)
-        if key not in self._unreached:
-            if stats_manifest(ctx, prefix) is None:
-                return None
-            self._unreached[key] = frozenset(json.loads(header_metadata(ctx.storage, prefix).get("unreached", "[]")))
-        return self._unreached[key]
-
-
-HEADERS = PublishedHeaders()
-
-
 def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layout: ModelLayout) -> frozenset[str]:
     """The layers a published statistics file holds: those its ``modules`` selected minus the ones
     collection could not read (``lacking``), when the manifest's count says exactly that. Otherwise
@@ -100,7 +67,7 @@ def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layou
     lacking = set(manifest.get("lacking", ()))
     if "lacking" in manifest and int(manifest.get("layers", -1)) + len(lacking) == len(chosen):
         return frozenset(spec.name for spec in chosen) - lacking
-    return HEADERS.layers(ctx, prefix)
+    return frozenset(HEADERS.of(ctx.storage, prefix).layer_group)
 
 
 def unreached_by_every(ctx: Context, prefixes: Iterable[str]) -> frozenset[str]:
@@ -112,8 +79,8 @@ def unreached_by_every(ctx: Context, prefixes: Iterable[str]) -> frozenset[str]:
     """
     common: frozenset[str] | None = None
     for prefix in dict.fromkeys(prefixes):
-        unreached = HEADERS.unreached(ctx, prefix)
-        if unreached is None:
+        if (ctx.storage, prefix) not in HEADERS and stats_manifest(ctx, prefix) is None:
             return frozenset()
+        unreached = HEADERS.of(ctx.storage, prefix).unreached
         common = unreached if common is None else common & unreached
     return common or frozenset()

@@ -2,13 +2,15 @@
 
 The collection job writes the statistics file, then the manifest (:func:`publish_statistics`): the
 statistics exist exactly when the manifest does, and never change after (content-addressed), so
-readers cache both for the life of the process.
+readers cache both for the life of the process: the manifest through ``ctx.reads``, the header in
+:data:`HEADERS`, keyed by store and prefix (one process may hold several stores: tests do).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +31,46 @@ def publish_statistics(ctx: Context, prefix: str, file: Path, manifest: Callable
     ctx.storage.put_json(manifest_key(prefix), manifest())
 
 
-def header_metadata(storage: Storage, prefix: str) -> dict[str, Any]:
-    """The metadata of the statistics file at ``prefix`` (``layer_group`` decoded), read by range:
-    its header only, a few kilobytes of a file of gigabytes."""
-    key = statistics_key(prefix)
-    length = int.from_bytes(b"".join(storage.iter_range(key, 0, 7)), "little")
-    header = json.loads(b"".join(storage.iter_range(key, 8, 8 + length - 1)))
-    return {k: json.loads(v) if k == "layer_group" else v for k, v in (header.get("__metadata__") or {}).items()}
+@dataclass(frozen=True)
+class StatsHeader:
+    """What a statistics file's header says (:mod:`service.engine.stats_io` writes it)."""
+
+    layer_group: dict[str, str]  # layer -> its input group
+    dims: dict[str, int]  # input group -> its width
+    counts: dict[str, int]  # input group -> the tokens counted
+    unreached: frozenset[str]  # layers no forward pass ran
+
+    @classmethod
+    def read(cls, storage: Storage, prefix: str) -> StatsHeader:
+        """The header of the statistics file at ``prefix``, read by range: a few kilobytes of a file
+        of gigabytes."""
+        key = statistics_key(prefix)
+        length = int.from_bytes(b"".join(storage.iter_range(key, 0, 7)), "little")
+        meta = json.loads(b"".join(storage.iter_range(key, 8, 8 + length - 1))).get("__metadata__") or {}
+        return cls(
+            json.loads(meta.get("layer_group", "{}")),
+            json.loads(meta.get("dims", "{}")),
+            json.loads(meta.get("counts", "{}")),
+            frozenset(json.loads(meta.get("unreached", "[]"))),
+        )
+
+
+class PublishedHeaders:
+    """The headers of published statistics, each read once per process and store: statistics never
+    change, so nothing here goes stale."""
+
+    def __init__(self) -> None:
+        self._headers: dict[tuple[str, str], StatsHeader] = {}
+
+    def __contains__(self, where: tuple[Storage, str]) -> bool:
+        storage, prefix = where
+        return (storage.location, prefix) in self._headers
+
+    def of(self, storage: Storage, prefix: str) -> StatsHeader:
+        key = (storage.location, prefix)
+        if key not in self._headers:
+            self._headers[key] = StatsHeader.read(storage, prefix)
+        return self._headers[key]
+
+
+HEADERS = PublishedHeaders()

@@ -23,7 +23,7 @@ from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.engrams.format import ENGRAMS_FORMAT, engram_dtype
 from service.models.registry import find_model
-from service.statistics.key import statistics_key
+from service.statistics.manifest import HEADERS, StatsHeader
 from service.universes.spec import FACTORS_FORMAT, UniverseSpec
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2}
@@ -55,16 +55,6 @@ class Projection:
         return {"groups": self.groups, "engrams": self.engrams, "total": self.total}
 
 
-@dataclass(frozen=True)
-class _StatsHeader:
-    layer_group: dict[str, str]
-    dims: dict[str, int]
-    counts: dict[str, int]
-
-
-_STATS_HEADERS: dict[str, _StatsHeader] = {}  # statistics prefix -> its header (statistics never change)
-
-
 def project_universe(ctx: Context, spec: UniverseSpec) -> Projection:
     """The bytes a build of ``spec`` will store, from the model layout and the headers of its
     members' statistics and of the checkpoint (no tensor is read).
@@ -76,7 +66,7 @@ def project_universe(ctx: Context, spec: UniverseSpec) -> Projection:
     if model is None:
         return Projection(0, 0)
     layout = ModelLayout.from_json(model["layout"])
-    headers = {prefix: _stats_header(ctx, prefix) for prefix in spec.prefixes}
+    headers = {prefix: HEADERS.of(ctx.storage, prefix) for prefix in spec.prefixes}
     layers = [s for s in layout.layers if all(s.name in h.layer_group for h in headers.values())]
     if not layers:
         return Projection(0, 0)  # the build refuses it by name
@@ -88,7 +78,7 @@ def project_universe(ctx: Context, spec: UniverseSpec) -> Projection:
     return Projection(groups, per_member * len(spec.prefixes), assumed)
 
 
-def _group_bytes(layers: Sequence[LayerSpec], headers: Mapping[str, _StatsHeader], rcond: float | None) -> int:
+def _group_bytes(layers: Sequence[LayerSpec], headers: Mapping[str, StatsHeader], rcond: float | None) -> int:
     """Upper bound of every input group's factors file (see the module docstring)."""
     prefixes = sorted(headers)
     first = headers[prefixes[0]]
@@ -157,17 +147,3 @@ def _safetensors_size(tensors: Sequence[tuple[str, str, list[int]]], metadata: M
     raw = len(json.dumps(header, separators=(",", ":")).encode())
     raw += -(8 + raw) % 8
     return 8 + raw + offset
-
-
-def _stats_header(ctx: Context, prefix: str) -> _StatsHeader:
-    """A published statistics file's layer groups, widths and token counts, read by range."""
-    if prefix not in _STATS_HEADERS:
-        key = statistics_key(prefix)
-        length = int.from_bytes(b"".join(ctx.storage.iter_range(key, 0, 7)), "little")
-        meta = json.loads(b"".join(ctx.storage.iter_range(key, 8, 8 + length - 1))).get("__metadata__") or {}
-        _STATS_HEADERS[prefix] = _StatsHeader(
-            json.loads(meta.get("layer_group", "{}")),
-            json.loads(meta.get("dims", "{}")),
-            json.loads(meta.get("counts", "{}")),
-        )
-    return _STATS_HEADERS[prefix]

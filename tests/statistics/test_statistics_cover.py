@@ -59,3 +59,17 @@ def test_statistics_of_a_layout_with_fewer_layers_are_read_from_their_header(tmp
     held = statistics_layers(ctx, prefix, older_layout, layout)  # type: ignore[arg-type]
     assert held == frozenset(names)
     assert "pooler.dense" not in held
+
+
+def test_two_stores_in_one_process_read_their_own_headers(tmp_path: Path) -> None:
+    """The header cache keys by store as well as prefix: the same prefix in two stores (two test
+    worlds, or two contexts) may hold other layers, and each context reads its own (a cache keyed by
+    the prefix alone answered the second store with the first store's layers)."""
+    layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
+    every = [spec.name for spec in layout.layers]
+    legacy = {"layers": 1, "settings": {"max_length": 512}}  # no "lacking": the header decides
+    one, prefix = _stored_without_the_pooler(tmp_path / "one", every[:2])
+    two, same = _stored_without_the_pooler(tmp_path / "two", every[2:5])
+    assert prefix == same
+    assert statistics_layers(one, prefix, legacy, layout) == frozenset(every[:2])  # type: ignore[arg-type]
+    assert statistics_layers(two, prefix, legacy, layout) == frozenset(every[2:5])  # type: ignore[arg-type]
