@@ -91,7 +91,7 @@ def service_context(root: Path) -> Any:
 
 def run_pending(ctx: Any) -> list[dict[str, Any]]:
     """Run every job the service dispatched, with the workers' own ``run_job``."""
-    from service.jobs.runner import run_job
+    from service.execution.runner import run_job
 
     finished = []
     while ctx.pending:

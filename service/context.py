@@ -1,4 +1,4 @@
-"""The Context: what request handlers and job bodies share, built once per process by :mod:`service.runtime`."""
+"""The Context: what request handlers and job bodies share, built once per process by :mod:`service.execution.runtime`."""
 
 from __future__ import annotations
 

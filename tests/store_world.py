@@ -24,7 +24,7 @@ from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layout import ModelLayout
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
-from service.jobs.runner import run_job
+from service.execution.runner import run_job
 from service.jobs.store import JobStore, utc_now
 from service.models.inspection import register_model
 from service.statistics.manifest import publish_statistics

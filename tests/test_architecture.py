@@ -16,7 +16,7 @@ functions count too) and checked against:
 - the client (``service.client`` today, ``engram_client`` once it is its own distribution)
   imports only ``api_schemas``, itself and its own libraries;
 - dependencies point down the layers of :data:`LAYERS` (``api_schemas`` ← ``engine`` ← ``storage``
-  ← the jobs' records ← the domains ← ``jobs.runner`` ← the queues and the process wiring ← ``api`` /
+  ← the jobs' records ← the domains ← ``execution`` (kinds, runner, executors, runtime) ← ``api`` /
   ``workers``): no module imports one of a higher layer, and every module has a layer;
 - no import cycle between the service's modules;
 - no module outside ``service.statistics`` spells a statistics file name or builds a statistics
@@ -75,8 +75,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "service.calibration",
         ),
     ),
-    ("the runner", ("service.jobs.runner",)),  # the kind -> body table and the state machine: above every body
-    ("who runs the runner", ("service.jobs.queue", "service.jobs.embedded", "service.runtime")),
+    # The kind -> body table, the state machine, the executors (embedded, Celery) and a process's
+    # wiring: they run any job, so they sit above every body.
+    ("execution", ("service.execution",)),
     ("the API and the workers", ("service.api", "workers")),
     ("the entry point", ("service.cli",)),
     ("the fixtures of tests, bench and scripts", (FIXTURES,)),
@@ -360,10 +361,10 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service/storage/base.py": "from ..jobs.store import y\n",
         "service/jobs/__init__.py": "",
         "service/jobs/store.py": "def g():\n    from service.storage.base import x\n",
-        "service/jobs/runner.py": "from service.concepts.collection import run_collection\n",
+        "service/execution/runner.py": "from service.concepts.collection import run_collection\n",
         "service/concepts/__init__.py": "",
         "service/concepts/collection.py": "from service.storage.base import x\n",
-        "service/concepts/service.py": "def submit():\n    from service.jobs.runner import run_job\n",
+        "service/concepts/service.py": "def submit():\n    from service.execution.runner import run_job\n",
         "service/lonely.py": "",
         "service/api/__init__.py": "",
         "service/api/routes.py": "from service.engine.pure import z\nimport workers.celery_app\n",
@@ -400,14 +401,14 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     upward = "\n".join(upward_imports(found, modules))
     for expected in (
         "service.storage.base:1 imports service.jobs.store (storage -> the jobs' records, a layer above",
-        "service.concepts.service:2 imports service.jobs.runner (the domains -> the runner, a layer above",
+        "service.concepts.service:2 imports service.execution.runner (the domains -> execution, a layer above",
         "service.engine.other:3 imports service.storage (the engine -> storage, a layer above",
         "workers.celery_app:1 imports service.cli (the API and the workers -> the entry point",
         "service.lonely has no layer",
         "service.cli:2 imports engram_fixtures (the entry point -> the fixtures of tests, bench and scripts",
     ):
         assert expected in upward, f"missing: {expected}\n{upward}"
-    downward = ("service.jobs.runner:", "service.concepts.collection:", "engram_fixtures.demo:")
+    downward = ("service.execution.runner:", "service.concepts.collection:", "engram_fixtures.demo:")
     assert not [line for line in upward.splitlines() if line.startswith(downward)], "imports that point down"
     assert "service.client" not in upward, "the client is checked by its own rule"
     # storage -> jobs at the top, jobs -> storage inside a function: a cycle all the same.
@@ -426,7 +427,7 @@ def test_the_api_process_imports_no_job_body_and_no_transformers() -> None:
 
     probe = (
         "import sys, service.cli, service.api.app\n"
-        "bodies = ('service.jobs.runner', 'service.concepts.collection', 'service.variants.build',"
+        "bodies = ('service.execution.runner', 'service.concepts.collection', 'service.variants.build',"
         " 'service.universes.build', 'service.evaluation.run', 'service.calibration.build', 'service.maps.build',"
         " 'service.models.inspection')\n"
         "print(sorted(m for m in sys.modules if m in bodies or m == 'transformers' or m.startswith('transformers.')))\n"

@@ -1,7 +1,7 @@
 """The Celery app of distributed mode: Redis broker and backend, queues ``gpu`` and ``cpu``.
 
-The tasks are thin: each runs :func:`service.jobs.runner.run_job`, as embedded mode's job process
-does, and takes its name and queue from the job table (:data:`service.jobs.kinds.KINDS`).
+The tasks are thin: each runs :func:`service.execution.runner.run_job`, as embedded mode's job process
+does, and takes its name and queue from the job table (:data:`service.execution.kinds.KINDS`).
 Every task sets ``acks_late`` and ``reject_on_worker_lost``, so a worker that dies mid-task leaves
 its message to be redelivered, and the broker's visibility timeout is above the hard time limit,
 so a live task is never handed to a second worker.
@@ -20,11 +20,11 @@ from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from service.config import get_settings
 from service.context import Context
+from service.execution.queues import make_celery
+from service.execution.runner import KINDS, TRANSIENT_ERRORS, UNIVERSE_HELPER, retry_after, run_job, run_universe_helper
+from service.execution.runtime import build_runtime
 from service.jobs.presence import worker_presence
-from service.jobs.queue import make_celery
-from service.jobs.runner import KINDS, TRANSIENT_ERRORS, UNIVERSE_HELPER, retry_after, run_job, run_universe_helper
 from service.jobs.store import JobKind
-from service.runtime import build_runtime
 from service.storage.janitor import worker_janitor
 
 log = logging.getLogger("engram.worker")

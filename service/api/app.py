@@ -14,8 +14,8 @@ from service.api.openapi import install_openapi
 from service.api.problems import BodySizeLimit, install_problem_handlers
 from service.api.routes import calibration, concepts, evaluation, jobs, maps, models, ops, universes, variants
 from service.config import Settings, get_settings
+from service.execution.runtime import build_runtime
 from service.observability import RequestContext
-from service.runtime import build_runtime
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

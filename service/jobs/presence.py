@@ -3,7 +3,7 @@
 Each worker's main process keeps its name, for every queue it consumes, in the Redis sorted set
 ``engram:workers:<queue>``, scored with the time its entry expires (Redis' own clock plus
 ``ENGRAM_HEARTBEAT_TTL_S``, so the machines' clocks never matter). A thread renews it every quarter
-of the TTL, as job heartbeats are renewed (:func:`service.jobs.runner._heartbeat`). A worker killed
+of the TTL, as job heartbeats are renewed (:func:`service.execution.runner._heartbeat`). A worker killed
 outright stops renewing and counts as gone once its entry expires; one that stops cleanly removes
 itself at once. A queue with no live entry has no consumer: its jobs would wait forever, so the API
 is not ready.

@@ -3,7 +3,7 @@
 Inspecting builds the model on the ``meta`` device (torch and transformers) and hashes every file the
 service uses, so it lives apart from the request side (:mod:`service.models.registration`) and the
 registration reads (:mod:`service.models.registry`), which the API imports: only a process that runs
-the job imports this module (``service.jobs.kinds`` names its body by import path).
+the job imports this module (``service.execution.kinds`` names its body by import path).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Embedded mode's live records (``service.jobs.embedded.SqliteJobStore``): a SQLite file the API
+"""Embedded mode's live records (``service.execution.embedded.SqliteJobStore``): a SQLite file the API
 process and its job process share. Two store objects on one file stand for the two processes (each
 has its own connections, as each process would); storage is LocalStorage in a temporary folder."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from service.execution.embedded import SqliteJobStore
 from service.jobs.admission import job_owner
-from service.jobs.embedded import SqliteJobStore
 from service.jobs.store import new_job
 from service.storage.local import LocalStorage
 

@@ -1,5 +1,5 @@
-"""Which job kinds exist, where each runs and which function does its work (``service.jobs.kinds``),
-and the sender that puts a job on its kind's queue (``service.jobs.queue``): the one table, and the
+"""Which job kinds exist, where each runs and which function does its work (``service.execution.kinds``),
+and the sender that puts a job on its kind's queue (``service.execution.queues``): the one table, and the
 Celery worker registered from it. The sender is tested against a private ``redis-server`` as
 Celery's broker: the messages are read back from Redis' lists as a worker would take them.
 """
@@ -17,8 +17,8 @@ import redis
 
 from engram_fixtures.live import RedisServer
 from service.config import Settings
-from service.jobs.kinds import KINDS, UNIVERSE_HELPER
-from service.jobs.queue import QUEUES, CelerySender, make_celery
+from service.execution.kinds import KINDS, UNIVERSE_HELPER
+from service.execution.queues import QUEUES, CelerySender, make_celery
 from service.jobs.store import JobKind, RedisJobStore, new_job
 from service.storage.local import LocalStorage
 

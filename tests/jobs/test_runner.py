@@ -1,4 +1,4 @@
-"""The state machine every job goes through (``service.jobs.runner``), in this process.
+"""The state machine every job goes through (``service.execution.runner``), in this process.
 
 ``queued`` → ``running`` → ``succeeded`` | ``failed`` | ``cancelled``; a transient error puts the
 job back to ``queued`` for a retry until :func:`retry_after` says it had its tries. What a cancel
@@ -25,10 +25,10 @@ import redis
 from service.api.routes.jobs import cancel_job
 from service.context import Context
 from service.errors import InvalidInput
-from service.jobs import kinds
+from service.execution import kinds
+from service.execution.runner import TRANSIENT_ERRORS, retry_after, run_job
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobProgress
-from service.jobs.runner import TRANSIENT_ERRORS, retry_after, run_job
 from service.jobs.store import RedisJobStore, new_job
 from service.storage.base import StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
@@ -38,7 +38,7 @@ Body = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
 @dataclass(frozen=True)
 class StubKind:
-    """What the runner reads of a :class:`service.jobs.kinds.Kind`: its body."""
+    """What the runner reads of a :class:`service.execution.kinds.Kind`: its body."""
 
     body: Body
 

@@ -15,7 +15,7 @@ import redis
 from engram_fixtures.live import RedisServer, start_redis, stop_redis
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.config import Settings
-from service.runtime import build_runtime
+from service.execution.runtime import build_runtime
 from service.variants.service import submit_variant
 from tests.store_world import StoreWorld, text_records
 

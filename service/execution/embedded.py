@@ -36,7 +36,7 @@ from typing import Any
 
 from service.config import Settings
 from service.context import Context
-from service.jobs.kinds import KINDS
+from service.execution.kinds import KINDS
 from service.jobs.store import JobStore, utc_now, valid_job_id
 from service.observability import configure_logging
 from service.storage.base import Storage
@@ -336,7 +336,7 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     jobs = SqliteJobStore(storage, live_store_path(settings))
     jobs.on_finished = lambda: events.put("finished")  # the API's callback dispatcher delivers
     ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=_no_dispatch, lock=threading.RLock())
-    from service.jobs.runner import run_job  # the job process imports the bodies, the API never does
+    from service.execution.runner import run_job  # the job process imports the bodies, the API never does
 
     executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
     for message in _messages(inbox):
@@ -346,7 +346,7 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
 
 class EmbeddedExecutor:
     """Runs the job process's jobs in threads: one single-thread lane per :attr:`Kind.lane`
-    (:data:`service.jobs.kinds.KINDS`), so a compose does not wait behind a long collection, a
+    (:data:`service.execution.kinds.KINDS`), so a compose does not wait behind a long collection, a
     quick evaluation neither, and two collections never fight over the same cores."""
 
     def __init__(self, run: Callable[[str], None]) -> None:

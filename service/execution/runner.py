@@ -1,9 +1,9 @@
-"""The job runner: the state machine every job goes through, running the body :mod:`service.jobs.kinds` names.
+"""The job runner: the state machine every job goes through, running the body :mod:`service.execution.kinds` names.
 
 A body is a function ``(ctx, job) -> result`` in its domain (``service.concepts.collection``,
 ``service.universes.build``, ``service.variants.build``, ``service.evaluation.run``,
 ``service.calibration.build``, ``service.maps.build``, ``service.models.inspection``). The
-runner is the same in both modes: embedded mode's job process (:mod:`service.jobs.embedded`) and
+runner is the same in both modes: embedded mode's job process (:mod:`service.execution.embedded`) and
 distributed mode's Celery tasks (:mod:`workers.celery_app`) call :func:`run_job`. A body re-reads
 its inputs from storage, checks whether its output already exists (a redelivered job then finishes
 at once), works in a private scratch directory, and publishes content-addressed outputs with the
@@ -30,7 +30,7 @@ import redis.exceptions
 from service.context import Context
 from service.engine.errors import CollectionCancelled
 from service.errors import JobFailed, ProblemError
-from service.jobs.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
+from service.execution.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
 from service.jobs.store import FINISHED, utc_now

@@ -1,6 +1,6 @@
 """Distributed mode's queues: the Celery app, and the sender that puts a job on its kind's queue.
 
-Which Celery task and queue run each job kind is :data:`service.jobs.kinds.KINDS`; the worker's
+Which Celery task and queue run each job kind is :data:`service.execution.kinds.KINDS`; the worker's
 tasks (:mod:`workers.celery_app`) are registered from the same table, so a sender and a worker
 cannot disagree. Queue ``gpu``: the model runs and whatever costs far more than a copy; ``cpu``:
 arithmetic builds.
@@ -14,7 +14,7 @@ from celery import Celery
 from kombu import Queue
 
 from service.config import Settings
-from service.jobs.kinds import KINDS, UNIVERSE_HELPER
+from service.execution.kinds import KINDS, UNIVERSE_HELPER
 from service.jobs.store import RedisJobStore
 
 QUEUES = sorted({kind.queue for kind in KINDS.values()})

@@ -2,7 +2,7 @@
 
 The table names each body by its import path instead of importing it, so the processes that only
 route jobs (the API, which queues them or hands them to its job process) never import a body, nor
-torch and transformers behind it: :func:`service.jobs.runner.run_job` imports a body where it runs.
+torch and transformers behind it: :func:`service.execution.runner.run_job` imports a body where it runs.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ KINDS: dict[JobKind, Kind] = {
     "evaluate": Kind("service.evaluation.run:run_evaluation", "gpu", "engram.evaluate", "inference"),
     "generate": Kind("service.evaluation.run:run_generation", "gpu", "engram.generate", "inference"),
     # It runs the model over probes, candidate after candidate (and its variant's job inline).
-    "calibrate": Kind("service.jobs.runner:run_calibration_job", "gpu", "engram.calibrate", "inference"),
+    "calibrate": Kind("service.execution.runner:run_calibration_job", "gpu", "engram.calibrate", "inference"),
     # A map loads weights and decomposes Σ_U, as a universe build does; its own lane in embedded
     # mode, so a map waits neither for a collection nor for a variant.
     "map": Kind("service.maps.build:run_map", "gpu", "engram.build_map", "map"),

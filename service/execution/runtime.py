@@ -1,6 +1,6 @@
 """Wiring of one process: storage, job store, dispatcher and background duties, per mode.
 
-Embedded (no broker): jobs run in one child process (``service.jobs.embedded``), their live records in a
+Embedded (no broker): jobs run in one child process (``service.execution.embedded``), their live records in a
 SQLite file both processes share; at start-up, jobs interrupted by a restart run again.
 Distributed (``ENGRAM_BROKER_URL=redis://…``): jobs live in Redis, run in Celery workers, and a
 reconciler re-dispatches anything Redis or a worker lost.
@@ -16,8 +16,8 @@ from typing import Any
 
 from service.config import Settings
 from service.context import Context
+from service.execution.embedded import ProcessExecutor, SqliteJobStore, live_store_path
 from service.jobs.callbacks import CallbackDispatcher
-from service.jobs.embedded import ProcessExecutor, SqliteJobStore, live_store_path
 from service.jobs.store import RedisJobStore, public_view
 from service.storage.factory import open_storage
 from service.storage.janitor import start_janitor
@@ -81,8 +81,8 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
     # Imported here: embedded mode, the default, runs without Redis and Celery.
     import redis
 
+    from service.execution.queues import QUEUES, CelerySender, make_celery
     from service.jobs.presence import live_workers
-    from service.jobs.queue import QUEUES, CelerySender, make_celery
     from service.jobs.reconcile import reconcile_once, reconciler
 
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
