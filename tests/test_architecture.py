@@ -18,7 +18,8 @@ functions count too) and checked against:
 - dependencies point down the layers of :data:`LAYERS` (``api_schemas`` ← ``engine`` ← ``storage``
   ← the jobs' records ← the domains, one floor each (statistics ← models ← datasets ←
   concepts ← engrams ← universes ← variants ← evaluation ← maps ← calibration) ← ``execution``
-  (kinds, runner, executors, runtime) ← ``api`` / ``workers``): no module imports one of a higher layer, and every module has a layer;
+  (kinds, runner, executors, runtime) ← ``api`` / ``workers``): no module imports one of a higher
+  layer, and every module has a layer;
 - no import cycle between the service's modules;
 - no module outside ``service.statistics`` spells a statistics file name or builds a statistics
   prefix by hand (``StatsKey`` spells them once and parses them back);
