@@ -43,6 +43,7 @@ from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
 from service.jobs.store import FINISHED
+from service.jobs.templates import template_process
 from service.models.loaded import check_model_unchanged, checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
@@ -76,16 +77,19 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()
-    candidates = InMemoryCandidates(
-        ctx,
-        checked_model_files(ctx, model),
-        layout,
-        universe,
-        term_prefixes,
-        _probes(ctx, request.probes_digest),
-        ctx.settings.torch_device,
-        _union(layout, request.search.arms),
-    )
+    # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
+    with template_process(ctx, job["job_id"]) as renderer:
+        candidates = InMemoryCandidates(
+            ctx,
+            checked_model_files(ctx, model),
+            layout,
+            universe,
+            term_prefixes,
+            _probes(ctx, request.probes_digest),
+            ctx.settings.torch_device,
+            _union(layout, request.search.arms),
+            renderer,
+        )
     load_s = time.monotonic() - loaded
     # the data_weighted arms' strengths: from the universe's engrams and statistics, no forward pass
     arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, request.search.arms)

@@ -25,9 +25,10 @@ from torch import nn
 
 from service.calibration.search import Arm, Outcome
 from service.calibration.space import arm_layers
+from service.engine.chat import Renderer
 from service.engine.checkpoint import CheckpointReader, load_model, load_tokenizer
 from service.engine.errors import EditError
-from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout, is_causal_lm
 from service.engrams.store import stored_editor, stored_engrams
@@ -55,14 +56,21 @@ def score(model: nn.Module, tokenizer: Any, probes: Mapping[str, Sequence[Probe]
     return summary
 
 
-def check_probes(tokenizer: Any, probes: Mapping[str, Sequence[Probe]]) -> None:
-    """Refuse, by split and index, a probe whose prompt or completion tokenizes to nothing."""
+def check_probes(
+    tokenizer: Any, probes: Mapping[str, Sequence[Probe]], renderer: Renderer | None = None
+) -> dict[str, list[Probe]]:
+    """Each probe with its token IDs, a chat probe rendered once (by ``renderer``: the job's bounded
+    template process), so that no candidate's scoring runs a template. A probe whose prompt or
+    completion tokenizes to nothing, or a template past a bound, is refused by split and index."""
+    checked: dict[str, list[Probe]] = {}
     for split, items in probes.items():
+        checked[split] = []
         for i, probe in enumerate(items):
             try:
-                encode_probe(tokenizer, probe)
+                checked[split].append(encoded(tokenizer, probe, renderer))
             except ValueError as exc:
                 raise JobFailed(f"{split}[{i}]: {exc}") from None
+    return checked
 
 
 def ratio(edited: float, base: float) -> float:
@@ -91,6 +99,7 @@ class InMemoryCandidates:
         probes: forget and retain probes.
         device: where the model runs.
         union: every layer some arm edits (only these are ever written).
+        renderer: what renders chat probes' template, once each (the job's bounded template process).
     """
 
     def __init__(
@@ -103,8 +112,9 @@ class InMemoryCandidates:
         probes: Mapping[str, Sequence[Probe]],
         device: str,
         union: Sequence[LayerSpec],
+        renderer: Renderer | None = None,
     ) -> None:
-        self.ctx, self.layout, self.universe, self.probes = ctx, layout, universe, probes
+        self.ctx, self.layout, self.universe = ctx, layout, universe
         self.prefixes = list(term_prefixes)  # one per concept: two names of one dataset count twice, as in a variant
         self.reader = CheckpointReader(model_dir, layout)
         untie = any(spec.name in layout.tied_partners for spec in union)
@@ -112,7 +122,7 @@ class InMemoryCandidates:
         if not is_causal_lm(self.model):
             raise JobFailed(f"calibration needs a causal language model; this one is a {type(self.model).__name__}")
         self.tokenizer = load_tokenizer(model_dir)
-        check_probes(self.tokenizer, probes)
+        self.probes = probes = check_probes(self.tokenizer, probes, renderer)
         self.modules = {spec.name: self._module(spec) for spec in union}
         self._scales: dict[tuple[Arm, float], dict[str, float]] = {}
         self._edited: set[str] = set(self.modules)  # untied or not, every layer is set from the checkpoint first

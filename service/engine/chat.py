@@ -74,16 +74,25 @@ def _as_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
 
 
 def render_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = False,
+    renderer: Renderer | None = None,
 ) -> list[int]:
-    """The token IDs of ``messages`` rendered by the model's chat template.
+    """The token IDs of ``messages`` rendered by the model's chat template: by ``renderer`` (a job's
+    bounded :class:`~service.engine.template_render.TemplateProcess`) or, without one,
+    ``apply_chat_template`` in this process.
 
     Raises:
         NoChatTemplate: the tokenizer has none.
-        RecordError: the template fails on these messages (its message says why).
+        RecordError: the template fails on these messages (its message says why), or passes a
+            renderer's bound (:class:`~service.engine.template_render.TemplateOverBudget`).
     """
     if not has_chat_template(tokenizer):
         raise NoChatTemplate("the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+    if renderer is not None:
+        (text,) = renderer.render(tokenizer, messages, [(len(messages), add_generation_prompt)])
+        return _text_ids(tokenizer, text)
     try:
         ids = tokenizer.apply_chat_template(
             _as_dicts(messages), tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
@@ -91,6 +100,25 @@ def render_ids(
     except Exception as exc:  # jinja's TemplateError, raise_exception() inside the template, ...
         raise RecordError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
     return _token_ids(ids)
+
+
+def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A render's token IDs as ``apply_chat_template(tokenize=True)`` gives them: the text tokenized
+    with no special tokens added (the template wrote its own)."""
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _prefix_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    prefixes: Sequence[tuple[int, bool]],
+    renderer: Renderer | None,
+) -> list[list[int]]:
+    """``render_ids(messages[:n], add_generation_prompt)`` for each prefix; a renderer renders them
+    all in one request (one round trip to its process)."""
+    if renderer is None or not has_chat_template(tokenizer):
+        return [render_ids(tokenizer, messages[:n], add) for n, add in prefixes]
+    return [_text_ids(tokenizer, text) for text in renderer.render(tokenizer, messages, prefixes)]
 
 
 def _token_ids(rendered: object) -> list[int]:
@@ -235,7 +263,11 @@ def _span(prompt: list[int], through: list[int], whole: list[int], i: int) -> tu
 
 
 def turn_span(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], i: int, whole: list[int] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    i: int,
+    whole: list[int] | None = None,
+    renderer: Renderer | None = None,
 ) -> tuple[int, int]:
     """Where assistant message ``i``'s counted tokens lie in the render of ``messages`` (or of
     ``messages[:i+1]`` when ``whole`` is not given): ``[start, stop)``.
@@ -246,8 +278,7 @@ def turn_span(
     """
     if i == 0:
         raise RecordError("message 0 is an assistant message; a conversation opens with another role")
-    prompt = render_ids(tokenizer, messages[:i], add_generation_prompt=True)
-    through = render_ids(tokenizer, messages[: i + 1])
+    prompt, through = _prefix_ids(tokenizer, messages, [(i, True), (i + 1, False)], renderer)
     _check_prefix(prompt, through, f"messages[:{i}] with the generation prompt is not a token prefix of messages[:{i + 1}]")
     if whole is not None:
         _check_prefix(through, whole, f"messages[:{i + 1}] is not a token prefix of the whole conversation")
@@ -256,9 +287,14 @@ def turn_span(
     return len(prompt), len(through)
 
 
-def last_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+def last_turn(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], renderer: Renderer | None = None
+) -> tuple[list[int], list[int]]:
     """A probe's ``(prompt_ids, answer_ids)``: the conversation before its last assistant message,
     with the generation prompt, and that turn's counted tokens (messages after it are not read).
+
+    The whole conversation read is ``messages[:i+1]``, the turn's own "through" render, so two
+    renders give both (a ``renderer``: in one request).
 
     Raises:
         RecordError: no assistant message, or as :func:`turn_span`.
@@ -267,12 +303,15 @@ def last_turn(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -
     if not turns:
         raise RecordError("the messages have no assistant message (the turn that is scored)")
     i = turns[-1]
-    messages = messages[: i + 1]
-    through = render_ids(tokenizer, messages)
-    start, stop = turn_span(tokenizer, messages, i, through)
+    if i == 0:
+        raise RecordError("message 0 is an assistant message; a conversation opens with another role")
+    prompt, through = _prefix_ids(tokenizer, messages[: i + 1], [(i, True), (i + 1, False)], renderer)
+    start, stop = _span(prompt, through, through, i)
     return through[:start], through[start:stop]
 
 
-def generation_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
+def generation_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], renderer: Renderer | None = None
+) -> list[int]:
     """``messages`` rendered with the generation prompt: what a model continues to answer."""
-    return render_ids(tokenizer, messages, add_generation_prompt=True)
+    return render_ids(tokenizer, messages, add_generation_prompt=True, renderer=renderer)

@@ -11,20 +11,27 @@ Tokenization is fixed so that it matches the statistics collector:
 in one place without the other, or the measured NLL stops describing what was edited.
 A probe of ``messages`` (ending with an assistant message) is rendered with the chat template as
 the collector renders it: the prompt is the conversation before that turn with the generation
-prompt, the completion that turn's counted tokens (:func:`service.engine.chat.last_turn`).
+prompt, the completion that turn's counted tokens (:func:`service.engine.chat.last_turn`). A job
+renders its chat probes once, in its bounded template process (a chat template is a program from the
+model folder: :mod:`service.engine.template_render`), with :func:`encoded`; the scoring functions
+then read the probes' token IDs and never run a template.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["Probe", "answer_nll", "encode_probe", "greedy_exact_match", "greedy_tokens", "summarize"]
+if TYPE_CHECKING:  # annotations only
+    from service.engine.chat import Renderer
+
+__all__ = ["Probe", "answer_nll", "encode_probe", "encoded", "greedy_exact_match", "greedy_tokens", "summarize"]
 
 
 @dataclass
@@ -36,14 +43,29 @@ class Probe:
     prompt: str = ""
     completion: str = ""
     messages: Sequence[dict[str, str]] | None = None
+    # (prompt_ids, completion_ids) already computed by :func:`encoded` (a chat probe rendered once)
+    ids: tuple[list[int], list[int]] | None = None
 
 
-def encode_probe(tokenizer: PreTrainedTokenizerBase, probe: Probe) -> tuple[list[int], list[int]]:
+def encoded(tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None) -> Probe:
+    """``probe`` with its token IDs computed (:func:`encode_probe`), so that scoring it again renders
+    nothing: a chat probe's template runs once, by ``renderer`` when given.
+
+    Raises:
+        ValueError: as :func:`encode_probe`.
+    """
+    return dataclasses.replace(probe, ids=encode_probe(tokenizer, probe, renderer))
+
+
+def encode_probe(
+    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None
+) -> tuple[list[int], list[int]]:
     """Tokenize a probe exactly as the collector does.
 
     Args:
         tokenizer: Tokenizer of the model.
-        probe: The prompt/completion pair.
+        probe: The prompt/completion pair (its ``ids`` when :func:`encoded` computed them).
+        renderer: What renders a chat probe's template (default: ``apply_chat_template`` here).
 
     Returns:
         ``(prompt_ids, completion_ids)``; the model input is their concatenation.
@@ -52,11 +74,13 @@ def encode_probe(tokenizer: PreTrainedTokenizerBase, probe: Probe) -> tuple[list
         ValueError: If the prompt or the completion tokenizes to nothing (the first
             completion token must be predicted from at least one prompt token).
     """
+    if probe.ids is not None:
+        return probe.ids
     if probe.messages is not None:
         from service.engine.chat import last_turn
         from service.engine.records import Message
 
-        return last_turn(tokenizer, [Message(m["role"], m["content"]) for m in probe.messages])
+        return last_turn(tokenizer, [Message(m["role"], m["content"]) for m in probe.messages], renderer)
     p_ids = list(tokenizer(probe.prompt, add_special_tokens=True)["input_ids"])
     a_ids = list(tokenizer(probe.completion, add_special_tokens=False)["input_ids"])
     if not p_ids:

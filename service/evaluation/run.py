@@ -4,6 +4,10 @@ A job loads the variant *as it was shipped* (the checkpoint directory, the delta
 PEFT adapter on the base), so the numbers describe the artifact users download, not a recomputation.
 An evaluation's result is stored content-addressed (``evaluations/<evaluation id>.json``), and the
 same probes on the same variant are answered from it.
+
+Chat probes and a generation's ``messages`` are rendered by the job's bounded template process
+(:mod:`service.jobs.templates`: ENGRAM_TEMPLATE_TIMEOUT_S / _MEMORY_BYTES / _MAX_CHARS, killed when
+the job is cancelled), each probe once, before any model runs.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from service.context import Context
+from service.engine.chat import Renderer
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import Probe, answer_nll, encode_probe, greedy_exact_match, summarize
+from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
 from service.engine.model_files import ModelFiles
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
 from service.jobs.progress import JobProgress
+from service.jobs.templates import template_process
 from service.models.loaded import MODELS, check_model_unchanged, checked_model_files
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
@@ -121,7 +127,8 @@ def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     probes = {s: [_probe(p) for p in raw[s]] for s in SPLITS}
     base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
     _causal(base)
-    _check_probes(tokenizer, probes)
+    with template_process(ctx, job["job_id"]) as renderer:  # one render process, ended before scoring
+        probes = _checked_probes(tokenizer, probes, renderer)
     progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()))
     scores = {name: _score(model, tokenizer, probes, progress) for name, model in (("base", base), ("variant", variant))}
     result = {
@@ -156,13 +163,18 @@ def _probe(raw: dict[str, Any]) -> Probe:
     return Probe(raw["prompt"], raw["completion"])
 
 
-def _check_probes(tokenizer: Any, probes: dict[str, list[Probe]]) -> None:
+def _checked_probes(tokenizer: Any, probes: dict[str, list[Probe]], renderer: Renderer) -> dict[str, list[Probe]]:
+    """Each probe with its token IDs (a chat probe rendered once, by ``renderer``); a probe that
+    cannot be scored, or a template past a bound (naming its setting), fails the job naming it."""
+    checked: dict[str, list[Probe]] = {}
     for split, items in probes.items():
+        checked[split] = []
         for i, probe in enumerate(items):
             try:
-                encode_probe(tokenizer, probe)
+                checked[split].append(encoded(tokenizer, probe, renderer))
             except ValueError as exc:
                 raise JobFailed(f"{split}[{i}]: {exc}") from None
+    return checked
 
 
 def _score(
@@ -197,7 +209,8 @@ def run_generation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         from service.engine.records import Message, RecordError
 
         try:
-            prompt = generation_prompt(tokenizer, [Message(m["role"], m["content"]) for m in messages])
+            with template_process(ctx, job["job_id"]) as renderer:
+                prompt = generation_prompt(tokenizer, [Message(m["role"], m["content"]) for m in messages], renderer)
         except RecordError as exc:
             raise JobFailed(f"messages: {exc}") from None
     for name in payload["models"]:
