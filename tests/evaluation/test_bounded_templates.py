@@ -58,6 +58,7 @@ CONVERSATIONS = [
 ]
 PROBES = [{"messages": c} for c in CONVERSATIONS]
 TEXT = [{"text": f"the quiet cat number {i} sat on the warm mat"} for i in range(8)]
+REFERENCE = [{"text": f"a loud dog number {i} ran across the cold field"} for i in range(16)]
 GRACE_S = 30  # the grace kill would replace the job process only after this: a cancel before it is the job's own
 
 
@@ -95,12 +96,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
             response = api.post("/models", json={"model_id": f"t/{name}", "source": f"file://{models / name}"})
             assert response.status_code in (200, 201), response.text
         # text records: collecting them renders no template, so every model gets a variant to evaluate
-        response = api.post(
-            "/concepts",
-            json={"name": "cats", "role": "target", "models": [f"t/{n}" for n in TEMPLATES], "records": TEXT},
-        )
-        assert response.status_code == 202, response.text
-        wait_concepts_ready(api, ["cats"], timeout=180)
+        # (and a universe to calibrate on)
+        for name, role, records in (("cats", "target", TEXT), ("dogs", "reference", REFERENCE)):
+            body = {"name": name, "role": role, "models": [f"t/{n}" for n in TEMPLATES], "records": records}
+            response = api.post("/concepts", json=body)
+            assert response.status_code == 202, response.text
+        wait_concepts_ready(api, ["cats", "dogs"], timeout=180)
         yield live
 
 
@@ -179,6 +180,35 @@ def test_a_huge_repeat_fails_the_generate_job_naming_the_setting(server: LiveSer
     response = api.post(f"/variants/{variants['repeat']}/generate", json=body)
     assert response.status_code in (200, 202), response.text
     final = wait_for_job(api, response.json()["job_id"], timeout=120)
+    assert final["status"] == "failed", final
+    assert final["error"]["status"] == 422, final["error"]
+    assert "ENGRAM_TEMPLATE_MAX_CHARS" in final["error"]["detail"], final["error"]
+
+
+def calibrate(api: httpx.Client, model: str) -> dict[str, Any]:
+    body = {"concepts": ["cats"], "forget": PROBES, "retain": PROBES, "budget": 2}
+    response = api.post(f"/models/t/{model}/calibrate", json=body)
+    assert response.status_code in (200, 202), response.text
+    return dict(response.json()["job"])
+
+
+def test_a_looping_template_in_a_calibrate_job_is_cancelled_by_the_job_process(server: LiveServer) -> None:
+    api = server.client
+    job = calibrate(api, "looping")
+    pid = wait_rendering(server, job["job_id"])
+    asked = time.monotonic()
+    assert api.delete(f"/jobs/{job['job_id']}").status_code == 200
+    final = wait_for_job(api, job["job_id"], timeout=GRACE_S)
+    latency = time.monotonic() - asked
+    print(f"\nlooping template in a calibrate job: cancelled {latency:.2f}s after DELETE")  # noqa: T201
+    assert final["status"] == "cancelled", final
+    assert latency < 8.0
+    assert job_process(server) == pid
+    assert template_children(pid) == []
+
+
+def test_a_huge_repeat_fails_the_calibrate_job_naming_the_setting(server: LiveServer) -> None:
+    final = wait_for_job(server.client, calibrate(server.client, "repeat")["job_id"], timeout=180)
     assert final["status"] == "failed", final
     assert final["error"]["status"] == 422, final["error"]
     assert "ENGRAM_TEMPLATE_MAX_CHARS" in final["error"]["detail"], final["error"]
