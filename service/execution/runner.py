@@ -143,15 +143,27 @@ def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
 
 
 @contextmanager
+def _in_background(name: str, loop: Callable[[threading.Event], None]) -> Iterator[None]:
+    """Run ``loop(stop)`` in a daemon thread while the body runs; set ``stop`` and join it after."""
+    stop = threading.Event()
+    thread = threading.Thread(target=loop, args=(stop,), name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+@contextmanager
 def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
     """While the body runs, tell the reconciler this job's worker is alive (distributed mode)."""
     beat = getattr(ctx.jobs, "heartbeat", None)
     if beat is None:
         yield
         return
-    stop = threading.Event()
 
-    def loop() -> None:
+    def loop(stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 beat(job_id)
@@ -159,13 +171,8 @@ def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
                 log.warning("heartbeat of job %s failed: %s", job_id, exc)
             stop.wait(max(1.0, ctx.settings.heartbeat_ttl_s / 4))
 
-    thread = threading.Thread(target=loop, name=f"heartbeat-{job_id}", daemon=True)
-    thread.start()
-    try:
+    with _in_background(f"heartbeat-{job_id}", loop):
         yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
 
 
 _WATCH_S = 1.0  # how often the cancel watchdog reads the job
@@ -178,9 +185,8 @@ def _cancel_watchdog(ctx: Context, job_id: str, stuck_cancel: Callable[[], None]
     if stuck_cancel is None:
         yield
         return
-    stop = threading.Event()
 
-    def loop() -> None:
+    def loop(stop: threading.Event) -> None:
         asked: float | None = None
         while not stop.wait(_WATCH_S):
             try:
@@ -195,13 +201,8 @@ def _cancel_watchdog(ctx: Context, job_id: str, stuck_cancel: Callable[[], None]
                 stuck_cancel()
                 return
 
-    thread = threading.Thread(target=loop, name=f"cancel-watchdog-{job_id}", daemon=True)
-    thread.start()
-    try:
+    with _in_background(f"cancel-watchdog-{job_id}", loop):
         yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
 
 
 def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
