@@ -39,10 +39,11 @@ from service.engine.layout import ModelLayout
 from service.engine.record_budget import char_budget
 from service.engine.records import Batch, Example, RecordError, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
-from service.engine.template_render import TemplateLimits, TemplateProcess
+from service.engine.template_render import TemplateProcess
 from service.errors import InvalidInput, JobFailed
 from service.jobs.progress import JobCancelled, JobProgress
 from service.jobs.store import utc_now
+from service.jobs.templates import template_limits
 from service.models.loaded import MODELS, check_model_unchanged
 from service.models.registry import get_model
 from service.observability import record_collection
@@ -90,7 +91,7 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     # Every text is cut to this many characters before it is tokenized: a record of any size costs
     # bounded memory, and one within the budget is tokenized exactly as before (record_budget.py).
     budget = char_budget(tokenizer, max_length)
-    with scratch_dir("collect") as tmp, TemplateProcess(_template_limits(ctx), cancelled) as renderer:
+    with scratch_dir("collect") as tmp, TemplateProcess(template_limits(ctx.settings), cancelled) as renderer:
         # The stored dataset is read from a local file one line at a time, twice: once to count the
         # tokens that enter the statistics, once in chunks to collect them (no whole dataset in memory).
         path = _local_dataset(ctx, payload["dataset_digest"], Path(tmp))
@@ -238,11 +239,6 @@ class CancelCheck:
 
 def cancel_check(ctx: Context, job_id: str) -> CancelCheck:
     return CancelCheck(ctx, job_id)
-
-
-def _template_limits(ctx: Context) -> TemplateLimits:
-    settings = ctx.settings
-    return TemplateLimits(settings.template_max_chars, settings.template_memory_bytes, settings.template_timeout_s)
 
 
 def _local_dataset(ctx: Context, digest: str, directory: Path) -> Path:
