@@ -117,6 +117,11 @@ class Settings(BaseSettings):
     # on what reading one record costs (a JSON line parsed whole, in the API and in the job).
     # 16 MiB: 128× the ~128 KB of text the largest max_length (32768 tokens) reads.
     max_record_bytes: int = Field(default=16 << 20, ge=1024)
+    # One image record's pixels (width × height of its first frame): Pillow refuses past it before
+    # decoding, so a decompression bomb (a small PNG of a huge blank canvas) is a 413 naming the
+    # record, never a worker's memory. 40 megapixels: well past a 4K photo, and a classifier reads
+    # 224² or so. Pillow itself refuses any image over about 179 megapixels whatever this says.
+    max_image_pixels: int = Field(default=40_000_000, ge=1024, le=178_956_970)
     # A dataset by reference: the source object's bytes and its stored records' bytes (each).
     max_dataset_bytes: int = Field(default=4 << 30, ge=1024)
     # hf:// dataset files a worker keeps in ENGRAM_CACHE_DIR/hf-datasets, in bytes: after each fetch

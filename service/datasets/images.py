@@ -1,0 +1,352 @@
+"""Image records: ``{"image": "<base64 of a PNG, JPEG or WebP file>", "label"?: <class id or name>}``.
+
+An image concept's records carry the encoded file, not pixels: what is stored and hashed is the
+record as sent (:meth:`ImageRecord.to_json`), and the collection job decodes it. Every record is
+decoded once when it arrives too (:func:`decode_image`), so that what the job cannot read is a 4xx
+at submission naming the record, never an error inside the job:
+
+- the format is told by the file's first bytes, and only PNG, JPEG and WebP are opened (Pillow has
+  plugins for dozens of formats; a record does not get to choose which parser runs);
+- the pixel count is read from the header and bounded (``ENGRAM_MAX_IMAGE_PIXELS``) before anything
+  is decoded: a decompression bomb (a few kilobytes that inflate to gigabytes) is a 413;
+- a truncated or corrupt file fails its full decode: a 422 with Pillow's reason;
+- an animated file (APNG, animated WebP) is refused: which frame is "the image" is the sender's to say.
+
+Labels are ignored by statistics and read by evaluation. A label is an integer class id or a name
+in the model's ``id2label``; :func:`resolve_label` turns it into the id, and refuses an unknown name
+by listing some known ones.
+
+Besides JSON records, images come from datasets by reference: a Parquet column as the ``datasets``
+library stores an ``Image`` feature (a struct ``{"bytes", "path"}``) or base64 strings
+(:func:`image_column_value`; a ``path``-only value is refused: a dataset's content never makes the
+service read a file it names), and an ImageFolder, one subfolder per class (:func:`image_folder`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import stat
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from service.errors import InvalidInput, PayloadTooLarge
+
+IMAGE_FIELD, LABEL_FIELD = "image", "label"
+# The formats a record may hold, told by their first bytes (WebP: "RIFF", 4 size bytes, "WEBP").
+_READ = (("PNG", b"\x89PNG\r\n\x1a\n", 0), ("JPEG", b"\xff\xd8\xff", 0), ("WEBP", b"WEBP", 8))
+# Formats named when refused, so that a user reads "a GIF", not "cannot identify image file".
+_REFUSED = (
+    (b"GIF8", "a GIF"),
+    (b"BM", "a BMP"),
+    (b"II*\x00", "a TIFF"),
+    (b"MM\x00*", "a TIFF"),
+    (b"\x00\x00\x01\x00", "an ICO"),
+    (b"8BPS", "a PSD"),
+)
+SUPPORTED = "PNG, JPEG or WebP"
+FOLDER_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+_DATA_URI = "data:image/"
+_KNOWN_SHOWN = 8  # labels listed when a name is unknown
+
+
+def record_name(where: int | str) -> str:
+    """How a message names a record: ``"record 3"`` for ``records[3]`` of a body, else as given."""
+    return f"record {where}" if isinstance(where, int) else where
+
+
+def is_image_record(raw: Any) -> bool:
+    """Whether a decoded JSON value is meant as an image record (it has an ``image`` field)."""
+    return isinstance(raw, dict) and IMAGE_FIELD in raw
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image record: the encoded file and its optional label (a class id or a class name)."""
+
+    data: bytes
+    label: int | str | None = None
+
+    kind = "image"
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as stored and hashed: the file in base64 and the label when there is one."""
+        stored: dict[str, Any] = {IMAGE_FIELD: base64.b64encode(self.data).decode("ascii")}
+        if self.label is not None:
+            stored[LABEL_FIELD] = self.label
+        return stored
+
+    @classmethod
+    def from_mapping(cls, raw: Any, where: int | str, max_pixels: int) -> ImageRecord:
+        """Validate one JSON object as an image record, decoding its image once.
+
+        Args:
+            raw: the decoded JSON value.
+            where: the record's index in ``records`` (an int) or where the user finds it (``"dataset line 7"``).
+            max_pixels: the most pixels the image may have (``ENGRAM_MAX_IMAGE_PIXELS``).
+
+        Raises:
+            InvalidInput: not an object, unknown fields, an ``image`` that is no base64 of a PNG,
+                JPEG or WebP file, a corrupt or truncated file, a label that is no id or name.
+            PayloadTooLarge: more pixels than ``max_pixels``.
+        """
+        name = record_name(where)
+        if not isinstance(raw, dict):
+            raise InvalidInput(f"{name} is not a JSON object")
+        unknown = sorted(set(raw) - {IMAGE_FIELD, LABEL_FIELD})
+        if unknown:
+            raise InvalidInput(f"{name}: an image record has only 'image' and 'label', got {', '.join(map(repr, unknown))}")
+        label = check_label(raw.get(LABEL_FIELD), name)  # before the decode: the cheap checks first
+        data = decode_base64(raw[IMAGE_FIELD], name)
+        decode_image(data, name, max_pixels)
+        return cls(data, label)
+
+
+def decode_base64(value: Any, where: str) -> bytes:
+    """The bytes of a record's ``image``: strict base64 (a ``data:image/…;base64,`` prefix allowed).
+
+    Raises:
+        InvalidInput: not a string, empty, or not base64 (naming ``where``).
+    """
+    if not isinstance(value, str) or not value:
+        got = "null" if value is None else "an empty string" if value == "" else type(value).__name__
+        raise InvalidInput(f"{where}: 'image' must be the base64 of a {SUPPORTED} file, got {got}")
+    if value.startswith(_DATA_URI):
+        value = value.partition(",")[2]
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(f"{where}: 'image' is not valid base64 (standard alphabet, padded)") from None
+
+
+def check_label(label: Any, where: str) -> int | str | None:
+    """A label as sent, checked for its type: a non-negative class id, a non-empty name, or none."""
+    if label is None:
+        return None
+    if isinstance(label, bool) or not isinstance(label, int | str):
+        raise InvalidInput(f"{where}: 'label' must be a class id (an integer) or a class name, got {type(label).__name__}")
+    if isinstance(label, int) and label < 0:
+        raise InvalidInput(f"{where}: 'label' {label} is negative (class ids count from 0)")
+    if isinstance(label, str) and not label.strip():
+        raise InvalidInput(f"{where}: 'label' is an empty name")
+    return label
+
+
+def format_of(data: bytes) -> str | None:
+    """``"PNG"``, ``"JPEG"`` or ``"WEBP"`` as the first bytes tell, else ``None``."""
+    for name, magic, offset in _READ:
+        if data[offset : offset + len(magic)] == magic and (name != "WEBP" or data[:4] == b"RIFF"):
+            return name
+    return None
+
+
+def _foreign(data: bytes) -> str:
+    """What a file that is no PNG, JPEG or WebP looks like, for the message."""
+    return next((what for magic, what in _REFUSED if data.startswith(magic)), "not an image file Pillow may open here")
+
+
+def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
+    """Decode one PNG, JPEG or WebP file, its size checked before its pixels are.
+
+    Args:
+        data: the file's bytes.
+        where: the record, for messages (``"record 3"``, ``"dataset row 12"``).
+        max_pixels: the most pixels allowed (``ENGRAM_MAX_IMAGE_PIXELS``).
+
+    Returns:
+        The decoded image (loaded: its pixels are in memory, the bytes no longer needed).
+
+    Raises:
+        InvalidInput: another format, a corrupt or truncated file, an animated one.
+        PayloadTooLarge: more pixels than ``max_pixels`` (a decompression bomb).
+    """
+    kind = format_of(data)
+    if kind is None:
+        raise InvalidInput(f"{where}: the image is {_foreign(data)}; send a {SUPPORTED} file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # refused below, by our bound
+            image = Image.open(io.BytesIO(data), formats=[kind])
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise _too_many_pixels(where, None, max_pixels) from None
+    except UnidentifiedImageError:  # its message names a BytesIO object, nothing the user sent
+        raise InvalidInput(f"{where}: the {kind} image cannot be read: its header is corrupt") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InvalidInput(f"{where}: the {kind} image cannot be read: {exc}") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise _too_many_pixels(where, (width, height), max_pixels)
+    frames = int(getattr(image, "n_frames", 1))
+    if frames > 1:
+        raise InvalidInput(f"{where}: the {kind} image is animated ({frames} frames); send one still image")
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise InvalidInput(f"{where}: the {kind} image is truncated or corrupt: {exc}") from None
+    return image
+
+
+def _too_many_pixels(where: str, size: tuple[int, int] | None, max_pixels: int) -> PayloadTooLarge:
+    shown = f"{size[0]}×{size[1]} = {size[0] * size[1]} pixels" if size else "more pixels than Pillow opens"
+    return PayloadTooLarge(
+        f"{where}: the image is {shown}, more than {max_pixels} (the limit, ENGRAM_MAX_IMAGE_PIXELS); "
+        "a classifier reads a few hundred pixels a side: resize it first"
+    )
+
+
+def resolve_label(label: int | str | None, id2label: Mapping[int, str], where: str) -> int | None:
+    """A record's label as a class id of the model.
+
+    Args:
+        label: as :func:`check_label` left it.
+        id2label: the model's classes (``config.id2label``, keys as ints).
+        where: the record, for messages.
+
+    Raises:
+        InvalidInput: an id the model has no class for, a name that is none of its classes (some
+            known names listed).
+    """
+    if label is None:
+        return None
+    if isinstance(label, int):
+        if label not in id2label:
+            raise InvalidInput(f"{where}: 'label' {label} is no class of the model (ids 0 to {len(id2label) - 1})")
+        return label
+    ids = {name: index for index, name in id2label.items()}
+    if label not in ids:
+        known = [id2label[i] for i in sorted(id2label)[:_KNOWN_SHOWN]]
+        more = f", … ({len(id2label)} in all)" if len(id2label) > _KNOWN_SHOWN else ""
+        raise InvalidInput(
+            f"{where}: 'label' {label!r} is no class name of the model "
+            f"(its id2label has {', '.join(map(repr, known))}{more})"
+        )
+    return ids[label]
+
+
+def image_column_value(value: Any, where: str) -> str:
+    """A Parquet image cell as a record's ``image`` (base64).
+
+    The ``datasets`` library stores an ``Image`` feature as a struct ``{"bytes", "path"}``; a plain
+    binary column or a base64 string column is read too.
+
+    Raises:
+        InvalidInput: a null, a struct with no ``bytes`` (a ``path`` alone names a file elsewhere:
+            what a dataset holds never makes the service open a file), any other type.
+    """
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        if data is None:
+            path = value.get("path")
+            named = f" (its path {path!r} is not read: a dataset's content never opens other files)" if path else ""
+            raise InvalidInput(f"{where}: the image has no bytes{named}; store the images in the dataset itself")
+        value = data
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, str):
+        return value
+    got = "null" if value is None else type(value).__name__
+    raise InvalidInput(f"{where}: the image column holds {got}, not image bytes, a {{bytes, path}} struct or base64")
+
+
+# ---------------------------------------------------------------- ImageFolder: one subfolder per class
+
+
+@dataclass(frozen=True)
+class FolderImage:
+    """One file of an ImageFolder: where it is (relative to the folder), its class and its size."""
+
+    relative: str
+    label: str
+    path: Path
+    size: int
+
+
+def list_image_folder(root: Path, max_files: int, max_bytes: int) -> list[FolderImage]:
+    """The images of an ImageFolder, classes and files in sorted order (by name, bytewise).
+
+    Args:
+        root: the folder (resolved; its subfolders are the classes, their names the labels).
+        max_files: the most images (``ENGRAM_MAX_RECORDS``); the listing stops one past it.
+        max_bytes: the most bytes of all images together (``ENGRAM_MAX_DATASET_BYTES``).
+
+    Raises:
+        InvalidInput: no class subfolders, a file beside them or a folder inside one, a file that
+            is no ``.png``/``.jpg``/``.jpeg``/``.webp``, a link that leads out of ``root``, anything
+            that is no regular file (hidden entries, ``.``-names, are left out: editors' and
+            file browsers' own files).
+        PayloadTooLarge: over ``max_files`` or ``max_bytes``.
+    """
+    root = root.resolve()
+    top = _entries(root, root)
+    classes = [entry for entry in top if entry[1] == "dir"]
+    strays = [name for name, kind, _ in top if kind != "dir"]
+    if strays:
+        raise InvalidInput(f"{root} holds {strays[0]!r} beside its class folders: an ImageFolder holds only class folders")
+    if not classes:
+        raise InvalidInput(f"{root} has no class folders (an ImageFolder holds one folder of images per class)")
+    images: list[FolderImage] = []
+    total = 0
+    for label, _, folder in classes:
+        for name, kind, path in _entries(folder, root):
+            relative = f"{label}/{name}"
+            if kind != "file":
+                raise InvalidInput(f"{root}: {relative} is a folder; class folders hold image files only")
+            if not name.lower().endswith(FOLDER_SUFFIXES):
+                raise InvalidInput(f"{root}: {relative} is not a .png, .jpg, .jpeg or .webp file")
+            size = path.stat().st_size
+            total += size
+            if len(images) >= max_files:
+                raise PayloadTooLarge(f"{root} has more than {max_files} images (the limit, ENGRAM_MAX_RECORDS)")
+            if total > max_bytes:
+                raise PayloadTooLarge(
+                    f"{root} holds more than {max_bytes} bytes of images (the limit, ENGRAM_MAX_DATASET_BYTES)"
+                )
+            images.append(FolderImage(relative, label, path, size))
+    return images
+
+
+def _entries(folder: Path, root: Path) -> list[tuple[str, str, Path]]:
+    """A folder's visible entries as ``(name, "dir" or "file", path)``, sorted; links followed
+    only when they stay inside ``root``."""
+    found = []
+    with os.scandir(folder) as scan:
+        for entry in scan:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            if entry.is_symlink():
+                path = path.resolve()
+                if not path.is_relative_to(root):
+                    raise InvalidInput(f"{root}: {entry.name!r} in {folder.name} is a link that leads out of the folder")
+            mode = os.stat(path).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise InvalidInput(f"{root}: {entry.name!r} in {folder.name} is neither a folder nor a regular file")
+            found.append((entry.name, "dir" if stat.S_ISDIR(mode) else "file", path))
+    return sorted(found, key=lambda item: item[0].encode("utf-8", "surrogateescape"))
+
+
+def folder_fingerprint(images: list[FolderImage]) -> dict[str, Any]:
+    """What identifies an ImageFolder's content without reading it: the digest of every file's
+    relative path, size, mtime and inode (any write, rename or replacement changes it)."""
+    digest = hashlib.sha256()
+    for image in images:
+        info = image.path.stat()
+        digest.update(f"{image.relative}\x00{info.st_size}\x00{info.st_mtime_ns}\x00{info.st_ino}\n".encode())
+    return {"files": len(images), "listing": digest.hexdigest()}
+
+
+def image_folder(root: Path, max_files: int, max_bytes: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """An ImageFolder's records, in the order of :func:`list_image_folder`: ``(where, record)``
+    with ``record = {"image": <base64>, "label": <its folder's name>}``, read one file at a time."""
+    for image in list_image_folder(root, max_files, max_bytes):
+        data = image.path.read_bytes()
+        record = {IMAGE_FIELD: base64.b64encode(data).decode("ascii"), LABEL_FIELD: image.label}
+        yield f"dataset file {image.relative}", record
