@@ -134,7 +134,7 @@ def build_universe(ctx: Any, names: list[str]) -> dict[str, Any]:
 
 def variant_request(ctx: Any, names: list[str], universe_id: str, scaling: str = "uniform") -> dict[str, Any]:
     """The stored request of an unlearn variant of ``names`` in the universe (submitted, not run)."""
-    from api_schemas.models import EditOptions
+    from api_schemas import EditOptions
     from service.variants.service import find_variant_request, submit_variant
 
     options = EditOptions(scaling=scaling, format="checkpoint", universe=universe_id)

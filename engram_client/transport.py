@@ -20,7 +20,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from api_schemas.models import MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
+from api_schemas import MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 from engram_client.errors import EngramAPIError, EngramConnectionError, EngramError, _Transient
 
 __all__ = ["DEFAULT_URL", "FINISHED", "PNG_SIGNATURE", "Page", "Transport"]

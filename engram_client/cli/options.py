@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 import typer
 from pydantic import BaseModel
 
-from api_schemas import ConceptCreate, DatasetReference, EditOptions, GenerateRequest
-from api_schemas.models import MAX_PAGE_SIZE
+from api_schemas import MAX_PAGE_SIZE, ConceptCreate, DatasetReference, EditOptions, GenerateRequest
 
 
 def contract_choices(model: type[BaseModel], field: str) -> type[Enum]:

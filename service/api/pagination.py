@@ -24,7 +24,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Query, Request, Response
 
-from api_schemas.models import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
+from api_schemas import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 from service.errors import ProblemError
 
 T = TypeVar("T")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from api_schemas.models import EditOptions
+from api_schemas import EditOptions
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
 from service.calibration.plot import render_front_png
 from service.calibration.request import CalibrationRequest
@@ -73,7 +73,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     model = get_model(ctx, request.model_id)
     # Layers no member's forward pass ran have zero engrams: no candidate edits them.
     unreached = unreached_by_every(ctx, [member["stats"] for member in universe["members"]])
-    full = ModelLayout.from_json(model["layout"])
+    full = model.layout
     layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()

@@ -1,6 +1,6 @@
 """A calibration's request, typed once: its identity, its stored probes and the request its job reads.
 
-:class:`CalibrationRequest` is made from the route's :class:`~api_schemas.models.CalibrateRequest`
+:class:`CalibrationRequest` is made from the route's :class:`~api_schemas.CalibrateRequest`
 (where the options are named on the wire), the universe it resolved to and the edit space it spans.
 It is stored as ``calibrations/<id>/request.json``, written and read here only, and named by the
 digest of :func:`calibration_identity`, the one place a calibration's ID is made.
@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from api_schemas.models import CalibrateRequest, Probe
+from api_schemas import CalibrateRequest, Probe
 from service.calibration.search import Arm, SearchSettings
 from service.calibration.space import EditSpace
 from service.engine.lora_rules import LoraTarget
+from service.models.record import ModelRecord
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.service import EditUniverse
 
@@ -196,7 +197,7 @@ class CalibrationRequest:
     @classmethod
     def new(
         cls,
-        model: Mapping[str, Any],
+        model: ModelRecord,
         options: CalibrateRequest,
         resolved: EditUniverse,
         space: EditSpace,
@@ -209,10 +210,10 @@ class CalibrationRequest:
         variant = VariantFormat(format=options.format, lora_rank=options.lora_rank, lora_target=options.lora_target)
         universe_id = resolved.spec.universe_id
         term_prefixes = [resolved.terms[name] for name in concepts]
-        identity = calibration_identity(model["digest"], universe_id, term_prefixes, probes, search, variant)
+        identity = calibration_identity(model.digest, universe_id, term_prefixes, probes, search, variant)
         return cls(
             calibration_id=canonical_digest(identity)[:32],
-            model_id=model["model_id"],
+            model_id=model.model_id,
             concepts=concepts,
             term_stats={name: resolved.terms[name] for name in concepts},
             universe_id=universe_id,

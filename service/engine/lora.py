@@ -27,7 +27,7 @@ the error before and after that cast, and compares the adapter's size with the d
 ``lora_target="vllm"`` writes what vLLM's LoRA loader takes (checked against its ``PEFTHelper``
 and ``LoRAModel.from_local_checkpoint``): vLLM reads the global ``r`` and ``lora_alpha`` only
 (scaling ``lora_alpha / r`` for the whole adapter, no rank or alpha patterns), refuses an ``r``
-above the server's ``--max-lora-rank`` (one of :data:`~api_schemas.models.VLLM_LORA_RANKS`), and
+above the server's ``--max-lora-rank`` (one of :data:`~api_schemas.VLLM_LORA_RANKS`), and
 knows no ``lora_B.bias`` key. So every layer gets the same rank ``r`` from that set,
 ``lora_alpha = r``, and no bias: a layer whose edit moves a bias cannot be served and is refused by
 name (:func:`~service.engine.lora_rules.vllm_bias_refusal`); a LoRA computes ``B·A·x`` and cannot

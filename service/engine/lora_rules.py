@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from api_schemas.models import VLLM_LORA_RANKS
+from api_schemas import VLLM_LORA_RANKS
 from service.engine.layers import LayerSpec
 
 # Singular values at or below EXACT_RTOL · σ₁ are taken as zero. The collector's per-batch float32

@@ -1,6 +1,6 @@
 """A variant's edit options, typed once: what shapes its weights, its identity, its stored request.
 
-:class:`VariantSpec` is built from the request's :class:`~api_schemas.models.EditOptions` (where the
+:class:`VariantSpec` is built from the request's :class:`~api_schemas.EditOptions` (where the
 options are named on the wire) with the normalisations that keep variant IDs stable.
 :class:`VariantRequest` is the stored request (``variants/<id>/request.json``): what the variant job
 reads, written and read here only. :func:`variant_identity` is the one place a variant's ID is made.
@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from api_schemas.models import EditOptions
+from api_schemas import EditOptions
 from service.engine.errors import EditError
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget
+from service.models.record import ModelRecord
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.service import EditUniverse
 
@@ -155,7 +156,7 @@ class VariantRequest:
     @classmethod
     def new(
         cls,
-        model: Mapping[str, Any],
+        model: ModelRecord,
         terms: Mapping[str, float],
         alpha: float | None,
         spec: VariantSpec,
@@ -163,10 +164,10 @@ class VariantRequest:
     ) -> VariantRequest:
         """The request of an edit of ``model`` in the universe it resolved to, named by its identity."""
         universe = resolved.spec
-        identity = variant_identity(model["digest"], terms, resolved.terms, universe.universe_id, universe.rcond, spec)
+        identity = variant_identity(model.digest, terms, resolved.terms, universe.universe_id, universe.rcond, spec)
         return cls(
             variant_id=variant_id_of(identity),
-            model_id=model["model_id"],
+            model_id=model.model_id,
             terms={name: float(c) for name, c in terms.items()},
             alpha=alpha,
             reference=tuple(resolved.reference),

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api_schemas.models import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
+from api_schemas import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 from engram_fixtures.live import LiveServer, running_server, wait_for_job
 from tests.helpers.api import READ_CACHE_S, write_concept
 from tests.helpers.job_process import job_process, paused

@@ -304,7 +304,7 @@ def test_force_never_replaces_a_file_with_the_variant(cli2: ReadyVariant, tmp_pa
 
 def test_model_and_variant_views_name_the_layers_left_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:
     """``models show`` names layers the checkpoint lacks; ``variants show`` the ones no concept reached."""
-    from api_schemas.models import Model, Variant
+    from api_schemas import Model, Variant
     from engram_client.cli.render import render_model, render_variant
 
     render_model(

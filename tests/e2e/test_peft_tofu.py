@@ -25,7 +25,7 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from api_schemas.models import VLLM_LORA_RANKS
+from api_schemas import VLLM_LORA_RANKS
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import LiveServer, download_variant, wait_for_job
 from service.engine.evaluate import Probe

@@ -21,7 +21,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from api_schemas.models import VLLM_LORA_RANKS
+from api_schemas import VLLM_LORA_RANKS
 from engram_fixtures.demo import make_facts
 from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir, load_model, load_tokenizer

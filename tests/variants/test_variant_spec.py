@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from api_schemas import ComposeRequest, UnlearnRequest
-from api_schemas.models import EditOptions
+from api_schemas import ComposeRequest, EditOptions, UnlearnRequest
 from service.engine.errors import EditError
 from service.errors import InvalidInput
 from service.universes.service import EditUniverse

@@ -13,8 +13,7 @@ import pytest
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from api_schemas import ComposeRequest, UnlearnRequest
-from api_schemas.models import VLLM_LORA_RANKS
+from api_schemas import VLLM_LORA_RANKS, ComposeRequest, UnlearnRequest
 from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.errors import InvalidInput
 from service.universes.records import current_pointer

@@ -1,0 +1,184 @@
+"""Calibration: the search over strength, scaling, modules and layers, and its result."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api_schemas.common import Strict
+from api_schemas.edit_options import VLLM_LORA_RANKS
+from api_schemas.evaluation import Probe
+from api_schemas.jobs import Job
+
+ModuleSetPreset = Literal["all", "qk_gate", "attention", "mlp", "data_weighted"]
+ModuleSuffixes = Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=64)]
+BlockIndices = Annotated[list[Annotated[int, Field(ge=0, le=100_000)]], Field(min_length=1, max_length=1024)]
+
+
+class CalibrateRequest(Strict):
+    """Search the edit space for the strongest unlearning whose retain NLL stays within a bound."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
+            "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
+            "allOf": [
+                {
+                    "if": {"required": ["lora_target"], "properties": {"lora_target": {"const": "vllm"}}},
+                    "then": {
+                        "required": ["format"],
+                        "properties": {
+                            "format": {"const": "peft"},
+                            "lora_rank": {"anyOf": [{"enum": list(VLLM_LORA_RANKS)}, {"type": "null"}]},
+                        },
+                    },
+                }
+            ],
+        }
+    )
+
+    concepts: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        min_length=1, max_length=256, description="the concepts to remove (each with ready statistics on the model)"
+    )
+    forget: list[Probe] = Field(min_length=1, max_length=10000, description="probes the variant should forget")
+    retain: list[Probe] = Field(min_length=1, max_length=10000, description="probes it should keep")
+    max_retain_nll_ratio: float = Field(
+        default=2.0,
+        gt=1.0,
+        le=1e6,
+        allow_inf_nan=False,
+        description="the constraint: the retain probes' mean answer NLL, variant / base, at most this",
+    )
+    budget: int = Field(default=32, ge=1, le=500, description="the most candidates evaluated")
+    alpha_min: float = Field(default=0.05, gt=0.0, le=100.0, allow_inf_nan=False, description="the weakest α tried")
+    alpha_max: float = Field(default=4.0, gt=0.0, le=100.0, allow_inf_nan=False, description="the strongest α tried")
+    scalings: list[Literal["uniform", "weight_norm"]] = Field(
+        default=["uniform", "weight_norm"], min_length=1, max_length=2, description="per-layer strengths searched"
+    )
+    module_sets: list[ModuleSetPreset | ModuleSuffixes] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description=(
+            "presets (all, qk_gate: the query/key projections and the MLP gate, attention, mlp, data_weighted: "
+            "every layer, each module type at a strength from the data-weighted map) or lists of module-name "
+            "suffixes; default: every preset that selects a layer of the model"
+        ),
+    )
+    layer_sets: list[BlockIndices] | None = Field(
+        default=None, min_length=1, max_length=16, description="block-index lists searched; default: every block"
+    )
+    rcond: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False, description="keep λ > rcond·λmax")
+    reference: list[str] | None = Field(
+        default=None, description="the universe is reference ∪ concepts (default: the model's current universe)"
+    )
+    universe: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description="a universe of this model")
+    format: Literal["checkpoint", "delta", "peft"] = Field(
+        default="checkpoint", description="the format of the recommended variant"
+    )
+    lora_rank: int | None = Field(default=None, ge=1, le=65536, description='format "peft": as on unlearn')
+    lora_target: Literal["peft", "vllm"] = Field(default="peft", description='format "peft": as on unlearn')
+    callback_url: str | None = Field(
+        default=None, max_length=2000, description="POSTed the calibration job when it ends (host must be allowlisted)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CalibrateRequest:
+        if self.alpha_min >= self.alpha_max:
+            raise ValueError(f"alpha_min ({self.alpha_min}) must be below alpha_max ({self.alpha_max})")
+        if len(set(self.scalings)) != len(self.scalings):
+            raise ValueError("a scaling is listed twice")
+        if self.lora_rank is not None and self.format != "peft":
+            raise ValueError('lora_rank shapes a format "peft" variant only')
+        if self.lora_target == "vllm" and self.format != "peft":
+            raise ValueError('lora_target "vllm" applies to format "peft" only')
+        if self.lora_target == "vllm" and self.lora_rank is not None and self.lora_rank not in VLLM_LORA_RANKS:
+            allowed = ", ".join(map(str, VLLM_LORA_RANKS))
+            rank = self.lora_rank
+            raise ValueError(f'lora_rank {rank} is not a rank vLLM serves: with lora_target "vllm", one of {allowed}')
+        return self
+
+
+class CalibrationSubmission(BaseModel):
+    calibration_id: str = Field(description="a content hash of the request: the same request, the same answer")
+    job: Job
+
+
+class SplitScore(BaseModel):
+    mean_nll: float | None = Field(description="mean answer NLL (nats/token); null when not finite")
+    exact_match: float | None = Field(description="share of probes whose greedy answer is exact")
+    n: int
+    nll_ratio: float | None = Field(default=None, description="mean NLL, candidate / base (null when not finite)")
+
+
+class CandidateOptions(BaseModel):
+    alpha: float
+    scaling: Literal["uniform", "weight_norm"]
+    module_set: str = Field(description="a preset's name, or the custom suffixes joined by +")
+    modules: list[str] | None = Field(description="the unlearn request's modules (null: every layer)")
+    layers: list[int] | None = Field(description="the unlearn request's layers (null: every block)")
+    module_strengths: dict[str, float] | None = Field(
+        default=None,
+        description=(
+            "the unlearn request's module_strengths (data_weighted: each module type's mean data-weighted map "
+            "value over the edited layers, relative to the largest; null: every type at 1)"
+        ),
+    )
+
+
+class CalibrationCandidate(BaseModel):
+    index: int = Field(description="evaluation order")
+    options: CandidateOptions
+    forget: SplitScore
+    retain: SplitScore
+    feasible: bool = Field(description="its retain NLL ratio meets the constraint")
+    pareto: bool = Field(description="on the Pareto front: no candidate forgets more without more retain damage")
+    stage: Literal["coarse", "fine"] = Field(description="coarse: bracketing the constraint; fine: refining it")
+
+
+class CalibrationRecommendation(BaseModel):
+    candidate: int
+    options: CandidateOptions
+    forget_nll_ratio: float | None
+    retain_nll_ratio: float
+    variant_id: str = Field(description="the candidate built as an unlearn variant (GET /variants/{variant_id})")
+    variant_job_id: str | None = None
+    format: Literal["checkpoint", "delta", "peft"]
+
+
+class CalibrationResult(BaseModel):
+    calibration_id: str
+    model_id: str
+    concepts: list[str]
+    universe_id: str
+    reference: list[str]
+    constraint: dict[str, float]
+    base: dict[str, SplitScore] = Field(description="the base model's scores on the forget and retain probes")
+    candidates: list[CalibrationCandidate]
+    pareto_front: list[int] = Field(description="indices of the candidates on the front, by increasing retain ratio")
+    recommended: CalibrationRecommendation | None = Field(
+        description="the feasible candidate that forgets most, built as a variant; null when none is feasible"
+    )
+    note: str | None = Field(default=None, description="why nothing is recommended")
+    evaluations: int
+    budget: int
+    stopped: Literal["budget", "converged"]
+    arms: list[str] = Field(description="module set[@blocks]/scaling searched")
+    pruned_arms: list[str] = Field(description="arms dropped because they could not beat the best feasible candidate")
+    unexplored_arms: list[str] = Field(description="arms the budget never reached")
+    skipped_module_sets: list[str] = Field(description="presets that select no layer of this model")
+    alpha_range: list[float]
+    grid_equivalent: int = Field(description="candidates a full grid over the same arms at the same resolution needs")
+    front_png: str = Field(description="where the drawn front is served")
+    seconds: dict[str, float] = Field(default_factory=dict)
+
+
+class Calibration(BaseModel):
+    calibration_id: str
+    model_id: str
+    concepts: list[str]
+    universe_id: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    job_id: str | None = None
+    result: CalibrationResult | None = None

@@ -1,0 +1,124 @@
+"""The edit options, spelled once: ``unlearn`` and ``compose`` requests are :class:`EditOptions` plus their terms."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from api_schemas.common import Strict
+
+# The values vLLM's --max-lora-rank accepts. vLLM refuses an adapter whose r exceeds the server's
+# max_lora_rank, and loads no lora_B.bias; lora_target "vllm" writes one of these ranks for every layer.
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+# The largest per-module strength factor (module_strengths): beyond it an edit is no longer a
+# strength adjustment but a different edit, and a typo (40 for 0.4) would pass silently.
+MAX_MODULE_STRENGTH = 4.0
+
+
+class EditOptions(Strict):
+    # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
+    # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
+            "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
+            "allOf": [
+                {
+                    "if": {"required": ["lora_target"], "properties": {"lora_target": {"const": "vllm"}}},
+                    "then": {
+                        "required": ["format"],
+                        "properties": {
+                            "format": {"const": "peft"},
+                            "lora_rank": {"anyOf": [{"enum": list(VLLM_LORA_RANKS)}, {"type": "null"}]},
+                        },
+                    },
+                }
+            ],
+        }
+    )
+
+    scaling: Literal["uniform", "weight_norm"] = "uniform"
+    modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
+    layers: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1, description="block indices")
+    module_strengths: (
+        dict[
+            Annotated[str, Field(min_length=1, max_length=200)],
+            Annotated[float, Field(gt=0.0, le=MAX_MODULE_STRENGTH, allow_inf_nan=False)],
+        ]
+        | None
+    ) = Field(
+        default=None,
+        max_length=64,
+        description=(
+            "per module type, a factor on the edit strength: a layer whose name ends with a listed suffix "
+            "(q_proj, mlp.gate_proj…; the longest matching suffix wins) is edited with α·f_l·s, others with "
+            f"α·f_l (s = 1); 0 < s ≤ {MAX_MODULE_STRENGTH:g}. A suffix matching no edited layer is a 422. "
+            "Absent or all 1: the same variant as without it"
+        ),
+    )
+    rcond: float | None = Field(default=None, gt=0.0, lt=1.0, allow_inf_nan=False, description="keep λ > rcond·λmax")
+    reference: list[str] | None = Field(
+        default=None, description="the universe is reference ∪ concepts (default: the model's current universe)"
+    )
+    universe: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="a universe of this model (GET /models/{id}/universes); default: the model's current universe",
+    )
+    format: Literal["checkpoint", "delta", "peft"] = "checkpoint"
+    lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=65536,
+        description=(
+            'format "peft": the largest LoRA rank (default: each layer\'s exact rank); with lora_target "vllm", '
+            "the one rank of every layer, one of " + ", ".join(map(str, VLLM_LORA_RANKS)) + " (default: the smallest "
+            "of these that holds every layer's edit whole, at most 512)"
+        ),
+    )
+    lora_target: Literal["peft", "vllm"] = Field(
+        default="peft",
+        description=(
+            'format "peft": what will load the adapter. "peft": PeftModel.from_pretrained, each layer at its own '
+            'rank, bias edits in lora_bias. "vllm": servable by vLLM (--enable-lora --max-lora-rank r): one rank r '
+            "for every layer, lora_alpha = r (scaling 1), no lora_bias, so a selected layer with a bias (Qwen2's "
+            "q/k/v, GPT-2, BERT) is a 422 naming it; the variant's lora report gives each layer's kept energy"
+        ),
+    )
+    callback_url: str | None = Field(
+        default=None, max_length=2000, description="POSTed the build job when it ends (host must be allowlisted)"
+    )
+
+    @model_validator(mode="after")
+    def _servable_rank(self) -> EditOptions:
+        if self.lora_target == "vllm" and self.lora_rank is not None and self.lora_rank not in VLLM_LORA_RANKS:
+            allowed = ", ".join(map(str, VLLM_LORA_RANKS))
+            rank = self.lora_rank
+            raise ValueError(f'lora_rank {rank} is not a rank vLLM serves: with lora_target "vllm", one of {allowed}')
+        return self
+
+
+class UnlearnRequest(EditOptions):
+    concepts: list[str] = Field(min_length=1, max_length=256)
+    alpha: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+
+
+Coefficient = Annotated[
+    float,
+    Field(gt=-1e6, lt=1e6, allow_inf_nan=False, json_schema_extra={"not": {"const": 0}}),
+]
+
+
+class ComposeRequest(EditOptions):
+    terms: dict[str, Coefficient] = Field(min_length=1, max_length=256, description="concept -> coefficient")
+
+    @field_validator("terms")
+    @classmethod
+    def _finite(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, c in value.items() if not (abs(c) < 1e6) or c == 0]
+        if bad:
+            raise ValueError(f"coefficients must be finite, non-zero and |c| < 1e6: {bad}")
+        return value
