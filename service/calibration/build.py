@@ -73,7 +73,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     model = get_model(ctx, request.model_id)
     # Layers no member's forward pass ran have zero engrams: no candidate edits them.
     unreached = unreached_by_every(ctx, [member["stats"] for member in universe["members"]])
-    full = model.layout
+    full = ModelLayout.from_json(model["layout"])
     layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()

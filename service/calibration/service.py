@@ -18,6 +18,7 @@ Storage layout:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from api_schemas import CalibrateRequest
@@ -33,7 +34,6 @@ from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
-from service.models.record import ModelRecord
 from service.models.registry import check_causal_lm, check_chat_templates, get_model
 from service.statistics.cover import check_statistics_cover, unreached_by_every
 from service.universes.records import current_pointer, find_manifest
@@ -72,7 +72,7 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     options = one_term_each(options)
     model = get_model(ctx, model_id)
     check_causal_lm(model, "calibration's evaluations")
-    full = model.layout
+    full = ModelLayout.from_json(model["layout"])
     space = request_space(full, options)
     if has_messages(options):
         check_chat_templates({model_id: model}, "messages probes")
@@ -146,7 +146,7 @@ def _check_format(space: EditSpace, layout: ModelLayout, options: CalibrateReque
             raise InvalidInput(vllm_bias_refusal(biased, union))
 
 
-def _resolve(ctx: Context, model: ModelRecord, options: CalibrateRequest) -> EditUniverse:
+def _resolve(ctx: Context, model: Mapping[str, Any], options: CalibrateRequest) -> EditUniverse:
     return resolve_for_edit(
         ctx, model, list(options.concepts), reference=options.reference, universe_id=options.universe, rcond=options.rcond
     )

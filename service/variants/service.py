@@ -24,7 +24,6 @@ from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
-from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.cover import check_statistics_cover, unreached_by_every
 from service.storage.keys import VARIANTS, variant_manifest_key, variant_request_key
@@ -55,7 +54,7 @@ def submit_variant(
     urls = callbacks.check_optional_url(edit.callback_url, ctx.settings)
     _check_lora_rank(edit)
     model = get_model(ctx, model_id)
-    layout = model.layout
+    layout = ModelLayout.from_json(model["layout"])
     _check_selection(layout, edit.modules, edit.layers)
     _check_strengths(layout, edit)
     _check_servable(edit)
@@ -170,7 +169,7 @@ def _check_strengths(layout: ModelLayout, options: EditOptions) -> None:
 
 def _room_for(
     ctx: Context,
-    model: ModelRecord,
+    model: Mapping[str, Any],
     terms: Mapping[str, float],
     alpha: float | None,
     spec: VariantSpec,
@@ -182,7 +181,7 @@ def _room_for(
     return None if variant_manifest(ctx, variant_id) is not None else make_room(ctx, resolved.spec)
 
 
-def _resolve(ctx: Context, model: ModelRecord, terms: Mapping[str, float], options: EditOptions) -> EditUniverse:
+def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: EditOptions) -> EditUniverse:
     return resolve_for_edit(
         ctx,
         model,

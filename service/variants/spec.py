@@ -16,7 +16,6 @@ from typing import Any
 from api_schemas import EditOptions
 from service.engine.errors import EditError
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget
-from service.models.record import ModelRecord
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.service import EditUniverse
 
@@ -156,7 +155,7 @@ class VariantRequest:
     @classmethod
     def new(
         cls,
-        model: ModelRecord,
+        model: Mapping[str, Any],
         terms: Mapping[str, float],
         alpha: float | None,
         spec: VariantSpec,
@@ -164,10 +163,10 @@ class VariantRequest:
     ) -> VariantRequest:
         """The request of an edit of ``model`` in the universe it resolved to, named by its identity."""
         universe = resolved.spec
-        identity = variant_identity(model.digest, terms, resolved.terms, universe.universe_id, universe.rcond, spec)
+        identity = variant_identity(model["digest"], terms, resolved.terms, universe.universe_id, universe.rcond, spec)
         return cls(
             variant_id=variant_id_of(identity),
-            model_id=model.model_id,
+            model_id=model["model_id"],
             terms={name: float(c) for name, c in terms.items()},
             alpha=alpha,
             reference=tuple(resolved.reference),

@@ -66,7 +66,7 @@ async def register_model(
 @router.get("/models", response_model=list[Model], responses=PAGED_HEADERS)
 async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
     """Registered models by ID: one page (``limit``, ``cursor``)."""
-    found = {m.model_id: m for m in await lanes.status(registry.list_models, ctx)}
+    found = {m["model_id"]: m for m in await lanes.status(registry.list_models, ctx)}
     items, next_key = page.select(((i,) for i in sorted(found)), lambda key: registry.model_view(found[key[0]]))
     return page.answer(items, next_key)
 
