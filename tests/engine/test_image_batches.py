@@ -1,0 +1,128 @@
+"""Images as an image classifier reads them (service.engine.images): the processor from the model's
+folder, pixel_values batches equal to the processor's own output and to an independent
+resize/rescale/normalise, and refusals of folders without a usable processor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812  (torch's own spelling)
+from PIL import Image
+from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+from service.engine.images import (
+    PREPROCESSOR_CONFIG,
+    ImageProcessorError,
+    channels_of,
+    load_image_processor,
+    pixel_batches,
+    pixel_values,
+)
+from tests.helpers.images import digit_image, digits
+
+SIZE = 16  # the tiny ViT reads 16×16 images: the 8×8 digits are upsampled
+
+
+def _tiny_vit(folder: Path) -> Path:
+    """A tiny ViT classifier of the ten digits and its processor (16×16, bilinear, mean/std 0.5)."""
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=SIZE,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=10,
+        id2label={i: str(i) for i in range(10)},
+        label2id={str(i): i for i in range(10)},
+    )
+    ViTForImageClassification(config).save_pretrained(folder)
+    ViTImageProcessor(size={"height": SIZE, "width": SIZE}, resample=Image.Resampling.BILINEAR).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_vit(tmp_path_factory.mktemp("vit"))
+
+
+def test_batches_equal_the_processors_own_output(vit_dir: Path) -> None:
+    processor = load_image_processor(vit_dir)
+    images = [digit_image(i, rgb=True) for i in range(7)]
+    batches = list(pixel_batches(processor, iter(images), batch_size=3, channels=3))
+    assert [b.shape for b in batches] == [(3, 3, SIZE, SIZE), (3, 3, SIZE, SIZE), (1, 3, SIZE, SIZE)]
+    reference = ViTImageProcessor.from_pretrained(vit_dir)(images=images, return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(torch.cat(batches), reference, rtol=0, atol=0)
+
+
+def test_grey_images_are_read_as_rgb(vit_dir: Path) -> None:
+    processor = load_image_processor(vit_dir)
+    grey = pixel_values(processor, [digit_image(4)], channels=3)
+    rgb = pixel_values(processor, [digit_image(4, rgb=True)], channels=3)
+    torch.testing.assert_close(grey, rgb, rtol=0, atol=0)
+    torch.testing.assert_close(grey[0, 0], grey[0, 2], rtol=0, atol=0)  # the grey, in every channel
+
+
+def test_pixel_values_equal_an_independent_resize_and_normalise(vit_dir: Path) -> None:
+    """Bilinear upsampling (torch, half-pixel centres, as Pillow's BILINEAR), /255, (x − 0.5)/0.5.
+    Pillow resizes the uint8 image to uint8 (rounding, ≤ 0.5 grey level, with its fixed-point
+    weights ≤ 1), so the two agree within 1 grey level: 1/255/0.5 after normalising."""
+    processor = load_image_processor(vit_dir)
+    ours = pixel_values(processor, [digit_image(42, rgb=True)], channels=3)[0, 0].double()
+    grey = torch.from_numpy(digits()[0][42].astype(np.float64))[None, None]
+    resized = F.interpolate(grey, size=(SIZE, SIZE), mode="bilinear", align_corners=False)[0, 0]
+    expected = (resized / 255 - 0.5) / 0.5
+    error = (ours - expected).abs().max().item()
+    assert error <= (1 / 255) / 0.5 + 1e-6, error
+    assert error > 0 or torch.equal(ours, expected)  # computed, not copied
+
+
+def test_batches_reach_the_classifier(vit_dir: Path) -> None:
+    model = ViTForImageClassification.from_pretrained(vit_dir).eval()
+    processor = load_image_processor(vit_dir)
+    (batch,) = pixel_batches(processor, [digit_image(i, rgb=True) for i in range(5)], 5, channels_of(model.config))
+    with torch.no_grad():
+        logits = model(pixel_values=batch).logits
+    assert logits.shape == (5, 10) and torch.isfinite(logits).all()
+
+
+def test_folder_without_preprocessor_config_is_refused_by_name(vit_dir: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((vit_dir / "config.json").read_text())
+    with pytest.raises(ImageProcessorError, match=f"{bare} has no preprocessor_config.json"):
+        load_image_processor(bare)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ("{not json", "not a valid JSON file"),
+        (json.dumps({"image_processor_type": "NoSuchImageProcessor"}), "Unrecognized image processor"),
+    ],
+)
+def test_unusable_preprocessor_config_is_refused(tmp_path: Path, content: str, reason: str) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["MysteryForImageClassification"]}))
+    (folder / PREPROCESSOR_CONFIG).write_text(content)
+    with pytest.raises(ImageProcessorError, match=f"preprocessor_config.json is not a usable image processor: .*{reason}"):
+        load_image_processor(folder)
+
+
+def test_processor_of_other_channels_is_refused(vit_dir: Path) -> None:
+    processor = load_image_processor(vit_dir)
+    with pytest.raises(ImageProcessorError, match="cannot process 1-channel images: mean must have 1 elements"):
+        pixel_values(processor, [digit_image(0)], channels=1)
+
+
+def test_channel_counts_without_a_mode_are_refused() -> None:
+    with pytest.raises(ImageProcessorError, match="4-channel images"):
+        channels_of(ViTConfig(num_channels=4))
+    assert channels_of(ViTConfig(num_channels=1)) == 1
