@@ -22,9 +22,16 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ENGRAM_", extra="ignore")
 
+    # Where statistics, universes, variants and job records live: file:///abs/dir or
+    # s3://bucket/prefix. Default: file:// on ./.engram under the directory the process starts in.
     storage_url: str = Field(default_factory=lambda: "file://" + str(Path(".engram").resolve()))
+    # The S3-compatible endpoint (MinIO, SeaweedFS) for s3:// storage, models and datasets; unset: AWS.
     s3_endpoint_url: str | None = None
+    # redis://host:port/db of the Celery broker: set, jobs run on workers (distributed mode);
+    # unset, they run in a job process beside the API (embedded mode).
     broker_url: str | None = None
+    # The directories file:// models may be registered from, ":"-separated; empty: none may be.
+    # A server setting: a model outside them is refused (the client cannot widen it).
     model_roots: str = ""
     # Where file:// dataset references may point (besides ENGRAM_MODEL_ROOTS), ":"-separated.
     dataset_roots: str = ""
@@ -34,8 +41,13 @@ class Settings(BaseSettings):
     # service read for whoever posts it, so the readable buckets are listed, never guessed. The
     # store's own bucket (ENGRAM_STORAGE_URL) is never one: listing it stops the service at start-up.
     dataset_buckets: str = Field(default="", description="comma-separated S3 bucket names")
+    # Where workers keep local copies (statistics, downloaded models and datasets). Default:
+    # ~/.cache/engram-service.
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "engram-service")
+    # API keys, comma-separated `key:scope` entries (scope read, write or admin); unset: no
+    # authentication (every caller is one anonymous key).
     api_keys: str | None = None
+    # Where jobs run the model: "auto" is CUDA when torch sees a GPU, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     # Collection settings. max_length is part of a statistic's identity (it changes Σ);
