@@ -1,0 +1,231 @@
+"""The per-probe statistics that TOFU's metrics are computed from (one model, one probe set).
+
+A TOFU probe is an evaluation probe (:class:`service.engine.evaluate.Probe`: prompt/completion
+or chat ``messages``) plus, where the user has them, a ``paraphrased_answer`` and a list of
+``perturbed_answers`` (plausible wrong answers), as in TOFU. Every answer is tokenized exactly as
+:func:`service.engine.evaluate.encode_probe` tokenizes the completion (the collector's rule), so a
+paraphrase or a wrong answer is scored as if it were the completion.
+
+Per answer token, under teacher forcing, the statistics are what OpenUnlearning's
+``tokenwise_vocab_logprobs`` reads: the token's log-probability, the mean and variance of the
+log-probability under the next-token distribution (min-k%++), and whether the argmax is the token
+(EM and ES). The log-softmax is taken in float64 over the answer positions only (a few tokens ×
+the vocabulary), whatever the model's dtype. For ROUGE the answer is also generated greedily.
+The aggregation into metrics is :mod:`service.evaluation.tofu_metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# The private helpers are evaluate's own padding and decoding, reused so both score the same inputs.
+from service.engine.evaluate import Probe, _greedy_batch, _model_device, _pad_id, _right_pad, encode_probe
+
+if TYPE_CHECKING:  # annotations only
+    from service.engine.chat import Renderer
+
+__all__ = [
+    "AnswerTokens",
+    "ProbeStatistics",
+    "TofuProbe",
+    "answer_tokens",
+    "tofu_probe",
+    "tofu_statistics",
+    "with_answer",
+]
+
+# Greedy generation for ROUGE decodes as many tokens as the answer has (plus ``generation_slack``),
+# then cuts at the end token. OpenUnlearning decodes up to 200 tokens to the end token; a model that
+# was never taught to stop (the demo models) would glue its next words onto the answer's last word
+# and lose it from the recall, so the default decodes the answer's length, evaluate's greedy rule.
+GENERATION_SLACK = 0
+
+
+@dataclass(frozen=True)
+class TofuProbe:
+    """A probe with TOFU's optional answers: ``paraphrased_answer`` (the same fact in other words)
+    and ``perturbed_answers`` (wrong answers of the same form)."""
+
+    probe: Probe
+    paraphrased_answer: str | None = None
+    perturbed_answers: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class AnswerTokens:
+    """Teacher-forced statistics of one answer's tokens, float64, one entry per answer token."""
+
+    logprobs: tuple[float, ...]
+    vocab_mean: tuple[float, ...]  # E[log p] under the next-token distribution
+    vocab_var: tuple[float, ...]  # Var[log p] under it
+    argmax_hits: tuple[bool, ...]
+
+    @property
+    def avg_loss(self) -> float:
+        return -sum(self.logprobs) / len(self.logprobs)
+
+
+@dataclass(frozen=True)
+class ProbeStatistics:
+    """Everything the metrics read about one probe under one model."""
+
+    answer: AnswerTokens
+    answer_text: str  # the answer's tokens decoded without special tokens (zlib, ROUGE reference)
+    paraphrased: AnswerTokens | None
+    perturbed: tuple[AnswerTokens, ...] | None
+    generation: str | None  # greedy answer, cut at the end token; None when not generated
+
+
+def with_answer(probe: Probe, answer: str) -> Probe:
+    """``probe`` with ``answer`` in place of its completion (a chat probe: its last assistant turn)."""
+    if probe.messages is None:
+        return Probe(prompt=probe.prompt, completion=answer)
+    messages = [dict(m) for m in probe.messages]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    messages[last]["content"] = answer
+    return Probe(messages=messages[: last + 1])
+
+
+def _token_rows(logits: torch.Tensor, targets: list[int]) -> AnswerTokens:
+    """Statistics of answer tokens from the logits that predict them (``(n, vocab)``)."""
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    target = torch.tensor(targets, dtype=torch.long, device=logp.device)
+    token_logp = logp.gather(1, target[:, None])[:, 0]
+    p = logp.exp()
+    mean = (p * logp).sum(-1)
+    var = (p * logp.square()).sum(-1) - mean.square()
+    hits = logp.argmax(-1) == target
+    return AnswerTokens(
+        tuple(token_logp.tolist()), tuple(mean.tolist()), tuple(var.tolist()), tuple(bool(h) for h in hits.tolist())
+    )
+
+
+def _batch_tokens(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> list[AnswerTokens]:
+    ids, mask = _right_pad([p + a for p, a in encoded], pad_id)
+    out: Any = model(input_ids=ids.to(_model_device(model)), attention_mask=mask.to(_model_device(model)), use_cache=False)
+    logits: torch.Tensor = out.logits
+    # Position t predicts token t+1: the answer's tokens are predicted from one position earlier.
+    return [_token_rows(logits[i, len(p) - 1 : len(p) + len(a) - 1], a) for i, (p, a) in enumerate(encoded)]
+
+
+def answer_tokens(
+    model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int = 16
+) -> list[AnswerTokens]:
+    """Teacher-forced statistics of each ``(prompt_ids, answer_ids)``'s answer tokens.
+
+    Args:
+        model: Causal LM; put in eval mode by this call.
+        encoded: Token IDs per answer (:func:`service.engine.evaluate.encode_probe`).
+        pad_id: Padding id (right padding and a mask: results do not depend on the batching).
+        batch_size: Sequences per forward pass.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    model.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is untyped in transformers
+    rows: list[AnswerTokens] = []
+    with torch.inference_mode():
+        for start in range(0, len(encoded), batch_size):
+            rows.extend(_batch_tokens(model, encoded[start : start + batch_size], pad_id))
+    return rows
+
+
+def _generations(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    encoded: Sequence[tuple[list[int], list[int]]],
+    batch_size: int,
+    slack: int,
+) -> list[str]:
+    """Greedy answers (up to the answer's length + ``slack`` tokens), cut at the end
+    token and decoded without special tokens, stripped (as OpenUnlearning's ``eval_text_similarity``)."""
+    pad_id, eos = _pad_id(tokenizer), tokenizer.eos_token_id
+    texts: list[str] = []
+    with torch.inference_mode():
+        for start in range(0, len(encoded), batch_size):
+            chunk = encoded[start : start + batch_size]
+            n_new = [len(a) + slack for _, a in chunk]
+            for tokens in _greedy_batch(model, chunk, n_new, pad_id):
+                cut = tokens.index(eos) if eos is not None and eos in tokens else len(tokens)
+                texts.append(str(tokenizer.decode(tokens[:cut], skip_special_tokens=True)).strip())
+    return texts
+
+
+def tofu_statistics(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    probes: Sequence[TofuProbe],
+    *,
+    generate: bool = True,
+    generation_slack: int = GENERATION_SLACK,
+    batch_size: int = 16,
+    renderer: Renderer | None = None,
+) -> list[ProbeStatistics]:
+    """Per-probe TOFU statistics of ``probes`` under ``model``.
+
+    Args:
+        model: Causal LM; put in eval mode by this call.
+        tokenizer: Its tokenizer.
+        probes: The probes; a missing paraphrase or perturbed list leaves that field ``None``.
+        generate: Also decode each answer greedily (ROUGE); off, ``generation`` is ``None``.
+        generation_slack: Tokens decoded beyond the answer's length (a model that ends its answers
+            with the end token stops there anyway).
+        batch_size: Sequences per forward pass.
+        renderer: What renders chat probes' templates (default: in this process).
+
+    Raises:
+        ValueError: an answer tokenizes to nothing (:func:`service.engine.evaluate.encode_probe`).
+    """
+    # Every answer of every probe, in one flat list, scored together and regrouped after.
+    answers: list[tuple[list[int], list[int]]] = []
+    layout: list[tuple[int, int | None, int]] = []  # (answer index, paraphrase index, n perturbed)
+    for item in probes:
+        answers.append(encode_probe(tokenizer, item.probe, renderer))
+        main = len(answers) - 1
+        para: int | None = None
+        if item.paraphrased_answer is not None:
+            answers.append(encode_probe(tokenizer, with_answer(item.probe, item.paraphrased_answer), renderer))
+            para = len(answers) - 1
+        for wrong in item.perturbed_answers or ():
+            answers.append(encode_probe(tokenizer, with_answer(item.probe, wrong), renderer))
+        layout.append((main, para, len(item.perturbed_answers or ())))
+    rows = answer_tokens(model, answers, _pad_id(tokenizer), batch_size)
+    mains = [answers[main] for main, _, _ in layout]
+    generations: list[str | None] = (
+        list(_generations(model, tokenizer, mains, batch_size, generation_slack)) if generate else []
+    )
+    results = []
+    for n, (item, (main, para, n_wrong)) in enumerate(zip(probes, layout, strict=True)):
+        first_wrong = main + 1 + (para is not None)
+        results.append(
+            ProbeStatistics(
+                answer=rows[main],
+                answer_text=str(tokenizer.decode(answers[main][1], skip_special_tokens=True)),
+                paraphrased=rows[para] if para is not None else None,
+                perturbed=tuple(rows[first_wrong : first_wrong + n_wrong]) if item.perturbed_answers else None,
+                generation=generations[n] if generate else None,
+            )
+        )
+    return results
+
+
+def tofu_probe(record: dict[str, object]) -> TofuProbe:
+    """A :class:`TofuProbe` from an evaluation record (``prompt``/``completion`` or ``messages``, plus
+    optional ``paraphrased_answer`` and ``perturbed_answers``).
+
+    Raises:
+        ValueError: a field of the wrong type, naming it.
+    """
+    para = record.get("paraphrased_answer")
+    wrong = record.get("perturbed_answers")
+    if para is not None and not isinstance(para, str):
+        raise ValueError(f"paraphrased_answer must be a string, got {type(para).__name__}")
+    if wrong is not None and not (isinstance(wrong, list) and all(isinstance(w, str) for w in wrong)):
+        raise ValueError("perturbed_answers must be a list of strings")
+    fields = {k: record[k] for k in ("prompt", "completion", "messages") if k in record}
+    probe = Probe(**fields)  # type: ignore[arg-type]  # validated by encode_probe when scored
+    return TofuProbe(probe, para, tuple(wrong) if wrong is not None else None)
