@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from service.engine.compose import LayerWeights
-from service.engine.editable import editable_layers
+from service.engine.editable import editable_layers, refused_layers
 from service.engine.expert_keys import expert_storage, read_expert_slice
 from service.engine.experts import find_fused_experts, unsupported_experts
 from service.engine.key_renames import renamed_parameters
@@ -190,6 +190,7 @@ def _inspect(files: ModelFiles) -> ModelLayout:
     renamed = renamed_parameters(model, shapes)
     layout = _layout(model, key_files, renamed)
     layout.causal_lm = is_causal_lm(model)
+    layout.refused_layers = refused_layers(model)  # shown, never edited (a grouped conv)
     _add_expert_layers(layout, model, shapes, renamed)
     in_checkpoint = {spec.name: layout.weight_keys[spec.name] for spec in layout.layers}
     check_weight_dtypes(files, in_checkpoint, key_files, [spec.name for spec in editable_layers(model)])

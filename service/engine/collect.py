@@ -31,6 +31,16 @@ token reached has a group with count 0 and a zero sum, not a missing one.
 Models spread over several devices (accelerate's ``device_map``): each group's accumulator lives on
 the device its layer's input arrives on, so no activation crosses devices for the statistics.
 
+Convolutions (:mod:`service.engine.conv`): a conv layer's rows are its unfolded patches, one per
+output position, so its count is the number of output positions. Two convs reading the same tensor
+share a group only when they unfold it alike (same kernel, stride, padding, dilation): ResNet's
+3×3 and 1×1 shortcut convs read one tensor and get two groups. In a text batch a ``Conv1d`` whose
+output has one position per token counts the positions of counted tokens; any other conv input in a
+text batch is ``lacking``.
+
+Images (:class:`PixelBatch`): every record counts, whole, so every row of every hooked input (each
+patch token of a ViT, each output position of a conv) enters the sums.
+
 Low-rank concepts: while an input group has seen no more tokens than it is wide (``T ≤ D``), its
 rows ``X`` are kept as they are (float32, exactly the activations) instead of being summed: ``XᵀX``
 then has rank ``T`` and the ``[T, D]`` rows are smaller to store than any ``D × D`` matrix. The
@@ -47,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.engine.conv import patch_chunks
 from service.engine.errors import CollectionCancelled as CollectionCancelled  # noqa: PLC0414  (re-exported)
 from service.engine.expert_names import DOWN
 from service.engine.experts import ExpertRequest, down_input, expert_requests, experts_call, routed_to
@@ -55,6 +66,29 @@ from service.engine.linalg import add_upper_gram_, gram, mirror_upper_
 from service.engine.records import Batch
 
 PRODUCT_DTYPE = torch.float32
+
+
+@dataclass
+class PixelBatch:
+    """Images for an image model: ``pixel_values`` ``[B, C, H, W]`` as its image processor makes them.
+
+    Every image counts, whole (there are no prompt or pad positions in an image).
+    """
+
+    pixel_values: torch.Tensor
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """One counted entry per image (``[B, 1]``), as :class:`Batch` has one per token."""
+        return torch.ones((self.pixel_values.shape[0], 1), dtype=torch.bool)
+
+    @property
+    def num_counted(self) -> int:
+        """The images in the batch."""
+        return int(self.pixel_values.shape[0])
+
+
+AnyBatch = Batch | PixelBatch
 
 
 @dataclass
@@ -102,15 +136,17 @@ class _Collector:
         self._record_mask: torch.Tensor | None = None
         self._masks: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._kinds: dict[str, str] = {}  # layer -> "token" or "record", as its first batch showed
-        # id(input tensor), bias -> (tensor kept alive so the id stays unique, group key)
-        self._seen: dict[tuple[int, bool], tuple[torch.Tensor, str]] = {}
+        self._every_row = False  # an image batch: every row of every input counts
+        # (id(input tensor), bias[, conv kernel]) -> (tensor kept alive so the id stays unique, group key)
+        self._seen: dict[tuple[Any, ...], tuple[torch.Tensor, str]] = {}
         self.unaligned: set[str] = set()
         # Modules holding hooked layers that the forward ran ("": the model itself, which always runs).
         self.called_parents: set[str] = {""}
         # group -> its rows so far, while the group has seen no more tokens than it is wide
         self._rows: dict[str, list[torch.Tensor]] = {}
 
-    def start_batch(self, counted: torch.Tensor) -> None:
+    def start_batch(self, counted: torch.Tensor, every_row: bool = False) -> None:
+        self._every_row = every_row
         self._token_mask = counted.reshape(-1)
         self._record_mask = counted.reshape(counted.shape[0], -1).any(dim=1)
         self._masks.clear()
@@ -147,7 +183,10 @@ class _Collector:
         spec = self.specs[name]
 
         def pre_hook(_module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            self._accumulate(spec, inputs[0])
+            if spec.kernel is not None:
+                self._accumulate_conv(spec, inputs[0])
+            else:
+                self._accumulate(spec, inputs[0])
 
         return pre_hook
 
@@ -158,19 +197,55 @@ class _Collector:
             self._assign(spec.name, shared[1])
             return
         rows = raw.reshape(-1, raw.shape[-1])
-        mask = self._mask(spec.name, rows.shape[0], rows.device)
-        if mask is None or spec.name in self.unaligned:
-            # Neither one row per token nor one per record (experts reading only their routed
-            # tokens): no statistics rather than wrong ones; listed in ``lacking``.
-            self.unaligned.add(spec.name)
-            return
-        x = rows[mask].to(PRODUCT_DTYPE)  # on the layer's own device: its accumulator lives there
-        if spec.bias:
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+        if self._every_row:
+            x = rows.to(PRODUCT_DTYPE)  # on the layer's own device: its accumulator lives there
+        else:
+            mask = self._mask(spec.name, rows.shape[0], rows.device)
+            if mask is None or spec.name in self.unaligned:
+                # Neither one row per token nor one per record (experts reading only their routed
+                # tokens): no statistics rather than wrong ones; listed in ``lacking``.
+                self.unaligned.add(spec.name)
+                return
+            x = rows[mask].to(PRODUCT_DTYPE)
+        self._add(self._group_for(spec, key, raw), _with_bias_column(x, spec.bias))
+
+    def _group_for(self, spec: LayerSpec, key: tuple[Any, ...], raw: torch.Tensor) -> str:
+        """The input group ``spec`` adds to this batch (its own name, the first time), remembered for
+        the layers that read ``raw`` after it."""
         group = self.stats.layer_group.get(spec.name, spec.name)
         self._seen[key] = (raw, group)
         self._assign(spec.name, group)
-        self._add(group, x)
+        return group
+
+    def _accumulate_conv(self, spec: LayerSpec, raw: torch.Tensor) -> None:
+        """A convolution's unfolded patches of the counted output positions, a few records at a time."""
+        kernel = spec.kernel
+        assert kernel is not None
+        key = (id(raw), spec.bias, kernel)  # shared only by convs that unfold the input alike
+        shared = self._seen.get(key)
+        if shared is not None:
+            self._assign(spec.name, shared[1])
+            return
+        positions = None if self._every_row else self._conv_positions(spec, raw)
+        if spec.name in self.unaligned or (positions is None and not self._every_row):
+            self.unaligned.add(spec.name)  # not an input whose positions match the counted tokens
+            return
+        group = self._group_for(spec, key, raw)
+        for x in patch_chunks(raw, kernel, PRODUCT_DTYPE, positions):
+            self._add(group, _with_bias_column(x, spec.bias))
+
+    def _conv_positions(self, spec: LayerSpec, raw: torch.Tensor) -> torch.Tensor | None:
+        """In a text batch, a ``Conv1d`` with one output position per token: the counted tokens'
+        positions (``[B, T]``); ``None`` for any other conv input."""
+        kernel = spec.kernel
+        token_mask, record_mask = self._token_mask, self._record_mask
+        if kernel is None or kernel.spatial_dims != 1 or token_mask is None or record_mask is None:
+            return None
+        records = record_mask.shape[0]
+        tokens = token_mask.shape[0] // max(records, 1)
+        if raw.ndim != 3 or raw.shape[0] != records or kernel.output_length(raw.shape[2], 0) != tokens:
+            return None
+        return token_mask.reshape(records, tokens)
 
     def _add(self, group: str, x: torch.Tensor) -> None:
         """Add the counted rows ``x`` (float32) to ``group`` (created by its first call, even empty)."""
@@ -252,6 +327,23 @@ class _Collector:
         return self.stats
 
 
+def _with_bias_column(x: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``[x; 1]`` for a layer with a bias (its statistics then edit the bias with the weight)."""
+    return torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1) if bias else x
+
+
+def _model_inputs(batch: AnyBatch, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The forward's keyword arguments: token ids and mask, or pixels in the model's dtype."""
+    if isinstance(batch, PixelBatch):
+        return {"pixel_values": batch.pixel_values.to(device, dtype)}
+    return {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 for a model without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _parent(layer: str) -> str:
     """The module holding ``layer`` (``""``: the model itself, which always runs)."""
     return layer.rpartition(".")[0]
@@ -277,7 +369,7 @@ def model_device(model: nn.Module) -> torch.device:
 
 def collect_statistics(
     model: nn.Module,
-    batches: Iterable[Batch],
+    batches: Iterable[AnyBatch],
     layers: Sequence[LayerSpec],
     *,
     on_batch: Callable[[int], None] | None = None,
@@ -287,7 +379,8 @@ def collect_statistics(
 
     Args:
         model: a transformers model whose modules include ``layers``.
-        batches: right-padded batches from :func:`service.engine.records.make_batches`.
+        batches: right-padded batches from :func:`service.engine.records.make_batches`, or images
+            (:class:`PixelBatch`).
         layers: the layers to hook.
         on_batch: called after each batch with the number of counted tokens it added.
         should_stop: polled before each batch; returning True raises :class:`CollectionCancelled`.
@@ -296,6 +389,7 @@ def collect_statistics(
         The statistics, on the CPU in float64.
     """
     device = model_device(model)  # where the inputs go: the embeddings' device (a device_map's first)
+    dtype = model_dtype(model)
     collector = _Collector(layers)
     modules = dict(model.named_modules())
     experts = expert_requests(layers, modules)  # fused experts: one hook per experts module
@@ -314,8 +408,8 @@ def collect_statistics(
             for batch in batches:
                 if should_stop is not None and should_stop():
                     raise CollectionCancelled("collection cancelled")
-                collector.start_batch(batch.counted)
-                model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+                collector.start_batch(batch.counted, every_row=isinstance(batch, PixelBatch))
+                model(**_model_inputs(batch, device, dtype))
                 if on_batch is not None:
                     on_batch(batch.num_counted)
             return collector.finish()  # the sums are inference tensors: completed in that mode

@@ -1,8 +1,11 @@
 """Which modules of a transformers model the engram edits, and how their weights are laid out.
 
-Every ``nn.Linear`` and every GPT-2 style ``Conv1D`` is an editable layer. The engram
-mathematics works on the canonical ``[out, in]`` matrix; ``Conv1D`` stores its weight transposed
-(``[in, out]``), so the two helpers here are the only place that knows about the difference.
+Every ``nn.Linear``, every GPT-2 style ``Conv1D`` and every ungrouped ``nn.Conv1d``/``nn.Conv2d``
+(:mod:`service.engine.conv`) is an editable layer; other convolutions are refused by name
+(:func:`refused_layers`). The engram mathematics works on the canonical ``[out, in]`` matrix;
+``Conv1D`` stores its weight transposed (``[in, out]``) and a convolution as ``[out, C_in, *kernel]``
+(its ``in`` is the flattened patch), so the two helpers here are the only place that knows about
+the difference.
 
 Kept apart from :mod:`service.engine.layers` (the layers by name, no torch) because only a process
 that holds a model needs it.
@@ -15,6 +18,7 @@ import functools
 import torch
 from torch import nn
 
+from service.engine.conv import conv_kernel, conv_refusal, is_conv
 from service.engine.layers import LayerSpec, block_index
 
 
@@ -31,8 +35,22 @@ def _editable_types() -> tuple[type[nn.Module], ...]:
 
 
 def is_editable(module: nn.Module) -> bool:
-    """True for the layer types the engram edits (``nn.Linear`` and GPT-2 ``Conv1D``)."""
+    """True for the layer types the engram edits (``nn.Linear``, GPT-2 ``Conv1D``, and the
+    convolutions :func:`~service.engine.conv.conv_refusal` accepts)."""
+    if is_conv(module):
+        return conv_refusal(module) is None
     return isinstance(module, _editable_types())
+
+
+def refused_layers(model: nn.Module) -> dict[str, str]:
+    """The convolutions of ``model`` the engram does not edit, each with the reason (so that none is
+    left out unsaid: a grouped conv, a ``Conv3d``), in module order."""
+    refused = {}
+    for name, module in model.named_modules():
+        reason = conv_refusal(module) if is_conv(module) else None
+        if reason is not None:
+            refused[name] = reason
+    return refused
 
 
 def layer_spec(name: str, module: nn.Module) -> LayerSpec:
@@ -40,17 +58,20 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
 
     Args:
         name: its path in ``model.named_modules()``.
-        module: an ``nn.Linear`` or ``Conv1D``.
+        module: an ``nn.Linear``, ``Conv1D``, or ungrouped ``nn.Conv1d``/``nn.Conv2d``.
 
     Returns:
         The layer's :class:`LayerSpec`.
     """
+    has_bias = getattr(module, "bias", None) is not None
+    if isinstance(module, nn.Conv1d | nn.Conv2d):
+        kernel = conv_kernel(module)
+        return LayerSpec(name, kernel.patch_width, int(module.out_channels), has_bias, False, block_index(name), kernel)
     transposed = not isinstance(module, nn.Linear)
     weight = module.weight
     assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
     rows, cols = weight.shape
     in_features, out_features = (rows, cols) if transposed else (cols, rows)
-    has_bias = getattr(module, "bias", None) is not None
     return LayerSpec(name, int(in_features), int(out_features), has_bias, transposed, block_index(name))
 
 
@@ -60,10 +81,16 @@ def editable_layers(model: nn.Module) -> list[LayerSpec]:
 
 
 def weight_matrix(weight: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    """The canonical ``[out, in]`` view of a stored weight."""
+    """The canonical ``[out, in]`` view of a stored weight (a convolution's flattened to
+    ``[out, C_in · Π kernel]``, channel-major: the order its unfolded patches have)."""
+    if spec.kernel is not None:
+        return weight.reshape(spec.out_features, spec.in_features)
     return weight.mT if spec.transposed else weight
 
 
 def stored_weight(matrix: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     """Back from ``[out, in]`` to the layout the checkpoint stores."""
+    if spec.kernel is not None:
+        shape = (spec.out_features, spec.kernel.in_channels // spec.kernel.groups, *spec.kernel.kernel_size)
+        return matrix.reshape(shape).contiguous()
     return matrix.mT.contiguous() if spec.transposed else matrix.contiguous()

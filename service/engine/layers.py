@@ -8,13 +8,78 @@ weights are laid out, is :mod:`service.engine.editable`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Container names whose ``.<name>.<index>.`` segment carries the block index: Llama ``layers``,
 # GPT-2 ``h``, BERT ``layer``, T5/others ``block``/``blocks``.
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks|block)\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class ConvKernel:
+    """How a convolution reads its input; kept in the model's layout (JSON: lists for tuples).
+
+    Attributes:
+        kind: ``"conv1d"`` or ``"conv2d"``.
+        in_channels: ``C_in``.
+        kernel_size: per spatial dimension.
+        stride: per spatial dimension.
+        padding: ``(before, after)`` zeros per spatial dimension (``'same'`` made explicit; it may
+            be asymmetric, as torch pads it).
+        dilation: per spatial dimension.
+        groups: always 1 for an edited layer (why: :mod:`service.engine.conv`).
+    """
+
+    kind: str
+    in_channels: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    dilation: tuple[int, ...]
+    groups: int = 1
+
+    @property
+    def patch_width(self) -> int:
+        """The flat weight's columns: ``C_in/groups · Π kernel_size``."""
+        return self.in_channels // self.groups * math.prod(self.kernel_size)
+
+    @property
+    def spatial_dims(self) -> int:
+        return len(self.kernel_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "in_channels": self.in_channels,
+            "kernel_size": list(self.kernel_size),
+            "stride": list(self.stride),
+            "padding": [list(pair) for pair in self.padding],
+            "dilation": list(self.dilation),
+            "groups": self.groups,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> ConvKernel:
+        """From :meth:`to_json`'s form (or ``dataclasses.asdict``'s, tuples instead of lists)."""
+        return cls(
+            kind=str(data["kind"]),
+            in_channels=int(data["in_channels"]),
+            kernel_size=tuple(int(k) for k in data["kernel_size"]),
+            stride=tuple(int(s) for s in data["stride"]),
+            padding=tuple((int(p[0]), int(p[1])) for p in data["padding"]),
+            dilation=tuple(int(d) for d in data["dilation"]),
+            groups=int(data.get("groups", 1)),
+        )
+
+    def output_length(self, size: int, dim: int) -> int:
+        """Output positions along spatial dimension ``dim`` for an input ``size`` wide (torch's formula)."""
+        before, after = self.padding[dim]
+        reach = self.dilation[dim] * (self.kernel_size[dim] - 1) + 1
+        return (size + before + after - reach) // self.stride[dim] + 1
 
 
 @dataclass(frozen=True)
@@ -28,6 +93,10 @@ class LayerSpec:
         bias: whether the layer has a bias; its statistics then use the augmented input ``[x; 1]``.
         transposed: ``True`` for ``Conv1D``, whose stored weight is ``[in, out]``.
         block: the block index parsed from the name, ``None`` for layers outside the blocks.
+        kernel: for a convolution (:mod:`service.engine.conv`), how it reads its input; its
+            ``in_features`` is then the patch width ``C_in · Π kernel_size`` and its stored weight
+            ``[out, C_in, *kernel_size]``. ``None`` for every other layer (and in layouts recorded
+            before convolutions were edited).
     """
 
     name: str
@@ -36,6 +105,11 @@ class LayerSpec:
     bias: bool
     transposed: bool
     block: int | None
+    kernel: ConvKernel | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel is not None and not isinstance(self.kernel, ConvKernel):  # read back from JSON
+            object.__setattr__(self, "kernel", ConvKernel.from_json(self.kernel))
 
     @property
     def stat_dim(self) -> int:

@@ -34,6 +34,9 @@ class ModelLayout:
             evaluation, generation and calibration need; None in a layout recorded before this was.
         expert_slices: expert layer -> ``[expert, first row, row stop]`` of its fused weight key
             (:mod:`service.engine.experts`); experts stored one key each are ordinary layers here.
+        refused_layers: layer -> why the service does not edit it (a grouped or depthwise
+            convolution, a ``Conv3d``: :func:`service.engine.conv.conv_refusal`); shown to the user,
+            never edited. Empty in a layout recorded before this was.
     """
 
     architecture: str
@@ -48,10 +51,11 @@ class ModelLayout:
     unstored_layers: list[str] = field(default_factory=list)
     renamed_layers: list[str] = field(default_factory=list)
     causal_lm: bool | None = None
+    refused_layers: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["layers"] = [asdict(spec) for spec in self.layers]
+        data["layers"] = [_layer_json(spec) for spec in self.layers]
         return data
 
     @classmethod
@@ -65,6 +69,17 @@ class ModelLayout:
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+
+def _layer_json(spec: LayerSpec) -> dict[str, Any]:
+    """A layer as the layout stores it: ``kernel`` only for a convolution, so a Linear layer's entry
+    reads as it did before convolutions were layers."""
+    data = asdict(spec)
+    if spec.kernel is None:
+        del data["kernel"]
+    else:
+        data["kernel"] = spec.kernel.to_json()
+    return data
 
 
 def is_causal_lm(model: Any) -> bool:
