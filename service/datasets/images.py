@@ -38,6 +38,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from service.config import Settings
 from service.errors import InvalidInput, PayloadTooLarge
 
 IMAGE_FIELD, LABEL_FIELD = "image", "label"
@@ -56,6 +57,8 @@ SUPPORTED = "PNG, JPEG or WebP"
 FOLDER_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 _DATA_URI = "data:image/"
 _KNOWN_SHOWN = 8  # labels listed when a name is unknown
+# ENGRAM_MAX_IMAGE_PIXELS's default, for callers not given settings.
+DEFAULT_MAX_IMAGE_PIXELS: int = Settings.model_fields["max_image_pixels"].default
 
 
 def record_name(where: int | str) -> str:

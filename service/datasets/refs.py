@@ -42,6 +42,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from service.config import Settings
+from service.datasets.images import (
+    IMAGE_FIELD,
+    folder_fingerprint,
+    image_column_value,
+    image_folder,
+    list_image_folder,
+)
 from service.datasets.sources import (
     FINGERPRINT,
     Source,
@@ -54,9 +61,11 @@ from service.datasets.sources import (
     s3_key,
 )
 from service.datasets.spool import DatasetSpool, JsonlFeed, SpooledDataset
-from service.errors import InvalidInput, PayloadTooLarge
+from service.errors import Conflict, InvalidInput, PayloadTooLarge
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+# A file:// folder of class subfolders of images (service.datasets.images.list_image_folder).
+IMAGEFOLDER = "imagefolder"
 _BATCH_ROWS = 4096
 # Records between cancellation checks: every one, as the job's check is throttled by time
 # (service.concepts.collection.CancelCheck); 10,000 records of 16 MiB are more than a whole dataset.
@@ -98,7 +107,13 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
         raise InvalidInput(
             f"dataset.uri must be s3://bucket/key, hf://datasets/org/name[@revision]/path or file:///abs/path, got {uri!r}"
         )
-    fmt = raw.get("format") or format_of(PurePosixPath(path))
+    fmt = (
+        raw.get("format")
+        or format_of(PurePosixPath(path))
+        or (IMAGEFOLDER if scheme == "file" and Path(path).is_dir() else None)
+    )
+    if fmt == IMAGEFOLDER:
+        _check_image_folder(raw, uri, scheme, Path(path))
     if fmt is None:
         raise InvalidInput(
             f"cannot tell the format of {uri} from its extension: give dataset.format (jsonl, plain or "
@@ -119,9 +134,22 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
         reference["rows"] = {"start": start, **({"stop": int(stop)} if stop is not None else {})}
     if scheme == "s3":  # last, so a malformed reference hears what is wrong with it first
         allowed_s3_key(uri, settings)
-    elif scheme == "file":
+    elif scheme == "file" and fmt != IMAGEFOLDER:
         check_regular_file(Path(path))
     return reference
+
+
+def _check_image_folder(raw: dict[str, Any], uri: str, scheme: str, path: Path) -> None:
+    """An ImageFolder reference: a ``file://`` folder (its records are its images and their folders'
+    names, so no column mapping; a row range counts its files in sorted order)."""
+    if scheme != "file":
+        raise InvalidInput(f"an ImageFolder is read from a file:// folder, not {uri}")
+    if not path.is_dir():
+        raise InvalidInput(f"the ImageFolder {path} is not a folder")
+    if any(v is not None for v in (raw.get("columns") or {}).values()):
+        raise InvalidInput(
+            "dataset.columns does not apply to an ImageFolder: its records are each image and its folder's name"
+        )
 
 
 def format_of(path: PurePosixPath) -> str | None:
@@ -141,7 +169,14 @@ def submitted_reference(raw: dict[str, Any], settings: Settings) -> dict[str, An
     """The reference as a concept stores it: checked (:func:`check_reference`) and fingerprinted
     (:func:`fingerprint_reference`, under ``"fingerprint"``). Network calls: run it off the event loop."""
     reference = check_reference(raw, settings)
+    if reference["format"] == IMAGEFOLDER:  # its listing: the files' paths, sizes, mtimes and inodes
+        return {**reference, FINGERPRINT: _folder_print(reference, settings)}
     return {**reference, FINGERPRINT: fingerprint_reference(reference, settings)}
+
+
+def _folder_print(reference: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    root = file_path(reference["uri"], settings.dataset_root_paths)
+    return folder_fingerprint(list_image_folder(root, settings.max_records, settings.max_dataset_bytes))
 
 
 def same_reference(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -178,6 +213,8 @@ def resolve_reference(
         StorageUnavailable: the S3 endpoint is unreachable (the job is retried).
     """
     check_reference(reference, settings)  # the same rules again, on the worker's settings
+    if reference["format"] == IMAGEFOLDER:
+        return _resolve_image_folder(reference, settings, directory, check)
     limit = settings.max_dataset_bytes
     source = open_source(reference["uri"], settings, reference.get(FINGERPRINT))
     try:
@@ -188,7 +225,13 @@ def resolve_reference(
         rows = reference.get("rows") or {}
         start, stop = int(rows.get("start", 0)), rows.get("stop")
         spool_file, record_limit = directory / "dataset.jsonl", settings.max_record_bytes
-        with DatasetSpool(spool_file, settings.max_records, max_bytes=limit, max_record_bytes=record_limit) as spool:
+        with DatasetSpool(
+            spool_file,
+            settings.max_records,
+            max_bytes=limit,
+            max_record_bytes=record_limit,
+            max_image_pixels=settings.max_image_pixels,
+        ) as spool:
             if reference["format"] == "parquet":
                 seen = _parquet(source, reference.get("columns"), start, stop, spool, check)
             else:
@@ -199,6 +242,34 @@ def resolve_reference(
             return spool.finish()
     finally:
         source.close()
+
+
+def _resolve_image_folder(
+    reference: dict[str, Any], settings: Settings, directory: Path, check: Callable[[], None] | None
+) -> SpooledDataset:
+    """An ImageFolder's records spooled as image records labelled by their folders' names, the
+    folder's listing checked against the posted fingerprint before and after (as a file's ``fstat``)."""
+    root = file_path(reference["uri"], settings.dataset_root_paths)
+    posted = reference.get(FINGERPRINT)
+    if posted is not None and _folder_print(reference, settings) != posted:
+        raise Conflict(f"the dataset {reference['uri']} changed since it was posted: post the concept again to collect it")
+    rows = reference.get("rows") or {}
+    kept = _Rows(None, int(rows.get("start", 0)), rows.get("stop"), check)
+    with DatasetSpool(
+        directory / "dataset.jsonl",
+        settings.max_records,
+        max_bytes=settings.max_dataset_bytes,
+        max_record_bytes=settings.max_record_bytes,
+        max_image_pixels=settings.max_image_pixels,
+    ) as spool:
+        for where, record in image_folder(root, settings.max_records, settings.max_dataset_bytes):
+            if kept.next_row():
+                spool.add(record, where)
+            if kept.done:
+                break
+        if posted is not None and _folder_print(reference, settings) != posted:
+            raise Conflict(f"the dataset {reference['uri']} changed while it was read: post the concept again to collect it")
+        return spool.finish()
 
 
 class _Rows:
@@ -311,7 +382,7 @@ def _parquet(
                     if keep:
                         row = dict(zip(wanted, values, strict=True))
                         where = f"dataset row {rows.row}"
-                        spool.add({field: _plain(row[column]) for field, column in mapping.items()}, where)
+                        spool.add({field: _cell(field, row[column], where) for field, column in mapping.items()}, where)
                     if rows.done:
                         return rows.row + 1
         except UnicodeDecodeError:
@@ -329,6 +400,7 @@ DEFAULT_SHAPES = (
     (("prompt", "completion"), ()),
     (("instruction", "output"), ("input",)),
     (("text",), ()),
+    (("image",), ("label",)),  # the datasets library's image classification sets (mnist, beans, …)
 )
 
 
@@ -337,9 +409,15 @@ def _default_columns(names: list[str], uri: str) -> dict[str, str]:
         if all(name in names for name in required):
             return {name: name for name in (*required, *optional) if name in names}
     raise InvalidInput(
-        f"{uri} has no column messages, conversations, prompt+completion, instruction+output or text "
+        f"{uri} has no column messages, conversations, prompt+completion, instruction+output, text or image "
         f"(its columns: {', '.join(names)}): give dataset.columns"
     )
+
+
+def _cell(field: str, value: Any, where: str) -> Any:
+    """A Parquet cell as the record field it maps to: an image as base64 (from a ``datasets`` Image
+    struct, bytes or a base64 string; :func:`~service.datasets.images.image_column_value`)."""
+    return image_column_value(value, where) if field == IMAGE_FIELD else _plain(value)
 
 
 def _plain(value: Any) -> Any:

@@ -21,11 +21,12 @@ import hashlib
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.datasets.images import DEFAULT_MAX_IMAGE_PIXELS, ImageRecord, is_image_record, record_name
 from service.engine.records import Record, RecordError
 from service.errors import InvalidInput, MalformedBody, PayloadTooLarge, ProblemError
 
@@ -44,7 +45,7 @@ _FOREIGN = (
 )
 
 
-def record_line(record: Record) -> bytes:
+def record_line(record: Record | ImageRecord) -> bytes:
     """One record as stored: its normalised JSON and a newline."""
     return (json.dumps(record.to_json(), sort_keys=True, ensure_ascii=False) + "\n").encode()
 
@@ -56,8 +57,10 @@ class SpooledDataset:
     path: Path
     digest: str
     num_records: int
-    kinds: frozenset[str] = frozenset()  # the record kinds it holds: "text", "prompt", "messages"
+    kinds: frozenset[str] = frozenset()  # the record kinds it holds: "text", "prompt", "messages", "image"
     size: int = 0  # its stored bytes
+    # kind -> the first record of that kind, named as messages name it ("record 3", "dataset row 7")
+    first: Mapping[str, str] = field(default_factory=dict)
 
 
 class DatasetSpool:
@@ -71,6 +74,7 @@ class DatasetSpool:
         limit_name: the setting ``max_bytes`` comes from, for the message.
         max_record_bytes: the most bytes one record's stored form may have (``ENGRAM_MAX_RECORD_BYTES``;
             ``None``: no limit of its own).
+        max_image_pixels: the most pixels of an image record (``ENGRAM_MAX_IMAGE_PIXELS``).
     """
 
     def __init__(
@@ -81,8 +85,11 @@ class DatasetSpool:
         limit_name: str = "ENGRAM_MAX_DATASET_BYTES",
         *,
         max_record_bytes: int | None = None,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         self.path, self.max_records = path, max_records
+        self.max_image_pixels = max_image_pixels
+        self.first: dict[str, str] = {}
         self.max_bytes, self.limit_name = max_bytes, limit_name
         self.max_record_bytes = max_record_bytes
         self.count = 0
@@ -112,8 +119,13 @@ class DatasetSpool:
         """
         if self.count >= self.max_records:
             raise PayloadTooLarge(f"the dataset has more than {self.max_records} records (the limit, ENGRAM_MAX_RECORDS)")
+        named = self.count if where is None else where
+        record: Record | ImageRecord
         try:
-            record = Record.from_mapping(raw, self.count if where is None else where)
+            if is_image_record(raw):  # {"image": base64, "label"?}: decoded once here (service.datasets.images)
+                record = ImageRecord.from_mapping(raw, named, self.max_image_pixels)
+            else:
+                record = Record.from_mapping(raw, named)
         except RecordError as exc:
             raise InvalidInput(str(exc)) from None
         line = record_line(record)
@@ -124,6 +136,7 @@ class DatasetSpool:
             raise PayloadTooLarge(f"the dataset's records exceed {self.max_bytes} bytes (the limit, {self.limit_name})")
         self._sha.update(line)
         self._file.write(line)
+        self.first.setdefault(record.kind, record_name(named))
         self.count += 1
         self.kinds.add(record.kind)
 
@@ -132,7 +145,7 @@ class DatasetSpool:
         self._file.close()
         if self.count == 0:
             raise InvalidInput("the dataset has no records")
-        return SpooledDataset(self.path, self._sha.hexdigest(), self.count, frozenset(self.kinds), self.size)
+        return SpooledDataset(self.path, self._sha.hexdigest(), self.count, frozenset(self.kinds), self.size, self.first)
 
 
 def record_too_large(where: str, size: int, limit: int, *, at_least: bool = False) -> PayloadTooLarge:
@@ -151,10 +164,14 @@ _ESCAPED_BYTES = 6
 
 
 def spool_records(
-    raw_records: Iterable[Any], path: Path, max_records: int, max_record_bytes: int | None = None
+    raw_records: Iterable[Any],
+    path: Path,
+    max_records: int,
+    max_record_bytes: int | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> SpooledDataset:
     """Records already decoded (a JSON body's ``records``) spooled to ``path``."""
-    with DatasetSpool(path, max_records, max_record_bytes=max_record_bytes) as spool:
+    with DatasetSpool(path, max_records, max_record_bytes=max_record_bytes, max_image_pixels=max_image_pixels) as spool:
         for raw in raw_records:
             spool.add(raw)
         return spool.finish()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from service.datasets.images import (
     list_image_folder,
     resolve_label,
 )
-from service.errors import InvalidInput, PayloadTooLarge
+from service.datasets.refs import check_reference, resolve_reference, submitted_reference
+from service.datasets.spool import spool_records
+from service.errors import Conflict, InvalidInput, PayloadTooLarge
 from tests.helpers.images import b64, digit_image, digit_record, digits, encode, png_bomb
 
 MAX_PIXELS = Settings().max_image_pixels
@@ -268,3 +271,62 @@ def test_folder_fingerprint_changes_with_any_file(tmp_path: Path) -> None:
     assert folder_fingerprint(list_image_folder(root, 10, 1 << 20)) == before
     (root / "one" / "0001.png").write_bytes(encode(digit_image(2), "PNG"))
     assert folder_fingerprint(list_image_folder(root, 10, 1 << 20)) != before
+
+
+# ---------------------------------------------------------------- by reference: Parquet and ImageFolder, end to end
+
+
+def _stored(spooled_path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in spooled_path.read_text().splitlines()]
+
+
+def test_parquet_image_dataset_spools_the_records_an_inline_post_would(tmp_path: Path) -> None:
+    indices = [0, 1, 2, 3]
+    pngs = [encode(digit_image(i, rgb=True), "PNG") for i in indices]
+    table = _hf_image_table([f"{i}.png" for i in indices], pngs)  # default columns: image + label
+    table = pa.table({"image": table.column("img"), "label": pa.array([int(digits()[1][i]) for i in indices])})
+    pq.write_table(table, tmp_path / "digits.parquet", row_group_size=3)
+    settings = Settings(dataset_roots=str(tmp_path))
+    reference = submitted_reference({"uri": f"file://{tmp_path}/digits.parquet"}, settings)
+    (tmp_path / "job").mkdir()
+    spooled = resolve_reference(reference, settings, tmp_path / "job")
+    inline = spool_records([digit_record(i) for i in indices], tmp_path / "inline.jsonl", 10)
+    assert spooled.kinds == {"image"} and spooled.first == {"image": "dataset row 0"}
+    assert spooled.digest == inline.digest  # the same records whichever way they came
+    assert _stored(spooled.path)[1] == {"image": b64(pngs[1]), "label": 1}
+
+
+def test_parquet_column_mapping_and_a_bad_cell_named_by_row(tmp_path: Path) -> None:
+    good = b64(encode(digit_image(0), "PNG"))
+    pq.write_table(pa.table({"pic": [good, good, b64(b"GIF89a....")], "y": [0, 0, 0]}), tmp_path / "d.parquet")
+    settings = Settings(dataset_roots=str(tmp_path))
+    raw = {"uri": f"file://{tmp_path}/d.parquet", "columns": {"image": "pic", "label": "y"}}
+    with pytest.raises(InvalidInput, match="dataset row 2: the image is a GIF"):
+        resolve_reference(submitted_reference(raw, settings), settings, tmp_path)
+
+
+def test_image_folder_reference_spools_labelled_records(tmp_path: Path) -> None:
+    root = _folder(tmp_path / "data" / "digits", {"zero": [0, 10], "one": [1]})
+    settings = Settings(dataset_roots=str(tmp_path / "data"))
+    raw = {"uri": f"file://{root}", "rows": {"start": 1}}
+    assert check_reference(raw, settings) == {"uri": f"file://{root}", "format": "imagefolder", "rows": {"start": 1}}
+    reference = submitted_reference(raw, settings)
+    assert reference["fingerprint"]["files"] == 3
+    spooled = resolve_reference(reference, settings, tmp_path)
+    assert spooled.first == {"image": "dataset file zero/0000.png"}  # row 0 (one/0001.png) skipped
+    assert [r["label"] for r in _stored(spooled.path)] == ["zero", "zero"]
+    (root / "zero" / "0010.png").write_bytes(encode(digit_image(20), "PNG"))
+    with pytest.raises(Conflict, match="changed since it was posted"):
+        resolve_reference(reference, settings, tmp_path)
+
+
+def test_image_folder_reference_refusals(tmp_path: Path) -> None:
+    root = _folder(tmp_path / "data" / "digits", {"zero": [0]})
+    settings = Settings(dataset_roots=str(tmp_path / "data"))
+    with pytest.raises(InvalidInput, match="dataset.columns does not apply to an ImageFolder"):
+        check_reference({"uri": f"file://{root}", "columns": {"image": "x"}}, settings)
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(encode(digit_image(3), "PNG"))
+    os.symlink(outside, root / "zero" / "0003.png")
+    with pytest.raises(InvalidInput, match="link that leads out of the folder"):
+        submitted_reference({"uri": f"file://{root}"}, settings)
