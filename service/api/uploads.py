@@ -26,6 +26,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from service.datasets.images import DEFAULT_MAX_IMAGE_PIXELS
 from service.datasets.spool import DatasetSpool, JsonlFeed, SpooledDataset
 
 if TYPE_CHECKING:  # python_multipart declares its callback types for type checkers only
@@ -47,7 +48,13 @@ class Upload:
 
 
 async def read_upload(
-    request: Request, directory: Path, *, max_records: int, max_bytes: int, max_record_bytes: int | None = None
+    request: Request,
+    directory: Path,
+    *,
+    max_records: int,
+    max_bytes: int,
+    max_record_bytes: int | None = None,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> Upload:
     """Read a ``multipart/form-data`` body with one JSONL part named ``dataset`` (plain or gzip).
 
@@ -55,6 +62,7 @@ async def read_upload(
         directory: a scratch folder for the spooled dataset (``dataset.jsonl``).
         max_records: the most records the dataset may hold (``ENGRAM_MAX_RECORDS``).
         max_record_bytes: the most bytes one record may hold (``ENGRAM_MAX_RECORD_BYTES``).
+        max_image_pixels: the most pixels of an image record (``ENGRAM_MAX_IMAGE_PIXELS``).
         max_bytes: the most bytes the dataset part may hold (``ENGRAM_MAX_UPLOAD_BYTES``), and,
             when it is gzip-compressed, the most it may inflate to.
 
@@ -69,7 +77,9 @@ async def read_upload(
         raise MalformedBody("a multipart/form-data body needs a boundary in its Content-Type")
     parts = _Parts(max_bytes)
     stream = request.stream()
-    with DatasetSpool(directory / "dataset.jsonl", max_records, max_record_bytes=max_record_bytes) as spool:
+    with DatasetSpool(
+        directory / "dataset.jsonl", max_records, max_record_bytes=max_record_bytes, max_image_pixels=max_image_pixels
+    ) as spool:
         # A gzip-compressed part is inflated as it comes, limited like a plain one to ENGRAM_MAX_UPLOAD_BYTES.
         feed = JsonlFeed(spool, max_bytes=max_bytes, limit_name="ENGRAM_MAX_UPLOAD_BYTES")
         try:

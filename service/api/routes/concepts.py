@@ -82,13 +82,14 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
                 max_records=settings.max_records,
                 max_bytes=settings.max_upload_bytes,
                 max_record_bytes=settings.max_record_bytes,
+                max_image_pixels=settings.max_image_pixels,
             )
             body: ConceptCreate = _validate(_UploadFields, _form_fields(upload.fields))
             dataset = upload.dataset
         elif content_type.startswith("application/json"):
             raw = await request.body()
             body, dataset = await run_in_threadpool(
-                _json_concept, raw, Path(tmp), settings.max_records, settings.max_record_bytes
+                _json_concept, raw, Path(tmp), settings.max_records, settings.max_record_bytes, settings.max_image_pixels
             )
         else:
             raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
@@ -125,7 +126,7 @@ def _check_identity_coding(coding: str) -> None:
 
 
 def _json_concept(
-    raw: bytes, directory: Path, max_records: int, max_record_bytes: int
+    raw: bytes, directory: Path, max_records: int, max_record_bytes: int, max_image_pixels: int
 ) -> tuple[ConceptCreate, SpooledDataset | None]:
     """A JSON body decoded, validated and its records spooled (in a worker thread: bodies run to
     ``ENGRAM_MAX_JSON_BYTES``)."""
@@ -142,7 +143,7 @@ def _json_concept(
     body = _validate(ConceptCreate, fields)
     if body.records is None:  # a dataset reference
         return body, None
-    return body, spool_records(body.records, directory / "dataset.jsonl", max_records, max_record_bytes)
+    return body, spool_records(body.records, directory / "dataset.jsonl", max_records, max_record_bytes, max_image_pixels)
 
 
 def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
