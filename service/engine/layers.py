@@ -75,6 +75,22 @@ class ConvKernel:
             groups=int(data.get("groups", 1)),
         )
 
+    def adapter_refusal(self, lora_target: str) -> str | None:
+        """Why a LoRA adapter for ``lora_target`` cannot carry this conv's edit, or ``None``.
+
+        peft wraps a conv in a ``lora_A`` conv of the same kernel, stride and padding and a 1×1
+        ``lora_B``: its ``B·A`` is the edit, but ``lora_A`` is built without the conv's dilation, so
+        served unmerged it would read other input values. vLLM serves no LoRA on a convolution.
+        """
+        if lora_target == "vllm":
+            return "vLLM serves no LoRA on a convolution"
+        if any(d != 1 for d in self.dilation):
+            return (
+                f"peft builds the LoRA of a conv without its dilation {list(self.dilation)}, so the "
+                "adapter served unmerged would apply another map"
+            )
+        return None
+
     def output_length(self, size: int, dim: int) -> int:
         """Output positions along spatial dimension ``dim`` for an input ``size`` wide (torch's formula)."""
         before, after = self.padding[dim]

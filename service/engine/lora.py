@@ -47,6 +47,7 @@ import torch
 
 from service.engine.compose import COMPUTE_DTYPE, LayerDelta
 from service.engine.errors import EditError
+from service.engine.layers import ConvKernel
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget, rank_cap, vllm_bias_refusal, vllm_rank
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -146,6 +147,8 @@ class LayerLora:
         kept_energy: the share of ``‖ΔW‖_F²`` in the kept singular values.
         delta_norm: ``‖ΔW‖_F``.
         transposed: the base layer stores ``[in, out]`` (GPT-2 ``Conv1D``).
+        kernel: the base layer's, for a convolution: the factors are kept ``[r, in]`` / ``[out, r]``
+            here and written as peft's conv LoRA shapes (:func:`~service.engine.lora_files.adapter_tensors`).
         kept_rank: the singular directions the factors carry; past it, up to ``rank``, zero padding
             (``None``: no padding, ``rank``).
     """
@@ -162,6 +165,7 @@ class LayerLora:
     delta_norm: float
     transposed: bool
     kept_rank: int | None = None
+    kernel: ConvKernel | None = None
 
     @property
     def rank(self) -> int:
@@ -209,6 +213,11 @@ def layer_lora(
         ValueError: a rank vLLM does not serve.
     """
     spec = item.spec
+    if spec.kernel is not None and (reason := spec.kernel.adapter_refusal(lora_target)):
+        raise EditError(
+            f'lora_target "{lora_target}" cannot carry the edit of layer {spec.name}: {reason}; use format '
+            '"checkpoint" or "delta"'
+        )
     if lora_target == "vllm" and spec.bias:
         raise EditError(vllm_bias_refusal([spec]))
     if not torch.isfinite(item.delta).all():
@@ -231,6 +240,7 @@ def layer_lora(
         kept_energy=factors.kept_energy,
         delta_norm=factors.norm,
         transposed=spec.transposed,
+        kernel=spec.kernel,
     )
 
 

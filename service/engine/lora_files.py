@@ -25,7 +25,8 @@ from service.engine.lora_rules import EXACT_RTOL, LoraTarget
 
 
 def adapter_tensors(loras: Sequence[LayerLora]) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under the keys ``PeftModel.save_pretrained`` writes.
+    """The adapter's tensors under the keys ``PeftModel.save_pretrained`` writes (a conv's as peft's
+    conv LoRA holds them: ``lora_A`` ``[r, C_in, *kernel]``, ``lora_B`` ``[out, r, 1, 1]``).
 
     With any biased layer, every layer gets ``lora_B.bias`` (peft's ``lora_bias`` is adapter-wide):
     zeros where the base layer has no bias.
@@ -34,8 +35,13 @@ def adapter_tensors(loras: Sequence[LayerLora]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for lora in loras:
         prefix = f"{KEY_PREFIX}{lora.name}"
-        tensors[f"{prefix}.lora_A.weight"] = lora.lora_A.contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = lora.lora_B.contiguous()
+        lora_a, lora_b = lora.lora_A, lora.lora_B
+        if lora.kernel is not None:  # peft's conv LoRA: A a conv of the layer's kernel, B a 1×1 conv
+            ones = (1,) * len(lora.kernel.kernel_size)
+            lora_a = lora_a.reshape(lora.rank, lora.kernel.in_channels, *lora.kernel.kernel_size)
+            lora_b = lora_b.reshape(lora_b.shape[0], lora.rank, *ones)
+        tensors[f"{prefix}.lora_A.weight"] = lora_a.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = lora_b.contiguous()
         if with_bias:
             bias = lora.bias if lora.bias is not None else lora.lora_B.new_zeros(lora.lora_B.shape[0])
             tensors[f"{prefix}.lora_B.bias"] = bias.contiguous()
@@ -47,13 +53,18 @@ def exact_pattern(names: Iterable[str]) -> str:
     return "^(?:" + "|".join(re.escape(name) for name in names) + ")$"
 
 
-def adapter_config(model_id: str, loras: Sequence[LayerLora], lora_target: LoraTarget = "peft") -> dict[str, Any]:
+def adapter_config(
+    model_id: str, loras: Sequence[LayerLora], lora_target: LoraTarget = "peft", task_type: str | None = "CAUSAL_LM"
+) -> dict[str, Any]:
     """``adapter_config.json`` for the layers: LoRA with scaling 1 and one rank per layer.
 
     Args:
         model_id: the base model's ID (``base_model_name_or_path``).
         loras: the adapter's layers (at least one).
         lora_target: ``"vllm"``: every layer has rank ``r``, so no rank/alpha patterns (vLLM reads none).
+        task_type: peft's ``task_type``, which picks the ``PeftModel`` class that wraps the model:
+            ``None`` for a model peft has no task for (an image classifier: ``PeftModelForCausalLM``
+            would call its ``prepare_inputs_for_generation``, which it lacks).
 
     Returns:
         The config as peft's ``LoraConfig`` reads it (unlisted fields take peft's defaults).
@@ -63,7 +74,7 @@ def adapter_config(model_id: str, loras: Sequence[LayerLora], lora_target: LoraT
     ranks = {re.escape(lora.name): lora.rank for lora in loras} if lora_target == "peft" else {}
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": model_id,
         "revision": None,
         "r": top,
@@ -158,6 +169,7 @@ def write_adapter(
     tied: Mapping[str, Sequence[str]] | None = None,
     on_layer: Callable[[], None] | None = None,
     lora_target: LoraTarget = "peft",
+    task_type: str | None = "CAUSAL_LM",
 ) -> dict[str, Any]:
     """Write a PEFT adapter directory: config, safetensors weights and ``lora_report.json``.
 
@@ -173,6 +185,7 @@ def write_adapter(
         tied: layer -> the parameters sharing its base weight.
         on_layer: progress callback, once per layer.
         lora_target: ``"vllm"``: every layer padded to the one rank, no bias (see the module notes).
+        task_type: peft's ``task_type`` (:func:`adapter_config`).
 
     Returns:
         The report (also written to ``lora_report.json``).
@@ -190,7 +203,7 @@ def write_adapter(
     if lora_target == "vllm":
         kept = servable_by_vllm(kept, max_rank)
     save_file(adapter_tensors(kept), str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model_id, kept, lora_target), indent=2))
+    (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model_id, kept, lora_target, task_type), indent=2))
     report = adapter_report(kept, max_rank, rtol, tied or {}, lora_target)
     (target / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report

@@ -22,11 +22,21 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from service.engine.collect import LayerStatistics, PixelBatch, collect_statistics
-from service.engine.compose import EngramAlgebra, LayerEdit, LayerWeights, layer_edits, layer_scales
+from service.engine.compose import (
+    EngramAlgebra,
+    LayerDelta,
+    LayerEdit,
+    LayerWeights,
+    layer_deltas,
+    layer_edits,
+    layer_scales,
+)
 from service.engine.conv import conv_refusal
 from service.engine.editable import editable_layers, refused_layers, stored_weight, weight_matrix
+from service.engine.errors import EditError
 from service.engine.layers import ConvKernel, LayerSpec
 from service.engine.layout import ModelLayout
+from service.engine.lora import layer_lora
 from service.engine.records import Batch
 from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, reference_pinv, rel
 
@@ -454,3 +464,21 @@ def test_layout_json_keeps_the_kernel_and_reads_older_layouts(net: ConvNet) -> N
     older["layers"] = [{k: v for k, v in e.items() if k != "kernel"} for e in data["layers"] if "kernel" not in e]
     assert ModelLayout.from_json(older).refused_layers == {}
     assert ModelLayout.from_json(older).layers[0].kernel is None
+
+
+def test_an_adapter_refuses_a_dilated_conv_and_vllm_any_conv_by_name(net: ConvNet) -> None:
+    """peft builds a conv's LoRA without its dilation; vLLM serves no conv LoRA: both refused naming
+    the layer, before anything is written. An undilated conv factorizes for peft."""
+    forget, retain = collect(net, images(14, 3)), collect(net, images(15, 6))
+    algebra = EngramAlgebra(terms=[(-1.0, forget)], universe=[forget, retain])
+    specs = {s.name: s for s in editable_layers(net)}
+
+    def delta(name: str) -> LayerDelta:
+        return next(layer_deltas([specs[name]], algebra, lambda s: weights64(net, s), {name: 1.0}))
+
+    with pytest.raises(EditError, match=r'"peft" cannot carry the edit of layer dilated: .*dilation \[2, 1\]'):
+        layer_lora(delta("dilated"))
+    with pytest.raises(EditError, match=r'"vllm" cannot carry the edit of layer stem: vLLM serves no LoRA on a conv'):
+        layer_lora(delta("stem"), lora_target="vllm")
+    lora = layer_lora(delta("stem"))
+    assert lora.kernel == specs["stem"].kernel and lora.lora_A.shape[1] == specs["stem"].in_features

@@ -7,12 +7,14 @@ among them), their statistics collected from images, and a variant with edited c
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from peft import PeftModel
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
@@ -20,8 +22,10 @@ from engram_fixtures.vision import make_tiny_resnet, make_tiny_vit
 from service.engine.checkpoint import CheckpointReader, load_model
 from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import PixelBatch, collect_statistics
-from service.engine.compose import EngramAlgebra, layer_editor
+from service.engine.compose import EngramAlgebra, layer_deltas, layer_editor
 from service.engine.layers import select_layers
+from service.engine.lora import layer_loras
+from service.engine.lora_files import write_adapter
 from service.models.registry import model_view
 from service.storage.keys import model_key
 from tests.store_world import StoreWorld
@@ -143,3 +147,43 @@ def test_a_variant_with_edited_convs_loads_with_from_pretrained(
         assert expected is not None
         assert torch.equal(params[f"{spec.name}.weight"].detach(), expected.weight), spec.name
         assert not torch.equal(expected.weight, reader.layer_weights(spec).weight), spec.name
+
+
+@pytest.mark.parametrize("name", ["resnet", "vit"])
+def test_a_peft_adapter_of_conv_edits_serves_like_the_checkpoint_variant(
+    world: StoreWorld, registered: dict[str, Any], name: str, tmp_path: Path
+) -> None:
+    """The conv layers' LoRA in peft's conv shapes: ``PeftModel`` loads it, its ``B·A`` per layer is
+    the checkpoint variant's change, and served unmerged it gives the variant's logits."""
+    path = world.root / "models" / name
+    layout = registered[name].layout
+    model = load_model(path)
+    forget = collect_statistics(model, [PixelBatch(pixels(path, 2, seed=4))], layout.layers)
+    retain = collect_statistics(model, [PixelBatch(pixels(path, 6, seed=5))], layout.layers)
+    reader = CheckpointReader(path, layout)
+    algebra = EngramAlgebra(terms=[(-1.0, forget)], universe=[forget, retain])
+    layers = [spec for spec in layout.layers if spec.kernel is not None] + [layout.layers[-1]]  # convs, the head
+    scales = {spec.name: 1.0 for spec in layers}
+    (tmp_path / "adapter").mkdir()
+    loras = layer_loras(layer_deltas(layers, algebra, reader.layer_weights, scales))
+    report = write_adapter(tmp_path / "adapter", f"tiny/{name}", loras, task_type=None)
+    assert report["totals"]["max_relative_error"] < 1e-5  # singular values under EXACT_RTOL · σ₁ dropped
+    (tmp_path / "variant").mkdir()
+    write_checkpoint(path, tmp_path / "variant", layout, layer_editor(algebra, reader.layer_weights, scales), set(scales))
+
+    base = AutoModelForImageClassification.from_pretrained(str(path)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's notes on the adapter-wide lora_bias of a bias-free layer
+        served = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    variant = AutoModelForImageClassification.from_pretrained(str(tmp_path / "variant")).eval()
+    probe = pixels(path, 3, seed=6)
+    modules, edited = dict(served.named_modules()), dict(variant.named_parameters())
+    for spec in layers:
+        wrapped = modules[f"base_model.model.{spec.name}"]
+        change = edited[f"{spec.name}.weight"].detach() - reader.layer_weights(spec).weight
+        delta = wrapped.get_delta_weight("default").detach()
+        assert delta.shape == change.shape, spec.name
+        assert float((delta - change).norm()) < 1e-5 * float(change.norm()), spec.name
+    with torch.no_grad():
+        expected, unmerged = variant(pixel_values=probe).logits, served(pixel_values=probe).logits
+    assert float((unmerged - expected).norm()) < 1e-4 * float(expected.norm())
