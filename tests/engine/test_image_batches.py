@@ -12,8 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812  (torch's own spelling)
 from PIL import Image
-from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+from transformers import (
+    AutoImageProcessor,
+    ResNetForImageClassification,
+    ViTConfig,
+    ViTForImageClassification,
+    ViTImageProcessor,
+)
 
+from engram_fixtures.vision import IMAGE_SIZE, make_tiny_resnet, make_tiny_vit
+from service.engine.collect import PixelBatch, collect_statistics
+from service.engine.editable import editable_layers
 from service.engine.images import (
     PREPROCESSOR_CONFIG,
     ImageProcessorError,
@@ -24,32 +33,18 @@ from service.engine.images import (
 )
 from tests.helpers.images import digit_image, digits
 
-SIZE = 16  # the tiny ViT reads 16×16 images: the 8×8 digits are upsampled
-
-
-def _tiny_vit(folder: Path) -> Path:
-    """A tiny ViT classifier of the ten digits and its processor (16×16, bilinear, mean/std 0.5)."""
-    torch.manual_seed(0)
-    config = ViTConfig(
-        image_size=SIZE,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=10,
-        id2label={i: str(i) for i in range(10)},
-        label2id={str(i): i for i in range(10)},
-    )
-    ViTForImageClassification(config).save_pretrained(folder)
-    ViTImageProcessor(size={"height": SIZE, "width": SIZE}, resample=Image.Resampling.BILINEAR).save_pretrained(folder)
-    return folder
+SIZE = IMAGE_SIZE  # the tiny models read 16×16 images: the 8×8 digits are upsampled
 
 
 @pytest.fixture(scope="module")
 def vit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny_vit(tmp_path_factory.mktemp("vit"))
+    """A tiny ViT of the ten digits (16×16 images, 4×4 patches) with its processor (bilinear, mean/std 0.5)."""
+    return make_tiny_vit(tmp_path_factory.mktemp("vit"), num_labels=10)
+
+
+@pytest.fixture(scope="module")
+def resnet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_resnet(tmp_path_factory.mktemp("resnet"), num_labels=10)
 
 
 def test_batches_equal_the_processors_own_output(vit_dir: Path) -> None:
@@ -74,6 +69,7 @@ def test_pixel_values_equal_an_independent_resize_and_normalise(vit_dir: Path) -
     Pillow resizes the uint8 image to uint8 (rounding, ≤ 0.5 grey level, with its fixed-point
     weights ≤ 1), so the two agree within 1 grey level: 1/255/0.5 after normalising."""
     processor = load_image_processor(vit_dir)
+    assert processor.resample == Image.Resampling.BILINEAR and list(processor.image_mean) == [0.5, 0.5, 0.5]
     ours = pixel_values(processor, [digit_image(42, rgb=True)], channels=3)[0, 0].double()
     grey = torch.from_numpy(digits()[0][42].astype(np.float64))[None, None]
     resized = F.interpolate(grey, size=(SIZE, SIZE), mode="bilinear", align_corners=False)[0, 0]
@@ -126,3 +122,38 @@ def test_channel_counts_without_a_mode_are_refused() -> None:
     with pytest.raises(ImageProcessorError, match="4-channel images"):
         channels_of(ViTConfig(num_channels=4))
     assert channels_of(ViTConfig(num_channels=1)) == 1
+
+
+def test_resnet_processor_batches_equal_its_own_output(resnet_dir: Path) -> None:
+    processor = load_image_processor(resnet_dir)
+    images = [digit_image(i, rgb=True) for i in range(4)]
+    (batch,) = pixel_batches(processor, images, 8, channels=3)
+    reference = AutoImageProcessor.from_pretrained(resnet_dir, backend="pil")(images=images, return_tensors="pt")
+    torch.testing.assert_close(batch, reference["pixel_values"], rtol=0, atol=0)
+    model = ResNetForImageClassification.from_pretrained(resnet_dir).eval()
+    with torch.no_grad():
+        assert model(pixel_values=batch).logits.shape == (4, 10)
+
+
+def test_collection_over_pixel_batches_equals_a_float64_reference(vit_dir: Path) -> None:
+    """The collection hooks see every patch token of every image (q_proj of block 0: B·(1 + 16)
+    rows) and one [CLS] row per image at the head, equal to the same activations summed in float64."""
+    model = ViTForImageClassification.from_pretrained(vit_dir).eval()
+    processor = load_image_processor(vit_dir)
+    images = [digit_image(i, rgb=True) for i in range(10)]
+    batches = [PixelBatch(b) for b in pixel_batches(processor, images, 4, channels=3)]
+    wanted = {"vit.layers.0.attention.q_proj", "classifier"}
+    layers = [spec for spec in editable_layers(model) if spec.name in wanted]
+    assert {spec.name for spec in layers} == wanted
+    stats = collect_statistics(model, batches, layers)
+
+    pixels = torch.cat([b.pixel_values for b in batches])
+    with torch.no_grad():
+        embedded = model.vit.embeddings(pixels)
+        q_input = model.vit.layers[0].layernorm_before(embedded).double().reshape(-1, 32)
+        cls_rows = model.vit(pixel_values=pixels).last_hidden_state[:, 0].double()
+    for name, rows in (("vit.layers.0.attention.q_proj", q_input), ("classifier", cls_rows)):
+        augmented = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)  # both layers have a bias
+        torch.testing.assert_close(stats.sum_for(name), augmented.T @ augmented, rtol=1e-5, atol=1e-5)
+        assert stats.counts[stats.layer_group[name]] == rows.shape[0]
+    assert q_input.shape[0] == 10 * (1 + (SIZE // 4) ** 2)
