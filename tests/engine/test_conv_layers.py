@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from service.engine.arithmetic import apply_engrams
 from service.engine.collect import LayerStatistics, PixelBatch, collect_statistics
 from service.engine.compose import (
     EngramAlgebra,
@@ -482,3 +483,24 @@ def test_an_adapter_refuses_a_dilated_conv_and_vllm_any_conv_by_name(net: ConvNe
         layer_lora(delta("stem"), lora_target="vllm")
     lora = layer_lora(delta("stem"))
     assert lora.kernel == specs["stem"].kernel and lora.lora_A.shape[1] == specs["stem"].in_features
+
+
+def test_stored_engrams_apply_to_a_conv_as_the_algebra_edits_it(net: ConvNet) -> None:
+    """A universe's stored engram ``E`` (``[out, in(+1)]``, float32) added to a float32 conv by
+    ``apply_engrams`` (what a variant of a built universe does): the algebra's own edit, in the
+    conv's stored shape."""
+    forget, retain = collect(net, images(16, 4)), collect(net, images(17, 8))
+    stored = EngramAlgebra(terms=[(1.0, forget)], universe=[forget, retain])
+    direct = EngramAlgebra(terms=[(-ALPHA, forget)], universe=[forget, retain])
+    modules = dict(net.named_modules())
+
+    def load32(spec: LayerSpec) -> LayerWeights:
+        module = modules[spec.name]
+        return LayerWeights(module.weight.detach(), None if module.bias is None else module.bias.detach())
+
+    for spec in (s for s in editable_layers(net) if s.kernel is not None):
+        engram_e = stored.engram(spec, load32(spec)).float()
+        edit = apply_engrams(spec, load32(spec), [(-ALPHA, engram_e)], 1.0)
+        (expected,) = layer_edits([spec], direct, load32, {spec.name: 1.0})
+        assert edit.weight.shape == modules[spec.name].weight.shape and edit.weight.dtype == torch.float32
+        assert rel(as_flat(edit), as_flat(expected)) < WEIGHT_TOL, spec.name
