@@ -24,7 +24,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.image_processing_base import ImageProcessingMixin
 
-PREPROCESSOR_CONFIG = "preprocessor_config.json"
+from service.engine.image_models import PREPROCESSOR_CONFIG
+
 # Pillow's modes for a model's channel count.
 _MODES = {1: "L", 3: "RGB"}
 

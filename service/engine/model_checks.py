@@ -12,6 +12,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from service.engine.image_models import PREPROCESSOR_CONFIG, check_preprocessor_config, model_kind
 from service.engine.layers import summarize_names
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
@@ -37,7 +38,7 @@ def validate_model_dir(path: Path, files: ModelFiles | None = None) -> dict[str,
     Raises:
         ModelSourceError: missing config, pickle-only weights, remote code, unreadable files, a
             link leading out of the folder, a shard name that is not a plain file name in it, more
-            layers than :data:`MAX_LAYERS`.
+            layers than :data:`MAX_LAYERS`, an image model without a usable preprocessor_config.json.
     """
     if not path.is_dir():
         raise ModelSourceError(f"{path} is not a directory")
@@ -54,6 +55,8 @@ def validate_model_dir(path: Path, files: ModelFiles | None = None) -> dict[str,
     check_layer_count(config)
     check_side_json(path, files)
     check_tokenizer_config(path, files)
+    if model_kind(config) == "image":  # how it reads an image is its processor's (service.engine.image_models)
+        check_preprocessor_config(read(PREPROCESSOR_CONFIG) if has(PREPROCESSOR_CONFIG) else None, config)
     if not (files.shards if files is not None else weight_files(path)):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:

@@ -5,6 +5,7 @@ resize/rescale/normalise, and refusals of folders without a usable processor."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,12 @@ import torch.nn.functional as F  # noqa: N812  (torch's own spelling)
 from PIL import Image
 from transformers import (
     AutoImageProcessor,
+    BertConfig,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    PretrainedConfig,
+    ResNetConfig,
     ResNetForImageClassification,
     ViTConfig,
     ViTForImageClassification,
@@ -23,6 +30,7 @@ from transformers import (
 from engram_fixtures.vision import IMAGE_SIZE, make_tiny_resnet, make_tiny_vit
 from service.engine.collect import PixelBatch, collect_statistics
 from service.engine.editable import editable_layers
+from service.engine.image_models import check_preprocessor_config, model_kind
 from service.engine.images import (
     PREPROCESSOR_CONFIG,
     ImageProcessorError,
@@ -31,6 +39,8 @@ from service.engine.images import (
     pixel_batches,
     pixel_values,
 )
+from service.engine.model_checks import validate_model_dir
+from service.engine.model_files import ModelSourceError
 from tests.helpers.images import digit_image, digits
 
 SIZE = IMAGE_SIZE  # the tiny models read 16×16 images: the 8×8 digits are upsampled
@@ -157,3 +167,45 @@ def test_collection_over_pixel_batches_equals_a_float64_reference(vit_dir: Path)
         torch.testing.assert_close(stats.sum_for(name), augmented.T @ augmented, rtol=1e-5, atol=1e-5)
         assert stats.counts[stats.layer_group[name]] == rows.shape[0]
     assert q_input.shape[0] == 10 * (1 + (SIZE // 4) ** 2)
+
+
+# ---------------------------------------------------------------- torch-free: which models read images (the API's rules)
+
+
+@pytest.mark.parametrize(
+    ("config", "kind"),
+    [
+        (ViTConfig(architectures=["ViTForImageClassification"]), "image"),
+        (ViTConfig(), "image"),  # a backbone saved without its head
+        (ResNetConfig(), "image"),
+        (CLIPVisionConfig(), "image"),  # a vision tower alone
+        (LlamaConfig(), "text"),
+        (LlavaConfig(text_config=LlamaConfig(), vision_config=CLIPVisionConfig()), "text"),  # reads text
+        (BertConfig(architectures=["BertForSequenceClassification"]), "text"),
+    ],
+)
+def test_model_kind_from_config(config: PretrainedConfig, kind: str) -> None:
+    assert model_kind(config.to_dict()) == kind
+
+
+def test_registration_refuses_an_image_model_without_its_processor(vit_dir: Path, tmp_path: Path) -> None:
+    validate_model_dir(vit_dir)  # the fixture's folder is a usable image model
+    bare = tmp_path / "bare"
+    shutil.copytree(vit_dir, bare)
+    (bare / PREPROCESSOR_CONFIG).unlink()
+    with pytest.raises(ModelSourceError, match="an image model needs the preprocessor_config.json"):
+        validate_model_dir(bare)
+    (bare / PREPROCESSOR_CONFIG).write_text(json.dumps({"image_processor_type": "ViTImageProcessor", "image_mean": [0.5]}))
+    with pytest.raises(ModelSourceError, match="image_mean has 1 values, the model reads 3-channel images"):
+        validate_model_dir(bare)
+    (bare / PREPROCESSOR_CONFIG).write_text("[1, 2]")
+    with pytest.raises(ModelSourceError, match="preprocessor_config.json is not a JSON object"):
+        validate_model_dir(bare)
+
+
+def test_preprocessor_config_must_name_a_processor() -> None:
+    with pytest.raises(ModelSourceError, match="names no image processor"):
+        check_preprocessor_config({"size": 16}, {"num_channels": 3})
+    with pytest.raises(ModelSourceError, match="must be a class name"):
+        check_preprocessor_config({"image_processor_type": 7}, {"model_type": "vit"})
+    check_preprocessor_config({"size": 16}, {"model_type": "vit"})  # transformers chooses by model_type
