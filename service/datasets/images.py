@@ -353,3 +353,33 @@ def image_folder(root: Path, max_files: int, max_bytes: int) -> Iterator[tuple[s
         data = image.path.read_bytes()
         record = {IMAGE_FIELD: base64.b64encode(data).decode("ascii"), LABEL_FIELD: image.label}
         yield f"dataset file {image.relative}", record
+
+
+# ---------------------------------------------------------------- records against the model that reads them
+
+
+def check_record_kinds(first: Mapping[str, str], model_id: str, model_kind: str) -> None:
+    """Refuse a dataset holding records the model cannot read, naming the first such record.
+
+    Args:
+        first: each record kind the dataset holds -> its first record, in the order they came
+            (:attr:`service.datasets.spool.SpooledDataset.first`).
+        model_id: the model, for the message.
+        model_kind: ``"image"`` or ``"text"`` (:func:`service.engine.image_models.model_kind`).
+
+    Raises:
+        InvalidInput: a text record (text, prompt/completion, messages) for an image model, or an
+            image record for a text model.
+    """
+    if model_kind == "image":
+        text = next((where for kind, where in first.items() if kind != "image"), None)
+        if text is not None:
+            raise InvalidInput(
+                f"{text} is a text record, but model {model_id} is an image model: it reads image records "
+                '({"image": "<base64 of a PNG, JPEG or WebP file>", "label"?})'
+            )
+    elif "image" in first:
+        raise InvalidInput(
+            f"{first['image']} is an image record, but model {model_id} is a {model_kind} model: it reads text "
+            "records (text, prompt/completion or messages); image records are for image classifiers"
+        )

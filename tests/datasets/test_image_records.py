@@ -18,6 +18,7 @@ from PIL import Image
 from service.config import Settings
 from service.datasets.images import (
     ImageRecord,
+    check_record_kinds,
     decode_image,
     folder_fingerprint,
     image_column_value,
@@ -330,3 +331,14 @@ def test_image_folder_reference_refusals(tmp_path: Path) -> None:
     os.symlink(outside, root / "zero" / "0003.png")
     with pytest.raises(InvalidInput, match="link that leads out of the folder"):
         submitted_reference({"uri": f"file://{root}"}, settings)
+
+
+def test_records_of_the_other_kind_are_named_with_the_models_kind(tmp_path: Path) -> None:
+    mixed = spool_records([digit_record(0), {"text": "a cat"}, digit_record(1)], tmp_path / "mixed.jsonl", 10)
+    assert mixed.first == {"image": "record 0", "text": "record 1"}
+    with pytest.raises(InvalidInput, match="record 1 is a text record, but model vit/tiny is an image model"):
+        check_record_kinds(mixed.first, "vit/tiny", "image")
+    with pytest.raises(InvalidInput, match="record 0 is an image record, but model llama/tiny is a text model"):
+        check_record_kinds(mixed.first, "llama/tiny", "text")
+    check_record_kinds({"image": "record 0"}, "vit/tiny", "image")
+    check_record_kinds({"messages": "dataset line 1", "text": "dataset line 2"}, "llama/tiny", "text")
