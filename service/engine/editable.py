@@ -14,12 +14,13 @@ that holds a model needs it.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from service.engine.conv import conv_kernel, conv_refusal, is_conv
-from service.engine.layers import LayerSpec, block_index
+from service.engine.layers import LayerSpec, block_index, staged_block_indices
 
 
 @functools.cache
@@ -76,8 +77,11 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
 
 
 def editable_layers(model: nn.Module) -> list[LayerSpec]:
-    """Every editable layer of ``model``, in module order."""
-    return [layer_spec(name, m) for name, m in model.named_modules() if is_editable(m)]
+    """Every editable layer of ``model``, in module order (blocks inside numbered stages numbered
+    across the stages: :func:`~service.engine.layers.staged_block_indices`)."""
+    specs = [layer_spec(name, m) for name, m in model.named_modules() if is_editable(m)]
+    staged = staged_block_indices(spec.name for spec in specs)
+    return [replace(spec, block=staged[spec.name]) if spec.name in staged else spec for spec in specs]
 
 
 def weight_matrix(weight: torch.Tensor, spec: LayerSpec) -> torch.Tensor:

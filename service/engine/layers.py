@@ -139,6 +139,32 @@ def block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+_NUMBERED_SEGMENT = re.compile(r"(?:^|\.)\d+(?:\.|$)")
+
+
+def staged_block_indices(names: Iterable[str]) -> dict[str, int]:
+    """Block indices for blocks that sit in numbered stages (ResNet's and ConvNeXt's
+    ``encoder.stages.<s>.layers.<l>``, where the parsed index ``l`` restarts in every stage): the
+    blocks numbered in order of first appearance across the stages, so that ``stages.1.layers.0``
+    is block 2 after two blocks in stage 0. Names whose block container is not inside a numbered
+    one (every text model) are left out: their parsed index is already unique.
+
+    Args:
+        names: layer names in module order.
+
+    Returns:
+        name -> its block, for the staged names only.
+    """
+    order: dict[str, int] = {}
+    blocks = {}
+    for name in names:
+        match = _LAYER_INDEX.search(name)
+        if match is None or not _NUMBERED_SEGMENT.search(name[: match.start()]):
+            continue
+        blocks[name] = order.setdefault(name[: match.end(1)], len(order))
+    return blocks
+
+
 def module_type(name: str) -> str:
     """The module's path inside its block (``self_attn.q_proj``), or the whole path outside blocks."""
     match = _LAYER_INDEX.search(name)

@@ -23,7 +23,7 @@ from service.engine.checkpoint import CheckpointReader, load_model
 from service.engine.checkpoint_write import write_checkpoint
 from service.engine.collect import PixelBatch, collect_statistics
 from service.engine.compose import EngramAlgebra, layer_deltas, layer_editor
-from service.engine.layers import select_layers
+from service.engine.layers import module_type, select_layers
 from service.engine.lora import layer_loras
 from service.engine.lora_files import write_adapter
 from service.models.registry import model_view
@@ -84,6 +84,14 @@ def test_a_resnet_lists_every_conv_with_its_kernel(world: StoreWorld, registered
     stored = world.ctx.storage.get_json(model_key("tiny/resnet"))["layout"]["layers"]
     assert stored[0]["kernel"]["kernel_size"] == [7, 7] and "kernel" not in stored[-1]
     assert [layer["name"] for layer in model_view(registered["resnet"])["layers"]] == [*RESNET_CONVS, "classifier.1"]
+    # residual blocks numbered across the stages (the parsed `layers.<l>` restarts in every stage),
+    # so a map's grid and calibration's layer ranges see two blocks, not one twice
+    assert [s.block for s in layout.layers] == [None, 0, 0, 1, 1, 1, None]
+    assert {module_type(s.name) for s in layout.layers if s.block is not None} == {
+        "layer.0.convolution",
+        "layer.1.convolution",
+        "shortcut.convolution",
+    }
     # convs are chosen by their module names, as Linear layers are
     assert {s.name for s in select_layers(layout.layers, ["convolution"])} == set(RESNET_CONVS)
     assert [s.name for s in select_layers(layout.layers, ["shortcut.convolution"])] == [
