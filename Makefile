@@ -17,12 +17,13 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: help install run test test-deps lint format demo bench api-docs distributed distributed-stop validate-deploy clean
+.PHONY: help install run test test-fast test-deps lint format demo bench api-docs distributed distributed-stop validate-deploy clean
 
 help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
 	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
-	@echo "make test             the whole test suite (needs redis-server on PATH)"
+	@echo "make test             the whole test suite, as CI runs it (needs redis-server on PATH); prints the 25 slowest"
+	@echo "make test-fast        the in-process tier (pytest -m fast: no server, Redis or S3 process); prints the 20 slowest"
 	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (DEMO_ARGS=--threads=1 when busy)"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
 	@echo "make distributed-stop stop what make distributed started"
@@ -61,8 +62,14 @@ test-deps:
 	  echo "  (any Redis 6 or newer; it is only run by the tests, on free ports, without persistence)" >&2; \
 	  exit 1; }
 
+# Every test, with the slowest 25 named (so that a slow one is seen where it is added).
 test: test-deps install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The fast tier: the tests that call the app, the engine and the stores in this process (tests/conftest.py
+# says which), meant to take under 3 minutes on a 2-core machine; `make test` runs them with everything else.
+test-fast: install
+	$(PY) -m pytest -q -m fast --durations=20
 
 # Performance goals of issue 4 (bench/README.md): prints a table, writes bench/results/latest.json.
 # BENCH_ARGS=--quick for a smoke run on the tiny model only.

@@ -1,8 +1,15 @@
-"""Shared fixtures: a tiny model on disk and the real server running as a subprocess.
+"""Shared fixtures: a tiny model on disk, the real app in process, the real server as a subprocess,
+and the fast tier's marker.
 
-House rule: services in tests are real processes. ``live_server`` starts
-``python -m service.cli serve`` on a free port with file storage and a model root in a temporary
-directory, waits for ``/healthz`` and stops it (SIGTERM, then kill) at the end of the session.
+House rule: services in tests are real processes where a process is what is tested. ``live_server``
+starts ``python -m service.cli serve`` on a free port with file storage and a model root in a
+temporary directory, waits for ``/healthz`` and stops it (SIGTERM, then kill) at the end of the
+session. ``app_server`` is the same app called in this process (``tests.helpers.app``): what the
+app answers (validation, 4xx problems, schemas, pages, keys and scopes) needs no socket.
+
+The fast tier (``make test-fast``, ``pytest -m fast``): every test marked ``fast`` (by its module's
+``pytestmark``), and every test of the unit modules listed in ``FAST_MODULES`` that starts no
+process (uses none of ``PROCESS_FIXTURES``) and is not marked ``slow`` or ``gpu``.
 """
 
 from __future__ import annotations
@@ -14,7 +21,50 @@ import httpx
 import pytest
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
+from tests.helpers.app import InProcessServer, in_process_server
+from tests.helpers.redis import redis_client, redis_server  # noqa: F401 (fixtures for every module)
 from tests.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop_seaweed, weed_binary
+
+# ---------------------------------------------------------------- the fast tier
+
+# Modules (or folders, ending in "/") of pure tests: the engine, the statistics, records, specs and
+# stores called in this process on tiny inputs. Paths relative to tests/.
+FAST_MODULES = (
+    "engine/",
+    "statistics/",
+    "engrams/",
+    "jobs/",
+    "universes/",
+    "variants/",
+    "calibration/test_calibration_request.py",
+    "calibration/test_search.py",
+    "calibration/test_strengths.py",
+    "concepts/test_dataset_feed.py",
+    "storage/test_lru.py",
+    "storage/test_local_storage_full.py",
+    "client/test_edit_options.py",
+    "client/test_layout.py",
+    "test_architecture.py",
+)
+# Fixtures that start a process (a server, Redis, SeaweedFS): a test using one is not in the fast tier.
+PROCESS_FIXTURES = frozenset({"live_server", "api", "seaweed", "s3_bucket", "s3_env", "redis_server"})
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("fast") is None and _in_fast_tier(item):
+            item.add_marker(pytest.mark.fast)
+
+
+def _in_fast_tier(item: pytest.Item) -> bool:
+    path = Path(item.fspath).relative_to(TESTS).as_posix()
+    if not any(path.startswith(m) if m.endswith("/") else path == m for m in FAST_MODULES):
+        return False
+    if item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+        return False
+    return PROCESS_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
 
 # ---------------------------------------------------------------- tiny models on disk
 
@@ -68,6 +118,19 @@ def live_server(engram_root: Path, model_root: Path, tiny_llama_dir: Path) -> It
         yield server
     finally:
         stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def app_server(
+    tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama_dir: Path
+) -> Iterator[InProcessServer]:
+    """The real app (embedded mode, file storage, no auth) called in this process, for the session.
+
+    Its own store, the session's model root (with ``tiny_llama_dir``): what one test registers or
+    posts, the next sees, as with ``live_server``.
+    """
+    with in_process_server(tmp_path_factory.mktemp("in-process"), model_root) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

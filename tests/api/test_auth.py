@@ -1,8 +1,10 @@
-"""API-key auth (``ENGRAM_API_KEYS``): the parser, the scope table, and a live server with three keys.
+"""API-key auth (``ENGRAM_API_KEYS``): the parser, the scope table, and the app with three keys.
 
-The live server here is this module's own (its own storage, model root and log), started with a
-``read``, a ``write`` and an ``admin`` key; the session's ``live_server`` runs without auth.
-Keys are random per run, so finding one in the server log means it was really logged.
+The app here is this module's own (its own storage and model root), started with a ``read``, a
+``write`` and an ``admin`` key and called in this process (``tests.helpers.app``): what a key may
+do is the app's answer. The server process itself is started for what only it shows: invalid keys
+stopping it at start-up, and its log never holding a key. Keys are random per run, so finding one
+in the server log means it was really logged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.api.auth import parse_api_keys, required_scope
+from tests.helpers.app import InProcessServer, another_client, in_process_server
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -27,7 +30,7 @@ def _key() -> str:
 
 @dataclass
 class AuthWorld:
-    server: LiveServer
+    server: InProcessServer | LiveServer
     read: str
     write: str
     admin: str
@@ -45,17 +48,33 @@ class AuthWorld:
         return [self.read, self.write, self.admin, self.wrong]
 
 
-@pytest.fixture(scope="module")
-def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthWorld]:
-    """A live server with one key per scope, and a tiny Llama inside its model root."""
+def _keyed_root(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, Path, list[str]]:
+    """A fresh root with a tiny Llama inside its model root, and a read, a write and an admin key."""
     from engram_fixtures.models import make_tiny_llama
 
-    root = tmp_path_factory.mktemp("auth")
-    model_root = root / "models"
-    model_dir = make_tiny_llama(model_root / "tiny-llama", hidden=32, layers=2, tie_word_embeddings=True)
-    read, write, admin = _key(), _key(), _key()
-    keys = f"{read}:read, {write}:write,{admin}:admin"
-    server = start_server(root / "store", model_root, root / "server.log", ENGRAM_API_KEYS=keys)
+    root = tmp_path_factory.mktemp(name)
+    model_dir = make_tiny_llama(root / "models" / "tiny-llama", hidden=32, layers=2, tie_word_embeddings=True)
+    return root, model_dir, [_key(), _key(), _key()]
+
+
+def _keys_setting(read: str, write: str, admin: str) -> str:
+    return f"{read}:read, {write}:write,{admin}:admin"
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthWorld]:
+    """The app with one key per scope, called in this process, and a tiny Llama inside its model root."""
+    root, model_dir, (read, write, admin) = _keyed_root(tmp_path_factory, "auth")
+    with in_process_server(root, root / "models", ENGRAM_API_KEYS=_keys_setting(read, write, admin)) as server:
+        yield AuthWorld(server, read, write, admin, _key(), model_dir)
+
+
+@pytest.fixture(scope="module")
+def live_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthWorld]:
+    """The server process with one key per scope: its log is what a key must never reach."""
+    root, model_dir, (read, write, admin) = _keyed_root(tmp_path_factory, "live-auth")
+    keys = _keys_setting(read, write, admin)
+    server = start_server(root / "store", root / "models", root / "server.log", ENGRAM_API_KEYS=keys)
     try:
         yield AuthWorld(server, read, write, admin, _key(), model_dir)
     finally:
@@ -77,6 +96,7 @@ def assert_problem(response: httpx.Response, status: int, world: AuthWorld) -> d
 # ---------------------------------------------------------------- the parser (no server)
 
 
+@pytest.mark.fast
 def test_parse_api_keys_accepts_valid_entries() -> None:
     a, b, c = "a" * 16, "B-_.~+/=0123456789", "x:y" + "z" * 16  # the scope follows the last colon
     assert parse_api_keys(f" {a}:read ,{b}:WRITE,{c}:admin") == {a: "read", b: "write", c: "admin"}
@@ -85,6 +105,7 @@ def test_parse_api_keys_accepts_valid_entries() -> None:
 SECRET = "s3cr3t-k3y-do-not-print"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("raw", "index"),
     [
@@ -109,12 +130,14 @@ def test_parse_api_keys_rejects_bad_entries_without_echoing_them(raw: str, index
     assert caught.value.__cause__ is None and caught.value.__context__ is None
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("raw", ["", "   "])
 def test_parse_api_keys_rejects_an_empty_setting(raw: str) -> None:
     with pytest.raises(ValueError, match="empty"):
         parse_api_keys(raw)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("method", "path", "scope"),
     [
@@ -162,11 +185,13 @@ def test_invalid_keys_stop_the_server_at_startup_without_printing_them(tmp_path:
 # ---------------------------------------------------------------- the live server
 
 
+@pytest.mark.fast
 def test_public_probes_need_no_key(auth: AuthWorld) -> None:
     assert auth.api.get("/healthz").status_code == 200
     assert auth.api.get("/readyz").status_code == 200
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("path", ["/models", "/docs", "/openapi.json", "/metrics", "/jobs/x", "/no-such-route"])
 def test_no_key_is_401_with_a_bearer_challenge(auth: AuthWorld, path: str) -> None:
     response = auth.api.get(path)
@@ -175,6 +200,7 @@ def test_no_key_is_401_with_a_bearer_challenge(auth: AuthWorld, path: str) -> No
     assert "Bearer" in body["detail"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "header",
     [
@@ -193,11 +219,13 @@ def test_invalid_credentials_are_401(auth: AuthWorld, header: str) -> None:
     assert response.headers["www-authenticate"].startswith("Bearer")
 
 
+@pytest.mark.fast
 def test_two_authorization_headers_are_401(auth: AuthWorld) -> None:
     headers = [("Authorization", f"Bearer {auth.admin}"), ("Authorization", f"Bearer {auth.read}")]
     assert_problem(auth.api.get("/models", headers=headers), 401, auth)
 
 
+@pytest.mark.fast
 def test_read_key_can_read(auth: AuthWorld) -> None:
     headers = auth.headers(auth.read)
     response = auth.api.get("/models", headers=headers)
@@ -211,6 +239,7 @@ def test_read_key_can_read(auth: AuthWorld) -> None:
     assert_problem(auth.api.get("/jobs/nope", headers=headers), 404, auth)  # past auth: the route answers
 
 
+@pytest.mark.fast
 def test_read_key_cannot_write_and_nothing_is_stored(auth: AuthWorld) -> None:
     headers = auth.headers(auth.read)
     body = {"model_id": "acme/read-only", "source": f"file://{auth.model_dir}"}
@@ -225,6 +254,7 @@ def test_read_key_cannot_write_and_nothing_is_stored(auth: AuthWorld) -> None:
     assert not (auth.server.storage_dir / "models").exists() or not any((auth.server.storage_dir / "models").iterdir())
 
 
+@pytest.mark.fast
 def test_write_key_registers_a_model_but_cannot_cancel_jobs(auth: AuthWorld) -> None:
     headers = auth.headers(auth.write)
     body = {"model_id": "acme/tiny", "source": f"file://{auth.model_dir}"}
@@ -239,6 +269,7 @@ def test_write_key_registers_a_model_but_cannot_cancel_jobs(auth: AuthWorld) -> 
     assert_problem(auth.api.delete("/jobs/x", headers=headers), 403, auth)
 
 
+@pytest.mark.fast
 def test_admin_key_is_allowed_everything(auth: AuthWorld) -> None:
     headers = auth.headers(auth.admin)
     assert auth.api.get("/models", headers=headers).status_code == 200
@@ -248,7 +279,9 @@ def test_admin_key_is_allowed_everything(auth: AuthWorld) -> None:
     assert auth.api.get("/metrics", headers=headers).status_code == 200
 
 
-def test_keys_never_reach_the_server_log(auth: AuthWorld) -> None:
+def test_keys_never_reach_the_server_log(live_auth: AuthWorld) -> None:
+    auth = live_auth
+    assert isinstance(auth.server, LiveServer)
     for key in auth.secrets():  # failed and successful attempts with every key
         auth.api.get("/models", headers=auth.headers(key))
         auth.api.delete("/jobs/x", headers=auth.headers(key))
@@ -275,7 +308,7 @@ def mapped(auth: AuthWorld) -> str:
     from engram_fixtures.live import wait_concepts_ready
 
     model = "acme/mapped"
-    write = httpx.Client(base_url=auth.server.base_url, headers=auth.headers(auth.write), timeout=60.0)
+    write = another_client(auth.server, auth.headers(auth.write))
     response = write.post("/models", json={"model_id": model, "source": f"file://{auth.model_dir}"})
     assert response.status_code in (200, 201), response.text
     facts = make_facts(12, seed=7)

@@ -1,8 +1,10 @@
 """Hostile requests (issue 11): each answers a 4xx problem+json and stores nothing, never a 500.
 
-One real server for the module (``ENGRAM_MAX_RECORDS=50``, so the record limit is cheap to hit),
-with the tiny model registered, two concepts collected and one variant built to download from.
-Every refused request runs inside ``unchanged``: listings and the files in storage stay the same.
+One app for the module, called in this process (``tests.helpers.app``; ``ENGRAM_MAX_RECORDS=50``,
+so the record limit is cheap to hit), with the tiny model registered, two concepts collected and one
+variant built to download from (by its job process, as a server's). Every refused request runs
+inside ``unchanged``: listings and the files in storage stay the same. The tests that need no
+variant are in the fast tier.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import httpx
 import pytest
 
 from engram_fixtures.demo import make_facts
-from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_variant_ready
+from engram_fixtures.live import wait_concepts_ready, wait_variant_ready
 from service.concepts.service import dataset_bytes
 from service.engine.records import Record
 from tests.helpers.api import assert_problem, jsonl, unchanged
+from tests.helpers.app import InProcessServer, in_process_server
 
 MODEL = "hostile/tiny"
 MAX_RECORDS = 50
@@ -30,13 +33,14 @@ HUGE = "9" * 5000  # beyond Python's 4300-digit int() limit
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama_dir: Path) -> Iterator[LiveServer]:
-    with running_server(tmp_path_factory.mktemp("hostile"), model_root, ENGRAM_MAX_RECORDS=str(MAX_RECORDS)) as live:
-        yield live
+def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[InProcessServer]:
+    root = tmp_path_factory.mktemp("hostile")
+    with in_process_server(root, model_root, ENGRAM_MAX_RECORDS=str(MAX_RECORDS)) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
-def variant(server: LiveServer, tiny_llama_dir: Path) -> dict[str, Any]:
+def variant(server: InProcessServer, tiny_llama_dir: Path) -> dict[str, Any]:
     """A ready variant of ``hostile/tiny`` (concepts h-forget, target, and h-retain, reference)."""
     api = server.client
     assert api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
@@ -88,7 +92,7 @@ SURROGATE_BODIES = [  # "@" becomes the lone surrogate
 
 @pytest.mark.parametrize(("path", "body", "field"), [pytest.param(*c[1:], id=c[0]) for c in SURROGATE_BODIES])
 def test_lone_surrogate_in_a_json_field_is_422_naming_it(
-    server: LiveServer, variant: dict[str, Any], path: str, body: dict[str, Any], field: str
+    server: InProcessServer, variant: dict[str, Any], path: str, body: dict[str, Any], field: str
 ) -> None:
     with unchanged(server):
         raw = json.dumps(body).replace("@", LONE).encode()
@@ -97,8 +101,9 @@ def test_lone_surrogate_in_a_json_field_is_422_naming_it(
     assert problem["errors"][0]["loc"][0] == "body"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("where", ["prompt", "completion"])
-def test_lone_surrogate_in_an_uploaded_record_is_422_naming_line_and_field(server: LiveServer, where: str) -> None:
+def test_lone_surrogate_in_an_uploaded_record_is_422_naming_line_and_field(server: InProcessServer, where: str) -> None:
     record = {"prompt": "p", "completion": "c", where: f"x{LONE}y"}
     data = jsonl(RECORDS[:2]) + json.dumps(record).replace("\\\\", "\\").encode() + b"\n"
     assert LONE.encode() in data
@@ -109,6 +114,7 @@ def test_lone_surrogate_in_an_uploaded_record_is_422_naming_line_and_field(serve
 # ---------------------------------------------------------------- deeply nested JSON
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("path", "raw"),
     [
@@ -118,7 +124,7 @@ def test_lone_surrogate_in_an_uploaded_record_is_422_naming_line_and_field(serve
         pytest.param("/models", b"[" * 100_000 + b"]" * 100_000, id="models"),
     ],
 )
-def test_deeply_nested_json_is_4xx(server: LiveServer, path: str, raw: bytes) -> None:
+def test_deeply_nested_json_is_4xx(server: InProcessServer, path: str, raw: bytes) -> None:
     with unchanged(server):
         response = post_json(server.client, path, raw)
         assert 400 <= response.status_code < 500, response.text
@@ -149,7 +155,7 @@ def file_url(variant: dict[str, Any]) -> tuple[str, int]:
         pytest.param("bytes=-", 200, "all", id="empty-ignored"),
     ],
 )
-def test_range_header(server: LiveServer, variant: dict[str, Any], header: str, status: int, span: Any) -> None:
+def test_range_header(server: InProcessServer, variant: dict[str, Any], header: str, status: int, span: Any) -> None:
     url, size = file_url(variant)
     whole = server.client.get(url)
     assert whole.status_code == 200 and len(whole.content) == size
@@ -168,7 +174,7 @@ def test_range_header(server: LiveServer, variant: dict[str, Any], header: str, 
         assert "content-range" not in response.headers
 
 
-def test_unsatisfiable_range_is_416_with_the_size(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_unsatisfiable_range_is_416_with_the_size(server: InProcessServer, variant: dict[str, Any]) -> None:
     url, size = file_url(variant)
     for header in (f"bytes={size}-", f"bytes={size}-{size + 10}", "bytes=-0"):
         response = server.client.get(url, headers={"Range": header})
@@ -176,7 +182,7 @@ def test_unsatisfiable_range_is_416_with_the_size(server: LiveServer, variant: d
         assert response.headers["content-range"] == f"bytes */{size}", header
 
 
-def test_head_on_a_file_gives_the_headers_without_a_body(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_head_on_a_file_gives_the_headers_without_a_body(server: InProcessServer, variant: dict[str, Any]) -> None:
     url, size = file_url(variant)
     get = server.client.get(url)
     head = server.client.head(url)
@@ -203,7 +209,7 @@ def test_head_on_a_file_gives_the_headers_without_a_body(server: LiveServer, var
     ],
 )
 def test_405_names_the_allowed_methods(
-    server: LiveServer, variant: dict[str, Any], method: str, path: str, allowed: set[str]
+    server: InProcessServer, variant: dict[str, Any], method: str, path: str, allowed: set[str]
 ) -> None:
     with unchanged(server):
         response = server.client.request(method, path.format(vid=variant["variant_id"]))
@@ -214,8 +220,9 @@ def test_405_names_the_allowed_methods(
         assert response.json()["detail"].startswith(f"{method} /") and "serves" in response.json()["detail"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("path", ["/api/models", "/v1/concepts", "/variant/abc"])
-def test_an_unknown_route_is_a_404_that_says_so(server: LiveServer, path: str) -> None:
+def test_an_unknown_route_is_a_404_that_says_so(server: InProcessServer, path: str) -> None:
     """Not the bare "Not Found" of the framework: the route, and where the routes are listed."""
     response = server.client.get(path)
     assert_problem(response, 404)
@@ -227,14 +234,14 @@ def test_an_unknown_route_is_a_404_that_says_so(server: LiveServer, path: str) -
 
 
 @pytest.mark.parametrize("name", [".", ".."])
-def test_dot_names_are_refused(server: LiveServer, variant: dict[str, Any], name: str) -> None:
+def test_dot_names_are_refused(server: InProcessServer, variant: dict[str, Any], name: str) -> None:
     with unchanged(server):
         body = {"name": name, "models": [MODEL], "records": RECORDS[:2]}
         assert_problem(server.client.post("/concepts", json=body), 422, "name")
         assert_problem(upload(server.client, name, jsonl(RECORDS[:2])), 422, "name")
 
 
-def test_reposting_a_concept_with_another_role_is_409(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_reposting_a_concept_with_another_role_is_409(server: InProcessServer, variant: dict[str, Any]) -> None:
     api = server.client
     stored = api.get("/concepts/h-retain").json()
     with unchanged(server):
@@ -245,7 +252,7 @@ def test_reposting_a_concept_with_another_role_is_409(server: LiveServer, varian
     assert api.get("/concepts/h-retain").json() == stored
 
 
-def test_reposting_without_a_role_keeps_it(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_reposting_without_a_role_keeps_it(server: InProcessServer, variant: dict[str, Any]) -> None:
     api = server.client
     before = api.get("/concepts/h-retain").json()
     again = api.post("/concepts", json={"name": "h-retain", "models": [MODEL], "records": RECORDS[4:16]})
@@ -259,7 +266,7 @@ def test_reposting_without_a_role_keeps_it(server: LiveServer, variant: dict[str
 # ---------------------------------------------------------------- uploads
 
 
-def test_upload_over_the_record_limit_is_413_and_stores_nothing(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_upload_over_the_record_limit_is_413_and_stores_nothing(server: InProcessServer, variant: dict[str, Any]) -> None:
     many = [{"text": f"record number {i} " + "x" * 200} for i in range(40_000)]  # ~9 MB, 800x the limit
     with unchanged(server):
         response = upload(server.client, "too-many", jsonl(many))
@@ -269,7 +276,7 @@ def test_upload_over_the_record_limit_is_413_and_stores_nothing(server: LiveServ
     assert server.client.get("/concepts/too-many").status_code == 404
 
 
-def test_upload_at_the_record_limit_is_accepted(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_upload_at_the_record_limit_is_accepted(server: InProcessServer, variant: dict[str, Any]) -> None:
     records = [{"text": f"exactly at the limit {i}"} for i in range(MAX_RECORDS)]
     response = upload(server.client, "at-limit", jsonl(records))
     assert response.status_code == 202, response.text
@@ -286,14 +293,14 @@ def test_upload_at_the_record_limit_is_accepted(server: LiveServer, variant: dic
     ],
 )
 def test_upload_with_an_invalid_line_names_it_and_stores_nothing(
-    server: LiveServer, variant: dict[str, Any], line: bytes, status: int, mentions: tuple[str, ...]
+    server: InProcessServer, variant: dict[str, Any], line: bytes, status: int, mentions: tuple[str, ...]
 ) -> None:
     data = jsonl(RECORDS[:2]) + line + b"\n" + jsonl(RECORDS[2:4])
     with unchanged(server):
         assert_problem(upload(server.client, "broken-line", data), status, *mentions)
 
 
-def test_upload_without_its_closing_boundary_is_400(server: LiveServer, variant: dict[str, Any]) -> None:
+def test_upload_without_its_closing_boundary_is_400(server: InProcessServer, variant: dict[str, Any]) -> None:
     boundary = "b0undary"
     body = (
         f'--{boundary}\r\nContent-Disposition: form-data; name="name"\r\n\r\ncut\r\n'
@@ -308,7 +315,7 @@ def test_upload_without_its_closing_boundary_is_400(server: LiveServer, variant:
 
 
 def test_uploaded_dataset_has_the_digest_of_the_same_records_posted_as_json(
-    server: LiveServer, variant: dict[str, Any]
+    server: InProcessServer, variant: dict[str, Any]
 ) -> None:
     # Non-ASCII text, and characters str.splitlines() would cut a stored line at (U+2028, U+0085, U+001C).
     records = [
