@@ -2,19 +2,98 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator, MutableMapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from service.config import Settings
+from service.jobs.records import JobRecord
 from service.jobs.store import JobStore
 from service.storage.base import Storage
+from service.storage.lru import ByteLRU
 from service.storage.read_cache import ReadCache
 
-Dispatch = Callable[[dict[str, Any]], None]  # hands a created job to whatever runs it
+Dispatch = Callable[[JobRecord], None]  # hands a created job to whatever runs it
 UniverseHelpers = Callable[[str, str, int], None]  # (universe_id, job_id, count)
+
+V = TypeVar("V")
+
+# Entries, not bytes: a statistics header is a few kilobytes, an open statistics file a descriptor.
+STATS_HEADER_ENTRIES = 4096
+STATS_FILE_ENTRIES = 256
+
+
+class StoreCache(Generic[V]):
+    """Values kept by (store, key), most recently used first, within a byte budget.
+
+    Keyed by the store's :attr:`~service.storage.base.Storage.location` with the key: one process
+    may hold several stores (tests do), and two stores' objects under one key, or two stores whose
+    keys share a prefix, never share an entry.
+    """
+
+    def __init__(self, max_bytes: int, size_of: Callable[[V], int]) -> None:
+        self._lru: ByteLRU[V] = ByteLRU(max_bytes, size_of)
+
+    def get(self, storage: Storage, key: str) -> V | None:
+        return self._lru.get((storage.location, key))
+
+    def put(self, storage: Storage, key: str, value: V) -> V:
+        self._lru[(storage.location, key)] = value
+        return value
+
+    def values(self) -> list[V]:
+        """What is held now, of every store."""
+        return [value for key in self._lru if (value := self._lru.get(key)) is not None]
+
+    def of(self, storage: Storage) -> MutableMapping[Hashable, V]:
+        """The entries of one store, as a mapping (what :class:`service.engine.arithmetic.EngramAlgebra` takes)."""
+        return _OneStore(self._lru, storage.location)
+
+
+class _OneStore(MutableMapping[Hashable, V]):
+    def __init__(self, lru: ByteLRU[V], location: str) -> None:
+        self._lru, self._location = lru, location
+
+    def __getitem__(self, key: Hashable) -> V:
+        return self._lru[(self._location, key)]
+
+    def __setitem__(self, key: Hashable, value: V) -> None:
+        self._lru[(self._location, key)] = value
+
+    def __delitem__(self, key: Hashable) -> None:
+        del self._lru[(self._location, key)]
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter([key[1] for key in self._lru if isinstance(key, tuple) and key[0] == self._location])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@dataclass(frozen=True)
+class ProcessCaches:
+    """What a process keeps between requests and jobs, sized once from the settings.
+
+    Attributes:
+        stats_headers: published statistics headers (they never change: nothing goes stale).
+        stats_files: open statistics files on this machine (the files, not their contents).
+        factors: universes' pseudo-inverse factors for what combines statistics directly (the
+            memory-trace maps), within ``ENGRAM_FACTOR_CACHE_BYTES``.
+    """
+
+    stats_headers: StoreCache[Any]
+    stats_files: StoreCache[Any]
+    factors: StoreCache[Any]
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ProcessCaches:
+        return cls(
+            stats_headers=StoreCache(STATS_HEADER_ENTRIES, lambda _: 1),
+            stats_files=StoreCache(STATS_FILE_ENTRIES, lambda _: 1),
+            factors=StoreCache(settings.factor_cache_bytes, lambda factor: int(factor.nbytes)),
+        )
 
 
 @dataclass
@@ -31,6 +110,8 @@ class Context:
         universe_helpers: asks idle workers to help build a universe (distributed mode).
         live_workers: ``{queue: workers with a live heartbeat consuming it}`` (distributed mode).
         reads: what status views read: recent documents, not a round trip each.
+        caches: this process's caches (:class:`ProcessCaches`), built from the settings when not
+            given; a context copied with ``dataclasses.replace`` shares its original's.
     """
 
     settings: Settings
@@ -42,10 +123,13 @@ class Context:
     queue_depths: Callable[[], dict[str, int]] | None = None
     universe_helpers: UniverseHelpers | None = None
     live_workers: Callable[[], dict[str, int]] | None = None
+    caches: ProcessCaches = None  # type: ignore[assignment]  # built in __post_init__ when not given
     reads: ReadCache = field(init=False)
 
     def __post_init__(self) -> None:
         self.reads = ReadCache(self.storage)
+        if self.caches is None:
+            self.caches = ProcessCaches.from_settings(self.settings)
 
     @property
     def cache_dir(self) -> Path:

@@ -25,6 +25,7 @@ from service.engine.layout import ModelLayout
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
 from service.engine.stats_io import save_statistics
 from service.execution.runner import run_job
+from service.jobs.records import JobRecord
 from service.jobs.store import JobStore, utc_now
 from service.models.inspection import register_model
 from service.statistics.manifest import publish_statistics
@@ -60,7 +61,7 @@ class StoreWorld:
             storage_url=f"file://{root / 'store'}", model_roots=str(root / "models"), cache_dir=root / "cache"
         )
         storage = LocalStorage(root / "store")
-        self.pending: list[dict[str, Any]] = []
+        self.pending: list[JobRecord] = []
         self.ctx = Context(
             settings=settings, storage=storage, jobs=JobStore(storage), dispatch=self.pending.append, lock=threading.RLock()
         )
@@ -97,13 +98,15 @@ class StoreWorld:
         self.ctx.storage.put_json(f"concepts/{name}.json", concept)
         return stats
 
-    def run_pending(self) -> list[dict[str, Any]]:
+    def run_pending(self) -> list[JobRecord]:
         """Run every dispatched job to its end; returns their final records."""
         done = []
         while self.pending:
             job = self.pending.pop(0)
-            run_job(self.ctx, job["job_id"])
-            done.append(self.ctx.jobs.get(job["job_id"]))
+            run_job(self.ctx, job.job_id)
+            found = self.ctx.jobs.get(job.job_id)
+            assert found is not None
+            done.append(found)
         return done
 
     def _loaded(self, model_id: str) -> tuple[Any, Any, ModelLayout]:

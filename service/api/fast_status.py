@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api_schemas import Concept, Job
 from service.concepts.service import concept_fields, ready_state
 from service.context import Context
+from service.jobs.records import JobRecord
 from service.jobs.store import public_view, valid_job_id
 from service.statistics.key import manifest_key
 from service.storage.keys import concept_key
@@ -81,7 +82,7 @@ class FastStatus:
         return None
 
 
-def _local_job(ctx: Context, job_id: str) -> dict[str, Any] | None:
+def _local_job(ctx: Context, job_id: str) -> JobRecord | None:
     return ctx.jobs.get_live(job_id) if valid_job_id(job_id) else None
 
 
@@ -99,8 +100,8 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
         published_hit, published = ctx.reads.peek(manifest_key(entry["stats"])) if entry.get("stats") else (False, None)
         if published_hit and published is not None:
             states[model_id] = ready_state(published, entry["job_id"])
-        elif job["status"] in {"queued", "running"}:
-            status = "collecting" if job["status"] == "running" else "pending"
+        elif job.status in {"queued", "running"}:
+            status = "collecting" if job.status == "running" else "pending"
             states[model_id] = {"status": status, "tokens": None, "job_id": entry["job_id"]}
         else:
             return None  # finished: whether it published is a storage read, the route's to make

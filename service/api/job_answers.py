@@ -7,20 +7,19 @@ the job (``Location`` to poll) while it runs, the job's problem once it failed o
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi.responses import JSONResponse
 
 from api_schemas import Job
 from service.api.lanes import Lanes
 from service.api.problems import PROBLEM_JSON
 from service.context import Context
+from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED, public_view
 
 POLL_AFTER_S = 2  # Retry-After of a 202: a poll every two seconds is plenty for jobs of seconds to minutes
 
 
-async def waited(ctx: Context, lanes: Lanes, job: dict[str, Any], wait_s: float) -> dict[str, Any]:
+async def waited(ctx: Context, lanes: Lanes, job: JobRecord, wait_s: float) -> JobRecord:
     """The job once finished, or as it is after ``wait_s`` seconds (429 when too many requests wait
     already: the job runs anyway)."""
     if wait_s <= 0:
@@ -29,18 +28,18 @@ async def waited(ctx: Context, lanes: Lanes, job: dict[str, Any], wait_s: float)
     return await lanes.wait_for_job(ctx, job, wait_s)
 
 
-def unfinished_answer(job: dict[str, Any], what: str) -> JSONResponse:
+def unfinished_answer(job: JobRecord, what: str) -> JSONResponse:
     """The answer when ``job`` has not produced ``what`` (``"this map"``): 202 with the job while it
     runs; once it ended, its problem (failed), or a 409 saying to ask again (cancelled, or its result
     gone since), with the job's ID."""
-    if job["status"] not in FINISHED:
-        headers = {"Location": f"/jobs/{job['job_id']}", "Retry-After": str(POLL_AFTER_S)}
+    if job.status not in FINISHED:
+        headers = {"Location": f"/jobs/{job.job_id}", "Retry-After": str(POLL_AFTER_S)}
         view = Job.model_validate(public_view(job)).model_dump(mode="json")
         return JSONResponse(view, status_code=202, headers=headers)
-    problem = job.get("error") or {
+    problem = job.error or {
         "type": "https://engram.dev/problems/job-cancelled",
-        "title": "Job cancelled" if job["status"] == "cancelled" else "Result gone",
+        "title": "Job cancelled" if job.status == "cancelled" else "Result gone",
         "status": 409,
-        "detail": f"the job for {what}, {job['job_id']}, was {job['status']} without it: ask again to start another",
+        "detail": f"the job for {what}, {job.job_id}, was {job.status} without it: ask again to start another",
     }
-    return JSONResponse({**problem, "job_id": job["job_id"]}, status_code=problem["status"], media_type=PROBLEM_JSON)
+    return JSONResponse({**problem, "job_id": job.job_id}, status_code=problem["status"], media_type=PROBLEM_JSON)

@@ -22,6 +22,7 @@ import anyio.to_thread
 
 from service.context import Context
 from service.errors import ProblemError
+from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED
 
 T = TypeVar("T")
@@ -58,18 +59,18 @@ class Lanes:
             )
         self.waiting += 1
 
-    async def wait_for_job(self, ctx: Context, job: dict[str, Any], wait_s: float) -> dict[str, Any]:
+    async def wait_for_job(self, ctx: Context, job: JobRecord, wait_s: float) -> JobRecord:
         """The job once finished or when ``wait_s`` is up, whichever comes first; releases the
         waiter slot :meth:`admit_waiter` took."""
         try:
             deadline, pause = time.monotonic() + wait_s, _POLL_FIRST_S
-            while job["status"] not in FINISHED:
+            while job.status not in FINISHED:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, _POLL_MAX_S)
-                latest: dict[str, Any] | None = await self.status(ctx.jobs.get, job["job_id"])
+                latest: JobRecord | None = await self.status(ctx.jobs.get, job.job_id)
                 job = latest or job  # None: deleted meanwhile
             return job
         finally:

@@ -31,6 +31,7 @@ from service.engine.model_files import ModelFiles
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
 from service.jobs.progress import JobProgress
+from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.templates import template_process
 from service.models.loaded import MODELS, check_model_unchanged, checked_model_files
 from service.models.registry import get_model
@@ -109,30 +110,30 @@ def _causal(model: Any) -> None:
         raise JobFailed(f"evaluation and generation need a causal language model; this one is a {type(model).__name__}")
 
 
-def _progress(ctx: Context, job: dict[str, Any], total: int) -> Any:
-    return JobProgress(ctx, job["job_id"], total)
+def _progress(ctx: Context, job: JobRecord, total: int) -> Any:
+    return JobProgress(ctx, job.job_id, total)
 
 
 # ---------------------------------------------------------------- job bodies
 
 
-def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_evaluation(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """Per-probe answer NLL and greedy exact match on the base and the variant, with summaries."""
-    payload = job["payload"]
-    key = evaluation_key(payload["evaluation_id"])
+    payload = job.payload_of(EvaluatePayload)
+    key = evaluation_key(payload.evaluation_id)
     cached = ctx.storage.find_json(key)
     if cached is not None:
         return {**cached, "reused": True}
-    raw = json.loads(ctx.storage.get_bytes(probes_key(payload["probes_digest"])))
+    raw = json.loads(ctx.storage.get_bytes(probes_key(payload.probes_digest)))
     probes = {s: [_probe(p) for p in raw[s]] for s in SPLITS}
-    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
+    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload.variant_id)
     _causal(base)
-    with template_process(ctx, job["job_id"]) as renderer:  # one render process, ended before scoring
+    with template_process(ctx, job.job_id) as renderer:  # one render process, ended before scoring
         probes = _checked_probes(tokenizer, probes, renderer)
     progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()))
     scores = {name: _score(model, tokenizer, probes, progress) for name, model in (("base", base), ("variant", variant))}
     result = {
-        "variant_id": payload["variant_id"],
+        "variant_id": payload.variant_id,
         "summary": {name: {s: summarize(*per[s]) for s in SPLITS if probes[s]} for name, per in scores.items()},
         "records": [
             {
@@ -144,7 +145,7 @@ def run_evaluation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
             for i in range(len(probes[split]))
         ],
     }
-    _check_base_unchanged(ctx, payload["variant_id"])
+    _check_base_unchanged(ctx, payload.variant_id)
     ctx.storage.put_json(key, result)
     return result
 
@@ -194,30 +195,32 @@ def _score(
     return scores
 
 
-def run_generation(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_generation(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """Greedy continuation of the prompt by each requested model (stops at EOS)."""
-    payload = job["payload"]
-    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload["variant_id"])
+    payload = job.payload_of(GeneratePayload)
+    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload.variant_id)
     _causal(base)
     models = {"base": base, "variant": variant}
-    progress = _progress(ctx, job, len(payload["models"]))
+    progress = _progress(ctx, job, len(payload.models))
     outputs = {}
-    messages = payload.get("messages")
-    prompt: str | list[int] = payload["prompt"]
+    messages = payload.messages
+    prompt: str | list[int] | None = payload.prompt
     if messages is not None:
         from service.engine.chat import generation_prompt
         from service.engine.records import Message, RecordError
 
         try:
-            with template_process(ctx, job["job_id"]) as renderer:
+            with template_process(ctx, job.job_id) as renderer:
                 prompt = generation_prompt(tokenizer, [Message(m["role"], m["content"]) for m in messages], renderer)
         except RecordError as exc:
             raise JobFailed(f"messages: {exc}") from None
-    for name in payload["models"]:
-        outputs[name] = greedy_generate(models[name], tokenizer, prompt, payload["max_new_tokens"])
+    if prompt is None:
+        raise JobFailed("a generation needs a prompt or messages")
+    for name in payload.models:
+        outputs[name] = greedy_generate(models[name], tokenizer, prompt, payload.max_new_tokens)
         progress.advance(1)
-    _check_base_unchanged(ctx, payload["variant_id"])
-    result = {"variant_id": payload["variant_id"], "prompt": payload["prompt"], "outputs": outputs}
+    _check_base_unchanged(ctx, payload.variant_id)
+    result: dict[str, Any] = {"variant_id": payload.variant_id, "prompt": payload.prompt, "outputs": outputs}
     if messages is not None:
         result["messages"] = messages
     return result

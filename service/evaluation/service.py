@@ -17,6 +17,7 @@ from service.context import Context
 from service.errors import Conflict
 from service.jobs import callbacks
 from service.jobs.admission import admit
+from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.store import new_job
 from service.models.registry import check_causal_lm, check_chat_templates, get_model
 from service.storage.keys import canonical_digest, probes_key
@@ -35,7 +36,7 @@ def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
 
 def submit_evaluation(
     ctx: Context, variant_id: str, probes: dict[str, list[dict[str, str]]], callback_url: str | None
-) -> dict[str, Any]:
+) -> JobRecord:
     """Store the probes and queue an evaluation job; returns the job."""
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     view = _ready_variant(ctx, variant_id)
@@ -43,11 +44,11 @@ def submit_evaluation(
         _check_chat_template(ctx, view, "messages probes")
     data = json.dumps({s: probes.get(s, []) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
     digest = hashlib.sha256(data).hexdigest()
-    payload = {
-        "variant_id": variant_id,
-        "probes_digest": digest,
-        "evaluation_id": canonical_digest({"variant_id": variant_id, "probes": digest})[:32],
-    }
+    payload = EvaluatePayload(
+        variant_id=variant_id,
+        probes_digest=digest,
+        evaluation_id=canonical_digest({"variant_id": variant_id, "probes": digest})[:32],
+    )
     with ctx.lock:  # admission counts and the job it admits, together
         admit(ctx)  # before the probes are stored: a refusal writes nothing
         ctx.storage.put_bytes(probes_key(digest), data)  # before the job: the task reads it
@@ -64,20 +65,16 @@ def submit_generation(
     models: Sequence[str],
     callback_url: str | None,
     messages: list[dict[str, str]] | None = None,
-) -> dict[str, Any]:
+) -> JobRecord:
     """Queue a greedy generation from ``prompt`` (or from ``messages`` rendered with the chat template
     and its generation prompt) on the variant and/or its base; returns the job."""
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     view = _ready_variant(ctx, variant_id)
-    payload: dict[str, Any] = {
-        "variant_id": variant_id,
-        "prompt": prompt,
-        "max_new_tokens": max_new_tokens,
-        "models": list(models),
-    }
     if messages is not None:
         _check_chat_template(ctx, view, "messages")
-        payload["messages"] = messages
+    payload = GeneratePayload(
+        variant_id=variant_id, prompt=prompt, max_new_tokens=max_new_tokens, models=list(models), messages=messages
+    )
     with ctx.lock:  # admission counts and the job it admits, together
         admit(ctx)
         job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))

@@ -37,6 +37,7 @@ from typing import Any
 from service.config import Settings
 from service.context import Context
 from service.execution.kinds import KINDS
+from service.jobs.records import JobRecord, read_job_record
 from service.jobs.store import JobStore, utc_now, valid_job_id
 from service.observability import configure_logging
 from service.storage.base import Storage
@@ -84,40 +85,42 @@ class SqliteJobStore(JobStore):
             self._local.connection = connection
         return connection
 
-    def _read_live(self, job_id: str) -> dict[str, Any] | None:
+    def _read_live(self, job_id: str) -> JobRecord | None:
         row = self._connection().execute("SELECT body FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None else json.loads(row[0])
+        return None if row is None else read_job_record(json.loads(row[0]), job_id)
 
-    def _write_live(self, job: dict[str, Any]) -> None:
+    def _write_live(self, job: JobRecord) -> None:
         # An upsert, not INSERT OR REPLACE: a replaced row gets a new rowid, and the rowid is the
         # creation order that with_status lists (and a replaced job process is handed) jobs in.
         self._connection().execute(
             "INSERT INTO jobs (job_id, kind, status, finished_at, body) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT (job_id) DO UPDATE SET kind = excluded.kind, status = excluded.status, "
             "finished_at = excluded.finished_at, body = excluded.body",
-            (job["job_id"], job["kind"], job["status"], job.get("finished_at"), json.dumps(job)),
+            (job.job_id, job.kind, job.status, job.finished_at, job.model_dump_json()),
         )
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> JobRecord | None:
         # A status poll: one indexed read of the live file, no lock, no storage round trip.
         job = self.get_live(job_id)
         if job is None and valid_job_id(job_id):
             job = self._load_durable(job_id)  # pruned from the live file, or from another machine
         return job
 
-    def with_status(self, statuses: tuple[str, ...]) -> list[dict[str, Any]]:
+    def with_status(self, statuses: tuple[str, ...]) -> list[JobRecord]:
         """Live records in any of ``statuses``, oldest first."""
         marks = ",".join("?" * len(statuses))
-        rows = self._connection().execute(f"SELECT body FROM jobs WHERE status IN ({marks}) ORDER BY rowid", statuses)
-        return [json.loads(body) for (body,) in rows]
+        rows = self._connection().execute(
+            f"SELECT job_id, body FROM jobs WHERE status IN ({marks}) ORDER BY rowid", statuses
+        )
+        return [read_job_record(json.loads(body), job_id) for (job_id, body) in rows]
 
-    def active(self) -> list[dict[str, Any]]:
+    def active(self) -> list[JobRecord]:
         return self.with_status(("queued", "running"))
 
     def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
         # Unfinished rows only (admission keeps them to a few hundred): exact, as the file is the truth.
         jobs = self.active()
-        return len(jobs), sum(1 for j in jobs if j.get("owner") == owner)
+        return len(jobs), sum(1 for j in jobs if j.owner == owner)
 
     def queued_by_queue(self) -> dict[str, int]:
         """Jobs waiting to run, named like the distributed queues (gpu: the model runs; cpu: builds)."""
@@ -186,11 +189,11 @@ class ProcessExecutor:
         self._monitor = threading.Thread(target=self._watch, name="engram-job-process-monitor", daemon=True)
         self._monitor.start()
 
-    def submit(self, job: dict[str, Any]) -> None:
+    def submit(self, job: JobRecord) -> None:
         with self._start_lock:
             if self._inbox is None:
                 self._spawn_locked()
-            self._inbox.put({"job_id": job["job_id"], "kind": job["kind"]})
+            self._inbox.put(_message(job))
 
     def depths(self) -> dict[str, int]:
         return self.jobs.queued_by_queue()
@@ -245,12 +248,10 @@ class ProcessExecutor:
         read), it would hold its lane, and every job queued behind it, until a restart."""
         running = self.jobs.with_status(("running",))
         now = time.monotonic()
-        asked = {job["job_id"] for job in running if job["cancel_requested"]}
+        asked = {job.job_id for job in running if job.cancel_requested}
         self._cancel_seen = {job_id: self._cancel_seen.get(job_id, now) for job_id in asked}
         ignored = {j for j, since in self._cancel_seen.items() if now - since >= self.settings.cancel_grace_s}
-        overdue = {
-            job["job_id"] for job in running if _seconds_since(job.get("started_at")) > self.settings.task_hard_limit_s
-        }
+        overdue = {job.job_id for job in running if _seconds_since(job.started_at) > self.settings.task_hard_limit_s}
         if ignored or overdue:
             self._kill_and_replace(ignored, overdue - ignored)
 
@@ -269,7 +270,7 @@ class ProcessExecutor:
             self._process.kill()
             self._process.join(timeout=10)
             for job in self.jobs.with_status(("running",)):  # read again: a job may have ended meanwhile
-                job_id = job["job_id"]
+                job_id = job.job_id
                 if job_id in ignored:
                     self.jobs.update(job_id, status="cancelled", finished_at=utc_now())
                 elif job_id in overdue:
@@ -279,7 +280,7 @@ class ProcessExecutor:
             self._cancel_seen.clear()
             self._spawn_locked()
             for job in self.jobs.with_status(("queued",)):
-                self._inbox.put({"job_id": job["job_id"], "kind": job["kind"]})
+                self._inbox.put(_message(job))
         if self.on_finished is not None:
             self.on_finished()  # the cancelled and failed jobs' callbacks
 
@@ -294,10 +295,15 @@ class ProcessExecutor:
                 "status": 500,
                 "detail": f"the job process died while running this job ({reason}; out of memory?)",
             }
-            self.jobs.update(job["job_id"], status="failed", error=problem, finished_at=utc_now())
+            self.jobs.update(job.job_id, status="failed", error=problem, finished_at=utc_now())
         self._spawn()
         for job in self.jobs.with_status(("queued",)):
             self.submit(job)
+
+
+def _message(job: JobRecord) -> dict[str, str]:
+    """What the job process is handed of a job: its ID and the kind whose lane runs it."""
+    return {"job_id": job.job_id, "kind": job.kind}
 
 
 def _seconds_since(timestamp: str | None) -> float:
@@ -354,15 +360,16 @@ class EmbeddedExecutor:
         lanes = sorted({kind.lane for kind in KINDS.values()})
         self._lanes = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{lane}") for lane in lanes}
 
-    def submit(self, job: dict[str, Any]) -> None:
-        self._lanes[KINDS[job["kind"]].lane].submit(self._run, job["job_id"])
+    def submit(self, message: dict[str, str]) -> None:
+        """Run a job the API handed over (:func:`_message`) in its kind's lane."""
+        self._lanes[KINDS[message["kind"]].lane].submit(self._run, message["job_id"])  # type: ignore[index]
 
     def shutdown(self) -> None:
         for lane in self._lanes.values():
             lane.shutdown(wait=False, cancel_futures=True)
 
 
-def _messages(inbox: Any) -> Iterator[dict[str, Any]]:
+def _messages(inbox: Any) -> Iterator[dict[str, str]]:
     while True:
         message = inbox.get()
         if message is None:
@@ -370,8 +377,8 @@ def _messages(inbox: Any) -> Iterator[dict[str, Any]]:
         yield message
 
 
-def _no_dispatch(job: dict[str, Any]) -> None:
-    raise RuntimeError(f"job {job['job_id']}: a job body may not start other jobs")
+def _no_dispatch(job: JobRecord) -> None:
+    raise RuntimeError(f"job {job.job_id}: a job body may not start other jobs")
 
 
 def _die_with_parent(parent_pid: int) -> None:

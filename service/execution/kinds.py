@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from service.jobs.store import JobKind
+from service.jobs.records import JobKind, JobRecord
 
-Body = Callable[[Any, dict[str, Any]], dict[str, Any]]
+# A body reads its payload with job.payload_of(<its kind's payload model>, service.jobs.records.PAYLOADS).
+Body = Callable[[Any, JobRecord], dict[str, Any]]
 Queue = Literal["gpu", "cpu"]
 Lane = Literal["collect", "variant", "inference", "map", "register"]
 

@@ -8,13 +8,12 @@ arithmetic builds.
 
 from __future__ import annotations
 
-from typing import Any
-
 from celery import Celery
 from kombu import Queue
 
 from service.config import Settings
 from service.execution.kinds import KINDS, UNIVERSE_HELPER
+from service.jobs.records import JobRecord, VariantPayload
 from service.jobs.store import RedisJobStore
 
 QUEUES = sorted({kind.queue for kind in KINDS.values()})
@@ -46,12 +45,13 @@ class CelerySender:
     def __init__(self, celery: Celery, jobs: RedisJobStore) -> None:
         self.celery, self.jobs = celery, jobs
 
-    def dispatch(self, job: dict[str, Any]) -> None:
-        kind = KINDS[job["kind"]]
-        queue = job["payload"].get("queue", kind.queue)  # a variant that must build its universe first: gpu
+    def dispatch(self, job: JobRecord) -> None:
+        kind = KINDS[job.kind]
+        # A variant that must build its universe first: gpu.
+        queue = (job.payload.queue if isinstance(job.payload, VariantPayload) else None) or kind.queue
         # The epoch tells the reconciler later whether this message could have died with Redis.
-        self.jobs.update(job["job_id"], persist=False, dispatch_epoch=self.jobs.epoch())
-        self.celery.send_task(kind.task, kwargs={"job_id": job["job_id"]}, queue=queue)
+        self.jobs.update(job.job_id, persist=False, dispatch_epoch=self.jobs.epoch())
+        self.celery.send_task(kind.task, kwargs={"job_id": job.job_id}, queue=queue)
 
     def universe_helpers(self, universe_id: str, job_id: str, count: int) -> None:
         # Not jobs: messages any idle worker may take; each claims parts by lease (service.universes.build).

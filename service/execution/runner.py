@@ -33,6 +33,7 @@ from service.errors import JobFailed, ProblemError
 from service.execution.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
+from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED, utc_now
 from service.observability import job_context
 from service.storage.base import StorageUnavailable
@@ -42,7 +43,7 @@ log = logging.getLogger("engram.runner")
 __all__ = ["KINDS", "UNIVERSE_HELPER", "Kind", "Queue", "run_job", "retry_after", "run_universe_helper"]
 
 
-def run_calibration_job(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_calibration_job(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """A calibration runs its recommended variant's job inline, through this runner."""
     from service.calibration.build import run_calibration
 
@@ -72,20 +73,20 @@ def run_job(
             Celery worker ends its pool process, and the redelivered message finds the job cancelled.
     """
     job = ctx.jobs.get(job_id)
-    if job is None or job["status"] in FINISHED:
+    if job is None or job.status in FINISHED:
         return
-    if job["cancel_requested"]:
+    if job.cancel_requested:
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
         return
-    if ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None)["cancel_requested"]:
+    if ctx.jobs.update(job_id, status="running", started_at=utc_now(), error=None).cancel_requested:
         # A DELETE landed between the read above and this write: the job was answered cancelled.
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
         return
     try:
         with job_context(job_id), _heartbeat(ctx, job_id), _cancel_watchdog(ctx, job_id, stuck_cancel):
-            log.info("%s job started", job["kind"])
-            result = {**KINDS[job["kind"]].body(ctx, job), "worker": worker_name()}
-            log.info("%s job succeeded", job["kind"])
+            log.info("%s job started", job.kind)
+            result = {**KINDS[job.kind].body(ctx, job), "worker": worker_name()}
+            log.info("%s job succeeded", job.kind)
     except (JobCancelled, CollectionCancelled):
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
     except TRANSIENT_ERRORS as exc:
@@ -193,7 +194,7 @@ def _cancel_watchdog(ctx: Context, job_id: str, stuck_cancel: Callable[[], None]
                 job = ctx.jobs.get(job_id)
             except Exception:  # Redis briefly away: look again at the next tick
                 continue
-            if job is None or not job["cancel_requested"]:
+            if job is None or not job.cancel_requested:
                 continue
             asked = time.monotonic() if asked is None else asked
             if time.monotonic() - asked >= ctx.settings.cancel_grace_s and not stop.is_set():

@@ -67,8 +67,8 @@ def _embedded(settings: Settings) -> Runtime:
     def requeue_interrupted() -> None:
         jobs.prune()
         for job in ctx.jobs.unfinished():  # tasks are idempotent: running one again is harmless
-            log.info("re-queueing interrupted job %s", job["job_id"])
-            ctx.jobs.update(job["job_id"], status="queued")
+            log.info("re-queueing interrupted job %s", job.job_id)
+            ctx.jobs.update(job.job_id, status="queued")
             executor.submit(job)
 
     runtime = Runtime(ctx, on_start=[executor.start, requeue_interrupted], on_stop=[executor.shutdown])

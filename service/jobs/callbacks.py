@@ -37,6 +37,7 @@ import httpx
 from service.config import Settings
 from service.errors import InvalidInput
 from service.jobs.periodic import PeriodicDuty
+from service.jobs.records import JobRecord
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import FAILED_CALLBACKS, PENDING_CALLBACKS
 
@@ -169,11 +170,11 @@ def _entry_key(job_id: str, url: str) -> str:
     return f"{PENDING_CALLBACKS}{job_id}.{hashlib.sha256(url.encode()).hexdigest()[:16]}.json"
 
 
-def enqueue(storage: Storage, job: dict[str, Any]) -> None:
-    """Write one outbox entry per callback URL of a finished job (idempotent: same keys)."""
-    for url in job.get("callbacks") or []:
-        entry = {"job_id": job["job_id"], "url": url, "attempts": 0, "next_attempt_at": 0.0, "last_error": None}
-        storage.put_json(_entry_key(job["job_id"], url), entry)
+def enqueue(storage: Storage, job: JobRecord, urls: tuple[str, ...] | None = None) -> None:
+    """Write one outbox entry per callback URL of a finished job, or per one of ``urls`` (idempotent: same keys)."""
+    for url in job.callbacks if urls is None else urls:
+        entry = {"job_id": job.job_id, "url": url, "attempts": 0, "next_attempt_at": 0.0, "last_error": None}
+        storage.put_json(_entry_key(job.job_id, url), entry)
 
 
 @dataclass
@@ -228,8 +229,8 @@ class CallbackDispatcher:
         self,
         storage: Storage,
         settings: Settings,
-        get_job: Callable[[str], dict[str, Any] | None],
-        view: Callable[[dict[str, Any]], dict[str, Any]],
+        get_job: Callable[[str], JobRecord | None],
+        view: Callable[[JobRecord], dict[str, Any]],
         lock: Callable[[], Any] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
@@ -302,7 +303,7 @@ class CallbackDispatcher:
             job = self.get_job(entry["job_id"])
             if job is None:
                 return Delivery(False, f"job {entry['job_id']} no longer exists")
-            if job.get("status") not in {"succeeded", "failed", "cancelled"}:
+            if job.status not in {"succeeded", "failed", "cancelled"}:
                 return None
             return self.post(entry["url"], job)
         except StorageUnavailable:
@@ -334,7 +335,7 @@ class CallbackDispatcher:
         self.storage.put_json(FAILED_CALLBACKS + key.removeprefix(PENDING_CALLBACKS), failed)
         self.storage.delete(key)
 
-    def post(self, url: str, job: dict[str, Any]) -> Delivery:
+    def post(self, url: str, job: JobRecord) -> Delivery:
         """One signed POST of the job to ``url`` (checked again: the allowlist may have changed, and
         an entry stored by an older version may hold a URL no longer accepted)."""
         try:
@@ -350,9 +351,9 @@ class CallbackDispatcher:
         assert self.settings.callback_secret is not None  # Settings refuses hosts without a secret
         headers = {
             "content-type": "application/json",
-            "webhook-id": job["job_id"],
+            "webhook-id": job.job_id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(self.settings.callback_secret.get_secret_value(), job["job_id"], timestamp, body),
+            "webhook-signature": sign(self.settings.callback_secret.get_secret_value(), job.job_id, timestamp, body),
             "user-agent": "engram-service-callbacks/1",
         }
         try:  # the URL the allowlist judged is the one sent

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 from service.jobs.periodic import PeriodicDuty
+from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED, RedisJobStore, utc_now
 from service.storage.keys import OPEN_JOBS
 
 log = logging.getLogger("engram.reconcile")
 
 
-def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], None]) -> list[str]:
+def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[JobRecord], None]) -> list[str]:
     """One pass over the open jobs; returns the IDs dispatched again."""
     epoch = jobs.epoch()
     redispatched = []
@@ -34,9 +35,9 @@ def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], Non
         if job is None:
             continue
         reason = _why_lost(jobs, job, epoch)
-        if job["status"] in FINISHED:
+        if job.status in FINISHED:
             jobs.update(job_id)  # its last persist failed: persisting now also drops the open marker
-        elif job["cancel_requested"] and job["status"] == "queued" and reason:
+        elif job.cancel_requested and job.status == "queued" and reason:
             jobs.update(job_id, status="cancelled", finished_at=utc_now())
         elif reason:
             log.warning("re-dispatching job %s: %s", job_id, reason)
@@ -45,18 +46,18 @@ def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], Non
     return redispatched
 
 
-def _why_lost(jobs: RedisJobStore, job: dict[str, Any], epoch: str) -> str | None:
+def _why_lost(jobs: RedisJobStore, job: JobRecord, epoch: str) -> str | None:
     """Why nobody will run this unfinished job unless it is dispatched again, or None."""
-    if not jobs.is_live(job["job_id"]):
+    if not jobs.is_live(job.job_id):
         return "Redis lost its record"
-    if job["status"] == "running" and not jobs.alive(job["job_id"]):
+    if job.status == "running" and not jobs.alive(job.job_id):
         return "its worker stopped sending heartbeats"
-    if job["status"] == "queued" and job.get("dispatch_epoch") != epoch:
+    if job.status == "queued" and job.dispatch_epoch != epoch:
         return "its message was queued in a Redis that has since restarted"
     return None
 
 
-def reconciler(jobs: RedisJobStore, dispatch: Callable[[dict[str, Any]], None], interval_s: float) -> PeriodicDuty:
+def reconciler(jobs: RedisJobStore, dispatch: Callable[[JobRecord], None], interval_s: float) -> PeriodicDuty:
     """:func:`reconcile_once` every ``interval_s``, in one API process at a time (a Redis lock)."""
 
     def lock() -> Any:

@@ -18,16 +18,17 @@ import threading
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from api_schemas import Job
 from service.jobs import callbacks
 from service.jobs.admission import job_owner
+from service.jobs.records import AnyPayload, JobKind, JobRecord, ProgressCounts, UnreadableJobRecord, read_job_record
 from service.observability import record_job_state
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
 
-JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
+__all__ = ["FINISHED", "JobKind", "JobRecord", "JobStore", "RedisJobStore", "new_job", "public_view", "utc_now"]
 FINISHED = {"succeeded", "failed", "cancelled"}
 OPEN_SET = "engram:open-jobs"  # Redis: the unfinished jobs' IDs (``:<owner>`` for one owner's)
 log = logging.getLogger("engram.jobs")
@@ -37,34 +38,28 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
-def new_job(kind: JobKind, payload: dict[str, Any], unit: str, callback_urls: list[str] | None = None) -> dict[str, Any]:
+def new_job(kind: JobKind, payload: AnyPayload, unit: str, callback_urls: list[str] | None = None) -> JobRecord:
     """A fresh queued job record; ``callback_urls`` are POSTed the job when it ends. ``owner``: the
     API key whose request submits it (admission control counts it against that key), None for the
     follow-up work a job submits itself."""
-    return {
-        "job_id": uuid.uuid4().hex,
-        "kind": kind,
-        "status": "queued",
-        "progress": {"done": 0, "total": 0, "unit": unit},
-        "error": None,
-        "result": None,
-        "created_at": utc_now(),
-        "started_at": None,
-        "finished_at": None,
-        "payload": payload,
-        "cancel_requested": False,
-        "callbacks": list(callback_urls or []),
-        "owner": job_owner.get(),
-    }
+    return JobRecord(
+        job_id=uuid.uuid4().hex,
+        kind=kind,
+        progress=ProgressCounts(unit=unit),
+        created_at=utc_now(),
+        payload=payload,
+        callbacks=tuple(callback_urls or ()),
+        owner=job_owner.get(),
+    )
 
 
 _SUBJECT = ("model_id", "concept", "variant_id")  # what a job is about, from its payload
 
 
-def public_view(job: dict[str, Any]) -> dict[str, Any]:
+def public_view(job: JobRecord) -> dict[str, Any]:
     """The job as the API shows it (and as callbacks carry it): no payload, no internals."""
-    payload = job.get("payload") or {}
-    return {k: payload.get(k) if k in _SUBJECT else job.get(k) for k in Job.model_fields}
+    stored = job.model_dump(mode="json")
+    return {k: getattr(job.payload, k, None) if k in _SUBJECT else stored.get(k) for k in Job.model_fields}
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -72,7 +67,10 @@ def valid_job_id(job_id: str) -> bool:
 
 
 class JobStore:
-    """Live job records in memory, persisted to storage on every state change."""
+    """Live job records in memory, persisted to storage on every state change.
+
+    Records are frozen: a change is a new record (:meth:`JobRecord.updated`) written in place of
+    the old one, under this store's lock."""
 
     # Whether a live read is a memory or local-file read, cheap enough for the event loop (see
     # service.api.fast_status); False for Redis, a network round trip.
@@ -80,108 +78,114 @@ class JobStore:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._live: dict[str, dict[str, Any]] = {}
+        self._live: dict[str, JobRecord] = {}
         self._lock = threading.RLock()
         self.on_finished: Callable[[], None] | None = None  # wakes this process's callback dispatcher
 
     # -- live records: overridden by the Redis store
-    def _read_live(self, job_id: str) -> dict[str, Any] | None:
+    def _read_live(self, job_id: str) -> JobRecord | None:
         return self._live.get(job_id)
 
-    def _write_live(self, job: dict[str, Any]) -> None:
-        self._live[job["job_id"]] = job
+    def _write_live(self, job: JobRecord) -> None:
+        self._live[job.job_id] = job
 
     # -- the public surface
-    def create(self, job: dict[str, Any]) -> dict[str, Any]:
+    def create(self, job: JobRecord) -> JobRecord:
         with self._lock:
             self._write_live(job)
-            self.storage.put_bytes(OPEN_JOBS + job["job_id"], b"")
+            self.storage.put_bytes(OPEN_JOBS + job.job_id, b"")
             self._persist(job)
-            record_job_state(job["kind"], job["status"])
-            return _copy(job)
+            record_job_state(job.kind, job.status)
+            return job
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> JobRecord | None:
         if not valid_job_id(job_id):
             return None
         with self._lock:
             job = self._read_live(job_id)
-            if job is None:
-                job = self._load_durable(job_id)
-            return None if job is None else _copy(job)
+            return self._load_durable(job_id) if job is None else job
 
-    def get_live(self, job_id: str) -> dict[str, Any] | None:
+    def get_live(self, job_id: str) -> JobRecord | None:
         """The live record only (no storage read): None when this store does not hold it."""
-        job = self._read_live(job_id) if valid_job_id(job_id) else None
-        return None if job is None else _copy(job)
+        return self._read_live(job_id) if valid_job_id(job_id) else None
 
-    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> dict[str, Any]:
+    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> JobRecord:
         """Set fields of a job; ``persist=False`` for frequent progress ticks."""
         with self._lock:
             job = self._read_live(job_id) or self._load_durable(job_id)
             if job is None:
                 raise KeyError(job_id)
-            if "status" in fields and fields["status"] != job["status"]:
-                record_job_state(job["kind"], fields["status"])
-            job.update(fields)
+            if "status" in fields and fields["status"] != job.status:
+                record_job_state(job.kind, fields["status"])
+            job = job.updated(**fields)
             self._write_live(job)
             if persist:
                 self._persist(job)
-            return _copy(job)
+            return job
 
     def set_progress(self, job_id: str, done: int, total: int | None = None) -> None:
-        progress = {"done": done} if total is None else {"done": done, "total": total}
+        counts = {"done": done} if total is None else {"done": done, "total": total}
         with self._lock:
             job = self._read_live(job_id)
             if job is not None:
-                job["progress"].update(progress)
-                self._write_live(job)
+                self._write_live(job.updated(progress=job.progress.model_copy(update=counts)))
 
     def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
         """(jobs not finished in total, those of ``owner``): what admission control bounds.
         ``exact``: recount from the records where a store keeps a faster, drifting count."""
-        jobs = [j for j in self._live.values() if j["status"] not in FINISHED]
-        return len(jobs), sum(1 for j in jobs if j.get("owner") == owner)
+        jobs = [j for j in self._live.values() if j.status not in FINISHED]
+        return len(jobs), sum(1 for j in jobs if j.owner == owner)
 
-    def unfinished(self) -> list[dict[str, Any]]:
+    def unfinished(self) -> list[JobRecord]:
         """Jobs not known to be finished, from the durable markers (survives any restart)."""
         found = []
-        for key in self.storage.list(OPEN_JOBS):
-            job = self.get(key.removeprefix(OPEN_JOBS))
-            if job is not None and job["status"] not in FINISHED:
+        for job in self._marked_open():
+            if job.status not in FINISHED:
                 found.append(job)
-            elif job is not None:
+            else:
                 self._persist(job)  # finished, but its last persist failed: finish it now
         return found
 
-    def active(self) -> list[dict[str, Any]]:
+    def active(self) -> list[JobRecord]:
         """Jobs not finished yet, oldest first (from the durable markers: every mode, any restart)."""
-        found = (self.get(key.removeprefix(OPEN_JOBS)) for key in self.storage.list(OPEN_JOBS))
-        return sorted((j for j in found if j is not None and j["status"] not in FINISHED), key=lambda j: j["created_at"])
+        return sorted((j for j in self._marked_open() if j.status not in FINISHED), key=lambda j: j.created_at)
 
-    def _load_durable(self, job_id: str) -> dict[str, Any] | None:
+    def _marked_open(self) -> list[JobRecord]:
+        """The records of the open markers. One that cannot be read is left out of this listing
+        with an error naming it (one damaged record must not stop every other job's recovery);
+        reading it by ID still raises :class:`UnreadableJobRecord`."""
+        found = []
+        for key in self.storage.list(OPEN_JOBS):
+            try:
+                job = self.get(key.removeprefix(OPEN_JOBS))
+            except UnreadableJobRecord as exc:
+                log.error("%s", exc.detail)
+                continue
+            if job is not None:
+                found.append(job)
+        return found
+
+    def _load_durable(self, job_id: str) -> JobRecord | None:
         """The persisted record. Not written back to the live store: a record missing there is how
         the reconciler learns that Redis lost it (and its queued message with it)."""
         try:
-            return self.storage.get_json(job_key(job_id))
+            stored = self.storage.get_json(job_key(job_id))
         except (ObjectNotFound, ValueError):
             return None
+        return read_job_record(stored, job_id)
 
-    def _persist(self, job: dict[str, Any]) -> None:
-        self.storage.put_json(job_key(job["job_id"]), job)
-        if job["status"] not in FINISHED:
+    def _persist(self, job: JobRecord) -> None:
+        self.storage.put_json(job_key(job.job_id), job.model_dump(mode="json"))
+        if job.status not in FINISHED:
             return
         # The outbox is written while the open marker still exists: a crash in between leaves the
         # marker, and the next persist of this finished job (restart, reconciler) writes it again.
-        marker = OPEN_JOBS + job["job_id"]
-        if job.get("callbacks") and self.storage.exists(marker):
+        marker = OPEN_JOBS + job.job_id
+        if job.callbacks and self.storage.exists(marker):
             callbacks.enqueue(self.storage, job)
             if self.on_finished is not None:
                 self.on_finished()
         self.storage.delete(marker)
-
-
-def _copy(job: dict[str, Any]) -> dict[str, Any]:
-    return {**job, "progress": dict(job["progress"])}
 
 
 class RedisJobStore(JobStore):
@@ -198,18 +202,18 @@ class RedisJobStore(JobStore):
         self.redis = redis
         self.heartbeat_ttl_s = heartbeat_ttl_s
 
-    def _read_live(self, job_id: str) -> dict[str, Any] | None:
+    def _read_live(self, job_id: str) -> JobRecord | None:
         raw = self.redis.get(f"engram:job:{job_id}")
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else read_job_record(json.loads(raw), job_id)
 
     # -- admission counts: a set of unfinished job IDs in total and one per owner. A job leaves them
     # when a store records it finished; a process that dies in between leaves a stale member, which
     # open_counts(exact=True) drops (admission asks for it before it refuses anyone).
-    def create(self, job: dict[str, Any]) -> dict[str, Any]:
+    def create(self, job: JobRecord) -> JobRecord:
         with self.redis.pipeline() as pipe:
-            pipe.sadd(OPEN_SET, job["job_id"])
-            if job.get("owner"):
-                pipe.sadd(OPEN_SET + ":" + job["owner"], job["job_id"])
+            pipe.sadd(OPEN_SET, job.job_id)
+            if job.owner:
+                pipe.sadd(OPEN_SET + ":" + job.owner, job.job_id)
             pipe.execute()
         try:
             return super().create(job)
@@ -217,9 +221,9 @@ class RedisJobStore(JobStore):
             self._forget_open(job)
             raise
 
-    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> dict[str, Any]:
+    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> JobRecord:
         job = super().update(job_id, persist=persist, **fields)
-        if job["status"] in FINISHED:
+        if job.status in FINISHED:
             self._forget_open(job)
         return job
 
@@ -228,26 +232,26 @@ class RedisJobStore(JobStore):
         if exact:
             for key in (OPEN_SET, mine):
                 members = [m.decode() for m in self.redis.smembers(key)]
-                stale = [m for m in members if (j := self.get(m)) is None or j["status"] in FINISHED]
+                stale = [m for m in members if (j := self.get(m)) is None or j.status in FINISHED]
                 if stale:
                     self.redis.srem(key, *stale)
         return int(self.redis.scard(OPEN_SET)), int(self.redis.scard(mine))
 
-    def _forget_open(self, job: dict[str, Any]) -> None:
+    def _forget_open(self, job: JobRecord) -> None:
         with self.redis.pipeline() as pipe:
-            pipe.srem(OPEN_SET, job["job_id"])
-            if job.get("owner"):
-                pipe.srem(OPEN_SET + ":" + job["owner"], job["job_id"])
+            pipe.srem(OPEN_SET, job.job_id)
+            if job.owner:
+                pipe.srem(OPEN_SET + ":" + job.owner, job.job_id)
             pipe.execute()
 
-    def _write_live(self, job: dict[str, Any]) -> None:
-        self.redis.set(f"engram:job:{job['job_id']}", json.dumps(job))
+    def _write_live(self, job: JobRecord) -> None:
+        self.redis.set(f"engram:job:{job.job_id}", job.model_dump_json())
 
-    def _persist(self, job: dict[str, Any]) -> None:
+    def _persist(self, job: JobRecord) -> None:
         try:
             super()._persist(job)
         except StorageUnavailable as exc:
-            log.warning("job %s: state kept in Redis only until storage is back (%s)", job["job_id"], exc)
+            log.warning("job %s: state kept in Redis only until storage is back (%s)", job.job_id, exc)
 
     def heartbeat(self, job_id: str) -> None:
         """A worker says it is alive and working on this job."""

@@ -26,7 +26,7 @@ def cancel_requested(ctx: Context, job_id: str) -> Callable[[], bool]:
 
     def asked() -> bool:
         job = ctx.jobs.get(job_id)
-        return bool(job and job["cancel_requested"])
+        return bool(job and job.cancel_requested)
 
     return asked
 

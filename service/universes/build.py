@@ -30,6 +30,7 @@ from typing import Any
 
 from service.context import Context
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress, Progress
+from service.jobs.records import JobRecord, UniversePayload
 from service.jobs.store import FINISHED
 from service.storage.base import scratch_dir
 from service.storage.keys import universe_manifest_key, universe_plan_key
@@ -40,10 +41,11 @@ from service.universes.records import find_manifest
 log = logging.getLogger("engram.universes")
 
 
-def run_universe(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_universe(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """The ``universe`` job: build it (or find it built), with idle workers' help where there are any."""
-    progress = JobProgress(ctx, job["job_id"], 0)
-    manifest, reused = ensure_universe(ctx, job["payload"]["universe_id"], progress, job_id=job["job_id"])
+    progress = JobProgress(ctx, job.job_id, 0)
+    universe_id = job.payload_of(UniversePayload).universe_id
+    manifest, reused = ensure_universe(ctx, universe_id, progress, job_id=job.job_id)
     return {
         "universe_id": manifest["universe_id"],
         "reused": reused,
@@ -132,5 +134,5 @@ class _JobWatch:
 
     def advance(self, amount: int = 1) -> None:
         job = self.ctx.jobs.get(self.job_id)
-        if job is None or job["status"] in FINISHED or job["cancel_requested"]:
+        if job is None or job.status in FINISHED or job.cancel_requested:
             raise JobCancelled()

@@ -59,6 +59,7 @@ from typing import Any, Literal
 from service.context import Context
 from service.errors import Conflict
 from service.jobs.admission import job_owner
+from service.jobs.records import UniversePayload, VariantPayload
 from service.jobs.store import FINISHED, utc_now
 from service.observability import record_universe_eviction, record_universe_refusal, set_universe_gauges
 from service.storage.keys import (
@@ -377,7 +378,7 @@ def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool
     users = _users(usage)
     manifest = find_manifest(ctx, universe_id)
     job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
-    building = busy or (job is not None and job["status"] not in FINISHED)
+    building = busy or (job is not None and job.status not in FINISHED)
     if manifest is not None:
         parts = manifest["bytes"]
         g, e = parts["groups"], parts["engrams"]
@@ -408,14 +409,14 @@ def busy_jobs(ctx: Context) -> dict[str, list[str]]:
     """Universe ID → the unfinished ``universe`` and ``variant`` jobs that build or read it."""
     busy: dict[str, list[str]] = {}
     for job in ctx.jobs.active():
-        payload = job.get("payload") or {}
+        payload = job.payload
         uid = None
-        if job["kind"] == "universe" and payload.get("universe_id"):
-            uid = payload["universe_id"]
-        elif job["kind"] == "variant" and payload.get("variant_id"):
-            uid = (ctx.storage.find_json(variant_request_key(payload["variant_id"])) or {}).get("universe_id")
+        if isinstance(payload, UniversePayload):
+            uid = payload.universe_id
+        elif isinstance(payload, VariantPayload):
+            uid = (ctx.storage.find_json(variant_request_key(payload.variant_id)) or {}).get("universe_id")
         if uid:
-            busy.setdefault(uid, []).append(job["job_id"])
+            busy.setdefault(uid, []).append(job.job_id)
     return busy
 
 
@@ -525,7 +526,7 @@ def _eviction_plan(
 def _build_running(ctx: Context, universe_id: str) -> bool:
     request = find_request(ctx, universe_id)
     job = ctx.jobs.get(request["job_id"]) if request and request.get("job_id") else None
-    return job is not None and job["status"] not in FINISHED
+    return job is not None and job.status not in FINISHED
 
 
 def _refusal(spec: UniverseSpec, projection: Projection, storage: UniverseStorage, held: int, freed: int) -> str:

@@ -15,6 +15,7 @@ import redis
 from service.context import Context
 from service.jobs.admission import ANONYMOUS, RETRY_AFTER_S, TooManyJobs, admit, job_owner
 from service.jobs.store import new_job
+from tests.helpers.jobs import payload_for
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def as_owner() -> Iterator[Callable[[str | None], None]]:
 
 
 def fill(ctx: Context, count: int) -> list[str]:
-    return [ctx.jobs.create(new_job("map", {}, unit="layers"))["job_id"] for _ in range(count)]
+    return [ctx.jobs.create(new_job("map", payload_for("map"), unit="layers")).job_id for _ in range(count)]
 
 
 def test_a_key_is_admitted_up_to_its_bound_and_refused_past_it(

@@ -21,6 +21,7 @@ from service.execution.kinds import KINDS, UNIVERSE_HELPER
 from service.execution.queues import QUEUES, CelerySender, make_celery
 from service.jobs.store import JobKind, RedisJobStore, new_job
 from service.storage.local import LocalStorage
+from tests.helpers.jobs import payload_for
 
 
 def test_every_kind_has_one_entry_with_its_own_task() -> None:
@@ -65,18 +66,18 @@ def sender(redis_server: RedisServer, client: redis.Redis, tmp_path: Path) -> Ce
 
 
 def test_a_job_is_sent_to_its_kinds_queue_stamped_with_the_epoch(sender: CelerySender, client: redis.Redis) -> None:
-    collect = sender.jobs.create(new_job("collect", {}, unit="tokens"))
-    variant = sender.jobs.create(new_job("variant", {}, unit="layers"))
+    collect = sender.jobs.create(new_job("collect", payload_for("collect"), unit="tokens"))
+    variant = sender.jobs.create(new_job("variant", payload_for("variant"), unit="layers"))
     sender.dispatch(collect)
     sender.dispatch(variant)
-    assert queued_messages(client, "gpu") == [{"task": "engram.collect", "kwargs": {"job_id": collect["job_id"]}}]
-    assert queued_messages(client, "cpu") == [{"task": "engram.build_variant", "kwargs": {"job_id": variant["job_id"]}}]
-    assert sender.jobs.get(collect["job_id"])["dispatch_epoch"] == sender.jobs.epoch()  # type: ignore[index]
+    assert queued_messages(client, "gpu") == [{"task": "engram.collect", "kwargs": {"job_id": collect.job_id}}]
+    assert queued_messages(client, "cpu") == [{"task": "engram.build_variant", "kwargs": {"job_id": variant.job_id}}]
+    assert sender.jobs.get(collect.job_id).dispatch_epoch == sender.jobs.epoch()  # type: ignore[union-attr]
 
 
 def test_a_payload_may_send_its_job_to_another_queue(sender: CelerySender, client: redis.Redis) -> None:
     """A variant that must build its universe first goes where universes are built."""
-    variant = sender.jobs.create(new_job("variant", {"queue": "gpu"}, unit="layers"))
+    variant = sender.jobs.create(new_job("variant", payload_for("variant", queue="gpu"), unit="layers"))
     sender.dispatch(variant)
     assert [m["task"] for m in queued_messages(client, "gpu")] == ["engram.build_variant"]
     assert queued_messages(client, "cpu") == []

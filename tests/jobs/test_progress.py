@@ -9,19 +9,20 @@ import pytest
 from service.context import Context
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress, NoProgress
 from service.jobs.store import new_job
+from tests.helpers.jobs import payload_for
 
 
 def progress_of(ctx: Context, job_id: str) -> dict[str, int | str]:
     job = ctx.jobs.get(job_id)
     assert job is not None
-    return dict(job["progress"])
+    return job.progress.model_dump()
 
 
 @pytest.fixture
 def job_id(ctx: Context) -> str:
-    job = ctx.jobs.create(new_job("collect", {}, unit="tokens"))
-    ctx.jobs.update(job["job_id"], progress={**job["progress"], "done": 5, "total": 5})  # a previous try's count
-    return str(job["job_id"])
+    job = ctx.jobs.create(new_job("collect", payload_for("collect"), unit="tokens"))
+    ctx.jobs.update(job.job_id, progress={**job.progress.model_dump(), "done": 5, "total": 5})  # a previous try's count
+    return str(job.job_id)
 
 
 def test_starting_counts_from_zero_towards_the_total_and_persists_it(ctx: Context, job_id: str) -> None:

@@ -18,6 +18,7 @@ from service.context import Context
 from service.jobs.reconcile import reconcile_once, reconciler
 from service.jobs.store import RedisJobStore, new_job
 from service.storage.keys import OPEN_JOBS
+from tests.helpers.jobs import payload_for
 
 
 @pytest.fixture
@@ -33,12 +34,12 @@ class Queue:
         self.store, self.sent = store, []  # type: list[str]
 
     def __call__(self, job: dict[str, Any]) -> None:
-        self.store.update(job["job_id"], persist=False, dispatch_epoch=self.store.epoch())
-        self.sent.append(job["job_id"])
+        self.store.update(job.job_id, persist=False, dispatch_epoch=self.store.epoch())
+        self.sent.append(job.job_id)
 
 
 def queued(store: RedisJobStore, queue: Queue, **fields: Any) -> str:
-    job_id = str(store.create(new_job("collect", {}, unit="tokens"))["job_id"])
+    job_id = str(store.create(new_job("collect", payload_for("collect"), unit="tokens")).job_id)
     queue(store.get(job_id))  # type: ignore[arg-type]
     if fields:
         store.update(job_id, **fields)
@@ -49,7 +50,7 @@ def queued(store: RedisJobStore, queue: Queue, **fields: Any) -> str:
 def status(store: RedisJobStore, job_id: str) -> str:
     job = store.get(job_id)
     assert job is not None
-    return str(job["status"])
+    return str(job.status)
 
 
 def test_jobs_that_someone_will_run_are_left_alone(store: RedisJobStore) -> None:

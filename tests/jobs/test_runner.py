@@ -29,9 +29,11 @@ from service.execution import kinds
 from service.execution.runner import TRANSIENT_ERRORS, retry_after, run_job
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobProgress
+from service.jobs.records import JobRecord
 from service.jobs.store import RedisJobStore, new_job
 from service.storage.base import StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
+from tests.helpers.jobs import payload_for
 
 Body = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
@@ -54,10 +56,10 @@ def use_body(monkeypatch: pytest.MonkeyPatch) -> Callable[[Body], None]:
 
 
 def submit(ctx: Context, **payload: Any) -> str:
-    return str(ctx.jobs.create(new_job("map", payload, unit="steps"))["job_id"])
+    return ctx.jobs.create(new_job("map", payload_for("map", **payload), unit="steps")).job_id
 
 
-def job(ctx: Context, job_id: str) -> dict[str, Any]:
+def job(ctx: Context, job_id: str) -> JobRecord:
     found = ctx.jobs.get(job_id)
     assert found is not None
     return found
@@ -74,18 +76,18 @@ def test_a_body_that_returns_succeeds_with_its_result_and_the_worker(ctx: Contex
     seen: list[dict[str, Any]] = []
 
     def body(c: Context, j: dict[str, Any]) -> dict[str, Any]:
-        seen.append(job(c, j["job_id"]))
+        seen.append(job(c, j.job_id))
         return {"answer": 42}
 
     use_body(body)
     job_id = submit(ctx, model_id="m")
     run_job(ctx, job_id)
-    assert [s["status"] for s in seen] == ["running"] and seen[0]["started_at"] is not None
+    assert [s.status for s in seen] == ["running"] and seen[0].started_at is not None
     done = job(ctx, job_id)
-    assert done["status"] == "succeeded" and done["error"] is None
-    assert done["result"] == {"answer": 42, "worker": worker_name()}
-    assert done["started_at"] <= done["finished_at"]
-    assert ctx.storage.get_json(job_key(job_id)) == done and not is_open(ctx, job_id)
+    assert done.status == "succeeded" and done.error is None
+    assert done.result == {"answer": 42, "worker": worker_name()}
+    assert done.started_at <= done.finished_at
+    assert ctx.storage.get_json(job_key(job_id)) == done.model_dump(mode="json") and not is_open(ctx, job_id)
 
 
 def test_a_problem_raised_by_the_body_fails_the_job_with_that_problem(ctx: Context, use_body: Any) -> None:
@@ -96,8 +98,8 @@ def test_a_problem_raised_by_the_body_fails_the_job_with_that_problem(ctx: Conte
     job_id = submit(ctx)
     run_job(ctx, job_id)
     failed = job(ctx, job_id)
-    assert failed["status"] == "failed" and failed["result"] is None and failed["finished_at"]
-    assert failed["error"] == InvalidInput("layer 'x' does not exist: pick one of GET /models/m's layers").to_problem()
+    assert failed.status == "failed" and failed.result is None and failed.finished_at
+    assert failed.error == InvalidInput("layer 'x' does not exist: pick one of GET /models/m's layers").to_problem()
     assert not is_open(ctx, job_id)
 
 
@@ -108,8 +110,8 @@ def test_an_unexpected_error_fails_the_job_as_internal_naming_it(ctx: Context, u
     use_body(body)
     job_id = submit(ctx)
     run_job(ctx, job_id)
-    error = job(ctx, job_id)["error"]
-    assert job(ctx, job_id)["status"] == "failed"
+    error = job(ctx, job_id).error
+    assert job(ctx, job_id).status == "failed"
     assert error["status"] == 500 and error["title"] == "Internal error"
     assert error["type"] == "https://engram.dev/problems/internal"
     assert "ZeroDivisionError: the body divided by zero" in error["detail"]
@@ -126,8 +128,8 @@ def test_a_transient_error_fails_the_job_in_embedded_mode(ctx: Context, use_body
     job_id = submit(ctx)
     run_job(ctx, job_id)
     failed = job(ctx, job_id)
-    assert failed["status"] == "failed"
-    assert "a service it needs was unavailable: the store is away" in failed["error"]["detail"]
+    assert failed.status == "failed"
+    assert "a service it needs was unavailable: the store is away" in failed.error["detail"]
 
 
 def test_a_transient_error_puts_the_job_back_in_the_queue_for_its_retry(ctx: Context, use_body: Any) -> None:
@@ -143,20 +145,20 @@ def test_a_transient_error_puts_the_job_back_in_the_queue_for_its_retry(ctx: Con
     job_id = submit(ctx)
     with pytest.raises(StorageUnavailable):
         run_job(ctx, job_id, raise_transient=True)
-    assert job(ctx, job_id)["status"] == "queued" and is_open(ctx, job_id)
+    assert job(ctx, job_id).status == "queued" and is_open(ctx, job_id)
     run_job(ctx, job_id, raise_transient=True)  # Celery's retry
-    assert job(ctx, job_id)["status"] == "succeeded" and job(ctx, job_id)["result"]["try"] == 2
+    assert job(ctx, job_id).status == "succeeded" and job(ctx, job_id).result["try"] == 2
 
 
 def test_retries_back_off_exponentially_up_to_a_minute_then_fail_the_job(ctx: Context) -> None:
     job_id = submit(ctx)
     error = StorageUnavailable("S3 is down")
     assert [retry_after(ctx, job_id, error, n, max_retries=9) for n in range(9)] == [2, 4, 8, 16, 32, 60, 60, 60, 60]
-    assert job(ctx, job_id)["status"] == "queued", "a retry is not an outcome"
+    assert job(ctx, job_id).status == "queued", "a retry is not an outcome"
     assert retry_after(ctx, job_id, error, 9, max_retries=9) is None
     failed = job(ctx, job_id)
-    assert failed["status"] == "failed" and not is_open(ctx, job_id)
-    assert failed["error"]["status"] == 503 and failed["error"]["detail"] == "gave up after 9 retries: S3 is down"
+    assert failed.status == "failed" and not is_open(ctx, job_id)
+    assert failed.error["status"] == 503 and failed.error["detail"] == "gave up after 9 retries: S3 is down"
 
 
 def test_a_finished_job_delivered_again_is_left_alone(ctx: Context, use_body: Any) -> None:
@@ -181,7 +183,7 @@ def test_cancelling_a_queued_job_ends_it_at_once_and_its_run_never_starts(ctx: C
     assert view["status"] == "cancelled" and view["finished_at"]
     assert not is_open(ctx, job_id)
     run_job(ctx, job_id)  # its message arrives anyway
-    assert calls == [] and job(ctx, job_id)["status"] == "cancelled"
+    assert calls == [] and job(ctx, job_id).status == "cancelled"
 
 
 def test_a_queued_job_whose_cancel_was_asked_is_cancelled_when_it_would_start(ctx: Context, use_body: Any) -> None:
@@ -192,14 +194,14 @@ def test_a_queued_job_whose_cancel_was_asked_is_cancelled_when_it_would_start(ct
     job_id = submit(ctx)
     ctx.jobs.update(job_id, cancel_requested=True)
     run_job(ctx, job_id)
-    assert calls == [] and job(ctx, job_id)["status"] == "cancelled" and not is_open(ctx, job_id)
+    assert calls == [] and job(ctx, job_id).status == "cancelled" and not is_open(ctx, job_id)
 
 
 def test_cancelling_a_running_job_stops_it_at_its_next_check(ctx: Context, use_body: Any) -> None:
     started, steps = threading.Event(), []
 
     def body(c: Context, j: dict[str, Any]) -> dict[str, Any]:
-        progress = JobProgress(c, j["job_id"], total=1000)
+        progress = JobProgress(c, j.job_id, total=1000)
         started.set()
         for _ in range(1000):
             time.sleep(0.01)
@@ -214,10 +216,10 @@ def test_cancelling_a_running_job_stops_it_at_its_next_check(ctx: Context, use_b
     assert started.wait(10)
     view = cancel_job(job_id, ctx)
     assert view["status"] == "running", "a running job ends when its body looks, not before"
-    assert job(ctx, job_id)["cancel_requested"] is True
+    assert job(ctx, job_id).cancel_requested is True
     runner.join(10)
     assert not runner.is_alive()
-    assert job(ctx, job_id)["status"] == "cancelled" and len(steps) < 1000 and not is_open(ctx, job_id)
+    assert job(ctx, job_id).status == "cancelled" and len(steps) < 1000 and not is_open(ctx, job_id)
 
 
 def test_a_cancel_landing_while_the_job_starts_keeps_it_cancelled_and_its_body_unrun(
@@ -240,7 +242,7 @@ def test_a_cancel_landing_while_the_job_starts_keeps_it_cancelled_and_its_body_u
     monkeypatch.setattr(ctx.jobs, "update", racing_update)
     run_job(ctx, job_id)
     assert calls == [], "the body ran after its job was cancelled"
-    assert job(ctx, job_id)["status"] == "cancelled" and not is_open(ctx, job_id)
+    assert job(ctx, job_id).status == "cancelled" and not is_open(ctx, job_id)
 
 
 @pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled"])
@@ -250,7 +252,7 @@ def test_cancelling_a_finished_job_changes_nothing(ctx: Context, outcome: str) -
     before = job(ctx, job_id)
     view = cancel_job(job_id, ctx)
     assert view["status"] == outcome and job(ctx, job_id) == before
-    assert before["cancel_requested"] is False
+    assert before.cancel_requested is False
 
 
 def test_a_body_stuck_past_its_cancel_grace_is_stopped_from_outside(
@@ -286,14 +288,14 @@ def test_a_running_job_sends_heartbeats_in_distributed_mode(redis_ctx: Context, 
 
     def body(c: Context, j: dict[str, Any]) -> dict[str, Any]:
         time.sleep(2.5)  # past the heartbeat TTL (2 s): only a renewal keeps it alive
-        alive_while_running.append(store.alive(j["job_id"]))
+        alive_while_running.append(store.alive(j.job_id))
         return {}
 
     use_body(body)
     job_id = submit(redis_ctx)
     run_job(redis_ctx, job_id)
     assert alive_while_running == [True]
-    assert job(redis_ctx, job_id)["status"] == "succeeded"
+    assert job(redis_ctx, job_id).status == "succeeded"
 
 
 def test_the_transient_errors_are_the_ones_a_retry_can_help() -> None:

@@ -94,7 +94,7 @@ def unlearn(world: StoreWorld, target: str, reference: str) -> str:
     """An unlearn request that builds the universe {target, reference}, run to its end; its universe ID."""
     view, _ = submit_variant(world.ctx, MODEL, {target: -1.0}, 1.0, {**OPTIONS, "reference": [reference]})
     for job in world.run_pending():
-        assert job["status"] == "succeeded", job
+        assert job.status == "succeeded", job
     return str(view["universe_id"])
 
 
@@ -188,7 +188,7 @@ def test_delete_removes_every_stored_object_of_a_universe(world: StoreWorld) -> 
     before = stored(world)
     with pytest.raises(Conflict) as busy:
         delete_universe(world.ctx, uid)
-    assert job["job_id"] in busy.value.detail and stored(world) == before
+    assert job.job_id in busy.value.detail and stored(world) == before
     world.run_pending()
     freed = delete_universe(world.ctx, uid)
     assert freed > 0

@@ -74,7 +74,7 @@ def build(w: StoreWorld, model_id: str, names: list[str]) -> str:
     """POST /models/{model_id}/universes of ``names`` and run its job; returns the universe ID."""
     view, _ = submit_universe(w.ctx, model_id, names, None)
     for job in w.run_pending():
-        assert job["status"] == "succeeded", job
+        assert job.status == "succeeded", job
     return str(view["universe_id"])
 
 

@@ -26,6 +26,7 @@ from service.storage.keys import part_key
 from service.universes import parts as parts_module
 from service.universes.parts import UniverseBuild
 from service.universes.service import submit_universe
+from tests.helpers.jobs import payload_for
 from tests.store_world import StoreWorld, text_records
 
 
@@ -128,9 +129,9 @@ def test_a_builder_waiting_on_another_stops_when_its_job_is_cancelled(
     build = builder(world, client, universe_id)
     held = build.group_order()[0]
     client.set(build.leases.key(f"group:{held}"), "busy:1:alive", px=60_000)  # held, and kept, elsewhere
-    job = world.ctx.jobs.create(new_job("universe", {"universe_id": universe_id}, unit="steps"))
-    progress = JobProgress(world.ctx, job["job_id"], build.total_steps)
-    cancel = threading.Timer(1.0, lambda: world.ctx.jobs.update(job["job_id"], cancel_requested=True))
+    job = world.ctx.jobs.create(new_job("universe", payload_for("universe", universe_id=universe_id), unit="steps"))
+    progress = JobProgress(world.ctx, job.job_id, build.total_steps)
+    cancel = threading.Timer(1.0, lambda: world.ctx.jobs.update(job.job_id, cancel_requested=True))
     cancel.start()
     started = time.monotonic()
     with pytest.raises(JobCancelled):

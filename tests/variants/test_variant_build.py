@@ -159,8 +159,8 @@ def test_the_first_variant_of_a_new_universe_builds_it(world: dict[str, Any]) ->
     assert record is not None and record["job_id"] == variant["job_id"], "the variant job built its universe"
     assert find_manifest(w.ctx, variant["universe_id"]) is not None
     job = w.ctx.jobs.get(variant["job_id"])
-    assert job["result"]["universe_built_s"] is not None
-    assert job["progress"]["done"] == job["progress"]["total"] == len(layout_of(w, "v/gpt2").layers)
+    assert job is not None and job.result is not None and job.result["universe_built_s"] is not None
+    assert job.progress.done == job.progress.total == len(layout_of(w, "v/gpt2").layers)
 
 
 def test_weight_norm_of_several_terms_reads_pair_products_once_known(

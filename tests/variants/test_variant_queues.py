@@ -16,6 +16,7 @@ from engram_fixtures.live import RedisServer, start_redis, stop_redis
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.config import Settings
 from service.execution.runtime import build_runtime
+from service.jobs.records import VariantPayload
 from service.variants.service import submit_variant
 from tests.store_world import StoreWorld, text_records
 
@@ -43,10 +44,10 @@ def test_a_variant_that_builds_its_universe_goes_to_the_gpu_queue(tmp_path: Path
     world.publish(MODEL, "forget", text_records(0, 20))
     world.publish(MODEL, "retain", text_records(20, 60))
     _, first = submit_variant(world.ctx, MODEL, {"forget": -1.0}, 1.0, OPTIONS)
-    assert first is not None and first["payload"]["queue"] == "gpu"
+    assert first is not None and first.payload_of(VariantPayload).queue == "gpu"
     world.run_pending()  # builds the universe inside the variant job
     _, second = submit_variant(world.ctx, MODEL, {"forget": -0.5}, 1.0, OPTIONS)
-    assert second is not None and "queue" not in second["payload"]
+    assert second is not None and second.payload_of(VariantPayload).queue is None
 
     settings = Settings(
         storage_url=f"file://{tmp_path / 'store'}",
@@ -59,6 +60,6 @@ def test_a_variant_that_builds_its_universe_goes_to_the_gpu_queue(tmp_path: Path
     client.delete("gpu", "cpu")
     runtime.ctx.dispatch(first)
     runtime.ctx.dispatch(second)
-    runtime.ctx.universe_helpers("u" * 32, first["job_id"], 2)
+    runtime.ctx.universe_helpers("u" * 32, first.job_id, 2)
     assert queued_tasks(client, "gpu") == ["engram.build_variant", "engram.help_universe", "engram.help_universe"]
     assert queued_tasks(client, "cpu") == ["engram.build_variant"]

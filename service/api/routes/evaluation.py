@@ -34,7 +34,7 @@ async def _submit_and_wait(
             lanes.waiting -= 1
             raise
         job = await lanes.wait_for_job(ctx, job, wait)
-    response.status_code = 200 if job["status"] in FINISHED else 202
+    response.status_code = 200 if job.status in FINISHED else 202
     return public_view(job)
 
 

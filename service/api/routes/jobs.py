@@ -10,13 +10,14 @@ from api_schemas import Job
 from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.errors import NotFound
+from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED, public_view, utc_now
 
 router = APIRouter(tags=["jobs"])
 job_view = public_view
 
 
-def _job(ctx: Any, job_id: str) -> dict[str, Any]:
+def _job(ctx: Any, job_id: str) -> JobRecord:
     job = ctx.jobs.get(job_id)
     if job is None:
         raise NotFound(f"job {job_id} does not exist")
@@ -33,8 +34,8 @@ async def list_jobs(
     """Jobs not finished yet (queued or running), oldest first (by creation, then ID): what the service
     is working on, one page (``limit``, ``cursor``)."""
     wanted = set(status or ("queued", "running"))
-    jobs: dict[SortKey, dict[str, Any]] = {
-        (j["created_at"], j["job_id"]): j for j in await lanes.status(ctx.jobs.active) if j["status"] in wanted
+    jobs: dict[SortKey, JobRecord] = {
+        (j.created_at, j.job_id): j for j in await lanes.status(ctx.jobs.active) if j.status in wanted
     }
     items, next_key = page.select(sorted(jobs), lambda key: job_view(jobs[key]))
     return page.answer(items, next_key)
@@ -50,8 +51,8 @@ async def get_job(job_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, An
 def cancel_job(job_id: str, ctx: ContextDep) -> dict[str, Any]:
     """Cancel a job: a queued one at once, a running one at its next checkpoint."""
     job = _job(ctx, job_id)
-    if job["status"] in FINISHED:
+    if job.status in FINISHED:
         return job_view(job)
-    if job["status"] == "queued":
+    if job.status == "queued":
         return job_view(ctx.jobs.update(job_id, cancel_requested=True, status="cancelled", finished_at=utc_now()))
     return job_view(ctx.jobs.update(job_id, cancel_requested=True))

@@ -1,0 +1,222 @@
+"""A job's record and its payload as frozen pydantic models, and the one reader of their stored form.
+
+A record is stored (object storage, Redis, the embedded mode's SQLite file) as
+``record.model_dump(mode="json")`` and read back only through :func:`read_job_record`, which
+migrates what an older version wrote (records without ``format_version``) and refuses, naming the
+job, a record it cannot read. Every other module gets a :class:`JobRecord`, never the dict.
+
+Each kind's payload (the IDs its body needs) is a model of its own, chosen by the record's kind;
+a body reads it with :meth:`JobRecord.payload_of`. The payloads hold only IDs, digests and stored
+forms: the settings a collection's statistics are keyed by (``CollectionSpec.dump()``) and a dataset
+reference stay JSON here because their models live on floors above this one, which validate them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from service.errors import ProblemError
+
+JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+FORMAT_VERSION = 1  # of the stored record; bump it with a step in read_job_record
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class JobPayload(_Frozen):
+    """What a job's body needs, by ID: the base of every kind's payload."""
+
+    kind: ClassVar[JobKind]
+
+
+class CollectPayload(JobPayload):
+    """A concept's statistics on one model. ``dataset_digest`` is None while the concept's dataset
+    is a reference (``dataset``) the job resolves first."""
+
+    kind: ClassVar[JobKind] = "collect"
+    model_id: str
+    model_digest: str
+    dataset_digest: str | None
+    settings: dict[str, Any]  # CollectionSpec.dump(): validated by service.statistics.spec
+    concept: str
+    dataset: dict[str, Any] | None = None  # a DatasetReference's stored form: validated by service.datasets.refs
+
+
+class VariantPayload(JobPayload):
+    """``queue``: "gpu" where the variant builds its universe first (far more than a copy)."""
+
+    kind: ClassVar[JobKind] = "variant"
+    variant_id: str
+    model_id: str
+    queue: Literal["gpu", "cpu"] | None = None
+
+
+class UniversePayload(JobPayload):
+    kind: ClassVar[JobKind] = "universe"
+    universe_id: str
+    model_id: str
+
+
+class EvaluatePayload(JobPayload):
+    kind: ClassVar[JobKind] = "evaluate"
+    variant_id: str
+    probes_digest: str
+    evaluation_id: str
+
+
+class GeneratePayload(JobPayload):
+    """``prompt``: text or token IDs; ``messages``: a chat, rendered by the model's template."""
+
+    kind: ClassVar[JobKind] = "generate"
+    variant_id: str
+    prompt: str | list[int] | None  # None: the messages are the prompt
+    max_new_tokens: int
+    models: list[str]
+    messages: list[dict[str, Any]] | None = None
+
+
+class CalibratePayload(JobPayload):
+    kind: ClassVar[JobKind] = "calibrate"
+    calibration_id: str
+    model_id: str
+
+
+class MapPayload(JobPayload):
+    kind: ClassVar[JobKind] = "map"
+    map_id: str
+    model_id: str
+
+
+class RegisterPayload(JobPayload):
+    kind: ClassVar[JobKind] = "register"
+    model_id: str
+    source: str
+
+
+PAYLOADS: dict[JobKind, type[JobPayload]] = {
+    p.kind: p
+    for p in (
+        CollectPayload,
+        VariantPayload,
+        UniversePayload,
+        EvaluatePayload,
+        GeneratePayload,
+        CalibratePayload,
+        MapPayload,
+        RegisterPayload,
+    )
+}
+AnyPayload = (
+    CollectPayload
+    | VariantPayload
+    | UniversePayload
+    | EvaluatePayload
+    | GeneratePayload
+    | CalibratePayload
+    | MapPayload
+    | RegisterPayload
+)
+P = TypeVar("P", bound=JobPayload)
+
+
+class ProgressCounts(_Frozen):
+    done: int = 0
+    total: int = 0
+    unit: str = "items"
+
+
+class JobRecord(_Frozen):
+    """One job: what it is (kind, payload), where it stands (status, progress, timestamps as ISO
+    8601 strings), how it ended (``error``: a problem; ``result``: the API's answer, a JSON object),
+    who asked (``owner``: the API key, None for a job's own follow-up work) and who hears of its end
+    (``callbacks``). ``dispatch_epoch``: the Redis incarnation its message was queued in."""
+
+    format_version: Literal[1] = 1  # FORMAT_VERSION
+    job_id: str
+    kind: JobKind
+    status: JobStatus = "queued"
+    progress: ProgressCounts
+    error: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    payload: AnyPayload
+    cancel_requested: bool = False
+    callbacks: tuple[str, ...] = ()
+    owner: str | None = None
+    dispatch_epoch: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _payload_of_its_kind(cls, data: Any) -> Any:
+        """The payload model is the kind's (two kinds' payloads can share a shape)."""
+        if isinstance(data, dict) and isinstance(data.get("payload"), dict) and data.get("kind") in PAYLOADS:
+            return {**data, "payload": PAYLOADS[data["kind"]].model_validate(data["payload"])}
+        return data
+
+    @model_validator(mode="after")
+    def _payload_matches_kind(self) -> JobRecord:
+        if self.payload.kind != self.kind:
+            raise ValueError(f"a {self.kind} job cannot carry a {type(self.payload).__name__}")
+        return self
+
+    def payload_of(self, model: type[P]) -> P:
+        """The payload as the model its body expects (a job of another kind is refused, naming both)."""
+        if not isinstance(self.payload, model):
+            raise TypeError(f"job {self.job_id} is a {self.kind} job, not a {model.kind} job")
+        return self.payload
+
+    def updated(self, **fields: Any) -> JobRecord:
+        """A copy with ``fields`` set, each checked as a stored record's would be (``model_copy(update=...)``
+        checks nothing: a dict put in ``progress`` would be stored as one)."""
+        unknown = sorted(fields.keys() - type(self).model_fields.keys())
+        if unknown:
+            raise TypeError(f"a job record has no field {', '.join(unknown)}")
+        return type(self).model_validate({**dict(self), **fields})
+
+
+class UnreadableJobRecord(ProblemError):
+    """A stored job record this version cannot read (written by a newer version, or damaged)."""
+
+    status, title, slug = 500, "Unreadable job record", "unreadable-job-record"
+
+    def __init__(self, job_id: str, why: str) -> None:
+        super().__init__(f"the stored record of job {job_id} cannot be read: {why}")
+        self.job_id = job_id
+
+
+def read_job_record(stored: Any, job_id: str = "?") -> JobRecord:
+    """The record from its stored form, any version this one reads: the only reader of stored jobs.
+
+    Args:
+        stored: the JSON object as stored (a dict; anything else is refused).
+        job_id: the ID it was stored under, to name it when it cannot be read.
+
+    Raises:
+        UnreadableJobRecord: a format version this one does not know, or fields that do not fit.
+    """
+    if not isinstance(stored, dict):
+        raise UnreadableJobRecord(job_id, f"a JSON {type(stored).__name__}, not an object")
+    job_id = str(stored.get("job_id", job_id))
+    version = stored.get("format_version")
+    if version is None:  # written before records were versioned (0.1.0 up to this change)
+        stored = _unversioned_to_1(stored)
+    elif version != FORMAT_VERSION:
+        raise UnreadableJobRecord(job_id, f"format_version {version!r}; this version reads {FORMAT_VERSION}")
+    try:
+        return JobRecord.model_validate(stored)
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in exc.errors())
+        raise UnreadableJobRecord(job_id, fields) from None
+
+
+def _unversioned_to_1(stored: dict[str, Any]) -> dict[str, Any]:
+    """A record as ``new_job`` wrote it before ``format_version``: the same fields, with
+    ``callbacks`` and ``owner`` absent in the oldest ones (their defaults hold)."""
+    return {**stored, "format_version": 1}
