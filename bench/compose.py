@@ -30,13 +30,15 @@ from service.engine.stats_io import StatisticsFile
 
 
 def service_caches() -> tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None:
-    """The worker's own per-process caches (``service.statistics.local.STATS_CACHE`` and
-    ``service.engrams.store.FACTOR_CACHE``): statistics by storage key, universe pseudo-inverse
+    """Caches sized as a worker's (its Context's ``caches.stats_files`` and ``caches.factors``,
+    :class:`service.context.ProcessCaches`): statistics by storage key, universe pseudo-inverse
     factors by universe."""
-    from service.engrams.store import FACTOR_CACHE
-    from service.statistics.local import STATS_CACHE
+    from service.config import Settings
+    from service.context import STATS_FILE_ENTRIES
+    from service.storage.lru import ByteLRU
 
-    return STATS_CACHE, FACTOR_CACHE
+    factors: ByteLRU[Any] = ByteLRU(Settings().factor_cache_bytes, lambda f: int(f.nbytes))
+    return ByteLRU(STATS_FILE_ENTRIES, lambda _: 1), factors
 
 
 def clear_caches(caches: tuple[MutableMapping[Any, Any], MutableMapping[Any, Any]] | None) -> None:
@@ -59,7 +61,7 @@ def compose_variant(
     """Build one checkpoint variant from statistics files; returns the seconds of each phase.
 
     Mirrors ``run_variant``/``_algebra``/``_write_variant`` (format ``checkpoint``, every layer
-    selected, default ``rcond``). With ``caches`` (the worker's ``STATS_CACHE``/``FACTOR_CACHE``)
+    selected, default ``rcond``). With ``caches`` (sized as the worker's)
     it reuses what earlier variants loaded and decomposed, keyed as the service keys them (a file
     stands for a storage key, the sorted universe for ``universe_key``); without, each file is
     loaded once and each input group decomposed once for this variant only.

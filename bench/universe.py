@@ -89,17 +89,17 @@ def service_context(root: Path) -> Any:
     return ctx
 
 
-def run_pending(ctx: Any) -> list[Any]:
+def run_pending(ctx: Any) -> list[dict[str, Any]]:
     """Run every job the service dispatched, with the workers' own ``run_job``."""
     from service.execution.runner import run_job
 
     finished = []
     while ctx.pending:
         job = ctx.pending.pop(0)
-        run_job(ctx, job.job_id)
-        finished.append(ctx.jobs.get(job.job_id))
-        if finished[-1].status != "succeeded":
-            raise RuntimeError(f"{job.kind} job failed: {finished[-1].error}")
+        run_job(ctx, job["job_id"])
+        finished.append(ctx.jobs.get(job["job_id"]))
+        if finished[-1]["status"] != "succeeded":
+            raise RuntimeError(f"{job['kind']} job failed: {finished[-1]['error']}")
     return finished
 
 
@@ -270,7 +270,7 @@ def measure_variants(root: Path, setup_info: dict[str, Any], reps: int) -> dict[
     job_s = math.nan  # a root measured before already holds the variant: no job to run
     if requests[1]["job"] is not None:
         started = time.perf_counter()
-        run_variant(ctx, ctx.jobs.get(requests[1]["job"].job_id))  # the whole job: files uploaded, hashed, manifest
+        run_variant(ctx, ctx.jobs.get(requests[1]["job"]["job_id"]))  # the whole job: files uploaded, hashed, manifest
         job_s = time.perf_counter() - started
     floor_s = median(times["copy_floor"])
     return {
@@ -299,7 +299,6 @@ def variants_in_fresh_process(root: Path, setup_info: dict[str, Any], reps: int)
 
 def measure(profile: Profile, root: Path, reps: int = 3, exactness: bool = True) -> dict[str, Any]:
     """Everything this module measures, on ``profile``'s model built under ``root``."""
-    from service.engine.layout import ModelLayout
     from service.models.registry import get_model
 
     info = setup(profile, root)
@@ -308,7 +307,7 @@ def measure(profile: Profile, root: Path, reps: int = 3, exactness: bool = True)
     result.update({k: v for k, v in variants.items() if k != "variant_id_1"})
     if exactness:
         ctx = service_context(root)
-        layout = ModelLayout.from_json(get_model(ctx, MODEL_ID)["layout"])
+        layout = get_model(ctx, MODEL_ID).layout
         result["float32_storage"] = float32_storage_effect(
             ctx, variants["variant_id_1"], layout, Path(info["model_dir"]), root / "out"
         )

@@ -1,4 +1,4 @@
-"""``engram-service serve | worker``."""
+"""``engram-service serve | worker | migrate``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,48 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     worker = sub.add_parser("worker", help="run a Celery worker (distributed mode; uses CUDA when present)")
     worker.add_argument("--queues", default="gpu,cpu", help="comma-separated queues to consume (default gpu,cpu)")
+    migrate = sub.add_parser(
+        "migrate",
+        help="rewrite the store's records of an older version in the current format (run with the service stopped)",
+    )
+    migrate.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args.host, args.port)
+    if args.command == "migrate":
+        return _migrate(dry_run=args.dry_run)
     return _worker(args.queues)
+
+
+def _migrate(*, dry_run: bool) -> int:
+    """Migrate the store of ENGRAM_STORAGE_URL; prints each record changed and each refused.
+
+    Returns:
+        0 when every record is current now, 1 when some were refused (they are left as they were).
+    """
+    import threading
+
+    from service.config import get_settings
+    from service.context import Context
+    from service.jobs.store import JobStore
+    from service.storage.factory import open_storage
+    from service.variants.migrate import migrate_store
+
+    settings = get_settings()
+    storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
+
+    def no_jobs(job: object) -> None:
+        raise RuntimeError("migrate starts no job")
+
+    ctx = Context(settings=settings, storage=storage, jobs=JobStore(storage), dispatch=no_jobs, lock=threading.RLock())
+    done = migrate_store(ctx, dry_run=dry_run)
+    verb = "would migrate" if dry_run else "migrated"
+    for key, what in done.changed:
+        print(f"{verb} {key}: {what}")  # noqa: T201
+    for key, why in done.refused:
+        print(f"refused {key}: {why}", file=sys.stderr)  # noqa: T201
+    print(f"{len(done.changed)} record(s) {verb}, {len(done.refused)} refused", file=sys.stderr)  # noqa: T201
+    return 1 if done.refused else 0
 
 
 def _worker(queues: str) -> int:

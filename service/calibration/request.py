@@ -19,8 +19,9 @@ from api_schemas import CalibrateRequest, Probe
 from service.calibration.search import Arm, SearchSettings
 from service.calibration.space import EditSpace
 from service.engine.lora_rules import LoraTarget
+from service.models.record import ModelRecord
 from service.storage.keys import ENGINE_VERSION, canonical_digest
-from service.universes.service import EditUniverse
+from service.universes.members import EditUniverse
 
 CALIBRATION_FORMAT = "engram-calibration/2"  # bump when the search or its result changes
 Format = Literal["checkpoint", "delta", "peft"]
@@ -196,7 +197,7 @@ class CalibrationRequest:
     @classmethod
     def new(
         cls,
-        model: Mapping[str, Any],
+        model: ModelRecord,
         options: CalibrateRequest,
         resolved: EditUniverse,
         space: EditSpace,
@@ -209,10 +210,10 @@ class CalibrationRequest:
         variant = VariantFormat(format=options.format, lora_rank=options.lora_rank, lora_target=options.lora_target)
         universe_id = resolved.spec.universe_id
         term_prefixes = [resolved.terms[name] for name in concepts]
-        identity = calibration_identity(model["digest"], universe_id, term_prefixes, probes, search, variant)
+        identity = calibration_identity(model.digest, universe_id, term_prefixes, probes, search, variant)
         return cls(
             calibration_id=canonical_digest(identity)[:32],
-            model_id=model["model_id"],
+            model_id=model.model_id,
             concepts=concepts,
             term_stats={name: resolved.terms[name] for name in concepts},
             universe_id=universe_id,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,10 @@ from service.context import Context
 from service.datasets.refs import content_changed, same_reference
 from service.datasets.spool import SpooledDataset, record_line
 from service.engine.layers import unmatched_suffixes
-from service.engine.layout import ModelLayout
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
-from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
@@ -71,7 +68,7 @@ def submit_concept(
     modules: Sequence[str] | None = None,
     reference: dict[str, Any] | None = None,
     template: str | None | Any = KEEP,
-) -> tuple[dict[str, Any], list[JobRecord]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
     Args:
@@ -102,7 +99,7 @@ def submit_concept(
     if modules is not None:
         modules = canonical_modules(modules)
         for model_id, manifest in manifests.items():
-            missing = unmatched_suffixes(ModelLayout.from_json(manifest["layout"]).layers, modules)
+            missing = unmatched_suffixes(manifest.layout.layers, modules)
             if missing:
                 raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
     kinds = dataset.kinds if dataset is not None else frozenset()
@@ -155,9 +152,9 @@ def submit_concept(
     # Enqueue only after the records and the concept are saved: the task reads them.
     for job in new_jobs:
         ctx.dispatch(job)
-    created = {job.job_id for job in new_jobs}
+    created = {job["job_id"] for job in new_jobs}
     found = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
-    jobs = [attach_callbacks(ctx, j, urls) if j.job_id not in created else j for j in found if j is not None]
+    jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in found if j is not None]
     return concept_view(ctx, concept), jobs
 
 
@@ -194,24 +191,22 @@ def _plan_collections(
     manifests: dict[str, Any],
     callback_urls: list[str],
     modules: list[str] | None = None,
-) -> list[JobRecord]:
+) -> list[dict[str, Any]]:
     created = []
     for model_id in _models_to_collect(ctx, concept, manifests, modules):
         manifest = manifests[model_id]
-        payload = CollectPayload(
-            model_id=model_id,
-            model_digest=manifest["digest"],
-            dataset_digest=concept["dataset_digest"],
-            settings=CollectionSpec.of(
-                ctx.settings, modules, concept.get("template"), ModelLayout.from_json(manifest["layout"])
-            ).dump(),
-            concept=concept["name"],
-            # a reference the job resolves first
-            dataset=concept["dataset"] if concept["dataset_digest"] is None else None,
-        )
+        payload = {
+            "model_id": model_id,
+            "model_digest": manifest.digest,
+            "dataset_digest": concept["dataset_digest"],
+            "settings": CollectionSpec.of(ctx.settings, modules, concept.get("template"), manifest.layout).dump(),
+            "concept": concept["name"],
+        }
+        if concept["dataset_digest"] is None:  # a reference the job resolves first
+            payload["dataset"] = concept["dataset"]
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
-        stats = _stats_prefix_for(payload)
-        concept["models"][model_id] = {"job_id": job.job_id, "stats": stats}
+        stats = _stats_prefix_for(payload) if concept["dataset_digest"] is not None else None
+        concept["models"][model_id] = {"job_id": job["job_id"], "stats": stats}
         if modules is not None:
             concept["models"][model_id]["modules"] = modules
         created.append(job)
@@ -234,7 +229,7 @@ def _models_to_collect(
         entry = concept["models"].get(model_id)
         if entry is not None:
             job = ctx.jobs.get(entry["job_id"])
-            if job is not None and job.status not in {"failed", "cancelled"}:
+            if job is not None and job["status"] not in {"failed", "cancelled"}:
                 if modules is not None and entry.get("modules") != modules:
                     held = entry.get("modules")
                     raise Conflict(
@@ -247,11 +242,8 @@ def _models_to_collect(
     return needed
 
 
-def _stats_prefix_for(payload: CollectPayload) -> str | None:
-    """Where the collection's statistics go; None while its dataset is a reference not resolved yet."""
-    if payload.dataset_digest is None:
-        return None
-    return CollectionSpec.model_validate(payload.settings).key(payload.model_digest, payload.dataset_digest).prefix
+def _stats_prefix_for(payload: dict[str, Any]) -> str:
+    return CollectionSpec.model_validate(payload["settings"]).key(payload["model_digest"], payload["dataset_digest"]).prefix
 
 
 def find_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any] | None:
@@ -291,8 +283,8 @@ def delete_concept(ctx: Context, name: str) -> None:
 def _cancel_collections(ctx: Context, concept: dict[str, Any]) -> None:
     for entry in concept["models"].values():
         job = ctx.jobs.get(entry["job_id"])
-        if job is not None and job.status not in FINISHED:
-            ctx.jobs.update(job.job_id, cancel_requested=True)
+        if job is not None and job["status"] not in FINISHED:
+            ctx.jobs.update(job["job_id"], cancel_requested=True)
 
 
 def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +296,7 @@ def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
     published = stats_manifest(ctx, entry["stats"]) if entry.get("stats") else None
     if published is not None:
         return ready_state(published, entry["job_id"])
-    status = {"running": "collecting", "queued": "pending"}.get(job.status, "failed") if job else "failed"
+    status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
     return {"status": status, "tokens": None, "job_id": entry["job_id"]}
 
 
@@ -319,7 +311,7 @@ def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:
     error = None
     if concept.get("dataset") is not None and concept["dataset_digest"] is None:
         failed = [ctx.jobs.get(e["job_id"]) for e in concept["models"].values()]
-        error = next((j.error["detail"] for j in failed if j and j.error), None)
+        error = next((j["error"]["detail"] for j in failed if j and j.get("error")), None)
     return concept_fields(concept, states, error)
 
 
@@ -369,21 +361,3 @@ def default_reference(ctx: Context, model_id: str) -> list[str]:
         if entry is not None and entry.get("stats") and stats_manifest(ctx, entry["stats"]) is not None:
             names.append(concept["name"])
     return sorted(names)
-
-
-@dataclass(frozen=True)
-class Universe:
-    """The concepts an engram is measured against, resolved to their statistics on one model."""
-
-    names: list[str]  # sorted: reference ∪ terms
-    stats: dict[str, str]  # concept -> statistics prefix
-    prefixes: list[str]  # sorted, without duplicates (two names may share a dataset)
-
-
-def resolve_universe(ctx: Context, model_id: str, terms: Sequence[str], reference: Sequence[str] | None) -> Universe:
-    """``reference ∪ terms`` (reference defaulting to every ready concept); 404/409 naming the missing."""
-    chosen = sorted(set(reference)) if reference is not None else default_reference(ctx, model_id)
-    names = sorted(set(chosen) | set(terms))
-    resolved = ready_statistics(ctx, model_id, names)
-    stats = {n: resolved[n]["prefix"] for n in names}
-    return Universe(names, stats, sorted(set(stats.values())))

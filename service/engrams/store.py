@@ -25,7 +25,6 @@ from service.engrams.pairs import combined_norms
 from service.statistics.local import statistics
 from service.storage.keys import canonical_digest, engram_key
 from service.storage.local_copies import local_object
-from service.storage.lru import ByteLRU
 
 
 class StoredEngrams:
@@ -141,10 +140,6 @@ def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest
 
 # ---------------------------------------------------------------- from statistics
 
-# Universe pseudo-inverse factors kept in memory for what still combines statistics directly (the
-# memory-trace maps of service.maps; variants requested before universes were stored).
-FACTOR_CACHE: ByteLRU[Any] = ByteLRU(2 << 30, lambda f: f.nbytes)  # ENGRAM_FACTOR_CACHE_BYTES
-
 
 def statistics_algebra(
     ctx: Context,
@@ -170,6 +165,8 @@ def statistics_algebra(
 
     summed = [(float(terms[n]), stats(prefix)) for n, prefix in term_stats.items()]
     universe = [stats(prefix) for prefix in universe_stats]
-    universe_key = canonical_digest([ctx.storage.location, *sorted(universe_stats)])
-    FACTOR_CACHE.max_bytes = ctx.settings.factor_cache_bytes  # module-level: the settings live in ctx
-    return EngramAlgebra(summed, universe, rcond, universe_key=universe_key, factor_cache=FACTOR_CACHE)
+    # The factors of what still combines statistics directly (the memory-trace maps of service.maps),
+    # in this process's cache of this store (ENGRAM_FACTOR_CACHE_BYTES).
+    universe_key = canonical_digest(sorted(universe_stats))
+    factors = ctx.caches.factors.of(ctx.storage)
+    return EngramAlgebra(summed, universe, rcond, universe_key=universe_key, factor_cache=factors)

@@ -40,9 +40,9 @@ from service.engine.stats_io import StatisticsFile
 from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
 from service.jobs.progress import JobProgress, NoProgress, Progress
-from service.jobs.records import JobRecord, MapPayload
 from service.maps.service import MapRequest, find_map, map_request
 from service.models.loaded import checked_model_files
+from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.cover import statistics_layers, unreached_by_every
 from service.statistics.local import statistics
@@ -69,14 +69,14 @@ def engram_map(
     return find_map(ctx, request) or compute_map(ctx, request, lambda _: NoProgress())
 
 
-def run_map(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_map(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """The ``map`` job body: compute the map its request names and store it (once: a map already
     stored is not computed again)."""
-    map_id = job.payload_of(MapPayload).map_id
+    map_id = job["payload"]["map_id"]
     request = MapRequest.from_json(ctx.storage.get_json(map_request_key(map_id)))
     reused = find_map(ctx, request) is not None
     if not reused:
-        compute_map(ctx, request, lambda total: JobProgress(ctx, job.job_id, total))
+        compute_map(ctx, request, lambda total: JobProgress(ctx, job["job_id"], total))
     return {"map_id": map_id, "model_id": request.model_id, "concepts": list(request.concepts), "reused": reused}
 
 
@@ -87,7 +87,7 @@ def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Pro
         progress: made with the number of steps (one per concept and layer).
     """
     model = get_model(ctx, request.model_id)
-    full = ModelLayout.from_json(model["layout"])
+    full = model.layout
     layout, left_out = _drawable(ctx, full, request)
     result = _compute(ctx, model, layout, request, progress(len(request.concepts) * len(layout.layers)))
     result["left_out"] = left_out
@@ -121,7 +121,7 @@ def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[Mod
 
 
 def _compute(
-    ctx: Context, model: dict[str, Any], layout: ModelLayout, request: MapRequest, progress: Progress
+    ctx: Context, model: ModelRecord, layout: ModelLayout, request: MapRequest, progress: Progress
 ) -> dict[str, Any]:
     reader = CheckpointReader(checked_model_files(ctx, model), layout)
     weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
@@ -142,7 +142,7 @@ def _compute(
                 values[name][spec.name] = weigher.ratio(spec, engram, weights)
             progress.advance()
     names, universe_names = list(request.concepts), list(request.universe_names)
-    grid = _grid(model["model_id"], layout, names, universe_names, values, request.rcond)
+    grid = _grid(model.model_id, layout, names, universe_names, values, request.rcond)
     return {**grid, "measure": request.measure}
 
 

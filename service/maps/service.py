@@ -15,14 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.concepts.service import resolve_universe
 from service.context import Context
 from service.errors import Forbidden, InvalidInput
 from service.jobs.admission import admit
-from service.jobs.records import JobRecord, MapPayload
 from service.jobs.store import new_job
 from service.models.registry import get_model
 from service.storage.keys import canonical_digest, map_key, map_request_key
+from service.universes.members import resolve_members
 
 MAX_CONCEPTS = 8
 MEASURES = ("data", "weight")
@@ -90,18 +89,20 @@ def map_request(
     if measure not in MEASURES:
         raise InvalidInput(f"measure must be one of {', '.join(MEASURES)}, got {measure!r}")
     model = get_model(ctx, model_id)
-    universe = resolve_universe(ctx, model_id, names, reference)
-    identity = {"model": model["digest"], "concepts": {n: universe.stats[n] for n in names}, "rcond": rcond}
+    # Every concept ready on the model ∪ the drawn ones, without reference: maps were always so named.
+    universe = resolve_members(ctx, model, names, reference=reference, rcond=rcond, follow_current=False)
+    stats = {n: universe.terms[n] for n in names}
+    identity = {"model": model.digest, "concepts": stats, "rcond": rcond}
     if measure != "weight":  # the weight-norm maps keep the keys they were stored under
         identity["measure"] = measure
-    map_id = canonical_digest({**identity, "universe": universe.prefixes})
+    map_id = canonical_digest({**identity, "universe": universe.spec.prefixes})
     return MapRequest(
         map_id,
         model_id,
         tuple(names),
-        tuple(universe.names),
-        {n: universe.stats[n] for n in names},
-        tuple(universe.prefixes),
+        tuple(universe.spec.names),
+        stats,
+        tuple(universe.spec.prefixes),
         rcond,
         measure,
     )
@@ -134,7 +135,7 @@ class MapAnswer:
 
     request: MapRequest
     data: dict[str, Any] | None
-    job: JobRecord | None
+    job: dict[str, Any] | None
 
 
 def submit_map(
@@ -163,22 +164,22 @@ def submit_map(
     with ctx.lock:
         stored = ctx.storage.find_json(map_request_key(request.map_id))
         job = ctx.jobs.get(stored["job_id"]) if stored and stored.get("job_id") else None
-        if job is not None and job.status in {"queued", "running"}:
+        if job is not None and job["status"] in {"queued", "running"}:
             return MapAnswer(request, None, job)
-        if job is not None and job.status == "succeeded":  # finished since find_map looked
+        if job is not None and job["status"] == "succeeded":  # finished since find_map looked
             data = find_map(ctx, request)
             if data is not None:
                 return MapAnswer(request, data, None)
         if not may_start:
             raise MapNotComputed(request)
         admit(ctx)
-        payload = MapPayload(map_id=request.map_id, model_id=model_id)
+        payload = {"map_id": request.map_id, "model_id": model_id}
         job = ctx.jobs.create(new_job("map", payload, unit="layers"))
-        ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job.job_id})
+        ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job["job_id"]})
     ctx.dispatch(job)
-    return MapAnswer(request, None, ctx.jobs.get(job.job_id) or job)
+    return MapAnswer(request, None, ctx.jobs.get(job["job_id"]) or job)
 
 
-def job_map(ctx: Context, request: MapRequest, job: JobRecord) -> dict[str, Any] | None:
+def job_map(ctx: Context, request: MapRequest, job: Mapping[str, Any]) -> dict[str, Any] | None:
     """The map once ``job`` succeeded (None while it runs, or when it failed)."""
-    return find_map(ctx, request) if job.status == "succeeded" else None
+    return find_map(ctx, request) if job["status"] == "succeeded" else None

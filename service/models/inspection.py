@@ -17,56 +17,56 @@ from service.engine.layout import ModelLayout
 from service.engine.model_checks import validate_model_dir
 from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
 from service.errors import Conflict, InvalidInput
-from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import utc_now
 from service.models.loaded import write_copy_record
+from service.models.record import ModelRecord
 from service.models.registry import files_changed, find_model
 from service.models.sources import is_remote, local_model_dir
 from service.storage.keys import model_key
 
 
-def run_registration(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_registration(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """The ``register`` job body: download and inspect the checkpoint, then write the registration
     (the manifest last: a failed download registers nothing)."""
-    payload = job.payload_of(RegisterPayload)
-    ctx.jobs.set_progress(job.job_id, 0, 1)
-    manifest, created = register_model(ctx, payload.model_id, payload.source)
-    ctx.jobs.set_progress(job.job_id, 1, 1)
-    return {"model_id": manifest["model_id"], "digest": manifest["digest"], "created": created}
+    payload = job["payload"]
+    ctx.jobs.set_progress(job["job_id"], 0, 1)
+    manifest, created = register_model(ctx, payload["model_id"], payload["source"])
+    ctx.jobs.set_progress(job["job_id"], 1, 1)
+    return {"model_id": manifest.model_id, "digest": manifest.digest, "created": created}
 
 
-def register_model(ctx: Context, model_id: str, source: str) -> tuple[dict[str, Any], bool]:
+def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecord, bool]:
     """Register a checkpoint; returns (manifest, created). Same registration twice is a no-op, unless
     the folder's files changed since (:func:`files_changed`): it is then registered anew."""
     existing = find_model(ctx, model_id)
     if existing is not None:
-        if existing["source"] != source:
-            raise Conflict(f"model {model_id} is already registered with source {existing['source']}")
+        if existing.source != source:
+            raise Conflict(f"model {model_id} is already registered with source {existing.source}")
         if not files_changed(existing):
             return existing, False
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     layout, sums, identity = _inspect(ctx, source, path)
     if not layout.layers:
         raise InvalidInput("the model has no editable Linear or Conv1D layers in its safetensors weights")
-    manifest = {
-        "model_id": model_id,
-        "source": source,
-        "path": str(path),
-        "digest": combined_digest(sums),
-        "file_sha256": sums,  # names the file whose content changed, where a job checks it by content
-        "identity": {name: value.to_json() for name, value in identity.items()},
+    manifest = ModelRecord(
+        model_id=model_id,
+        source=source,
+        path=str(path),
+        digest=combined_digest(sums),
+        file_sha256=sums,  # names the file whose content changed, where a job checks it by content
+        identity={name: value.to_json() for name, value in identity.items()},
         # sizes and mtimes, as registrations made before identities were: what an older worker reads
-        "fingerprint": {name: value.to_json()[:2] for name, value in identity.items()},
-        "architecture": layout.architecture,
-        "num_parameters": layout.num_parameters,
-        "layout": layout.to_json(),
-        "registered_at": utc_now(),
-    }
+        fingerprint={name: value.to_json()[:2] for name, value in identity.items()},
+        architecture=layout.architecture,
+        num_parameters=layout.num_parameters,
+        layout=layout,
+        registered_at=utc_now(),
+    )
     with ctx.lock:
         again = find_model(ctx, model_id)
         if again is not None and again != existing:  # another registration landed meanwhile: answer it
             return register_model(ctx, model_id, source)
-        ctx.storage.put_json(model_key(model_id), manifest)
+        ctx.storage.put_json(model_key(model_id), manifest.to_json())
     return manifest, True
 
 

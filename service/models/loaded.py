@@ -29,14 +29,15 @@ from service.engine.model_files import (
     open_model_files,
 )
 from service.errors import JobFailed
-from service.models.registry import find_model, registered_identity
+from service.models.record import ModelRecord
+from service.models.registry import find_model
 from service.models.sources import local_model_dir
 from service.storage.keys import model_key
 
 REREGISTER = "re-register the model"
 
 
-def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
+def checked_model_files(ctx: Context, manifest: ModelRecord) -> ModelFiles:
     """The files of a registered model on this machine, opened and checked (:mod:`service.engine.model_files`).
 
     A ``file://`` model is read in place, a remote one (``s3://``, ``hf://``) from this machine's
@@ -47,17 +48,17 @@ def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
         JobFailed: a file is not the registered one, or breaks a rule of the model folder; the
             message names the file and says to re-register the model.
     """
-    model_id = manifest["model_id"]
+    model_id = manifest.model_id
     try:
-        if manifest["source"].startswith("file://"):
-            path = Path(manifest["path"])
+        if manifest.is_local:
+            path = Path(manifest.path)
             if not path.is_dir():
                 raise ModelSourceError(f"the model folder {path} is gone")
             if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
                 raise ModelSourceError("the model folder was replaced by a symbolic link")
-            registered = registered_identity(manifest)
+            registered = manifest.registered_identity()
         else:
-            path = local_model_dir(manifest["source"], [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
+            path = local_model_dir(manifest.source, [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
             registered = None  # each machine downloads its own copy: other inodes and times
         check_links(path)  # a link leading out is refused even where no used file is one (registration did)
         files = open_model_files(path)
@@ -71,7 +72,7 @@ def checked_model_files(ctx: Context, manifest: dict[str, Any]) -> ModelFiles:
         raise JobFailed(f"the files of model {model_id} changed since registration: {exc}; {REREGISTER}") from None
 
 
-def check_model_unchanged(ctx: Context, manifest: dict[str, Any]) -> None:
+def check_model_unchanged(ctx: Context, manifest: ModelRecord) -> None:
     """Check a model's files again, before a job publishes what it computed with them: a model
     loaded on the CPU maps its shards, so a shard rewritten in place while the job ran changed the
     weights it used (and its identity: a new ctime).
@@ -82,9 +83,7 @@ def check_model_unchanged(ctx: Context, manifest: dict[str, Any]) -> None:
     checked_model_files(ctx, manifest).close()
 
 
-def _check_files(
-    ctx: Context, manifest: dict[str, Any], files: ModelFiles, registered: dict[str, FileIdentity] | None
-) -> None:
+def _check_files(ctx: Context, manifest: ModelRecord, files: ModelFiles, registered: dict[str, FileIdentity] | None) -> None:
     """Check opened model files by identity, never by hashing them again where it is known.
 
     - A ``file://`` registration's files must have the identity recorded at registration: any
@@ -111,30 +110,30 @@ def _check_files(
         except ModelFilesChanged as exc:
             mismatch = exc
     _check_content(manifest, files, mismatch)
-    write_copy_record(ctx, files, manifest["digest"])
-    if manifest["source"].startswith("file://"):
+    write_copy_record(ctx, files, manifest.digest)
+    if manifest.is_local:
         _record_identity(ctx, manifest, files)
 
 
-def _check_content(manifest: dict[str, Any], files: ModelFiles, mismatch: ModelFilesChanged | None) -> None:
+def _check_content(manifest: ModelRecord, files: ModelFiles, mismatch: ModelFilesChanged | None) -> None:
     """Raise unless ``files`` hold the registered content, naming the first file that does not
     (registrations made before per-file digests were recorded: by the folder's digest, including
     the one of registrations made before the allowlist, which hashed every in-folder file)."""
     sums = file_digests(files)
-    recorded = manifest.get("file_sha256")
+    recorded = manifest.file_sha256
     why = f" ({mismatch})" if mismatch is not None else ""
     if isinstance(recorded, dict):
         for name in sorted(set(recorded) | set(sums)):
             if recorded.get(name) != sums.get(name):
                 state = "is missing" if name not in sums else "was added" if name not in recorded else "has other content"
                 raise ModelFilesChanged(f"{name} {state} since registration{why}")
-    elif combined_digest(sums) != manifest["digest"]:
-        if directory_digest(files.folder, every_file=True) != manifest["digest"]:
+    elif combined_digest(sums) != manifest.digest:
+        if directory_digest(files.folder, every_file=True) != manifest.digest:
             raise ModelFilesChanged(f"the files' content is not the registered content (their digest differs){why}")
     files.check_unchanged()  # nothing rewritten in place while it was hashed
 
 
-def _record_identity(ctx: Context, manifest: dict[str, Any], files: ModelFiles) -> None:
+def _record_identity(ctx: Context, manifest: ModelRecord, files: ModelFiles) -> None:
     """Give a registration made before identities were recorded the identity of its files, their
     content just checked: from then on it is checked as any other.
 
@@ -144,16 +143,16 @@ def _record_identity(ctx: Context, manifest: dict[str, Any], files: ModelFiles) 
     """
     identity = {name: value.to_json() for name, value in files.identity().items()}
     with ctx.lock:
-        current = find_model(ctx, manifest["model_id"])
-        if current is not None and current["digest"] == manifest["digest"] and "identity" not in current:
-            ctx.storage.put_json(model_key(manifest["model_id"]), {**current, "identity": identity})
+        current = find_model(ctx, manifest.model_id)
+        if current is not None and current.digest == manifest.digest and current.identity is None:
+            ctx.storage.put_json(model_key(manifest.model_id), current.model_copy(update={"identity": identity}).to_json())
 
 
-def _machine_identity(ctx: Context, manifest: dict[str, Any], folder: Path) -> dict[str, FileIdentity] | None:
+def _machine_identity(ctx: Context, manifest: ModelRecord, folder: Path) -> dict[str, FileIdentity] | None:
     """The identity ``folder``'s files had when this machine last found them holding the registered
     content (:func:`write_copy_record`), if it did."""
     saved = _read_record(copy_record(ctx, folder))
-    if saved is None or saved.get("digest") != manifest["digest"] or not isinstance(saved.get("identity"), dict):
+    if saved is None or saved.get("digest") != manifest.digest or not isinstance(saved.get("identity"), dict):
         return None
     identity = {name: FileIdentity.from_json(value) for name, value in saved["identity"].items()}
     return {name: value for name, value in identity.items() if value is not None} if all(identity.values()) else None
@@ -193,12 +192,12 @@ class ModelCache:
         self._lock = threading.Lock()
 
     def get(
-        self, ctx: Context, manifest: dict[str, Any], device: str, dtype: str | None = None, device_map: str | None = None
+        self, ctx: Context, manifest: ModelRecord, device: str, dtype: str | None = None, device_map: str | None = None
     ) -> tuple[Any, Any]:
         """The model (in ``dtype``, default: as stored; on ``device``, or placed by accelerate's
         ``device_map``) and its tokenizer, loaded on first use."""
         placement = f"map:{device_map}" if device_map else device
-        key = f"{manifest['digest']}@{placement}/{dtype or 'stored'}"
+        key = f"{manifest.digest}@{placement}/{dtype or 'stored'}"
         # Checked at every job, loaded or not: a job on changed files fails, as one loading them would.
         with checked_model_files(ctx, manifest) as files, self._lock:
             if key in self._items:

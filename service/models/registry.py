@@ -8,13 +8,16 @@ older ``fingerprint`` is sizes and mtimes only) and the checkpoint's layout (its
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
-from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files, used_files
+from service.engine.model_files import ModelSourceError, open_model_files, used_files
 from service.errors import InvalidInput, NotFound
+from service.models.record import ModelRecord
+from service.models.stored import check_format
 from service.storage.keys import MODELS, model_key
 
 
@@ -31,28 +34,16 @@ def file_fingerprint(path: Path) -> dict[str, list[int]]:
     return {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
 
 
-def registered_identity(manifest: dict[str, Any]) -> dict[str, FileIdentity] | None:
-    """The identity of each file recorded at registration; ``None`` for a registration made before
-    identities were recorded (or one whose record is not readable: it is then checked by content)."""
-    recorded = manifest.get("identity")
-    if not isinstance(recorded, dict) or not recorded:
-        return None
-    identity = {name: FileIdentity.from_json(value) for name, value in recorded.items()}
-    if any(value is None for value in identity.values()):
-        return None
-    return {name: value for name, value in identity.items() if value is not None}
-
-
-def files_changed(manifest: dict[str, Any]) -> bool:
+def files_changed(manifest: ModelRecord) -> bool:
     """Whether a ``file://`` model's files are no longer the ones registered (their identities; only
     the index is read). Posting the same registration again then registers the folder anew, which
     is what a job failing with "re-register the model" asks for. A remote source's registration
     (its private copies are checked where they lie) and one without recorded identities never are.
     """
-    registered = registered_identity(manifest)
-    if registered is None or not str(manifest.get("source", "")).startswith("file://"):
+    registered = manifest.registered_identity()
+    if registered is None or not manifest.is_local:
         return False
-    path = Path(manifest["path"])
+    path = Path(manifest.path)
     try:
         if path.resolve() != path:
             return True
@@ -63,47 +54,56 @@ def files_changed(manifest: dict[str, Any]) -> bool:
     return False
 
 
-def find_model(ctx: Context, model_id: str) -> dict[str, Any] | None:
-    return ctx.storage.find_json(model_key(model_id))
+def model_record(key: str, data: dict[str, Any]) -> ModelRecord:
+    """A stored registration, read (refused when it is of an older format: ``engram-service migrate``)."""
+    return ModelRecord.model_validate(check_format("model registration", key, data))
 
 
-def get_model(ctx: Context, model_id: str) -> dict[str, Any]:
+def find_model(ctx: Context, model_id: str) -> ModelRecord | None:
+    key = model_key(model_id)
+    data = ctx.storage.find_json(key)
+    return None if data is None else model_record(key, data)
+
+
+def get_model(ctx: Context, model_id: str) -> ModelRecord:
     manifest = find_model(ctx, model_id)
     if manifest is None:
         raise NotFound(f"model {model_id} is not registered")
     return manifest
 
 
-def list_models(ctx: Context) -> list[dict[str, Any]]:
-    return [ctx.storage.get_json(k) for k in ctx.storage.list(MODELS) if k.endswith(".json")]
+def list_models(ctx: Context) -> list[ModelRecord]:
+    return [model_record(k, ctx.storage.get_json(k)) for k in ctx.storage.list(MODELS) if k.endswith(".json")]
 
 
-def model_view(manifest: dict[str, Any]) -> dict[str, Any]:
-    layers = [{k: spec[k] for k in ("name", "in_features", "out_features", "bias")} for spec in manifest["layout"]["layers"]]
+def model_view(manifest: ModelRecord) -> dict[str, Any]:
+    layout = manifest.layout
+    layers = [
+        {"name": s.name, "in_features": s.in_features, "out_features": s.out_features, "bias": s.bias} for s in layout.layers
+    ]
     keys = ("model_id", "source", "digest", "architecture", "num_parameters")
-    unstored = manifest["layout"].get("unstored_layers", [])
-    return {**{k: manifest[k] for k in keys}, "layers": layers, "layers_not_in_checkpoint": unstored}
+    return {**manifest.model_dump(include=set(keys)), "layers": layers, "layers_not_in_checkpoint": layout.unstored_layers}
 
 
-def check_chat_templates(manifests: dict[str, dict[str, Any]], why: str) -> None:
+def check_chat_templates(manifests: Mapping[str, ModelRecord], why: str) -> None:
     """Refuse (422) a model whose registered folder ships no chat template, read from its allowlisted
     tokenizer files (no tokenizer or model is loaded). A folder this process cannot read is left to
     the job, which fails saying the same.
     """
     for model_id, manifest in manifests.items():
-        if folder_has_chat_template(Path(manifest.get("path", ""))) is False:
+        if folder_has_chat_template(Path(manifest.path)) is False:
             raise InvalidInput(
                 f"model {model_id} has no chat template (chat_template.jinja, or chat_template in "
                 f"tokenizer_config.json), which {why} need"
             )
 
 
-def check_causal_lm(model: dict[str, Any], what: str) -> None:
+def check_causal_lm(model: ModelRecord, what: str) -> None:
     """A 422 before any job when the registered model does not predict the next token (a masked or
     encoder model), as recorded at registration; a model registered before that was recorded is
     checked by the job itself when it loads the model."""
-    if model["layout"].get("causal_lm") is False:
+    if model.layout.causal_lm is False:
         raise InvalidInput(
-            f"{what} need a model that predicts the next token; model {model['model_id']} is a "
-            f"{model['architecture']} (a masked-language or encoder model)"
+            f"{what} need a model that predicts the next token; model {model.model_id} is a "
+            f"{model.architecture} (a masked-language or encoder model)"
         )

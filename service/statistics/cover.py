@@ -1,6 +1,6 @@
 """What published statistics cover: the layers each holds, those no forward pass reached, and the
 check that refuses an edit needing a layer some member's statistics lack (their headers:
-:data:`service.statistics.manifest.HEADERS`)."""
+:func:`service.statistics.manifest.stats_header`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from service.context import Context
 from service.engine.layers import select_layers, summarize_names
 from service.engine.layout import ModelLayout
 from service.errors import Conflict
-from service.statistics.manifest import HEADERS, stats_manifest
+from service.statistics.manifest import has_stats_header, stats_header, stats_manifest
 
 
 def check_statistics_cover(
@@ -67,7 +67,7 @@ def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layou
     lacking = set(manifest.get("lacking", ()))
     if "lacking" in manifest and int(manifest.get("layers", -1)) + len(lacking) == len(chosen):
         return frozenset(spec.name for spec in chosen) - lacking
-    return frozenset(HEADERS.of(ctx.storage, prefix).layer_group)
+    return frozenset(stats_header(ctx, prefix).layer_group)
 
 
 def unreached_by_every(ctx: Context, prefixes: Iterable[str]) -> frozenset[str]:
@@ -79,8 +79,8 @@ def unreached_by_every(ctx: Context, prefixes: Iterable[str]) -> frozenset[str]:
     """
     common: frozenset[str] | None = None
     for prefix in dict.fromkeys(prefixes):
-        if (ctx.storage, prefix) not in HEADERS and stats_manifest(ctx, prefix) is None:
+        if not has_stats_header(ctx, prefix) and stats_manifest(ctx, prefix) is None:
             return frozenset()
-        unreached = HEADERS.of(ctx.storage, prefix).unreached
+        unreached = stats_header(ctx, prefix).unreached
         common = unreached if common is None else common & unreached
     return common or frozenset()

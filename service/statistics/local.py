@@ -2,7 +2,7 @@
 into ``ENGRAM_CACHE_DIR/stats/`` (:func:`service.storage.local_copies.cached_copy`).
 
 Statistics are content-addressed, so a worker keeps its copies between jobs, as files read one
-input group at a time (``STATS_CACHE`` holds open files, not their contents).
+input group at a time (the Context's ``caches.stats_files`` holds open files, not their contents).
 """
 
 from __future__ import annotations
@@ -10,25 +10,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from service.context import Context
 from service.engine.stats_io import StatisticsFile, expand_statistics
 from service.statistics.key import statistics_key
-from service.storage.local_copies import Holder, cached_copy
-from service.storage.lru import ByteLRU
-
-# At most 256 open files, keyed by store and prefix (one process may hold several stores: tests do).
-STATS_CACHE: ByteLRU[StatisticsFile] = ByteLRU(256, lambda _: 1)
+from service.storage.local_copies import cached_copy
 
 
-def statistics(ctx: Holder, prefix: str) -> StatisticsFile:
-    """The statistics file of ``prefix`` on this machine, opened once per process."""
-    key = f"{ctx.storage.location}|{prefix}"
-    cached = STATS_CACHE.get(key)
+def statistics(ctx: Context, prefix: str) -> StatisticsFile:
+    """The statistics file of ``prefix`` on this machine, opened once per process and store."""
+    cached: StatisticsFile | None = ctx.caches.stats_files.get(ctx.storage, prefix)
     if cached is None or not cached.path.exists():  # another process may have trimmed the disk cache
-        cached = STATS_CACHE[key] = StatisticsFile(local_statistics_file(ctx, prefix))
+        cached = ctx.caches.stats_files.put(ctx.storage, prefix, StatisticsFile(local_statistics_file(ctx, prefix)))
     return cached
 
 
-def local_statistics_file(ctx: Holder, prefix: str) -> Path:
+def local_statistics_file(ctx: Context, prefix: str) -> Path:
     """The statistics file on this machine, ready for per-group reads: in place (file storage) or
     downloaded once to the cache; a file with low-rank ``rows`` groups is expanded into the cache
     once (packed sums), so no variant pays the rows' ``T·D²`` products again."""
@@ -51,5 +47,5 @@ def local_statistics_file(ctx: Holder, prefix: str) -> Path:
         finally:
             downloaded.unlink(missing_ok=True)
 
-    in_use = {cached.path for k in STATS_CACHE if (cached := STATS_CACHE.get(k)) is not None}
+    in_use = {cached.path for cached in ctx.caches.stats_files.values()}
     return cached_copy(ctx, "stats", prefix, fetch, keep=in_use)

@@ -3,7 +3,8 @@
 The collection job writes the statistics file, then the manifest (:func:`publish_statistics`): the
 statistics exist exactly when the manifest does, and never change after (content-addressed), so
 readers cache both for the life of the process: the manifest through ``ctx.reads``, the header in
-:data:`HEADERS`, keyed by store and prefix (one process may hold several stores: tests do).
+the Context's ``caches.stats_headers``, keyed by store and prefix (one process may hold several
+stores: tests do).
 """
 
 from __future__ import annotations
@@ -55,22 +56,17 @@ class StatsHeader:
         )
 
 
-class PublishedHeaders:
-    """The headers of published statistics, each read once per process and store: statistics never
-    change, so nothing here goes stale."""
-
-    def __init__(self) -> None:
-        self._headers: dict[tuple[str, str], StatsHeader] = {}
-
-    def __contains__(self, where: tuple[Storage, str]) -> bool:
-        storage, prefix = where
-        return (storage.location, prefix) in self._headers
-
-    def of(self, storage: Storage, prefix: str) -> StatsHeader:
-        key = (storage.location, prefix)
-        if key not in self._headers:
-            self._headers[key] = StatsHeader.read(storage, prefix)
-        return self._headers[key]
+def stats_header(ctx: Context, prefix: str) -> StatsHeader:
+    """The header of published statistics, read once per process and store (the Context's
+    ``caches.stats_headers``): statistics never change, so nothing there goes stale."""
+    cached: StatsHeader | None = ctx.caches.stats_headers.get(ctx.storage, prefix)
+    return (
+        cached
+        if cached is not None
+        else ctx.caches.stats_headers.put(ctx.storage, prefix, StatsHeader.read(ctx.storage, prefix))
+    )
 
 
-HEADERS = PublishedHeaders()
+def has_stats_header(ctx: Context, prefix: str) -> bool:
+    """Whether this process read the header already (the statistics were published then)."""
+    return ctx.caches.stats_headers.get(ctx.storage, prefix) is not None

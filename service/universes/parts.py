@@ -33,6 +33,7 @@ from service.jobs.leases import Leases, LocalLeases, RedisLeases, worker_name
 from service.jobs.progress import Progress
 from service.jobs.store import utc_now
 from service.models.loaded import checked_model_files
+from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.key import StatsKey
 from service.statistics.local import statistics
@@ -108,7 +109,7 @@ class UniverseBuild:
     ctx: Context
     universe_id: str
     spec: UniverseSpec
-    model: dict[str, Any]
+    model: ModelRecord
     plan: UniversePlan
     members: dict[str, StatisticsFile]  # statistics prefix -> its statistics
     member_of: dict[str, str]  # member key -> statistics prefix
@@ -129,10 +130,10 @@ class UniverseBuild:
             raise JobFailed(f"universe {universe_id} does not exist")
         spec = UniverseSpec.from_json(request)
         model = get_model(ctx, spec.model_id)
-        if model["digest"] != spec.model_digest:
+        if model.digest != spec.model_digest:
             raise JobFailed(f"model {spec.model_id} was re-registered with other weights")
         members = {prefix: statistics(ctx, prefix) for prefix in spec.prefixes}
-        plan = plan_universe(ModelLayout.from_json(model["layout"]), members)
+        plan = plan_universe(model.layout, members)
         member_of = {key: prefix for prefix, key in member_keys(sorted(members)).items()}
         return cls(ctx, universe_id, spec, model, plan, members, member_of, _leases(ctx, universe_id))
 
@@ -281,7 +282,7 @@ class UniverseBuild:
 
     def reader(self) -> CheckpointReader:
         if self._reader is None:
-            layout = ModelLayout.from_json(self.model["layout"])
+            layout = self.model.layout
             self._reader = CheckpointReader(checked_model_files(self.ctx, self.model), layout)
         return self._reader
 

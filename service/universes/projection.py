@@ -22,8 +22,9 @@ from service.context import Context
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.engrams.format import ENGRAMS_FORMAT, engram_dtype
+from service.models.record import ModelRecord
 from service.models.registry import find_model
-from service.statistics.manifest import HEADERS, StatsHeader
+from service.statistics.manifest import StatsHeader, stats_header
 from service.universes.spec import FACTORS_FORMAT, UniverseSpec
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2}
@@ -65,8 +66,8 @@ def project_universe(ctx: Context, spec: UniverseSpec) -> Projection:
     model = find_model(ctx, spec.model_id)
     if model is None:
         return Projection(0, 0)
-    layout = ModelLayout.from_json(model["layout"])
-    headers = {prefix: HEADERS.of(ctx.storage, prefix) for prefix in spec.prefixes}
+    layout = model.layout
+    headers = {prefix: stats_header(ctx, prefix) for prefix in spec.prefixes}
     layers = [s for s in layout.layers if all(s.name in h.layer_group for h in headers.values())]
     if not layers:
         return Projection(0, 0)  # the build refuses it by name
@@ -107,11 +108,11 @@ def _group_bytes(layers: Sequence[LayerSpec], headers: Mapping[str, StatsHeader]
     return total
 
 
-def _engram_dtypes(model: Mapping[str, Any], layout: ModelLayout, layers: Sequence[LayerSpec]) -> tuple[dict[str, str], int]:
+def _engram_dtypes(model: ModelRecord, layout: ModelLayout, layers: Sequence[LayerSpec]) -> tuple[dict[str, str], int]:
     """layer -> its engram's stored dtype, from the checkpoint's shard headers where this machine
     has them (the API registered the model, so it usually does); float64 where it does not."""
     headers: dict[str, dict[str, Any]] = {}
-    folder = Path(model.get("path") or "")
+    folder = Path(model.path)
     dtypes, assumed = {}, 0
     for spec in layers:
         key = layout.weight_keys.get(spec.name, "")

@@ -23,17 +23,15 @@ Storage layout:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
 from service.concepts.service import default_reference, ready_statistics
 from service.context import Context
-from service.errors import Conflict, InvalidInput, NotFound
+from service.errors import Conflict, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
-from service.jobs.records import JobRecord, UniversePayload
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
@@ -81,7 +79,7 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
     existing = find_request(ctx, uid)
     if existing is not None:
         job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
-        if job is not None and job.status not in FINISHED or job_id is None:
+        if job is not None and job["status"] not in FINISHED or job_id is None:
             return existing
         record = {**existing, "job_id": job_id}
     else:
@@ -104,92 +102,6 @@ def set_current(ctx: Context, spec: UniverseSpec) -> None:
         ctx.storage.put_json(current_pointer_key(spec.model_id), pointer)
 
 
-# ---------------------------------------------------------------- the universe of an edit
-
-
-@dataclass(frozen=True)
-class EditUniverse:
-    """The universe an edit request resolves to.
-
-    Attributes:
-        spec: the universe.
-        terms: each term's statistics prefix.
-        reference: the names shown as the variant's ``reference`` (the reference set before the terms joined).
-        becomes_current: the model had no current universe: this request makes ``reference`` current.
-    """
-
-    spec: UniverseSpec
-    terms: dict[str, str]
-    reference: list[str]
-    becomes_current: UniverseSpec | None = None
-
-
-def resolve_for_edit(
-    ctx: Context,
-    model: Mapping[str, Any],
-    terms: Sequence[str],
-    *,
-    reference: Sequence[str] | None,
-    universe_id: str | None,
-    rcond: float | None,
-) -> EditUniverse:
-    """The universe of an unlearn/compose request; reads only, writes nothing.
-
-    - ``universe``: that universe (404 unknown, 409 another model's, 422 a term not a member or
-      another ``rcond``);
-    - ``reference``: ``reference ∪ terms`` (its meaning before universes were stored);
-    - neither: the model's current universe ∪ terms; a model without one gets every concept ready
-      on it now (``becomes_current``).
-
-    Raises:
-        NotFound, Conflict, InvalidInput: as above; unknown or not-ready concepts name themselves.
-    """
-    model_id = model["model_id"]
-    term_stats = ready_statistics(ctx, model_id, sorted(set(terms)))
-    prefixes = {n: r["prefix"] for n, r in term_stats.items()}
-    if universe_id is not None:
-        if reference is not None:
-            raise InvalidInput("give either universe or reference, not both")
-        spec = _named_universe(ctx, model, universe_id, term_stats, rcond)
-        return EditUniverse(spec, prefixes, spec.names)
-    if reference is not None:
-        chosen = sorted(set(reference))
-        resolved = ready_statistics(ctx, model_id, sorted(set(chosen) | set(terms)))
-        return EditUniverse(make_spec(model, resolved, rcond), prefixes, chosen)
-    pointer = current_pointer(ctx, model_id)
-    new_current = None
-    if pointer is None:
-        names = default_reference(ctx, model_id)
-        new_current = make_spec(model, ready_statistics(ctx, model_id, names), None)
-        pointer = {"members": {m.name: m.stats for m in new_current.members}, "rcond": None}
-    members = {n: {"prefix": p, "dataset_digest": StatsKey.parse(p).dataset_digest} for n, p in pointer["members"].items()}
-    members.update({n: r for n, r in term_stats.items() if r["prefix"] not in {m["prefix"] for m in members.values()}})
-    chosen_rcond = rcond if rcond is not None else pointer["rcond"]
-    spec = make_spec(model, members, chosen_rcond)
-    return EditUniverse(spec, prefixes, sorted(pointer["members"]), new_current)
-
-
-def _named_universe(
-    ctx: Context,
-    model: Mapping[str, Any],
-    universe_id: str,
-    term_stats: Mapping[str, Mapping[str, str]],
-    rcond: float | None,
-) -> UniverseSpec:
-    request = find_request(ctx, universe_id)
-    if request is None:
-        raise NotFound(f"universe {universe_id} does not exist")
-    spec = UniverseSpec.from_json(request)
-    if spec.model_digest != model["digest"]:  # model IDs of the same weights share their universes
-        raise Conflict(f"universe {universe_id} belongs to model {spec.model_id}, not {model['model_id']}")
-    outside = sorted(n for n, r in term_stats.items() if r["prefix"] not in spec.prefixes)
-    if outside:
-        raise InvalidInput(f"concept(s) not in universe {universe_id}: {', '.join(outside)}")
-    if rcond is not None and rcond != spec.rcond:
-        raise InvalidInput(f"universe {universe_id} has rcond {spec.rcond}; omit rcond or pass the same value")
-    return spec
-
-
 # ---------------------------------------------------------------- POST /models/{id}/universes
 
 
@@ -199,12 +111,12 @@ def _needs_build(ctx: Context, universe_id: str) -> bool:
         return False
     record = find_request(ctx, universe_id)
     running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
-    return running is None or running.status in FINISHED
+    return running is None or running["status"] in FINISHED
 
 
 def submit_universe(
     ctx: Context, model_id: str, concepts: Sequence[str] | None, rcond: float | None, callback_url: str | None = None
-) -> tuple[dict[str, Any], JobRecord | None]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Build the universe of ``concepts`` (default: every concept ready on the model) and make it
     the model's current one.
 
@@ -238,17 +150,17 @@ def submit_universe(
         else:
             record = find_request(ctx, uid)
             running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
-            if running is not None and running.status not in FINISHED:
+            if running is not None and running["status"] not in FINISHED:
                 job = attach_callbacks(ctx, running, urls)  # already building: that job calls back too
                 retention.note_use(ctx, uid)
             else:
-                payload = UniversePayload(universe_id=uid, model_id=model_id)
+                payload = {"universe_id": uid, "model_id": model_id}
                 created = ctx.jobs.create(new_job("universe", payload, unit="steps", callback_urls=urls))
-                record_universe(ctx, spec, created.job_id)
+                record_universe(ctx, spec, created["job_id"])
                 retention.note_use(ctx, uid, projected=projected, rebuilding=True)
     if created is not None:  # enqueued only after the request it reads is saved
         ctx.dispatch(created)
-        job = ctx.jobs.get(created.job_id)
+        job = ctx.jobs.get(created["job_id"])
     return universe_view(ctx, uid), job
 
 
@@ -277,8 +189,8 @@ def delete_universe(ctx: Context, universe_id: str) -> int:
             raise NotFound(f"universe {universe_id} does not exist (GET /models/{{id}}/universes lists a model's)")
         jobs = set(retention.busy_jobs(ctx).get(universe_id, []))
         builder = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
-        if builder is not None and builder.status not in FINISHED:
-            jobs.add(builder.job_id)  # a calibration builds the universe it needs too
+        if builder is not None and builder["status"] not in FINISHED:
+            jobs.add(builder["job_id"])  # a calibration builds the universe it needs too
         if jobs:
             raise Conflict(
                 f"universe {universe_id} is being built or read by job(s) {', '.join(sorted(jobs))}: nothing was "
@@ -346,7 +258,7 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
             "bytes_detail": {"groups": parts["groups"], "engrams": parts["engrams"], "total": parts["total"]},
             "build_seconds": manifest["seconds"],
         }
-    building = job is not None and job.status not in FINISHED
+    building = job is not None and job["status"] not in FINISHED
     if not building and usage.get("evicted_at"):
         return {
             **view,

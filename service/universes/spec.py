@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from service.models.record import ModelRecord
 from service.statistics.key import StatsKey
 from service.storage.keys import canonical_digest
 
@@ -75,10 +76,10 @@ class UniverseSpec:
         return cls(data["model_id"], data["model_digest"], members, data["rcond"])
 
 
-def make_spec(model: Mapping[str, Any], resolved: Mapping[str, Mapping[str, str]], rcond: float | None) -> UniverseSpec:
+def make_spec(model: ModelRecord, resolved: Mapping[str, Mapping[str, str]], rcond: float | None) -> UniverseSpec:
     """A universe of ``resolved`` (name -> {prefix, dataset_digest}, from ``ready_statistics``)."""
     members = tuple(Member(n, r["prefix"], r["dataset_digest"]) for n, r in sorted(resolved.items()))
-    return UniverseSpec(model["model_id"], model["digest"], members, rcond)
+    return UniverseSpec(model.model_id, model.digest, members, rcond)
 
 
 def settings_digest(prefix: str) -> str:

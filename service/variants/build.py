@@ -30,13 +30,11 @@ from service.engine.model_files import ModelSourceError
 from service.engrams.store import (
     StoredEngrams,
     relative_norms,
-    statistics_algebra,
     stored_editor,
     stored_engrams,
 )
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
-from service.jobs.records import JobRecord, VariantPayload
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
@@ -47,16 +45,17 @@ from service.universes.retention import note_use
 from service.variants.spec import VariantRequest
 
 
-def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition."""
-    variant_id = job.payload_of(VariantPayload).variant_id
-    request = VariantRequest.from_json(ctx.storage.get_json(variant_request_key(variant_id)))
+    variant_id = job["payload"]["variant_id"]
+    key = variant_request_key(variant_id)
+    request = VariantRequest.stored(key, ctx.storage.get_json(key))
     if ctx.storage.exists(variant_manifest_key(variant_id)):
         return {"variant_id": variant_id, "reused": True}
-    progress = JobProgress(ctx, job.job_id, 0)
+    progress = JobProgress(ctx, job["job_id"], 0)
     started = time.monotonic()
     with scratch_dir("variant") as tmp:
-        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id)
+        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job["job_id"])
         files = upload_variant(ctx, variant_id, Path(tmp))
     seconds = round(time.monotonic() - started, 3)
     published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
@@ -66,8 +65,7 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
     if built.lora is not None:
         published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
     ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
-    if request.universe_id:
-        note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
+    note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
     return {**result, "universe_built_s": built.universe_built_s}
 
@@ -99,7 +97,7 @@ def build_variant_files(
         JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
     """
     model = get_model(ctx, request.model_id)
-    layout = ModelLayout.from_json(model["layout"])
+    layout = model.layout
     spec = request.spec
     selected = select_layers(layout.layers, spec.modules, spec.layers)
     # Layers no member's forward pass ran have zero engrams: written as they are, and named.
@@ -124,11 +122,7 @@ def build_variant_files(
 def _engram_source(
     ctx: Context, request: VariantRequest, progress: Progress, job_id: str | None
 ) -> tuple[EngramSource, dict[str, Any] | None, float | None]:
-    """The variant's terms as stored engrams of its universe (built now if missing), or, for a
-    request stored before universes were (no ``universe_id``), as algebra on the statistics."""
-    if request.universe_id is None:
-        algebra = statistics_algebra(ctx, request.terms, request.term_stats, request.universe_stats, request.rcond)
-        return algebra, None, None
+    """The variant's terms as stored engrams of its universe (built now if missing)."""
     started = time.monotonic()
     cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
     universe, existed = ensure_universe(ctx, request.universe_id, cancel_only, job_id=job_id)

@@ -22,16 +22,17 @@ from service.engine.lora_rules import rank_cap, vllm_bias_refusal, vllm_biased_l
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
-from service.jobs.records import JobRecord, VariantPayload
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
+from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.cover import check_statistics_cover, unreached_by_every
 from service.storage.keys import VARIANTS, variant_manifest_key, variant_request_key
+from service.universes.members import EditUniverse, resolve_members
 from service.universes.projection import Projection
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
-from service.universes.service import EditUniverse, record_universe, resolve_for_edit, set_current
+from service.universes.service import record_universe, set_current
 from service.variants.spec import VariantRequest, VariantSpec
 
 
@@ -42,7 +43,7 @@ def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str,
 
 def submit_variant(
     ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions | Mapping[str, Any]
-) -> tuple[dict[str, Any], JobRecord | None]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
 
     Args:
@@ -55,7 +56,7 @@ def submit_variant(
     urls = callbacks.check_optional_url(edit.callback_url, ctx.settings)
     _check_lora_rank(edit)
     model = get_model(ctx, model_id)
-    layout = ModelLayout.from_json(model["layout"])
+    layout = model.layout
     _check_selection(layout, edit.modules, edit.layers)
     _check_strengths(layout, edit)
     _check_servable(edit)
@@ -79,7 +80,8 @@ def submit_variant(
         existing = find_variant_request(ctx, variant_id)
         job = ctx.jobs.get(existing.job_id) if existing is not None and existing.job_id else None
         answered = existing is not None and (
-            variant_manifest(ctx, variant_id) is not None or (job is not None and job.status not in {"failed", "cancelled"})
+            variant_manifest(ctx, variant_id) is not None
+            or (job is not None and job["status"] not in {"failed", "cancelled"})
         )
         if not answered:  # before anything is written; a variant built or building starts no job and is never refused
             admit(ctx)
@@ -92,16 +94,17 @@ def submit_variant(
             note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
             return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
-        # Not built: it builds its universe first, far more than a copy, a GPU worker's work.
-        payload = VariantPayload(variant_id=variant_id, model_id=model_id, queue=None if built else "gpu")
+        payload = {"variant_id": variant_id, "model_id": model_id}
+        if not built:  # it builds its universe first: far more than a copy, a GPU worker's work
+            payload["queue"] = "gpu"
         job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
         # The universe names the job that builds it: this one, on first need, unless built already.
-        record_universe(ctx, resolved.spec, None if built else job.job_id)
+        record_universe(ctx, resolved.spec, None if built else job["job_id"])
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(variant_request_key(variant_id), request.with_job(job.job_id).to_json())
+        ctx.storage.put_json(variant_request_key(variant_id), request.with_job(job["job_id"]).model_dump(mode="json"))
         ctx.reads.forget(variant_request_key(variant_id))
     ctx.dispatch(job)
-    return variant_view(ctx, variant_id), ctx.jobs.get(job.job_id)
+    return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
 
 
 def edit_options(options: EditOptions | Mapping[str, Any]) -> EditOptions:
@@ -168,7 +171,7 @@ def _check_strengths(layout: ModelLayout, options: EditOptions) -> None:
 
 def _room_for(
     ctx: Context,
-    model: Mapping[str, Any],
+    model: ModelRecord,
     terms: Mapping[str, float],
     alpha: float | None,
     spec: VariantSpec,
@@ -180,8 +183,8 @@ def _room_for(
     return None if variant_manifest(ctx, variant_id) is not None else make_room(ctx, resolved.spec)
 
 
-def _resolve(ctx: Context, model: Mapping[str, Any], terms: Mapping[str, float], options: EditOptions) -> EditUniverse:
-    return resolve_for_edit(
+def _resolve(ctx: Context, model: ModelRecord, terms: Mapping[str, float], options: EditOptions) -> EditUniverse:
+    return resolve_members(
         ctx,
         model,
         list(terms),
@@ -215,7 +218,7 @@ def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False)
         return None
     key = variant_request_key(variant_id)
     stored = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
-    return None if stored is None else VariantRequest.from_json(stored)
+    return None if stored is None else VariantRequest.stored(key, stored)
 
 
 def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
@@ -246,7 +249,7 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     request = find_variant_request(ctx, variant_id, recent=True)
     if request is None:
         raise NotFound(f"variant {variant_id} does not exist")
-    stored = request.to_json()
+    stored = request.model_dump(mode="json")
     view: dict[str, Any] = {k: stored[k] for k in VARIANT_FIELDS} | {"files": []}
     job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
     manifest = variant_manifest(ctx, variant_id)
@@ -254,7 +257,7 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
         view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
         view["unreached_layers"] = manifest.get("unreached_layers", [])
         return view
-    view["status"] = "building" if job is not None and job.status not in FINISHED else "failed"
+    view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"
     return view
 
 

@@ -8,16 +8,19 @@ reads, written and read here only. :func:`variant_identity` is the one place a v
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from api_schemas import EditOptions
 from service.engine.errors import EditError
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget
+from service.models.record import ModelRecord
+from service.models.stored import FORMAT_VERSION, check_format
 from service.storage.keys import ENGINE_VERSION, canonical_digest
-from service.universes.service import EditUniverse
+from service.universes.members import EditUniverse
 
 Strengths = tuple[tuple[str, float], ...]
 
@@ -125,37 +128,49 @@ def variant_id_of(identity: Mapping[str, Any]) -> str:
     return canonical_digest(identity)[:32]
 
 
-@dataclass(frozen=True)
-class VariantRequest:
+class VariantRequest(BaseModel):
     """The stored request of a variant (``variants/<id>/request.json``): what its job reads.
+
+    Stored flat, in the keys (and their order) requests have always been stored with, plus
+    ``format_version``; :attr:`spec` gives the options typed.
 
     Attributes:
         terms: concept name -> coefficient, in the request's order.
         reference: the names shown as the variant's reference.
+        module_strengths: sorted, without factors of 1; None when all are 1.
         rcond: the universe's cut.
         term_stats: each term's statistics prefix.
-        universe_id: the universe whose engrams the job sums; None in a request stored before
-            universes were (the job then does the algebra on ``universe_stats``).
+        universe_id: the universe whose engrams the job sums (a request stored before universes
+            were gets its universe from ``engram-service migrate``).
         universe_stats: the universe's statistics prefixes.
         job_id: the job that builds the variant (None until it is created).
     """
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = FORMAT_VERSION
     variant_id: str
     model_id: str
-    terms: Mapping[str, float]
+    terms: dict[str, float]
     alpha: float | None
     reference: tuple[str, ...]
-    spec: VariantSpec
+    scaling: str
+    modules: tuple[str, ...] | None
+    layers: tuple[int, ...] | None
+    format: str
     rcond: float | None
-    term_stats: Mapping[str, str]
-    universe_id: str | None
+    lora_rank: int | None
+    lora_target: str | None
+    module_strengths: dict[str, float] | None
+    term_stats: dict[str, str]
+    universe_id: str
     universe_stats: tuple[str, ...]
     job_id: str | None = None
 
     @classmethod
     def new(
         cls,
-        model: Mapping[str, Any],
+        model: ModelRecord,
         terms: Mapping[str, float],
         alpha: float | None,
         spec: VariantSpec,
@@ -163,72 +178,45 @@ class VariantRequest:
     ) -> VariantRequest:
         """The request of an edit of ``model`` in the universe it resolved to, named by its identity."""
         universe = resolved.spec
-        identity = variant_identity(model["digest"], terms, resolved.terms, universe.universe_id, universe.rcond, spec)
+        identity = variant_identity(model.digest, terms, resolved.terms, universe.universe_id, universe.rcond, spec)
         return cls(
             variant_id=variant_id_of(identity),
-            model_id=model["model_id"],
+            model_id=model.model_id,
             terms={name: float(c) for name, c in terms.items()},
             alpha=alpha,
             reference=tuple(resolved.reference),
-            spec=spec,
+            scaling=spec.scaling,
+            modules=spec.modules,
+            layers=spec.layers,
+            format=spec.format,
             rcond=universe.rcond,
+            lora_rank=spec.lora_rank,
+            lora_target=spec.lora_target,
+            module_strengths=spec.strengths,
             term_stats=dict(resolved.terms),
             universe_id=universe.universe_id,
             universe_stats=tuple(universe.prefixes),
         )
 
-    def with_job(self, job_id: str) -> VariantRequest:
-        return dataclasses.replace(self, job_id=job_id)
-
-    def to_json(self) -> dict[str, Any]:
-        """The stored JSON: the keys, in their order, that requests have been stored with."""
-        spec = self.spec
-        return {
-            "variant_id": self.variant_id,
-            "model_id": self.model_id,
-            "terms": dict(self.terms),
-            "alpha": self.alpha,
-            "reference": list(self.reference),
-            "scaling": spec.scaling,
-            "modules": _list(spec.modules),
-            "layers": _list(spec.layers),
-            "format": spec.format,
-            "rcond": self.rcond,
-            "lora_rank": spec.lora_rank,
-            "lora_target": spec.lora_target,
-            "module_strengths": spec.strengths,
-            "term_stats": dict(self.term_stats),
-            "universe_id": self.universe_id,
-            "universe_stats": list(self.universe_stats),
-            "job_id": self.job_id,
-        }
-
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VariantRequest:
-        """A stored request, of this version or an older one: a key it lacks has the value the
-        variants made before that option had (no lora_target: ``peft``; no universe_id: None)."""
-        spec = VariantSpec(
-            scaling=data.get("scaling") or "uniform",
-            format=data.get("format") or "checkpoint",
-            modules=_tuple(data.get("modules")),
-            layers=_tuple(data.get("layers")),
-            module_strengths=tuple((s, float(v)) for s, v in (data.get("module_strengths") or {}).items()),
-            lora_rank=data.get("lora_rank"),
-            lora_target=data.get("lora_target"),
+    def stored(cls, key: str, data: Mapping[str, Any]) -> VariantRequest:
+        """A stored request (refused by name when it is of an older format: ``engram-service migrate``)."""
+        return cls.model_validate(check_format("variant request", key, data))
+
+    @property
+    def spec(self) -> VariantSpec:
+        return VariantSpec(
+            scaling=self.scaling,
+            format=self.format,
+            modules=self.modules,
+            layers=self.layers,
+            module_strengths=tuple((s, float(v)) for s, v in (self.module_strengths or {}).items()),
+            lora_rank=self.lora_rank,
+            lora_target=self.lora_target,
         )
-        return cls(
-            variant_id=data["variant_id"],
-            model_id=data["model_id"],
-            terms={name: float(c) for name, c in data["terms"].items()},
-            alpha=data.get("alpha"),
-            reference=tuple(data.get("reference") or ()),
-            spec=spec,
-            rcond=data.get("rcond"),
-            term_stats=dict(data["term_stats"]),
-            universe_id=data.get("universe_id"),
-            universe_stats=tuple(data.get("universe_stats") or ()),
-            job_id=data.get("job_id"),
-        )
+
+    def with_job(self, job_id: str) -> VariantRequest:
+        return self.model_copy(update={"job_id": job_id})
 
 
 def _tuple(values: Any) -> tuple[Any, ...] | None:

@@ -12,6 +12,8 @@ import json
 from typing import Any
 
 import pytest
+from service.models.record import ModelRecord
+from service.universes.members import EditUniverse
 
 from api_schemas import CalibrateRequest
 from service.calibration.request import (
@@ -24,14 +26,21 @@ from service.calibration.request import (
 from service.calibration.service import request_space
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
-from service.universes.service import EditUniverse
 from service.universes.spec import Member, UniverseSpec
 
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 MODULES += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LAYERS = [LayerSpec(f"model.layers.{b}.{m}", 32, 32, False, False, b) for b in (0, 1) for m in MODULES]
 LAYOUT = ModelLayout("LlamaForCausalLM", 1, [*LAYERS, LayerSpec("lm_head", 32, 64, False, False, None)], {}, {})
-MODEL = {"model_id": "demo/tiny", "digest": "d" * 64, "layout": LAYOUT.to_json()}
+MODEL = ModelRecord(
+    model_id="demo/tiny",
+    source="file:///models/demo/tiny",
+    path="/models/demo/tiny",
+    digest="d" * 64,
+    architecture=LAYOUT.architecture,
+    num_parameters=LAYOUT.num_parameters,
+    layout=LAYOUT,
+)
 
 
 def stats(dataset: str) -> str:

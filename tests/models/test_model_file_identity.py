@@ -24,12 +24,14 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from service.models.record import ModelRecord
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.config import Settings
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, combined_digest, file_digests, inspect_model_dir
+from service.engine.layout import ModelLayout
 from service.engine.model_files import ModelFilesChanged, ModelSourceError, open_model_files, open_without_links
 from service.errors import JobFailed
 from service.models import loaded
@@ -306,7 +308,16 @@ def test_a_remote_models_private_copy_is_hashed_once_per_machine_then_checked_by
     ctx = Context(settings=settings, storage=store, jobs=None, dispatch=None, lock=lock)  # type: ignore[arg-type]
     with open_model_files(copy) as files:
         sums = file_digests(files)
-    manifest = {"model_id": "identity/s3", "source": source, "digest": combined_digest(sums), "file_sha256": sums}
+    manifest = ModelRecord(
+        model_id="identity/s3",
+        source=source,
+        path=str(copy),
+        digest=combined_digest(sums),
+        file_sha256=sums,
+        architecture="LlamaForCausalLM",
+        num_parameters=0,
+        layout=ModelLayout("LlamaForCausalLM", 0, [], {}, {}),  # not read by the check
+    )
     with checked_model_files(ctx, manifest) as files:
         assert files.folder == copy
     assert copy_record(ctx, copy).is_file()

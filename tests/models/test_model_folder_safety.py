@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from safetensors import safe_open
+from service.models.record import ModelRecord
+from service.models.stored import FORMAT_VERSION
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
@@ -337,12 +339,15 @@ def _manifest(path: Path) -> dict[str, Any]:
     with open_model_files(path) as files:
         identity = {name: value.to_json() for name, value in files.identity().items()}
     return {
+        "format_version": FORMAT_VERSION,
         "model_id": "safety/job",
         "source": f"file://{path}",
         "path": str(path),
         "digest": directory_digest(path),
         "fingerprint": file_fingerprint(path),
         "identity": identity,
+        "architecture": layout.architecture,
+        "num_parameters": layout.num_parameters,
         "layout": layout.to_json(),
     }
 
@@ -356,7 +361,7 @@ def job_ctx(tmp_path: Path) -> Context:
 
 
 def _checked_folder(ctx: Any, manifest: dict[str, Any]) -> Path:
-    with checked_model_files(ctx, manifest) as files:
+    with checked_model_files(ctx, ModelRecord.model_validate(manifest)) as files:
         return files.folder
 
 

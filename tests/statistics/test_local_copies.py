@@ -3,6 +3,7 @@ files holding low-rank ``rows`` groups are expanded once into the cache (packed 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -109,3 +110,23 @@ def test_two_stores_in_one_process_keep_their_own_statistics(tmp_path: Path) -> 
     assert one.path != two.path
     assert not torch.equal(one.sums["g"], two.sums["g"])
     assert first.location != second.location
+
+
+def test_one_process_cache_keeps_two_stores_with_the_same_prefix_apart(tmp_path: Path) -> None:
+    """Two contexts sharing one :class:`ProcessCaches` (as a process's copies of its Context do):
+    the statistics files, their headers and the factors of the same prefix in two stores are two entries."""
+    from service.statistics.local import statistics
+    from service.statistics.manifest import stats_header
+
+    first, second = LocalStorage(tmp_path / "one"), LocalStorage(tmp_path / "two")
+    _store(first, tmp_path / "one", "stats/same/", tokens=40, dim=16)
+    _store(second, tmp_path / "two", "stats/same/", tokens=41, dim=8)
+    one, two = _context(first, tmp_path / "cache"), _context(second, tmp_path / "cache")
+    shared = dataclasses.replace(two, caches=one.caches)
+    assert shared.caches is one.caches
+    files = statistics(one, "stats/same/"), statistics(shared, "stats/same/")
+    assert files[0].path != files[1].path and not torch.equal(files[0].sums["g"], files[1].sums["g"])
+    assert (stats_header(one, "stats/same/").dims, stats_header(shared, "stats/same/").dims) == ({"g": 16}, {"g": 8})
+    one.caches.factors.of(first)["u"] = torch.zeros(2)
+    assert "u" not in one.caches.factors.of(second) and list(one.caches.factors.of(first)) == ["u"]
+    assert statistics(one, "stats/same/") is files[0]  # the same store and key: one entry, kept

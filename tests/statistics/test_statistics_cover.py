@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import torch
 
 from engram_fixtures.models import make_tiny_bert_encoder
+from service.config import Settings
+from service.context import ProcessCaches
 from service.engine.checkpoint import inspect_model_dir
 from service.engine.collect import LayerStatistics
 from service.engine.stats_io import save_statistics
@@ -27,7 +29,7 @@ def _stored_without_the_pooler(tmp_path: Path, names: list[str]) -> tuple[Simple
     prefix = "stats/m/d/s/"
     save_statistics(stats, tmp_path / "stats.safetensors")
     storage.put_file(statistics_key(prefix), tmp_path / "stats.safetensors")
-    return SimpleNamespace(storage=storage), prefix
+    return SimpleNamespace(storage=storage, caches=ProcessCaches.from_settings(Settings())), prefix
 
 
 def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_path: Path) -> None:

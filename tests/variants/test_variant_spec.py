@@ -7,19 +7,31 @@ variant keeps its ID only while these stay equal.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from service.models.record import ModelRecord
+from service.models.stored import FORMAT_VERSION, UnmigratedRecord
+from service.universes.members import EditUniverse
 
 from api_schemas import ComposeRequest, EditOptions, UnlearnRequest
 from service.engine.errors import EditError
+from service.engine.layout import ModelLayout
 from service.errors import InvalidInput
-from service.universes.service import EditUniverse
 from service.universes.spec import Member, UniverseSpec
 from service.variants.service import edit_options
 from service.variants.spec import VariantRequest, VariantSpec
 
-MODEL = {"model_id": "demo/tiny", "digest": "d" * 64}
+MODEL = ModelRecord(
+    model_id="demo/tiny",
+    source="file:///models/demo/tiny",
+    path="/models/demo/tiny",
+    digest="d" * 64,
+    architecture="LlamaForCausalLM",
+    num_parameters=0,
+    layout=ModelLayout("LlamaForCausalLM", 0, [], {}, {}),  # the request never reads it
+)
 UNIVERSE_ID = "94034935b93d9f9bfe64a94de4bd9bb2"
 
 
@@ -118,24 +130,28 @@ STORED = {
 
 
 def test_the_stored_request_is_the_json_earlier_versions_stored() -> None:
-    stored = request_of(CASES["peft_vllm_rank"]).with_job("job-1").to_json()
-    assert stored == STORED and list(stored) == list(STORED)
+    """The same keys in the same order, after the record's format version."""
+    stored = request_of(CASES["peft_vllm_rank"]).with_job("job-1").model_dump(mode="json")
+    assert stored == {"format_version": FORMAT_VERSION, **STORED}
+    assert list(stored) == ["format_version", *STORED]
 
 
 def test_a_stored_request_reads_back_as_it_was_written() -> None:
     for options in CASES.values():
         for kind in (UNLEARN, COMPOSE):
             request = request_of(options, kind).with_job("job-2")
-            assert VariantRequest.from_json(request.to_json()) == request
+            stored = json.loads(json.dumps(request.model_dump(mode="json")))
+            assert VariantRequest.stored("variants/x/request.json", stored) == request
 
 
 def test_strengths_are_stored_sorted_without_their_ones() -> None:
-    stored = request_of(CASES["strengths"]).to_json()
+    stored = request_of(CASES["strengths"]).model_dump(mode="json")
     assert list(stored["module_strengths"].items()) == [("q_proj", 2.0), ("v_proj", 0.5)]
-    assert request_of(CASES["strengths_all_one"]).to_json()["module_strengths"] is None
+    assert request_of(CASES["strengths_all_one"]).model_dump(mode="json")["module_strengths"] is None
 
 
-# A request as the first versions stored it: no lora_rank, lora_target, module_strengths or universe_id.
+# A request as the first versions stored it: no format_version, lora_rank, lora_target,
+# module_strengths or universe_id (tests/variants/test_migrate.py migrates one).
 OLDEST = {
     "variant_id": "0123456789abcdef0123456789abcdef",
     "model_id": "demo/tiny",
@@ -153,27 +169,9 @@ OLDEST = {
 }
 
 
-def test_a_request_stored_before_the_later_options_reads_with_their_defaults() -> None:
-    request = VariantRequest.from_json(OLDEST)
-    spec = request.spec
-    assert (spec.lora_rank, spec.lora_target, spec.module_strengths, spec.strengths) == (None, None, (), None)
-    assert spec.adapter_target == "peft"  # an adapter stored before the option is a peft one
-    assert request.universe_id is None  # the job then does the algebra on the statistics
-    assert (spec.scaling, spec.format, spec.modules, request.rcond) == ("weight_norm", "peft", ("q_proj",), 0.001)
-    stored = request.to_json()
-    assert {k: stored[k] for k in OLDEST} == OLDEST
-    assert {k: v for k, v in stored.items() if k not in OLDEST} == {
-        "lora_rank": None,
-        "lora_target": None,
-        "module_strengths": None,
-        "universe_id": None,
-    }
-
-
-def test_a_stored_request_without_a_format_is_a_checkpoint() -> None:
-    # evaluation loaded such a variant as a checkpoint; the spec says so for every reader
-    spec = VariantRequest.from_json({k: v for k, v in OLDEST.items() if k != "format"}).spec
-    assert spec.format == "checkpoint"
+def test_a_request_stored_before_the_format_version_is_refused_naming_the_migration() -> None:
+    with pytest.raises(UnmigratedRecord, match="variant request variants/x/request.json .*engram-service migrate"):
+        VariantRequest.stored("variants/x/request.json", OLDEST)
 
 
 def test_lora_target_belongs_to_peft_variants_only() -> None:

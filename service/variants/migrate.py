@@ -1,0 +1,147 @@
+"""``engram-service migrate``: every stored record rewritten once in the current format.
+
+Readers accept only the current ``format_version`` (:mod:`service.models.stored`); data written by
+0.1.0 is brought to it here, once, instead of through branches in every reader. Idempotent: a
+record already current is left alone, so a second run changes nothing. What cannot be migrated
+is refused by name (and left as it was), with what to do instead.
+
+What changes:
+
+- model registrations: the version only;
+- variant requests: the options added since 0.1.0 get the value variants made before them had
+  (no ``format``: ``checkpoint``; no ``lora_rank``, ``lora_target``, ``module_strengths``: none),
+  and a request made before universes were stored gets its universe: the one of its statistics
+  and cut, recorded (not built: a variant whose files are stored never needs it; one rebuilt
+  builds it first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.concepts.service import list_concepts
+from service.context import Context
+from service.models.migrate import Migration, migrate_models, registration_of_any_version
+from service.models.stored import FORMAT_VERSION
+from service.statistics.key import StatsKey
+from service.storage.keys import VARIANTS
+from service.universes.records import find_request
+from service.universes.service import record_universe
+from service.universes.spec import Member, UniverseSpec
+from service.variants.spec import VariantRequest
+
+# What variants stored before each option had (the options' defaults when they were added).
+_OPTION_DEFAULTS: dict[str, Any] = {
+    "alpha": None,
+    "reference": [],
+    "scaling": "uniform",
+    "modules": None,
+    "layers": None,
+    "format": "checkpoint",
+    "rcond": None,
+    "lora_rank": None,
+    "lora_target": None,
+    "module_strengths": None,
+    "universe_stats": [],
+    "job_id": None,
+}
+
+
+class Unmigratable(Exception):
+    """Why one record cannot be migrated, in words."""
+
+
+def migrate_store(ctx: Context, *, dry_run: bool = False) -> Migration:
+    """Migrate every record of ``ctx.storage``, lowest floor first (a variant's universe needs its
+    model's registration in the current format). Run it with the service stopped."""
+    done = migrate_models(ctx, dry_run=dry_run)
+    done.extend(migrate_variants(ctx, dry_run=dry_run))
+    return done
+
+
+def migrate_variants(ctx: Context, *, dry_run: bool = False) -> Migration:
+    done = Migration()
+    for key in ctx.storage.list(VARIANTS):
+        if not key.endswith("/request.json"):
+            continue
+        data = ctx.storage.get_json(key)
+        if data.get("format_version") == FORMAT_VERSION:
+            continue
+        try:
+            request, what = _migrated_request(ctx, data, dry_run)
+        except Unmigratable as exc:
+            done.refused.append((key, str(exc)))
+            continue
+        if not dry_run:
+            ctx.storage.put_json(key, request.model_dump(mode="json"))
+        done.changed.append((key, what))
+    return done
+
+
+def _migrated_request(ctx: Context, data: Mapping[str, Any], dry_run: bool) -> tuple[VariantRequest, str]:
+    filled = {**_OPTION_DEFAULTS, **{k: v for k, v in data.items() if v is not None or k not in _OPTION_DEFAULTS}}
+    filled["module_strengths"] = filled["module_strengths"] or None  # {} was read as "all 1", stored as None
+    what = [f"format_version {data.get('format_version')!r} -> {FORMAT_VERSION}"]
+    added = sorted(k for k in _OPTION_DEFAULTS if k not in data)
+    if added:
+        what.append(f"added {', '.join(added)} as variants before them had")
+    if data.get("universe_id") is None:
+        spec = _universe_of(ctx, filled)
+        if not dry_run:
+            with ctx.lock:
+                record_universe(ctx, spec, None)
+        filled["universe_id"] = spec.universe_id
+        what.append(f"universe {spec.universe_id} (of its statistics and cut) recorded")
+    try:
+        request = VariantRequest.model_validate({**filled, "format_version": FORMAT_VERSION})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise Unmigratable(f"not a variant request ({'.'.join(map(str, error['loc']))}: {error['msg']})") from None
+    return request, "; ".join(what)
+
+
+def _universe_of(ctx: Context, data: Mapping[str, Any]) -> UniverseSpec:
+    """The universe a request made before universes names by its statistics and cut.
+
+    Raises:
+        Unmigratable: its model is not registered, or was registered again with other weights, or
+            a statistics prefix belongs to no concept on it (its name is the universe's label).
+    """
+    model_id = data.get("model_id")
+    prefixes = sorted(set(data.get("universe_stats") or ()))
+    if not model_id or not prefixes:
+        raise Unmigratable("a request without a model or universe statistics: delete the variant")
+    model = registration_of_any_version(ctx, model_id)
+    if model is None:
+        raise Unmigratable(f"its model {model_id} is not registered (or not readable): register it again, then migrate")
+    foreign = [p for p in prefixes if StatsKey.parse(p).model_digest != model.digest]
+    if foreign:
+        raise Unmigratable(
+            f"model {model_id} was registered again with other weights since (statistics {foreign[0]}): delete the variant"
+        )
+    names = _concept_names(ctx, model_id, data)
+    nameless = [p for p in prefixes if p not in names]
+    if nameless:
+        raise Unmigratable(f"statistics {', '.join(nameless)} belong to no concept on model {model_id}: delete the variant")
+    members = tuple(
+        sorted((Member(n, p, StatsKey.parse(p).dataset_digest) for p in prefixes for n in names[p]), key=lambda m: m.name)
+    )
+    spec = UniverseSpec(model_id, model.digest, members, data.get("rcond"))
+    existing = find_request(ctx, spec.universe_id)
+    return spec if existing is None else UniverseSpec.from_json(existing)
+
+
+def _concept_names(ctx: Context, model_id: str, data: Mapping[str, Any]) -> dict[str, list[str]]:
+    """prefix -> the names it has: the request's terms, else the concepts collected with it."""
+    names: dict[str, list[str]] = {}
+    for name, prefix in (data.get("term_stats") or {}).items():
+        names.setdefault(prefix, []).append(name)
+    for concept in list_concepts(ctx):
+        entry = concept["models"].get(model_id) or {}
+        prefix = entry.get("stats")
+        if prefix and concept["name"] not in names.get(prefix, []) and (prefix not in names):
+            names.setdefault(prefix, []).append(concept["name"])
+    return {p: sorted(set(n)) for p, n in names.items()}
