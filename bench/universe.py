@@ -89,17 +89,17 @@ def service_context(root: Path) -> Any:
     return ctx
 
 
-def run_pending(ctx: Any) -> list[dict[str, Any]]:
+def run_pending(ctx: Any) -> list[Any]:
     """Run every job the service dispatched, with the workers' own ``run_job``."""
     from service.execution.runner import run_job
 
     finished = []
     while ctx.pending:
         job = ctx.pending.pop(0)
-        run_job(ctx, job["job_id"])
-        finished.append(ctx.jobs.get(job["job_id"]))
-        if finished[-1]["status"] != "succeeded":
-            raise RuntimeError(f"{job['kind']} job failed: {finished[-1]['error']}")
+        run_job(ctx, job.job_id)
+        finished.append(ctx.jobs.get(job.job_id))
+        if finished[-1].status != "succeeded":
+            raise RuntimeError(f"{job.kind} job failed: {finished[-1].error}")
     return finished
 
 
@@ -270,7 +270,7 @@ def measure_variants(root: Path, setup_info: dict[str, Any], reps: int) -> dict[
     job_s = math.nan  # a root measured before already holds the variant: no job to run
     if requests[1]["job"] is not None:
         started = time.perf_counter()
-        run_variant(ctx, ctx.jobs.get(requests[1]["job"]["job_id"]))  # the whole job: files uploaded, hashed, manifest
+        run_variant(ctx, ctx.jobs.get(requests[1]["job"].job_id))  # the whole job: files uploaded, hashed, manifest
         job_s = time.perf_counter() - started
     floor_s = median(times["copy_floor"])
     return {

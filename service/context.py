@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from service.config import Settings
+from service.jobs.records import JobRecord
 from service.jobs.store import JobStore
 from service.storage.base import Storage
 from service.storage.lru import ByteLRU
 from service.storage.read_cache import ReadCache
 
-Dispatch = Callable[[dict[str, Any]], None]  # hands a created job to whatever runs it
+Dispatch = Callable[[JobRecord], None]  # hands a created job to whatever runs it
 UniverseHelpers = Callable[[str, str, int], None]  # (universe_id, job_id, count)
 
 V = TypeVar("V")
@@ -111,7 +112,6 @@ class Context:
         reads: what status views read: recent documents, not a round trip each.
         caches: this process's caches (:class:`ProcessCaches`), built from the settings when not
             given; a context copied with ``dataclasses.replace`` shares its original's.
-
     """
 
     settings: Settings
@@ -124,7 +124,6 @@ class Context:
     universe_helpers: UniverseHelpers | None = None
     live_workers: Callable[[], dict[str, int]] | None = None
     caches: ProcessCaches = None  # type: ignore[assignment]  # built in __post_init__ when not given
-
     reads: ReadCache = field(init=False)
 
     def __post_init__(self) -> None:

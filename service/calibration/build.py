@@ -42,6 +42,7 @@ from service.context import Context
 from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
+from service.jobs.records import CalibratePayload, JobRecord
 from service.jobs.store import FINISHED
 from service.jobs.templates import template_process
 from service.models.loaded import check_model_unchanged, checked_model_files
@@ -54,21 +55,21 @@ RunJob = Callable[[Context, str], None]
 _WAIT_POLL_S = 0.5
 
 
-def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[str, Any]:
+def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, Any]:
     """Answer a stored calibration request (see the module docstring).
 
     Args:
         run_job: the job runner (:func:`service.tasks.run_job`), which runs the recommended
             variant's build job inline.
     """
-    calibration_id = job["payload"]["calibration_id"]
+    calibration_id = job.payload_of(CalibratePayload).calibration_id
     prefix = calibration_prefix(calibration_id)
     cached = ctx.storage.find_json(prefix + "result.json")
     if cached is not None:
         return {**cached, "reused": True}
     request = CalibrationRequest.from_json(ctx.storage.get_json(prefix + "request.json"))
     started = time.monotonic()
-    progress = JobProgress(ctx, job["job_id"], request.search.budget)
+    progress = JobProgress(ctx, job.job_id, request.search.budget)
     universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
     model = get_model(ctx, request.model_id)
     # Layers no member's forward pass ran have zero engrams: no candidate edits them.
@@ -78,7 +79,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()
     # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
-    with template_process(ctx, job["job_id"]) as renderer:
+    with template_process(ctx, job.job_id) as renderer:
         candidates = InMemoryCandidates(
             ctx,
             checked_model_files(ctx, model),
@@ -106,7 +107,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     result = assemble(request, candidates.base, found, measured)
     best = recommend(found.candidates)
     if best is not None:
-        result["recommended"].update(_build_recommended(ctx, job["job_id"], request, best, run_job))
+        result["recommended"].update(_build_recommended(ctx, job.job_id, request, best, run_job))
     result["seconds"] = {
         "total": round(time.monotonic() - started, 3),
         "model_load": round(load_s, 3),
@@ -116,7 +117,7 @@ def run_calibration(ctx: Context, job: dict[str, Any], run_job: RunJob) -> dict[
     check_model_unchanged(ctx, model)  # its mapped weights were not rewritten while they were scored
     ctx.storage.put_bytes(prefix + "front.png", render_front_png(result))
     ctx.storage.put_json(prefix + "result.json", result)  # last: the calibration is answered
-    ctx.jobs.set_progress(job["job_id"], len(found.candidates), len(found.candidates))
+    ctx.jobs.set_progress(job.job_id, len(found.candidates), len(found.candidates))
     return {**result, "reused": False}
 
 
@@ -259,29 +260,29 @@ def _build_recommended(
         lora_target=variant.lora_target,
     )
 
-    def run_here(created: dict[str, Any]) -> None:  # the variant's job, in this job's process
-        run_job(inline, created["job_id"])
+    def run_here(created: JobRecord) -> None:  # the variant's job, in this job's process
+        run_job(inline, created.job_id)
 
     inline = dataclasses.replace(ctx, dispatch=run_here)
     terms = coefficients_for_unlearn(request.concepts, alpha)
     view, variant_job = submit_variant(inline, request.model_id, terms, alpha, edit)
-    if variant_job is not None and variant_job["status"] not in FINISHED:
-        variant_job = _wait(ctx, job_id, variant_job["job_id"])  # built by another request's job
+    if variant_job is not None and variant_job.status not in FINISHED:
+        variant_job = _wait(ctx, job_id, variant_job.job_id)  # built by another request's job
     view = variant_view(ctx, view["variant_id"])
     if view["status"] != "ready":
         job = ctx.jobs.get(view["job_id"]) if view.get("job_id") else None
-        why = (job or {}).get("error") or {}
+        why = (job.error if job is not None else None) or {}
         raise JobFailed(f"the recommended variant {view['variant_id']} did not build: {why.get('detail', view['status'])}")
     return {"variant_id": view["variant_id"], "variant_job_id": view.get("job_id"), "format": variant.format}
 
 
-def _wait(ctx: Context, job_id: str, other: str) -> dict[str, Any] | None:
+def _wait(ctx: Context, job_id: str, other: str) -> JobRecord | None:
     """Wait for another job to end, stopping when this one is cancelled."""
     while True:
         found = ctx.jobs.get(other)
-        if found is None or found["status"] in FINISHED:
+        if found is None or found.status in FINISHED:
             return found
         mine = ctx.jobs.get(job_id)
-        if mine is not None and mine["cancel_requested"]:
+        if mine is not None and mine.cancel_requested:
             raise JobCancelled()
         time.sleep(_WAIT_POLL_S)

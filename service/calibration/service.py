@@ -31,6 +31,7 @@ from service.engine.lora_rules import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
+from service.jobs.records import CalibratePayload, JobRecord
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.record import ModelRecord
@@ -55,7 +56,7 @@ def valid_calibration_id(calibration_id: str) -> bool:
     return len(calibration_id) == 32 and all(c in "0123456789abcdef" for c in calibration_id)
 
 
-def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -> tuple[str, dict[str, Any], bool]:
+def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -> tuple[str, JobRecord, bool]:
     """Check a calibration request and start its job, or find the one that answers it.
 
     Args:
@@ -98,17 +99,17 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
         if resolved.becomes_current is not None:  # the first request without a universe fixes it
             set_current(ctx, resolved.becomes_current)
         if existing is not None:
-            return calibration_id, attach_callbacks(ctx, existing, urls), existing["status"] in FINISHED
+            return calibration_id, attach_callbacks(ctx, existing, urls), existing.status in FINISHED
         projected = make_room(ctx, resolved.spec)  # a 409 here changes nothing
         ctx.storage.put_bytes(f"probes/{digest}.json", probes)  # before the job: it reads them
-        payload = {"calibration_id": calibration_id, "model_id": model_id}
+        payload = CalibratePayload(calibration_id=calibration_id, model_id=model_id)
         job = ctx.jobs.create(new_job("calibrate", payload, unit="candidates", callback_urls=urls))
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
-        record_universe(ctx, resolved.spec, None if built else job["job_id"])  # this job builds it if need be
+        record_universe(ctx, resolved.spec, None if built else job.job_id)  # this job builds it if need be
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(calibration_prefix(calibration_id) + "request.json", request.with_job(job["job_id"]).to_json())
+        ctx.storage.put_json(calibration_prefix(calibration_id) + "request.json", request.with_job(job.job_id).to_json())
     ctx.dispatch(job)
-    return calibration_id, ctx.jobs.get(job["job_id"]) or job, False
+    return calibration_id, ctx.jobs.get(job.job_id) or job, False
 
 
 def request_space(layout: ModelLayout, options: CalibrateRequest) -> EditSpace:
@@ -162,13 +163,13 @@ def _check_cover(ctx: Context, layout: ModelLayout, resolved: EditUniverse, spac
         check_statistics_cover(ctx, layout, members, modules, layers)
 
 
-def _answering_job(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
+def _answering_job(ctx: Context, calibration_id: str) -> JobRecord | None:
     """The job that answers this calibration: running, or succeeded (its result stored); else None."""
     stored = find_request(ctx, calibration_id)
     job = ctx.jobs.get(stored.job_id) if stored and stored.job_id else None
-    if job is None or job["status"] in {"failed", "cancelled"}:
+    if job is None or job.status in {"failed", "cancelled"}:
         return None
-    if job["status"] == "succeeded" and not ctx.storage.exists(calibration_prefix(calibration_id) + "result.json"):
+    if job.status == "succeeded" and not ctx.storage.exists(calibration_prefix(calibration_id) + "result.json"):
         return None
     return job
 
@@ -190,7 +191,7 @@ def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
         raise NotFound(f"calibration {calibration_id} does not exist")
     job = ctx.jobs.get(request.job_id) if request.job_id else None
     result = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
-    status = "succeeded" if result is not None else (job["status"] if job else "failed")
+    status = "succeeded" if result is not None else (job.status if job else "failed")
     return {
         "calibration_id": calibration_id,
         "model_id": request.model_id,

@@ -41,6 +41,7 @@ from service.engine.stats_io import save_statistics
 from service.engine.template_render import TemplateProcess
 from service.errors import InvalidInput, JobFailed
 from service.jobs.progress import JobCancelled, JobProgress
+from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import utc_now
 from service.jobs.templates import template_limits
 from service.models.loaded import MODELS, check_model_unchanged
@@ -55,25 +56,27 @@ from service.storage.keys import concept_key, dataset_key
 log = logging.getLogger("engram.collection")
 
 
-def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """Collect one concept's statistics on one model (skipped when they already exist).
 
     A concept posted with a dataset reference has no dataset yet: the job resolves it first
     (:func:`_resolve_dataset`), then goes on as for any other dataset.
     """
-    payload = job["payload"]
-    if payload.get("dataset_digest") is None:
-        payload = _resolve_dataset(ctx, job)
-    spec = CollectionSpec.model_validate(payload["settings"])
-    prefix = spec.key(payload["model_digest"], payload["dataset_digest"]).prefix
+    payload = job.payload_of(CollectPayload)
+    if payload.dataset_digest is None:
+        payload = _resolve_dataset(ctx, job.job_id, payload)
+    dataset_digest = payload.dataset_digest
+    assert dataset_digest is not None  # resolved above
+    spec = CollectionSpec.model_validate(payload.settings)
+    prefix = spec.key(payload.model_digest, dataset_digest).prefix
     published = stats_manifest(ctx, prefix)
     if published is not None:
         # Reused statistics: the job is done with every token it would have counted (not "0/0").
-        ctx.jobs.set_progress(job["job_id"], int(published["tokens"]), int(published["tokens"]))
+        ctx.jobs.set_progress(job.job_id, int(published["tokens"]), int(published["tokens"]))
         return {"tokens": published["tokens"], "stats": prefix, "reused": True, **published.get("truncation", {})}
-    manifest = get_model(ctx, payload["model_id"])
-    if manifest.digest != payload["model_digest"]:
-        raise JobFailed(f"model {payload['model_id']} was re-registered with other weights")
+    manifest = get_model(ctx, payload.model_id)
+    if manifest.digest != payload.model_digest:
+        raise JobFailed(f"model {payload.model_id} was re-registered with other weights")
     MODELS.capacity = ctx.settings.model_cache_size
     # The model may run in bfloat16 (ENGRAM_COLLECT_DTYPE); the covariances still accumulate in
     # float32 products and float64 sums (see service.engine.collect).
@@ -86,14 +89,14 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
     except ModelTooLarge as exc:
         raise JobFailed(str(exc)) from None
     max_length, template = spec.max_length, spec.template
-    cancelled = cancel_check(ctx, job["job_id"])
+    cancelled = cancel_check(ctx, job.job_id)
     # Every text is cut to this many characters before it is tokenized: a record of any size costs
     # bounded memory, and one within the budget is tokenized exactly as before (record_budget.py).
     budget = char_budget(tokenizer, max_length)
     with scratch_dir("collect") as tmp, TemplateProcess(template_limits(ctx.settings), cancelled) as renderer:
         # The stored dataset is read from a local file one line at a time, twice: once to count the
         # tokens that enter the statistics, once in chunks to collect them (no whole dataset in memory).
-        path = _local_dataset(ctx, payload["dataset_digest"], Path(tmp))
+        path = _local_dataset(ctx, dataset_digest, Path(tmp))
         first_row = _first_row(ctx, payload)
 
         def examples() -> Iterator[Example]:
@@ -104,14 +107,14 @@ def run_collection(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
                         tokenizer, record, max_length, template, index=where, budget=budget, renderer=renderer
                     )
                 except RecordError as exc:
-                    raise JobFailed(_chat_problem(str(exc), payload["model_id"])) from None
+                    raise JobFailed(_chat_problem(str(exc), payload.model_id)) from None
 
         survey = Survey.of(examples(), max_length, cancelled)
         if survey.tokens == 0:
             raise JobFailed(survey.nothing_counted())
         if survey.truncated:
-            log.warning("collection of %s: %s", payload["concept"], survey.report())
-        progress = JobProgress(ctx, job["job_id"], survey.tokens)
+            log.warning("collection of %s: %s", payload.concept, survey.report())
+        progress = JobProgress(ctx, job.job_id, survey.tokens)
         layout = manifest.layout
         # A concept posted with modules collects only those layers' input groups.
         layers = select_layers(layout.layers, spec.module_list)
@@ -233,7 +236,7 @@ class CancelCheck:
             return False
         self._last = now
         job = self.ctx.jobs.get(self.job_id)
-        return bool(job and job["cancel_requested"])
+        return bool(job and job.cancel_requested)
 
 
 def cancel_check(ctx: Context, job_id: str) -> CancelCheck:
@@ -251,13 +254,13 @@ def _local_dataset(ctx: Context, digest: str, directory: Path) -> Path:
     return target
 
 
-def _first_row(ctx: Context, payload: dict[str, Any]) -> int | None:
+def _first_row(ctx: Context, payload: CollectPayload) -> int | None:
     """The source row of a dataset reference's first record (``rows.start``), so that a message names
     record ``i`` as the row the user finds in their file (``None``: records posted inline or
     uploaded, named ``record i``)."""
-    reference = payload.get("dataset")
+    reference = payload.dataset
     if reference is None:
-        concept = find_concept(ctx, payload["concept"])
+        concept = find_concept(ctx, payload.concept)
         reference = concept.get("dataset") if concept is not None else None
     if reference is None:
         return None
@@ -274,7 +277,7 @@ def _chat_problem(message: str, model_id: str) -> str:
     return message
 
 
-def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> CollectPayload:
     """Resolve the concept's dataset reference: stream it into ``datasets/<digest>.jsonl`` (unless
     another model's job did already) and record the digest on the concept; the payload with it.
 
@@ -285,38 +288,39 @@ def _resolve_dataset(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
         ProblemError: a bad reference or a limit (the job fails with it; the concept shows it).
         JobFailed: the concept was deleted, or its dataset changed while it was being resolved.
     """
-    payload = job["payload"]
-    name, model_id = payload["concept"], payload["model_id"]
-    concept = _own_concept(ctx, name, model_id, job["job_id"])
+    name, model_id, reference = payload.concept, payload.model_id, payload.dataset
+    if reference is None:
+        raise JobFailed(f"the collection of concept {name} on model {model_id} has neither a dataset nor a reference")
+    concept = _own_concept(ctx, name, model_id, job_id)
     digest, num_records = concept["dataset_digest"], concept["num_records"]
     if digest is None:
-        cancelled = cancel_check(ctx, job["job_id"])
+        cancelled = cancel_check(ctx, job_id)
 
         def check() -> None:
             if cancelled():
                 raise JobCancelled()
 
         with scratch_dir("dataset") as tmp:
-            spooled = resolve_reference(payload["dataset"], ctx.settings, Path(tmp), check)
-            if CollectionSpec.model_validate(payload["settings"]).template == "chat" and "text" in spooled.kinds:
-                raise InvalidInput(f'{payload["dataset"]["uri"]} holds text records, which template "chat" cannot render')
+            spooled = resolve_reference(reference, ctx.settings, Path(tmp), check)
+            if CollectionSpec.model_validate(payload.settings).template == "chat" and "text" in spooled.kinds:
+                raise InvalidInput(f'{reference["uri"]} holds text records, which template "chat" cannot render')
             key = dataset_key(spooled.digest)
             if not ctx.storage.exists(key):
                 ctx.storage.put_file(key, spooled.path)
         digest, num_records = spooled.digest, spooled.num_records
-        log.info("dataset %s resolved: %s records, digest %s", payload["dataset"]["uri"], spooled.num_records, digest)
-    payload = {**payload, "dataset_digest": digest}
+        log.info("dataset %s resolved: %s records, digest %s", reference["uri"], spooled.num_records, digest)
+    payload = payload.model_copy(update={"dataset_digest": digest})
     with ctx.lock:
-        concept = _own_concept(ctx, name, model_id, job["job_id"])
+        concept = _own_concept(ctx, name, model_id, job_id)
         if concept["dataset_digest"] is None:
             concept["dataset_digest"], concept["num_records"] = digest, num_records
         elif concept["dataset_digest"] != digest:
             raise JobFailed(
-                f"the dataset {payload['dataset']['uri']} changed while it was being resolved "
+                f"the dataset {reference['uri']} changed while it was being resolved "
                 f"(digest {concept['dataset_digest']}, then {digest}); post the concept again under another name"
             )
         concept["models"][model_id]["stats"] = (
-            CollectionSpec.model_validate(payload["settings"]).key(payload["model_digest"], digest).prefix
+            CollectionSpec.model_validate(payload.settings).key(payload.model_digest, digest).prefix
         )
         ctx.storage.put_json(concept_key(name), concept)
         ctx.reads.forget(concept_key(name))
@@ -335,7 +339,7 @@ def _publish_statistics(
     ctx: Context,
     prefix: str,
     stats: LayerStatistics,
-    payload: dict[str, Any],
+    payload: CollectPayload,
     spec: CollectionSpec,
     seconds: float,
     report: dict[str, Any],
@@ -343,7 +347,8 @@ def _publish_statistics(
 ) -> None:
     with scratch_dir("stats") as tmp:
         file = Path(tmp) / STATISTICS_FILE
-        extra = {"model_digest": payload["model_digest"], "dataset_digest": payload["dataset_digest"]}
+        assert payload.dataset_digest is not None  # resolved before anything is collected
+        extra = {"model_digest": payload.model_digest, "dataset_digest": payload.dataset_digest}
         dtype = getattr(torch, spec.sums_dtype)
         save_statistics(stats, file, extra, dtype=dtype)
         if cancelled(force=True):  # the last point where stopping leaves nothing behind
@@ -351,7 +356,7 @@ def _publish_statistics(
         publish_statistics(ctx, prefix, file, lambda: _manifest(stats, payload, seconds, report))
 
 
-def _manifest(stats: LayerStatistics, payload: dict[str, Any], seconds: float, report: dict[str, Any]) -> dict[str, Any]:
+def _manifest(stats: LayerStatistics, payload: CollectPayload, seconds: float, report: dict[str, Any]) -> dict[str, Any]:
     """The published statistics' manifest (their format: :mod:`service.statistics.manifest`)."""
     return {
         "tokens": stats.tokens,
@@ -359,9 +364,9 @@ def _manifest(stats: LayerStatistics, payload: dict[str, Any], seconds: float, r
         "layers": len(stats.layer_group),
         # Hooked layers without statistics (an edit that needs one is refused by name).
         "lacking": stats.lacking,
-        "model_digest": payload["model_digest"],
-        "dataset_digest": payload["dataset_digest"],
-        "settings": payload["settings"],
+        "model_digest": payload.model_digest,
+        "dataset_digest": payload.dataset_digest,
+        "settings": payload.settings,
         "collection_seconds": round(seconds, 3),
         "truncation": report,  # what max_length did: a reuse of these statistics reports it too
         "created_at": utc_now(),

@@ -21,6 +21,7 @@ from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
+from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
@@ -68,7 +69,7 @@ def submit_concept(
     modules: Sequence[str] | None = None,
     reference: dict[str, Any] | None = None,
     template: str | None | Any = KEEP,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[JobRecord]]:
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
     Args:
@@ -152,9 +153,9 @@ def submit_concept(
     # Enqueue only after the records and the concept are saved: the task reads them.
     for job in new_jobs:
         ctx.dispatch(job)
-    created = {job["job_id"] for job in new_jobs}
+    created = {job.job_id for job in new_jobs}
     found = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
-    jobs = [attach_callbacks(ctx, j, urls) if j["job_id"] not in created else j for j in found if j is not None]
+    jobs = [attach_callbacks(ctx, j, urls) if j.job_id not in created else j for j in found if j is not None]
     return concept_view(ctx, concept), jobs
 
 
@@ -191,22 +192,22 @@ def _plan_collections(
     manifests: dict[str, Any],
     callback_urls: list[str],
     modules: list[str] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[JobRecord]:
     created = []
     for model_id in _models_to_collect(ctx, concept, manifests, modules):
         manifest = manifests[model_id]
-        payload = {
-            "model_id": model_id,
-            "model_digest": manifest.digest,
-            "dataset_digest": concept["dataset_digest"],
-            "settings": CollectionSpec.of(ctx.settings, modules, concept.get("template"), manifest.layout).dump(),
-            "concept": concept["name"],
-        }
-        if concept["dataset_digest"] is None:  # a reference the job resolves first
-            payload["dataset"] = concept["dataset"]
+        payload = CollectPayload(
+            model_id=model_id,
+            model_digest=manifest.digest,
+            dataset_digest=concept["dataset_digest"],
+            settings=CollectionSpec.of(ctx.settings, modules, concept.get("template"), manifest.layout).dump(),
+            concept=concept["name"],
+            # a reference the job resolves first
+            dataset=concept["dataset"] if concept["dataset_digest"] is None else None,
+        )
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
-        stats = _stats_prefix_for(payload) if concept["dataset_digest"] is not None else None
-        concept["models"][model_id] = {"job_id": job["job_id"], "stats": stats}
+        stats = _stats_prefix_for(payload)
+        concept["models"][model_id] = {"job_id": job.job_id, "stats": stats}
         if modules is not None:
             concept["models"][model_id]["modules"] = modules
         created.append(job)
@@ -229,7 +230,7 @@ def _models_to_collect(
         entry = concept["models"].get(model_id)
         if entry is not None:
             job = ctx.jobs.get(entry["job_id"])
-            if job is not None and job["status"] not in {"failed", "cancelled"}:
+            if job is not None and job.status not in {"failed", "cancelled"}:
                 if modules is not None and entry.get("modules") != modules:
                     held = entry.get("modules")
                     raise Conflict(
@@ -242,8 +243,11 @@ def _models_to_collect(
     return needed
 
 
-def _stats_prefix_for(payload: dict[str, Any]) -> str:
-    return CollectionSpec.model_validate(payload["settings"]).key(payload["model_digest"], payload["dataset_digest"]).prefix
+def _stats_prefix_for(payload: CollectPayload) -> str | None:
+    """Where the collection's statistics go; None while its dataset is a reference not resolved yet."""
+    if payload.dataset_digest is None:
+        return None
+    return CollectionSpec.model_validate(payload.settings).key(payload.model_digest, payload.dataset_digest).prefix
 
 
 def find_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any] | None:
@@ -283,8 +287,8 @@ def delete_concept(ctx: Context, name: str) -> None:
 def _cancel_collections(ctx: Context, concept: dict[str, Any]) -> None:
     for entry in concept["models"].values():
         job = ctx.jobs.get(entry["job_id"])
-        if job is not None and job["status"] not in FINISHED:
-            ctx.jobs.update(job["job_id"], cancel_requested=True)
+        if job is not None and job.status not in FINISHED:
+            ctx.jobs.update(job.job_id, cancel_requested=True)
 
 
 def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +300,7 @@ def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
     published = stats_manifest(ctx, entry["stats"]) if entry.get("stats") else None
     if published is not None:
         return ready_state(published, entry["job_id"])
-    status = {"running": "collecting", "queued": "pending"}.get(job["status"], "failed") if job else "failed"
+    status = {"running": "collecting", "queued": "pending"}.get(job.status, "failed") if job else "failed"
     return {"status": status, "tokens": None, "job_id": entry["job_id"]}
 
 
@@ -311,7 +315,7 @@ def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:
     error = None
     if concept.get("dataset") is not None and concept["dataset_digest"] is None:
         failed = [ctx.jobs.get(e["job_id"]) for e in concept["models"].values()]
-        error = next((j["error"]["detail"] for j in failed if j and j.get("error")), None)
+        error = next((j.error["detail"] for j in failed if j and j.error), None)
     return concept_fields(concept, states, error)
 
 

@@ -40,6 +40,7 @@ from service.engine.stats_io import StatisticsFile
 from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
 from service.jobs.progress import JobProgress, NoProgress, Progress
+from service.jobs.records import JobRecord, MapPayload
 from service.maps.service import MapRequest, find_map, map_request
 from service.models.loaded import checked_model_files
 from service.models.record import ModelRecord
@@ -69,14 +70,14 @@ def engram_map(
     return find_map(ctx, request) or compute_map(ctx, request, lambda _: NoProgress())
 
 
-def run_map(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_map(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """The ``map`` job body: compute the map its request names and store it (once: a map already
     stored is not computed again)."""
-    map_id = job["payload"]["map_id"]
+    map_id = job.payload_of(MapPayload).map_id
     request = MapRequest.from_json(ctx.storage.get_json(map_request_key(map_id)))
     reused = find_map(ctx, request) is not None
     if not reused:
-        compute_map(ctx, request, lambda total: JobProgress(ctx, job["job_id"], total))
+        compute_map(ctx, request, lambda total: JobProgress(ctx, job.job_id, total))
     return {"map_id": map_id, "model_id": request.model_id, "concepts": list(request.concepts), "reused": reused}
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from service.context import Context
 from service.errors import Forbidden, InvalidInput
 from service.jobs.admission import admit
+from service.jobs.records import JobRecord, MapPayload
 from service.jobs.store import new_job
 from service.models.registry import get_model
 from service.storage.keys import canonical_digest, map_key, map_request_key
@@ -135,7 +136,7 @@ class MapAnswer:
 
     request: MapRequest
     data: dict[str, Any] | None
-    job: dict[str, Any] | None
+    job: JobRecord | None
 
 
 def submit_map(
@@ -164,22 +165,22 @@ def submit_map(
     with ctx.lock:
         stored = ctx.storage.find_json(map_request_key(request.map_id))
         job = ctx.jobs.get(stored["job_id"]) if stored and stored.get("job_id") else None
-        if job is not None and job["status"] in {"queued", "running"}:
+        if job is not None and job.status in {"queued", "running"}:
             return MapAnswer(request, None, job)
-        if job is not None and job["status"] == "succeeded":  # finished since find_map looked
+        if job is not None and job.status == "succeeded":  # finished since find_map looked
             data = find_map(ctx, request)
             if data is not None:
                 return MapAnswer(request, data, None)
         if not may_start:
             raise MapNotComputed(request)
         admit(ctx)
-        payload = {"map_id": request.map_id, "model_id": model_id}
+        payload = MapPayload(map_id=request.map_id, model_id=model_id)
         job = ctx.jobs.create(new_job("map", payload, unit="layers"))
-        ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job["job_id"]})
+        ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job.job_id})
     ctx.dispatch(job)
-    return MapAnswer(request, None, ctx.jobs.get(job["job_id"]) or job)
+    return MapAnswer(request, None, ctx.jobs.get(job.job_id) or job)
 
 
-def job_map(ctx: Context, request: MapRequest, job: Mapping[str, Any]) -> dict[str, Any] | None:
+def job_map(ctx: Context, request: MapRequest, job: JobRecord) -> dict[str, Any] | None:
     """The map once ``job`` succeeded (None while it runs, or when it failed)."""
-    return find_map(ctx, request) if job["status"] == "succeeded" else None
+    return find_map(ctx, request) if job.status == "succeeded" else None

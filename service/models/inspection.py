@@ -17,6 +17,7 @@ from service.engine.layout import ModelLayout
 from service.engine.model_checks import validate_model_dir
 from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
 from service.errors import Conflict, InvalidInput
+from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import utc_now
 from service.models.loaded import write_copy_record
 from service.models.record import ModelRecord
@@ -25,13 +26,13 @@ from service.models.sources import is_remote, local_model_dir
 from service.storage.keys import model_key
 
 
-def run_registration(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_registration(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """The ``register`` job body: download and inspect the checkpoint, then write the registration
     (the manifest last: a failed download registers nothing)."""
-    payload = job["payload"]
-    ctx.jobs.set_progress(job["job_id"], 0, 1)
-    manifest, created = register_model(ctx, payload["model_id"], payload["source"])
-    ctx.jobs.set_progress(job["job_id"], 1, 1)
+    payload = job.payload_of(RegisterPayload)
+    ctx.jobs.set_progress(job.job_id, 0, 1)
+    manifest, created = register_model(ctx, payload.model_id, payload.source)
+    ctx.jobs.set_progress(job.job_id, 1, 1)
     return {"model_id": manifest.model_id, "digest": manifest.digest, "created": created}
 
 

@@ -13,7 +13,6 @@ posted while its job runs follows that job.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
 
 from service.context import Context
@@ -21,6 +20,7 @@ from service.engine.model_checks import validate_model_dir
 from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
 from service.jobs.admission import admit
+from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import new_job
 from service.models.record import ModelRecord
 from service.models.registry import files_changed, find_model
@@ -43,7 +43,7 @@ class Registration:
 
     manifest: ModelRecord | None
     created: bool
-    job: dict[str, Any] | None
+    job: JobRecord | None
 
 
 def request_registration(ctx: Context, model_id: str, source: str) -> Registration:
@@ -63,14 +63,15 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
             return Registration(existing, False, None)
         running = registering_job(ctx, model_id)
         if running is not None:
-            if running["payload"]["source"] != source:
-                raise Conflict(f"model {model_id} is being registered with source {running['payload']['source']}")
+            running_source = running.payload_of(RegisterPayload).source
+            if running_source != source:
+                raise Conflict(f"model {model_id} is being registered with source {running_source}")
             return Registration(None, False, running)  # another request's job: that one answers 201
         admit(ctx)
-        job = ctx.jobs.create(new_job("register", {"model_id": model_id, "source": source}, unit="steps"))
-        ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job["job_id"]})
+        job = ctx.jobs.create(new_job("register", RegisterPayload(model_id=model_id, source=source), unit="steps"))
+        ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job.job_id})
     ctx.dispatch(job)
-    return Registration(None, True, ctx.jobs.get(job["job_id"]) or job)
+    return Registration(None, True, ctx.jobs.get(job.job_id) or job)
 
 
 def check_source(ctx: Context, source: str) -> None:
@@ -106,11 +107,11 @@ def _refuse_the_store_bucket(ctx: Context, source: str) -> None:
         )
 
 
-def registering_job(ctx: Context, model_id: str) -> dict[str, Any] | None:
+def registering_job(ctx: Context, model_id: str) -> JobRecord | None:
     """The ``register`` job of ``model_id`` while it is queued or running, else None."""
     pending = ctx.storage.find_json(registration_key(model_id))
     job = ctx.jobs.get(pending["job_id"]) if pending and pending.get("job_id") else None
-    return job if job is not None and job["status"] in _ACTIVE else None
+    return job if job is not None and job.status in _ACTIVE else None
 
 
 def _registered(ctx: Context, model_id: str, source: str) -> ModelRecord | None:

@@ -32,6 +32,7 @@ from service.context import Context
 from service.errors import Conflict, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
+from service.jobs.records import JobRecord, UniversePayload
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
@@ -79,7 +80,7 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
     existing = find_request(ctx, uid)
     if existing is not None:
         job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
-        if job is not None and job["status"] not in FINISHED or job_id is None:
+        if job is not None and job.status not in FINISHED or job_id is None:
             return existing
         record = {**existing, "job_id": job_id}
     else:
@@ -111,12 +112,12 @@ def _needs_build(ctx: Context, universe_id: str) -> bool:
         return False
     record = find_request(ctx, universe_id)
     running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
-    return running is None or running["status"] in FINISHED
+    return running is None or running.status in FINISHED
 
 
 def submit_universe(
     ctx: Context, model_id: str, concepts: Sequence[str] | None, rcond: float | None, callback_url: str | None = None
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+) -> tuple[dict[str, Any], JobRecord | None]:
     """Build the universe of ``concepts`` (default: every concept ready on the model) and make it
     the model's current one.
 
@@ -150,17 +151,17 @@ def submit_universe(
         else:
             record = find_request(ctx, uid)
             running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
-            if running is not None and running["status"] not in FINISHED:
+            if running is not None and running.status not in FINISHED:
                 job = attach_callbacks(ctx, running, urls)  # already building: that job calls back too
                 retention.note_use(ctx, uid)
             else:
-                payload = {"universe_id": uid, "model_id": model_id}
+                payload = UniversePayload(universe_id=uid, model_id=model_id)
                 created = ctx.jobs.create(new_job("universe", payload, unit="steps", callback_urls=urls))
-                record_universe(ctx, spec, created["job_id"])
+                record_universe(ctx, spec, created.job_id)
                 retention.note_use(ctx, uid, projected=projected, rebuilding=True)
     if created is not None:  # enqueued only after the request it reads is saved
         ctx.dispatch(created)
-        job = ctx.jobs.get(created["job_id"])
+        job = ctx.jobs.get(created.job_id)
     return universe_view(ctx, uid), job
 
 
@@ -189,8 +190,8 @@ def delete_universe(ctx: Context, universe_id: str) -> int:
             raise NotFound(f"universe {universe_id} does not exist (GET /models/{{id}}/universes lists a model's)")
         jobs = set(retention.busy_jobs(ctx).get(universe_id, []))
         builder = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
-        if builder is not None and builder["status"] not in FINISHED:
-            jobs.add(builder["job_id"])  # a calibration builds the universe it needs too
+        if builder is not None and builder.status not in FINISHED:
+            jobs.add(builder.job_id)  # a calibration builds the universe it needs too
         if jobs:
             raise Conflict(
                 f"universe {universe_id} is being built or read by job(s) {', '.join(sorted(jobs))}: nothing was "
@@ -258,7 +259,7 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
             "bytes_detail": {"groups": parts["groups"], "engrams": parts["engrams"], "total": parts["total"]},
             "build_seconds": manifest["seconds"],
         }
-    building = job is not None and job["status"] not in FINISHED
+    building = job is not None and job.status not in FINISHED
     if not building and usage.get("evicted_at"):
         return {
             **view,

@@ -35,6 +35,7 @@ from service.engrams.store import (
 )
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
+from service.jobs.records import JobRecord, VariantPayload
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
@@ -45,17 +46,17 @@ from service.universes.retention import note_use
 from service.variants.spec import VariantRequest
 
 
-def run_variant(ctx: Context, job: dict[str, Any]) -> dict[str, Any]:
+def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
     """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition."""
-    variant_id = job["payload"]["variant_id"]
+    variant_id = job.payload_of(VariantPayload).variant_id
     key = variant_request_key(variant_id)
     request = VariantRequest.stored(key, ctx.storage.get_json(key))
     if ctx.storage.exists(variant_manifest_key(variant_id)):
         return {"variant_id": variant_id, "reused": True}
-    progress = JobProgress(ctx, job["job_id"], 0)
+    progress = JobProgress(ctx, job.job_id, 0)
     started = time.monotonic()
     with scratch_dir("variant") as tmp:
-        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job["job_id"])
+        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id)
         files = upload_variant(ctx, variant_id, Path(tmp))
     seconds = round(time.monotonic() - started, 3)
     published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}

@@ -22,6 +22,7 @@ from service.engine.lora_rules import rank_cap, vllm_bias_refusal, vllm_biased_l
 from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
+from service.jobs.records import JobRecord, VariantPayload
 from service.jobs.store import FINISHED, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.record import ModelRecord
@@ -43,7 +44,7 @@ def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str,
 
 def submit_variant(
     ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions | Mapping[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+) -> tuple[dict[str, Any], JobRecord | None]:
     """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
 
     Args:
@@ -80,8 +81,7 @@ def submit_variant(
         existing = find_variant_request(ctx, variant_id)
         job = ctx.jobs.get(existing.job_id) if existing is not None and existing.job_id else None
         answered = existing is not None and (
-            variant_manifest(ctx, variant_id) is not None
-            or (job is not None and job["status"] not in {"failed", "cancelled"})
+            variant_manifest(ctx, variant_id) is not None or (job is not None and job.status not in {"failed", "cancelled"})
         )
         if not answered:  # before anything is written; a variant built or building starts no job and is never refused
             admit(ctx)
@@ -94,17 +94,16 @@ def submit_variant(
             note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
             return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
-        payload = {"variant_id": variant_id, "model_id": model_id}
-        if not built:  # it builds its universe first: far more than a copy, a GPU worker's work
-            payload["queue"] = "gpu"
+        # Not built: it builds its universe first, far more than a copy, a GPU worker's work.
+        payload = VariantPayload(variant_id=variant_id, model_id=model_id, queue=None if built else "gpu")
         job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
         # The universe names the job that builds it: this one, on first need, unless built already.
-        record_universe(ctx, resolved.spec, None if built else job["job_id"])
+        record_universe(ctx, resolved.spec, None if built else job.job_id)
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(variant_request_key(variant_id), request.with_job(job["job_id"]).model_dump(mode="json"))
+        ctx.storage.put_json(variant_request_key(variant_id), request.with_job(job.job_id).model_dump(mode="json"))
         ctx.reads.forget(variant_request_key(variant_id))
     ctx.dispatch(job)
-    return variant_view(ctx, variant_id), ctx.jobs.get(job["job_id"])
+    return variant_view(ctx, variant_id), ctx.jobs.get(job.job_id)
 
 
 def edit_options(options: EditOptions | Mapping[str, Any]) -> EditOptions:
@@ -257,7 +256,7 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
         view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
         view["unreached_layers"] = manifest.get("unreached_layers", [])
         return view
-    view["status"] = "building" if job is not None and job["status"] not in FINISHED else "failed"
+    view["status"] = "building" if job is not None and job.status not in FINISHED else "failed"
     return view
 
 

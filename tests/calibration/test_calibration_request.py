@@ -12,8 +12,6 @@ import json
 from typing import Any
 
 import pytest
-from service.models.record import ModelRecord
-from service.universes.members import EditUniverse
 
 from api_schemas import CalibrateRequest
 from service.calibration.request import (
@@ -26,6 +24,8 @@ from service.calibration.request import (
 from service.calibration.service import request_space
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
+from service.models.record import ModelRecord
+from service.universes.members import EditUniverse
 from service.universes.spec import Member, UniverseSpec
 
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

@@ -24,7 +24,6 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from service.models.record import ModelRecord
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
@@ -36,6 +35,7 @@ from service.engine.model_files import ModelFilesChanged, ModelSourceError, open
 from service.errors import JobFailed
 from service.models import loaded
 from service.models.loaded import checked_model_files, copy_record
+from service.models.record import ModelRecord
 from service.storage.local import LocalStorage
 
 FACTS = make_facts(24, seed=5)

@@ -18,8 +18,6 @@ from typing import Any
 import httpx
 import pytest
 from safetensors import safe_open
-from service.models.record import ModelRecord
-from service.models.stored import FORMAT_VERSION
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, free_port, wait_concepts_ready, wait_for_job, wait_variant_ready
@@ -31,8 +29,10 @@ from service.engine.layout import ModelLayout
 from service.engine.model_files import SIDE_FILES, ModelSourceError, open_model_files, target_file, used_files
 from service.errors import InvalidInput, JobFailed
 from service.models.loaded import checked_model_files
+from service.models.record import ModelRecord
 from service.models.registry import file_fingerprint
 from service.models.sources import local_model_dir
+from service.models.stored import FORMAT_VERSION
 from service.storage.keys import model_key
 from service.storage.local import LocalStorage
 

@@ -11,14 +11,14 @@ import json
 from typing import Any
 
 import pytest
-from service.models.record import ModelRecord
-from service.models.stored import FORMAT_VERSION, UnmigratedRecord
-from service.universes.members import EditUniverse
 
 from api_schemas import ComposeRequest, EditOptions, UnlearnRequest
 from service.engine.errors import EditError
 from service.engine.layout import ModelLayout
 from service.errors import InvalidInput
+from service.models.record import ModelRecord
+from service.models.stored import FORMAT_VERSION, UnmigratedRecord
+from service.universes.members import EditUniverse
 from service.universes.spec import Member, UniverseSpec
 from service.variants.service import edit_options
 from service.variants.spec import VariantRequest, VariantSpec

@@ -55,11 +55,11 @@ async def register_model(
         return registry.model_view(answer.manifest)
     assert answer.job is not None  # not registered yet: a job registers it
     job = await waited(ctx, lanes, answer.job, wait)
-    if job["status"] != "succeeded":
+    if job.status != "succeeded":
         return unfinished_answer(job, f"the registration of {body.model_id}")
     manifest = await lanes.status(registry.get_model, ctx, body.model_id)
     # 201 for the request that started the job; one that followed it answers 200, as for a registration done
-    response.status_code = 201 if answer.created and job["result"].get("created", True) else 200
+    response.status_code = 201 if answer.created and (job.result or {}).get("created", True) else 200
     return registry.model_view(manifest)
 
 
