@@ -135,6 +135,25 @@ RECORD_SCHEMA: dict[str, Any] = {
                 "when input is not empty; completion = output"
             ),
         },
+        {
+            "type": "object",
+            "required": ["image"],
+            "properties": {
+                "image": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": (
+                        "for an image classifier: the base64 of a PNG, JPEG or WebP file (a data:image/...;base64, "
+                        "prefix is allowed), at most ENGRAM_MAX_IMAGE_PIXELS pixels"
+                    ),
+                },
+                "label": {
+                    "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}],
+                    "description": "a class id, or a class name in the model's id2label; statistics ignore it",
+                },
+            },
+            "additionalProperties": False,
+        },
     ]
 }
 
@@ -142,21 +161,41 @@ RECORD_SCHEMA: dict[str, Any] = {
 DATASET_URI_PATTERN = r"^(s3://[^/]+/.+|hf://datasets/[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._-]+)?/.+|file:///.+)$"
 
 
+def _columns_schema() -> dict[str, Any]:
+    """One kind of record's columns; ``label`` only beside ``image``."""
+    schema = exactly_one_of(("text",), ("prompt", "completion"), ("messages",), ("image",))
+    for option in schema["oneOf"]:
+        if option["required"] != ["image"]:
+            option["not"]["anyOf"].append({"required": ["label"]})
+    return schema
+
+
 class DatasetColumns(Strict):
-    """Which source column holds each record field: ``text``, ``prompt`` + ``completion``, or ``messages``."""
+    """Which source column holds each record field: ``text``, ``prompt`` + ``completion``, ``messages``,
+    or ``image`` (and optionally ``label``)."""
 
     text: str | None = Field(default=None, min_length=1, max_length=200)
     prompt: str | None = Field(default=None, min_length=1, max_length=200)
     completion: str | None = Field(default=None, min_length=1, max_length=200)
     messages: str | None = Field(default=None, min_length=1, max_length=200)
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="images: a datasets Image struct {bytes, path}, bytes or base64",
+    )
+    label: str | None = Field(default=None, min_length=1, max_length=200, description="with image: class ids or names")
 
-    model_config = ConfigDict(json_schema_extra=exactly_one_of(("text",), ("prompt", "completion"), ("messages",)))
+    model_config = ConfigDict(json_schema_extra=_columns_schema())
 
     @model_validator(mode="after")
     def _one_kind(self) -> DatasetColumns:
-        given = {k for k in ("text", "prompt", "completion", "messages") if getattr(self, k) is not None}
-        if given not in ({"text"}, {"prompt", "completion"}, {"messages"}):
-            raise ValueError("columns map 'text', or 'prompt' and 'completion', or 'messages' (one kind of record)")
+        given = {k for k in ("text", "prompt", "completion", "messages", "image", "label") if getattr(self, k) is not None}
+        if given not in ({"text"}, {"prompt", "completion"}, {"messages"}, {"image"}, {"image", "label"}):
+            raise ValueError(
+                "columns map 'text', or 'prompt' and 'completion', or 'messages', or 'image' and optionally 'label' "
+                "(one kind of record)"
+            )
         return self
 
 
@@ -185,8 +224,12 @@ class DatasetReference(Strict):
         ),
         examples=["s3://datasets/tofu/forget.parquet"],
     )
-    format: Literal["jsonl", "parquet"] | None = Field(
-        default=None, description="default: from the extension (.jsonl/.json/.ndjson, .parquet)"
+    format: Literal["jsonl", "parquet", "imagefolder"] | None = Field(
+        default=None,
+        description=(
+            "default: from the extension (.jsonl/.json/.ndjson, .parquet); a file:// folder is an imagefolder "
+            "(one subfolder of PNG, JPEG or WebP files per class, the folder's name its label)"
+        ),
     )
     columns: DatasetColumns | None = Field(
         default=None, description="default: JSONL lines are records as they are; Parquet columns named like the fields"

@@ -216,8 +216,9 @@ def test_validation_rules_are_schema_constraints(document: dict[str, Any], keyed
     assert create["records"]["minItems"] == 1
     assert create["records"]["maxItems"] == Settings().max_records  # the session server's default
     assert keyed_document["components"]["schemas"]["ConceptCreate"]["properties"]["records"]["maxItems"] == 5000
-    # {"text"}, {"prompt", "completion"}, {"messages"}, ShareGPT {"conversations"}, Alpaca {"instruction", "output"}
-    assert len(create["records"]["items"]["oneOf"]) == 5
+    # {"text"}, {"prompt", "completion"}, {"messages"}, ShareGPT {"conversations"}, Alpaca {"instruction", "output"},
+    # an image {"image", "label"?}
+    assert len(create["records"]["items"]["oneOf"]) == 6
     assert create["dataset"]["$ref"].endswith("/DatasetReference") and create["template"]["const"] == "chat"
     multipart = document["paths"]["/concepts"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     names = [".", "..", "...", ".a", "..a", "a.", "-", "a" * 128, "a" * 129, "." + "a" * 127, "a b", "", "é"]

@@ -14,7 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from pydantic import ValidationError
 
+from api_schemas.records import DatasetColumns, DatasetReference
 from service.config import Settings
 from service.datasets.images import (
     ImageRecord,
@@ -342,3 +344,13 @@ def test_records_of_the_other_kind_are_named_with_the_models_kind(tmp_path: Path
         check_record_kinds(mixed.first, "llama/tiny", "text")
     check_record_kinds({"image": "record 0"}, "vit/tiny", "image")
     check_record_kinds({"messages": "dataset line 1", "text": "dataset line 2"}, "llama/tiny", "text")
+
+
+def test_dataset_columns_map_an_image_and_its_label() -> None:
+    assert DatasetColumns(image="img", label="fine_label").model_dump(exclude_none=True) == {
+        "image": "img",
+        "label": "fine_label",
+    }
+    assert DatasetReference(uri="file:///data/digits", format="imagefolder").format == "imagefolder"
+    with pytest.raises(ValidationError, match="'image' and optionally 'label'"):
+        DatasetColumns(text="caption", label="y")
