@@ -7,6 +7,7 @@ among them), their statistics collected from images, and a variant with edited c
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,18 +17,25 @@ import pytest
 import torch
 from peft import PeftModel
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 from engram_fixtures.vision import make_tiny_resnet, make_tiny_vit
 from service.engine.checkpoint import CheckpointReader, load_model
 from service.engine.checkpoint_write import write_checkpoint
-from service.engine.collect import PixelBatch, collect_statistics
+from service.engine.collect import LayerStatistics, PixelBatch, collect_statistics
 from service.engine.compose import EngramAlgebra, layer_deltas, layer_editor
 from service.engine.layers import module_type, select_layers
 from service.engine.lora import layer_loras
 from service.engine.lora_files import write_adapter
+from service.engine.stats_io import save_statistics
+from service.jobs.store import utc_now
 from service.models.registry import model_view
+from service.statistics.manifest import publish_statistics
+from service.statistics.spec import CollectionSpec
 from service.storage.keys import model_key
+from service.variants.service import submit_variant, variant_view
+from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, reference_pinv, rel
 from tests.store_world import StoreWorld
 
 RESNET_CONVS = {
@@ -195,3 +203,61 @@ def test_a_peft_adapter_of_conv_edits_serves_like_the_checkpoint_variant(
     with torch.no_grad():
         expected, unmerged = variant(pixel_values=probe).logits, served(pixel_values=probe).logits
     assert float((unmerged - expected).norm()) < 1e-4 * float(expected.norm())
+
+
+def publish_images(world: StoreWorld, model_id: str, name: str, stats: LayerStatistics, images: int) -> None:
+    """Publish a concept's image statistics as a collection job would (the image collection job is
+    another part of issue 25: here the statistics are collected in the test)."""
+    digest = hashlib.sha256(f"{model_id}/{name}".encode()).hexdigest()
+    model = world.ctx.storage.get_json(model_key(model_id))
+    prefix = CollectionSpec.of(world.ctx.settings).key(model["digest"], digest).prefix
+    file = world.root / f"{digest}.safetensors"
+    save_statistics(stats, file)
+    publish_statistics(world.ctx, prefix, file, lambda: {"tokens": stats.tokens})
+    concept = {
+        "name": name,
+        "role": "target",
+        "description": None,
+        "num_records": images,
+        "dataset_digest": digest,
+        "models": {model_id: {"job_id": "0" * 32, "stats": prefix}},
+        "created_at": utc_now(),
+    }
+    world.ctx.storage.put_json(f"concepts/{name}.json", concept)
+
+
+def test_a_resnet_variant_from_a_built_universe_equals_the_float64_formula(
+    world: StoreWorld, registered: dict[str, Any]
+) -> None:
+    """Through the real job bodies (universe build, stored float32 engrams, the checkpoint written
+    by arithmetic): every conv and the head within WEIGHT_TOL of ``W − W·Σ_f·(Σ_f + Σ_r)⁺`` on the
+    published sums (measured ≤ 4e-8). Enough images that every layer sees more output positions
+    than its patch is wide (with fewer, the universe is rank-deficient and its conditioning, not the
+    unfold, sets the error)."""
+    path = world.root / "models" / "resnet"
+    layout = registered["resnet"].layout
+    model = load_model(path)
+    stats = {}
+    for name, (count, seed) in {"forget": (24, 7), "retain": (64, 8)}.items():
+        stats[name] = collect_statistics(model, [PixelBatch(pixels(path, count, seed))], layout.layers)
+        publish_images(world, "tiny/resnet", name, stats[name], count)
+    options = {"scaling": "uniform", "format": "checkpoint", "reference": ["forget", "retain"]}
+    view, job = submit_variant(world.ctx, "tiny/resnet", {"forget": -1.0}, None, options)
+    assert job is not None
+    world.run_pending()
+    assert variant_view(world.ctx, view["variant_id"])["status"] == "ready"
+    files = world.ctx.storage.local_path(f"variants/{view['variant_id']}/files/model.safetensors")
+    tensors = load_file(str(files))
+    reader = CheckpointReader(path, layout)
+    for spec in layout.layers:
+        base = reader.layer_weights(spec)
+        old = base.weight.double().reshape(spec.out_features, -1)
+        new = tensors[layout.weight_keys[spec.name]].double().reshape(spec.out_features, -1)
+        if spec.bias:
+            assert base.bias is not None
+            old = torch.cat([old, base.bias.double()[:, None]], dim=1)
+            new = torch.cat([new, tensors[layout.bias_keys[spec.name]].double()[:, None]], dim=1)
+        sigma_f, sigma_r = stats["forget"].sum_for(spec.name).double(), stats["retain"].sum_for(spec.name).double()
+        expected = old - old @ sigma_f @ reference_pinv(sigma_f + sigma_r)
+        assert rel(new, expected) < WEIGHT_TOL, spec.name
+        assert rel(new - old, expected - old) < DELTA_TOL, spec.name
