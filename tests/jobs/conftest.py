@@ -1,5 +1,6 @@
 """The job machinery's own world: a real Context over LocalStorage in a temporary folder, and a
-private ``redis-server`` for the Redis-backed pieces (live records, leases, presence, the reconciler).
+private ``redis-server`` (``tests.helpers.redis``) for the Redis-backed pieces (live records,
+leases, presence, the reconciler).
 
 Nothing here runs a model: job bodies in these tests are small functions of the test's own, put in
 the kinds table where a domain's body would be (the state machine does not care what a body does).
@@ -9,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from engram_fixtures.live import RedisServer, start_redis, stop_redis
 from service.config import Settings
 from service.context import Context
 from service.jobs.store import JobStore, RedisJobStore
@@ -44,22 +44,10 @@ def ctx(tmp_path: Path) -> Context:
     return make_context(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis()
-    try:
-        yield server
-    finally:
-        stop_redis(server)
-
-
 @pytest.fixture
-def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    """A connection to the module's Redis, emptied for each test."""
-    connection = redis.Redis.from_url(redis_server.url)
-    connection.flushdb()
-    yield connection
-    connection.close()
+def client(redis_client: redis.Redis) -> redis.Redis:
+    """The module's private Redis (``tests.helpers.redis``), emptied for each test."""
+    return redis_client
 
 
 @pytest.fixture
