@@ -37,7 +37,8 @@ from torch import nn
 from service.engine.layers import ConvKernel
 
 # Values of one unfolded chunk (records × positions × patch width) before its product is summed:
-# 16M float32 values, 64 MB, whatever the image size.
+# 16M float32 values, 64 MB, or one record's unfold when that is larger (ResNet-50 at 224²: 1.8M at
+# most; a record is not split, so a megapixel input to a wide 3×3 conv is one large chunk).
 PATCH_CHUNK_VALUES = 1 << 24
 
 
