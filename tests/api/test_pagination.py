@@ -8,6 +8,9 @@ item that existed when paging began exactly once.
 The 250 concepts are written into the server's file storage as the service writes them (a concept
 document without models): posting them would start 250 collections, which admission control and
 the test's time budget both refuse, and a concept's collection has nothing to do with listing.
+
+Pages are the app's answer, checked in this process (``tests.helpers.app``, the fast tier); the
+job listing's test pauses a live server's job process to hold its jobs queued.
 """
 
 from __future__ import annotations
@@ -23,12 +26,21 @@ import pytest
 from api_schemas import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 from engram_fixtures.live import LiveServer, running_server, wait_for_job
 from tests.helpers.api import READ_CACHE_S, write_concept
+from tests.helpers.app import InProcessServer, in_process_server
 from tests.helpers.job_process import job_process, paused
 
 
 @pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[InProcessServer]:
+    """The app called in this process: what a page holds is the app's answer."""
+    with in_process_server(tmp_path_factory.mktemp("pages"), model_root) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterator[LiveServer]:
-    with running_server(tmp_path_factory.mktemp("pages"), model_root) as live:
+    """The server process: its job process is paused to hold jobs queued."""
+    with running_server(tmp_path_factory.mktemp("pages-live"), model_root) as live:
         yield live
 
 
@@ -49,7 +61,9 @@ def _pages(api: httpx.Client, path: str, limit: int, between: Any = None) -> Ite
             between()
 
 
-def test_paging_through_250_concepts_serves_each_exactly_once_while_others_are_added(server: LiveServer) -> None:
+@pytest.mark.fast
+def test_paging_through_250_concepts_serves_each_exactly_once_while_others_are_added(app: InProcessServer) -> None:
+    server = app
     api = server.client
     names = [f"c{index:03d}" for index in range(250)]
     for name in names:
@@ -75,8 +89,9 @@ def test_paging_through_250_concepts_serves_each_exactly_once_while_others_are_a
     assert len(first.json()) == DEFAULT_PAGE_SIZE and NEXT_CURSOR_HEADER in first.headers
 
 
-def test_a_bad_cursor_or_limit_is_a_problem(server: LiveServer) -> None:
-    api = server.client
+@pytest.mark.fast
+def test_a_bad_cursor_or_limit_is_a_problem(app: InProcessServer) -> None:
+    api = app.client
     for cursor in ("nonsense", "eyJ2IjoxfQ", "%%%"):
         response = api.get("/concepts", params={"cursor": cursor})
         assert response.status_code == 400, response.text
@@ -115,6 +130,7 @@ def test_every_list_route_pages(server: LiveServer, tiny_llama_dir: Path) -> Non
         assert "link" not in response.headers
 
 
+@pytest.mark.fast
 def test_a_page_skips_what_its_view_leaves_out_and_stops_one_past_the_limit() -> None:
     """Page.select without a server: a filtered list (one model's variants) fills its pages with
     the items kept, and reads only up to one item past the page."""
