@@ -157,7 +157,10 @@ class JobRecord(_Frozen):
     def _payload_of_its_kind(cls, data: Any) -> Any:
         """The payload model is the kind's (two kinds' payloads can share a shape)."""
         if isinstance(data, dict) and isinstance(data.get("payload"), dict) and data.get("kind") in PAYLOADS:
-            return {**data, "payload": PAYLOADS[data["kind"]].model_validate(data["payload"])}
+            try:
+                return {**data, "payload": PAYLOADS[data["kind"]].model_validate(data["payload"])}
+            except ValidationError as exc:  # raised as is, its fields would not say they are the payload's
+                raise ValueError(_described(exc, "payload.")) from None
         return data
 
     @model_validator(mode="after")
@@ -212,8 +215,15 @@ def read_job_record(stored: Any, job_id: str = "?") -> JobRecord:
     try:
         return JobRecord.model_validate(stored)
     except ValidationError as exc:
-        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in exc.errors())
-        raise UnreadableJobRecord(job_id, fields) from None
+        raise UnreadableJobRecord(job_id, _described(exc)) from None
+
+
+def _described(exc: ValidationError, prefix: str = "") -> str:
+    """``field.path: what is wrong`` for each error (a validator's own message as it wrote it)."""
+    return "; ".join(
+        f"{prefix}{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"].removeprefix("Value error, ")
+        for e in exc.errors()
+    )
 
 
 def _unversioned_to_1(stored: dict[str, Any]) -> dict[str, Any]:
