@@ -7,11 +7,14 @@ One module per resource; import the public names from here (``from api_schemas i
 - :mod:`~api_schemas.records`: chat messages, record shapes and dataset references
 - :mod:`~api_schemas.concepts`: concepts and their collection
 - :mod:`~api_schemas.jobs`: jobs
+- :mod:`~api_schemas.job_kinds`: jobs typed by their kind (a finished job's result as its model)
 - :mod:`~api_schemas.edit_options`: the edit options (``unlearn``, ``compose``)
 - :mod:`~api_schemas.variants`: variants and their files
 - :mod:`~api_schemas.universes`: universes, their build and storage
 - :mod:`~api_schemas.evaluation`: probes, evaluation and generation
 - :mod:`~api_schemas.calibration`: calibration
+- :mod:`~api_schemas.maps`: engram maps
+- :mod:`~api_schemas.health`: liveness and readiness
 """
 
 from api_schemas.calibration import (
@@ -19,6 +22,7 @@ from api_schemas.calibration import (
     CalibrateRequest,
     Calibration,
     CalibrationCandidate,
+    CalibrationJobResult,
     CalibrationRecommendation,
     CalibrationResult,
     CalibrationSubmission,
@@ -56,8 +60,21 @@ from api_schemas.edit_options import (
     EditOptions,
     UnlearnRequest,
 )
-from api_schemas.evaluation import EvaluateRequest, GenerateRequest, Probe
-from api_schemas.jobs import Job, JobProgress
+from api_schemas.evaluation import (
+    EvaluateRequest,
+    EvaluationResult,
+    GeneratedText,
+    GenerateRequest,
+    GenerationResult,
+    Probe,
+    ProbeRecord,
+    ProbeScore,
+    ProbeSummary,
+)
+from api_schemas.health import Health, Readiness
+from api_schemas.job_kinds import JOB_MODELS, CalibrateJob, EvaluateJob, GenerateJob
+from api_schemas.jobs import Job, JobProgress, JobResult
+from api_schemas.maps import ConceptMap, EngramMap, MapLayer, MapLeftOut
 from api_schemas.models import Layer, Model, ModelCreate
 from api_schemas.records import (
     CHAT_ROLES,
@@ -91,9 +108,11 @@ __all__ = [
     "CHAT_ROLES",
     "CONCEPT_NAME_PATTERN",
     "CONVERSATION_RULES",
+    "CalibrateJob",
     "CalibrateRequest",
     "Calibration",
     "CalibrationCandidate",
+    "CalibrationJobResult",
     "CalibrationRecommendation",
     "CalibrationResult",
     "CalibrationSubmission",
@@ -104,6 +123,7 @@ __all__ = [
     "ComposeRequest",
     "Concept",
     "ConceptCreate",
+    "ConceptMap",
     "ConceptModelState",
     "ConceptSubmission",
     "DATASET_URI_PATTERN",
@@ -113,14 +133,25 @@ __all__ = [
     "DatasetReferenceView",
     "DatasetRows",
     "EditOptions",
+    "EngramMap",
+    "EvaluateJob",
     "EvaluateRequest",
+    "EvaluationResult",
+    "GenerateJob",
     "GenerateRequest",
+    "GeneratedText",
+    "GenerationResult",
+    "Health",
+    "JOB_MODELS",
     "Job",
     "JobProgress",
+    "JobResult",
     "Layer",
     "MAX_MODULE_STRENGTH",
     "MAX_PAGE_SIZE",
     "MODEL_ID_PATTERN",
+    "MapLayer",
+    "MapLeftOut",
     "Model",
     "ModelCreate",
     "ModuleSetPreset",
@@ -128,8 +159,12 @@ __all__ = [
     "NEXT_CURSOR_HEADER",
     "NOT_BLANK",
     "Probe",
+    "ProbeRecord",
+    "ProbeScore",
+    "ProbeSummary",
     "Problem",
     "RECORD_SCHEMA",
+    "Readiness",
     "RecordIn",
     "Role",
     "SHAREGPT_SPEAKERS",

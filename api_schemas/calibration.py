@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api_schemas.common import Strict
 from api_schemas.edit_options import VLLM_LORA_RANKS
 from api_schemas.evaluation import Probe
-from api_schemas.jobs import Job
+from api_schemas.jobs import Job, JobResult
 
 ModuleSetPreset = Literal["all", "qk_gate", "attention", "mlp", "data_weighted"]
 ModuleSuffixes = Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=64)]
@@ -182,3 +182,9 @@ class Calibration(BaseModel):
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     job_id: str | None = None
     result: CalibrationResult | None = None
+
+
+class CalibrationJobResult(CalibrationResult, JobResult):
+    """A ``calibrate`` job's result: the calibration's result (``GET /calibrations/{id}``), and whether it was reused."""
+
+    reused: bool = Field(default=False, description="answered from storage: the same calibration ran before")

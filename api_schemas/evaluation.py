@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import Strict, exactly_one_of
+from api_schemas.jobs import JobResult
 from api_schemas.records import CONVERSATION_RULES, ChatMessage, check_conversation
 
 
@@ -75,3 +76,53 @@ class GenerateRequest(Strict):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
         return self
+
+
+# ---------------------------------------------------------------- results (the jobs' ``result``)
+
+Split = Literal["forget", "retain"]
+Scored = Literal["base", "variant"]
+
+
+class ProbeSummary(JobResult):
+    mean_nll: float = Field(description="mean answer NLL (nats/token)")
+    exact_match: float = Field(description="the share of probes whose greedy answer is exact")
+    n: int = Field(description="probes scored")
+
+
+class ProbeScore(JobResult):
+    nll: float = Field(description="the answer's NLL (nats/token)")
+    exact_match: bool = Field(description="the greedy answer is exact")
+
+
+class ProbeRecord(JobResult):
+    split: Split
+    index: int = Field(description="the probe's position in its split of the request")
+    base: ProbeScore
+    variant: ProbeScore
+
+
+class EvaluationResult(JobResult):
+    """An ``evaluate`` job's result: both models on every probe, and per split their summaries."""
+
+    variant_id: str
+    summary: dict[Scored, dict[Split, ProbeSummary]] = Field(
+        description="per model, per split (a split without probes is absent)"
+    )
+    records: list[ProbeRecord] = Field(description="one per probe, in request order (forget, then retain)")
+    reused: bool = Field(default=False, description="answered from storage: the same probes were scored before")
+
+
+class GeneratedText(JobResult):
+    text: str
+    token_ids: list[int]
+
+
+class GenerationResult(JobResult):
+    """A ``generate`` job's result: the greedy continuation by each model asked for."""
+
+    variant_id: str
+    prompt: str | None = Field(description="the prompt sent (null: messages were sent)")
+    # As sent ({role, content} objects), not ChatMessage: a caller compares them with what it sent.
+    messages: list[dict[str, str]] | None = Field(default=None, description="the messages sent, when they were")
+    outputs: dict[Scored, GeneratedText]

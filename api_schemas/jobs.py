@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import Problem
 
@@ -14,6 +15,28 @@ class JobProgress(BaseModel):
     done: int = 0
     total: int = 0
     unit: str = "items"
+
+
+class JobResult(BaseModel):
+    """A finished job's result as the model of its kind (:mod:`api_schemas.job_kinds` names them).
+
+    It also reads as the JSON object it is (``result["summary"]``, ``result.get("reused")``,
+    ``"reused" in result``), as results did when clients got them as dicts; a field the service adds
+    later is kept, not dropped (``extra="allow"``).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in type(self).model_fields or key in (self.model_extra or {})
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
 
 
 class Job(BaseModel):
@@ -25,7 +48,9 @@ class Job(BaseModel):
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     progress: JobProgress
     error: Problem | None = None
-    result: dict[str, Any] | None = None
+    # The service answers the result as a JSON object; a client reads it as the JobResult of its kind
+    # (api_schemas.job_kinds), which the document leaves out: on the wire it is the same object.
+    result: dict[str, Any] | SkipJsonSchema[JobResult] | None = None
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None

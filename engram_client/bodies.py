@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from api_schemas import EditOptions
 
-__all__ = ["EDIT_OPTIONS", "edit_options_body", "fields_body"]
+__all__ = ["EDIT_OPTIONS", "edit_keywords", "edit_options_body", "fields_body"]
 
 # The edit options, in the contract's order: the client's unlearn/compose keywords and the CLI's
 # flags are checked against this (tests/client/test_options.py), so none can drift from the contract.
@@ -35,6 +35,16 @@ def fields_body(model: type[BaseModel], given: Mapping[str, Any]) -> dict[str, A
         known = ", ".join(model.model_fields)
         raise TypeError(f"{', '.join(unknown)}: not a field of {model.__name__} (its fields: {known})")
     return {name: _plain(value) for name, value in given.items() if value is not None}
+
+
+def edit_keywords(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The edit options among a method's arguments (its ``locals()``): those named as the contract's fields,
+    so ``unlearn`` and ``compose`` spell each option once, in their signatures.
+
+    Raises:
+        KeyError: the method lacks a keyword for one of the contract's edit options.
+    """
+    return {name: arguments[name] for name in EDIT_OPTIONS}
 
 
 def edit_options_body(options: EditOptions | None, given: Mapping[str, Any]) -> dict[str, Any]:

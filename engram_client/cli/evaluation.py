@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich import filesize
@@ -16,7 +16,7 @@ from rich import filesize
 from api_schemas import Job
 from engram_client.cli.files import png_size, read_probes, write_atomically
 from engram_client.cli.options import CallbackOpt, Generator, JsonFlag, NoWait, RcondOpt, ReferenceOpt
-from engram_client.cli.output import emit, job_failed, stderr, stdout
+from engram_client.cli.output import emit, fail, job_failed, stderr, stdout
 from engram_client.cli.progress import watch
 from engram_client.cli.render import render_evaluation, render_generation, render_map
 from engram_client.cli.root import session
@@ -28,16 +28,25 @@ class Measure(str, Enum):
     weight = "weight"
 
 
-def _finish_job(ctx: typer.Context, client: EngramClient, job: Job, no_wait: bool, as_json: bool) -> Job | None:
-    """Watch a submitted job to its end and return it; exit 1 unless it succeeded. --no-wait: print it, None."""
+KindJob = TypeVar("KindJob", bound=Job)
+
+
+def _finish_job(ctx: typer.Context, client: EngramClient, job: KindJob, no_wait: bool, as_json: bool) -> KindJob | None:
+    """Watch a submitted job to its end and return it (a succeeded job with its result); exit 1 unless it
+    succeeded. --no-wait: print it, None."""
     if no_wait and job.status not in FINISHED:
         stderr.print(f"{job.kind} job {job.job_id}: {job.status}; engram jobs watch {job.job_id}")
         emit(ctx, as_json, job, lambda: stdout.print(job.job_id))
         return None
     if job.status not in FINISHED:
-        job = watch(client, [job.job_id])[0]
+        finished = watch(client, [job.job_id])[0]
+        if not isinstance(finished, type(job)):  # the client reads a job by its kind: the same kind again
+            fail(f"job {job.job_id} came back as a {finished.kind} job")
+        job = finished
     if job.status != "succeeded":
         job_failed(job)
+    if job.result is None:
+        fail(f"{job.kind} job {job.job_id} succeeded without a result")
     return job
 
 
@@ -65,10 +74,10 @@ def evaluate(
         counts = " and ".join(f"{len(items)} {split}" for split, items in probes.items() if items) or "no"
         stderr.print(f"evaluating variant {variant} and its base model on {counts} probes")
         job = _finish_job(ctx, client, submitted, no_wait, as_json)
-    if job is None:
+    if job is None or job.result is None:  # --no-wait (_finish_job exits on a succeeded job without a result)
         return
-    result = job.result or {}
-    if result.get("reused"):
+    result = job.result
+    if result.reused:
         stderr.print("answered from storage: the same probes were scored on this variant before")
     emit(ctx, as_json, result, lambda: render_evaluation(result))
 
@@ -98,9 +107,9 @@ def generate(
     with session(ctx) as client:
         submitted = client.generate(variant, request, max_new_tokens, models, callback_url=callback_url)
         job = _finish_job(ctx, client, submitted, no_wait, as_json)
-    if job is None:
+    if job is None or job.result is None:  # --no-wait (_finish_job exits on a succeeded job without a result)
         return
-    result = job.result or {}
+    result = job.result
     emit(ctx, as_json, result, lambda: render_generation(result))
 
 

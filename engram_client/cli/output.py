@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.text import Text
 
-from api_schemas import Job
+from api_schemas import Job, JobResult
 
 
 def _console(stderr: bool) -> Console:
@@ -55,21 +55,26 @@ def _wants_json(ctx: typer.Context, flag: bool) -> bool:
     return flag or ctx.obj.json
 
 
-def _jsonable(data: Any) -> Any:
-    """Pydantic models (also inside lists and dicts) as their JSON-mode dumps; anything else unchanged."""
+def jsonable(data: Any) -> Any:
+    """Pydantic models (also inside lists and dicts) as their JSON-mode dumps; anything else unchanged. A job's
+    result is dumped as the service answered it: only the fields it sent (no defaults filled in)."""
+    if isinstance(data, JobResult):
+        return data.model_dump(mode="json", exclude_unset=True)
+    if isinstance(data, Job) and isinstance(data.result, JobResult):
+        return {**data.model_dump(mode="json"), "result": jsonable(data.result)}
     if isinstance(data, BaseModel):
         return data.model_dump(mode="json")
     if isinstance(data, (list, tuple)):
-        return [_jsonable(item) for item in data]
+        return [jsonable(item) for item in data]
     if isinstance(data, dict):
-        return {key: _jsonable(value) for key, value in data.items()}
+        return {key: jsonable(value) for key, value in data.items()}
     return data
 
 
 def emit(ctx: typer.Context, as_json: bool, data: Any, render: Callable[[], None]) -> None:
     """JSON on stdout in ``--json`` mode, the human rendering otherwise."""
     if _wants_json(ctx, as_json):
-        sys.stdout.write(json.dumps(_jsonable(data), indent=2) + "\n")
+        sys.stdout.write(json.dumps(jsonable(data), indent=2) + "\n")
         sys.stdout.flush()
     else:
         render()

@@ -14,8 +14,21 @@ from rich import filesize
 from rich.table import Table
 from rich.text import Text
 
-from api_schemas import CalibrationResult, Concept, Job, Model, Universe, UniverseUsage, Variant
-from engram_client.cli.output import print_lines, stdout
+from api_schemas import (
+    CalibrateJob,
+    CalibrationResult,
+    Concept,
+    EvaluateJob,
+    EvaluationResult,
+    GenerateJob,
+    GenerationResult,
+    Job,
+    Model,
+    Universe,
+    UniverseUsage,
+    Variant,
+)
+from engram_client.cli.output import jsonable, print_lines, stdout
 
 
 def table(*columns: str) -> Table:
@@ -119,24 +132,24 @@ RESULT_LINE_CHARS = 300  # a longer result of a kind without a table of its own 
 
 
 def _render_result(job: Job) -> None:
-    """A result as the command that asked for it prints it; a short one as JSON; a long one by its keys."""
-    result = job.result or {}
-    tables = {
-        "evaluate": lambda: render_evaluation(result),
-        "generate": lambda: render_generation(result),
-        "calibrate": lambda: render_calibration(CalibrationResult.model_validate(result)),
-    }
-    if job.status == "succeeded" and job.kind in tables:
-        try:
-            tables[job.kind]()
-            return
-        except (KeyError, TypeError, ValueError):  # another shape than expected: fall back to the JSON
-            pass
+    """A typed result as the command that asked for it prints it; another: a short one as JSON, a long one by
+    its keys."""
+    if isinstance(job, EvaluateJob) and job.result is not None:
+        render_evaluation(job.result)
+    elif isinstance(job, GenerateJob) and job.result is not None:
+        render_generation(job.result)
+    elif isinstance(job, CalibrateJob) and job.result is not None:
+        render_calibration(job.result)
+    elif job.result is not None:
+        _render_json_result(job.job_id, jsonable(job.result))
+
+
+def _render_json_result(job_id: str, result: dict[str, Any]) -> None:
     text = json.dumps(result)
     if len(text) <= RESULT_LINE_CHARS:
         stdout.print(f"result {text}")
     else:
-        stdout.print(f"result keys {', '.join(result)} (engram --json jobs show {job.job_id} for all of it)")
+        stdout.print(f"result keys {', '.join(result)} (engram --json jobs show {job_id} for all of it)")
 
 
 def _terms(variant: Variant) -> str:
@@ -220,25 +233,24 @@ def render_universe_usage(usage: UniverseUsage) -> None:
 # ---------------------------------------------------------------- evaluate, generate, map
 
 
-def render_evaluation(result: dict[str, Any]) -> None:
+def render_evaluation(result: EvaluationResult) -> None:
     """Split × {base, variant}: mean answer NLL, the NLL ratio variant/base, greedy exact match."""
-    summary = result["summary"]
     rows = numeric_table("split", "probes", "base NLL", "variant NLL", "NLL ratio", "base exact", "variant exact")
     rows.caption = "NLL ratio = variant / base: above 1, the variant finds the answers less likely"
     for split in ("forget", "retain"):
-        base, edited = summary["base"].get(split), summary["variant"].get(split)
+        base, edited = result.summary.get("base", {}).get(split), result.summary.get("variant", {}).get(split)
         if base is None or edited is None:  # no probes of this split were sent
             continue
-        ratio = f"{edited['mean_nll'] / base['mean_nll']:.4g}" if base["mean_nll"] > 0 else "-"
-        nll = (f"{base['mean_nll']:.4g}", f"{edited['mean_nll']:.4g}", ratio)
-        rows.add_row(split, str(base["n"]), *nll, f"{base['exact_match']:.1%}", f"{edited['exact_match']:.1%}")
+        ratio = f"{edited.mean_nll / base.mean_nll:.4g}" if base.mean_nll > 0 else "-"
+        nll = (f"{base.mean_nll:.4g}", f"{edited.mean_nll:.4g}", ratio)
+        rows.add_row(split, str(base.n), *nll, f"{base.exact_match:.1%}", f"{edited.exact_match:.1%}")
     stdout.print(rows)
 
 
-def render_generation(result: dict[str, Any]) -> None:
-    for name, output in result["outputs"].items():
+def render_generation(result: GenerationResult) -> None:
+    for name, output in result.outputs.items():
         line = Text(f"{name}: ", style="bold")
-        line.append(output["text"])
+        line.append(output.text)
         stdout.print(line, soft_wrap=True)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api_schemas import EvaluateRequest, GenerateRequest, Job
+from api_schemas import EvaluateJob, EvaluateRequest, GenerateJob, GenerateRequest
 from engram_client.bodies import fields_body
 from engram_client.resources.jobs import JobsResource, ProgressCallback
 from engram_client.transport import _quote
@@ -36,7 +36,7 @@ class EvaluationResource(JobsResource):
         on_progress: ProgressCallback | None = None,
         poll_s: float = 0.5,
         timeout: float | None = None,
-    ) -> Job:
+    ) -> EvaluateJob:
         """Score a ready variant and its base model on probes: answer NLL and greedy exact match (job kind ``evaluate``).
 
         Args:
@@ -49,9 +49,10 @@ class EvaluationResource(JobsResource):
                 :meth:`wait_for_job`).
 
         Returns:
-            The job; without ``wait`` it may still be queued or running. Its ``result``, once succeeded:
-            ``summary.{base,variant}.{forget,retain}`` = ``{mean_nll, exact_match, n}`` (a split without
-            probes is absent) and ``records``, one per probe in request order with both models' scores.
+            The job; without ``wait`` it may still be queued or running. Its ``result``, once succeeded, is an
+            :class:`~api_schemas.EvaluationResult`: ``summary[model][split]`` (``base``/``variant``,
+            ``forget``/``retain``) = ``{mean_nll, exact_match, n}`` (a split without probes is absent) and
+            ``records``, one per probe in request order with both models' scores.
 
         Raises:
             ValueError: a probe is neither such a mapping nor a pair.
@@ -61,7 +62,7 @@ class EvaluationResource(JobsResource):
         given = {"forget": _probes(forget, "forget"), "retain": _probes(retain, "retain"), "callback_url": callback_url}
         body = fields_body(EvaluateRequest, given)
         path = f"/variants/{_quote(variant_id)}/evaluate"
-        return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
+        return self._submit_job(EvaluateJob, path, body, wait_s, wait, on_progress, poll_s, timeout)
 
     def generate(
         self,
@@ -76,7 +77,7 @@ class EvaluationResource(JobsResource):
         on_progress: ProgressCallback | None = None,
         poll_s: float = 0.5,
         timeout: float | None = None,
-    ) -> Job:
+    ) -> GenerateJob:
         """Greedy continuation of ``prompt`` by a ready variant and/or its base (job kind ``generate``).
 
         Args:
@@ -86,7 +87,8 @@ class EvaluationResource(JobsResource):
             callback_url, wait_s, wait, on_progress, poll_s, timeout: as for :meth:`evaluate`.
 
         Returns:
-            The job; once succeeded, ``result`` is ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
+            The job; once succeeded, ``result`` is a :class:`~api_schemas.GenerationResult`:
+            ``{variant_id, prompt, outputs: {model: {text, token_ids}}}``.
         """
         given = {
             "prompt": prompt if isinstance(prompt, str) else None,
@@ -97,7 +99,7 @@ class EvaluationResource(JobsResource):
         }
         body = fields_body(GenerateRequest, given)
         path = f"/variants/{_quote(variant_id)}/generate"
-        return self._submit_job(path, body, wait_s, wait, on_progress, poll_s, timeout)
+        return self._submit_job(GenerateJob, path, body, wait_s, wait, on_progress, poll_s, timeout)
 
 
 def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:

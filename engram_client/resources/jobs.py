@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from api_schemas import Job
-from engram_client.errors import EngramJobError, EngramTimeoutError
+from api_schemas import JOB_MODELS, Job
+from engram_client.errors import EngramError, EngramJobError, EngramTimeoutError
 from engram_client.transport import FINISHED, Page, Transport, _quote
 
 # How long the service may hold a map or a remote registration for its job before answering 202.
 JOB_HOLD_S = 20.0
 
 ProgressCallback = Callable[[Job], None]
+KindJob = TypeVar("KindJob", bound=Job)
 
 
 class JobsResource(Transport):
     """``/jobs``, and the submit-and-wait of every call that starts a job (evaluate, a map, a registration)."""
 
     def get_job(self, job_id: str) -> Job:
-        """A job's status and progress."""
-        return self._parse(Job, self._request("GET", f"/jobs/{_quote(job_id)}"))
+        """A job's status and progress; an ``evaluate``, ``generate`` or ``calibrate`` job as the model of
+        its kind (:data:`api_schemas.JOB_MODELS`), whose ``result`` is typed."""
+        return _job(self._request("GET", f"/jobs/{_quote(job_id)}"))
 
     def list_jobs(
         self, status: Sequence[str] | None = None, *, limit: int | None = None, cursor: str | None = None
@@ -35,7 +37,7 @@ class JobsResource(Transport):
 
     def cancel_job(self, job_id: str) -> Job:
         """Cancel a job: a queued one at once, a running one at its next checkpoint."""
-        return self._parse(Job, self._request("DELETE", f"/jobs/{_quote(job_id)}"))
+        return _job(self._request("DELETE", f"/jobs/{_quote(job_id)}"))
 
     def wait_for_job(
         self,
@@ -81,6 +83,7 @@ class JobsResource(Transport):
 
     def _submit_job(
         self,
+        model: type[KindJob],
         path: str,
         body: dict[str, Any],
         wait_s: float,
@@ -88,16 +91,17 @@ class JobsResource(Transport):
         on_progress: ProgressCallback | None,
         poll_s: float,
         timeout: float | None,
-    ) -> Job:
-        """POST a job (never retried); with ``wait``, poll it to the end and raise unless it succeeded."""
+    ) -> KindJob:
+        """POST a job of ``model``'s kind (never retried); with ``wait``, poll it to the end and raise unless
+        it succeeded."""
         options: dict[str, Any] = {}
         if wait_s:  # the service holds its answer up to wait_s: the read timeout must outlast the hold
             options = {"params": {"wait": wait_s}, "timeout": httpx.Timeout(self.timeout, read=self.timeout + wait_s)}
-        job = self._parse(Job, self._request("POST", path, json=body, **options))
+        job = _of_kind(model, _job(self._request("POST", path, json=body, **options)))
         if not wait:
             return job
         if job.status not in FINISHED:
-            job = self.wait_for_job(job.job_id, on_progress, poll_s, timeout)
+            job = _of_kind(model, self.wait_for_job(job.job_id, on_progress, poll_s, timeout))
         elif on_progress is not None:
             on_progress(job)  # the caller hears of the end in every case
         if job.status != "succeeded":
@@ -113,7 +117,20 @@ class JobsResource(Transport):
         response = self._request(method, path, params=params, timeout=held, **kwargs)
         if response.status_code != 202:
             return response
-        job = self.wait_for_job(self._parse(Job, response).job_id)
+        job = self.wait_for_job(_job(response).job_id)
         if job.status != "succeeded":
             raise EngramJobError(job)
         return self._request(method, path, params=params, timeout=held, **kwargs)
+
+
+def _job(response: httpx.Response) -> Job:
+    """The job answered, as the model of its kind, or as :class:`~api_schemas.Job` for a kind whose result
+    has no model of its own."""
+    data = response.json()
+    return JOB_MODELS.get(data.get("kind"), Job).model_validate(data)
+
+
+def _of_kind(model: type[KindJob], job: Job) -> KindJob:
+    if not isinstance(job, model):
+        raise EngramError(f"expected a {model.__name__}, the service answered a {job.kind} job ({job.job_id})")
+    return job

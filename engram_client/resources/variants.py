@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api_schemas import EditOptions, Variant, VariantSubmission
-from engram_client.bodies import edit_options_body
+from engram_client.bodies import edit_keywords, edit_options_body
 from engram_client.errors import EngramError, EngramJobError
 from engram_client.resources.jobs import JobsResource, ProgressCallback
 from engram_client.transport import FINISHED, Page, _quote
@@ -46,22 +46,7 @@ class VariantsResource(JobsResource):
             The variant and its build job; ``job`` is ``None`` when the variant already existed (HTTP 200).
         """
         body: dict[str, Any] = {"concepts": list(concepts), "alpha": alpha}
-        body |= edit_options_body(
-            options,
-            {
-                "scaling": scaling,
-                "modules": modules,
-                "layers": layers,
-                "module_strengths": module_strengths,
-                "rcond": rcond,
-                "reference": reference,
-                "universe": universe,
-                "format": format,
-                "lora_rank": lora_rank,
-                "lora_target": lora_target,
-                "callback_url": callback_url,
-            },
-        )
+        body |= edit_options_body(options, edit_keywords(locals()))
         return self._parse(VariantSubmission, self._request("POST", f"/models/{_quote(model_id)}/unlearn", json=body))
 
     def compose(
@@ -85,22 +70,7 @@ class VariantsResource(JobsResource):
         """Engram arithmetic: ``W_new = W + Σ_k c_k f_l W_k⁺`` (negative coefficients remove, positive add back);
         the options as for :meth:`unlearn`."""
         body: dict[str, Any] = {"terms": dict(terms)}
-        body |= edit_options_body(
-            options,
-            {
-                "scaling": scaling,
-                "modules": modules,
-                "layers": layers,
-                "module_strengths": module_strengths,
-                "rcond": rcond,
-                "reference": reference,
-                "universe": universe,
-                "format": format,
-                "lora_rank": lora_rank,
-                "lora_target": lora_target,
-                "callback_url": callback_url,
-            },
-        )
+        body |= edit_options_body(options, edit_keywords(locals()))
         return self._parse(VariantSubmission, self._request("POST", f"/models/{_quote(model_id)}/compose", json=body))
 
     # ------------------------------------------------------------ variants

@@ -244,7 +244,9 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     callback_urls(doc, schemas, settings.callback_allowed_hosts)
     add_examples(doc)
     add_missing_schemas(doc, schemas)
-    drop_unused_schemas(doc, schemas, ("HTTPValidationError", "ValidationError"))
+    # JobResult: a client's reading of Job.result, which the document leaves out (SkipJsonSchema) but
+    # pydantic still lists among the definitions.
+    drop_unused_schemas(doc, schemas, ("HTTPValidationError", "ValidationError", "JobResult"))
     return doc
 
 

@@ -171,6 +171,45 @@ def test_route_specific_statuses(document: dict[str, Any]) -> None:
     assert {"200", "202", "429"} <= paths["/variants/{variant_id}/evaluate"]["post"]["responses"].keys()
 
 
+# ---------------------------------------------------------------- success bodies
+
+SCHEMAS = "#/components/schemas/"
+
+
+def json_successes(doc: dict[str, Any]) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
+    """``(METHOD, path, status, schema)`` of every 2xx answer with a JSON body."""
+    for path, method, operation in operations(doc):
+        for status, answer in operation["responses"].items():
+            schema = answer.get("content", {}).get("application/json", {}).get("schema")
+            if status.startswith("2") and schema is not None:
+                yield method, path, status, schema
+
+
+def test_every_json_success_body_is_a_named_schema(document: dict[str, Any]) -> None:
+    """A client (and docs/API.md) can say what every JSON answer holds: a component schema, or a list of one."""
+    untyped = [
+        f"{method} {path} {status}: {schema}"
+        for method, path, status, schema in json_successes(document)
+        if "$ref" not in schema and "$ref" not in schema.get("items", {})
+    ]
+    assert untyped == []
+    ok = {(method, path): schema for method, path, status, schema in json_successes(document) if status == "200"}
+    assert ok[("GET", "/healthz")] == {"$ref": SCHEMAS + "Health"}
+    assert ok[("GET", "/readyz")] == {"$ref": SCHEMAS + "Readiness"}
+    assert ok[("GET", "/models/{model_id}/engram-map")] == {"$ref": SCHEMAS + "EngramMap"}
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+def test_probes_answer_what_their_schema_says(path: str, live_server: LiveServer, document: dict[str, Any]) -> None:
+    response = live_server.client.get(path)
+    assert response.status_code == 200, response.text
+    schema = document["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    body = response.json()
+    jsonschema.Draft202012Validator({**schema, "components": document["components"]}).validate(body)
+    fields = resolve(document, schema)["properties"].keys()
+    assert body.keys() <= fields, f"{path} answers fields its schema does not name"
+
+
 # ---------------------------------------------------------------- security
 
 

@@ -5,7 +5,8 @@ and concepts ``cli-client-*`` of their own; evaluation, generation and maps use 
 of ``conftest.py``. Where a test must see what went over the wire (the options sent, the API key not
 following a redirect to S3), the client gets :class:`Recording`, the real network transport that
 also keeps each request: a spy, not a mock. Only the retry policy is
-tested against ``httpx.MockTransport``, because a real server cannot be made to answer 503 on cue.
+tested against ``httpx.MockTransport``, because a real server cannot be made to answer 503 on cue,
+and the refusal of a job of another kind than asked (the real server's answer, its kind rewritten).
 """
 
 from __future__ import annotations
@@ -25,12 +26,23 @@ import httpx
 import pytest
 from PIL import Image
 
-from api_schemas import Concept, Job, Model, Variant, VariantSubmission
+from api_schemas import (
+    Concept,
+    EvaluateJob,
+    EvaluationResult,
+    GenerateJob,
+    GenerationResult,
+    Job,
+    Model,
+    Variant,
+    VariantSubmission,
+)
 from engram_client import (
     EngramAPIError,
     EngramClient,
     EngramConnectionError,
     EngramDownloadError,
+    EngramError,
     EngramJobError,
     EngramOutputExistsError,
     EngramTimeoutError,
@@ -179,7 +191,7 @@ def test_evaluate_with_wait_polls_to_the_summary(client: EngramClient, cli2: Rea
     assert (job.kind, job.status, job.variant_id) == ("evaluate", "succeeded", cli2.variant_id)
     assert seen[-1] == job == client.get_job(job.job_id)
     summary = job.result["summary"]  # type: ignore[index]
-    assert {model: {split: set(s) for split, s in splits.items()} for model, splits in summary.items()} == {
+    assert {model: {split: s.model_fields_set for split, s in splits.items()} for model, splits in summary.items()} == {
         model: {"forget": SCORES, "retain": SCORES} for model in ("base", "variant")
     }
     assert summary["variant"]["forget"]["n"] == len(cli2.forget) and summary["base"]["retain"]["n"] == len(cli2.retain)
@@ -244,6 +256,48 @@ def test_generate_both_models_or_one(client: EngramClient, cli2: ReadyVariant) -
     done = client.wait_for_job(pending.job_id, poll_s=0.1)
     assert list(done.result["outputs"]) == ["variant"]  # type: ignore[index]
     assert done.result["outputs"]["variant"] == result["outputs"]["variant"]  # type: ignore[index]  # greedy: the same
+
+
+def test_finished_jobs_carry_their_kinds_typed_result(
+    client: EngramClient, cli2: ReadyVariant, concepts: dict[str, Any], api: httpx.Client
+) -> None:
+    """An evaluate and a generate job read back as the models of their kinds: the typed result is the
+    service's JSON field for field, and it still reads as that JSON object did (``result["summary"]``)."""
+    evaluated = client.evaluate(cli2.variant_id, cli2.forget[:2], cli2.retain[:3], wait=True, poll_s=0.1)
+    generated = client.generate(cli2.variant_id, cli2.forget[0]["prompt"], max_new_tokens=3, wait=True, poll_s=0.1)
+    assert isinstance(evaluated, EvaluateJob) and isinstance(generated, GenerateJob)
+    for job, result_model in ((evaluated, EvaluationResult), (generated, GenerationResult)):
+        again = client.get_job(job.job_id)
+        assert type(again) is type(job) and isinstance(again.result, result_model)
+        answered = api.get(f"/jobs/{job.job_id}").json()["result"]
+        assert again.result.model_dump(mode="json", exclude_unset=True) == answered
+    result = evaluated.result
+    assert result is not None
+    assert [(r.split, r.index) for r in result.records] == [("forget", 0), ("forget", 1)] + [("retain", i) for i in range(3)]
+    forget, retain = result.summary["variant"]["forget"], result.summary["base"]["retain"]
+    assert (forget.n, retain.n) == (2, 3)
+    assert result["summary"]["variant"]["forget"]["n"] == 2 and result.get("reused") is result.reused
+    assert "records" in result and "nothing" not in result and result.get("nothing", 7) == 7
+    with pytest.raises(KeyError, match="nothing"):
+        result["nothing"]
+    assert generated.result is not None and list(generated.result.outputs) == ["base", "variant"]
+    assert generated.result["outputs"]["base"]["text"] == generated.result.outputs["base"].text
+    collected = client.get_job(concepts["jobs"][0].job_id)  # a kind without a result model: the plain Job
+    assert type(collected) is Job and isinstance(collected.result, dict)
+
+
+def test_a_job_of_another_kind_than_asked_is_an_error(live_server: LiveServer, cli2: ReadyVariant) -> None:
+    """The client reads a job by the kind the service names; an answer of another kind is refused, not misread."""
+
+    def generate_as_map(request: httpx.Request) -> httpx.Response:
+        url = f"{live_server.base_url}{request.url.path}"
+        response = httpx.post(url, json=json.loads(request.read()), timeout=60)
+        return httpx.Response(response.status_code, json={**response.json(), "kind": "map"})
+
+    # A spy that rewrites the answer's kind: no real server answers with another kind than it was asked.
+    with EngramClient("http://engram.test", transport=httpx.MockTransport(generate_as_map)) as engram:
+        with pytest.raises(EngramError, match="expected a GenerateJob, the service answered a map job"):
+            engram.generate(cli2.variant_id, cli2.forget[0]["prompt"], max_new_tokens=2)
 
 
 def test_engram_map_is_the_http_answer(client: EngramClient, cli2: ReadyVariant, api: httpx.Client) -> None:

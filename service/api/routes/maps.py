@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api_schemas import Job
+from api_schemas import EngramMap, Job
 from service.api.auth import may_start_work, request_principal
 from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
@@ -104,7 +104,7 @@ async def engram_map_png(
     return Response(png, media_type="image/png")
 
 
-@router.get("/models/{model_id:path}/engram-map", responses=_COMPUTING)
+@router.get("/models/{model_id:path}/engram-map", response_model=EngramMap, responses=_COMPUTING)
 async def engram_map_json(
     request: Request,
     model_id: str,

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from api_schemas import Health, Readiness
 from service.api.deps import ContextDep, LanesDep
 from service.context import Context
 from service.errors import ServiceUnavailable
@@ -16,13 +17,13 @@ from service.universes.retention import refresh_metrics as refresh_universe_metr
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=Health)
 async def healthz() -> dict[str, str]:
     """The process is up (answered on the event loop: busy threads cannot delay it)."""
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=Readiness, response_model_exclude_none=True)
 async def readyz(ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     """Storage can serve requests and, in distributed mode, the broker answers and every queue has a
     worker with a live heartbeat; 503 naming what is missing otherwise."""

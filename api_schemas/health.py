@@ -1,0 +1,25 @@
+"""Liveness and readiness: ``GET /healthz`` and ``GET /readyz``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Health(BaseModel):
+    """The process is up."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    """Jobs can run: storage answers and, in distributed mode, the broker answers and every queue has a worker."""
+
+    status: Literal["ready"] = "ready"
+    mode: Literal["embedded", "distributed"] = Field(
+        description="embedded: jobs run in the API's own job process; distributed: Celery workers run them"
+    )
+    workers: dict[str, int] | None = Field(
+        default=None, description="distributed mode: the live workers per queue (absent in embedded mode)"
+    )
