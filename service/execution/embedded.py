@@ -37,7 +37,7 @@ from typing import Any
 from service.config import Settings
 from service.context import Context
 from service.execution.kinds import KINDS
-from service.jobs.records import JobRecord, read_job_record
+from service.jobs.records import JobRecord, UnreadableJobRecord, read_job_record
 from service.jobs.store import JobStore, utc_now, valid_job_id
 from service.observability import configure_logging
 from service.storage.base import Storage
@@ -112,7 +112,7 @@ class SqliteJobStore(JobStore):
         rows = self._connection().execute(
             f"SELECT job_id, body FROM jobs WHERE status IN ({marks}) ORDER BY rowid", statuses
         )
-        return [read_job_record(json.loads(body), job_id) for (job_id, body) in rows]
+        return [job for (job_id, body) in rows if (job := _readable_row(job_id, body)) is not None]
 
     def active(self) -> list[JobRecord]:
         return self.with_status(("queued", "running"))
@@ -136,6 +136,16 @@ class SqliteJobStore(JobStore):
         cutoff = (datetime.now(timezone.utc) - keep).isoformat()
         with self._lock:
             self._connection().execute("DELETE FROM jobs WHERE finished_at IS NOT NULL AND finished_at < ?", (cutoff,))
+
+
+def _readable_row(job_id: str, body: str) -> JobRecord | None:
+    """A live row's record; one that cannot be read (written by a newer version sharing the file)
+    is None, with an error naming it, so that no listing and no monitor pass stops at it."""
+    try:
+        return read_job_record(json.loads(body), job_id)
+    except (UnreadableJobRecord, ValueError) as exc:
+        log.error("job %s: %s", job_id, exc)
+        return None
 
 
 class _Transaction:

@@ -20,7 +20,6 @@ from typing import Any
 from service.jobs.periodic import PeriodicDuty
 from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED, RedisJobStore, utc_now
-from service.storage.keys import OPEN_JOBS
 
 log = logging.getLogger("engram.reconcile")
 
@@ -29,11 +28,8 @@ def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[JobRecord], None]) -
     """One pass over the open jobs; returns the IDs dispatched again."""
     epoch = jobs.epoch()
     redispatched = []
-    for key in jobs.storage.list(OPEN_JOBS):
-        job_id = key.removeprefix(OPEN_JOBS)
-        job = jobs.get(job_id)
-        if job is None:
-            continue
+    for job in jobs.marked_open():  # an unreadable record is logged by name, and stops no other
+        job_id = job.job_id
         reason = _why_lost(jobs, job, epoch)
         if job.status in FINISHED:
             jobs.update(job_id)  # its last persist failed: persisting now also drops the open marker

@@ -139,7 +139,7 @@ class JobStore:
     def unfinished(self) -> list[JobRecord]:
         """Jobs not known to be finished, from the durable markers (survives any restart)."""
         found = []
-        for job in self._marked_open():
+        for job in self.marked_open():
             if job.status not in FINISHED:
                 found.append(job)
             else:
@@ -148,22 +148,22 @@ class JobStore:
 
     def active(self) -> list[JobRecord]:
         """Jobs not finished yet, oldest first (from the durable markers: every mode, any restart)."""
-        return sorted((j for j in self._marked_open() if j.status not in FINISHED), key=lambda j: j.created_at)
+        return sorted((j for j in self.marked_open() if j.status not in FINISHED), key=lambda j: j.created_at)
 
-    def _marked_open(self) -> list[JobRecord]:
-        """The records of the open markers. One that cannot be read is left out of this listing
-        with an error naming it (one damaged record must not stop every other job's recovery);
-        reading it by ID still raises :class:`UnreadableJobRecord`."""
-        found = []
-        for key in self.storage.list(OPEN_JOBS):
-            try:
-                job = self.get(key.removeprefix(OPEN_JOBS))
-            except UnreadableJobRecord as exc:
-                log.error("%s", exc.detail)
-                continue
-            if job is not None:
-                found.append(job)
-        return found
+    def marked_open(self) -> list[JobRecord]:
+        """The records of the open markers (finished ones too: their last persist may have failed)."""
+        found = (self.readable(key.removeprefix(OPEN_JOBS)) for key in self.storage.list(OPEN_JOBS))
+        return [job for job in found if job is not None]
+
+    def readable(self, job_id: str) -> JobRecord | None:
+        """:meth:`get` for a pass over many jobs: a record that cannot be read is None here, with an
+        error naming it in the log (one damaged record must not stop every other job's recovery or
+        admission); reading it by ID (``GET /jobs/{id}``) still raises :class:`UnreadableJobRecord`."""
+        try:
+            return self.get(job_id)
+        except UnreadableJobRecord as exc:
+            log.error("%s", exc.detail)
+            return None
 
     def _load_durable(self, job_id: str) -> JobRecord | None:
         """The persisted record. Not written back to the live store: a record missing there is how
@@ -232,7 +232,8 @@ class RedisJobStore(JobStore):
         if exact:
             for key in (OPEN_SET, mine):
                 members = [m.decode() for m in self.redis.smembers(key)]
-                stale = [m for m in members if (j := self.get(m)) is None or j.status in FINISHED]
+                # An unreadable record counts as stale: nothing can run it.
+                stale = [m for m in members if (j := self.readable(m)) is None or j.status in FINISHED]
                 if stale:
                     self.redis.srem(key, *stale)
         return int(self.redis.scard(OPEN_SET)), int(self.redis.scard(mine))

@@ -6,6 +6,7 @@ and a stored record that cannot be read is refused naming the job, by each store
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import uuid
 from pathlib import Path
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from service.context import Context
 from service.execution.embedded import SqliteJobStore
 from service.execution.kinds import KINDS
+from service.jobs.reconcile import reconcile_once
 from service.jobs.records import (
     FORMAT_VERSION,
     PAYLOADS,
@@ -27,7 +29,7 @@ from service.jobs.records import (
     VariantPayload,
     read_job_record,
 )
-from service.jobs.store import JobKind, JobStore, new_job, utc_now
+from service.jobs.store import OPEN_SET, JobKind, JobStore, RedisJobStore, new_job, utc_now
 from service.storage.keys import OPEN_JOBS, job_key
 from tests.helpers.app import in_process_server
 from tests.helpers.jobs import SAMPLE_PAYLOADS, payload_for
@@ -198,3 +200,33 @@ def test_records_are_frozen_and_an_update_is_checked_as_a_stored_record_is() -> 
     with pytest.raises(TypeError, match=f"job {record.job_id} is a map job, not a variant job"):
         record.payload_of(VariantPayload)
     assert record.updated(status="running").status == "running" and record.status == "queued"
+
+
+def test_passes_over_many_jobs_log_an_unreadable_record_by_name_and_go_on(
+    tmp_path: Path, redis_ctx: Context, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reconciler, admission's exact recount and embedded mode's listings each meet a record
+    this version cannot read: each names it in the log and handles every other job as before."""
+    store = redis_ctx.jobs
+    assert isinstance(store, RedisJobStore)
+    bad = {**unversioned_record("map", SAMPLE_PAYLOADS["map"], owner="key#1"), "format_version": 9}
+    store.storage.put_json(job_key(bad["job_id"]), bad)
+    store.storage.put_bytes(OPEN_JOBS + bad["job_id"], b"")
+    client.sadd(OPEN_SET, bad["job_id"])
+    client.sadd(OPEN_SET + ":key#1", bad["job_id"])
+    lost = store.create(new_job("map", payload_for("map"), unit="layers"))
+    client.delete(f"engram:job:{lost.job_id}")  # Redis lost this one: the reconciler dispatches it again
+    dispatched: list[str] = []
+    with caplog.at_level(logging.ERROR):
+        assert reconcile_once(store, lambda job: dispatched.append(job.job_id)) == [lost.job_id] == dispatched
+        assert store.open_counts("key#1", exact=True) == (1, 0), "nothing can run it: it is not counted open"
+        sqlite = SqliteJobStore(store.storage, tmp_path / "live.sqlite")
+        sqlite.create(new_job("map", payload_for("map"), unit="layers"))
+        with sqlite3.connect(tmp_path / "live.sqlite") as connection:
+            connection.execute(
+                "INSERT INTO jobs (job_id, kind, status, finished_at, body) VALUES (?, 'map', 'queued', NULL, ?)",
+                (bad["job_id"], json.dumps(bad)),
+            )
+        assert len(sqlite.active()) == 1 and sqlite.queued_by_queue()["gpu"] == 2, "the row is still counted queued"
+    named = [r.getMessage() for r in caplog.records if bad["job_id"] in r.getMessage()]
+    assert len(named) >= 3 and all("format_version 9" in message for message in named)
