@@ -41,6 +41,7 @@ __all__ = [
     "read_probes",
     "split_forget",
     "tiny_llama_config",
+    "tofu_answers",
     "train_on_facts",
     "train_tokenizer",
 ]
@@ -308,6 +309,53 @@ class DemoPaths:
     model_dir: Path
     forget: Path
     retain: Path
+
+
+# Mini-TOFU: per attribute, the paraphrased answer's form (TOFU paraphrases the answer and perturbs
+# the paraphrase, keeping its form): the true answer words, or made-up wrong ones, fill ``{}``.
+_PARAPHRASES: dict[str, str] = {
+    "birthplace": " the town of {}",
+    "colour": " the colour {}",
+    "profession": " a {} by trade",
+    "pet": " a pet called {}",
+}
+
+
+def _attribute(prompt: str) -> str:
+    """Which attribute a :func:`make_facts` question asks about (its template's fixed text)."""
+    for kind, (template, _, _) in _ATTRIBUTES.items():
+        before, after = template.split("{name}")
+        if prompt.startswith(before) and prompt.endswith(after):
+            return kind
+    raise ValueError(f"not a make_facts question: {prompt!r}")
+
+
+def tofu_answers(facts: Sequence[tuple[str, str]], seed: int = 0, n_perturbed: int = 3) -> list[tuple[str, tuple[str, ...]]]:
+    """Mini-TOFU's extra answers for :func:`make_facts` facts: ``(paraphrased_answer,
+    perturbed_answers)`` per fact, deterministic in ``seed``.
+
+    The paraphrase puts the true answer words in another phrase of the attribute
+    (``" Quillmoor"`` → ``" the town of Quillmoor"``); each perturbed answer is the same phrase with
+    made-up words of the same shape that are no name or answer of ``facts`` (so plausible, wrong and
+    never trained on), as TOFU perturbs its paraphrased answers. The facts themselves are untouched.
+
+    Args:
+        facts: ``(prompt, completion)`` pairs from :func:`make_facts`.
+        seed: Seed of the made-up words (independent of the facts' seed).
+        n_perturbed: Wrong answers per fact (TOFU has 5).
+    """
+    rng = random.Random(f"tofu-{seed}")  # a string seed: a stream apart from make_facts' seeds
+    seen = {word for prompt, completion in facts for word in (prompt + completion).split()}
+    answers = []
+    for prompt, completion in facts:
+        kind = _attribute(prompt)
+        _, n_words, capitalize = _ATTRIBUTES[kind]
+        form = _PARAPHRASES[kind]
+        wrong = tuple(
+            form.format(_unique(rng, seen, partial(_words, n=n_words, capitalize=capitalize))) for _ in range(n_perturbed)
+        )
+        answers.append((form.format(completion.strip()), wrong))
+    return answers
 
 
 def _write_jsonl(path: Path, facts: Sequence[tuple[str, str]], chat: bool = False) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engram_fixtures.demo import make_facts, tiny_llama_config, train_on_facts, train_tokenizer
+from engram_fixtures.demo import make_facts, tiny_llama_config, tofu_answers, train_on_facts, train_tokenizer
 from engram_fixtures.models import make_tokenizer
 from service.engine.evaluate import Probe, encode_probe
 from service.engine.tofu_scoring import AnswerTokens, TofuProbe, tofu_probe, tofu_statistics, with_answer
@@ -135,3 +135,23 @@ def test_a_model_that_memorised_its_answers_has_em_and_es_one() -> None:
     assert after.values["extraction_strength"] == 1.0
     assert after.values["forget_Q_A_ROUGE"] == 1.0  # greedy generation reproduces every answer
     assert after.values["forget_Q_A_Prob"] > 0.8 > before.values["forget_Q_A_Prob"]
+
+
+def test_mini_tofu_answers_are_deterministic_wrong_and_untrained() -> None:
+    facts = make_facts(40, seed=2)
+    answers = tofu_answers(facts, seed=2, n_perturbed=4)
+    assert answers == tofu_answers(facts, seed=2, n_perturbed=4)
+    assert answers != tofu_answers(facts, seed=3, n_perturbed=4)
+    trained = {word for p, c in facts for word in (p + c).split()}
+    for (_, completion), (para, wrong) in zip(facts, answers, strict=True):
+        true_words = completion.strip()
+        assert true_words in para and para != completion
+        before, after = para.split(true_words)
+        assert len(wrong) == len(set(wrong)) == 4
+        for answer in wrong:
+            # the paraphrase's form around other words of the same shape, none of them trained on
+            assert answer.startswith(before) and answer.endswith(after)
+            words = answer[len(before) : len(answer) - len(after)].split()
+            assert len(words) == len(true_words.split())
+            assert not set(words) & trained
+    assert make_facts(40, seed=2) == facts  # the facts themselves are untouched
