@@ -99,7 +99,7 @@ def _named_universe(
     request = find_request(ctx, universe_id)
     if request is None:
         raise NotFound(f"universe {universe_id} does not exist")
-    spec = UniverseSpec.from_json(request)
+    spec = request.spec
     if spec.model_digest != model.digest:  # model IDs of the same weights share their universes
         raise Conflict(f"universe {universe_id} belongs to model {spec.model_id}, not {model.model_id}")
     outside = sorted(n for n, r in term_stats.items() if r["prefix"] not in spec.prefixes)

@@ -128,7 +128,7 @@ class UniverseBuild:
         request = find_request(ctx, universe_id)
         if request is None:
             raise JobFailed(f"universe {universe_id} does not exist")
-        spec = UniverseSpec.from_json(request)
+        spec = request.spec
         model = get_model(ctx, spec.model_id)
         if model.digest != spec.model_digest:
             raise JobFailed(f"model {spec.model_id} was re-registered with other weights")

@@ -18,17 +18,20 @@ from service.storage.keys import (
     universe_request_key,
     usage_key,
 )
+from service.universes.spec import UniverseRequest
 
 
 def valid_universe_id(universe_id: str) -> bool:
     return len(universe_id) == 32 and all(c in "0123456789abcdef" for c in universe_id)
 
 
-def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> UniverseRequest | None:
+    """The universe's request; ``recent``: as of at most a second ago (views only)."""
     if not valid_universe_id(universe_id):
         return None
     key = universe_request_key(universe_id)
-    return ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    data = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    return None if data is None else UniverseRequest.stored(key, data)
 
 
 def find_manifest(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:

@@ -374,10 +374,10 @@ def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool
     if request is None:
         return None
     usage = find_usage(ctx, universe_id)
-    last_used = _parse_time(usage.get("last_used")) or _parse_time(request.get("created_at")) or datetime.now(timezone.utc)
+    last_used = _parse_time(usage.get("last_used")) or _parse_time(request.created_at) or datetime.now(timezone.utc)
     users = _users(usage)
     manifest = find_manifest(ctx, universe_id)
-    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+    job = ctx.jobs.get(request.job_id) if request.job_id else None
     building = busy or (job is not None and job.status not in FINISHED)
     if manifest is not None:
         parts = manifest["bytes"]
@@ -525,7 +525,7 @@ def _eviction_plan(
 
 def _build_running(ctx: Context, universe_id: str) -> bool:
     request = find_request(ctx, universe_id)
-    job = ctx.jobs.get(request["job_id"]) if request and request.get("job_id") else None
+    job = ctx.jobs.get(request.job_id) if request and request.job_id else None
     return job is not None and job.status not in FINISHED
 
 

@@ -53,7 +53,7 @@ from service.universes.records import (
     find_usage,
     model_universe_ids,
 )
-from service.universes.spec import UniverseSpec, make_spec, settings_digest
+from service.universes.spec import UniverseRequest, UniverseSpec, make_spec, settings_digest
 
 
 def member_keys(prefixes: Sequence[str]) -> dict[str, str]:
@@ -66,7 +66,7 @@ def member_keys(prefixes: Sequence[str]) -> dict[str, str]:
 # ---------------------------------------------------------------- recording
 
 
-def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dict[str, Any]:
+def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> UniverseRequest:
     """Store what ``spec`` is (once) and which job builds it; call under ``ctx.lock``.
 
     The job is replaced only when the recorded one can no longer build it: it failed, was
@@ -79,13 +79,13 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> dic
         ctx.storage.put_bytes(marker, b"")
     existing = find_request(ctx, uid)
     if existing is not None:
-        job = ctx.jobs.get(existing["job_id"]) if existing.get("job_id") else None
+        job = ctx.jobs.get(existing.job_id) if existing.job_id else None
         if job is not None and job.status not in FINISHED or job_id is None:
             return existing
-        record = {**existing, "job_id": job_id}
+        record = existing.model_copy(update={"job_id": job_id})
     else:
-        record = {**spec.to_json(), "job_id": job_id, "created_at": utc_now()}
-    ctx.storage.put_json(universe_request_key(uid), record)
+        record = UniverseRequest.of(spec, job_id, utc_now())
+    ctx.storage.put_json(universe_request_key(uid), record.model_dump(mode="json"))
     ctx.reads.forget(universe_request_key(uid))
     return record
 
@@ -111,7 +111,7 @@ def _needs_build(ctx: Context, universe_id: str) -> bool:
     if find_manifest(ctx, universe_id) is not None:
         return False
     record = find_request(ctx, universe_id)
-    running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
+    running = ctx.jobs.get(record.job_id) if record and record.job_id else None
     return running is None or running.status in FINISHED
 
 
@@ -150,7 +150,7 @@ def submit_universe(
             retention.note_use(ctx, uid)
         else:
             record = find_request(ctx, uid)
-            running = ctx.jobs.get(record["job_id"]) if record and record.get("job_id") else None
+            running = ctx.jobs.get(record.job_id) if record and record.job_id else None
             if running is not None and running.status not in FINISHED:
                 job = attach_callbacks(ctx, running, urls)  # already building: that job calls back too
                 retention.note_use(ctx, uid)
@@ -189,7 +189,7 @@ def delete_universe(ctx: Context, universe_id: str) -> int:
         if request is None:
             raise NotFound(f"universe {universe_id} does not exist (GET /models/{{id}}/universes lists a model's)")
         jobs = set(retention.busy_jobs(ctx).get(universe_id, []))
-        builder = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+        builder = ctx.jobs.get(request.job_id) if request.job_id else None
         if builder is not None and builder.status not in FINISHED:
             jobs.add(builder.job_id)  # a calibration builds the universe it needs too
         if jobs:
@@ -230,20 +230,20 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
     if request is None:
         raise NotFound(f"universe {universe_id} does not exist")
     if current is None:
-        pointer = current_pointer(ctx, request["model_id"])
+        pointer = current_pointer(ctx, request.model_id)
         current = pointer["universe_id"] if pointer else ""
     # The job first, then the manifest: see registry.concept_model_state.
-    job = ctx.jobs.get(request["job_id"]) if request.get("job_id") else None
+    job = ctx.jobs.get(request.job_id) if request.job_id else None
     manifest = find_manifest(ctx, universe_id, recent=True)
     usage = find_usage(ctx, universe_id, recent=True)
     view: dict[str, Any] = {
         "universe_id": universe_id,
-        "model_id": request["model_id"],
-        "members": [{"name": m["name"], "dataset_digest": m["dataset_digest"]} for m in request["members"]],
-        "rcond": request["rcond"],
+        "model_id": request.model_id,
+        "members": [{"name": m.name, "dataset_digest": m.dataset_digest} for m in request.members],
+        "rcond": request.rcond,
         "current": universe_id == current,
-        "job_id": request.get("job_id"),
-        "created_at": request.get("created_at"),
+        "job_id": request.job_id,
+        "created_at": request.created_at,
         "last_used": usage.get("last_used"),
         "projected_bytes": (usage.get("projected") or {}).get("total"),
         "evicted_at": None,

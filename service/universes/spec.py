@@ -10,7 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from service.models.record import ModelRecord
+from service.models.stored import FORMAT_VERSION, check_format
 from service.statistics.key import StatsKey
 from service.storage.keys import canonical_digest
 
@@ -60,20 +63,61 @@ class UniverseSpec:
     def universe_id(self) -> str:
         return canonical_digest(self.identity())[:32]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "universe_id": self.universe_id,
-            "model_id": self.model_id,
-            "model_digest": self.model_digest,
-            "members": [{"name": m.name, "stats": m.stats, "dataset_digest": m.dataset_digest} for m in self.members],
-            "stats": self.prefixes,
-            "rcond": self.rcond,
-        }
+
+class UniverseMember(BaseModel):
+    """A member as the universe's request stores it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    stats: str
+    dataset_digest: str
+
+
+class UniverseRequest(BaseModel):
+    """What a universe is and which job builds it (``universes/<id>/request.json``): written when
+    it is first asked for; only ``job_id`` changes after.
+
+    Attributes:
+        stats: the members' statistics prefixes, sorted, without duplicates.
+        job_id: the job building it (None: none was needed, or not yet).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    universe_id: str
+    model_id: str
+    model_digest: str
+    members: tuple[UniverseMember, ...]
+    stats: tuple[str, ...]
+    rcond: float | None
+    job_id: str | None = None
+    created_at: str | None = None
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> UniverseSpec:
-        members = tuple(Member(m["name"], m["stats"], m["dataset_digest"]) for m in data["members"])
-        return cls(data["model_id"], data["model_digest"], members, data["rcond"])
+    def of(cls, spec: UniverseSpec, job_id: str | None, created_at: str) -> UniverseRequest:
+        members = tuple(UniverseMember(name=m.name, stats=m.stats, dataset_digest=m.dataset_digest) for m in spec.members)
+        return cls(
+            universe_id=spec.universe_id,
+            model_id=spec.model_id,
+            model_digest=spec.model_digest,
+            members=members,
+            stats=tuple(spec.prefixes),
+            rcond=spec.rcond,
+            job_id=job_id,
+            created_at=created_at,
+        )
+
+    @classmethod
+    def stored(cls, key: str, data: Mapping[str, Any]) -> UniverseRequest:
+        """A stored request (refused by name when it is of an older format: ``engram-service migrate``)."""
+        return cls.model_validate(check_format("universe request", key, data))
+
+    @property
+    def spec(self) -> UniverseSpec:
+        members = tuple(Member(m.name, m.stats, m.dataset_digest) for m in self.members)
+        return UniverseSpec(self.model_id, self.model_digest, members, self.rcond)
 
 
 def make_spec(model: ModelRecord, resolved: Mapping[str, Mapping[str, str]], rcond: float | None) -> UniverseSpec:

@@ -8,6 +8,7 @@ is refused by name (and left as it was), with what to do instead.
 What changes:
 
 - model registrations: the version only;
+- universe requests: the version, and ``stats`` (the members' statistics) where 0.1.0 wrote none;
 - variant requests: the options added since 0.1.0 get the value variants made before them had
   (no ``format``: ``checkpoint``; no ``lora_rank``, ``lora_target``, ``module_strengths``: none),
   and a request made before universes were stored gets its universe: the one of its statistics
@@ -27,10 +28,10 @@ from service.context import Context
 from service.models.migrate import Migration, migrate_models, registration_of_any_version
 from service.models.stored import FORMAT_VERSION
 from service.statistics.key import StatsKey
-from service.storage.keys import VARIANTS
-from service.universes.records import find_request
+from service.storage.keys import VARIANTS, universe_request_key
+from service.universes.records import known_universe_ids
 from service.universes.service import record_universe
-from service.universes.spec import Member, UniverseSpec
+from service.universes.spec import Member, UniverseRequest, UniverseSpec
 from service.variants.spec import VariantRequest
 
 # What variants stored before each option had (the options' defaults when they were added).
@@ -58,8 +59,42 @@ def migrate_store(ctx: Context, *, dry_run: bool = False) -> Migration:
     """Migrate every record of ``ctx.storage``, lowest floor first (a variant's universe needs its
     model's registration in the current format). Run it with the service stopped."""
     done = migrate_models(ctx, dry_run=dry_run)
+    done.extend(migrate_universes(ctx, dry_run=dry_run))
     done.extend(migrate_variants(ctx, dry_run=dry_run))
     return done
+
+
+def migrate_universes(ctx: Context, *, dry_run: bool = False) -> Migration:
+    done = Migration()
+    for universe_id in sorted(known_universe_ids(ctx)):  # every requested universe has its marker
+        key = universe_request_key(universe_id)
+        data = ctx.storage.find_json(key)
+        if data is None or data.get("format_version") == FORMAT_VERSION:
+            continue
+        try:
+            request = _universe_request(data)
+        except ValidationError as exc:
+            done.refused.append(
+                (key, f"not a universe request ({_first(exc)}): delete the universe (DELETE /universes/{{id}})")
+            )
+            continue
+        if not dry_run:
+            ctx.storage.put_json(key, request.model_dump(mode="json"))
+            ctx.reads.forget(key)
+        done.changed.append((key, f"format_version {data.get('format_version')!r} -> {FORMAT_VERSION}"))
+    return done
+
+
+def _universe_request(data: Mapping[str, Any]) -> UniverseRequest:
+    stats = data.get("stats")
+    if stats is None:
+        stats = sorted({m["stats"] for m in data.get("members") or () if isinstance(m, dict) and "stats" in m})
+    return UniverseRequest.model_validate({**data, "stats": stats, "format_version": FORMAT_VERSION})
+
+
+def _first(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    return f"{'.'.join(map(str, error['loc']))}: {error['msg']}"
 
 
 def migrate_variants(ctx: Context, *, dry_run: bool = False) -> Migration:
@@ -98,8 +133,7 @@ def _migrated_request(ctx: Context, data: Mapping[str, Any], dry_run: bool) -> t
     try:
         request = VariantRequest.model_validate({**filled, "format_version": FORMAT_VERSION})
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise Unmigratable(f"not a variant request ({'.'.join(map(str, error['loc']))}: {error['msg']})") from None
+        raise Unmigratable(f"not a variant request ({_first(exc)})") from None
     return request, "; ".join(what)
 
 
@@ -130,8 +164,8 @@ def _universe_of(ctx: Context, data: Mapping[str, Any]) -> UniverseSpec:
         sorted((Member(n, p, StatsKey.parse(p).dataset_digest) for p in prefixes for n in names[p]), key=lambda m: m.name)
     )
     spec = UniverseSpec(model_id, model.digest, members, data.get("rcond"))
-    existing = find_request(ctx, spec.universe_id)
-    return spec if existing is None else UniverseSpec.from_json(existing)
+    existing = ctx.storage.find_json(universe_request_key(spec.universe_id))  # migrated or not (a dry run)
+    return spec if existing is None else _universe_request(existing).spec
 
 
 def _concept_names(ctx: Context, model_id: str, data: Mapping[str, Any]) -> dict[str, list[str]]:

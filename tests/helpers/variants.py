@@ -54,7 +54,7 @@ def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any)
     view, job = submit_variant(w.ctx, model_id, terms, None, options)
     if job is not None:
         [done] = w.run_pending()
-        assert done["status"] == "succeeded", done
+        assert done.status == "succeeded", done
         view = variant_view(w.ctx, view["variant_id"])
     return {**view, "manifest": w.ctx.storage.get_json(f"variants/{view['variant_id']}/manifest.json")}
 

@@ -211,10 +211,12 @@ def stored_universe(store: Path, universe_id: str, *, days_ago: float, current_o
     folder = store / "universes" / universe_id
     used = (datetime.now(timezone.utc) - timedelta(days=days_ago)).isoformat()
     request: dict[str, object] = {
+        "format_version": 1,
         "universe_id": universe_id,
         "model_id": "m",
         "model_digest": "d",
         "members": [],
+        "stats": [],
         "rcond": None,
     }
     write_json(folder / "request.json", {**request, "job_id": None, "created_at": used})

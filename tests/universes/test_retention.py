@@ -103,7 +103,7 @@ def stored_bytes(w: StoreWorld, universe_id: str) -> int:
 def spec_of(w: StoreWorld, universe_id: str) -> UniverseSpec:
     request = find_request(w.ctx, universe_id)
     assert request is not None
-    return UniverseSpec.from_json(request)
+    return request.spec
 
 
 def spec_for(w: StoreWorld, names: list[str]) -> UniverseSpec:
@@ -163,7 +163,7 @@ def test_a_variant_of_a_built_universe_needs_no_room(world: StoreWorld, settings
     view, job = submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "universe": uid})
     assert job is not None
     [done] = world.run_pending()
-    assert done["status"] == "succeeded", done
+    assert done.status == "succeeded", done
     assert view["universe_id"] == uid
 
 
@@ -205,7 +205,7 @@ def test_universes_in_use_are_never_evicted(world: StoreWorld, settings: Any) ->
         submit_universe(world.ctx, MODEL, ["b", "c", "d"], None)
     assert {universe_view(world.ctx, u)["status"] for u in (current, recent, busy)} == {"ready"}
     [done] = world.run_pending()  # the variant job finds its universe whole
-    assert done["status"] == "succeeded", done
+    assert done.status == "succeeded", done
 
 
 def test_an_evicted_universe_is_rebuilt_with_the_same_ids_and_bytes(world: StoreWorld, settings: Any) -> None:

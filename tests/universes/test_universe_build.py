@@ -65,7 +65,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         view, job = submit_universe(w.ctx, model_id, None, None)
         assert view["status"] == "building" and job is not None
         [done] = w.run_pending()
-        assert done["status"] == "succeeded", done
+        assert done.status == "succeeded", done
         universes[model_id] = view["universe_id"]
     return {"world": w, "paths": paths, "stats": stats, "universes": universes}
 

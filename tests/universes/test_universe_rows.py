@@ -69,7 +69,7 @@ def test_narrow_universes_are_decomposed_from_rows(world: dict[str, Any], monkey
     view, job = submit_universe(w.ctx, "r/llama", None, None)
     assert job is not None
     [done] = w.run_pending()
-    assert done["status"] == "succeeded", done
+    assert done.status == "succeeded", done
     manifest = w.ctx.storage.get_json(universe_prefix(view["universe_id"]) + "manifest.json")
 
     assert {g for g, info in manifest["groups"].items() if info["source"] == "rows"} == narrow

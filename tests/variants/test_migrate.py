@@ -20,9 +20,11 @@ from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.concepts.service import ready_statistics
 from service.models.registry import get_model
 from service.models.stored import FORMAT_VERSION, UnmigratedRecord
-from service.storage.keys import model_key, variant_request_key
+from service.storage.keys import model_key, universe_request_key, variant_request_key
 from service.universes.members import resolve_members
 from service.universes.records import find_request
+from service.universes.service import record_universe
+from service.universes.spec import make_spec
 from service.variants.migrate import migrate_store
 from service.variants.service import find_variant_request
 from tests.store_world import StoreWorld, text_records
@@ -44,8 +46,17 @@ def world(tmp_path: Path) -> StoreWorld:
 
 
 def old_store(w: StoreWorld) -> dict[str, Any]:
-    """The registration and two variant requests as 0.1.0 stored them; returns the old request."""
+    """The registration, a universe request and two variant requests as 0.1.0 stored them; returns
+    the old variant request (the universe's ID is under ``"universe"``)."""
     stats = ready_statistics(w.ctx, MODEL, ["forget", "retain"])
+    universe = make_spec(get_model(w.ctx, MODEL), {"retain": stats["retain"]}, None)
+    with w.ctx.lock:
+        record_universe(w.ctx, universe, None)
+    stored_universe = w.ctx.storage.get_json(universe_request_key(universe.universe_id))
+    w.ctx.storage.put_json(
+        universe_request_key(universe.universe_id),
+        {k: v for k, v in stored_universe.items() if k not in ("format_version", "stats")},
+    )
     registration = w.ctx.storage.get_json(model_key(MODEL))
     del registration["format_version"]
     w.ctx.storage.put_json(model_key(MODEL), registration)
@@ -67,7 +78,7 @@ def old_store(w: StoreWorld) -> dict[str, Any]:
     orphan_prefix = stats["retain"]["prefix"].replace(stats["retain"]["dataset_digest"], "e" * 64)
     orphan = {**old, "variant_id": ORPHAN, "universe_stats": sorted([stats["forget"]["prefix"], orphan_prefix])}
     w.ctx.storage.put_json(variant_request_key(ORPHAN), orphan)
-    return old
+    return {**old, "universe": universe.universe_id}
 
 
 def run_migrate(w: StoreWorld, *args: str) -> subprocess.CompletedProcess[str]:
@@ -82,11 +93,19 @@ def test_an_old_store_is_migrated_once_and_what_cannot_be_is_refused_by_name(wor
         find_variant_request(world.ctx, OLD)
     with pytest.raises(UnmigratedRecord, match=f"model registration {model_key(MODEL)} .*engram-service migrate"):
         get_model(world.ctx, MODEL)
+    with pytest.raises(UnmigratedRecord, match=f"universe request {universe_request_key(old['universe'])} .*migrate"):
+        find_request(world.ctx, old["universe"])
 
     first = run_migrate(world)
     assert first.returncode == 1, first.stderr  # one record refused
     assert f"migrated {model_key(MODEL)}" in first.stdout
     assert f"migrated {variant_request_key(OLD)}" in first.stdout
+    assert f"migrated {universe_request_key(old['universe'])}" in first.stdout
+    migrated_universe = find_request(world.ctx, old["universe"])
+    assert migrated_universe is not None and migrated_universe.stats == (
+        ready_statistics(world.ctx, MODEL, ["retain"])["retain"]["prefix"],
+    )
+    assert migrated_universe.spec.universe_id == old["universe"]
     assert f"refused {variant_request_key(ORPHAN)}: statistics stats/" in first.stderr
     assert "belong to no concept on model m/llama" in first.stderr
 
@@ -100,7 +119,7 @@ def test_an_old_store_is_migrated_once_and_what_cannot_be_is_refused_by_name(wor
     expected = resolve_members(world.ctx, model, ["forget"], reference=["retain"], rcond=0.001)
     assert request.universe_id == expected.spec.universe_id
     recorded = find_request(world.ctx, request.universe_id)
-    assert recorded is not None and sorted(m["name"] for m in recorded["members"]) == ["forget", "retain"]
+    assert recorded is not None and sorted(m.name for m in recorded.members) == ["forget", "retain"]
     assert world.ctx.storage.get_json(variant_request_key(ORPHAN)).get("format_version") is None  # left as it was
 
     before = {k: world.ctx.storage.get_bytes(k) for k in world.ctx.storage.list("") if not k.startswith("jobs/")}
@@ -112,9 +131,13 @@ def test_an_old_store_is_migrated_once_and_what_cannot_be_is_refused_by_name(wor
 
 
 def test_a_dry_run_reports_and_writes_nothing(world: StoreWorld) -> None:
-    old_store(world)
+    old = old_store(world)
     before = {k: world.ctx.storage.get_bytes(k) for k in world.ctx.storage.list("")}
     done = migrate_store(world.ctx, dry_run=True)
-    assert [k for k, _ in done.changed] == [model_key(MODEL), variant_request_key(OLD)]
+    assert [k for k, _ in done.changed] == [
+        model_key(MODEL),
+        universe_request_key(old["universe"]),
+        variant_request_key(OLD),
+    ]
     assert [k for k, _ in done.refused] == [variant_request_key(ORPHAN)]
     assert {k: world.ctx.storage.get_bytes(k) for k in world.ctx.storage.list("")} == before

@@ -156,7 +156,7 @@ def test_the_first_variant_of_a_new_universe_builds_it(world: dict[str, Any]) ->
     w: StoreWorld = world["world"]
     variant = build(w, "v/gpt2", {"other": -1.0}, reference=["other"])
     record = find_request(w.ctx, variant["universe_id"])
-    assert record is not None and record["job_id"] == variant["job_id"], "the variant job built its universe"
+    assert record is not None and record.job_id == variant["job_id"], "the variant job built its universe"
     assert find_manifest(w.ctx, variant["universe_id"]) is not None
     job = w.ctx.jobs.get(variant["job_id"])
     assert job is not None and job.result is not None and job.result["universe_built_s"] is not None

@@ -42,7 +42,7 @@ def unlearn(w: StoreWorld, model_id: str, **options: Any) -> dict[str, Any]:
     view, job = submit_variant(w.ctx, model_id, {"forget": -1.0}, 1.0, options)
     if job is not None:
         [done] = w.run_pending()
-        assert done["status"] == "succeeded", done
+        assert done.status == "succeeded", done
     return variant_view(w.ctx, view["variant_id"])
 
 
