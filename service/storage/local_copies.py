@@ -56,8 +56,8 @@ def cached_copy(ctx: Holder, folder_name: str, name: str, fetch: Callable[[Path]
 
 def trim_disk_cache(folder: Path, budget: int, keep: set[Path]) -> None:
     """Delete the least recently modified files beyond ``budget`` bytes, but not those this process
-    has open (``keep``: the new file and, for statistics, every file in
-    :data:`service.statistics.local.STATS_CACHE`)."""
+    has open (``keep``: the new file and, for statistics, every file the Context's
+    ``caches.stats_files`` holds)."""
     files = sorted((p for p in folder.glob("*.safetensors") if p not in keep), key=lambda p: p.stat().st_mtime)
     total = sum(p.stat().st_size for p in keep if p.exists()) + sum(p.stat().st_size for p in files)
     for path in files:
