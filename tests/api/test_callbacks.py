@@ -22,7 +22,10 @@ from pydantic import ValidationError
 from engram_fixtures.live import LiveServer, free_port, start_server, stop_server, wait_for_job
 from service.config import Settings
 from service.jobs.callbacks import sign, verify_signature
+from service.jobs.records import JobRecord
+from service.jobs.store import new_job, public_view
 from tests.helpers.api import assert_problem
+from tests.helpers.jobs import payload_for
 
 SECRET = "test-callback-secret"
 MODEL = "cb/tiny"
@@ -326,6 +329,11 @@ def test_a_jammed_outbox_entry_is_dead_lettered_and_later_callbacks_are_delivere
     assert "Traceback" not in jam_server.log_tail(200_000), "a bad entry must be a log line, not a traceback"
 
 
+def finished_job(job_id: str) -> JobRecord:
+    """A succeeded job record under ``job_id`` (the dispatcher alone: no store holds it)."""
+    return new_job("map", payload_for("map"), unit="steps").updated(job_id=job_id, status="succeeded")
+
+
 def test_a_delivery_that_raises_is_retried_then_dead_lettered_and_blocks_nothing(tmp_path: Path, receiver: Receiver) -> None:
     """The dispatcher alone, on real local storage and the real receiver. A transport that raises
     something httpx never would stands in for an unforeseen failure (no real server can make the
@@ -350,12 +358,12 @@ def test_a_delivery_that_raises_is_retried_then_dead_lettered_and_blocks_nothing
         callback_max_attempts=2,
         callback_backoff_s=0.05,
     )
-    jobs = {j: {"job_id": j, "status": "succeeded"} for j in ("a-explodes", "b-delivered")}
-    dispatcher = CallbackDispatcher(storage, settings, jobs.get, dict, transport=Exploding())
+    jobs = {j: finished_job(j) for j in ("a-explodes", "b-delivered")}
+    dispatcher = CallbackDispatcher(storage, settings, jobs.get, public_view, transport=Exploding())
     try:
-        enqueue(storage, {**jobs["a-explodes"], "callbacks": ["http://hooks.example.org/hook"]})
-        enqueue(storage, {"job_id": "c-vanished", "callbacks": [receiver.url]})  # its job record is gone
-        enqueue(storage, {**jobs["b-delivered"], "callbacks": [receiver.url]})
+        enqueue(storage, jobs["a-explodes"], ("http://hooks.example.org/hook",))
+        enqueue(storage, finished_job("c-vanished"), (receiver.url,))  # its job record is gone
+        enqueue(storage, jobs["b-delivered"], (receiver.url,))
         assert dispatcher.deliver_due() == 1
         assert len(receiver.deliveries("b-delivered")) == 1
         retried = {storage.get_json(k)["job_id"]: storage.get_json(k) for k in storage.list("callbacks/pending/")}
@@ -387,12 +395,12 @@ def test_slow_receivers_do_not_delay_other_callbacks(tmp_path: Path, receiver: R
     storage = LocalStorage(tmp_path / "store")
     settings = Settings(callback_hosts=f"127.0.0.1:{receiver.port}", callback_secret=SECRET, callback_timeout_s=1.0)
     slow = [f"a-slow-{i}" for i in range(5)]
-    jobs = {j: {"job_id": j, "status": "succeeded"} for j in [*slow, "b-prompt"]}
-    dispatcher = CallbackDispatcher(storage, settings, jobs.get, dict)
+    jobs = {j: finished_job(j) for j in [*slow, "b-prompt"]}
+    dispatcher = CallbackDispatcher(storage, settings, jobs.get, public_view)
     try:
         for job_id in slow:
-            enqueue(storage, {**jobs[job_id], "callbacks": [f"http://127.0.0.1:{receiver.port}/slow"]})
-        enqueue(storage, {**jobs["b-prompt"], "callbacks": [receiver.url]})
+            enqueue(storage, jobs[job_id], (f"http://127.0.0.1:{receiver.port}/slow",))
+        enqueue(storage, jobs["b-prompt"], (receiver.url,))
         started = time.monotonic()
         passing = threading.Thread(target=dispatcher.deliver_due)
         passing.start()
