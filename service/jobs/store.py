@@ -1,7 +1,9 @@
 """Job records and where they live: in memory or Redis while live, in object storage for good.
 
-A job is a small JSON record (kind, status, progress, error, result, timestamps) plus the IDs its
-task needs (``payload``). Tasks take a job ID, re-read everything from storage and write
+A job is a small frozen record (:class:`service.jobs.records.JobRecord`: kind, status, progress,
+error, result, timestamps) plus the IDs its task needs (its kind's payload model). Every store
+writes ``model_dump(mode="json")`` and reads through :func:`service.jobs.records.read_job_record`
+(the one migration of older records). Tasks take a job ID, re-read everything from storage and write
 content-addressed outputs, so running one twice is harmless.
 
 Object storage is the durable truth: every state change is persisted to ``jobs/<id>.json``, and an
