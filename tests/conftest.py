@@ -7,15 +7,19 @@ temporary directory, waits for ``/healthz`` and stops it (SIGTERM, then kill) at
 session. ``app_server`` is the same app called in this process (``tests.helpers.app``): what the
 app answers (validation, 4xx problems, schemas, pages, keys and scopes) needs no socket.
 
-The fast tier (``make test-fast``, ``pytest -m fast``): every test marked ``fast`` (by its module's
-``pytestmark``), and every test of the unit modules listed in ``FAST_MODULES`` that starts no
-process (uses none of ``PROCESS_FIXTURES``) and is not marked ``slow`` or ``gpu``.
+The fast tier (``make test-fast``, ``pytest -m fast``): every test marked ``fast`` (the API tests
+that run in process mark themselves), and every test of the folders in ``FAST_MODULES`` that starts
+no process (read from its source and its fixtures') and is not marked ``slow`` or ``gpu``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,8 +31,9 @@ from tests.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop
 
 # ---------------------------------------------------------------- the fast tier
 
-# Modules (or folders, ending in "/") of pure tests: the engine, the statistics, records, specs and
-# stores called in this process on tiny inputs. Paths relative to tests/.
+# Folders (ending in "/") and modules of tests that call the code in this process: the engine, the
+# statistics, records, specs, stores, the client's pure parts. Paths relative to tests/. A test in
+# them joins the fast tier unless it starts a process (``_starts_a_process``) or is marked slow or gpu.
 FAST_MODULES = (
     "engine/",
     "statistics/",
@@ -36,18 +41,26 @@ FAST_MODULES = (
     "jobs/",
     "universes/",
     "variants/",
-    "calibration/test_calibration_request.py",
-    "calibration/test_search.py",
-    "calibration/test_strengths.py",
-    "concepts/test_dataset_feed.py",
-    "storage/test_lru.py",
-    "storage/test_local_storage_full.py",
-    "client/test_edit_options.py",
-    "client/test_layout.py",
-    "test_architecture.py",
+    "datasets/",
+    "models/",
+    "concepts/",
+    "storage/",
+    "calibration/",
+    "evaluation/",
+    "client/",
+)  # tests/test_architecture.py is not: it reads every module's AST several times (half a minute)
+# A test that calls one of these, in its body, a fixture it uses or a function of its module or of
+# the test helpers it calls, starts a process (a server, Redis, SeaweedFS, a worker, a subprocess).
+PROCESS_STARTERS = re.compile(
+    r"\b(subprocess|Popen|start_server|running_server|start_redis|start_seaweed|seaweed|start_worker|Cluster)\b"
 )
-# Fixtures that start a process (a server, Redis, SeaweedFS): a test using one is not in the fast tier.
-PROCESS_FIXTURES = frozenset({"live_server", "api", "seaweed", "s3_bucket", "s3_env", "redis_server"})
+# In process, but slower than a quick check needs (seconds each on a 2-core machine): they run with
+# `make test`. Node IDs relative to tests/, or their beginnings.
+NOT_FAST = (
+    "engine/test_record_budget.py",  # records of 40,000 tokens: the budget is the point
+    "engine/test_tofu_scoring.py::test_a_model_that_memorised_its_answers_has_em_and_es_one",  # trains
+    "evaluation/test_bounded_templates.py",  # each renders in a bounded template process of its own
+)
 TESTS = Path(__file__).parent
 
 
@@ -63,7 +76,38 @@ def _in_fast_tier(item: pytest.Item) -> bool:
         return False
     if item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
         return False
-    return PROCESS_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+    if any(item.nodeid.removeprefix("tests/").startswith(prefix) for prefix in NOT_FAST):
+        return False
+    return isinstance(item, pytest.Function) and not _starts_a_process(item)
+
+
+def _starts_a_process(item: pytest.Function) -> bool:
+    """Whether the test, a fixture it uses (at any depth) or a function of the tests or fixtures
+    that either calls starts a process, read from their source."""
+    functions = [item.function]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        functions += [definition.func for definition in definitions]
+    return any(_calls_a_starter(function) for function in functions)
+
+
+@functools.cache
+def _calls_a_starter(function: Any) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):  # pytest's own fixtures (tmp_path, monkeypatch...): no process
+        return False
+    if PROCESS_STARTERS.search(source):
+        return True
+    module = inspect.getmodule(function)
+    for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", source)):
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper) and helper.__module__.startswith(("tests.", "engram_fixtures.")):
+            try:
+                if PROCESS_STARTERS.search(inspect.getsource(helper)):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 # ---------------------------------------------------------------- tiny models on disk

@@ -4,6 +4,7 @@ The session's tiny Llama has random weights, so its NLLs are near ln(vocab) and 
 are noise; what matters here is that the service's numbers are exactly those of the downloaded
 artifact scored directly with the same functions (tolerance 1e-5 relative), for both the
 checkpoint and the delta format, and that bad requests are 4xx problems that change nothing.
+(An unknown variant's 404 needs no variant: it runs on the app in this process, ``app_server``.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
 from tests.helpers.api import assert_problem
+from tests.helpers.app import InProcessServer
 
 MODEL = "eval/tiny"
 FACTS = make_facts(30, seed=3)
@@ -163,7 +165,9 @@ def test_bad_evaluate_requests_are_problems(
     assert sorted(p.name for p in (live_server.storage_dir / "jobs").glob("*.json")) == before
 
 
-def test_evaluate_unknown_variant_is_404(api: httpx.Client) -> None:
+@pytest.mark.fast
+def test_evaluate_unknown_variant_is_404(app_server: InProcessServer) -> None:
+    api = app_server.client
     assert_problem(api.post("/variants/0123456789abcdef0123456789abcdef/evaluate", json={"forget": FORGET}), 404)
     assert_problem(api.post("/variants/nope/generate", json={"prompt": "x"}), 404)
 

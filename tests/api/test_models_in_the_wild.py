@@ -10,6 +10,7 @@
   the checkpoint's own layout and loads with ``from_pretrained``. Fused experts in a layout the
   service does not edit (gpt-oss) are a 422 naming the expert layers.
 - Quantized checkpoints are refused at registration with a 422 that names the method.
+  (The refusals at registration run on the app in this process, ``app_server``: the fast tier.)
 - ``modules`` on ``POST /concepts``: only those input groups are collected, under another key, and an
   edit needing a layer the statistics lack is a 409 naming the layer and the concept.
 """
@@ -42,6 +43,7 @@ from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.expert_names import is_expert_layer
 from service.engine.linalg import default_rcond
 from service.engine.records import Record
+from tests.helpers.app import InProcessServer
 from tests.moe_reference import expert_weight, reference_pinv, reference_rows
 
 FACTS = make_facts(24, seed=5)
@@ -189,9 +191,11 @@ def _int8_mlp(path: Path) -> None:
         ("int8", _int8_mlp, ["model.layers.{0,1}.mlp.down_proj (int8)", "register the unquantized model"]),
     ],
 )
+@pytest.mark.fast
 def test_quantized_checkpoints_are_refused(
-    api: httpx.Client, model_root: Path, case: str, prepare: Callable[[Path], None], expected: list[str]
+    app_server: InProcessServer, model_root: Path, case: str, prepare: Callable[[Path], None], expected: list[str]
 ) -> None:
+    api = app_server.client
     model_dir = model_root / f"wild-quantized-{case}"
     if not model_dir.exists():
         make_tiny_llama(model_dir, hidden=32, layers=2, seed=3)
@@ -267,7 +271,9 @@ def test_mixture_of_experts_unlearns_every_routed_expert(
         assert api.get("/jobs").json() == jobs_before
 
 
-def test_fused_experts_in_another_layout_are_refused_naming_them(api: httpx.Client, model_root: Path) -> None:
+@pytest.mark.fast
+def test_fused_experts_in_another_layout_are_refused_naming_them(app_server: InProcessServer, model_root: Path) -> None:
+    api = app_server.client
     model_dir = model_root / "wild-gpt-oss"
     if not model_dir.exists():
         make_tiny_gpt_oss(model_dir, layers=2, experts=4)
