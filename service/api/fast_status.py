@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api_schemas import Concept, Job
 from service.concepts.service import concept_fields, ready_state
 from service.context import Context
-from service.jobs.records import JobRecord
+from service.jobs.records import JobRecord, UnreadableJobRecord
 from service.jobs.store import public_view, valid_job_id
 from service.statistics.key import manifest_key
 from service.storage.keys import concept_key
@@ -83,7 +83,12 @@ class FastStatus:
 
 
 def _local_job(ctx: Context, job_id: str) -> JobRecord | None:
-    return ctx.jobs.get_live(job_id) if valid_job_id(job_id) else None
+    """The live record; None when there is none, or it cannot be read: the route then answers (an
+    unreadable record as its problem, which this middleware, outside the app's handlers, cannot)."""
+    try:
+        return ctx.jobs.get_live(job_id) if valid_job_id(job_id) else None
+    except UnreadableJobRecord:
+        return None
 
 
 def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:

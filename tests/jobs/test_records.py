@@ -17,7 +17,7 @@ import redis
 from pydantic import ValidationError
 
 from service.context import Context
-from service.execution.embedded import SqliteJobStore
+from service.execution.embedded import SqliteJobStore, live_store_path
 from service.execution.kinds import KINDS
 from service.jobs.reconcile import reconcile_once
 from service.jobs.records import (
@@ -180,6 +180,18 @@ def test_the_api_answers_an_unreadable_job_with_a_problem_naming_it(tmp_path: Pa
         (server.storage_dir / "jobs").mkdir(exist_ok=True)
         (server.storage_dir / "jobs" / f"{bad['job_id']}.json").write_text(json.dumps(bad))
         answer = server.client.get(f"/jobs/{bad['job_id']}")
+        # A live row the status middleware cannot read: it leaves the answer to the route.
+        live = {**unversioned_record("map", SAMPLE_PAYLOADS["map"]), "format_version": 3}
+        with sqlite3.connect(live_store_path(server.settings)) as connection:
+            connection.execute(
+                "INSERT INTO jobs (job_id, kind, status, finished_at, body) VALUES (?, 'map', 'queued', NULL, ?)",
+                (live["job_id"], json.dumps(live)),
+            )
+        live_answer = server.client.get(f"/jobs/{live['job_id']}")
+    assert live_answer.status_code == 500 and live_answer.headers["content-type"].startswith("application/problem+json")
+    assert live_answer.json()["detail"].startswith(
+        f"the stored record of job {live['job_id']} cannot be read: format_version 3"
+    )
     assert answer.status_code == 500 and answer.headers["content-type"].startswith("application/problem+json")
     assert answer.json()["title"] == "Unreadable job record"
     assert (
