@@ -110,8 +110,10 @@ class Context:
         universe_helpers: asks idle workers to help build a universe (distributed mode).
         live_workers: ``{queue: workers with a live heartbeat consuming it}`` (distributed mode).
         reads: what status views read: recent documents, not a round trip each.
-        caches: this process's caches (:class:`ProcessCaches`), built from the settings when not
-            given; a context copied with ``dataclasses.replace`` shares its original's.
+        shared_caches: another context's caches, to share them (a context copied with
+            ``dataclasses.replace`` shares its original's).
+        caches: this process's caches (:class:`ProcessCaches`): ``shared_caches``, else built once
+            from the settings.
     """
 
     settings: Settings
@@ -123,13 +125,14 @@ class Context:
     queue_depths: Callable[[], dict[str, int]] | None = None
     universe_helpers: UniverseHelpers | None = None
     live_workers: Callable[[], dict[str, int]] | None = None
-    caches: ProcessCaches = None  # type: ignore[assignment]  # built in __post_init__ when not given
+    shared_caches: ProcessCaches | None = None
     reads: ReadCache = field(init=False)
+    caches: ProcessCaches = field(init=False)
 
     def __post_init__(self) -> None:
         self.reads = ReadCache(self.storage)
-        if self.caches is None:
-            self.caches = ProcessCaches.from_settings(self.settings)
+        self.caches = self.shared_caches or ProcessCaches.from_settings(self.settings)
+        self.shared_caches = self.caches  # what dataclasses.replace passes on: a copy shares them
 
     @property
     def cache_dir(self) -> Path:

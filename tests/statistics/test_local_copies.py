@@ -122,7 +122,7 @@ def test_one_process_cache_keeps_two_stores_with_the_same_prefix_apart(tmp_path:
     _store(first, tmp_path / "one", "stats/same/", tokens=40, dim=16)
     _store(second, tmp_path / "two", "stats/same/", tokens=41, dim=8)
     one, two = _context(first, tmp_path / "cache"), _context(second, tmp_path / "cache")
-    shared = dataclasses.replace(two, caches=one.caches)
+    shared = dataclasses.replace(two, shared_caches=one.caches)
     assert shared.caches is one.caches
     files = statistics(one, "stats/same/"), statistics(shared, "stats/same/")
     assert files[0].path != files[1].path and not torch.equal(files[0].sums["g"], files[1].sums["g"])
@@ -130,3 +130,4 @@ def test_one_process_cache_keeps_two_stores_with_the_same_prefix_apart(tmp_path:
     one.caches.factors.of(first)["u"] = torch.zeros(2)
     assert "u" not in one.caches.factors.of(second) and list(one.caches.factors.of(first)) == ["u"]
     assert statistics(one, "stats/same/") is files[0]  # the same store and key: one entry, kept
+    assert dataclasses.replace(one).caches is one.caches  # a copy of a context shares its caches
