@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from engram_fixtures.live import RedisServer, start_redis, stop_redis
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.jobs.leases import RedisLeases, worker_name
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress
@@ -30,21 +28,10 @@ from tests.helpers.jobs import payload_for
 from tests.store_world import StoreWorld, text_records
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    process = start_redis()
-    try:
-        yield process
-    finally:
-        stop_redis(process)
-
-
 @pytest.fixture
-def client(server: RedisServer) -> Iterator[redis.Redis]:
-    connection = redis.Redis.from_url(server.url)
-    connection.flushdb()
-    yield connection
-    connection.close()
+def client(redis_client: redis.Redis) -> redis.Redis:
+    """The module's private Redis (``tests.helpers.redis``), emptied for each test."""
+    return redis_client
 
 
 @pytest.fixture(scope="module")

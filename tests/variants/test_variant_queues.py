@@ -1,18 +1,16 @@
 """Which queue a variant job goes to: a variant that must build its universe first is GPU work (the
 float64 decomposition and products), one of a built universe is arithmetic for a CPU worker; universe
 jobs and their helpers go to the GPU queue. Dispatched for real onto a private Redis (Celery's Redis
-transport keeps each queue as a list named after it)."""
+transport keeps each queue as a list named after it; ``tests.helpers.redis``)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import redis
 
-from engram_fixtures.live import RedisServer, start_redis, stop_redis
+from engram_fixtures.live import RedisServer
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.config import Settings
 from service.execution.runtime import build_runtime
@@ -24,19 +22,12 @@ MODEL = "q/llama"
 OPTIONS = {"scaling": "uniform", "format": "checkpoint"}
 
 
-@pytest.fixture(scope="module")
-def broker() -> Iterator[RedisServer]:
-    server = start_redis()
-    yield server
-    stop_redis(server)
-
-
 def queued_tasks(client: redis.Redis, queue: str) -> list[str]:
     """The task names waiting in ``queue`` (sorted: kombu pushes at the head)."""
     return sorted(json.loads(raw)["headers"]["task"] for raw in client.lrange(queue, 0, -1))
 
 
-def test_a_variant_that_builds_its_universe_goes_to_the_gpu_queue(tmp_path: Path, broker: RedisServer) -> None:
+def test_a_variant_that_builds_its_universe_goes_to_the_gpu_queue(tmp_path: Path, redis_server: RedisServer) -> None:
     world = StoreWorld(tmp_path)
     world.register(
         MODEL, make_tiny_llama(tmp_path / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=make_tokenizer())
@@ -51,12 +42,12 @@ def test_a_variant_that_builds_its_universe_goes_to_the_gpu_queue(tmp_path: Path
 
     settings = Settings(
         storage_url=f"file://{tmp_path / 'store'}",
-        broker_url=broker.url,
+        broker_url=redis_server.url,
         model_roots=str(tmp_path),
         cache_dir=tmp_path / "cache",
     )
     runtime = build_runtime(settings, background=False)
-    client = redis.Redis.from_url(broker.url)
+    client = redis.Redis.from_url(redis_server.url)
     client.delete("gpu", "cpu")
     runtime.ctx.dispatch(first)
     runtime.ctx.dispatch(second)
