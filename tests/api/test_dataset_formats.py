@@ -9,6 +9,9 @@ the canonical records they mean, token for token. What the statistics cannot rep
 audio part, a tool call, an unknown ShareGPT speaker) is a 422 naming the record where the user
 finds it: ``records[i]``, the file's line, or the Parquet row, one way in each message. A collected
 concept shows its truncation report per model.
+
+The 422s are the app's answers: they run on the same app and settings in this process
+(``tests.helpers.app``, the fast tier); what a job collects runs on the server.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from engram_fixtures.models import make_tiny_chat_llama
 from service.datasets.spool import record_line
 from service.engine.records import Record, encode_record
 from tests.helpers.api import assert_problem, unchanged
+from tests.helpers.app import InProcessServer, in_process_server
 
 MODEL = "formats/chat"
 BROKEN = "formats/broken"
@@ -134,24 +138,36 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def settings(root: Path) -> dict[str, str]:
+    """The module's settings, as a server's environment spells them."""
+    return {"ENGRAM_DATASET_ROOTS": str(root / "datasets"), "ENGRAM_MAX_LENGTH": str(MAX_LENGTH)}
+
+
+def register(api: httpx.Client, root: Path) -> None:
+    for model_id, folder in ((MODEL, "chat"), (BROKEN, "broken")):
+        source = f"file://{root / 'models' / folder}"
+        response = api.post("/models", json={"model_id": model_id, "source": source})
+        assert response.status_code == 201, response.text
+
+
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[LiveServer]:
     live = start_server(
-        root / "store",
-        root / "models",
-        root / "server.log",
-        ENGRAM_DATASET_ROOTS=str(root / "datasets"),
-        ENGRAM_MAX_LENGTH=str(MAX_LENGTH),
-        ENGRAM_CACHE_DIR=str(root / "cache"),
+        root / "store", root / "models", root / "server.log", ENGRAM_CACHE_DIR=str(root / "cache"), **settings(root)
     )
     try:
-        for model_id, folder in ((MODEL, "chat"), (BROKEN, "broken")):
-            source = f"file://{root / 'models' / folder}"
-            response = live.client.post("/models", json={"model_id": model_id, "source": source})
-            assert response.status_code == 201, response.text
+        register(live.client, root)
         yield live
     finally:
         stop_server(live)
+
+
+@pytest.fixture(scope="module")
+def app(root: Path) -> Iterator[InProcessServer]:
+    """The same app and settings in this process (a store of its own): for what the app refuses."""
+    with in_process_server(root / "in-process", root / "models", **settings(root)) as server:
+        register(server.client, root)
+        yield server
 
 
 def post(api: httpx.Client, name: str, model: str = MODEL, **body: Any) -> httpx.Response:
@@ -269,9 +285,11 @@ REFUSED = [
 
 
 @pytest.mark.parametrize(("bad", "mentions"), REFUSED)
+@pytest.mark.fast
 def test_what_statistics_cannot_represent_is_a_422_naming_the_record(
-    server: LiveServer, bad: dict[str, Any], mentions: tuple[str, ...]
+    app: InProcessServer, bad: dict[str, Any], mentions: tuple[str, ...]
 ) -> None:
+    server = app
     api = server.client
     with unchanged(server):
         assert_problem(post(api, "refused", records=[GOOD, bad]), 422, "record 1", *mentions)

@@ -8,6 +8,9 @@ records posted inline; the shapes it does not read (a JSON array, CSV, TSV, plai
 another archive sent as an upload) are a 4xx problem that says what the dataset is and what to send
 instead, and change nothing. Truncation at ``max_length`` is stated in the collection job's result,
 naming the records it cut and those it left without a counted token.
+
+The refusals are the app's answers: they run on the same app and settings in this process
+(``tests.helpers.app``, the fast tier); what a job collects runs on the server.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from engram_fixtures.models import make_tiny_llama
 from service.datasets.spool import record_line
 from service.engine.records import Record
 from tests.helpers.api import assert_problem, unchanged
+from tests.helpers.app import InProcessServer, in_process_server
 
 MODEL = "shapes/tiny"
 MAX_LENGTH = 32
@@ -61,24 +65,39 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def settings(root: Path) -> dict[str, str]:
+    """The module's settings, as a server's environment spells them."""
+    return {
+        "ENGRAM_DATASET_ROOTS": str(root / "datasets"),
+        "ENGRAM_MAX_LENGTH": str(MAX_LENGTH),
+        "ENGRAM_MAX_UPLOAD_BYTES": str(MAX_BYTES),
+        "ENGRAM_MAX_DATASET_BYTES": str(MAX_BYTES),
+    }
+
+
+def register(api: httpx.Client, root: Path) -> None:
+    response = api.post("/models", json={"model_id": MODEL, "source": f"file://{root / 'models' / 'tiny'}"})
+    assert response.status_code == 201, response.text
+
+
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[LiveServer]:
     live = start_server(
-        root / "store",
-        root / "models",
-        root / "server.log",
-        ENGRAM_DATASET_ROOTS=str(root / "datasets"),
-        ENGRAM_MAX_LENGTH=str(MAX_LENGTH),
-        ENGRAM_MAX_UPLOAD_BYTES=str(MAX_BYTES),
-        ENGRAM_MAX_DATASET_BYTES=str(MAX_BYTES),
-        ENGRAM_CACHE_DIR=str(root / "cache"),
+        root / "store", root / "models", root / "server.log", ENGRAM_CACHE_DIR=str(root / "cache"), **settings(root)
     )
     try:
-        response = live.client.post("/models", json={"model_id": MODEL, "source": f"file://{root / 'models' / 'tiny'}"})
-        assert response.status_code == 201, response.text
+        register(live.client, root)
         yield live
     finally:
         stop_server(live)
+
+
+@pytest.fixture(scope="module")
+def app(root: Path) -> Iterator[InProcessServer]:
+    """The same app and settings in this process (a store of its own): for what the app refuses."""
+    with in_process_server(root / "in-process", root / "models", **settings(root)) as server:
+        register(server.client, root)
+        yield server
 
 
 def upload(api: httpx.Client, name: str, data: bytes, filename: str = "data.jsonl") -> httpx.Response:
@@ -199,15 +218,19 @@ def test_parquet_of_several_row_groups_with_a_mapping_and_a_row_range(server: Li
         pytest.param(b"\n\r\n  \n", 422, ("no records",), id="no-records"),
     ],
 )
+@pytest.mark.fast
 def test_an_upload_in_a_shape_not_read_is_a_clear_problem_that_changes_nothing(
-    server: LiveServer, data: bytes, status: int, mentions: tuple[str, ...]
+    app: InProcessServer, data: bytes, status: int, mentions: tuple[str, ...]
 ) -> None:
+    server = app
     with unchanged(server):
         assert_problem(upload(server.client, "shapes-refused", data), status, *mentions)
     assert server.client.get("/concepts/shapes-refused").status_code == 404
 
 
-def test_a_compressed_request_body_is_a_415_that_says_what_is_read(server: LiveServer) -> None:
+@pytest.mark.fast
+def test_a_compressed_request_body_is_a_415_that_says_what_is_read(app: InProcessServer) -> None:
+    server = app
     body = json.dumps({"name": "shapes-encoded", "models": [MODEL], "records": RECORDS}).encode()
     headers = {"content-type": "application/json", "content-encoding": "gzip"}
     with unchanged(server):
@@ -215,7 +238,9 @@ def test_a_compressed_request_body_is_a_415_that_says_what_is_read(server: LiveS
         assert_problem(response, 415, "Content-Encoding", "multipart")
 
 
-def test_a_gzip_bomb_is_stopped_at_the_upload_limit(server: LiveServer) -> None:
+@pytest.mark.fast
+def test_a_gzip_bomb_is_stopped_at_the_upload_limit(app: InProcessServer) -> None:
+    server = app
     line = jsonl([{"text": "a " * 1000}])
     bomb = gzip.compress(line * (4 * MAX_BYTES // len(line)), compresslevel=9)
     assert len(bomb) < MAX_BYTES // 8
