@@ -24,7 +24,7 @@ class JobProgress:
     def __init__(self, ctx: Any, job_id: str, total: int) -> None:
         self.ctx, self.job_id, self.done, self.total = ctx, job_id, 0, total
         self._last = 0.0
-        ctx.jobs.update(job_id, progress=ctx.jobs.get(job_id).progress.model_copy(update={"done": 0, "total": total}))
+        ctx.jobs.update(job_id, progress={**ctx.jobs.get(job_id).progress.model_dump(), "done": 0, "total": total})
 
     def advance(self, amount: int = 1) -> None:
         self.done += amount

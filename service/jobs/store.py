@@ -130,7 +130,7 @@ class JobStore:
         with self._lock:
             job = self._read_live(job_id)
             if job is not None:
-                self._write_live(job.updated(progress=job.progress.model_copy(update=counts)))
+                self._write_live(job.updated(progress={**job.progress.model_dump(), **counts}))
 
     def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
         """(jobs not finished in total, those of ``owner``): what admission control bounds.
