@@ -1,0 +1,218 @@
+"""Class-wise unlearning on the mini-CIFAR: Engram α=1 against the model retrained without class 0.
+
+    python -m bench.vision                    # both architectures (builds the mini-CIFAR once: minutes)
+    python -m bench.vision --arch resnet --out bench/results/vision.json
+
+Per architecture (engram_fixtures.mini_cifar's tiny ResNet and ViT), in this process, on file
+storage in a temporary directory, with the service's own functions: the base model is registered
+(``register_model``); one concept per class is collected from that class's training images
+(``collect_statistics`` on ``PixelBatch`` batches of the model's image processor) and published as a
+collection job publishes it (the image collection job is not wired into the concept job yet);
+a universe of the ten class concepts is built (``submit_universe`` + the workers' ``run_job``);
+the unlearn variant of class 0 at α=1 (``submit_variant`` + ``run_job``, uniform scaling, the
+universe as reference: ``W − α·W·Σ_class0·(Σ_all classes)⁺`` on every conv and the head).
+
+Then the base, the Engram variant and the retrained model are run over the probes
+(``service.engine.classify``) and scored (``service.evaluation.classifier_metrics``):
+
+* forget = the training images of class 0 (the paper's X⁺), retain = the other training images
+  (X⁻), test = the whole test split (every class; accuracy on the test images of class 0 and of the
+  others is reported too);
+* ToW against the retrained model; DA (forget vs retain features) and NMI (k-means of the forget ∪
+  retain features against their classes) of each model's penultimate features; linear CKA of the
+  test split's penultimate features to the base and to the retrained model.
+
+Timings: the collection per concept, the universe build, the variant job.
+"""
+
+# ruff: noqa: T201  (a command-line tool: printing is its output)
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from bench.universe import run_pending, service_context  # noqa: E402
+from engram_fixtures.mini_cifar import (
+    FORGET_CLASS,
+    NUM_CLASSES,
+    MiniCifar,
+    TrainingPlan,
+    build_mini_cifar,
+    load_split,
+)  # noqa: E402
+from service.engine.classify import Classified, classify  # noqa: E402
+from service.engine.collect import LayerStatistics, PixelBatch, collect_statistics  # noqa: E402
+from service.engine.images import load_image_processor, pixel_batches  # noqa: E402
+from service.evaluation import classifier_metrics as cm  # noqa: E402
+
+BATCH = 64
+
+
+def _batches(folder: Path, images: list[Image.Image]) -> list[PixelBatch]:
+    processor = load_image_processor(folder)
+    return [PixelBatch(values) for values in pixel_batches(processor, images, BATCH, 3)]
+
+
+def publish_concept(ctx: Any, model_id: str, name: str, stats: LayerStatistics, images: int, scratch: Path) -> None:
+    """Publish a concept's statistics where a collection job publishes them."""
+    from service.engine.stats_io import save_statistics
+    from service.jobs.store import utc_now
+    from service.statistics.manifest import publish_statistics
+    from service.statistics.spec import CollectionSpec
+    from service.storage.keys import model_key
+
+    digest = hashlib.sha256(f"{model_id}/{name}".encode()).hexdigest()
+    model = ctx.storage.get_json(model_key(model_id))
+    prefix = CollectionSpec.of(ctx.settings).key(model["digest"], digest).prefix
+    file = scratch / f"{digest}.safetensors"
+    save_statistics(stats, file)
+    publish_statistics(ctx, prefix, file, lambda: {"tokens": stats.tokens})
+    concept = {
+        "name": name,
+        "role": "target",
+        "description": None,
+        "num_records": images,
+        "dataset_digest": digest,
+        "models": {model_id: {"job_id": "0" * 32, "stats": prefix}},
+        "created_at": utc_now(),
+    }
+    ctx.storage.put_json(f"concepts/{name}.json", concept)
+
+
+def engram_variant(built: MiniCifar, architecture: str, root: Path, alpha: float) -> tuple[Path, dict[str, float]]:
+    """The α-variant forgetting class 0, through the service's job bodies; its folder and timings."""
+    from service.engine.checkpoint import load_model
+    from service.models.inspection import register_model
+    from service.universes.service import submit_universe
+    from service.variants.service import submit_variant, variant_view
+
+    model_dir = root / "base"
+    shutil.copytree(built.model(architecture), model_dir)
+    ctx = service_context(root)
+    model_id = f"mini-cifar/{architecture}"
+    record, _ = register_model(ctx, model_id, f"file://{model_dir}")
+    model = load_model(model_dir, dtype=torch.float32)
+    images, labels = load_split(built.train)
+    collect_s = []
+    for label in range(NUM_CLASSES):
+        chosen = [image for image, y in zip(images, labels, strict=True) if y == label]
+        started = time.perf_counter()
+        stats = collect_statistics(model, _batches(model_dir, chosen), record.layout.layers)
+        collect_s.append(time.perf_counter() - started)
+        publish_concept(ctx, model_id, f"class{label}", stats, len(chosen), root)
+    started = time.perf_counter()
+    view, _ = submit_universe(ctx, model_id, [f"class{c}" for c in range(NUM_CLASSES)], None)
+    run_pending(ctx)
+    universe_s = time.perf_counter() - started
+    options = {"scaling": "uniform", "format": "checkpoint", "universe": view["universe_id"]}
+    started = time.perf_counter()
+    variant, _ = submit_variant(ctx, model_id, {f"class{FORGET_CLASS}": -1.0}, alpha, options)
+    run_pending(ctx)
+    variant_s = time.perf_counter() - started
+    assert variant_view(ctx, variant["variant_id"])["status"] == "ready"
+    folder = root / "variant"
+    shutil.copytree(model_dir, folder)
+    files = ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")
+    shutil.copyfile(files, folder / "model.safetensors")
+    timings = {
+        "collect_s_per_concept": round(float(np.mean(collect_s)), 3),
+        "universe_s": round(universe_s, 3),
+        "variant_s": round(variant_s, 3),
+    }
+    return folder, timings
+
+
+def _run(folder: Path, images: list[Image.Image], labels: list[int]) -> Classified:
+    from transformers import AutoModelForImageClassification
+
+    model = AutoModelForImageClassification.from_pretrained(folder)
+    return classify(model, _batches(folder, images), labels)
+
+
+def _scores(outputs: dict[str, Classified]) -> dict[str, float]:
+    train, test = outputs["train"], outputs["test"]
+    logits, labels = train.logits.numpy(), train.labels.numpy()
+    forget = labels == FORGET_CLASS
+    test_logits, test_labels = test.logits.numpy(), test.labels.numpy()
+    test_forget = test_labels == FORGET_CLASS
+    features = train.features.numpy()
+    return {
+        "forget": cm.top1_accuracy(logits[forget], labels[forget], "forget"),
+        "retain": cm.top1_accuracy(logits[~forget], labels[~forget], "retain"),
+        "test": cm.top1_accuracy(test_logits, test_labels, "test"),
+        "test_forget_class": cm.top1_accuracy(test_logits[test_forget], test_labels[test_forget], "test forget"),
+        "test_other_classes": cm.top1_accuracy(test_logits[~test_forget], test_labels[~test_forget], "test retain"),
+        "forget_nll": cm.mean_label_nll(logits[forget], labels[forget], "forget"),
+        "DA": cm.dimensional_alignment(features[forget], features[~forget]),
+        "NMI": cm.feature_nmi(features, labels),
+    }
+
+
+def measure(built: MiniCifar, architecture: str, alpha: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-vision-") as scratch:
+        variant, timings = engram_variant(built, architecture, Path(scratch), alpha)
+        splits = {"train": load_split(built.train), "test": load_split(built.test)}
+        folders = {
+            "original": built.model(architecture),
+            f"engram_alpha_{alpha:g}": variant,
+            "retrain": built.model(architecture, retrained=True),
+        }
+        outputs = {name: {split: _run(folder, *data) for split, data in splits.items()} for name, folder in folders.items()}
+    rows: dict[str, dict[str, float]] = {name: _scores(out) for name, out in outputs.items()}
+    retrained = cm.SetAccuracies(rows["retrain"]["forget"], rows["retrain"]["retain"], rows["retrain"]["test"])
+    for name, row in rows.items():
+        row["ToW"] = cm.tug_of_war(cm.SetAccuracies(row["forget"], row["retain"], row["test"]), retrained)
+        features = outputs[name]["test"].features.numpy()
+        row["CKA_to_original"] = cm.linear_cka(features, outputs["original"]["test"].features.numpy())
+        row["CKA_to_retrain"] = cm.linear_cka(features, outputs["retrain"]["test"].features.numpy())
+    return {"architecture": architecture, "alpha": alpha, "timings": timings, "rows": rows, "report": built.report}
+
+
+def _table(result: dict[str, Any]) -> str:
+    columns = ["forget", "retain", "test", "ToW", "DA", "NMI", "CKA_to_original", "CKA_to_retrain"]
+    lines = [
+        f"{result['architecture']}: " + json.dumps(result["timings"]),
+        "method".ljust(18) + "".join(c.rjust(16) for c in columns),
+    ]
+    for name, row in result["rows"].items():
+        lines.append(name.ljust(18) + "".join(f"{row[c]:16.4f}" for c in columns))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--arch", choices=["resnet", "vit", "both"], default="both")
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--cache", type=Path, default=None, help="the mini-CIFAR cache (default: $ENGRAM_FIXTURE_CACHE)")
+    parser.add_argument("--epochs", type=int, default=TrainingPlan.epochs, help="the mini-CIFAR's training epochs")
+    arguments = parser.parse_args(argv)
+    built = build_mini_cifar(arguments.cache, TrainingPlan(epochs=arguments.epochs))
+    architectures = ["resnet", "vit"] if arguments.arch == "both" else [arguments.arch]
+    results = [measure(built, architecture, arguments.alpha) for architecture in architectures]
+    for result in results:
+        print(_table(result))
+    if arguments.out:
+        arguments.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
