@@ -8,13 +8,14 @@ position, the mean and variance of the log-probabilities summed over the vocabul
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engram_fixtures.demo import make_facts, tiny_llama_config, tofu_answers, train_on_facts, train_tokenizer
-from engram_fixtures.models import make_tokenizer
+from engram_fixtures.models import make_tiny_chat_llama, make_tokenizer
 from service.engine.evaluate import Probe, encode_probe
 from service.engine.tofu_scoring import AnswerTokens, TofuProbe, tofu_probe, tofu_statistics, with_answer
 from service.evaluation import tofu_metrics as tm
@@ -155,3 +156,19 @@ def test_mini_tofu_answers_are_deterministic_wrong_and_untrained() -> None:
             assert len(words) == len(true_words.split())
             assert not set(words) & trained
     assert make_facts(40, seed=2) == facts  # the facts themselves are untouched
+
+
+def test_chat_probes_score_each_answer_as_the_last_assistant_turn(tmp_path: Path) -> None:
+    folder = make_tiny_chat_llama(tmp_path / "chat")
+    model = AutoModelForCausalLM.from_pretrained(folder).double()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Where was Varnok born?"}, {"role": "assistant", "content": "Quillmoor"}]
+    item = TofuProbe(Probe(messages=messages), "the town of Quillmoor", ("the town of Tolk",))
+    [got] = tofu_statistics(model, tokenizer, [item], generate=False)
+    for answer, scored in [("Quillmoor", got.answer), (item.paraphrased_answer, got.paraphrased)]:
+        chat = [messages[0], {"role": "assistant", "content": answer}]
+        ids = encode_probe(tokenizer, Probe(messages=chat))
+        assert scored is not None
+        _close(scored, manual_answer_tokens(model, ids), 1e-10)
+    assert got.perturbed is not None and len(got.perturbed) == 1
+    assert got.answer_text.startswith("Quillmoor")
