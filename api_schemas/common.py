@@ -68,3 +68,19 @@ def exactly_one_of(*groups: tuple[str, ...]) -> dict[str, Any]:
             for group in groups
         ]
     }
+
+
+class DictReadable(BaseModel):
+    """An answer that also reads as the JSON object it is: ``answer["key"]``, ``answer.get("key")``,
+    ``"key" in answer``, as clients read it when the client returned it as a dict."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in type(self).model_fields or key in (self.model_extra or {})
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default

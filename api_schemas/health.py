@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from api_schemas.common import DictReadable
 
 
-class Health(BaseModel):
+class Health(DictReadable):
     """The process is up."""
 
     status: Literal["ok"] = "ok"
 
 
-class Readiness(BaseModel):
+class Readiness(DictReadable):
     """Jobs can run: storage answers and, in distributed mode, the broker answers and every queue has a worker."""
 
     status: Literal["ready"] = "ready"

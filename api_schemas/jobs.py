@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from api_schemas.common import Problem
+from api_schemas.common import DictReadable, Problem
 
 
 class JobProgress(BaseModel):
@@ -17,26 +17,12 @@ class JobProgress(BaseModel):
     unit: str = "items"
 
 
-class JobResult(BaseModel):
-    """A finished job's result as the model of its kind (:mod:`api_schemas.job_kinds` names them).
-
-    It also reads as the JSON object it is (``result["summary"]``, ``result.get("reused")``,
-    ``"reused" in result``), as results did when clients got them as dicts; a field the service adds
-    later is kept, not dropped (``extra="allow"``).
-    """
+class JobResult(DictReadable):
+    """A finished job's result as the model of its kind (:mod:`api_schemas.job_kinds` names them); it reads
+    as the JSON object it is too (:class:`~api_schemas.common.DictReadable`). A field the service adds later
+    is kept, not dropped (``extra="allow"``)."""
 
     model_config = ConfigDict(extra="allow")
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in type(self).model_fields or key in (self.model_extra or {})
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
 
 
 class Job(BaseModel):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from api_schemas.common import DictReadable
 
 
-class ConceptMap(BaseModel):
+class ConceptMap(DictReadable):
     """One concept's values on the blocks × module types grid."""
 
     rho: list[list[float | None]] = Field(
@@ -17,13 +19,13 @@ class ConceptMap(BaseModel):
     argmax: str = Field(description="the layer holding it")
 
 
-class MapLayer(BaseModel):
+class MapLayer(DictReadable):
     name: str
     block: int | None = Field(description="its block index (null: outside the blocks, e.g. an embedding)")
     module: str = Field(description="its module type (the name's last part, e.g. q_proj)")
 
 
-class MapLeftOut(BaseModel):
+class MapLeftOut(DictReadable):
     """Layers the map does not draw, and why."""
 
     unreached: list[str] = Field(
@@ -35,7 +37,7 @@ class MapLeftOut(BaseModel):
     )
 
 
-class EngramMap(BaseModel):
+class EngramMap(DictReadable):
     """Where each concept's engram lives, by block and module type (the paper's Fig. 4 as data)."""
 
     model_id: str

@@ -18,6 +18,7 @@ from api_schemas import (
     CalibrateJob,
     CalibrationResult,
     Concept,
+    EngramMap,
     EvaluateJob,
     EvaluationResult,
     GenerateJob,
@@ -254,18 +255,18 @@ def render_generation(result: GenerationResult) -> None:
         stdout.print(line, soft_wrap=True)
 
 
-def render_map(data: dict[str, Any]) -> None:
+def render_map(data: EngramMap) -> None:
     """Per concept: its largest ρ and where, a blocks × module types table (3 significant digits), the rest."""
-    for n, name in enumerate(data["concepts"]):
-        entry = data["maps"][name]
+    for n, name in enumerate(data.concepts):
+        entry = data.maps[name]
         if n:
             stdout.print()
-        stdout.print(Text(f"{name}: max ρ {entry['max']:.3g} at {entry['argmax']}", style="bold"))
-        rows = numeric_table("block", *data["modules"])
-        for block, row in zip(data["blocks"], entry["rho"], strict=True):
+        stdout.print(Text(f"{name}: max ρ {entry.max:.3g} at {entry.argmax}", style="bold"))
+        rows = numeric_table("block", *data.modules)
+        for block, row in zip(data.blocks, entry.rho, strict=True):
             rows.add_row(str(block), *("-" if rho is None else f"{rho:.3g}" for rho in row))
         stdout.print(rows)
-        outside = data["outside_blocks"].get(name) or {}
+        outside = data.outside_blocks.get(name) or {}
         if outside:
             stdout.print("outside the blocks: " + "  ".join(f"{layer} {rho:.3g}" for layer, rho in outside.items()))
 

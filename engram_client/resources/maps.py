@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from api_schemas import EngramMap
 from engram_client.errors import EngramError
 from engram_client.resources.jobs import JobsResource
 from engram_client.transport import PNG_SIGNATURE, _quote, _set_only
@@ -21,7 +22,7 @@ class MapsResource(JobsResource):
         rcond: float | None = None,
         *,
         measure: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> EngramMap:
         """Where each concept's engram lives, by block and module type.
 
         Args:
@@ -32,15 +33,16 @@ class MapsResource(JobsResource):
                 inputs, 0 to 1; ``weight``: the paper's ``‖W_l⁺‖_F / ‖W_l‖_F``.
 
         Returns:
-            ``{model_id, concepts, reference, rcond, blocks, modules, maps: {concept: {rho, max, argmax}},
-            outside_blocks, layers}``; ``rho`` is a blocks × modules grid (``None`` where a block lacks
-            that module). A map not computed yet is computed by a job on the service: this waits for it.
+            An :class:`~api_schemas.EngramMap` (``model_id, concepts, reference, rcond, measure, blocks, modules,
+            maps: {concept: {rho, max, argmax}}, outside_blocks, layers, left_out``), which also reads as a dict
+            (``["maps"]``); ``rho`` is a blocks × modules grid (``None`` where a block lacks that module). A map
+            not computed yet is computed by a job on the service: this waits for it.
 
         Raises:
             EngramJobError: the map's job failed.
         """
         params = _map_params(concepts, reference, rcond, measure)
-        return self._answer_after_job("GET", f"/models/{_quote(model_id)}/engram-map", params=params).json()
+        return self._parse(EngramMap, self._answer_after_job("GET", f"/models/{_quote(model_id)}/engram-map", params=params))
 
     def engram_map_png(
         self,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from api_schemas import Model
+from api_schemas import Health, Model, Readiness
 from engram_client.resources.jobs import JobsResource
 from engram_client.transport import Page, _quote
 
@@ -12,13 +10,13 @@ from engram_client.transport import Page, _quote
 class ModelsResource(JobsResource):
     """``/healthz``, ``/readyz`` and ``/models``; a remote registration is a job this waits for."""
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         """``GET /healthz``: the process is up."""
-        return self._request("GET", "/healthz").json()
+        return self._parse(Health, self._request("GET", "/healthz"))
 
-    def ready(self) -> dict[str, Any]:
+    def ready(self) -> Readiness:
         """``GET /readyz``: storage and broker reachable; a 503 raises at once (it is the answer, not a blip)."""
-        return self._request("GET", "/readyz", retry=False).json()
+        return self._parse(Readiness, self._request("GET", "/readyz", retry=False))
 
     # ------------------------------------------------------------ models
 

@@ -28,12 +28,15 @@ from PIL import Image
 
 from api_schemas import (
     Concept,
+    EngramMap,
     EvaluateJob,
     EvaluationResult,
     GenerateJob,
     GenerationResult,
+    Health,
     Job,
     Model,
+    Readiness,
     Variant,
     VariantSubmission,
 )
@@ -119,8 +122,9 @@ def variant(client: EngramClient, concepts: dict[str, Any]) -> Variant:
 
 
 def test_methods_return_the_wire_models(client: EngramClient, concepts: dict[str, Any]) -> None:
-    assert client.health() == {"status": "ok"}
-    assert client.ready()["status"] == "ready"
+    assert client.health() == Health(status="ok") and client.health()["status"] == "ok"
+    ready = client.ready()
+    assert isinstance(ready, Readiness) and (ready.status, ready["mode"], ready.workers) == ("ready", "embedded", None)
     assert isinstance(concepts["model"], Model) and concepts["model"].model_id == MODEL
     assert client.get_model(MODEL) == concepts["model"]
     assert MODEL in {m.model_id for m in client.list_models()}
@@ -303,10 +307,11 @@ def test_a_job_of_another_kind_than_asked_is_an_error(live_server: LiveServer, c
 def test_engram_map_is_the_http_answer(client: EngramClient, cli2: ReadyVariant, api: httpx.Client) -> None:
     data = client.engram_map(cli2.model, ["cli2-forget", "cli2-retain"])
     expected = api.get(f"/models/{cli2.model}/engram-map", params={"concepts": "cli2-forget,cli2-retain"})
-    assert data == expected.json()
-    assert data["concepts"] == ["cli2-forget", "cli2-retain"]
+    assert isinstance(data, EngramMap) and data.model_dump(mode="json") == expected.json()
+    assert data.concepts == data["concepts"] == ["cli2-forget", "cli2-retain"]  # it reads as the dict it was too
     grid = data["maps"]["cli2-forget"]["rho"]
-    assert (len(grid), {len(row) for row in grid}) == (len(data["blocks"]), {len(data["modules"])})
+    assert grid == data.maps["cli2-forget"].rho
+    assert (len(grid), {len(row) for row in grid}) == (len(data.blocks), {len(data.modules)})
     assert client.engram_map(cli2.model, "cli2-forget", reference=["cli2-retain"])["concepts"] == ["cli2-forget"]
     with pytest.raises(EngramAPIError) as unknown:
         client.engram_map(cli2.model, ["cli2-nothing"])
