@@ -68,9 +68,7 @@ def test_the_walkthrough_runs_as_written_and_gives_the_readmes_figures(server: L
     readme = (REPO / "README.md").read_text()
     script = "set -eo pipefail\n" + runnable(walkthrough_blocks(readme), server.base_url)
     env = {**os.environ, "PWD": str(clone_like)}
-    done = subprocess.run(
-        ["bash", "-c", script], cwd=clone_like, env=env, capture_output=True, text=True, timeout=900
-    )
+    done = subprocess.run(["bash", "-c", script], cwd=clone_like, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}\nserver:\n{server.log_tail()}"
     rows = evaluation_rows(done.stdout)
     assert set(rows) == {"forget", "retain"}, done.stdout
@@ -96,6 +94,9 @@ def evaluation_rows(output: str) -> dict[str, dict[str, float]]:
 
 
 def test_the_block_extraction_keeps_the_sections_commands_and_drops_make_demo_and_run() -> None:
-    readme = "intro\n## Five minutes\n```bash\nmake demo\nBASE=http://127.0.0.1:8000\ncurl a\n```\ntext\n## Next\n```bash\ncurl b\n```\n"
+    readme = (
+        "intro\n## Five minutes\n```bash\nmake demo\nBASE=http://127.0.0.1:8000\ncurl a\n```\n"
+        "text\n## Next\n```bash\ncurl b\n```\n"
+    )
     script = runnable(walkthrough_blocks(readme), "http://x:1")
     assert script == "BASE=http://x:1\ncurl a"
