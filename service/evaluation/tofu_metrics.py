@@ -70,6 +70,7 @@ __all__ = [
     "model_utility_rescaled",
     "overall_score",
     "privacy_score",
+    "privleak",
     "probability",
     "probability_w_options",
     "rescaled",
@@ -296,6 +297,13 @@ def auc(negative_scores: Sequence[float] | Floats, positive_scores: Sequence[flo
     ranks = stats.rankdata(np.concatenate([neg, pos]))  # average ranks: ties count one half
     rank_sum = float(ranks[neg.size :].sum())
     return (rank_sum - pos.size * (pos.size + 1) / 2) / (pos.size * neg.size)
+
+
+def privleak(auc_value: float, retain_auc: float) -> float:
+    """OpenUnlearning's ``privleak`` (in TOFU's default set, on ``mia_min_k``): the relative gap, in
+    percent, of ``1 − AUC`` to the retain model's ``1 − AUC`` (0: leaks as much as the retain model)."""
+    score, ref = 1.0 - auc_value, 1.0 - retain_auc
+    return (score - ref) / (ref + EPS) * 100
 
 
 def privacy_score(auc_value: float) -> float:
@@ -586,6 +594,10 @@ def _against_retain(
     else:
         values["forget_quality"] = forget_quality(model.forget_truth_ratios, retain.forget_truth_ratios)
         values["forget_quality_log10"] = log10_or_neg_inf(values["forget_quality"])
+    if "mia_min_k" in model.values and "mia_min_k" in retain.values:
+        values["privleak"] = privleak(model.values["mia_min_k"], retain.values["mia_min_k"])
+    else:
+        left_out["privleak"] = "needs mia_min_k (holdout probes) of the model and the retain model"
     for attack in MIA_ATTACKS:
         area = auc(model.forget_mia_scores[attack], retain.forget_mia_scores[attack])
         values[f"{attack}_auc_vs_retain"] = area

@@ -212,6 +212,11 @@ def test_privacy_score() -> None:
         assert tm.privacy_score(area) == pytest.approx(score, abs=TOL)
 
 
+def test_privleak_is_the_relative_gap_of_one_minus_auc() -> None:
+    assert tm.privleak(0.9, 0.5) == pytest.approx((0.1 - 0.5) / (0.5 + 1e-10) * 100, abs=TOL)
+    assert tm.privleak(0.37, 0.37) == 0.0
+
+
 def test_forget_quality_is_scipys_ks_p_value() -> None:
     rng = np.random.default_rng(6)
     ours, theirs = rng.lognormal(0, 1, 40), rng.lognormal(0.3, 1, 35)
@@ -355,3 +360,12 @@ def test_scores_against_retain_and_base() -> None:
     assert v["utility"] == pytest.approx(utility, abs=TOL)
     assert v["overall"] == pytest.approx(ref_hmean([v["memorization"], utility, v["privacy"]], 1e-10), abs=TOL)
     assert scored.left_out["forget_fluency"] == "needs a fluency classifier"
+    assert "mia_min_k" in scored.left_out["privleak"]  # no holdout probes here
+
+
+def test_privleak_compares_the_min_k_aucs_with_the_retain_models() -> None:
+    holdout = _sets(13, 1.0)["forget"]
+    retain, model = _report(_sets(14, 0.0), holdout), _report(_sets(15, -1.0), holdout)
+    scored = tm.tofu_scores(model, retain=retain, base=retain)
+    ours, theirs = 1 - model.values["mia_min_k"], 1 - retain.values["mia_min_k"]
+    assert scored.values["privleak"] == pytest.approx((ours - theirs) / (theirs + 1e-10) * 100, abs=1e-9)
