@@ -84,6 +84,7 @@ def publish_concept(ctx: Any, model_id: str, name: str, stats: LayerStatistics, 
     save_statistics(stats, file)
     publish_statistics(ctx, prefix, file, lambda: {"tokens": stats.tokens})
     concept = {
+        "format_version": 1,  # service.models.stored.FORMAT_VERSION: readers refuse a concept without it
         "name": name,
         "role": "target",
         "description": None,
