@@ -50,7 +50,7 @@ from service.evaluation import tofu_metrics as tm
 THREADS = 2
 Fact = tuple[str, str]
 
-# (column, value name in the report, the paper's column heading)
+# (the paper's column heading, the value's name in the report)
 COLUMNS = [
     ("Overall", "overall"),
     ("Mem", "memorization"),
@@ -66,6 +66,7 @@ COLUMNS = [
     ("S_mink", "privacy_mia_min_k"),
     ("S_mink++", "privacy_mia_min_k_plus_plus"),
     ("FQ", "forget_quality_log10"),
+    ("privleak", "privleak"),
     ("rawEM", "exact_memorization"),
 ]
 
