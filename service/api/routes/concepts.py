@@ -147,6 +147,7 @@ def _json_concept(
 
 
 def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
+    _require_models(form)
     models = [m.strip() for value in form.get("models", []) for m in value.split(",") if m.strip()]
     fields: dict[str, Any] = {"name": form["name"][-1] if "name" in form else None, "models": models}
     for optional in ("role", "description", "callback_url", "template"):
@@ -155,6 +156,17 @@ def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
     if "modules" in form:
         fields["modules"] = [m.strip() for value in form["modules"] for m in value.split(",") if m.strip()]
     return fields
+
+
+def _require_models(form: dict[str, list[str]]) -> None:
+    """A missing ``models`` field is refused with how to send it (pydantic's words name a list length)."""
+    if any(m.strip() for value in form.get("models", []) for m in value.split(",")):
+        return
+    detail = (
+        "the multipart form has no 'models' field (or an empty one): name the model(s) to collect on with "
+        "-F models=<model id> (repeat it, or separate IDs with commas)"
+    )
+    raise InvalidInput(detail, errors=[{"loc": ["models"], "msg": detail, "type": "missing"}])
 
 
 def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
