@@ -16,8 +16,9 @@ is added here, once, when the document is first asked for:
   the route (``responses={409: {"description": ...}}``): either way it becomes problem+json;
 * the 422 is the Problem with ``errors`` (see :mod:`service.api.problems`), not FastAPI's
   ``HTTPValidationError``;
-* the ``bearerAuth`` HTTP bearer scheme is declared and applied to every operation but
-  ``/healthz`` and ``/readyz``; without keys configured, sending no key is allowed too (``{}``);
+* with ``ENGRAM_API_KEYS`` set, the ``bearerAuth`` HTTP bearer scheme is declared and applied to
+  every operation but ``/healthz`` and ``/readyz``; without keys, no scheme is declared and every
+  operation's ``security`` is ``[]`` (Swagger UI shows no lock where no key is needed);
 * limits that depend on settings appear as schema constraints (``ENGRAM_MAX_RECORDS``; a
   ``callback_url`` must name a host of ``ENGRAM_CALLBACK_HOSTS``, and is ``null`` when that is
   empty), and the main routes carry examples.
@@ -225,15 +226,15 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     schemas = components.setdefault("schemas", {})
     schemas["Problem"] = model_schema(api_schemas.Problem, schemas)
     components["responses"] = _error_responses()
-    components["securitySchemes"] = {
-        SECURITY_SCHEME: {
-            "type": "http",
-            "scheme": "bearer",
-            "description": "An API key from `ENGRAM_API_KEYS`, as `Authorization: Bearer <key>`. Scopes: `read` "
-            "may GET; `write` may also POST/DELETE models, concepts and variants; `admin` may also cancel jobs."
-            + ("" if auth else " This server has no keys configured: requests without a key are accepted."),
+    if auth:  # without keys no scheme is declared: Swagger UI would show a lock on every route
+        components["securitySchemes"] = {
+            SECURITY_SCHEME: {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "An API key from `ENGRAM_API_KEYS`, as `Authorization: Bearer <key>`. Scopes: `read` "
+                "may GET; `write` may also POST/DELETE models, concepts and variants; `admin` may also cancel jobs.",
+            }
         }
-    }
     for path, method, operation in _operations(doc):
         _complete_operation(path, method.upper(), operation, auth=auth)
     prefix = "#/components/responses/" + _response_name(0)[:-1]
@@ -333,10 +334,10 @@ def _complete_operation(path: str, method: str, operation: dict[str, Any], *, au
             responses[str(code)] = {**ref, "description": error_description}
     operation["responses"] = dict(sorted(responses.items()))
 
-    if public:
+    if public or not auth:  # `[]`: no key needed (a server without ENGRAM_API_KEYS accepts every request)
         operation["security"] = []
     else:
-        operation["security"] = [{SECURITY_SCHEME: []}] if auth else [{SECURITY_SCHEME: []}, {}]
+        operation["security"] = [{SECURITY_SCHEME: []}]
         scope = required_scope(method, path)
         note = f"Needs an API key with the `{scope}` scope when `ENGRAM_API_KEYS` is set."
         operation["description"] = f"{operation.get('description', '').rstrip()}\n\n{note}".lstrip()
