@@ -25,3 +25,10 @@ class Readiness(DictReadable):
     workers: dict[str, int] | None = Field(
         default=None, description="distributed mode: the live workers per queue (absent in embedded mode)"
     )
+    job_process: Literal["starting", "ready"] | None = Field(
+        default=None,
+        description=(
+            "embedded mode: `starting` while the job process imports the job bodies (a job submitted "
+            "meanwhile waits in the queue), then `ready` (absent in distributed mode)"
+        ),
+    )

@@ -75,7 +75,15 @@ def _job_split(job: dict[str, Any]) -> tuple[float | None, float | None]:
 
 
 def _start(root: Path, model_root: Path, name: str) -> LiveServer:
-    return start_server(root / "store", model_root, root / f"{name}.log")
+    server = start_server(root / "store", model_root, root / f"{name}.log")
+    # A restarted service is measured once it is ready to run jobs (its job process has imported the
+    # job bodies), as a user's request meets it: a restart is rarely a second before the request.
+    deadline = time.monotonic() + 300
+    while server.client.get("/readyz").json().get("job_process", "ready") != "ready":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the job process was not ready within 300 s:\n{server.log_tail()}")
+        time.sleep(0.1)
+    return server
 
 
 def prepare(server: LiveServer, model_dir: Path, profile: Profile) -> list[str]:

@@ -109,6 +109,7 @@ class Context:
         queue_depths: ``{queue: waiting jobs}``.
         universe_helpers: asks idle workers to help build a universe (distributed mode).
         live_workers: ``{queue: workers with a live heartbeat consuming it}`` (distributed mode).
+        job_process_warm: whether the job process has imported every job body (embedded mode).
         reads: what status views read: recent documents, not a round trip each.
         shared_caches: another context's caches, to share them (a context copied with
             ``dataclasses.replace`` shares its original's).
@@ -125,6 +126,7 @@ class Context:
     queue_depths: Callable[[], dict[str, int]] | None = None
     universe_helpers: UniverseHelpers | None = None
     live_workers: Callable[[], dict[str, int]] | None = None
+    job_process_warm: Callable[[], bool] | None = None
     shared_caches: ProcessCaches | None = None
     reads: ReadCache = field(init=False)
     caches: ProcessCaches = field(init=False)

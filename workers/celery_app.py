@@ -20,6 +20,7 @@ from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from service.config import get_settings
 from service.context import Context
+from service.execution.kinds import import_bodies
 from service.execution.queues import make_celery
 from service.execution.runner import KINDS, TRANSIENT_ERRORS, UNIVERSE_HELPER, retry_after, run_job, run_universe_helper
 from service.execution.runtime import build_runtime
@@ -31,6 +32,8 @@ log = logging.getLogger("engram.worker")
 settings = get_settings()
 app = make_celery(settings)
 worker_init.connect(worker_janitor(settings), weak=False)  # a crashed worker's leftovers, before the pool starts
+# The job bodies (torch, transformers) imported before the pool forks: no task waits for them.
+worker_init.connect(lambda **_: import_bodies(), weak=False)
 _announce, _withdraw = worker_presence(settings)  # the API's /readyz: which queues have a live consumer
 worker_ready.connect(_announce, weak=False)
 worker_shutdown.connect(_withdraw, weak=False)

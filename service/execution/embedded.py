@@ -36,7 +36,7 @@ from typing import Any
 
 from service.config import Settings
 from service.context import Context
-from service.execution.kinds import KINDS
+from service.execution.kinds import KINDS, import_bodies
 from service.jobs.records import JobRecord, UnreadableJobRecord, read_job_record
 from service.jobs.store import JobStore, utc_now, valid_job_id
 from service.observability import configure_logging
@@ -45,6 +45,7 @@ from service.storage.factory import open_storage
 
 log = logging.getLogger("engram.embedded")
 
+_WARM = "warm"  # the job process's event once it has imported every job body
 _KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
 _MONITOR_S = 0.5
 
@@ -193,6 +194,7 @@ class ProcessExecutor:
         self._monitor: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._cancel_seen: dict[str, float] = {}  # job -> when the monitor first saw its cancellation
+        self._warm = threading.Event()  # the current job process has imported every job body
 
     def start(self) -> None:
         self._spawn()
@@ -207,6 +209,10 @@ class ProcessExecutor:
 
     def depths(self) -> dict[str, int]:
         return self.jobs.queued_by_queue()
+
+    def warm(self) -> bool:
+        """The job process has imported every job body: a job submitted now starts at once."""
+        return self._warm.is_set()
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -227,6 +233,7 @@ class ProcessExecutor:
             self._spawn_locked()
 
     def _spawn_locked(self) -> None:
+        self._warm.clear()
         self._inbox, self._events = self._mp.Queue(), self._mp.Queue()
         self._process = self._mp.Process(
             target=job_process_main,
@@ -240,8 +247,10 @@ class ProcessExecutor:
     def _watch(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._events.get(timeout=_MONITOR_S)
-                if self.on_finished is not None:
+                event = self._events.get(timeout=_MONITOR_S)
+                if event == _WARM:
+                    self._warm.set()
+                elif self.on_finished is not None:
                     self.on_finished()
             except queue.Empty:
                 pass
@@ -354,6 +363,8 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=_no_dispatch, lock=threading.RLock())
     from service.execution.runner import run_job  # the job process imports the bodies, the API never does
 
+    import_bodies()  # now, not in the first job after a restart; messages wait in the inbox meanwhile
+    events.put(_WARM)
     executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
     for message in _messages(inbox):
         executor.submit(message)

@@ -63,6 +63,7 @@ def _embedded(settings: Settings) -> Runtime:
     executor = ProcessExecutor(settings, jobs)
     ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=executor.submit, lock=threading.RLock())
     ctx.queue_depths = executor.depths
+    ctx.job_process_warm = executor.warm
 
     def requeue_interrupted() -> None:
         jobs.prune()

@@ -31,6 +31,8 @@ async def readyz(ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
     ready: dict[str, Any] = {"status": "ready", "mode": "embedded" if ctx.settings.embedded else "distributed"}
     if workers is not None:
         ready["workers"] = workers
+    if ctx.job_process_warm is not None:  # embedded: jobs queue until the job process is warm
+        ready["job_process"] = "ready" if ctx.job_process_warm() else "starting"
     return ready
 
 
