@@ -67,7 +67,7 @@ ModuleOpt = Annotated[list[str] | None, typer.Option("--module", help="Edit only
 LayerOpt = Annotated[list[int] | None, typer.Option("--layer", help="Edit only this block index (repeat).")]
 RcondOpt = Annotated[float | None, typer.Option(help="Pseudo-inverse cut: keep eigenvalues above rcond·λmax.")]
 ReferenceOpt = Annotated[
-    list[str] | None, typer.Option("--reference", help="Reference concept (repeat; default: every ready concept).")
+    list[str] | None, typer.Option("--reference", help="Reference concept (repeat; default: the model's current universe).")
 ]
 FormatOpt = Annotated[Format | None, typer.Option("--format", help="checkpoint, delta (changed tensors) or peft (LoRA).")]
 LoraRankOpt = Annotated[int | None, typer.Option(help="Format peft: the largest LoRA rank.")]

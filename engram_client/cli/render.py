@@ -157,11 +157,32 @@ def _terms(variant: Variant) -> str:
     return ", ".join(f"{name}={coefficient:g}" for name, coefficient in variant.terms.items())
 
 
+def _edit_options(variant: Variant) -> dict[str, str]:
+    """The options that make two variants of the same terms different edits, as table cells."""
+    strengths = variant.module_strengths or {}
+    return {
+        "alpha": "-" if variant.alpha is None else f"{variant.alpha:g}",
+        "scaling": variant.scaling,
+        "modules": ", ".join(variant.modules) if variant.modules else "all",
+        "layers": ", ".join(str(layer) for layer in variant.layers) if variant.layers else "all",
+        "strengths": ", ".join(f"{suffix}={s:g}" for suffix, s in strengths.items()) or "-",
+        "format": variant.format,
+    }
+
+
+# Always shown, as before; the other edit options get a column only where the listed variants differ.
+_ALWAYS_SHOWN = ("scaling", "format")
+
+
 def render_variants(variants: Sequence[Variant]) -> None:
-    rows = table("variant", "model", "terms", "scaling", "format", "status", "size")
-    for v in variants:
+    options = [_edit_options(v) for v in variants]
+    shown = [
+        name for name in (options[0] if options else {}) if name in _ALWAYS_SHOWN or len({o[name] for o in options}) > 1
+    ]
+    rows = table("variant", "model", "terms", *shown, "status", "size")
+    for v, option in zip(variants, options, strict=True):
         size = filesize.decimal(sum(f.size for f in v.files)) if v.files else "-"
-        rows.add_row(v.variant_id, v.model_id, _terms(v), v.scaling, v.format, v.status, size)
+        rows.add_row(v.variant_id, v.model_id, _terms(v), *(option[name] for name in shown), v.status, size)
     stdout.print(rows)
 
 
