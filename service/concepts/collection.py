@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from service.concepts.image_collection import count_records, image_statistics
 from service.concepts.service import CHAT_KINDS, find_concept, iter_records
 from service.context import Context
 from service.datasets.refs import resolve_reference
@@ -45,6 +46,7 @@ from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import utc_now
 from service.jobs.templates import template_limits
 from service.models.loaded import MODELS, check_model_unchanged
+from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.observability import record_collection
 from service.statistics.key import STATISTICS_FILE
@@ -88,6 +90,8 @@ def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
         model, tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device, dtype, device_map)
     except ModelTooLarge as exc:
         raise JobFailed(str(exc)) from None
+    if manifest.kind == "image":  # pixel batches, not tokens (service.concepts.image_collection)
+        return _collect_images(ctx, job.job_id, payload, manifest, model, spec, prefix)
     max_length, template = spec.max_length, spec.template
     cancelled = cancel_check(ctx, job.job_id)
     # Every text is cut to this many characters before it is tokenized: a record of any size costs
@@ -130,6 +134,37 @@ def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
     record_collection(stats.tokens, seconds)
     report = survey.report()
     check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran (issue 23, 7)
+    _publish_statistics(ctx, prefix, stats, payload, spec, seconds, report, cancelled)
+    return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
+
+
+def _collect_images(
+    ctx: Context, job_id: str, payload: CollectPayload, manifest: ModelRecord, model: Any, spec: CollectionSpec, prefix: str
+) -> dict[str, Any]:
+    """An image concept on an image classifier: every image counts whole (nothing to truncate);
+    progress counts images."""
+    assert payload.dataset_digest is not None  # resolved before anything is collected
+    cancelled = cancel_check(ctx, job_id)
+    with scratch_dir("collect") as tmp:
+        path = _local_dataset(ctx, payload.dataset_digest, Path(tmp))
+        records = count_records(path)
+        progress = JobProgress(ctx, job_id, records)
+        started = time.monotonic()
+        stats = image_statistics(
+            model,
+            Path(manifest.path),
+            path,
+            select_layers(manifest.layout.layers, spec.module_list),
+            batch_size=ctx.settings.collect_batch_size,
+            max_pixels=ctx.settings.max_image_pixels,
+            first_row=_first_row(ctx, payload),
+            on_batch=progress.advance,
+            should_stop=progress.cancelled,
+        )
+    seconds = time.monotonic() - started
+    record_collection(stats.tokens, seconds)
+    check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran
+    report = Survey(spec.max_length, records=records).report()  # an image is never cut: none truncated
     _publish_statistics(ctx, prefix, stats, payload, spec, seconds, report, cancelled)
     return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
 

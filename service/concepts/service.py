@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
+from service.datasets.images import check_record_kinds
 from service.datasets.refs import content_changed, same_reference
 from service.datasets.spool import SpooledDataset, record_line
 from service.engine.layers import unmatched_suffixes
@@ -93,7 +94,8 @@ def submit_concept(
     Raises:
         Conflict: the concept exists with other records, another reference, or the other role or template.
         InvalidInput: messages records or template ``"chat"`` on a model without a chat template;
-            template ``"chat"`` over text records.
+            template ``"chat"`` over text records; a record of a kind a listed model does not read (a text
+            record for an image model, an image record for a text model).
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
@@ -104,6 +106,9 @@ def submit_concept(
             if missing:
                 raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
     kinds = dataset.kinds if dataset is not None else frozenset()
+    if dataset is not None:  # an image record for a text model (or the reverse) is named now, not in its job
+        for model_id, manifest in manifests.items():
+            check_record_kinds(dataset.first, model_id, manifest.kind)
     if reference is not None and "messages" in (reference.get("columns") or {}):
         kinds = frozenset({"messages"})
     chosen_template = None if template is KEEP else template

@@ -13,9 +13,11 @@ from typing import Any
 
 from service.context import Context
 from service.engine.checkpoint import check_tokenizer, combined_digest, file_digests, inspect_model_dir
+from service.engine.image_models import ModelKind, model_kind
+from service.engine.images import ImageProcessorError, load_image_processor
 from service.engine.layout import ModelLayout
 from service.engine.model_checks import validate_model_dir
-from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
+from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files, read_side_json
 from service.errors import Conflict, InvalidInput
 from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import utc_now
@@ -59,6 +61,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
         # sizes and mtimes, as registrations made before identities were: what an older worker reads
         fingerprint={name: value.to_json()[:2] for name, value in identity.items()},
         architecture=layout.architecture,
+        kind=_kind(path),
         num_parameters=layout.num_parameters,
         layout=layout,
         registered_at=utc_now(),
@@ -69,6 +72,18 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
             return register_model(ctx, model_id, source)
         ctx.storage.put_json(model_key(model_id), manifest.to_json())
     return manifest, True
+
+
+def _kind(path: Path) -> ModelKind:
+    """Whether the (validated) folder holds an image model; an image model's processor is loaded
+    once now, as every collection will (a folder without a usable one is a 422 naming the reason)."""
+    kind = model_kind(read_side_json(path, "config.json"))
+    if kind == "image":
+        try:
+            load_image_processor(path)
+        except ImageProcessorError as exc:
+            raise InvalidInput(str(exc)) from None
+    return kind
 
 
 def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, dict[str, str], dict[str, FileIdentity]]:

@@ -195,7 +195,7 @@ class ModelCache:
         self, ctx: Context, manifest: ModelRecord, device: str, dtype: str | None = None, device_map: str | None = None
     ) -> tuple[Any, Any]:
         """The model (in ``dtype``, default: as stored; on ``device``, or placed by accelerate's
-        ``device_map``) and its tokenizer, loaded on first use."""
+        ``device_map``) and its tokenizer (``None`` for an image model), loaded on first use."""
         placement = f"map:{device_map}" if device_map else device
         key = f"{manifest.digest}@{placement}/{dtype or 'stored'}"
         # Checked at every job, loaded or not: a job on changed files fails, as one loading them would.
@@ -205,7 +205,7 @@ class ModelCache:
                 return self._items[key]
             torch_dtype = getattr(torch, dtype) if dtype else None
             model = load_model(files, device=device, dtype=torch_dtype, device_map=device_map)
-            item = (model, load_tokenizer(files))
+            item = (model, None if manifest.kind == "image" else load_tokenizer(files))  # an image model has none
             self._items[key] = item
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
@@ -30,6 +30,9 @@ class ModelRecord(BaseModel):
             made before identities were recorded (they are recorded at its first check).
         fingerprint: sizes and mtimes, what workers older than identities read.
         layout: the checkpoint's editable layers, parsed once when the record is read.
+        kind: what its records are: ``"image"`` for an image classifier (it reads ``pixel_values``
+            through its image processor), ``"text"`` for every other model
+            (:func:`service.engine.image_models.model_kind`); ``"text"`` in a registration made before kinds.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -43,6 +46,7 @@ class ModelRecord(BaseModel):
     identity: dict[str, list[int]] | None = None
     fingerprint: dict[str, list[int]] | None = None
     architecture: str
+    kind: Literal["text", "image"] = "text"
     num_parameters: int
     layout: StoredLayout
     registered_at: str | None = None

@@ -27,6 +27,7 @@ KEYS = [
     "identity",
     "fingerprint",
     "architecture",
+    "kind",
     "num_parameters",
     "layout",
     "registered_at",
