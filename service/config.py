@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     universe_helpers: int = Field(default=8, ge=0, le=256)
     model_cache_size: int = Field(default=1, ge=1, le=16)
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535, description="a worker's /metrics port")
+    # How log lines on stderr are written: "json" (one object a line, for containers and log
+    # shippers), "text" (`time level logger: message`, for a person at a terminal) or "auto": text
+    # when stderr is a terminal, JSON otherwise.
+    log_format: Literal["auto", "json", "text"] = "auto"
     presign_downloads: bool = False
     presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics and structured JSON logs carrying request and job IDs.
+"""Prometheus metrics and logs carrying request and job IDs (JSON lines, or text on a terminal).
 
 Metrics are process-local: the API exports its own at ``GET /metrics`` (embedded mode: that
 includes the jobs it runs); a distributed worker serves its own on ``ENGRAM_WORKER_METRICS_PORT``.
@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -198,6 +199,33 @@ class _ContextFilter(logging.Filter):
 _POLLED_PREFIXES = ("/healthz", "/readyz", "/metrics", "/jobs/", "/concepts/", "/variants/")
 
 
+def _writes_text(log_format: str, stream: TextIO) -> bool:
+    """Text for "text", or for "auto" on a terminal; JSON otherwise (a container's stderr is no TTY)."""
+    if log_format == "auto":
+        return stream.isatty()
+    return log_format == "text"
+
+
+def _json_formatter() -> logging.Formatter:
+    return JsonFormatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s %(job_id)s",
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+    )
+
+
+class _TextFormatter(logging.Formatter):
+    """``time level logger: message``, then the request or job the line belongs to, if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ids = [f"{key}={value}" for key in ("request_id", "job_id") if (value := getattr(record, key, None))]
+        return f"{line} [{' '.join(ids)}]" if ids else line
+
+
+def _text_formatter() -> logging.Formatter:
+    return _TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 class _QuietPolls(logging.Filter):
     """Drops the access-log line of a successful status poll (hundreds a second under heavy
     polling; the latency histogram still counts each). Errors, writes and downloads are logged."""
@@ -211,15 +239,20 @@ class _QuietPolls(logging.Filter):
         return not (polled and isinstance(status, int) and status < 400)
 
 
-def configure_logging(level: int = logging.INFO) -> None:
-    """One JSON object per line on stderr, for the service, uvicorn and Celery alike."""
+def configure_logging(level: int = logging.INFO, log_format: str | None = None) -> None:
+    """Log lines on stderr for the service, uvicorn and Celery alike: one JSON object per line, or
+    plain ``time level logger: message`` lines for a person at a terminal.
+
+    Args:
+        level: the root logger's level.
+        log_format: "json", "text" or "auto" (text when stderr is a terminal); None: ENGRAM_LOG_FORMAT.
+    """
+    if log_format is None:
+        from service.config import get_settings
+
+        log_format = get_settings().log_format
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        JsonFormatter(
-            "%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s %(job_id)s",
-            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-        )
-    )
+    handler.setFormatter(_text_formatter() if _writes_text(log_format, handler.stream) else _json_formatter())
     handler.addFilter(_ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
