@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 
 
@@ -111,6 +113,9 @@ def _serve_worker_metrics(port: int) -> None:
 
 
 def _serve(host: str, port: int) -> int:
+    if _port_in_use(host, port):  # said before anything starts: uvicorn would say it as a JSON log line
+        print(f"port {port} is in use: pass PORT=<n> to make run (or --port)", file=sys.stderr)  # noqa: T201
+        return 1
     from service.config import get_settings
 
     settings = get_settings()
@@ -126,6 +131,16 @@ def _serve(host: str, port: int) -> int:
         logging.getLogger("engram").warning("ENGRAM_API_KEYS is unset: the API accepts requests without auth")
     uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
     return 0
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether another process listens on ``host:port`` (bound as uvicorn binds: SO_REUSEADDR)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((host, port), family=family):
+            return False
+    except OSError as exc:  # another error (an unknown host) is left for uvicorn to report
+        return exc.errno == errno.EADDRINUSE
 
 
 def _gather_metrics_across_processes() -> None:
