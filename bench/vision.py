@@ -2,6 +2,7 @@
 
     python -m bench.vision                    # both architectures (builds the mini-CIFAR once: minutes)
     python -m bench.vision --arch resnet --out bench/results/vision.json
+    python -m bench.vision --alphas 0.5,0.6,0.7,0.8,0.9,1,1.2,1.4,1.6,1.8,2   # the paper's grid: α_best by ToW
 
 Per architecture (engram_fixtures.mini_cifar's tiny ResNet and ViT), in this process, on file
 storage in a temporary directory, with the service's own functions: the base model is registered
@@ -9,8 +10,9 @@ storage in a temporary directory, with the service's own functions: the base mod
 (``collect_statistics`` on ``PixelBatch`` batches of the model's image processor) and published as a
 collection job publishes it (the image collection job is not wired into the concept job yet);
 a universe of the ten class concepts is built (``submit_universe`` + the workers' ``run_job``);
-the unlearn variant of class 0 at α=1 (``submit_variant`` + ``run_job``, uniform scaling, the
-universe as reference: ``W − α·W·Σ_class0·(Σ_all classes)⁺`` on every conv and the head).
+the unlearn variants of class 0 at each α of the grid (``submit_variant`` + ``run_job``, uniform
+scaling, the universe as reference: ``W − α·W·Σ_class0·(Σ_all classes)⁺`` on every conv and the
+head); α_best is the grid's α of the highest ToW (the paper's grid search selects by ToW too).
 
 Then the base, the Engram variant and the retrained model are run over the probes
 (``service.engine.classify``) and scored (``service.evaluation.classifier_metrics``):
@@ -22,7 +24,8 @@ Then the base, the Engram variant and the retrained model are run over the probe
   retain features against their classes) of each model's penultimate features; linear CKA of the
   test split's penultimate features to the base and to the retrained model.
 
-Timings: the collection per concept, the universe build, the variant job.
+Timings: the collection per concept, the universe build, the variant job (median over the grid),
+next to the retrained model's training time (the mini-CIFAR build's).
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -96,12 +99,15 @@ def publish_concept(ctx: Any, model_id: str, name: str, stats: LayerStatistics, 
     ctx.storage.put_json(f"concepts/{name}.json", concept)
 
 
-def engram_variant(built: MiniCifar, architecture: str, root: Path, alpha: float) -> tuple[Path, dict[str, float]]:
-    """The α-variant forgetting class 0, through the service's job bodies; its folder and timings."""
+def engram_variants(
+    built: MiniCifar, architecture: str, root: Path, alphas: list[float]
+) -> tuple[dict[float, Path], dict[str, Any]]:
+    """The α-variants forgetting class 0 (one universe, a variant job per α), through the service's
+    job bodies; their folders and the timings."""
     from service.engine.checkpoint import load_model
     from service.models.inspection import register_model
     from service.universes.service import submit_universe
-    from service.variants.service import submit_variant, variant_view
+    from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
 
     model_dir = root / "base"
     shutil.copytree(built.model(architecture), model_dir)
@@ -122,21 +128,25 @@ def engram_variant(built: MiniCifar, architecture: str, root: Path, alpha: float
     run_pending(ctx)
     universe_s = time.perf_counter() - started
     options = {"scaling": "uniform", "format": "checkpoint", "universe": view["universe_id"]}
-    started = time.perf_counter()
-    variant, _ = submit_variant(ctx, model_id, {f"class{FORGET_CLASS}": -1.0}, alpha, options)
-    run_pending(ctx)
-    variant_s = time.perf_counter() - started
-    assert variant_view(ctx, variant["variant_id"])["status"] == "ready"
-    folder = root / "variant"
-    shutil.copytree(model_dir, folder)
-    files = ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")
-    shutil.copyfile(files, folder / "model.safetensors")
+    folders, variant_s = {}, []
+    for alpha in alphas:
+        started = time.perf_counter()
+        variant, _ = submit_variant(ctx, model_id, coefficients_for_unlearn([f"class{FORGET_CLASS}"], alpha), alpha, options)
+        run_pending(ctx)
+        variant_s.append(time.perf_counter() - started)
+        assert variant_view(ctx, variant["variant_id"])["status"] == "ready"
+        folder = root / f"variant-{alpha:g}"
+        shutil.copytree(model_dir, folder)
+        files = ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")
+        shutil.copyfile(files, folder / "model.safetensors")
+        folders[alpha] = folder
     timings = {
         "collect_s_per_concept": round(float(np.mean(collect_s)), 3),
         "universe_s": round(universe_s, 3),
-        "variant_s": round(variant_s, 3),
+        "variant_s_median": round(float(np.median(variant_s)), 3),
+        "retrain_s": built.report[f"{architecture}-retrained.train_seconds"],
     }
-    return folder, timings
+    return folders, timings
 
 
 def _run(folder: Path, images: list[Image.Image], labels: list[int]) -> Classified:
@@ -165,14 +175,15 @@ def _scores(outputs: dict[str, Classified]) -> dict[str, float]:
     }
 
 
-def measure(built: MiniCifar, architecture: str, alpha: float) -> dict[str, Any]:
+def measure(built: MiniCifar, architecture: str, alphas: list[float]) -> dict[str, Any]:
+    """The table's rows (original, Engram per α, α_best by ToW, retrain) and the timings."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-vision-") as scratch:
-        variant, timings = engram_variant(built, architecture, Path(scratch), alpha)
+        variants, timings = engram_variants(built, architecture, Path(scratch), alphas)
         splits = {"train": load_split(built.train), "test": load_split(built.test)}
         folders = {
             "original": built.model(architecture),
-            f"engram_alpha_{alpha:g}": variant,
+            **{f"engram_alpha_{alpha:g}": folder for alpha, folder in variants.items()},
             "retrain": built.model(architecture, retrained=True),
         }
         outputs = {name: {split: _run(folder, *data) for split, data in splits.items()} for name, folder in folders.items()}
@@ -183,13 +194,14 @@ def measure(built: MiniCifar, architecture: str, alpha: float) -> dict[str, Any]
         features = outputs[name]["test"].features.numpy()
         row["CKA_to_original"] = cm.linear_cka(features, outputs["original"]["test"].features.numpy())
         row["CKA_to_retrain"] = cm.linear_cka(features, outputs["retrain"]["test"].features.numpy())
-    return {"architecture": architecture, "alpha": alpha, "timings": timings, "rows": rows, "report": built.report}
+    best = max(alphas, key=lambda alpha: rows[f"engram_alpha_{alpha:g}"]["ToW"])
+    return {"architecture": architecture, "alpha_best": best, "timings": timings, "rows": rows, "report": built.report}
 
 
 def _table(result: dict[str, Any]) -> str:
     columns = ["forget", "retain", "test", "ToW", "DA", "NMI", "CKA_to_original", "CKA_to_retrain"]
     lines = [
-        f"{result['architecture']}: " + json.dumps(result["timings"]),
+        f"{result['architecture']} (alpha_best by ToW: {result['alpha_best']:g}): " + json.dumps(result["timings"]),
         "method".ljust(18) + "".join(c.rjust(16) for c in columns),
     ]
     for name, row in result["rows"].items():
@@ -200,14 +212,17 @@ def _table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--arch", choices=["resnet", "vit", "both"], default="both")
-    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument(
+        "--alphas", default="1", help="comma-separated α grid (the paper's: 0.5,0.6,...,2.0); α_best maximises ToW"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--cache", type=Path, default=None, help="the mini-CIFAR cache (default: $ENGRAM_FIXTURE_CACHE)")
     parser.add_argument("--epochs", type=int, default=TrainingPlan.epochs, help="the mini-CIFAR's training epochs")
     arguments = parser.parse_args(argv)
     built = build_mini_cifar(arguments.cache, TrainingPlan(epochs=arguments.epochs))
     architectures = ["resnet", "vit"] if arguments.arch == "both" else [arguments.arch]
-    results = [measure(built, architecture, arguments.alpha) for architecture in architectures]
+    alphas = [float(value) for value in arguments.alphas.split(",")]
+    results = [measure(built, architecture, alphas) for architecture in architectures]
     for result in results:
         print(_table(result))
     if arguments.out:
