@@ -129,7 +129,7 @@ def build_universe(ctx: Any, names: list[str]) -> dict[str, Any]:
     wall = time.perf_counter() - started
     manifest = find_manifest(ctx, view["universe_id"])
     assert manifest is not None
-    return {"manifest": manifest, "job_wall_s": wall}
+    return {"manifest": manifest.to_json(), "job_wall_s": wall}
 
 
 def variant_request(ctx: Any, names: list[str], universe_id: str, scaling: str = "uniform") -> dict[str, Any]:

@@ -73,7 +73,7 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
     universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
     model = get_model(ctx, request.model_id)
     # Layers no member's forward pass ran have zero engrams: no candidate edits them.
-    unreached = unreached_by_every(ctx, [member["stats"] for member in universe["members"]])
+    unreached = unreached_by_every(ctx, universe.member_prefixes)
     full = model.layout
     layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes

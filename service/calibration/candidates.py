@@ -31,6 +31,7 @@ from service.engine.errors import EditError
 from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout, is_causal_lm
+from service.engrams.manifest import UniverseManifest
 from service.engrams.store import stored_editor, stored_engrams
 from service.errors import JobFailed
 from service.variants.build import variant_scales
@@ -107,7 +108,7 @@ class InMemoryCandidates:
         ctx: Any,
         model_dir: Any,
         layout: ModelLayout,
-        universe: Mapping[str, Any],
+        universe: UniverseManifest,
         term_prefixes: Sequence[str],
         probes: Mapping[str, Sequence[Probe]],
         device: str,

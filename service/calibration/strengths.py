@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -29,6 +28,7 @@ from service.engine.errors import EditError
 from service.engine.layers import LayerSpec, module_strength, module_type
 from service.engine.layout import ModelLayout
 from service.engine.stats_io import StatisticsFile
+from service.engrams.manifest import UniverseManifest
 from service.engrams.store import StoredEngrams, stored_engrams
 from service.errors import JobFailed
 from service.maps.build import data_weighted_ratio
@@ -95,7 +95,7 @@ def type_strengths(rho: Mapping[str, float]) -> dict[str, float]:
 
 def measure_strengths(
     ctx: Context,
-    universe: Mapping[str, Any],
+    universe: UniverseManifest,
     term_prefixes: Sequence[str],
     layout: ModelLayout,
     reader: CheckpointReader,
@@ -116,7 +116,7 @@ def measure_strengths(
     terms: dict[str, float] = {}
     for prefix in term_prefixes:
         terms[prefix] = terms.get(prefix, 0.0) + 1.0
-    members = [statistics(ctx, member["stats"]) for member in universe["members"]]
+    members = [statistics(ctx, prefix) for prefix in universe.member_prefixes]
     try:
         engrams = stored_engrams(ctx, universe, terms)
         rho = data_weighted_rho([s for s in layout.layers if s.name in names], engrams, members, reader)

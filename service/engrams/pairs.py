@@ -19,7 +19,6 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -27,6 +26,7 @@ from safetensors import safe_open
 from service.context import Context
 from service.engine.arithmetic import APPLY_BLOCK_VALUES
 from service.engine.layers import LayerSpec
+from service.engrams.manifest import UniverseManifest
 from service.storage.keys import engram_pair_key
 
 Pair = tuple[str, str]
@@ -34,7 +34,7 @@ Pair = tuple[str, str]
 
 def combined_norms(
     ctx: Context,
-    manifest: Mapping[str, Any],
+    manifest: UniverseManifest,
     terms: Sequence[tuple[float, str]],
     paths: Mapping[str, Path],
     layers: Sequence[LayerSpec],
@@ -48,13 +48,13 @@ def combined_norms(
         paths: member key -> its local engram file (for the pairs not stored yet).
     """
     members = [member for _, member in terms]
-    products = {pair: _stored_pair(ctx, manifest["universe_id"], pair) for pair in itertools.combinations(members, 2)}
+    products = {pair: _stored_pair(ctx, manifest.universe_id, pair) for pair in itertools.combinations(members, 2)}
     unknown = [spec for spec in layers if any(spec.name not in values for values in products.values())]
     if unknown:
-        _compute_pairs(ctx, manifest["universe_id"], products, paths, unknown)
+        _compute_pairs(ctx, manifest.universe_id, products, paths, unknown)
     norms = {}
     for spec in layers:
-        square = sum(c * c * float(manifest["engrams"][m]["norms"][spec.name]) ** 2 for c, m in terms)
+        square = sum(c * c * manifest.engram_norm(m, spec.name) ** 2 for c, m in terms)
         for (c_j, j), (c_k, k) in itertools.combinations(terms, 2):
             square += 2.0 * c_j * c_k * float(products[(j, k)][spec.name])
         norms[spec.name] = math.sqrt(max(square, 0.0))

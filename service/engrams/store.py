@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +20,7 @@ from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, EngramSource, L
 from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
+from service.engrams.manifest import UniverseManifest
 from service.engrams.pairs import combined_norms
 from service.statistics.local import statistics
 from service.storage.keys import canonical_digest, engram_key
@@ -82,22 +82,22 @@ class StoredEngrams:
         return apply_engrams(spec, weights, [(scale * c, e) for c, e in self.read(spec)], scale)
 
 
-def stored_engrams(ctx: Context, manifest: Mapping[str, Any], terms: Mapping[str, float]) -> StoredEngrams:
+def stored_engrams(ctx: Context, manifest: UniverseManifest, terms: Mapping[str, float]) -> StoredEngrams:
     """The engrams of ``terms`` (statistics prefix -> coefficient) in a built universe, as local files.
 
     Raises:
         EditError: a term is not a member of the universe.
     """
-    keys = {m["stats"]: m["key"] for m in manifest["members"]}
+    keys = {m.stats: m.key for m in manifest.members}
     outside = sorted(p for p in terms if p not in keys)
     if outside:
-        raise EditError(f"statistics {', '.join(outside)} are not members of universe {manifest['universe_id']}")
-    paths = {p: local_object(ctx, engram_key(manifest["universe_id"], keys[p])) for p in terms}
+        raise EditError(f"statistics {', '.join(outside)} are not members of universe {manifest.universe_id}")
+    paths = {p: local_object(ctx, engram_key(manifest.universe_id, keys[p])) for p in terms}
     members = {paths[p]: keys[p] for p in terms}
     member_terms = [(c, keys[p]) for p, c in terms.items()]
     member_paths = {keys[p]: paths[p] for p in terms}
     norms = partial(combined_norms, ctx, manifest, member_terms, member_paths)
-    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest["layers"], members, norms)
+    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest.layers, members, norms)
 
 
 def stored_editor(
@@ -114,7 +114,7 @@ def stored_editor(
     return edit
 
 
-def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest: Mapping[str, Any]) -> dict[str, float]:
+def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest: UniverseManifest) -> dict[str, float]:
     """W-Norm's ``ρ_l = ‖Σ_k c_k E_k,l[:, :in]‖_F / ‖W_l‖_F`` of every layer.
 
     One member: from the norms recorded when the universe was built (nothing read). Several: from
@@ -128,10 +128,10 @@ def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest
     combined = engrams.combined_norms(layers) if several and engrams.combined_norms else {}
     rho = {}
     for spec in layers:
-        weight_norm = max(float(manifest["layers"][spec.name]["weight_norm"]), 1e-30)
+        weight_norm = max(manifest.weight_norm(spec.name), 1e-30)
         if len(engrams.terms) == 1 and engrams.terms[0][1] in engrams.members:
             coefficient, path = engrams.terms[0]
-            norm = abs(coefficient) * float(manifest["engrams"][engrams.members[path]]["norms"][spec.name])
+            norm = abs(coefficient) * manifest.engram_norm(engrams.members[path], spec.name)
         else:
             norm = combined[spec.name] if spec.name in combined else engrams.norm(spec)
         rho[spec.name] = norm / weight_norm

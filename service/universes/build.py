@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
+from service.engrams.manifest import UniverseManifest
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress, Progress
 from service.jobs.records import JobRecord, UniversePayload
 from service.jobs.store import FINISHED
@@ -47,16 +48,16 @@ def run_universe(ctx: Context, job: JobRecord) -> dict[str, Any]:
     universe_id = job.payload_of(UniversePayload).universe_id
     manifest, reused = ensure_universe(ctx, universe_id, progress, job_id=job.job_id)
     return {
-        "universe_id": manifest["universe_id"],
+        "universe_id": manifest.universe_id,
         "reused": reused,
-        "bytes": manifest["bytes"]["total"],
-        "seconds": manifest["seconds"],
+        "bytes": manifest.bytes.total,
+        "seconds": manifest.seconds,
     }
 
 
 def ensure_universe(
     ctx: Context, universe_id: str, progress: Progress | None = None, *, job_id: str | None = None
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[UniverseManifest, bool]:
     """The universe's manifest, building whatever of it is missing first.
 
     Args:
@@ -88,7 +89,7 @@ def ensure_universe(
     with scratch_dir("universe") as tmp:
         seconds = build.run(Path(tmp), steps, finish=True)
         manifest = build.manifest(seconds)
-    ctx.storage.put_json(universe_manifest_key(universe_id), manifest)  # last: the universe now exists
+    ctx.storage.put_json(universe_manifest_key(universe_id), manifest.to_json())  # last: the universe now exists
     retention.mark_built(ctx, universe_id)
     return manifest, False
 

@@ -28,6 +28,7 @@ from service.engine.layout import ModelLayout
 from service.engine.linalg import PinvFactors
 from service.engine.stats_io import StatisticsFile
 from service.engrams.build import write_member_engrams
+from service.engrams.manifest import UniverseManifest
 from service.errors import JobFailed
 from service.jobs.leases import Leases, LocalLeases, RedisLeases, worker_name
 from service.jobs.progress import Progress
@@ -288,7 +289,7 @@ class UniverseBuild:
 
     # ------------------------------------------------------------ manifest
 
-    def manifest(self, seconds: Mapping[str, float]) -> dict[str, Any]:
+    def manifest(self, seconds: Mapping[str, float]) -> UniverseManifest:
         """The universe's manifest (every part published): members, groups, layers, bytes, seconds."""
         spec, plan = self.spec, self.plan
         keys = member_keys(sorted(self.members))
@@ -297,36 +298,38 @@ class UniverseBuild:
         first = next(iter(engrams.values()))
         group_bytes = sum(int(g["bytes"]) for g in groups.values())
         engram_bytes = sum(int(e["bytes"]) for e in engrams.values())
-        return {
-            "format": UNIVERSE_FORMAT,
-            "universe_id": spec.universe_id,
-            "model_id": spec.model_id,
-            "model_digest": spec.model_digest,
-            "rcond": spec.rcond,
-            "members": [
-                {
-                    "names": sorted(m.name for m in spec.members if m.stats == prefix),
-                    "stats": prefix,
-                    "dataset_digest": StatsKey.parse(prefix).dataset_digest,
-                    "key": keys[prefix],
-                    "tokens": self.members[prefix].tokens,
-                }
-                for prefix in sorted(self.members)
-            ],
-            "groups": {name: {"layers": plan.groups[name], **info} for name, info in groups.items()},
-            "layers": {
-                s.name: {
-                    "group": plan.group_of(s.name),
-                    "dtype": first["dtypes"][s.name],
-                    "weight_norm": first["weight_norms"][s.name],
-                }
-                for s in plan.layers
-            },
-            "engrams": {key: {"bytes": e["bytes"], "norms": e["norms"]} for key, e in engrams.items()},
-            "bytes": {"groups": group_bytes, "engrams": engram_bytes, "total": group_bytes + engram_bytes},
-            "seconds": dict(seconds),
-            "created_at": utc_now(),
-        }
+        return UniverseManifest.model_validate(
+            {
+                "format": UNIVERSE_FORMAT,
+                "universe_id": spec.universe_id,
+                "model_id": spec.model_id,
+                "model_digest": spec.model_digest,
+                "rcond": spec.rcond,
+                "members": [
+                    {
+                        "names": sorted(m.name for m in spec.members if m.stats == prefix),
+                        "stats": prefix,
+                        "dataset_digest": StatsKey.parse(prefix).dataset_digest,
+                        "key": keys[prefix],
+                        "tokens": self.members[prefix].tokens,
+                    }
+                    for prefix in sorted(self.members)
+                ],
+                "groups": {name: {"layers": plan.groups[name], **info} for name, info in groups.items()},
+                "layers": {
+                    s.name: {
+                        "group": plan.group_of(s.name),
+                        "dtype": first["dtypes"][s.name],
+                        "weight_norm": first["weight_norms"][s.name],
+                    }
+                    for s in plan.layers
+                },
+                "engrams": {key: {"bytes": e["bytes"], "norms": e["norms"]} for key, e in engrams.items()},
+                "bytes": {"groups": group_bytes, "engrams": engram_bytes, "total": group_bytes + engram_bytes},
+                "seconds": dict(seconds),
+                "created_at": utc_now(),
+            }
+        )
 
     def _group_info(self, group: str) -> dict[str, Any]:
         """A group's shape and origin: from its part record (no download), else from its file."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.context import Context
+from service.engrams.manifest import UniverseManifest, read_manifest
 from service.models.registry import get_model
 from service.storage.keys import (
     MODEL_UNIVERSES,
@@ -34,22 +35,30 @@ def find_request(ctx: Context, universe_id: str, *, recent: bool = False) -> Uni
     return None if data is None else UniverseRequest.stored(key, data)
 
 
-def find_manifest(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any] | None:
+def find_manifest(ctx: Context, universe_id: str, *, recent: bool = False) -> UniverseManifest | None:
     """The universe's manifest: it is built exactly when this exists.
 
     Read from storage itself (a job deciding whether to build, a request deciding whether to
     dispatch one), or, for views (``recent``), as of at most a second ago. Never cached for longer:
     the manifest is written once, but the retention rule may delete it, and a process must not go
     on reading a universe that another one evicted.
+
+    Raises:
+        MalformedManifest: the stored manifest is of another format or not a manifest (named).
     """
     if not valid_universe_id(universe_id):
         return None
+    data = _manifest_json(ctx, universe_id, recent)
+    return None if data is None else read_manifest(universe_id, data)
+
+
+def _manifest_json(ctx: Context, universe_id: str, recent: bool) -> dict[str, Any] | None:
     key = universe_manifest_key(universe_id)
     if not recent:
         return ctx.storage.find_json(key)
     hit, manifest = ctx.reads.peek(key)
     if hit and manifest is not None:
-        return manifest
+        return dict(manifest)
     ctx.reads.forget(key)  # a cached miss is never trusted: a build's publication shows at once
     return ctx.reads.recent_json(key)
 

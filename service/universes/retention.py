@@ -380,8 +380,7 @@ def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool
     job = ctx.jobs.get(request.job_id) if request.job_id else None
     building = busy or (job is not None and job.status not in FINISHED)
     if manifest is not None:
-        parts = manifest["bytes"]
-        g, e = parts["groups"], parts["engrams"]
+        g, e = manifest.bytes.groups, manifest.bytes.engrams
         return StoredUniverse(universe_id, "ready", g, e, 0, last_used, current, building, users)
     groups, engrams = _stored_parts(ctx, universe_id)
     if building:
@@ -597,7 +596,7 @@ def evict_universe(ctx: Context, universe_id: str, *, reason: str) -> int:
     ctx.storage.put_json(usage_key(universe_id), usage)
     ctx.reads.forget(usage_key(universe_id))
     record_universe_eviction(reason)
-    members = len(manifest["members"]) if manifest else None
+    members = len(manifest.members) if manifest else None
     log.info("evicted universe %s (%s, %d bytes, %s members)", universe_id, reason, freed, members)
     return freed
 

@@ -249,15 +249,14 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
         "evicted_at": None,
     }
     if manifest is not None:
-        groups = len(manifest["groups"])
-        parts = manifest["bytes"]
+        groups = len(manifest.groups)
         return {
             **view,
             "status": "ready",
             "groups": {"done": groups, "total": groups},
-            "bytes": parts["total"],
-            "bytes_detail": {"groups": parts["groups"], "engrams": parts["engrams"], "total": parts["total"]},
-            "build_seconds": manifest["seconds"],
+            "bytes": manifest.bytes.total,
+            "bytes_detail": manifest.bytes.model_dump(),
+            "build_seconds": dict(manifest.seconds),
         }
     building = job is not None and job.status not in FINISHED
     if not building and usage.get("evicted_at"):

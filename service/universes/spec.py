@@ -12,12 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from service.engrams.manifest import UNIVERSE_FORMAT
 from service.models.record import ModelRecord
 from service.models.stored import FORMAT_VERSION, check_format
 from service.statistics.key import StatsKey
 from service.storage.keys import canonical_digest
 
-UNIVERSE_FORMAT = "engram-universe/1"
 # Its input groups' pseudo-inverse factors files (service.universes.factors writes them); named here,
 # without torch, for the API's projection of a build's bytes (service.universes.projection).
 FACTORS_FORMAT = "engram-factors/1"

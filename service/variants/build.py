@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
 from service.engine.lora_files import write_adapter
 from service.engine.model_files import ModelSourceError
+from service.engrams.manifest import UniverseManifest
 from service.engrams.store import (
     StoredEngrams,
     relative_norms,
@@ -122,7 +123,7 @@ def build_variant_files(
 
 def _engram_source(
     ctx: Context, request: VariantRequest, progress: Progress, job_id: str | None
-) -> tuple[EngramSource, dict[str, Any] | None, float | None]:
+) -> tuple[EngramSource, UniverseManifest | None, float | None]:
     """The variant's terms as stored engrams of its universe (built now if missing)."""
     started = time.monotonic()
     cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
@@ -138,7 +139,7 @@ def _engram_source(
 def variant_scales(
     layers: Sequence[LayerSpec],
     source: EngramSource,
-    universe: Mapping[str, Any] | None,
+    universe: UniverseManifest | None,
     scaling: str,
     reader: CheckpointReader,
 ) -> dict[str, float]:

@@ -19,6 +19,7 @@ from service.calibration.strengths import STRENGTH_FLOOR, data_weighted_rho, mea
 from service.engine.checkpoint import CheckpointReader
 from service.engine.evaluate import Probe
 from service.engine.layers import LayerSpec, module_type
+from service.engrams.manifest import UniverseManifest
 from service.engrams.store import stored_engrams
 from service.maps.build import engram_map
 from service.statistics.local import statistics
@@ -91,7 +92,7 @@ def float64_rho(world: dict[str, Any], layers: list[LayerSpec]) -> dict[str, flo
 
 
 @pytest.fixture(scope="module")
-def universe(world: dict[str, Any]) -> dict[str, Any]:
+def universe(world: dict[str, Any]) -> UniverseManifest:
     """The built universe ``forget ∪ retain`` of the tiny Llama (built by its first variant)."""
     w: StoreWorld = world["world"]
     variant = build(w, MODEL, {"forget": -1.0}, reference=UNIVERSE)
@@ -104,10 +105,10 @@ def forget_prefix(w: StoreWorld) -> str:
     return str(w.ctx.storage.get_json("concepts/forget.json")["models"][MODEL]["stats"])
 
 
-def test_rho_is_the_float64_formula_and_the_maps_data_measure(world: dict[str, Any], universe: dict[str, Any]) -> None:
+def test_rho_is_the_float64_formula_and_the_maps_data_measure(world: dict[str, Any], universe: UniverseManifest) -> None:
     w: StoreWorld = world["world"]
     layout = layout_of(w, MODEL)
-    members = [statistics(w.ctx, m["stats"]) for m in universe["members"]]
+    members = [statistics(w.ctx, prefix) for prefix in universe.member_prefixes]
     engrams = stored_engrams(w.ctx, universe, {forget_prefix(w): -0.5})  # as an unlearn term: ρ scales with |c|
     rho = data_weighted_rho(layout.layers, engrams, members, CheckpointReader(world["paths"][MODEL], layout))
     expected = float64_rho(world, layout.layers)
@@ -126,7 +127,7 @@ def test_rho_is_the_float64_formula_and_the_maps_data_measure(world: dict[str, A
 
 
 def test_a_weighted_arms_strengths_are_the_maps_type_means_over_its_layers(
-    world: dict[str, Any], universe: dict[str, Any]
+    world: dict[str, Any], universe: UniverseManifest
 ) -> None:
     w: StoreWorld = world["world"]
     layout = layout_of(w, MODEL)
@@ -151,7 +152,7 @@ def test_a_weighted_arms_strengths_are_the_maps_type_means_over_its_layers(
 
 @pytest.mark.parametrize("scaling", ["uniform", "weight_norm"])
 def test_a_weighted_candidate_is_the_variant_with_its_module_strengths(
-    world: dict[str, Any], universe: dict[str, Any], scaling: str
+    world: dict[str, Any], universe: UniverseManifest, scaling: str
 ) -> None:
     """The weights a candidate is evaluated with are those of the variant its recommendation builds."""
     w: StoreWorld = world["world"]

@@ -257,7 +257,7 @@ def test_another_process_never_reads_an_evicted_universe(world: StoreWorld, sett
     settings(universe_retention_s=86400)
     assert uid in expire_unused(world.ctx)
     manifest, existed = ensure_universe(other, uid)
-    assert existed is False and manifest["universe_id"] == uid
+    assert existed is False and manifest.universe_id == uid
 
 
 def test_a_universe_built_before_usage_records_counts_from_its_request(world: StoreWorld, settings: Any) -> None:

@@ -160,7 +160,8 @@ def test_building_an_existing_universe_again_is_a_noop(world: dict[str, Any], mo
     before = _files(folder)
     monkeypatch.setattr(torch.linalg, "eigh", _forbidden("eigh"))
     manifest, existed = ensure_universe(w.ctx, uid)
-    assert existed and manifest["universe_id"] == uid
+    assert existed and manifest.universe_id == uid
+    assert manifest.to_json() == _manifest(world, "u/llama"), "the record reads back the stored keys and values"
     view, job = submit_universe(w.ctx, "u/llama", None, None)
     assert job is None and view["status"] == "ready" and view["universe_id"] == uid
     assert _files(folder) == before
@@ -203,8 +204,10 @@ def test_a_build_cut_short_redoes_only_the_missing_parts(world: dict[str, Any], 
     assert {k: v for k, v in sizes.items() if k != "manifest.json" and not k.startswith("parts/")} == {
         k: v for k, v in before.items() if k != "manifest.json" and not k.startswith("parts/")
     }
-    assert rebuilt["members"] == manifest["members"]
-    assert {g: _shape(i) for g, i in rebuilt["groups"].items()} == {g: _shape(i) for g, i in manifest["groups"].items()}
+    assert rebuilt.to_json()["members"] == manifest["members"]
+    assert {g: _shape(i) for g, i in rebuilt.to_json()["groups"].items()} == {
+        g: _shape(i) for g, i in manifest["groups"].items()
+    }
 
 
 def _shape(group: dict[str, Any]) -> dict[str, Any]:

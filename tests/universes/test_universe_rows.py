@@ -94,13 +94,13 @@ def test_engrams_of_rows_groups_use_the_members_exact_sums(world: dict[str, Any]
     assert existed
     model = w.ctx.storage.get_json("models/r%2Fllama.json")
     reader = CheckpointReader(world["path"], ModelLayout.from_json(model["layout"]))
-    keys = {m["names"][0]: m["key"] for m in manifest["members"]}
+    keys = {m.names[0]: m.key for m in manifest.members}
     worst = {"rows": 0.0, "sums": 0.0}
     for name, member in stats.items():
-        with safe_open(str(w.ctx.storage.local_path(engram_key(manifest["universe_id"], keys[name]))), "pt") as handle:
+        with safe_open(str(w.ctx.storage.local_path(engram_key(manifest.universe_id, keys[name]))), "pt") as handle:
             for spec in reader.layout.layers:
                 group = member.layer_group[spec.name]
-                source = manifest["groups"][group]["source"]
+                source = manifest.groups[group].source
                 if source == "rows":
                     target, universe = exact(member, group), sum(exact(s, group) for s in stats.values())
                 else:

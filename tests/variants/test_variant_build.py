@@ -177,7 +177,7 @@ def test_weight_norm_of_several_terms_reads_pair_products_once_known(
     manifest = find_manifest(w.ctx, universe_id)
     assert manifest is not None
     terms = {"forget": -0.7, "other": 0.45, "retain": -0.2}
-    prefixes = {m["name"] if "name" in m else m["key"]: m["stats"] for m in manifest["members"]}
+    prefixes = {m.key: m.stats for m in manifest.members}
     stats_of = {name: w.ctx.storage.get_json(f"concepts/{name}.json")["models"]["v/llama"]["stats"] for name in terms}
     assert set(stats_of.values()) <= set(prefixes.values())
     engrams = stored_engrams_module.stored_engrams(w.ctx, manifest, {stats_of[n]: c for n, c in terms.items()})
@@ -185,7 +185,7 @@ def test_weight_norm_of_several_terms_reads_pair_products_once_known(
     direct = {spec.name: engrams.norm(spec) for spec in layers}  # the combined engram, read layer by layer
     w.ctx.storage.delete_prefix(f"universes/{universe_id}/pairs/")  # earlier W-Norm variants of this universe made some
     from_pairs = stored_engrams_module.relative_norms(layers, engrams, manifest)
-    weight_norms = {spec.name: float(manifest["layers"][spec.name]["weight_norm"]) for spec in layers}
+    weight_norms = {spec.name: manifest.weight_norm(spec.name) for spec in layers}
     for name, norm in direct.items():
         assert from_pairs[name] * weight_norms[name] == pytest.approx(norm, rel=1e-9, abs=1e-12), name
     assert len(w.ctx.storage.list(f"universes/{universe_id}/pairs/")) == 3  # one file per pair of terms
