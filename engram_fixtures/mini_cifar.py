@@ -3,9 +3,10 @@
 No dataset can be downloaded here, so the images are scikit-learn's ``load_digits`` (1,797 labelled
 8×8 grey scans that ship with the package), upsampled to ``size × size`` (bilinear, Pillow; 16 by
 default, the tiny builders' image size) and coloured: each image gets its own foreground and
-background colour, drawn from a generator seeded by the image's index, so colour says nothing about the class and the shape must be learned (as in
-CIFAR, where colour is a weak cue). Images are stored as PNG in JSONL image records
-(``{"image": <base64 PNG>, "label": <class>}``), the service's own record shape. The split is a
+background colour, drawn from a generator seeded by the image's index, so colour says nothing about
+the class and the shape must be learned (as in CIFAR, where colour is a weak cue). Images are
+stored as PNG in JSONL image records (``{"image": <base64 PNG>, "label": <class>}``), the service's
+own record shape. The split is a
 per-class 80/20 shuffle with a fixed seed.
 
 :func:`build_mini_cifar` trains, with fixed seeds and one thread, a tiny ResNet and a tiny ViT
