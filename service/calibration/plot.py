@@ -5,15 +5,29 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 WIDTH, HEIGHT, DPI = 900, 620, 100
 _MARKERS = {"uniform": "o", "weight_norm": "s"}
 
 
 def render_front_png(result: Mapping[str, Any]) -> bytes:
+    """The front of :func:`front_figure` as PNG bytes (``WIDTH × HEIGHT`` pixels)."""
+    buffer = io.BytesIO()
+    front_figure(result).savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def front_figure(result: Mapping[str, Any]) -> Figure:
     """Forget NLL ratio against retain NLL ratio of every candidate (colour: module set, marker:
-    scaling), the Pareto front as a line, the constraint as a dashed line, the recommendation starred."""
+    scaling), the Pareto front as a line, the constraint as a dashed line, the recommendation starred.
+
+    Both axes are logarithmic: the ratios run from about 1 (the acceptable candidates, retain ratio
+    just above 1) to many times that, and a linear axis squeezes the acceptable ones into a sliver.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must be chosen before pyplot is imported
@@ -55,16 +69,13 @@ def render_front_png(result: Mapping[str, Any]) -> bytes:
         )
     ax.set_xlabel("retain answer NLL ratio (variant / base): lower keeps more")
     ax.set_ylabel("forget answer NLL ratio (variant / base): higher forgets more")
-    forget = [c["forget"]["nll_ratio"] for c in points]
-    if forget and max(forget) > 20 * min(forget):  # ×1 to ×20 and more: a log axis shows both ends
-        ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
+    ax.set_xscale("log")  # ratios: ×1.02 and ×10 both readable (only positive ratios are drawn)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     concepts = ", ".join(result["concepts"])
     ax.set_title(f"calibration of {result['model_id']} ({concepts}): {result['evaluations']} candidates", fontsize=10)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI)
-    return buffer.getvalue()
+    return figure
 
 
 def _finite(candidate: Mapping[str, Any]) -> bool:
