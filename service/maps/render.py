@@ -1,10 +1,13 @@
-"""A memory-trace map as a PNG: one heatmap per concept, every panel on one colour scale (paper Fig. 4)."""
+"""A memory-trace map as a PNG: one heatmap per concept, each on its own colour scale (paper Fig. 4)."""
 
 from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MEASURE_LABELS = {
     "data": "‖W⁺X‖F / ‖WX‖F over the universe's inputs",
@@ -26,8 +29,21 @@ def panel(data: dict[str, Any], name: str) -> tuple[list[str], list[str], list[l
 
 
 def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
+    """The map of :func:`map_figure` as PNG bytes, ``width × height`` pixels."""
+    figure = map_figure(data, width, height)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=figure.dpi)  # no bbox_inches: the size stays exactly as asked
+    return buffer.getvalue()
+
+
+def map_figure(data: dict[str, Any], width: int, height: int) -> Figure:
     """One heatmap panel per concept (rows: blocks, columns: module types, and the layers outside the
-    blocks), on one colour scale for every panel, so concepts compare; ``width × height`` pixels."""
+    blocks), each on its own colour scale with its own colour bar, ``width × height`` pixels.
+
+    One scale for all would draw the weaker concept as one flat colour next to the stronger: each
+    panel spans its own range, so where a concept's trace lies shows at a glance; the colour bars and
+    the titles' maxima give the magnitudes to compare across concepts.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must be chosen before pyplot is imported
@@ -36,23 +52,31 @@ def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
     dpi = 100
     figure = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, layout="constrained")
     axes = figure.subplots(1, len(data["concepts"]), squeeze=False)[0]
-    panels = [panel(data, name) for name in data["concepts"]]
-    finite = [v for _, _, grid in panels for row in grid for v in row if math.isfinite(v)]
-    top = max(finite, default=1.0) or 1.0
-    measure = data.get("measure", "weight")
-    image = None
-    for ax, name, (rows, columns, grid) in zip(axes, data["concepts"], panels, strict=True):
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", vmin=0.0, vmax=top)
+    label = MEASURE_LABELS.get(data.get("measure", "weight"), data.get("measure", "weight"))
+    for ax, name in zip(axes, data["concepts"], strict=True):
+        rows, columns, grid = panel(data, name)
+        low, high = panel_range(grid)
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest", vmin=low, vmax=high)
         ax.set_title(f"{name} (max {data['maps'][name]['max']:.3g})", fontsize=9)
         ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=7)
         ax.set_yticks(range(len(rows)), rows, fontsize=7)
         ax.set_ylabel("block")
-    if image is not None:
-        figure.colorbar(image, ax=list(axes), label=MEASURE_LABELS.get(measure, measure), shrink=0.9)
-    figure.suptitle(f"engram map of {data['model_id']}", fontsize=10)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi)  # no bbox_inches: the size stays exactly as asked
-    return buffer.getvalue()
+        figure.colorbar(image, ax=ax, shrink=0.9).set_label(label, fontsize=7)
+    figure.suptitle(f"engram map of {data['model_id']}: each panel on its own colour scale", fontsize=10)
+    return figure
+
+
+def panel_range(grid: list[list[float]]) -> tuple[float, float]:
+    """The colour range of one panel: its smallest to its largest finite value (a panel of one
+    value, or none, gets a range around it so that the colour bar still reads)."""
+    finite = [v for row in grid for v in row if math.isfinite(v)]
+    if not finite:
+        return 0.0, 1.0
+    low, high = min(finite), max(finite)
+    if high > low:
+        return low, high
+    pad = 0.05 * abs(low) or 0.5
+    return low - pad, high + pad
 
 
 def default_size(data: dict[str, Any]) -> tuple[int, int]:
