@@ -9,11 +9,12 @@
 #   scripts/local-distributed.sh stop     # or: make distributed-stop
 #
 # Everything it makes lives under $STATE (default .engram/distributed/): data, logs, pid files and
-# the S3 credentials (made once, kept for the next start). A Redis already answering at REDIS_PORT
-# is used as it is (database REDIS_DB) and never stopped; otherwise the script starts redis-server
-# and stops it again. The API serves models from ENGRAM_MODEL_ROOTS (default ./demo, as `make run`).
+# the S3 credentials (made once, kept for the next start). Redis is a private redis-server the script
+# starts (on a free port unless REDIS_PORT names one) and stops again: a Redis it did not start is
+# never used (its data could be anyone's), and a REDIS_PORT where one answers is refused.
+# The API serves models from ENGRAM_MODEL_ROOTS (default ./demo, as `make run`).
 #
-# Settings (environment): HOST (127.0.0.1), PORT (8000), REDIS_PORT (6379), REDIS_DB (0),
+# Settings (environment): HOST (127.0.0.1), PORT (8000), REDIS_PORT (a free port), REDIS_DB (0),
 # S3_PORT (8333), S3_BUCKET (engram), WORKER_QUEUES (gpu,cpu), STATE, ENGRAM_MODEL_ROOTS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ ROOT=$(pwd)
 
 HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-8000}
-REDIS_PORT=${REDIS_PORT:-6379}
+REDIS_PORT=${REDIS_PORT:-}  # unset: 'start' picks a free port (or the one its running Redis has)
 REDIS_DB=${REDIS_DB:-0}
 S3_PORT=${S3_PORT:-8333}
 S3_BUCKET=${S3_BUCKET:-engram}
@@ -82,13 +83,23 @@ service_env() {  # the settings the API and the worker share
 
 # ---------------------------------------------------------------- the parts
 
+choose_redis_port() {  # REDIS_PORT unset: the port of the Redis an earlier 'start' left running, or a free one
+  [ -n "$REDIS_PORT" ] && return
+  if alive redis && [ -f "$SETTINGS" ]; then
+    # shellcheck disable=SC1090
+    REDIS_PORT=$(. "$SETTINGS" && echo "$REDIS_PORT")
+  else
+    REDIS_PORT=$("$VENV/bin/python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  fi
+}
+
 start_redis() {
+  if alive redis; then say "Redis already runs (pid $(pid_of redis), 127.0.0.1:$REDIS_PORT)"; return; fi
   if redis_answers; then
-    say "using the Redis that answers on 127.0.0.1:$REDIS_PORT (database $REDIS_DB; not stopped by 'stop')"
-    return
+    die "a Redis this script did not start answers on 127.0.0.1:$REDIS_PORT: it uses a private one of its own; leave REDIS_PORT unset (a free port is picked) or set it to a free port"
   fi
   command -v redis-server >/dev/null 2>&1 \
-    || die "no Redis on 127.0.0.1:$REDIS_PORT and no redis-server to start one (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
+    || die "no redis-server to start (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
   mkdir -p "$STATE/redis"
   redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE/redis" --save "" --appendonly no \
     --daemonize yes --pidfile "$STATE/redis.pid" --logfile "$STATE/redis.log"
@@ -189,6 +200,7 @@ EOF
 cmd_start() {
   [ -x "$VENV/bin/engram-service" ] || die "no $VENV: run 'make install' first"
   mkdir -p "$STATE"
+  choose_redis_port
   printf 'HOST=%q\nPORT=%q\nREDIS_PORT=%q\nREDIS_DB=%q\nS3_PORT=%q\nS3_BUCKET=%q\nMODEL_ROOTS=%q\n' \
     "$HOST" "$PORT" "$REDIS_PORT" "$REDIS_DB" "$S3_PORT" "$S3_BUCKET" "$MODEL_ROOTS" > "$SETTINGS"
   start_redis
