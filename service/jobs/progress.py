@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 _PROGRESS_EVERY_S = 1.0
@@ -62,3 +64,22 @@ class NoProgress:
 
     def advance(self, amount: int = 1) -> None:
         return None
+
+
+class StepTimes:
+    """Seconds a job spent in each of its named steps, in the order they first ran.
+
+    A job's result reports them (``result.steps``) so that what a user waits for can be split into
+    its parts from the outside (``bench.e2e``): a step that runs twice adds up.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - started, 4)

@@ -35,7 +35,7 @@ from service.engrams.store import (
     stored_engrams,
 )
 from service.errors import JobFailed
-from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress
+from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress, StepTimes
 from service.jobs.records import JobRecord, VariantPayload
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
@@ -48,17 +48,28 @@ from service.variants.spec import VariantRequest
 
 
 def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
-    """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition."""
-    variant_id = job.payload_of(VariantPayload).variant_id
-    key = variant_request_key(variant_id)
-    request = VariantRequest.stored(key, ctx.storage.get_json(key))
-    if ctx.storage.exists(variant_manifest_key(variant_id)):
-        return {"variant_id": variant_id, "reused": True}
+    """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition.
+
+    The result's ``steps`` are the seconds of each part (``bench.e2e`` splits what a user waits
+    for with them): ``request`` (the stored request), ``model`` (the registration, the layer
+    selection, which layers the universe reached), ``universe`` (its manifest and engram index;
+    building it when missing), ``model_files`` (the checkpoint's files opened and checked against
+    the identity recorded at registration), ``scales``, ``write`` (each layer: ``W`` and the terms'
+    engrams read, summed, written), ``upload`` (hashed and put in the store) and ``manifest``.
+    """
+    timer = StepTimes()
+    with timer.step("request"):
+        variant_id = job.payload_of(VariantPayload).variant_id
+        key = variant_request_key(variant_id)
+        request = VariantRequest.stored(key, ctx.storage.get_json(key))
+        if ctx.storage.exists(variant_manifest_key(variant_id)):
+            return {"variant_id": variant_id, "reused": True}
     progress = JobProgress(ctx, job.job_id, 0)
     started = time.monotonic()
     with scratch_dir("variant") as tmp:
-        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id)
-        files = upload_variant(ctx, variant_id, Path(tmp))
+        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id, timer=timer)
+        with timer.step("upload"):
+            files = upload_variant(ctx, variant_id, Path(tmp))
     seconds = round(time.monotonic() - started, 3)
     published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
     published["universe_id"] = request.universe_id
@@ -66,10 +77,11 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
         published["unreached_layers"] = built.unreached_layers
     if built.lora is not None:
         published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
-    ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
-    note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
+    with timer.step("manifest"):
+        ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
+        note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
-    return {**result, "universe_built_s": built.universe_built_s}
+    return {**result, "universe_built_s": built.universe_built_s, "steps": timer.seconds}
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,13 @@ class BuiltVariant:
 
 
 def build_variant_files(
-    ctx: Context, request: VariantRequest, out: Path, progress: Progress | None = None, *, job_id: str | None = None
+    ctx: Context,
+    request: VariantRequest,
+    out: Path,
+    progress: Progress | None = None,
+    *,
+    job_id: str | None = None,
+    timer: StepTimes | None = None,
 ) -> BuiltVariant:
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
@@ -94,28 +112,35 @@ def build_variant_files(
         progress: told of each layer written (a :class:`JobProgress` is given the layer count; the
             universe build before it only checks for cancellation).
         job_id: the variant job; given, a universe built first asks idle workers to help with it.
+        timer: told the seconds of each step (see :func:`run_variant`).
 
     Raises:
         JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
     """
-    model = get_model(ctx, request.model_id)
-    layout = model.layout
-    spec = request.spec
-    selected = select_layers(layout.layers, spec.modules, spec.layers)
-    # Layers no member's forward pass ran have zero engrams: written as they are, and named.
-    unreached = unreached_by_every(ctx, request.universe_stats)
-    layers = [layer for layer in selected if layer.name not in unreached]
+    timer = timer or StepTimes()
+    with timer.step("model"):
+        model = get_model(ctx, request.model_id)
+        layout = model.layout
+        spec = request.spec
+        selected = select_layers(layout.layers, spec.modules, spec.layers)
+        # Layers no member's forward pass ran have zero engrams: written as they are, and named.
+        unreached = unreached_by_every(ctx, request.universe_stats)
+        layers = [layer for layer in selected if layer.name not in unreached]
     steps = progress or NoProgress()
     try:
         if spec.format == "peft":
             check_adapter_layers(layers)  # before the universe is built
-        source, universe, built_s = _engram_source(ctx, request, steps, job_id)
-        reader = CheckpointReader(checked_model_files(ctx, model), layout)
+        with timer.step("universe"):
+            source, universe, built_s = _engram_source(ctx, request, steps, job_id)
+        with timer.step("model_files"):
+            reader = CheckpointReader(checked_model_files(ctx, model), layout)
         if isinstance(steps, JobProgress):
             steps.restart(len(layers))
-        # W-Norm's f_l (or 1) first, then each module type's strength factor
-        scales = with_module_strengths(variant_scales(layers, source, universe, spec.scaling, reader), spec.strengths)
-        lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
+        with timer.step("scales"):
+            # W-Norm's f_l (or 1) first, then each module type's strength factor
+            scales = with_module_strengths(variant_scales(layers, source, universe, spec.scaling, reader), spec.strengths)
+        with timer.step("write"):
+            lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
     except (EditError, ModelSourceError) as exc:
         raise JobFailed(str(exc)) from None
     return BuiltVariant(scales, lora, built_s, [layer.name for layer in selected if layer.name in unreached])
