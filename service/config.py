@@ -94,19 +94,26 @@ class Settings(BaseSettings):
     # Distributed mode. The broker's visibility timeout must exceed the hard limit, or Redis would
     # hand a still-running task to a second worker.
     task_hard_limit_s: int = Field(default=4 * 3600, ge=5)
+    # Tries of a job after a transient error (storage or broker away), with backoff, before it fails.
     task_max_retries: int = Field(default=5, ge=0, le=100)
+    # How often one API process (elected by a Redis lock) re-queues jobs whose worker went silent or
+    # whose message was lost.
     reconcile_interval_s: float = Field(default=15.0, gt=0)
     heartbeat_ttl_s: int = Field(default=60, ge=2, description="a running job whose worker is silent this long is re-queued")
     # A universe build asks up to this many idle workers to decompose its input groups (and write its
     # members' engrams) alongside it, each part claimed through a Redis lease; 0: the job builds alone.
     universe_helpers: int = Field(default=8, ge=0, le=256)
+    # Loaded models a job process or worker keeps in memory between jobs (each costs its weights' RAM).
     model_cache_size: int = Field(default=1, ge=1, le=16)
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535, description="a worker's /metrics port")
     # How log lines on stderr are written: "json" (one object a line, for containers and log
     # shippers), "text" (`time level logger: message`, for a person at a terminal) or "auto": text
     # when stderr is a terminal, JSON otherwise.
     log_format: Literal["auto", "json", "text"] = "auto"
+    # s3:// storage: GET /variants/{id}/files/{path} redirects to a presigned S3 URL instead of
+    # streaming the file through the API.
     presign_downloads: bool = False
+    # How long a presigned download URL stays valid.
     presign_expiry_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
 
     # Chat templates are programs from the model folder: collection renders them in a child process
@@ -126,6 +133,7 @@ class Settings(BaseSettings):
     # Request limits: a JSON body and a multipart upload.
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
+    # Records of one concept, whatever brings them (a JSON body, an upload, a reference).
     max_records: int = Field(default=1_000_000, ge=1)
     # One record's stored bytes, whatever brings it (a JSON body, an upload, a reference): past it a
     # 413 names this setting. Collection cuts every text to a character budget before tokenizing
@@ -159,9 +167,12 @@ class Settings(BaseSettings):
     # Completion callbacks: only these hosts (``host`` or ``host:port``) may be called back, and
     # every call is signed with the secret (Standard Webhooks: webhook-id/-timestamp/-signature).
     callback_hosts: str = Field(default="", description="comma-separated host or host:port entries")
+    # The HMAC key every callback is signed with (required when ENGRAM_CALLBACK_HOSTS is set).
     callback_secret: SecretStr | None = None
+    # Tries of one callback before it is dead-lettered.
     callback_max_attempts: int = Field(default=10, ge=1, le=100)
     callback_backoff_s: float = Field(default=1.0, gt=0, le=3600, description="first retry delay; doubles up to 10 min")
+    # How long one delivery waits for the receiver's answer.
     callback_timeout_s: float = Field(default=10.0, gt=0, le=120)
     callback_poll_s: float = Field(default=1.0, gt=0, le=300, description="how often pending callbacks are looked for")
     # Deliveries at once. A receiver that never answers holds one for ENGRAM_CALLBACK_TIMEOUT_S and

@@ -95,7 +95,8 @@ async def engram_map_png(
     wait: MapWaitQuery = DEFAULT_WAIT_S,
 ) -> Response:
     """The paper's Fig. 4 for these concepts: one heatmap per concept (blocks × module types, and the
-    layers outside the blocks), every panel on one colour scale. 202 with the job while it is computed."""
+    layers outside the blocks), each panel on its own colour scale (compare magnitudes by the colour
+    bars and each panel's max). 202 with the job while it is computed."""
     data = await _map_or_job(request, ctx, lanes, wait, model_id, concepts, reference, rcond, measure)
     if isinstance(data, Response):
         return data
