@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engram_fixtures.demo import make_facts
+from service.concepts.record import ConceptModelState, ConceptRecord
+from service.concepts.service import find_concept
 from service.config import Settings
 from service.context import Context
 from service.engine.checkpoint import load_model, load_tokenizer
@@ -30,6 +32,7 @@ from service.jobs.store import JobStore, utc_now
 from service.models.inspection import register_model
 from service.statistics.manifest import publish_statistics
 from service.statistics.spec import CollectionSpec
+from service.storage.keys import concept_key
 from service.storage.local import LocalStorage
 
 MAX_LENGTH = 120
@@ -85,17 +88,17 @@ class StoreWorld:
         file = self.root / f"{digest}.safetensors"
         save_statistics(stats, file)
         publish_statistics(self.ctx, prefix, file, lambda: {"tokens": stats.tokens})
-        concept = self.ctx.storage.find_json(f"concepts/{name}.json") or {
-            "name": name,
-            "role": role,
-            "description": None,
-            "num_records": len(records),
-            "dataset_digest": digest,
-            "models": {},
-            "created_at": utc_now(),
-        }
-        concept["models"][model_id] = {"job_id": "0" * 32, "stats": prefix}
-        self.ctx.storage.put_json(f"concepts/{name}.json", concept)
+        concept = find_concept(self.ctx, name) or ConceptRecord(
+            name=name,
+            role=role,
+            description=None,
+            num_records=len(records),
+            dataset_digest=digest,
+            models={},
+            created_at=utc_now(),
+        )
+        concept = concept.with_model(model_id, ConceptModelState(job_id="0" * 32, stats=prefix))
+        self.ctx.storage.put_json(concept_key(name), concept.to_json())
         return stats
 
     def run_pending(self) -> list[JobRecord]:

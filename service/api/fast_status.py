@@ -24,10 +24,12 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import Concept, Job
+from service.concepts.record import read_concept
 from service.concepts.service import concept_fields, ready_state
 from service.context import Context
 from service.jobs.records import JobRecord, UnreadableJobRecord
 from service.jobs.store import public_view, valid_job_id
+from service.models.stored import FORMAT_VERSION
 from service.statistics.key import manifest_key
 from service.storage.keys import concept_key
 
@@ -93,21 +95,23 @@ def _local_job(ctx: Context, job_id: str) -> JobRecord | None:
 
 def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
     """The concept's view when its document, its jobs and any published manifests are in memory."""
-    hit, concept = ctx.reads.peek(concept_key(name))
-    if not hit or concept is None:
-        return None  # unknown here: the route reads storage (and answers 404 when it is not there)
+    key = concept_key(name)
+    hit, data = ctx.reads.peek(key)
+    if not hit or data is None or data.get("format_version") != FORMAT_VERSION:
+        return None  # unknown here (or unreadable): the route reads storage, and answers 404 (or the refusal)
+    concept = read_concept(key, data)
     states = {}
-    for model_id, entry in concept["models"].items():
-        job = _local_job(ctx, entry["job_id"])
+    for model_id, entry in concept.models.items():
+        job = _local_job(ctx, entry.job_id)
         if job is None:
             return None
         # No statistics key while a dataset reference is not resolved: the job's state says it all.
-        published_hit, published = ctx.reads.peek(manifest_key(entry["stats"])) if entry.get("stats") else (False, None)
+        published_hit, published = ctx.reads.peek(manifest_key(entry.stats)) if entry.stats else (False, None)
         if published_hit and published is not None:
-            states[model_id] = ready_state(published, entry["job_id"])
+            states[model_id] = ready_state(published, entry.job_id)
         elif job.status in {"queued", "running"}:
             status = "collecting" if job.status == "running" else "pending"
-            states[model_id] = {"status": status, "tokens": None, "job_id": entry["job_id"]}
+            states[model_id] = {"status": status, "tokens": None, "job_id": entry.job_id}
         else:
             return None  # finished: whether it published is a storage read, the route's to make
     return concept_fields(concept, states)  # what the route shows besides the states (registry.concept_view)

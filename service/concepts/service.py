@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
 from service.context import Context
 from service.datasets.images import check_record_kinds
 from service.datasets.refs import content_changed, same_reference
@@ -120,16 +121,16 @@ def submit_concept(
         concept = find_concept(ctx, name)
         if concept is not None:
             _check_same_concept(concept, digest, role, reference, template)
-            chosen_template = concept.get("template")
-            if reference is not None and content_changed(concept["dataset"], reference):
+            chosen_template = concept.template
+            if reference is not None and concept.dataset is not None and content_changed(concept.dataset, reference):
                 # What the reference names changed since it was posted: a new concept over the new
                 # content, as if the old one were deleted first (its role and description kept).
                 retired, concept = concept, None
-                role = role or retired["role"]
-                description = retired["description"] if description is None else description
+                role = role or retired.role
+                description = retired.description if description is None else description
         # Checked before anything is written: a refused request stores nothing.
         if "messages" in kinds or chosen_template == "chat":
-            held = concept["models"] if concept is not None else {}
+            held = concept.models if concept is not None else {}
             check_chat_templates({m: v for m, v in manifests.items() if m not in held}, CHAT_KINDS)
         admit(ctx, len(_models_to_collect(ctx, concept, manifests, modules)))
         if concept is None:
@@ -137,90 +138,88 @@ def submit_concept(
                 key = dataset_key(dataset.digest)
                 if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
                     ctx.storage.put_file(key, dataset.path)
-            concept = {
-                "name": name,
-                "role": role or "target",
-                "description": description,
-                "num_records": dataset.num_records if dataset is not None else None,
-                "dataset_digest": digest,
-                "models": {},
-                "created_at": utc_now(),
-            }
-            if reference is not None:
-                concept["dataset"] = reference
-            if chosen_template is not None:
-                concept["template"] = chosen_template
-        new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
+            concept = ConceptRecord(
+                name=name,
+                role=role or "target",
+                description=description,
+                num_records=dataset.num_records if dataset is not None else None,
+                dataset_digest=digest,
+                models={},
+                created_at=utc_now(),
+                dataset=reference,
+                template=chosen_template,
+            )
+        concept, new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
         if retired is not None:
             _cancel_collections(ctx, retired)
-        ctx.storage.put_json(concept_key(name), concept)
+        ctx.storage.put_json(concept_key(name), concept.to_json())
         ctx.reads.forget(concept_key(name))
     # Enqueue only after the records and the concept are saved: the task reads them.
     for job in new_jobs:
         ctx.dispatch(job)
     created = {job.job_id for job in new_jobs}
-    found = [ctx.jobs.get(concept["models"][m]["job_id"]) for m in manifests]
+    found = [ctx.jobs.get(concept.models[m].job_id) for m in manifests]
     jobs = [attach_callbacks(ctx, j, urls) if j.job_id not in created else j for j in found if j is not None]
     return concept_view(ctx, concept), jobs
 
 
 def _check_same_concept(
-    concept: dict[str, Any], digest: str | None, role: str | None, reference: dict[str, Any] | None, template: Any = KEEP
+    concept: ConceptRecord, digest: str | None, role: str | None, reference: dict[str, Any] | None, template: Any = KEEP
 ) -> None:
     """Posting a concept again is idempotent only with the same records (or the same dataset
     reference, or records equal to what its reference resolved to), role and template (or none given)."""
-    name = concept["name"]
-    held = concept.get("dataset")
+    name = concept.name
+    held = concept.dataset
     if reference is not None:
         if held is None or not same_reference(held, reference):
             what = f"the dataset reference {held['uri']} ({held})" if held else "inline records"
             raise Conflict(f"concept {name} exists with {what}; delete it first or use another name")
-    elif concept["dataset_digest"] != digest:
-        if concept["dataset_digest"] is None:
+    elif concept.dataset_digest != digest:
+        if concept.dataset_digest is None:
             raise Conflict(f"concept {name} exists with a dataset reference not resolved yet; post that reference, or wait")
         raise Conflict(f"concept {name} exists with other records; delete it first or use another name")
-    if role is not None and role != concept["role"]:
+    if role is not None and role != concept.role:
         raise Conflict(
-            f"concept {name} exists with role {concept['role']!r}, not {role!r}; "
+            f"concept {name} exists with role {concept.role!r}, not {role!r}; "
             "delete it first to change its role, or omit role"
         )
-    if template is not KEEP and template != concept.get("template"):
+    if template is not KEEP and template != concept.template:
         raise Conflict(
-            f"concept {name} exists with template {concept.get('template')!r}, not {template!r}; "
+            f"concept {name} exists with template {concept.template!r}, not {template!r}; "
             "delete it first to change it, or omit template"
         )
 
 
 def _plan_collections(
     ctx: Context,
-    concept: dict[str, Any],
+    concept: ConceptRecord,
     manifests: dict[str, Any],
     callback_urls: list[str],
     modules: list[str] | None = None,
-) -> list[JobRecord]:
+) -> tuple[ConceptRecord, list[JobRecord]]:
+    """One collection job per model that needs one; the concept with those jobs as its collections."""
     created = []
     for model_id in _models_to_collect(ctx, concept, manifests, modules):
         manifest = manifests[model_id]
         payload = CollectPayload(
             model_id=model_id,
             model_digest=manifest.digest,
-            dataset_digest=concept["dataset_digest"],
-            settings=CollectionSpec.of(ctx.settings, modules, concept.get("template"), manifest.layout).dump(),
-            concept=concept["name"],
+            dataset_digest=concept.dataset_digest,
+            settings=CollectionSpec.of(ctx.settings, modules, concept.template, manifest.layout).dump(),
+            concept=concept.name,
             # a reference the job resolves first
-            dataset=concept["dataset"] if concept["dataset_digest"] is None else None,
+            dataset=concept.dataset if concept.dataset_digest is None else None,
         )
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
         stats = _stats_prefix_for(payload)
-        concept["models"][model_id] = {"job_id": job.job_id, "stats": stats}
-        if modules is not None:
-            concept["models"][model_id]["modules"] = modules
+        state = ConceptModelState(job_id=job.job_id, stats=stats, modules=None if modules is None else tuple(modules))
+        concept = concept.with_model(model_id, state)
         created.append(job)
-    return created
+    return concept, created
 
 
 def _models_to_collect(
-    ctx: Context, concept: dict[str, Any] | None, manifests: dict[str, Any], modules: list[str] | None
+    ctx: Context, concept: ConceptRecord | None, manifests: dict[str, Any], modules: list[str] | None
 ) -> list[str]:
     """The listed models that need a collection job: those the concept is not collecting or
     collected on (a new concept: every one).
@@ -232,14 +231,14 @@ def _models_to_collect(
         return list(manifests)
     needed = []
     for model_id in manifests:
-        entry = concept["models"].get(model_id)
+        entry = concept.models.get(model_id)
         if entry is not None:
-            job = ctx.jobs.get(entry["job_id"])
+            job = ctx.jobs.get(entry.job_id)
             if job is not None and job.status not in {"failed", "cancelled"}:
-                if modules is not None and entry.get("modules") != modules:
-                    held = entry.get("modules")
+                held = entry.modules
+                if modules is not None and (held is None or list(held) != modules):
                     raise Conflict(
-                        f"concept {concept['name']} is collected on model {model_id} with "
+                        f"concept {concept.name} is collected on model {model_id} with "
                         f"{'modules ' + ', '.join(held) if held else 'every module'}, not modules {', '.join(modules)}; "
                         "delete it first to collect other modules, or omit modules"
                     )
@@ -255,24 +254,31 @@ def _stats_prefix_for(payload: CollectPayload) -> str | None:
     return CollectionSpec.model_validate(payload.settings).key(payload.model_digest, payload.dataset_digest).prefix
 
 
-def find_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any] | None:
-    """The stored concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
-    return ctx.reads.recent_json(concept_key(name)) if recent else ctx.storage.find_json(concept_key(name))
+def find_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRecord | None:
+    """The stored concept; ``recent``: as of at most a second ago (views only, never a write's input).
+
+    Raises:
+        UnmigratedRecord: it is stored in an older format (``engram-service migrate``).
+    """
+    key = concept_key(name)
+    data = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    return None if data is None else read_concept(key, data)
 
 
-def get_concept(ctx: Context, name: str, *, recent: bool = False) -> dict[str, Any]:
+def get_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRecord:
     concept = find_concept(ctx, name, recent=recent)
     if concept is None:
         raise NotFound(f"concept {name} does not exist")
     return concept
 
 
-def list_concepts(ctx: Context, *, recent: bool = False) -> list[dict[str, Any]]:
+def list_concepts(ctx: Context, *, recent: bool = False) -> list[ConceptRecord]:
     """Every concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
     if not recent:
-        return [ctx.storage.get_json(k) for k in ctx.storage.list(CONCEPTS) if k.endswith(".json")]
-    found = (ctx.reads.recent_json(k) for k in ctx.reads.recent_listing(CONCEPTS) if k.endswith(".json"))
-    return [concept for concept in found if concept is not None]
+        return [read_concept(k, ctx.storage.get_json(k)) for k in ctx.storage.list(CONCEPTS) if k.endswith(".json")]
+    keys = [k for k in ctx.reads.recent_listing(CONCEPTS) if k.endswith(".json")]
+    found = ((k, ctx.reads.recent_json(k)) for k in keys)
+    return [read_concept(k, data) for k, data in found if data is not None]
 
 
 def concept_names(ctx: Context) -> list[str]:
@@ -289,24 +295,24 @@ def delete_concept(ctx: Context, name: str) -> None:
         ctx.reads.forget(concept_key(name))
 
 
-def _cancel_collections(ctx: Context, concept: dict[str, Any]) -> None:
-    for entry in concept["models"].values():
-        job = ctx.jobs.get(entry["job_id"])
+def _cancel_collections(ctx: Context, concept: ConceptRecord) -> None:
+    for entry in concept.models.values():
+        job = ctx.jobs.get(entry.job_id)
         if job is not None and job.status not in FINISHED:
             ctx.jobs.update(job.job_id, cancel_requested=True)
 
 
-def concept_model_state(ctx: Context, entry: dict[str, Any]) -> dict[str, Any]:
+def concept_model_state(ctx: Context, entry: ConceptModelState) -> dict[str, Any]:
     # The job first, then the manifest: a collection publishes its manifest before its job succeeds,
     # so a job read as finished guarantees the manifest is found. The other order could read "no
     # manifest yet", then "succeeded", and report a finished collection as failed.
-    job = ctx.jobs.get(entry["job_id"])
+    job = ctx.jobs.get(entry.job_id)
     # No statistics key yet: a dataset reference its job has not resolved.
-    published = stats_manifest(ctx, entry["stats"]) if entry.get("stats") else None
+    published = stats_manifest(ctx, entry.stats) if entry.stats else None
     if published is not None:
-        return ready_state(published, entry["job_id"])
+        return ready_state(published, entry.job_id)
     status = {"running": "collecting", "queued": "pending"}.get(job.status, "failed") if job else "failed"
-    return {"status": status, "tokens": None, "job_id": entry["job_id"]}
+    return {"status": status, "tokens": None, "job_id": entry.job_id}
 
 
 def ready_state(published: dict[str, Any], job_id: str) -> dict[str, Any]:
@@ -315,23 +321,30 @@ def ready_state(published: dict[str, Any], job_id: str) -> dict[str, Any]:
     return {"status": "ready", "tokens": published["tokens"], "job_id": job_id, "truncation": published.get("truncation")}
 
 
-def concept_view(ctx: Context, concept: dict[str, Any]) -> dict[str, Any]:
-    states = {m: concept_model_state(ctx, e) for m, e in concept["models"].items()}
+def concept_view(ctx: Context, concept: ConceptRecord) -> dict[str, Any]:
+    states = {m: concept_model_state(ctx, e) for m, e in concept.models.items()}
     error = None
-    if concept.get("dataset") is not None and concept["dataset_digest"] is None:
-        failed = [ctx.jobs.get(e["job_id"]) for e in concept["models"].values()]
+    if concept.dataset is not None and concept.dataset_digest is None:
+        failed = [ctx.jobs.get(e.job_id) for e in concept.models.values()]
         error = next((j.error["detail"] for j in failed if j and j.error), None)
     return concept_fields(concept, states, error)
 
 
-def concept_fields(concept: dict[str, Any], states: dict[str, Any], error: str | None = None) -> dict[str, Any]:
-    """A concept's view from its document and its models' states (``error``: why its dataset
+def concept_fields(concept: ConceptRecord, states: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+    """A concept's view from its record and its models' states (``error``: why its dataset
     reference did not resolve, when it did not)."""
-    keys = ("name", "role", "description", "num_records", "dataset_digest")
-    view = {**{k: concept[k] for k in keys}, "template": concept.get("template"), "models": states}
-    reference = concept.get("dataset")
+    view = {
+        "name": concept.name,
+        "role": concept.role,
+        "description": concept.description,
+        "num_records": concept.num_records,
+        "dataset_digest": concept.dataset_digest,
+        "template": concept.template,
+        "models": states,
+    }
+    reference = concept.dataset
     if reference is not None:
-        digest = concept["dataset_digest"]
+        digest = concept.dataset_digest
         if digest is not None:
             status = "resolved"
         elif any(s["status"] in {"pending", "collecting"} for s in states.values()):
@@ -353,11 +366,11 @@ def ready_statistics(ctx: Context, model_id: str, names: Sequence[str]) -> dict[
     ready, not_ready = {}, []
     for name in names:
         concept = get_concept(ctx, name)
-        entry = concept["models"].get(model_id)
-        if entry is None or not entry.get("stats") or stats_manifest(ctx, entry["stats"]) is None:
+        entry = concept.models.get(model_id)
+        if entry is None or not entry.stats or stats_manifest(ctx, entry.stats) is None or concept.dataset_digest is None:
             not_ready.append(name)
             continue
-        ready[name] = {"prefix": entry["stats"], "dataset_digest": concept["dataset_digest"]}
+        ready[name] = {"prefix": entry.stats, "dataset_digest": concept.dataset_digest}
     if not_ready:
         raise Conflict(f"concept(s) without ready statistics on model {model_id}: {', '.join(sorted(not_ready))}")
     return ready
@@ -366,7 +379,7 @@ def ready_statistics(ctx: Context, model_id: str, names: Sequence[str]) -> dict[
 def default_reference(ctx: Context, model_id: str) -> list[str]:
     names = []
     for concept in list_concepts(ctx):
-        entry = concept["models"].get(model_id)
-        if entry is not None and entry.get("stats") and stats_manifest(ctx, entry["stats"]) is not None:
-            names.append(concept["name"])
+        entry = concept.models.get(model_id)
+        if entry is not None and entry.stats and stats_manifest(ctx, entry.stats) is not None:
+            names.append(concept.name)
     return sorted(names)

@@ -8,6 +8,7 @@ is refused by name (and left as it was), with what to do instead.
 What changes:
 
 - model registrations: the version only;
+- concepts: the version only (:mod:`service.concepts.migrate`);
 - universe requests: the version, and ``stats`` (the members' statistics) where 0.1.0 wrote none;
 - variant requests: the options added since 0.1.0 get the value variants made before them had
   (no ``format``: ``checkpoint``; no ``lora_rank``, ``lora_target``, ``module_strengths``: none),
@@ -23,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.concepts.service import list_concepts
+from service.concepts.migrate import concepts_of_any_version, migrate_concepts
 from service.context import Context
 from service.models.migrate import Migration, migrate_models, registration_of_any_version
 from service.models.stored import FORMAT_VERSION
@@ -59,6 +60,7 @@ def migrate_store(ctx: Context, *, dry_run: bool = False) -> Migration:
     """Migrate every record of ``ctx.storage``, lowest floor first (a variant's universe needs its
     model's registration in the current format). Run it with the service stopped."""
     done = migrate_models(ctx, dry_run=dry_run)
+    done.extend(migrate_concepts(ctx, dry_run=dry_run))
     done.extend(migrate_universes(ctx, dry_run=dry_run))
     done.extend(migrate_variants(ctx, dry_run=dry_run))
     return done
@@ -173,9 +175,9 @@ def _concept_names(ctx: Context, model_id: str, data: Mapping[str, Any]) -> dict
     names: dict[str, list[str]] = {}
     for name, prefix in (data.get("term_stats") or {}).items():
         names.setdefault(prefix, []).append(name)
-    for concept in list_concepts(ctx):
-        entry = concept["models"].get(model_id) or {}
-        prefix = entry.get("stats")
-        if prefix and concept["name"] not in names.get(prefix, []) and (prefix not in names):
-            names.setdefault(prefix, []).append(concept["name"])
+    for concept in concepts_of_any_version(ctx):
+        entry = concept.models.get(model_id)
+        prefix = entry.stats if entry is not None else None
+        if prefix and concept.name not in names.get(prefix, []) and (prefix not in names):
+            names.setdefault(prefix, []).append(concept.name)
     return {p: sorted(set(n)) for p, n in names.items()}

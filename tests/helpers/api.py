@@ -74,6 +74,7 @@ def write_concept(server: LiveServer, name: str) -> None:
     folder = server.storage_dir / "concepts"
     folder.mkdir(parents=True, exist_ok=True)
     document = {
+        "format_version": 1,  # service.models.stored.FORMAT_VERSION: readers refuse a concept without it
         "name": name,
         "role": "target",
         "description": None,

@@ -215,6 +215,7 @@ def publish_images(world: StoreWorld, model_id: str, name: str, stats: LayerStat
     save_statistics(stats, file)
     publish_statistics(world.ctx, prefix, file, lambda: {"tokens": stats.tokens})
     concept = {
+        "format_version": 1,  # service.models.stored.FORMAT_VERSION: readers refuse a concept without it
         "name": name,
         "role": "target",
         "description": None,
