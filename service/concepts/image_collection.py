@@ -22,6 +22,7 @@ from PIL import Image
 from service.datasets.images import (
     IMAGE_FIELD,
     LABEL_FIELD,
+    check_record_kinds,
     decode_base64,
     decode_image,
     is_image_record,
@@ -38,6 +39,25 @@ def count_records(path: Path) -> int:
     """The records of a stored dataset file (one per line)."""
     with path.open("rb") as handle:
         return sum(1 for _ in handle)
+
+
+# How every stored image record's line begins (service.datasets.spool writes sort_keys JSON, and no
+# text record has an "image" field): told without parsing the line.
+_IMAGE_LINE = b'{"' + IMAGE_FIELD.encode() + b'":'
+
+
+def check_text_records(path: Path, model_id: str, first_row: int | None) -> None:
+    """Refuse a stored dataset holding an image record, for a text model: a dataset by reference is
+    read only in the job, so its records meet the model's kind here (naming the first image record).
+
+    Raises:
+        InvalidInput: an image record (see :func:`service.datasets.images.check_record_kinds`).
+    """
+    with path.open("rb") as handle:
+        for index, line in enumerate(handle):
+            if line.startswith(_IMAGE_LINE):
+                where = record_name(index if first_row is None else f"dataset row {first_row + index}")
+                check_record_kinds({"image": where}, model_id, "text")
 
 
 def stored_images(path: Path, id2label: dict[int, str], max_pixels: int, first_row: int | None) -> Iterator[Image.Image]:

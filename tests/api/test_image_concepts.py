@@ -158,3 +158,18 @@ def test_parquet_and_image_folder_give_the_inline_dataset(server: LiveServer, ro
     # the same records in the same order (file names sort as the rows do): one dataset, one statistic
     assert parquet["dataset_digest"] == image_folder["dataset_digest"] == inline["dataset_digest"]
     assert image_folder["models"][VIT]["tokens"] == len(ZEROS) * PATCH_TOKENS
+
+
+def test_image_records_by_reference_fail_a_text_models_job_naming_the_row(server: LiveServer, root: Path) -> None:
+    """A reference is read only by the job: its records meet the model's kind there (a 422, not a 500)."""
+    (root / "datasets" / "pictures.jsonl").write_bytes(jsonl([{"text": "zero"}, digit_record(0), digit_record(1)]))
+    body = {"name": "pictures", "models": [LLAMA], "dataset": {"uri": f"file://{root / 'datasets' / 'pictures.jsonl'}"}}
+    response = server.client.post("/concepts", json=body)
+    assert response.status_code == 202, response.text
+    (job,) = response.json()["jobs"]
+    failed = wait_for_job(server.client, job["job_id"], timeout=300)
+    assert failed["status"] == "failed" and failed["error"]["status"] == 422, failed
+    assert (
+        "dataset row 1 is an image record" in failed["error"]["detail"]
+        and f"model {LLAMA} is a text model" in (failed["error"]["detail"])
+    )

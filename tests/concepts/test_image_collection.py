@@ -10,7 +10,7 @@ import torch
 from transformers import ViTForImageClassification
 
 from engram_fixtures.vision import make_tiny_vit
-from service.concepts.image_collection import count_records, image_statistics
+from service.concepts.image_collection import check_text_records, count_records, image_statistics
 from service.datasets.spool import spool_records
 from service.engine.collect import PixelBatch, collect_statistics
 from service.engine.editable import editable_layers
@@ -65,3 +65,11 @@ def test_a_text_record_or_an_image_past_the_workers_bound_is_named(
     images = spool_records([digit_record(0)], tmp_path / "one.jsonl", 10)
     with pytest.raises(PayloadTooLarge, match="dataset row 5: the image is 8×8 = 64 pixels, more than 63"):
         image_statistics(model, folder, images.path, editable_layers(model), batch_size=4, max_pixels=63, first_row=5)
+
+
+def test_a_text_model_meets_an_image_record_of_a_reference_by_name(tmp_path: Path) -> None:
+    text = spool_records([{"text": "zero"}, {"prompt": "a", "completion": "b"}], tmp_path / "text.jsonl", 10)
+    check_text_records(text.path, "llama/tiny", first_row=None)  # text only: nothing to say
+    mixed = spool_records([{"text": "zero"}, digit_record(0)], tmp_path / "mixed.jsonl", 10)
+    with pytest.raises(InvalidInput, match="dataset row 8 is an image record, but model llama/tiny is a text model"):
+        check_text_records(mixed.path, "llama/tiny", first_row=7)
