@@ -62,6 +62,7 @@ NOT_FAST = (
     "engine/test_record_budget.py",  # records of 40,000 tokens: the budget is the point
     "engine/test_tofu_scoring.py::test_a_model_that_memorised_its_answers_has_em_and_es_one",  # trains
     "evaluation/test_bounded_templates.py",  # each renders in a bounded template process of its own
+    "calibration/test_strengths.py",  # a store world collecting two models' statistics: 20 s of setup
 )
 TESTS = Path(__file__).parent
 # The folders a fast test can be in: the unit folders, and tests/api (its in-process tests mark themselves).
