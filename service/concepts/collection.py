@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from service.concepts.image_collection import check_text_records, count_records, image_statistics
+from service.concepts.record import ConceptRecord
 from service.concepts.service import CHAT_KINDS, find_concept, iter_records
 from service.context import Context
 from service.datasets.refs import resolve_reference
@@ -297,7 +298,7 @@ def _first_row(ctx: Context, payload: CollectPayload) -> int | None:
     reference = payload.dataset
     if reference is None:
         concept = find_concept(ctx, payload.concept)
-        reference = concept.get("dataset") if concept is not None else None
+        reference = concept.dataset if concept is not None else None
     if reference is None:
         return None
     return int((reference.get("rows") or {}).get("start", 0))
@@ -328,7 +329,7 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
     if reference is None:
         raise JobFailed(f"the collection of concept {name} on model {model_id} has neither a dataset nor a reference")
     concept = _own_concept(ctx, name, model_id, job_id)
-    digest, num_records = concept["dataset_digest"], concept["num_records"]
+    digest, num_records = concept.dataset_digest, concept.num_records
     if digest is None:
         cancelled = cancel_check(ctx, job_id)
 
@@ -348,25 +349,25 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
     payload = payload.model_copy(update={"dataset_digest": digest})
     with ctx.lock:
         concept = _own_concept(ctx, name, model_id, job_id)
-        if concept["dataset_digest"] is None:
-            concept["dataset_digest"], concept["num_records"] = digest, num_records
-        elif concept["dataset_digest"] != digest:
+        if concept.dataset_digest is None:
+            assert num_records is not None, "resolved together with its digest"
+            concept = concept.resolved(digest, num_records)
+        elif concept.dataset_digest != digest:
             raise JobFailed(
                 f"the dataset {reference['uri']} changed while it was being resolved "
-                f"(digest {concept['dataset_digest']}, then {digest}); post the concept again under another name"
+                f"(digest {concept.dataset_digest}, then {digest}); post the concept again under another name"
             )
-        concept["models"][model_id]["stats"] = (
-            CollectionSpec.model_validate(payload.settings).key(payload.model_digest, digest).prefix
-        )
-        ctx.storage.put_json(concept_key(name), concept)
+        prefix = CollectionSpec.model_validate(payload.settings).key(payload.model_digest, digest).prefix
+        concept = concept.with_model(model_id, concept.models[model_id].model_copy(update={"stats": prefix}))
+        ctx.storage.put_json(concept_key(name), concept.to_json())
         ctx.reads.forget(concept_key(name))
     return payload
 
 
-def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> dict[str, Any]:
+def _own_concept(ctx: Context, name: str, model_id: str, job_id: str) -> ConceptRecord:
     concept = find_concept(ctx, name)
-    entry = concept["models"].get(model_id) if concept is not None else None
-    if concept is None or entry is None or entry["job_id"] != job_id:
+    entry = concept.models.get(model_id) if concept is not None else None
+    if concept is None or entry is None or entry.job_id != job_id:
         raise JobFailed(f"concept {name} was deleted (or posted again) while its dataset was being resolved")
     return concept
 
