@@ -204,6 +204,7 @@ def write_variant(
             tied=layout.tied_partners,
             on_layer=progress.advance,
             lora_target=target,
+            task_type=None if layout.causal_lm is False else "CAUSAL_LM",  # an image classifier: peft's base PeftModel
         )
     metadata = {"variant_id": request.variant_id, "terms": json.dumps(dict(request.terms))}
     write_delta(reader.files, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
