@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -38,11 +39,25 @@ class ModelCreate(Strict):
         return value
 
 
+class Kernel(BaseModel):
+    """How a convolution reads its input: its layer's ``in_features`` is the patch width
+    ``in_channels / groups · Π kernel_size``."""
+
+    kind: Literal["conv1d", "conv2d"]
+    in_channels: int
+    kernel_size: list[int]
+    stride: list[int]
+    padding: list[list[int]] = Field(description="per spatial dimension: [before, after]")
+    dilation: list[int]
+    groups: int = 1
+
+
 class Layer(BaseModel):
     name: str
     in_features: int
     out_features: int
     bias: bool
+    kernel: Kernel | None = Field(default=None, description="a convolution's kernel; absent for a Linear layer")
 
 
 class Model(BaseModel):
@@ -58,4 +73,11 @@ class Model(BaseModel):
             "editable layers of the architecture whose weight the checkpoint does not store under any name "
             "transformers loads (it initialises them at random on load): never edited"
         ),
+    )
+    refused_layers: dict[str, str] = Field(
+        default_factory=dict,
+        description="layers of the architecture the service does not edit -> why (a grouped or depthwise conv)",
+    )
+    kind: Literal["text", "image"] = Field(
+        default="text", description='"image": an image classifier, whose concepts take image records'
     )

@@ -50,7 +50,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     layout, sums, identity = _inspect(ctx, source, path)
     if not layout.layers:
-        raise InvalidInput("the model has no editable Linear or Conv1D layers in its safetensors weights")
+        raise InvalidInput("the model has no editable Linear, Conv1D, Conv2d or Conv1d layers in its safetensors weights")
     manifest = ModelRecord(
         model_id=model_id,
         source=source,

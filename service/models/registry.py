@@ -14,6 +14,7 @@ from typing import Any
 
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
+from service.engine.layers import LayerSpec
 from service.engine.model_files import ModelSourceError, open_model_files, used_files
 from service.errors import InvalidInput, NotFound
 from service.models.record import ModelRecord
@@ -78,11 +79,24 @@ def list_models(ctx: Context) -> list[ModelRecord]:
 
 def model_view(manifest: ModelRecord) -> dict[str, Any]:
     layout = manifest.layout
-    layers = [
-        {"name": s.name, "in_features": s.in_features, "out_features": s.out_features, "bias": s.bias} for s in layout.layers
-    ]
+    layers = [_layer_view(spec) for spec in layout.layers]
     keys = ("model_id", "source", "digest", "architecture", "num_parameters")
-    return {**manifest.model_dump(include=set(keys)), "layers": layers, "layers_not_in_checkpoint": layout.unstored_layers}
+    return {
+        **manifest.model_dump(include=set(keys)),
+        "layers": layers,
+        "layers_not_in_checkpoint": layout.unstored_layers,
+        "refused_layers": dict(layout.refused_layers),
+        "kind": manifest.kind,
+    }
+
+
+def _layer_view(spec: LayerSpec) -> dict[str, Any]:
+    """A layer as the model view shows it: a convolution with its kernel (how it reads its input)."""
+    view: dict[str, Any] = {"name": spec.name, "in_features": spec.in_features, "out_features": spec.out_features}
+    view["bias"] = spec.bias
+    if spec.kernel is not None:
+        view["kernel"] = spec.kernel.to_json()
+    return view
 
 
 def check_chat_templates(manifests: Mapping[str, ModelRecord], why: str) -> None:
