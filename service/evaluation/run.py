@@ -37,6 +37,7 @@ from service.models.loaded import MODELS, check_model_unchanged, checked_model_f
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.storage.keys import evaluation_key, probes_key, variant_file_key
+from service.variants.manifest import VariantManifest
 from service.variants.service import find_variant_request, variant_manifest
 from service.variants.spec import VariantRequest
 
@@ -74,15 +75,15 @@ VARIANT_MODELS = _VariantModels()
 
 
 def _load_variant(
-    ctx: Context, variant_id: str, request: VariantRequest, manifest: dict[str, Any], base_dir: ModelFiles, device: str
+    ctx: Context, variant_id: str, request: VariantRequest, manifest: VariantManifest, base_dir: ModelFiles, device: str
 ) -> Any:
     """The variant as shipped: its checkpoint, the base plus its delta, or the base plus its adapter."""
     with scratch_dir("variant-load") as tmp:
         folder = Path(tmp)
-        for entry in manifest["files"]:
-            target = folder / entry["path"]
+        for entry in manifest.files:
+            target = folder / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
-            ctx.storage.download(variant_file_key(variant_id, entry["path"]), target)
+            ctx.storage.download(variant_file_key(variant_id, entry.path), target)
         fmt = request.spec.format
         if fmt == "checkpoint":
             return load_model(folder, device=device)

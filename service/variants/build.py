@@ -44,6 +44,7 @@ from service.storage.base import scratch_dir
 from service.storage.keys import variant_file_key, variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
+from service.variants.manifest import VariantFile, VariantManifest
 from service.variants.spec import VariantRequest
 
 
@@ -71,14 +72,17 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
         with timer.step("upload"):
             files = upload_variant(ctx, variant_id, Path(tmp))
     seconds = round(time.monotonic() - started, 3)
-    published: dict[str, Any] = {"variant_id": variant_id, "files": files, "scales": built.scales, "seconds": seconds}
-    published["universe_id"] = request.universe_id
-    if built.unreached_layers:
-        published["unreached_layers"] = built.unreached_layers
-    if built.lora is not None:
-        published["lora"] = built.lora  # per-layer ranks and errors of a peft adapter, shown on the variant
+    published = VariantManifest(
+        variant_id=variant_id,
+        files=files,
+        scales=built.scales,
+        seconds=seconds,
+        universe_id=request.universe_id,
+        unreached_layers=tuple(built.unreached_layers),
+        lora=built.lora,  # per-layer ranks and errors of a peft adapter, shown on the variant
+    )
     with timer.step("manifest"):
-        ctx.storage.put_json(variant_manifest_key(variant_id), published)  # last: the variant now exists
+        ctx.storage.put_json(variant_manifest_key(variant_id), published.to_json())  # last: the variant now exists
         note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
     return {**result, "universe_built_s": built.universe_built_s, "steps": timer.seconds}
@@ -211,10 +215,10 @@ def write_variant(
     return None
 
 
-def upload_variant(ctx: Context, variant_id: str, out: Path) -> list[dict[str, Any]]:
+def upload_variant(ctx: Context, variant_id: str, out: Path) -> tuple[VariantFile, ...]:
     files = []
     for file in sorted(p for p in out.rglob("*") if p.is_file()):
         rel = file.relative_to(out).as_posix()
         ctx.storage.put_file(variant_file_key(variant_id, rel), file)
-        files.append({"path": rel, "size": file.stat().st_size, "sha256": file_sha256(file)})
-    return files
+        files.append(VariantFile(path=rel, size=file.stat().st_size, sha256=file_sha256(file)))
+    return tuple(files)

@@ -34,6 +34,7 @@ from service.universes.projection import Projection
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import record_universe, set_current
+from service.variants.manifest import VariantManifest, read_variant_manifest
 from service.variants.spec import VariantRequest, VariantSpec
 
 
@@ -220,9 +221,11 @@ def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False)
     return None if stored is None else VariantRequest.stored(key, stored)
 
 
-def variant_manifest(ctx: Context, variant_id: str) -> dict[str, Any] | None:
+def variant_manifest(ctx: Context, variant_id: str) -> VariantManifest | None:
+    """The built variant's manifest (None: unknown, or not ready)."""
     # Content-addressed and written once, last: cached once found.
-    return ctx.reads.immutable_json(variant_manifest_key(variant_id)) if variant_id.isalnum() else None
+    stored = ctx.reads.immutable_json(variant_manifest_key(variant_id)) if variant_id.isalnum() else None
+    return None if stored is None else read_variant_manifest(variant_id, stored)
 
 
 VARIANT_FIELDS = (  # of the stored request, in the view
@@ -253,8 +256,8 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
-        view.update(status="ready", files=manifest["files"], lora=manifest.get("lora"))
-        view["unreached_layers"] = manifest.get("unreached_layers", [])
+        view.update(status="ready", files=manifest.file_views, lora=manifest.lora)
+        view["unreached_layers"] = list(manifest.unreached_layers)
         return view
     view["status"] = "building" if job is not None and job.status not in FINISHED else "failed"
     return view

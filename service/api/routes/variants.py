@@ -72,16 +72,16 @@ def _file_response(ctx: Context, variant_id: str, path: str, range_header: str |
     manifest = variants.variant_manifest(ctx, variant_id)
     if manifest is None:
         raise NotFound(f"variant {variant_id} has no files (unknown or not ready)")
-    entry = next((f for f in manifest["files"] if f["path"] == path), None)
+    entry = manifest.file(path)
     if entry is None:  # only listed paths: '..' or absolute paths can never match
         raise NotFound(f"variant {variant_id} has no file {path!r}")
-    key, size = variant_file_key(variant_id, path), int(entry["size"])
+    key, size = variant_file_key(variant_id, path), entry.size
     presign = getattr(ctx.storage, "presigned_url", None)
     if with_body and ctx.settings.presign_downloads and presign is not None:
         # 307 keeps the method and lets the client resend its Range header to S3, which honours it.
         # (Not for HEAD: a presigned GET URL is signed for GET only; the headers are known here.)
         return RedirectResponse(presign(key, ctx.settings.presign_expiry_s), status_code=307)
-    headers = {"Accept-Ranges": "bytes", "ETag": f'"{entry["sha256"]}"'}
+    headers = {"Accept-Ranges": "bytes", "ETag": f'"{entry.sha256}"'}
     start, end, status = 0, size - 1, 200
     selected = _parse_range(range_header, size) if range_header else None
     if selected is not None:
