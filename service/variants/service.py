@@ -63,6 +63,7 @@ def submit_variant(
     _check_strengths(layout, edit)
     _check_servable(edit)
     _check_adapter_layers(layout, edit)
+    _check_adapter_kind(model, edit)
     spec = VariantSpec.from_options(edit)
     resolved = _resolve(ctx, model, terms, edit)
     # Layers no member reached are written as they are: no bias of theirs moves.
@@ -132,6 +133,23 @@ def _check_adapter_layers(layout: ModelLayout, options: EditOptions) -> None:
         check_adapter_layers(select_layers(layout.layers, options.modules, options.layers))
     except EditError as exc:
         raise InvalidInput(str(exc)) from None
+
+
+def _check_adapter_kind(model: ModelRecord, options: EditOptions) -> None:
+    """A peft adapter of an image classifier, or of its convolutions: a 422 naming why, before
+    anything is written (vLLM serves no image classifier and no LoRA on a convolution; peft builds a
+    conv's LoRA without its dilation), where the job would fail later."""
+    if options.format != "peft":
+        return
+    target = options.lora_target
+    if target == "vllm" and model.kind == "image":
+        raise InvalidInput(
+            f'lora_target "vllm": model {model.model_id} is an image classifier, which vLLM does not serve; '
+            'use lora_target "peft" (or format "checkpoint")'
+        )
+    for spec in select_layers(model.layout.layers, options.modules, options.layers):
+        if spec.kernel is not None and (reason := spec.kernel.adapter_refusal(target)):
+            raise InvalidInput(f'format "peft" cannot carry the conv layer {spec.name}: {reason}')
 
 
 def _check_servable(options: EditOptions) -> None:
