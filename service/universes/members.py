@@ -76,13 +76,15 @@ def resolve_members(
     if pointer is None:
         names = default_reference(ctx, model_id)
         new_current = make_spec(model, ready_statistics(ctx, model_id, names), None)
-        pointer = {"members": {m.name: m.stats for m in new_current.members}, "rcond": None}
-    members = {n: {"prefix": p, "dataset_digest": StatsKey.parse(p).dataset_digest} for n, p in pointer["members"].items()}
+        current_members, current_rcond = {m.name: m.stats for m in new_current.members}, None
+    else:
+        current_members, current_rcond = pointer.members, pointer.rcond
+    members = {n: {"prefix": p, "dataset_digest": StatsKey.parse(p).dataset_digest} for n, p in current_members.items()}
     held = {m["prefix"] for m in members.values()}
     members.update({n: r for n, r in term_stats.items() if r["prefix"] not in held})
-    chosen_rcond = rcond if rcond is not None else pointer["rcond"]
+    chosen_rcond = rcond if rcond is not None else current_rcond
     spec = make_spec(model, members, chosen_rcond)
-    return EditUniverse(spec, _prefixes(term_stats, terms), sorted(pointer["members"]), new_current)
+    return EditUniverse(spec, _prefixes(term_stats, terms), sorted(current_members), new_current)
 
 
 def _prefixes(resolved: Mapping[str, Mapping[str, str]], terms: Sequence[str]) -> dict[str, str]:

@@ -6,10 +6,14 @@ Their keys are spelled in :mod:`service.storage.keys`; :mod:`service.universes.s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from service.context import Context
 from service.engrams.manifest import UniverseManifest, read_manifest
+from service.errors import ServiceUnavailable
 from service.models.registry import get_model
 from service.storage.keys import (
     MODEL_UNIVERSES,
@@ -70,15 +74,63 @@ def find_usage(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[
     return dict(found or {})
 
 
-def current_pointer(ctx: Context, model_id: str) -> dict[str, Any] | None:
-    """The model's current universe: ``{universe_id, members, rcond, since}``, or None."""
-    return ctx.storage.find_json(current_pointer_key(model_id))
+class CurrentUniverse(BaseModel):
+    """A model's current universe (``models/<id>/universes/current.json``): what a request that names
+    no universe or reference is resolved against.
+
+    Its keys are those it was always stored with (no ``format_version``: the shape never changed).
+
+    Attributes:
+        members: concept name -> its statistics prefix.
+        rcond: the universe's cut (None: the default).
+        since: when it became current (UTC, ISO 8601).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    universe_id: str
+    members: dict[str, str]
+    rcond: float | None
+    since: str
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class MalformedPointer(ServiceUnavailable):
+    """A stored current-universe pointer this version cannot read."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(
+            f"the current universe {key} cannot be read ({why}): delete it, and the next request (or "
+            "POST /models/{id}/universes) makes a current universe again"
+        )
+
+
+def read_current_pointer(key: str, data: Mapping[str, Any]) -> CurrentUniverse:
+    """The stored pointer at ``key`` as a record.
+
+    Raises:
+        MalformedPointer: a field is missing or wrong, or one is unknown.
+    """
+    try:
+        return CurrentUniverse.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise MalformedPointer(key, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from exc
+
+
+def current_pointer(ctx: Context, model_id: str) -> CurrentUniverse | None:
+    """The model's current universe, or None."""
+    key = current_pointer_key(model_id)
+    found = ctx.storage.find_json(key)
+    return None if found is None else read_current_pointer(key, found)
 
 
 def current_universe_ids(ctx: Context) -> set[str]:
     """The universes that are some model's current one."""
     keys = [k for k in ctx.storage.list(MODEL_UNIVERSES) if k.endswith("/current.json")]
-    return {pointer["universe_id"] for key in keys if (pointer := ctx.storage.find_json(key))}
+    return {read_current_pointer(key, found).universe_id for key in keys if (found := ctx.storage.find_json(key))}
 
 
 def known_universe_ids(ctx: Context) -> set[str]:

@@ -47,6 +47,7 @@ from service.storage.keys import (
 )
 from service.universes import retention
 from service.universes.records import (
+    CurrentUniverse,
     current_pointer,
     find_manifest,
     find_request,
@@ -92,15 +93,15 @@ def record_universe(ctx: Context, spec: UniverseSpec, job_id: str | None) -> Uni
 
 def set_current(ctx: Context, spec: UniverseSpec) -> None:
     """Make ``spec`` the model's current universe (call under ``ctx.lock``)."""
-    pointer = {
-        "universe_id": spec.universe_id,
-        "members": {m.name: m.stats for m in spec.members},
-        "rcond": spec.rcond,
-        "since": utc_now(),
-    }
+    pointer = CurrentUniverse(
+        universe_id=spec.universe_id,
+        members={m.name: m.stats for m in spec.members},
+        rcond=spec.rcond,
+        since=utc_now(),
+    )
     previous = current_pointer(ctx, spec.model_id)
-    if previous is None or previous["universe_id"] != spec.universe_id:
-        ctx.storage.put_json(current_pointer_key(spec.model_id), pointer)
+    if previous is None or previous.universe_id != spec.universe_id:
+        ctx.storage.put_json(current_pointer_key(spec.model_id), pointer.to_json())
 
 
 # ---------------------------------------------------------------- POST /models/{id}/universes
@@ -231,7 +232,7 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
         raise NotFound(f"universe {universe_id} does not exist")
     if current is None:
         pointer = current_pointer(ctx, request.model_id)
-        current = pointer["universe_id"] if pointer else ""
+        current = pointer.universe_id if pointer else ""
     # The job first, then the manifest: see registry.concept_model_state.
     job = ctx.jobs.get(request.job_id) if request.job_id else None
     manifest = find_manifest(ctx, universe_id, recent=True)
@@ -287,6 +288,6 @@ def list_universes(ctx: Context, model_id: str) -> list[dict[str, Any]]:
     """Every universe of a model (404 when it is not registered), the current one marked."""
     ids = model_universe_ids(ctx, model_id)
     pointer = current_pointer(ctx, model_id)
-    current = pointer["universe_id"] if pointer else ""
+    current = pointer.universe_id if pointer else ""
     views = [{**universe_view(ctx, uid, current), "model_id": model_id} for uid in ids]
     return sorted(views, key=lambda v: v["created_at"] or "")

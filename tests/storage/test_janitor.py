@@ -231,7 +231,13 @@ def stored_universe(store: Path, universe_id: str, *, days_ago: float, current_o
     )
     file(store / "model-universes" / "m" / "known" / universe_id).write_bytes(b"")
     if current_of is not None:
-        write_json(store / "model-universes" / current_of / "current.json", {"universe_id": universe_id})
+        pointer = {
+            "universe_id": universe_id,
+            "members": {},
+            "rcond": None,
+            "since": "2026-11-01T00:00:00Z",
+        }  # as set_current writes it
+        write_json(store / "model-universes" / current_of / "current.json", pointer)
     return folder
 
 

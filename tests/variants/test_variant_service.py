@@ -59,27 +59,27 @@ def test_the_same_request_keeps_its_variant_after_an_unrelated_upload(world: Sto
     first, job = unlearn(world, MODEL, ["forget"])
     assert job is not None
     pointer = current_pointer(world.ctx, MODEL)
-    assert pointer is not None and sorted(pointer["members"]) == ["forget", "retain"], "every ready concept, then"
-    assert first["universe_id"] == pointer["universe_id"]
+    assert pointer is not None and sorted(pointer.members) == ["forget", "retain"], "every ready concept, then"
+    assert first["universe_id"] == pointer.universe_id
     assert first["reference"] == ["forget", "retain"]
     world.publish(MODEL, "unrelated", text_records(0, 25, seed=9))
     again, job = unlearn(world, MODEL, ["forget"])
     assert job is None, "nothing to build: the same variant"
     assert again["variant_id"] == first["variant_id"] and again["status"] == "ready"
-    assert current_pointer(world.ctx, MODEL)["universe_id"] == pointer["universe_id"]  # type: ignore[index]
+    assert current_pointer(world.ctx, MODEL) == pointer
 
 
 def test_a_term_outside_the_current_universe_joins_it_for_that_request(world: StoreWorld) -> None:
     pointer = current_pointer(world.ctx, MODEL)
     assert pointer is not None
     variant, _ = unlearn(world, MODEL, ["unrelated"])
-    assert variant["universe_id"] != pointer["universe_id"]
+    assert variant["universe_id"] != pointer.universe_id
     assert variant["reference"] == ["forget", "retain"], "the answer names the current universe it extended"
     members = sorted(m["name"] for m in universe_view(world.ctx, variant["universe_id"])["members"])
     assert members == ["forget", "retain", "unrelated"]
     again, job = unlearn(world, MODEL, ["unrelated"])
     assert (again["variant_id"], job) == (variant["variant_id"], None), "deterministic"
-    assert current_pointer(world.ctx, MODEL)["universe_id"] == pointer["universe_id"], "not advanced"  # type: ignore[index]
+    assert current_pointer(world.ctx, MODEL) == pointer, "not advanced"
 
 
 def test_advancing_the_universe_changes_the_answer(world: StoreWorld) -> None:
