@@ -61,16 +61,50 @@ def evaluate(
         Path | None,
         typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion (or messages) probes it should keep."),
     ] = None,
+    metrics: Annotated[
+        str | None,
+        typer.Option(
+            help="tofu: also TOFU's metric suite (OpenUnlearning's names), or a comma-separated list of its names."
+        ),
+    ] = None,
+    retain_model: Annotated[
+        str | None,
+        typer.Option(help="--metrics: a model or variant trained without the forget set (forget quality, privacy)."),
+    ] = None,
+    holdout: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="--metrics: JSONL of facts no model saw (membership attacks)."),
+    ] = None,
+    utility: Annotated[
+        list[str] | None,
+        typer.Option(help="--metrics: NAME=JSONL, a probe set the forget set does not touch (model utility; repeat)."),
+    ] = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Score a variant and its base model: mean answer NLL and greedy exact match on forget and retain probes."""
+    """Score a variant and its base model: mean answer NLL and greedy exact match on forget and retain probes
+    (--metrics tofu: also TOFU's suite, one table of base / variant / retain)."""
     if forget is None and retain is None:
         raise typer.BadParameter("give --forget, --retain or both", param_hint="--forget/--retain")
+    if metrics is None and (retain_model is not None or holdout is not None or utility):
+        raise typer.BadParameter("--retain-model, --holdout and --utility serve --metrics", param_hint="--metrics")
+    chosen: str | list[str] | None = metrics
+    if metrics is not None and metrics != "tofu":
+        chosen = [name.strip() for name in metrics.split(",") if name.strip()]
     with session(ctx) as client:
         probes = {split: read_probes(path) if path else [] for split, path in (("forget", forget), ("retain", retain))}
-        submitted = client.evaluate(variant, probes["forget"], probes["retain"], callback_url=callback_url)
+        utility_sets = {name: read_probes(path) for name, path in _utility_sets(utility or [])}
+        submitted = client.evaluate(
+            variant,
+            probes["forget"],
+            probes["retain"],
+            metrics=chosen,
+            retain_model=retain_model,
+            holdout=read_probes(holdout) if holdout else (),
+            utility=utility_sets or None,
+            callback_url=callback_url,
+        )
         counts = " and ".join(f"{len(items)} {split}" for split, items in probes.items() if items) or "no"
         stderr.print(f"evaluating variant {variant} and its base model on {counts} probes")
         job = _finish_job(ctx, client, submitted, no_wait, as_json)
@@ -80,6 +114,19 @@ def evaluate(
     if result.reused:
         stderr.print("answered from storage: the same probes were scored on this variant before")
     emit(ctx, as_json, result, lambda: render_evaluation(result))
+
+
+def _utility_sets(options: list[str]) -> list[tuple[str, Path]]:
+    """``NAME=PATH`` options as pairs; a malformed one or a missing file is a usage error naming it."""
+    pairs = []
+    for option in options:
+        name, sep, path = option.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"{option!r} is not NAME=JSONL", param_hint="--utility")
+        if not Path(path).is_file():
+            raise typer.BadParameter(f"{path} is not a file", param_hint="--utility")
+        pairs.append((name, Path(path)))
+    return pairs
 
 
 def generate(

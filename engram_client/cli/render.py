@@ -267,6 +267,35 @@ def render_evaluation(result: EvaluationResult) -> None:
         nll = (f"{base.mean_nll:.4g}", f"{edited.mean_nll:.4g}", ratio)
         rows.add_row(split, str(base.n), *nll, f"{base.exact_match:.1%}", f"{edited.exact_match:.1%}")
     stdout.print(rows)
+    if result.tofu is not None:
+        render_tofu(result)
+
+
+def render_tofu(result: EvaluationResult) -> None:
+    """TOFU's suite: one row per metric (OpenUnlearning's names), one column per model scored; a
+    metric left out is ``-``, and why is listed under the table."""
+    reports = result.tofu or {}
+    models = [name for name in ("base", "variant", "retain") if name in reports]
+    names: dict[str, None] = {}  # every name once, in the suite's order
+    for name in models:
+        names.update(dict.fromkeys(reports[name].values))
+    for name in models:
+        names.update(dict.fromkeys(reports[name].left_out))
+    rows = numeric_table("metric", *models)
+    if result.retain_model is not None:
+        rows.caption = f"retain = {result.retain_model} (trained without the forget set)"
+    for metric in names:
+        rows.add_row(metric, *(_tofu_cell(reports[name].values, metric) for name in models))
+    stdout.print(rows)
+    reasons = {metric: why for name in models for metric, why in reports[name].left_out.items()}
+    print_lines([f"left out: {metric}: {why}" for metric, why in reasons.items()])
+
+
+def _tofu_cell(values: dict[str, float | None], metric: str) -> str:
+    if metric not in values:
+        return "-"
+    value = values[metric]
+    return "-inf" if value is None else f"{value:.4g}"
 
 
 def render_generation(result: GenerationResult) -> None:

@@ -12,6 +12,8 @@ from engram_client.transport import _quote
 
 # A probe: ``{"prompt", "completion"}`` (other keys are ignored) or a ``(prompt, completion)`` pair.
 ProbeLike = Mapping[str, Any] | Sequence[str]
+# TOFU's extra answers, kept from a probe mapping that has them.
+TOFU_FIELDS = ("paraphrased_answer", "perturbed_answers")
 
 
 class EvaluationResource(JobsResource):
@@ -30,6 +32,10 @@ class EvaluationResource(JobsResource):
         forget: Sequence[ProbeLike] = (),
         retain: Sequence[ProbeLike] = (),
         *,
+        metrics: str | Sequence[str] | None = None,
+        retain_model: str | None = None,
+        holdout: Sequence[ProbeLike] = (),
+        utility: Mapping[str, Sequence[ProbeLike]] | None = None,
         callback_url: str | None = None,
         wait_s: float = 0,
         wait: bool = False,
@@ -43,6 +49,13 @@ class EvaluationResource(JobsResource):
             forget: what the variant should have forgotten: ``{"prompt", "completion"}`` mappings (other keys
                 are dropped, so JSONL records with an ``id`` pass) or ``(prompt, completion)`` pairs.
             retain: what it should keep, in the same forms; at least one of the two must hold a probe.
+                A mapping's ``paraphrased_answer`` and ``perturbed_answers`` (TOFU's) are kept.
+            metrics: ``"tofu"`` for TOFU's whole suite, or a list of its names (OpenUnlearning's); None:
+                NLL and exact match only.
+            retain_model: with metrics, a registered model or variant trained without the forget set
+                (same tokenizer): forget quality, privacy, memorization and Overall against it.
+            holdout: with metrics, facts no model saw (the membership attacks' non-members).
+            utility: with metrics, named probe sets the forget set does not touch (model utility).
             callback_url: POSTed the job when it ends (its host must be allowlisted).
             wait_s: let the service hold its answer up to this many seconds (0 to 60) for the job to end.
             wait: then poll until the job ends (``on_progress``, ``poll_s`` and ``timeout`` as in
@@ -52,14 +65,26 @@ class EvaluationResource(JobsResource):
             The job; without ``wait`` it may still be queued or running. Its ``result``, once succeeded, is an
             :class:`~api_schemas.EvaluationResult`: ``summary[model][split]`` (``base``/``variant``,
             ``forget``/``retain``) = ``{mean_nll, exact_match, n}`` (a split without probes is absent) and
-            ``records``, one per probe in request order with both models' scores.
+            ``records``, one per probe in request order with both models' scores; with metrics,
+            ``tofu[model]`` (``base``/``variant``/``retain``) = ``{values, left_out}``.
 
         Raises:
             ValueError: a probe is neither such a mapping nor a pair.
             EngramJobError: with ``wait``, the job failed or was cancelled.
             EngramTimeoutError: with ``wait``, the timeout passed.
         """
-        given = {"forget": _probes(forget, "forget"), "retain": _probes(retain, "retain"), "callback_url": callback_url}
+        given: dict[str, Any] = {
+            "forget": _probes(forget, "forget"),
+            "retain": _probes(retain, "retain"),
+            "callback_url": callback_url,
+        }
+        if metrics is not None:
+            given["metrics"] = metrics if isinstance(metrics, str) else list(metrics)
+            given["retain_model"] = retain_model
+            given["holdout"] = _probes(holdout, "holdout")
+            given["utility"] = {name: _probes(items, name) for name, items in (utility or {}).items()}
+        elif retain_model is not None or holdout or utility:
+            raise ValueError("retain_model, holdout and utility serve metrics: pass metrics='tofu' (or a list)")
         body = fields_body(EvaluateRequest, given)
         path = f"/variants/{_quote(variant_id)}/evaluate"
         return self._submit_job(EvaluateJob, path, body, wait_s, wait, on_progress, poll_s, timeout)
@@ -106,10 +131,11 @@ def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:
     """``{"prompt", "completion"}`` for each probe, whichever form it came in; a bad one is named by split and index."""
     out: list[dict[str, Any]] = []
     for i, probe in enumerate(probes):
+        extra = {k: probe[k] for k in TOFU_FIELDS if k in probe} if isinstance(probe, Mapping) else {}
         if isinstance(probe, Mapping) and "messages" in probe:
-            out.append({"messages": [dict(m) for m in probe["messages"]]})
+            out.append({"messages": [dict(m) for m in probe["messages"]], **extra})
         elif isinstance(probe, Mapping) and "prompt" in probe and "completion" in probe:
-            out.append({"prompt": probe["prompt"], "completion": probe["completion"]})
+            out.append({"prompt": probe["prompt"], "completion": probe["completion"], **extra})
         elif isinstance(probe, Sequence) and not isinstance(probe, str) and len(probe) == 2:
             out.append({"prompt": probe[0], "completion": probe[1]})
         else:

@@ -13,6 +13,7 @@ the job is cancelled), each probe once, before any model runs.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -25,11 +26,13 @@ from safetensors.torch import load_file
 from service.context import Context
 from service.engine.chat import Renderer
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import Probe, answer_nll, encode_probe, encoded, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
 from service.engine.model_files import ModelFiles
+from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics, with_answer
 from service.errors import JobFailed
 from service.evaluation.service import SPLITS
+from service.evaluation.tofu_metrics import ModelReport, model_report, tofu_scores
 from service.jobs.progress import JobProgress
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.templates import template_process
@@ -146,6 +149,8 @@ def run_evaluation(ctx: Context, job: JobRecord) -> dict[str, Any]:
             for i in range(len(probes[split]))
         ],
     }
+    if raw.get("tofu") is not None:
+        result.update(_tofu_result(ctx, job, raw, base, variant, tokenizer))
     _check_base_unchanged(ctx, payload.variant_id)
     ctx.storage.put_json(key, result)
     return result
@@ -194,6 +199,121 @@ def _score(
             progress.advance(len(chunk))
         scores[split] = (nll, em)
     return scores
+
+
+# ---------------------------------------------------------------- TOFU's metrics (metrics: "tofu")
+
+
+class _RenderedOnce:
+    """A renderer that answers from what it rendered before: primed inside the job's template
+    process (every answer of every probe, before any model runs), it then serves the three models'
+    scoring after the process ended, rendering nothing again."""
+
+    def __init__(self, inner: Renderer | None) -> None:
+        self.inner = inner
+        self._seen: dict[tuple[Any, ...], list[str]] = {}
+
+    def render(self, tokenizer: Any, messages: Any, prefixes: Any) -> list[str]:
+        key = (id(tokenizer), tuple((m.role, m.content) for m in messages), tuple(prefixes))
+        if key not in self._seen:
+            if self.inner is None:
+                raise JobFailed("a chat probe's template was not rendered before scoring")  # a bug, not the user's
+            self._seen[key] = self.inner.render(tokenizer, messages, prefixes)
+        return self._seen[key]
+
+
+def _tofu_sets(raw: dict[str, Any]) -> dict[str, list[TofuProbe]]:
+    """The probe sets the suite reads, by name: forget, retain, holdout and each utility set."""
+    options = raw["tofu"]
+    sets = {"forget": raw["forget"], "retain": raw["retain"], "holdout": options["holdout"], **options["utility"]}
+    return {name: [tofu_probe(_plain(p)) for p in items] for name, items in sets.items() if items}
+
+
+def _plain(record: dict[str, Any]) -> dict[str, object]:
+    if record.get("messages") is not None:
+        messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+        return {**record, "messages": messages}
+    return dict(record)
+
+
+def _prime(tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer) -> None:
+    """Tokenize every answer of every probe once (a chat probe rendered by ``renderer``); an answer
+    that cannot be scored fails the job naming it."""
+    for name, items in sets.items():
+        for i, item in enumerate(items):
+            answers = [("", item.probe)]
+            if item.paraphrased_answer is not None:
+                answers.append((".paraphrased_answer", with_answer(item.probe, item.paraphrased_answer)))
+            answers += [
+                (f".perturbed_answers[{j}]", with_answer(item.probe, w)) for j, w in enumerate(item.perturbed_answers or ())
+            ]
+            for where, probe in answers:
+                try:
+                    encode_probe(tokenizer, probe, renderer)
+                except ValueError as exc:
+                    raise JobFailed(f"{name}[{i}]{where}: {exc}") from None
+
+
+def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer) -> ModelReport:
+    """One model's raw TOFU values on every set (the same tokens for every model: the base's tokenizer)."""
+    stats = {
+        name: tofu_statistics(model, tokenizer, items, batch_size=_CHUNK, renderer=renderer) for name, items in sets.items()
+    }
+    utility = {name: items for name, items in stats.items() if name not in ("forget", "retain", "holdout")}
+    return model_report(stats["forget"], stats.get("retain"), utility, stats.get("holdout"))
+
+
+def _tofu_result(
+    ctx: Context, job: JobRecord, raw: dict[str, Any], base: Any, variant: Any, tokenizer: Any
+) -> dict[str, Any]:
+    """``{"tofu": {model: {values, left_out}}, "retain_model": id}``: the suite on the base, the
+    variant and (given one) the retain model, each scored against the retain model and the base."""
+    options = raw["tofu"]
+    sets = _tofu_sets(raw)
+    renderer = _RenderedOnce(None)
+    with template_process(ctx, job.job_id) as process:  # every template rendered before any model runs
+        renderer.inner = process
+        _prime(tokenizer, sets, renderer)
+    renderer.inner = None
+    reports = {"base": _report(base, tokenizer, sets, renderer), "variant": _report(variant, tokenizer, sets, renderer)}
+    retain_option = options.get("retain_model")
+    if retain_option is not None:
+        retain_model = _retain_model(ctx, retain_option, tokenizer)
+        reports["retain"] = _report(retain_model, tokenizer, sets, renderer)
+    retain = reports.get("retain")
+    scored = {name: tofu_scores(report, retain, reports["base"]) for name, report in reports.items()}
+    wanted = options["metrics"]
+    return {
+        "tofu": {name: _public_report(report, wanted) for name, report in scored.items()},
+        "retain_model": retain_option["id"] if retain_option is not None else None,
+    }
+
+
+def _retain_model(ctx: Context, option: dict[str, Any], tokenizer: Any) -> Any:
+    """The retain model loaded (a registered model, or a variant as shipped), checked to be a causal
+    LM with the base's vocabulary (the request checked it where the API could read the files)."""
+    if option["kind"] == "variant":
+        _, model, retain_tokenizer = VARIANT_MODELS.get(ctx, option["id"])
+    else:
+        manifest = get_model(ctx, option["id"])
+        if manifest.digest != option["digest"]:
+            raise JobFailed(f"retain_model {option['id']} was registered again since this evaluation was asked for")
+        model, retain_tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device)
+    _causal(model)
+    if retain_tokenizer is None or retain_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise JobFailed(f"retain_model {option['id']} has another tokenizer vocabulary than the base model")
+    return model
+
+
+def _public_report(report: ModelReport, wanted: str | list[str]) -> dict[str, Any]:
+    """Values (a non-finite one, log10 of a p-value of 0, as null) and left-out reasons; a list of
+    metrics keeps only those."""
+    values: dict[str, float | None] = {k: (v if math.isfinite(v) else None) for k, v in report.values.items()}
+    left_out = dict(report.left_out)
+    if isinstance(wanted, list):
+        values = {k: v for k, v in values.items() if k in wanted}
+        left_out = {k: v for k, v in left_out.items() if k in wanted}
+    return {"values": values, "left_out": left_out}
 
 
 def run_generation(ctx: Context, job: JobRecord) -> dict[str, Any]:

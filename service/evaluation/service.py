@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.errors import Conflict
+from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.store import new_job
-from service.models.registry import check_causal_lm, check_chat_templates, get_model
+from service.models.record import ModelRecord
+from service.models.registry import check_causal_lm, check_chat_templates, find_model, get_model
 from service.storage.keys import canonical_digest, probes_key
-from service.variants.service import variant_view
+from service.variants.service import find_variant_request, variant_view
 
 SPLITS = ("forget", "retain")
+METRICS_ALL = "tofu"
 
 
 def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
@@ -35,14 +38,31 @@ def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
 
 
 def submit_evaluation(
-    ctx: Context, variant_id: str, probes: dict[str, list[dict[str, str]]], callback_url: str | None
+    ctx: Context,
+    variant_id: str,
+    probes: dict[str, list[dict[str, Any]]],
+    callback_url: str | None,
+    tofu: Mapping[str, Any] | None = None,
 ) -> JobRecord:
-    """Store the probes and queue an evaluation job; returns the job."""
+    """Store the probes and queue an evaluation job; returns the job.
+
+    ``tofu`` (the request's ``metrics``, ``retain_model``, ``holdout``, ``utility``; None without
+    metrics) is stored with the probes, so it is part of the evaluation's identity: the same probes
+    asked for other metrics or against another retain model are scored again, not answered from storage.
+    """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     view = _ready_variant(ctx, variant_id)
-    if any("messages" in p for split in SPLITS for p in probes.get(split, [])):
+    stored: dict[str, Any] = {s: probes.get(s, []) for s in SPLITS}
+    if tofu is not None:
+        stored["tofu"] = _tofu_options(ctx, view, tofu)
+    every_probe = [p for split in SPLITS for p in stored[split]]
+    if tofu is not None:
+        every_probe += list(tofu.get("holdout") or [])
+        every_probe += [p for items in (tofu.get("utility") or {}).values() for p in items]
+    if any("messages" in p for p in every_probe):
         _check_chat_template(ctx, view, "messages probes")
-    data = json.dumps({s: probes.get(s, []) for s in SPLITS}, sort_keys=True, ensure_ascii=False).encode()
+    # Without metrics the stored JSON (and so the identity) is exactly what it was before metrics.
+    data = json.dumps(stored, sort_keys=True, ensure_ascii=False).encode()
     digest = hashlib.sha256(data).hexdigest()
     payload = EvaluatePayload(
         variant_id=variant_id,
@@ -55,6 +75,63 @@ def submit_evaluation(
         job = ctx.jobs.create(new_job("evaluate", payload, unit="probes", callback_urls=urls))
     ctx.dispatch(job)
     return job
+
+
+def _tofu_options(ctx: Context, view: dict[str, Any], tofu: Mapping[str, Any]) -> dict[str, Any]:
+    """The stored TOFU options, with the retain model resolved: ``{"id", "kind", "digest"}`` (its
+    checkpoint digest, or the variant id, which names its content), so a re-registered retain model
+    is a new evaluation."""
+    options = {
+        "metrics": tofu["metrics"],
+        "holdout": list(tofu.get("holdout") or []),
+        "utility": {name: list(items) for name, items in (tofu.get("utility") or {}).items()},
+        "retain_model": None,
+    }
+    retain_id = tofu.get("retain_model")
+    if retain_id is not None:
+        options["retain_model"] = _retain_model(ctx, view, retain_id)
+    return options
+
+
+def _retain_model(ctx: Context, view: dict[str, Any], retain_id: str) -> dict[str, Any]:
+    """A registered model or a ready variant, a causal LM with the base model's vocabulary.
+
+    Raises:
+        NotFound: neither a registered model nor a variant has this id.
+        Conflict: a variant that is not ready.
+        InvalidInput: not a causal LM, or another vocabulary than the base model's.
+    """
+    base = get_model(ctx, view["model_id"])
+    manifest = find_model(ctx, retain_id)
+    if manifest is not None:
+        check_causal_lm(manifest, "a retain model's metrics")
+        _check_same_vocabulary(base, manifest)
+        return {"id": retain_id, "kind": "model", "digest": manifest.digest}
+    if find_variant_request(ctx, retain_id) is None:
+        raise NotFound(f"retain_model {retain_id} is neither a registered model nor a variant")
+    retain_view = _ready_variant(ctx, retain_id)
+    _check_same_vocabulary(base, get_model(ctx, retain_view["model_id"]))
+    return {"id": retain_id, "kind": "variant", "digest": retain_id}
+
+
+def _check_same_vocabulary(base: ModelRecord, retain: ModelRecord) -> None:
+    """422 when the retain model's tokenizer has another vocabulary than the base model's: the
+    metrics compare both models' probabilities of the same tokens. A folder this process cannot read
+    is left to the job, which checks the same."""
+    if base.digest == retain.digest:
+        return
+    from service.engine.checkpoint import load_tokenizer  # transformers: only when a check is needed
+
+    try:
+        base_vocab = load_tokenizer(Path(base.path)).get_vocab()
+        retain_vocab = load_tokenizer(Path(retain.path)).get_vocab()
+    except (OSError, ValueError):
+        return
+    if base_vocab != retain_vocab:
+        raise InvalidInput(
+            f"retain_model {retain.model_id} has another tokenizer vocabulary ({len(retain_vocab)} tokens) than the "
+            f"base model {base.model_id} ({len(base_vocab)} tokens): the metrics compare the same tokens' probabilities"
+        )
 
 
 def submit_generation(

@@ -45,12 +45,23 @@ async def evaluate(
     """Answer NLL and greedy exact match per probe, for the base model and the variant.
 
     The job's ``result`` holds ``summary.{base,variant}.{forget,retain}`` (``mean_nll``,
-    ``exact_match``, ``n``) and ``records`` (per probe, in request order, both models).
+    ``exact_match``, ``n``) and ``records`` (per probe, in request order, both models). With
+    ``metrics`` (``"tofu"`` or a list of names), also ``tofu.{base,variant,retain}``: TOFU's raw
+    values and scores as OpenUnlearning names them, and what was left out and why (``retain``, and
+    the scores against the retain model, only with ``retain_model``).
     """
     # exclude_none: a prompt/completion probe is stored (and digested) as it always was.
     probes = {split: [p.model_dump(exclude_none=True) for p in getattr(body, split)] for split in evaluation.SPLITS}
+    tofu = None
+    if body.metrics is not None:
+        tofu = {
+            "metrics": body.metrics,
+            "retain_model": body.retain_model,
+            "holdout": [p.model_dump(exclude_none=True) for p in body.holdout],
+            "utility": {name: [p.model_dump(exclude_none=True) for p in items] for name, items in body.utility.items()},
+        }
     return await _submit_and_wait(
-        ctx, lanes, wait, response, evaluation.submit_evaluation, variant_id, probes, body.callback_url
+        ctx, lanes, wait, response, evaluation.submit_evaluation, variant_id, probes, body.callback_url, tofu
     )
 
 
