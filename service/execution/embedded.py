@@ -363,12 +363,22 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     ctx = Context(settings=settings, storage=storage, jobs=jobs, dispatch=_no_dispatch, lock=threading.RLock())
     from service.execution.runner import run_job  # the job process imports the bodies, the API never does
 
-    import_bodies()  # now, not in the first job after a restart; messages wait in the inbox meanwhile
-    events.put(_WARM)
     executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
+    # The bodies are imported now, not in the first job after a restart; in a thread, so a job that
+    # arrives meanwhile starts at once (importing just its own body) instead of waiting for all.
+    threading.Thread(target=_warm_up, args=(events,), name="engram-warm-up", daemon=True).start()
     for message in _messages(inbox):
         executor.submit(message)
     executor.shutdown()
+
+
+def _warm_up(events: Any) -> None:
+    """Import every job body, then tell the API (``/readyz``: ``job_process`` ``ready``)."""
+    try:
+        import_bodies()
+    except Exception:  # a body that cannot be imported fails its own jobs, by name, when they run
+        log.exception("importing the job bodies failed; each job imports its own when it runs")
+    events.put(_WARM)
 
 
 class EmbeddedExecutor:
