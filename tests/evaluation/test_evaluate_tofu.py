@@ -24,6 +24,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from api_schemas import EvaluationResult
+from engram_client.cli.output import stdout
+from engram_client.cli.render import render_evaluation
 from engram_fixtures.demo import make_facts, read_probes, tofu_answers
 from engram_fixtures.live import (
     LiveServer,
@@ -38,8 +41,6 @@ from engram_fixtures.models import make_tiny_llama
 from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
 from tests.helpers.api import assert_problem
-
-pytestmark = pytest.mark.slow
 
 BASE, RETAIN, OTHER = "tofu-eval/base", "tofu-eval/retain", "tofu-eval/other-vocab"
 TOLERANCE = 1e-6
@@ -155,6 +156,7 @@ def _direct(models: dict[str, Path], probes: dict[str, Any]) -> dict[str, tm.Mod
     return {name: tm.tofu_scores(report, raw["retain"], raw["base"]) for name, report in raw.items()}
 
 
+@pytest.mark.slow
 def test_tofu_suite_equals_direct_computation(
     server: LiveServer, variant: dict[str, Any], probes: dict[str, Any], tofu_job: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -183,6 +185,7 @@ def test_tofu_suite_equals_direct_computation(
     assert variant_values["exact_memorization"] < base_values["exact_memorization"]
 
 
+@pytest.mark.slow
 def test_summary_and_records_are_as_without_metrics(
     server: LiveServer, variant: dict[str, Any], probes: dict[str, Any], tofu_job: dict[str, Any]
 ) -> None:
@@ -202,6 +205,7 @@ def test_summary_and_records_are_as_without_metrics(
         }
 
 
+@pytest.mark.slow
 def test_retain_model_may_be_the_base_itself(server: LiveServer, variant: dict[str, Any], probes: dict[str, Any]) -> None:
     """Against the base as its own retain model the base's memorization values are all 0 (rescaled
     by a span of 0, the base agreeing with itself) and its privacy AUCs exactly 0.5."""
@@ -214,6 +218,7 @@ def test_retain_model_may_be_the_base_itself(server: LiveServer, variant: dict[s
     assert result["tofu"]["retain"]["values"] == base
 
 
+@pytest.mark.slow
 def test_bad_metric_requests_are_problems(server: LiveServer, variant: dict[str, Any], probes: dict[str, Any]) -> None:
     api, variant_id = server.client, variant["variant_id"]
     small = {"forget": probes["forget"][:2]}
@@ -227,3 +232,41 @@ def test_bad_metric_requests_are_problems(server: LiveServer, variant: dict[str,
     assert_problem(_post(api, variant_id, {"retain": probes["retain"][:2], "metrics": "tofu"}), 422, "forget")
     too_many = {**small["forget"][0], "perturbed_answers": ["x"] * 21}
     assert_problem(_post(api, variant_id, {"forget": [too_many], "metrics": "tofu"}), 422, "perturbed_answers")
+
+
+def test_cli_prints_one_tofu_table() -> None:
+    """``engram evaluate --metrics tofu``'s table: a row per metric name, a column per model, ``-``
+    where a model left a metric out (listed with its reason), ``-inf`` for a forget quality of 0."""
+    summary = {"mean_nll": 1.0, "exact_match": 1.0, "n": 1}
+    record = {
+        "split": "forget",
+        "index": 0,
+        "base": {"nll": 1.0, "exact_match": True},
+        "variant": {"nll": 2.0, "exact_match": False},
+    }
+    result = EvaluationResult.model_validate(
+        {
+            "variant_id": "v1",
+            "summary": {"base": {"forget": summary}, "variant": {"forget": summary}},
+            "records": [record],
+            "retain_model": "m/retain",
+            "tofu": {
+                "base": {"values": {"exact_memorization": 0.75, "overall": 0.5}, "left_out": {}},
+                "variant": {
+                    "values": {"exact_memorization": 0.125, "forget_quality_log10": None},
+                    "left_out": {"overall": "needs privacy"},
+                },
+                "retain": {"values": {"exact_memorization": 0.25, "overall": 1.0}, "left_out": {}},
+            },
+        }
+    )
+    with stdout.capture() as captured:
+        render_evaluation(result)
+    lines = [line.replace("┃", " ").replace("│", " ") for line in captured.get().splitlines()]  # rich's rules
+    header = next(line for line in lines if line.split()[:4] == ["metric", "base", "variant", "retain"])
+    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index(header) + 1 :] if line.split()}
+    assert rows["exact_memorization"] == ["0.75", "0.125", "0.25"]
+    assert rows["overall"] == ["0.5", "-", "1"]
+    assert rows["forget_quality_log10"] == ["-", "-inf", "-"]
+    assert "left out: overall: needs privacy" in captured.get()
+    assert "m/retain" in captured.get()
