@@ -67,7 +67,9 @@ def submit_variant(
     spec = VariantSpec.from_options(edit)
     resolved = _resolve(ctx, model, terms, edit)
     # Layers no member reached are written as they are: no bias of theirs moves.
-    _check_vllm_biases(layout, edit, unreached_by_every(ctx, [m.stats for m in resolved.spec.members]))
+    unreached = unreached_by_every(ctx, [m.stats for m in resolved.spec.members])
+    _check_conv_adapters(layout, edit, unreached)
+    _check_vllm_biases(layout, edit, unreached)
 
     def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
         members = [(m.name, m.stats) for m in universe.spec.members]
@@ -136,19 +138,27 @@ def _check_adapter_layers(layout: ModelLayout, options: EditOptions) -> None:
 
 
 def _check_adapter_kind(model: ModelRecord, options: EditOptions) -> None:
-    """A peft adapter of an image classifier, or of its convolutions: a 422 naming why, before
-    anything is written (vLLM serves no image classifier and no LoRA on a convolution; peft builds a
-    conv's LoRA without its dilation), where the job would fail later."""
+    """A vLLM adapter of an image classifier: a 422 naming why, before anything is written (vLLM
+    serves no image classifier; the bias or conv refusals would name a layer instead)."""
     if options.format != "peft":
         return
-    target = options.lora_target
-    if target == "vllm" and model.kind == "image":
+    if options.lora_target == "vllm" and model.kind == "image":
         raise InvalidInput(
             f'lora_target "vllm": model {model.model_id} is an image classifier, which vLLM does not serve; '
             'use lora_target "peft" (or format "checkpoint")'
         )
-    for spec in select_layers(model.layout.layers, options.modules, options.layers):
-        if spec.kernel is not None and (reason := spec.kernel.adapter_refusal(target)):
+
+
+def _check_conv_adapters(layout: ModelLayout, options: EditOptions, unreached: Collection[str]) -> None:
+    """A conv layer a peft adapter cannot carry (:meth:`ConvKernel.adapter_refusal`): a 422 naming it,
+    before any job. ``unreached``: layers no concept of the edit reached, never edited (a
+    vision-language model's vision tower under text concepts)."""
+    if options.format != "peft":
+        return
+    for spec in select_layers(layout.layers, options.modules, options.layers):
+        if spec.kernel is None or spec.name in unreached:
+            continue
+        if reason := spec.kernel.adapter_refusal(options.lora_target):
             raise InvalidInput(f'format "peft" cannot carry the conv layer {spec.name}: {reason}')
 
 
