@@ -37,7 +37,7 @@ from engram_fixtures.live import (
     wait_for_job,
     wait_variant_ready,
 )
-from engram_fixtures.models import make_tiny_llama
+from engram_fixtures.models import CHAT_TEMPLATE, make_tiny_chat_llama, make_tiny_llama
 from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
 from tests.helpers.api import assert_problem
@@ -270,3 +270,26 @@ def test_cli_prints_one_tofu_table() -> None:
     assert rows["forget_quality_log10"] == ["-", "-inf", "-"]
     assert "left out: overall: needs privacy" in captured.get()
     assert "m/retain" in captured.get()
+
+
+def test_chat_probes_answers_are_rendered_once_before_scoring(tmp_path: Path) -> None:
+    """The job renders every answer of a chat probe (the answer, the paraphrase, each wrong answer)
+    in its bounded template process before any model runs, and scores from those renders after the
+    process ended: the statistics equal those rendered by ``apply_chat_template`` at scoring time."""
+    from service.engine.chat import InProcess
+    from service.evaluation.run import _prime, _RenderedOnce  # the job's own steps, without a server
+
+    folder = make_tiny_chat_llama(tmp_path / "chat", CHAT_TEMPLATE)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    probe = {
+        "messages": [{"role": "user", "content": "Where was Ada born?"}, {"role": "assistant", "content": " Quillmoor"}],
+        "paraphrased_answer": " the town of Quillmoor",
+        "perturbed_answers": [" the town of Vrymfyx", " the town of Koudro"],
+    }
+    sets = {"forget": [tofu_probe(probe)]}
+    renderer = _RenderedOnce(InProcess())
+    _prime(tokenizer, sets, renderer)
+    renderer.inner = None  # the process has ended: a render not primed would fail the job
+    served = tofu_statistics(model, tokenizer, sets["forget"], renderer=renderer)
+    assert served == tofu_statistics(model, tokenizer, sets["forget"], renderer=InProcess())
+    assert served[0].perturbed is not None and len(served[0].perturbed) == 2
