@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api_schemas.common import Strict
-from api_schemas.edit_options import VLLM_LORA_RANKS
+from api_schemas.edit_options import ADAPTER_OPTION_RULES, VLLM_LORA_RANKS
 from api_schemas.evaluation import Probe
 from api_schemas.jobs import Job, JobResult
 
@@ -19,24 +19,7 @@ BlockIndices = Annotated[list[Annotated[int, Field(ge=0, le=100_000)]], Field(mi
 class CalibrateRequest(Strict):
     """Search the edit space for the strongest unlearning whose retain NLL stays within a bound."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
-            "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
-            "allOf": [
-                {
-                    "if": {"required": ["lora_target"], "properties": {"lora_target": {"const": "vllm"}}},
-                    "then": {
-                        "required": ["format"],
-                        "properties": {
-                            "format": {"const": "peft"},
-                            "lora_rank": {"anyOf": [{"enum": list(VLLM_LORA_RANKS)}, {"type": "null"}]},
-                        },
-                    },
-                }
-            ],
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=ADAPTER_OPTION_RULES)
 
     concepts: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
         min_length=1, max_length=256, description="the concepts to remove (each with ready statistics on the model)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -18,27 +18,31 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 MAX_MODULE_STRENGTH = 4.0
 
 
+# The JSON Schema of the adapter options' rules (lora_rank and lora_target "vllm" shape a peft adapter
+# only; with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS): EditOptions and
+# CalibrateRequest publish the same rules.
+ADAPTER_OPTION_RULES: dict[str, Any] = {
+    "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
+    "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
+    "allOf": [
+        {
+            "if": {"required": ["lora_target"], "properties": {"lora_target": {"const": "vllm"}}},
+            "then": {
+                "required": ["format"],
+                "properties": {
+                    "format": {"const": "peft"},
+                    "lora_rank": {"anyOf": [{"enum": list(VLLM_LORA_RANKS)}, {"type": "null"}]},
+                },
+            },
+        }
+    ],
+}
+
+
 class EditOptions(Strict):
     # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
     # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
-    model_config = ConfigDict(
-        json_schema_extra={
-            "if": {"required": ["lora_rank"], "properties": {"lora_rank": {"type": "integer"}}},
-            "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
-            "allOf": [
-                {
-                    "if": {"required": ["lora_target"], "properties": {"lora_target": {"const": "vllm"}}},
-                    "then": {
-                        "required": ["format"],
-                        "properties": {
-                            "format": {"const": "peft"},
-                            "lora_rank": {"anyOf": [{"enum": list(VLLM_LORA_RANKS)}, {"type": "null"}]},
-                        },
-                    },
-                }
-            ],
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=ADAPTER_OPTION_RULES)
 
     scaling: Literal["uniform", "weight_norm"] = "uniform"
     modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
