@@ -281,7 +281,7 @@ def test_chat_probes_answers_are_rendered_once_before_scoring(tmp_path: Path) ->
 
     folder = make_tiny_chat_llama(tmp_path / "chat", CHAT_TEMPLATE)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    probe = {
+    probe: dict[str, object] = {
         "messages": [{"role": "user", "content": "Where was Ada born?"}, {"role": "assistant", "content": " Quillmoor"}],
         "paraphrased_answer": " the town of Quillmoor",
         "perturbed_answers": [" the town of Vrymfyx", " the town of Koudro"],
