@@ -38,7 +38,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -74,29 +73,10 @@ def _batches(folder: Path, images: list[Image.Image]) -> list[PixelBatch]:
 
 def publish_concept(ctx: Any, model_id: str, name: str, stats: LayerStatistics, images: int, scratch: Path) -> None:
     """Publish a concept's statistics where a collection job publishes them."""
-    from service.engine.stats_io import save_statistics
-    from service.jobs.store import utc_now
-    from service.statistics.manifest import publish_statistics
-    from service.statistics.spec import CollectionSpec
-    from service.storage.keys import model_key
+    from engram_fixtures.statistics import name_digest, publish_concept_statistics
 
-    digest = hashlib.sha256(f"{model_id}/{name}".encode()).hexdigest()
-    model = ctx.storage.get_json(model_key(model_id))
-    prefix = CollectionSpec.of(ctx.settings).key(model["digest"], digest).prefix
-    file = scratch / f"{digest}.safetensors"
-    save_statistics(stats, file)
-    publish_statistics(ctx, prefix, file, lambda: {"tokens": stats.tokens})
-    concept = {
-        "format_version": 1,  # service.models.stored.FORMAT_VERSION: readers refuse a concept without it
-        "name": name,
-        "role": "target",
-        "description": None,
-        "num_records": images,
-        "dataset_digest": digest,
-        "models": {model_id: {"job_id": "0" * 32, "stats": prefix}},
-        "created_at": utc_now(),
-    }
-    ctx.storage.put_json(f"concepts/{name}.json", concept)
+    digest = name_digest(model_id, name)
+    publish_concept_statistics(ctx, model_id, name, stats, num_records=images, dataset_digest=digest, scratch=scratch)
 
 
 def engram_variants(

@@ -30,7 +30,7 @@ from service.execution.runner import run_job
 from service.jobs.records import JobRecord
 from service.jobs.store import JobStore, utc_now
 from service.models.inspection import register_model
-from service.statistics.manifest import publish_statistics
+from service.statistics.manifest import StatisticsManifest, publish_statistics
 from service.statistics.spec import CollectionSpec
 from service.storage.keys import concept_key
 from service.storage.local import LocalStorage
@@ -87,7 +87,7 @@ class StoreWorld:
         prefix = CollectionSpec.of(self.ctx.settings).key(manifest["digest"], digest).prefix
         file = self.root / f"{digest}.safetensors"
         save_statistics(stats, file)
-        publish_statistics(self.ctx, prefix, file, lambda: {"tokens": stats.tokens})
+        publish_statistics(self.ctx, prefix, file, lambda: StatisticsManifest(tokens=stats.tokens))
         concept = find_concept(self.ctx, name) or ConceptRecord(
             name=name,
             role=role,

@@ -31,6 +31,7 @@ from service.jobs.records import JobRecord, UnreadableJobRecord
 from service.jobs.store import public_view, valid_job_id
 from service.models.stored import FORMAT_VERSION
 from service.statistics.key import manifest_key
+from service.statistics.manifest import read_statistics_manifest
 from service.storage.keys import concept_key
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -107,8 +108,8 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
             return None
         # No statistics key while a dataset reference is not resolved: the job's state says it all.
         published_hit, published = ctx.reads.peek(manifest_key(entry.stats)) if entry.stats else (False, None)
-        if published_hit and published is not None:
-            states[model_id] = ready_state(published, entry.job_id)
+        if entry.stats and published_hit and published is not None:
+            states[model_id] = ready_state(read_statistics_manifest(entry.stats, published), entry.job_id)
         elif job.status in {"queued", "running"}:
             status = "collecting" if job.status == "running" else "pending"
             states[model_id] = {"status": status, "tokens": None, "job_id": entry.job_id}

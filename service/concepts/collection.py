@@ -51,7 +51,7 @@ from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.observability import record_collection
 from service.statistics.key import STATISTICS_FILE
-from service.statistics.manifest import publish_statistics, stats_manifest
+from service.statistics.manifest import StatisticsManifest, publish_statistics, stats_manifest
 from service.statistics.spec import CollectionSpec
 from service.storage.base import scratch_dir
 from service.storage.keys import concept_key, dataset_key
@@ -75,8 +75,8 @@ def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
     published = stats_manifest(ctx, prefix)
     if published is not None:
         # Reused statistics: the job is done with every token it would have counted (not "0/0").
-        ctx.jobs.set_progress(job.job_id, int(published["tokens"]), int(published["tokens"]))
-        return {"tokens": published["tokens"], "stats": prefix, "reused": True, **published.get("truncation", {})}
+        ctx.jobs.set_progress(job.job_id, published.tokens, published.tokens)
+        return {"tokens": published.tokens, "stats": prefix, "reused": True, **(published.truncation or {})}
     manifest = get_model(ctx, payload.model_id)
     if manifest.digest != payload.model_digest:
         raise JobFailed(f"model {payload.model_id} was re-registered with other weights")
@@ -393,18 +393,18 @@ def _publish_statistics(
         publish_statistics(ctx, prefix, file, lambda: _manifest(stats, payload, seconds, report))
 
 
-def _manifest(stats: LayerStatistics, payload: CollectPayload, seconds: float, report: dict[str, Any]) -> dict[str, Any]:
+def _manifest(stats: LayerStatistics, payload: CollectPayload, seconds: float, report: dict[str, Any]) -> StatisticsManifest:
     """The published statistics' manifest (their format: :mod:`service.statistics.manifest`)."""
-    return {
-        "tokens": stats.tokens,
-        "groups": len(stats.sums),
-        "layers": len(stats.layer_group),
+    return StatisticsManifest(
+        tokens=stats.tokens,
+        groups=len(stats.sums),
+        layers=len(stats.layer_group),
         # Hooked layers without statistics (an edit that needs one is refused by name).
-        "lacking": stats.lacking,
-        "model_digest": payload.model_digest,
-        "dataset_digest": payload.dataset_digest,
-        "settings": payload.settings,
-        "collection_seconds": round(seconds, 3),
-        "truncation": report,  # what max_length did: a reuse of these statistics reports it too
-        "created_at": utc_now(),
-    }
+        lacking=tuple(stats.lacking),
+        model_digest=payload.model_digest,
+        dataset_digest=payload.dataset_digest,
+        settings=payload.settings,
+        collection_seconds=round(seconds, 3),
+        truncation=report,  # what max_length did: a reuse of these statistics reports it too
+        created_at=utc_now(),
+    )

@@ -27,7 +27,7 @@ from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import check_chat_templates, get_model
-from service.statistics.manifest import stats_manifest
+from service.statistics.manifest import StatisticsManifest, stats_manifest
 from service.statistics.spec import CollectionSpec, canonical_modules
 from service.storage.keys import CONCEPTS, concept_key, dataset_key
 
@@ -315,10 +315,10 @@ def concept_model_state(ctx: Context, entry: ConceptModelState) -> dict[str, Any
     return {"status": status, "tokens": None, "job_id": entry.job_id}
 
 
-def ready_state(published: dict[str, Any], job_id: str) -> dict[str, Any]:
+def ready_state(published: StatisticsManifest, job_id: str) -> dict[str, Any]:
     """A model's state once its statistics are published: their tokens and what ``max_length`` did
     (the manifest's truncation report; ``None`` in a manifest written before there was one)."""
-    return {"status": "ready", "tokens": published["tokens"], "job_id": job_id, "truncation": published.get("truncation")}
+    return {"status": "ready", "tokens": published.tokens, "job_id": job_id, "truncation": published.truncation}
 
 
 def concept_view(ctx: Context, concept: ConceptRecord) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[Mod
         JobFailed: no layer is covered by every concept.
     """
     unreached = unreached_by_every(ctx, request.prefixes)
-    held = [statistics_layers(ctx, p, stats_manifest(ctx, p) or {}, full) for p in request.prefixes]
+    held = [statistics_layers(ctx, p, stats_manifest(ctx, p), full) for p in request.prefixes]
     covered = frozenset.intersection(*held) if held else frozenset()
     layers = [spec for spec in full.layers if spec.name in covered and spec.name not in unreached]
     left_out = {

@@ -5,13 +5,12 @@ check that refuses an edit needing a layer some member's statistics lack (their 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from service.context import Context
 from service.engine.layers import select_layers, summarize_names
 from service.engine.layout import ModelLayout
 from service.errors import Conflict
-from service.statistics.manifest import has_stats_header, stats_header, stats_manifest
+from service.statistics.manifest import StatisticsManifest, has_stats_header, stats_header, stats_manifest
 
 
 def check_statistics_cover(
@@ -48,7 +47,7 @@ def check_statistics_cover(
         held = statistics_layers(ctx, prefix, manifest, layout)
         missing = [spec.name for spec in needed if spec.name not in held]
         if missing:
-            collected = manifest.get("settings", {}).get("modules")
+            collected = manifest.modules
             how = f" (collected with modules {', '.join(collected)})" if collected else ""
             problems.append(f"concept {name} has no statistics for {summarize_names(missing)}{how}")
     if problems:
@@ -58,15 +57,16 @@ def check_statistics_cover(
         )
 
 
-def statistics_layers(ctx: Context, prefix: str, manifest: dict[str, Any], layout: ModelLayout) -> frozenset[str]:
+def statistics_layers(ctx: Context, prefix: str, manifest: StatisticsManifest | None, layout: ModelLayout) -> frozenset[str]:
     """The layers a published statistics file holds: those its ``modules`` selected minus the ones
     collection could not read (``lacking``), when the manifest's count says exactly that. Otherwise
     (statistics published before ``lacking`` was recorded, or collected from a layout of another
     version with other layers) they are read from the file's header (a few kilobytes)."""
-    chosen = select_layers(layout.layers, manifest.get("settings", {}).get("modules"))
-    lacking = set(manifest.get("lacking", ()))
-    if "lacking" in manifest and int(manifest.get("layers", -1)) + len(lacking) == len(chosen):
-        return frozenset(spec.name for spec in chosen) - lacking
+    chosen = select_layers(layout.layers, manifest.modules if manifest is not None else None)
+    if manifest is not None and manifest.lacking is not None and manifest.layers is not None:
+        lacking = set(manifest.lacking)
+        if manifest.layers + len(lacking) == len(chosen):
+            return frozenset(spec.name for spec in chosen) - lacking
     return frozenset(stats_header(ctx, prefix).layer_group)
 
 

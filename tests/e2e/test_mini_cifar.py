@@ -9,7 +9,6 @@ version does not flip them, and far above chance (0.1).
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
@@ -19,16 +18,12 @@ import torch
 from transformers import AutoModelForImageClassification
 
 from engram_fixtures.mini_cifar import FORGET_CLASS, MiniCifar, build_mini_cifar, load_split, make_images
+from engram_fixtures.statistics import name_digest, publish_concept_statistics
 from service.engine.checkpoint import load_model
 from service.engine.classify import classify
 from service.engine.collect import LayerStatistics, PixelBatch, collect_statistics
 from service.engine.images import load_image_processor, pixel_batches
-from service.engine.stats_io import save_statistics
 from service.evaluation.classifier_metrics import confusion_row, top1_accuracy
-from service.jobs.store import utc_now
-from service.statistics.manifest import publish_statistics
-from service.statistics.spec import CollectionSpec
-from service.storage.keys import model_key
 from service.universes.service import submit_universe
 from service.variants.service import submit_variant, variant_view
 from tests.store_world import StoreWorld
@@ -88,25 +83,11 @@ def test_the_retrained_models_never_saw_the_forget_class(mini_cifar: MiniCifar, 
 
 
 def _publish_class(world: StoreWorld, model_id: str, name: str, stats: LayerStatistics, images: int) -> None:
-    """Publish a class concept's image statistics where a collection job publishes them (the image
-    collection job is not wired into the concept job yet; tests/models/test_vision_layouts.py does the same)."""
-    digest = hashlib.sha256(f"{model_id}/{name}".encode()).hexdigest()
-    model = world.ctx.storage.get_json(model_key(model_id))
-    prefix = CollectionSpec.of(world.ctx.settings).key(model["digest"], digest).prefix
-    file = world.root / f"{digest}.safetensors"
-    save_statistics(stats, file)
-    publish_statistics(world.ctx, prefix, file, lambda: {"tokens": stats.tokens})
-    concept = {
-        "format_version": 1,  # service.models.stored.FORMAT_VERSION: readers refuse a concept without it
-        "name": name,
-        "role": "target",
-        "description": None,
-        "num_records": images,
-        "dataset_digest": digest,
-        "models": {model_id: {"job_id": "0" * 32, "stats": prefix}},
-        "created_at": utc_now(),
-    }
-    world.ctx.storage.put_json(f"concepts/{name}.json", concept)
+    """Publish a class concept's image statistics, collected here, where a collection job publishes them."""
+    digest = name_digest(model_id, name)
+    publish_concept_statistics(
+        world.ctx, model_id, name, stats, num_records=images, dataset_digest=digest, scratch=world.root
+    )
 
 
 # Measured 2026-11-26 (python -m bench.vision): Engram α=1 leaves class 0 at 0.0 test accuracy on

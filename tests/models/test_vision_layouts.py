@@ -7,7 +7,6 @@ among them), their statistics collected from images, and a variant with edited c
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
+from engram_fixtures.statistics import name_digest, publish_concept_statistics
 from engram_fixtures.vision import make_tiny_resnet, make_tiny_vit
 from service.engine.checkpoint import CheckpointReader, load_model
 from service.engine.checkpoint_write import write_checkpoint
@@ -28,11 +28,7 @@ from service.engine.compose import EngramAlgebra, layer_deltas, layer_editor
 from service.engine.layers import module_type, select_layers
 from service.engine.lora import layer_loras
 from service.engine.lora_files import write_adapter
-from service.engine.stats_io import save_statistics
-from service.jobs.store import utc_now
 from service.models.registry import model_view
-from service.statistics.manifest import publish_statistics
-from service.statistics.spec import CollectionSpec
 from service.storage.keys import model_key
 from service.variants.service import submit_variant, variant_view
 from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, reference_pinv, rel
@@ -206,25 +202,11 @@ def test_a_peft_adapter_of_conv_edits_serves_like_the_checkpoint_variant(
 
 
 def publish_images(world: StoreWorld, model_id: str, name: str, stats: LayerStatistics, images: int) -> None:
-    """Publish a concept's image statistics as a collection job would (the image collection job is
-    another part of issue 25: here the statistics are collected in the test)."""
-    digest = hashlib.sha256(f"{model_id}/{name}".encode()).hexdigest()
-    model = world.ctx.storage.get_json(model_key(model_id))
-    prefix = CollectionSpec.of(world.ctx.settings).key(model["digest"], digest).prefix
-    file = world.root / f"{digest}.safetensors"
-    save_statistics(stats, file)
-    publish_statistics(world.ctx, prefix, file, lambda: {"tokens": stats.tokens})
-    concept = {
-        "format_version": 1,  # service.models.stored.FORMAT_VERSION: readers refuse a concept without it
-        "name": name,
-        "role": "target",
-        "description": None,
-        "num_records": images,
-        "dataset_digest": digest,
-        "models": {model_id: {"job_id": "0" * 32, "stats": prefix}},
-        "created_at": utc_now(),
-    }
-    world.ctx.storage.put_json(f"concepts/{name}.json", concept)
+    """Publish a concept's image statistics, collected in the test, as a collection job would."""
+    digest = name_digest(model_id, name)
+    publish_concept_statistics(
+        world.ctx, model_id, name, stats, num_records=images, dataset_digest=digest, scratch=world.root
+    )
 
 
 def test_a_resnet_variant_from_a_built_universe_equals_the_float64_formula(

@@ -15,6 +15,7 @@ from service.engine.collect import LayerStatistics
 from service.engine.stats_io import save_statistics
 from service.statistics.cover import statistics_layers
 from service.statistics.key import statistics_key
+from service.statistics.manifest import StatisticsManifest
 from service.storage.local import LocalStorage
 
 
@@ -38,11 +39,13 @@ def test_legacy_statistics_without_the_pooler_are_read_from_their_header(tmp_pat
     layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
     names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
     ctx, prefix = _stored_without_the_pooler(tmp_path, names)
-    legacy = {"layers": len(names), "settings": {"max_length": 512}}
-    assert statistics_layers(ctx, prefix, legacy, layout) == frozenset(names)  # type: ignore[arg-type]
+    legacy = StatisticsManifest(tokens=40, layers=len(names), settings={"max_length": 512})
+    assert statistics_layers(ctx, prefix, legacy, layout) == frozenset(names)
     # New manifests say it themselves (no file read): modules selected, minus the lacking ones.
-    current = {"layers": 3, "lacking": ["encoder.layer.0.attention.self.key"], "settings": {"modules": ["key", "query"]}}
-    assert statistics_layers(ctx, "stats/none/", current, layout) == {  # type: ignore[arg-type]
+    current = StatisticsManifest(
+        tokens=40, layers=3, lacking=("encoder.layer.0.attention.self.key",), settings={"modules": ["key", "query"]}
+    )
+    assert statistics_layers(ctx, "stats/none/", current, layout) == {
         "encoder.layer.0.attention.self.query",
         "encoder.layer.1.attention.self.query",
         "encoder.layer.1.attention.self.key",
@@ -57,8 +60,8 @@ def test_statistics_of_a_layout_with_fewer_layers_are_read_from_their_header(tmp
     layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
     names = [spec.name for spec in layout.layers if spec.name != "pooler.dense"]
     ctx, prefix = _stored_without_the_pooler(tmp_path, names)
-    older_layout = {"layers": len(names), "lacking": [], "settings": {"max_length": 512}}
-    held = statistics_layers(ctx, prefix, older_layout, layout)  # type: ignore[arg-type]
+    older_layout = StatisticsManifest(tokens=40, layers=len(names), lacking=(), settings={"max_length": 512})
+    held = statistics_layers(ctx, prefix, older_layout, layout)
     assert held == frozenset(names)
     assert "pooler.dense" not in held
 
@@ -69,9 +72,9 @@ def test_two_stores_in_one_process_read_their_own_headers(tmp_path: Path) -> Non
     the prefix alone answered the second store with the first store's layers)."""
     layout = inspect_model_dir(make_tiny_bert_encoder(tmp_path / "bert"))
     every = [spec.name for spec in layout.layers]
-    legacy = {"layers": 1, "settings": {"max_length": 512}}  # no "lacking": the header decides
+    legacy = StatisticsManifest(tokens=40, layers=1, settings={"max_length": 512})  # no "lacking": the header decides
     one, prefix = _stored_without_the_pooler(tmp_path / "one", every[:2])
     two, same = _stored_without_the_pooler(tmp_path / "two", every[2:5])
     assert prefix == same
-    assert statistics_layers(one, prefix, legacy, layout) == frozenset(every[:2])  # type: ignore[arg-type]
-    assert statistics_layers(two, prefix, legacy, layout) == frozenset(every[2:5])  # type: ignore[arg-type]
+    assert statistics_layers(one, prefix, legacy, layout) == frozenset(every[:2])
+    assert statistics_layers(two, prefix, legacy, layout) == frozenset(every[2:5])
