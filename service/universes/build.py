@@ -77,7 +77,7 @@ def ensure_universe(
     build = UniverseBuild.open(ctx, universe_id)
     plan_key = universe_plan_key(universe_id)
     if not ctx.storage.exists(plan_key):
-        ctx.storage.put_json(plan_key, build.plan.to_json())
+        ctx.storage.put_json(plan_key, build.plan.stored().to_json())
     steps = progress or NoProgress()
     if isinstance(steps, JobProgress):
         steps.restart(build.total_steps)

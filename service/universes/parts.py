@@ -50,7 +50,7 @@ from service.universes.factors import (
     rows_groups,
     save_factors,
 )
-from service.universes.records import find_request
+from service.universes.records import StoredPlan, find_request
 from service.universes.service import member_keys
 from service.universes.spec import UNIVERSE_FORMAT, UniverseSpec
 
@@ -77,8 +77,11 @@ class UniversePlan:
     def group_of(self, layer: str) -> str:
         return next(g for g, names in self.groups.items() if layer in names)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"groups": self.groups, "layers": [s.name for s in self.layers]}
+    def stored(self) -> StoredPlan:
+        """What ``plan.json`` records of it: the groups and the layers' names."""
+        return StoredPlan(
+            groups={g: tuple(names) for g, names in self.groups.items()}, layers=tuple(s.name for s in self.layers)
+        )
 
 
 def plan_universe(layout: ModelLayout, members: Mapping[str, GroupedStatistics]) -> UniversePlan:

@@ -20,6 +20,7 @@ from service.storage.keys import (
     current_pointer_key,
     model_universes_prefix,
     universe_manifest_key,
+    universe_plan_key,
     universe_request_key,
     usage_key,
 )
@@ -72,6 +73,43 @@ def find_usage(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[
     key = usage_key(universe_id)
     found = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
     return dict(found or {})
+
+
+class StoredPlan(BaseModel):
+    """A universe's ``plan.json``, written first by its build: input group -> its layers, and the
+    layers in layout order. The universe's view counts its groups while it builds. Its keys are
+    those it always had (no ``format_version``: the shape never changed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    groups: dict[str, tuple[str, ...]]
+    layers: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def read_plan(universe_id: str, data: Mapping[str, Any]) -> StoredPlan:
+    """The stored plan of ``universe_id`` as a record.
+
+    Raises:
+        ServiceUnavailable: a field is missing, wrong or unknown (named).
+    """
+    try:
+        return StoredPlan.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(map(str, error["loc"]))
+        raise ServiceUnavailable(
+            f"the plan of universe {universe_id} cannot be read ({where}: {error['msg']}): delete the universe "
+            f"(DELETE /universes/{universe_id}) and request it again to rebuild it"
+        ) from exc
+
+
+def find_plan(ctx: Context, universe_id: str) -> StoredPlan | None:
+    """The universe's plan (None: its build has not started). Written once, first: cached once found."""
+    found = ctx.reads.immutable_json(universe_plan_key(universe_id))
+    return None if found is None else read_plan(universe_id, found)
 
 
 class CurrentUniverse(BaseModel):

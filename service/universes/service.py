@@ -41,7 +41,6 @@ from service.storage.keys import (
     MODEL_UNIVERSES,
     current_pointer_key,
     known_universe_key,
-    universe_plan_key,
     universe_prefix,
     universe_request_key,
 )
@@ -50,6 +49,7 @@ from service.universes.records import (
     CurrentUniverse,
     current_pointer,
     find_manifest,
+    find_plan,
     find_request,
     find_usage,
     model_universe_ids,
@@ -270,9 +270,9 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
             "build_seconds": None,
             "evicted_at": usage["evicted_at"],
         }
-    plan = ctx.reads.immutable_json(universe_plan_key(universe_id))
+    plan = find_plan(ctx, universe_id)
     done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
-    total = len(plan["groups"]) if plan else None
+    total = len(plan.groups) if plan else None
     status = "building" if building else "failed"
     return {
         **view,
