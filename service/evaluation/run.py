@@ -134,7 +134,7 @@ def run_evaluation(ctx: Context, job: JobRecord) -> dict[str, Any]:
     _causal(base)
     with template_process(ctx, job.job_id) as renderer:  # one render process, ended before scoring
         probes = _checked_probes(tokenizer, probes, renderer)
-    progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()))
+    progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()) + _tofu_units(raw))
     scores = {name: _score(model, tokenizer, probes, progress) for name, model in (("base", base), ("variant", variant))}
     result = {
         "variant_id": payload.variant_id,
@@ -150,7 +150,7 @@ def run_evaluation(ctx: Context, job: JobRecord) -> dict[str, Any]:
         ],
     }
     if raw.get("tofu") is not None:
-        result.update(_tofu_result(ctx, job, raw, base, variant, tokenizer))
+        result.update(_tofu_result(ctx, job, raw, base, variant, tokenizer, progress))
     _check_base_unchanged(ctx, payload.variant_id)
     ctx.storage.put_json(key, result)
     return result
@@ -254,17 +254,27 @@ def _prime(tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer)
                     raise JobFailed(f"{name}[{i}]{where}: {exc}") from None
 
 
-def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer) -> ModelReport:
+def _tofu_units(raw: dict[str, Any]) -> int:
+    """The progress units of the TOFU suite: each probe of each set, once per model scored."""
+    options = raw.get("tofu")
+    if options is None:
+        return 0
+    models = 3 if options.get("retain_model") is not None else 2
+    return models * sum(len(items) for items in _tofu_sets(raw).values())
+
+
+def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer, progress: Any) -> ModelReport:
     """One model's raw TOFU values on every set (the same tokens for every model: the base's tokenizer)."""
-    stats = {
-        name: tofu_statistics(model, tokenizer, items, batch_size=_CHUNK, renderer=renderer) for name, items in sets.items()
-    }
+    stats = {}
+    for name, items in sets.items():
+        stats[name] = tofu_statistics(model, tokenizer, items, batch_size=_CHUNK, renderer=renderer)
+        progress.advance(len(items))
     utility = {name: items for name, items in stats.items() if name not in ("forget", "retain", "holdout")}
     return model_report(stats["forget"], stats.get("retain"), utility, stats.get("holdout"))
 
 
 def _tofu_result(
-    ctx: Context, job: JobRecord, raw: dict[str, Any], base: Any, variant: Any, tokenizer: Any
+    ctx: Context, job: JobRecord, raw: dict[str, Any], base: Any, variant: Any, tokenizer: Any, progress: Any
 ) -> dict[str, Any]:
     """``{"tofu": {model: {values, left_out}}, "retain_model": id}``: the suite on the base, the
     variant and (given one) the retain model, each scored against the retain model and the base."""
@@ -275,11 +285,13 @@ def _tofu_result(
         renderer.inner = process
         _prime(tokenizer, sets, renderer)
     renderer.inner = None
-    reports = {"base": _report(base, tokenizer, sets, renderer), "variant": _report(variant, tokenizer, sets, renderer)}
+    reports = {
+        name: _report(model, tokenizer, sets, renderer, progress) for name, model in (("base", base), ("variant", variant))
+    }
     retain_option = options.get("retain_model")
     if retain_option is not None:
         retain_model = _retain_model(ctx, retain_option, tokenizer)
-        reports["retain"] = _report(retain_model, tokenizer, sets, renderer)
+        reports["retain"] = _report(retain_model, tokenizer, sets, renderer, progress)
     retain = reports.get("retain")
     scored = {name: tofu_scores(report, retain, reports["base"]) for name, report in reports.items()}
     wanted = options["metrics"]

@@ -117,12 +117,16 @@ def _post(api: httpx.Client, variant_id: str, body: dict[str, Any]) -> httpx.Res
     return api.post(f"/variants/{variant_id}/evaluate", json=body)
 
 
-def _evaluate(api: httpx.Client, variant_id: str, body: dict[str, Any]) -> dict[str, Any]:
+def _evaluate_job(api: httpx.Client, variant_id: str, body: dict[str, Any]) -> dict[str, Any]:
     response = _post(api, variant_id, body)
     assert response.status_code in (200, 202), response.text
     job = wait_for_job(api, response.json()["job_id"], timeout=600)
     assert job["kind"] == "evaluate" and job["status"] == "succeeded", job
-    return dict(job["result"])
+    return dict(job)
+
+
+def _evaluate(api: httpx.Client, variant_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return dict(_evaluate_job(api, variant_id, body)["result"])
 
 
 def _tofu_body(probes: dict[str, Any], **options: Any) -> dict[str, Any]:
@@ -210,7 +214,10 @@ def test_retain_model_may_be_the_base_itself(server: LiveServer, variant: dict[s
     """Against the base as its own retain model the base's memorization values are all 0 (rescaled
     by a span of 0, the base agreeing with itself) and its privacy AUCs exactly 0.5."""
     small = {"forget": probes["forget"], "retain": probes["retain"][:5]}
-    result = _evaluate(server.client, variant["variant_id"], {**small, "metrics": "tofu", "retain_model": BASE})
+    job = _evaluate_job(server.client, variant["variant_id"], {**small, "metrics": "tofu", "retain_model": BASE})
+    result = job["result"]
+    n = len(small["forget"]) + len(small["retain"])  # NLL/EM on two models, then the suite on three
+    assert job["progress"]["done"] == job["progress"]["total"] == 2 * n + 3 * n
     base = result["tofu"]["base"]["values"]
     assert base["forget_quality"] == pytest.approx(1.0)
     for attack in tm.MIA_ATTACKS:
