@@ -28,7 +28,7 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -46,6 +46,9 @@ from service.storage.factory import open_storage
 log = logging.getLogger("engram.embedded")
 
 _WARM = "warm"  # the job process's event once it has imported every job body
+# The job process imports the job bodies once its inbox has been quiet this long with no job running
+# (a job that arrives at start-up, a registration, runs first, importing only its own body).
+_WARM_UP_AFTER_IDLE_S = 0.2
 _KEEP_FINISHED = timedelta(hours=1)  # finished records stay in the live file this long (storage keeps them forever)
 _MONITOR_S = 0.5
 
@@ -364,10 +367,20 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     from service.execution.runner import run_job  # the job process imports the bodies, the API never does
 
     executor = EmbeddedExecutor(lambda job_id: run_job(ctx, job_id))
-    # The bodies are imported now, not in the first job after a restart; in a thread, so a job that
-    # arrives meanwhile starts at once (importing just its own body) instead of waiting for all.
-    threading.Thread(target=_warm_up, args=(events,), name="engram-warm-up", daemon=True).start()
-    for message in _messages(inbox):
+    warm = False
+    while True:
+        try:
+            message = inbox.get(timeout=_WARM_UP_AFTER_IDLE_S)
+        except queue.Empty:
+            # The bodies are imported now, not in the first job after a restart: by this thread,
+            # while no job runs (messages wait in the inbox meanwhile). Never beside a running job:
+            # two threads importing transformers at once can see it half-initialised (ImportError).
+            if not warm and executor.idle():
+                _warm_up(events)
+                warm = True
+            continue
+        if message is None:
+            break
         executor.submit(message)
     executor.shutdown()
 
@@ -390,22 +403,30 @@ class EmbeddedExecutor:
         self._run = run
         lanes = sorted({kind.lane for kind in KINDS.values()})
         self._lanes = {lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engram-{lane}") for lane in lanes}
+        self._in_flight = 0  # jobs submitted and not finished
+        self._count_lock = threading.Lock()
 
     def submit(self, message: dict[str, str]) -> None:
         """Run a job the API handed over (:func:`_message`) in its kind's lane."""
-        self._lanes[KINDS[message["kind"]].lane].submit(self._run, message["job_id"])  # type: ignore[index]
+        with self._count_lock:
+            self._in_flight += 1
+        self._lanes[KINDS[message["kind"]].lane].submit(self._counted, message["job_id"])  # type: ignore[index]
+
+    def idle(self) -> bool:
+        """No job is queued in a lane or running."""
+        with self._count_lock:
+            return self._in_flight == 0
+
+    def _counted(self, job_id: str) -> None:
+        try:
+            self._run(job_id)
+        finally:
+            with self._count_lock:
+                self._in_flight -= 1
 
     def shutdown(self) -> None:
         for lane in self._lanes.values():
             lane.shutdown(wait=False, cancel_futures=True)
-
-
-def _messages(inbox: Any) -> Iterator[dict[str, str]]:
-    while True:
-        message = inbox.get()
-        if message is None:
-            return
-        yield message
 
 
 def _no_dispatch(job: JobRecord) -> None:

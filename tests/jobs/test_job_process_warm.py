@@ -1,10 +1,10 @@
 """A job process imports every job body when it starts, not in its first job (issue 27).
 
 Importing the bodies (torch, transformers, the domains) costs seconds; the first variant after a
-restart paid them inside its job. Now embedded mode's job process imports them as it starts, in a
-thread (a job that arrives meanwhile does not wait for all of them), and says so when done
-(``/readyz``: ``job_process`` ``starting`` → ``ready``); a Celery worker imports them at
-``worker_init``, before its pool forks.
+restart paid them inside its job. Now embedded mode's job process imports them as soon as no job
+runs (a registration that arrives at start-up runs first, importing only its own body; never two
+threads importing transformers at once), and says so when done (``/readyz``: ``job_process``
+``starting`` → ``ready``); a Celery worker imports them at ``worker_init``, before its pool forks.
 """
 
 from __future__ import annotations
