@@ -17,22 +17,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engram_fixtures.demo import make_facts
-from service.concepts.record import ConceptModelState, ConceptRecord
-from service.concepts.service import find_concept
+from engram_fixtures.statistics import publish_concept_statistics
 from service.config import Settings
 from service.context import Context
 from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layout import ModelLayout
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
-from service.engine.stats_io import save_statistics
 from service.execution.runner import run_job
 from service.jobs.records import JobRecord
-from service.jobs.store import JobStore, utc_now
+from service.jobs.store import JobStore
 from service.models.inspection import register_model
-from service.statistics.manifest import StatisticsManifest, publish_statistics
-from service.statistics.spec import CollectionSpec
-from service.storage.keys import concept_key
 from service.storage.local import LocalStorage
 
 MAX_LENGTH = 120
@@ -82,23 +77,10 @@ class StoreWorld:
     def publish(self, model_id: str, name: str, records: Sequence[Record], role: str = "target") -> LayerStatistics:
         """Collect and publish concept ``name`` on ``model_id`` as a collection job would."""
         stats = self.collect(model_id, records)
-        manifest = self.ctx.storage.get_json(f"models/{model_id.replace('/', '%2F')}.json")
         digest = hashlib.sha256("\n".join(repr(r) for r in records).encode()).hexdigest()
-        prefix = CollectionSpec.of(self.ctx.settings).key(manifest["digest"], digest).prefix
-        file = self.root / f"{digest}.safetensors"
-        save_statistics(stats, file)
-        publish_statistics(self.ctx, prefix, file, lambda: StatisticsManifest(tokens=stats.tokens))
-        concept = find_concept(self.ctx, name) or ConceptRecord(
-            name=name,
-            role=role,
-            description=None,
-            num_records=len(records),
-            dataset_digest=digest,
-            models={},
-            created_at=utc_now(),
+        publish_concept_statistics(
+            self.ctx, model_id, name, stats, num_records=len(records), dataset_digest=digest, scratch=self.root, role=role
         )
-        concept = concept.with_model(model_id, ConceptModelState(job_id="0" * 32, stats=prefix))
-        self.ctx.storage.put_json(concept_key(name), concept.to_json())
         return stats
 
     def run_pending(self) -> list[JobRecord]:
