@@ -61,8 +61,7 @@ def make_tiny_resnet(path: Path, num_labels: int = 4, seed: int = 0, image_size:
         depths=[1, 1],
         layer_type="basic",
         hidden_act="relu",
-        num_labels=num_labels,
-        id2label=labels,
+        id2label=labels,  # sets num_labels (transformers' config typing has no num_labels argument)
         label2id={name: index for index, name in labels.items()},
     )
     torch.manual_seed(seed)
@@ -94,8 +93,7 @@ def make_tiny_vit(path: Path, num_labels: int = 4, seed: int = 0, image_size: in
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=64,
-        num_labels=num_labels,
-        id2label=labels,
+        id2label=labels,  # sets num_labels (transformers' config typing has no num_labels argument)
         label2id={name: index for index, name in labels.items()},
     )
     torch.manual_seed(seed)
