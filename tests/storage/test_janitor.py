@@ -35,6 +35,7 @@ from engram_fixtures.live import (
 )
 from service.config import Settings
 from service.context import Context
+from service.engrams.manifest import UNIVERSE_FORMAT
 from service.jobs.store import JobStore
 from service.storage.base import HOST_TAG
 from service.storage.janitor import clean_leftovers
@@ -226,9 +227,21 @@ def stored_universe(store: Path, universe_id: str, *, days_ago: float, current_o
     for name, size in parts.items():
         file(folder / name).write_bytes(b"z" * size)
     write_json(folder / "engrams/k.json", {"bytes": 500})
-    write_json(
-        folder / "manifest.json", {"universe_id": universe_id, "bytes": {"groups": 500, "engrams": 500, "total": 1000}}
-    )
+    manifest = {  # as the build writes it (service.engrams.manifest.UniverseManifest), no groups or layers
+        "format": UNIVERSE_FORMAT,
+        "universe_id": universe_id,
+        "model_id": "m",
+        "model_digest": "d",
+        "rcond": None,
+        "members": [],
+        "groups": {},
+        "layers": {},
+        "engrams": {"k": {"bytes": 500, "norms": {}}},
+        "bytes": {"groups": 500, "engrams": 500, "total": 1000},
+        "seconds": {},
+        "created_at": used,
+    }
+    write_json(folder / "manifest.json", manifest)
     file(store / "model-universes" / "m" / "known" / universe_id).write_bytes(b"")
     if current_of is not None:
         pointer = {
