@@ -30,8 +30,9 @@ help:
 	@echo "make lint             ruff check, ruff format --check, mypy (what CI runs before the tests)"
 	@echo "make format           ruff format + ruff check --fix"
 	@echo "make bench            the performance goals (bench/README.md); BENCH_ARGS=--quick for a smoke run"
-	@echo "make api-docs         regenerate docs/API.md from the OpenAPI document"
+	@echo "make api-docs         regenerate docs/API.md and docs/settings.md (the OpenAPI document, the settings class)"
 	@echo "make validate-deploy  docker-compose.yml, Dockerfiles and k8s/ checked without Docker or a cluster"
+	@echo "make clean            remove $(VENV)/, .engram/ (the default store) and .pytest_cache/"
 	@echo "settings: HOST=$(HOST) PORT=$(PORT) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
 
 install: $(STAMP)
@@ -89,6 +90,7 @@ format: install
 
 api-docs: install
 	$(PY) scripts/gen_api_docs.py --out docs/API.md
+	$(PY) scripts/gen_settings_docs.py --out docs/settings.md
 
 # Distributed mode on this machine, without Docker: see "Run distributed" in README.md.
 distributed: install
