@@ -57,7 +57,9 @@ class Layer(BaseModel):
     in_features: int
     out_features: int
     bias: bool
-    kernel: Kernel | None = Field(default=None, description="a convolution's kernel; absent for a Linear layer")
+    kernel: Kernel | None = Field(
+        default=None, description="a convolution's kernel; absent for a Linear layer", exclude_if=lambda v: v is None
+    )
 
 
 class Model(BaseModel):
