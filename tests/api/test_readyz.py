@@ -87,7 +87,10 @@ def _problem(response: httpx.Response) -> dict[str, Any]:
 def test_embedded_mode_is_ready_without_workers(live_server: LiveServer) -> None:
     response = live_server.client.get("/readyz")
     assert response.status_code == 200, response.text
-    assert response.json() == {"status": "ready", "mode": "embedded"}
+    body = response.json()
+    # job_process: whether the job process has imported the job bodies yet (jobs queue meanwhile).
+    assert body == {"status": "ready", "mode": "embedded", "job_process": body.get("job_process")}, body
+    assert body["job_process"] in ("starting", "ready")
 
 
 def test_distributed_mode_is_ready_only_while_every_queue_has_a_live_worker(cluster: Cluster) -> None:
