@@ -178,13 +178,22 @@ class DatasetColumns(Strict):
     prompt: str | None = Field(default=None, min_length=1, max_length=200)
     completion: str | None = Field(default=None, min_length=1, max_length=200)
     messages: str | None = Field(default=None, min_length=1, max_length=200)
+    # Absent when unset (exclude_if): a text reference's stored and shown columns, and so its
+    # digest, are what they were before image columns existed.
     image: str | None = Field(
         default=None,
         min_length=1,
         max_length=200,
         description="images: a datasets Image struct {bytes, path}, bytes or base64",
+        exclude_if=lambda v: v is None,
     )
-    label: str | None = Field(default=None, min_length=1, max_length=200, description="with image: class ids or names")
+    label: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="with image: class ids or names",
+        exclude_if=lambda v: v is None,
+    )
 
     model_config = ConfigDict(json_schema_extra=_columns_schema())
 
