@@ -19,6 +19,7 @@ from engram_fixtures.models import make_tiny_gpt_neox, make_tiny_llama, make_tok
 from service.config import Settings
 from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.model_files import ModelSourceError
+from service.models.record import ModelRecord
 from service.models.registry import model_view
 from service.statistics.spec import CollectionSpec
 
@@ -69,14 +70,17 @@ def test_a_layer_the_checkpoint_lacks_is_listed_not_dropped(tmp_path: Path) -> N
     layout = inspect_model_dir(folder)
     assert "lm_head" not in [spec.name for spec in layout.layers]
     assert layout.unstored_layers == ["lm_head"]
-    manifest = {
-        "model_id": "m",
-        "source": "file:///m",
-        "digest": "d",
-        "architecture": layout.architecture,
-        "num_parameters": layout.num_parameters,
-        "layout": layout.to_json(),
-    }
+    manifest = ModelRecord.model_validate(  # the registration as the registry reads it
+        {
+            "model_id": "m",
+            "source": "file:///m",
+            "path": "/m",
+            "digest": "d",
+            "architecture": layout.architecture,
+            "num_parameters": layout.num_parameters,
+            "layout": layout.to_json(),
+        }
+    )
     assert model_view(manifest)["layers_not_in_checkpoint"] == ["lm_head"]
 
 
