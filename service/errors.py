@@ -72,3 +72,10 @@ class JobFailed(ProblemError):
     """A job failed for a reason the user can act on (bad model, non-finite edit, ...)."""
 
     status, title, slug = 422, "Job failed", "job-failed"
+
+
+def first_validation_error(exc: Any) -> str:
+    """A pydantic ``ValidationError``'s first error as ``field.path: message``: what a refusal of a
+    stored record says about why it cannot be read."""
+    error = exc.errors()[0]
+    return f"{'.'.join(map(str, error['loc']))}: {error['msg']}"

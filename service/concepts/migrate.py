@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from service.concepts.record import ConceptRecord
 from service.context import Context
+from service.errors import first_validation_error
 from service.models.migrate import Migration
 from service.models.stored import FORMAT_VERSION
 from service.storage.keys import CONCEPTS
@@ -29,8 +30,7 @@ def migrate_concepts(ctx: Context, *, dry_run: bool = False) -> Migration:
         try:
             record = _current(data)
         except ValidationError as exc:
-            error = exc.errors()[0]
-            why = f"{'.'.join(map(str, error['loc']))}: {error['msg']}"
+            why = first_validation_error(exc)
             done.refused.append((key, f"not a concept this version can read ({why}): delete it and post it again"))
             continue
         if not dry_run:

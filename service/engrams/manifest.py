@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from service.errors import ServiceUnavailable
+from service.errors import ServiceUnavailable, first_validation_error
 
 # The universe format: the manifest's version, and part of every universe's identity (its ID).
 UNIVERSE_FORMAT = "engram-universe/1"
@@ -136,8 +136,7 @@ def read_manifest(universe_id: str, data: Mapping[str, Any]) -> UniverseManifest
     try:
         manifest = UniverseManifest.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise MalformedManifest(universe_id, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from exc
+        raise MalformedManifest(universe_id, first_validation_error(exc)) from exc
     if manifest.universe_id != universe_id:
         raise MalformedManifest(universe_id, f"it names universe {manifest.universe_id}")
     return manifest

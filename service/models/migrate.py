@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from service.context import Context
+from service.errors import first_validation_error
 from service.models.record import ModelRecord
 from service.models.stored import FORMAT_VERSION
 from service.storage.keys import MODELS, model_key
@@ -37,7 +38,9 @@ def migrate_models(ctx: Context, *, dry_run: bool = False) -> Migration:
         try:
             record = ModelRecord.model_validate({**data, "format_version": FORMAT_VERSION})
         except ValidationError as exc:
-            done.refused.append((key, f"not a model registration this version can read ({_first(exc)}): register it again"))
+            done.refused.append(
+                (key, f"not a model registration this version can read ({first_validation_error(exc)}): register it again")
+            )
             continue
         if not dry_run:
             ctx.storage.put_json(key, record.to_json())
@@ -52,8 +55,3 @@ def registration_of_any_version(ctx: Context, model_id: str) -> ModelRecord | No
         return None if data is None else ModelRecord.model_validate({**data, "format_version": FORMAT_VERSION})
     except ValidationError:
         return None
-
-
-def _first(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    return f"{'.'.join(map(str, error['loc']))}: {error['msg']}"

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from service.context import Context
-from service.errors import ServiceUnavailable
+from service.errors import ServiceUnavailable, first_validation_error
 from service.statistics.key import manifest_key, statistics_key
 from service.storage.base import Storage
 
@@ -86,8 +86,7 @@ def read_statistics_manifest(prefix: str, data: Mapping[str, Any]) -> Statistics
     try:
         return StatisticsManifest.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise MalformedStatistics(prefix, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from exc
+        raise MalformedStatistics(prefix, first_validation_error(exc)) from exc
 
 
 def stats_manifest(ctx: Context, prefix: str) -> StatisticsManifest | None:

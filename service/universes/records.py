@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from service.context import Context
 from service.engrams.manifest import UniverseManifest, read_manifest
-from service.errors import ServiceUnavailable
+from service.errors import ServiceUnavailable, first_validation_error
 from service.models.registry import get_model
 from service.storage.keys import (
     MODEL_UNIVERSES,
@@ -98,10 +98,8 @@ def read_plan(universe_id: str, data: Mapping[str, Any]) -> StoredPlan:
     try:
         return StoredPlan.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(map(str, error["loc"]))
         raise ServiceUnavailable(
-            f"the plan of universe {universe_id} cannot be read ({where}: {error['msg']}): delete the universe "
+            f"the plan of universe {universe_id} cannot be read ({first_validation_error(exc)}): delete the universe "
             f"(DELETE /universes/{universe_id}) and request it again to rebuild it"
         ) from exc
 
@@ -154,8 +152,7 @@ def read_current_pointer(key: str, data: Mapping[str, Any]) -> CurrentUniverse:
     try:
         return CurrentUniverse.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise MalformedPointer(key, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from exc
+        raise MalformedPointer(key, first_validation_error(exc)) from exc
 
 
 def current_pointer(ctx: Context, model_id: str) -> CurrentUniverse | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
-from service.errors import ServiceUnavailable
+from service.errors import ServiceUnavailable, first_validation_error
 
 
 class _Record(BaseModel):
@@ -89,8 +89,7 @@ def read_variant_manifest(variant_id: str, data: Mapping[str, Any]) -> VariantMa
     try:
         manifest = VariantManifest.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise MalformedVariantManifest(variant_id, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from exc
+        raise MalformedVariantManifest(variant_id, first_validation_error(exc)) from exc
     if manifest.variant_id != variant_id:
         raise MalformedVariantManifest(variant_id, f"it names variant {manifest.variant_id}")
     return manifest

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from service.concepts.migrate import concepts_of_any_version, migrate_concepts
 from service.context import Context
+from service.errors import first_validation_error
 from service.models.migrate import Migration, migrate_models, registration_of_any_version
 from service.models.stored import FORMAT_VERSION
 from service.statistics.key import StatsKey
@@ -77,7 +78,11 @@ def migrate_universes(ctx: Context, *, dry_run: bool = False) -> Migration:
             request = _universe_request(data)
         except ValidationError as exc:
             done.refused.append(
-                (key, f"not a universe request ({_first(exc)}): delete the universe (DELETE /universes/{{id}})")
+                (
+                    key,
+                    f"not a universe request ({first_validation_error(exc)}): "
+                    "delete the universe (DELETE /universes/{id})",
+                )
             )
             continue
         if not dry_run:
@@ -92,11 +97,6 @@ def _universe_request(data: Mapping[str, Any]) -> UniverseRequest:
     if stats is None:
         stats = sorted({m["stats"] for m in data.get("members") or () if isinstance(m, dict) and "stats" in m})
     return UniverseRequest.model_validate({**data, "stats": stats, "format_version": FORMAT_VERSION})
-
-
-def _first(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    return f"{'.'.join(map(str, error['loc']))}: {error['msg']}"
 
 
 def migrate_variants(ctx: Context, *, dry_run: bool = False) -> Migration:
@@ -135,7 +135,7 @@ def _migrated_request(ctx: Context, data: Mapping[str, Any], dry_run: bool) -> t
     try:
         request = VariantRequest.model_validate({**filled, "format_version": FORMAT_VERSION})
     except ValidationError as exc:
-        raise Unmigratable(f"not a variant request ({_first(exc)})") from None
+        raise Unmigratable(f"not a variant request ({first_validation_error(exc)})") from None
     return request, "; ".join(what)
 
 
