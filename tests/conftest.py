@@ -26,7 +26,7 @@ import pytest
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
 from tests.helpers.redis import redis_client, redis_server  # noqa: F401 (fixtures for every module)
-from tests.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop_seaweed, weed_binary
+from tests.helpers.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop_seaweed, weed_binary
 
 if TYPE_CHECKING:  # the app is imported by the fixture that builds it, not by every collection
     from tests.helpers.app import InProcessServer

@@ -24,7 +24,7 @@ functions count too) and checked against:
 - no module outside ``service.statistics`` spells a statistics file name or builds a statistics
   prefix by hand (``StatsKey`` spells them once and parses them back);
 - no module imports a test module (``test_*.py``): what tests share lives in ``tests/helpers/``
-  (or ``tests/store_world.py``, ``tests/s3.py``, ``engram_fixtures``), so running, moving or
+  (or ``tests/helpers/store_world.py``, ``tests/helpers/s3.py``, ``engram_fixtures``), so running, moving or
   deleting one test module never changes another.
 
 ``test_the_checker_catches_each_kind_of_violation`` feeds the checker synthetic modules, so a

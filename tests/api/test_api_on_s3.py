@@ -18,7 +18,7 @@ import pytest
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.helpers.api import assert_problem
-from tests.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from service.config import Settings
 from service.datasets.refs import resolve_reference
 from service.errors import InvalidInput
 from tests.helpers.api import assert_problem
-from tests.s3 import SeaweedServer, drop_bucket, new_bucket
+from tests.helpers.s3 import SeaweedServer, drop_bucket, new_bucket
 
 NOT_UTF8 = b"caf\xe9"  # latin-1 "café": a valid HTTP field value, not UTF-8 text
 HUGE = "1" * 5000  # over Python's 4,300-digit limit for reading an integer

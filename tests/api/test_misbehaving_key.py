@@ -36,7 +36,7 @@ from service.concepts.service import ready_statistics
 from service.models.registry import get_model
 from service.universes.projection import project_universe
 from service.universes.spec import make_spec
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 MODEL = "neighbours/llama"
 PER_KEY = 3

@@ -25,9 +25,9 @@ from service.maps.build import engram_map
 from service.statistics.local import statistics
 from service.universes.records import find_manifest
 from tests.helpers.algebra import augmented
+from tests.helpers.store_world import StoreWorld
 from tests.helpers.variants import build, checkpoint_of, layout_of, reference_edit
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
-from tests.store_world import StoreWorld
 
 MODEL = "v/llama"
 UNIVERSE = ["forget", "retain"]

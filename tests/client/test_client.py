@@ -53,7 +53,7 @@ from engram_client import (
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, LiveServer, free_port, start_server, stop_server
 from tests.client.conftest import ReadyVariant
-from tests.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer
 
 MODEL = "cli/tiny-client"
 FACTS = make_facts(40, seed=11)

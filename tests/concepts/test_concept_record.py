@@ -13,7 +13,7 @@ from service.concepts.record import ConceptModelState, ConceptRecord, read_conce
 from service.concepts.service import find_concept, list_concepts
 from service.models.stored import UnmigratedRecord
 from service.storage.keys import concept_key
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 
 def old_concept() -> dict[str, Any]:

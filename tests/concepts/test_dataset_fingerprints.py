@@ -29,7 +29,7 @@ from service.datasets.sources import FINGERPRINT, hub_commit, trim_hf_cache
 from service.datasets.spool import record_line
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput
-from tests.s3 import SeaweedServer, drop_bucket, new_bucket
+from tests.helpers.s3 import SeaweedServer, drop_bucket, new_bucket
 
 OLD = [{"text": f"old row {i}"} for i in range(30)]
 NEW = [{"text": f"new row {i}"} for i in range(30)]

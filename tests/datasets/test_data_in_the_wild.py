@@ -44,7 +44,7 @@ from service.datasets.spool import record_line
 from service.engine.records import Record
 from service.engine.stats_io import load_statistics
 from tests.helpers.api import assert_problem, unchanged
-from tests.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer
 
 CHAT = "chat/tiny"
 PLAIN = "plain/tiny"  # no chat template

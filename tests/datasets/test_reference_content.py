@@ -31,7 +31,7 @@ from engram_fixtures.live import LiveServer, running_server, wait_for_job
 from engram_fixtures.models import make_tiny_chat_llama
 from service.datasets.spool import record_line
 from service.engine.records import Record
-from tests.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer
 
 MODEL = "tiny/ref"
 FIRST = [{"text": f"The first version of fact {i} says blue."} for i in range(12)]

@@ -14,7 +14,7 @@ from engram_fixtures.demo import make_facts
 from engram_fixtures.live import kill_worker, wait_for_job
 from tests.distributed.cluster import Cluster
 from tests.e2e.tofu import run_mini_tofu
-from tests.s3 import SeaweedServer, restart_seaweed, stop_seaweed
+from tests.helpers.s3 import SeaweedServer, restart_seaweed, stop_seaweed
 
 PREFIX = "engram"
 

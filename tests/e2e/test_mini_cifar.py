@@ -26,7 +26,7 @@ from service.engine.images import load_image_processor, pixel_batches
 from service.evaluation.classifier_metrics import confusion_row, top1_accuracy
 from service.universes.service import submit_universe
 from service.variants.service import submit_variant, variant_view
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 # Measured 2026-11-26 on the default plan (16x16, 60 epochs, seed 0; `python -m engram_fixtures.mini_cifar`):
 # test accuracy ResNet 0.936, ViT 0.894; the retrained pair on the other classes' test images 0.93 and 0.88.

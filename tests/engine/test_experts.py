@@ -40,7 +40,7 @@ from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.engine.model_files import ModelSourceError
 from service.engine.records import Example, Record, encode_record, make_batches, pad_token_id
-from tests.moe_reference import expert_weight, reference_pinv, reference_rows
+from tests.helpers.moe_reference import expert_weight, reference_pinv, reference_rows
 
 MAX_LENGTH = 64
 EXPERTS, BLOCKS = 4, 2

@@ -9,5 +9,5 @@
   and the float64 edit they must equal.
 
 The live server, Redis and worker processes are :mod:`engram_fixtures.live`; the in-process store
-world is :mod:`tests.store_world`; SeaweedFS is :mod:`tests.s3`.
+world is :mod:`tests.helpers.store_world`; SeaweedFS is :mod:`tests.helpers.s3`.
 """

@@ -21,7 +21,7 @@ from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.variants.service import submit_variant, variant_view
 from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, augmented, reference_engram, rel
-from tests.store_world import StoreWorld, float64_copy, text_records
+from tests.helpers.store_world import StoreWorld, float64_copy, text_records
 
 ALPHA = 0.8
 

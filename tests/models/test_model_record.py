@@ -14,7 +14,7 @@ from service.models.record import ModelRecord
 from service.models.registry import get_model, model_view
 from service.models.stored import FORMAT_VERSION, UnmigratedRecord
 from service.storage.keys import model_key
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 MODEL = "rec/llama"
 # What registrations stored before the record was typed (commit d1c47c7); plus the version.

@@ -6,7 +6,7 @@
   rows of a float64 copy of the model: ``W_new = [W|b] − [W|b]·Σ_t·Σ_U⁺`` with the service's cut.
 - Mixture-of-experts models (tiny Qwen3-MoE and Mixtral, experts stored one key per expert as hub
   checkpoints are, or fused): ``layers`` lists every expert, a default unlearn edits every routed
-  expert equal to a float64 per-expert reference (:mod:`tests.moe_reference`), and the variant keeps
+  expert equal to a float64 per-expert reference (:mod:`tests.helpers.moe_reference`), and the variant keeps
   the checkpoint's own layout and loads with ``from_pretrained``. Fused experts in a layout the
   service does not edit (gpt-oss) are a 422 naming the expert layers.
 - Quantized checkpoints are refused at registration with a 422 that names the method.
@@ -44,7 +44,7 @@ from service.engine.expert_names import is_expert_layer
 from service.engine.linalg import default_rcond
 from service.engine.records import Record
 from tests.helpers.app import InProcessServer
-from tests.moe_reference import expert_weight, reference_pinv, reference_rows
+from tests.helpers.moe_reference import expert_weight, reference_pinv, reference_rows
 
 FACTS = make_facts(24, seed=5)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]

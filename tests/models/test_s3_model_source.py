@@ -11,7 +11,7 @@ from engram_fixtures.live import free_port
 from service.errors import InvalidInput
 from service.models.sources import local_model_dir
 from service.storage.base import StorageUnavailable
-from tests.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer
 
 
 def tree(root: Path) -> dict[str, bytes]:

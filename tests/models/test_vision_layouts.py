@@ -32,7 +32,7 @@ from service.models.registry import model_view
 from service.storage.keys import model_key
 from service.variants.service import submit_variant, variant_view
 from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, reference_pinv, rel
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 RESNET_CONVS = {
     # name: (in_channels, kernel, stride, padding)

@@ -16,7 +16,7 @@ from service.statistics.manifest import (
     read_statistics_manifest,
     stats_manifest,
 )
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 PREFIX = "stats/d1/aa/s1/"
 

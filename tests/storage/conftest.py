@@ -1,6 +1,6 @@
 """Fixtures for the storage tests (the S3 server and ``s3_env``: tests/conftest.py).
 
-House rule: services in tests are real processes (see :mod:`tests.s3`).
+House rule: services in tests are real processes (see :mod:`tests.helpers.s3`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from service.storage.base import HOST_TAG
 from service.storage.janitor import clean_leftovers
 from service.storage.s3 import S3Storage
 from service.universes.retention import effective_budget
-from tests.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer
 
 DAY_AGO = time.time() - 24 * 3600
 OTHER_HOST = "ffffffff" if HOST_TAG != "ffffffff" else "eeeeeeee"

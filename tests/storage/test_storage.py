@@ -26,7 +26,7 @@ from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.factory import open_storage
 from service.storage.local import LocalStorage
 from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client
-from tests.s3 import SeaweedServer, restart_seaweed, stop_seaweed
+from tests.helpers.s3 import SeaweedServer, restart_seaweed, stop_seaweed
 
 MiB = 1024 * 1024
 PART = 5 * MiB  # S3's smallest multipart part: the threshold the tests use

@@ -12,7 +12,7 @@ a universe, and the budget was never checked against the disk.
 - For file:// storage the budget in force is capped to ENGRAM_UNIVERSE_VOLUME_FRACTION of the
   store's volume, said in a warning and in ``GET /universes/usage``.
 
-Real file storage and the real job bodies in-process (tests.store_world), and a real server with
+Real file storage and the real job bodies in-process (tests.helpers.store_world), and a real server with
 three keys for the HTTP paths (engram_fixtures.live).
 """
 
@@ -46,7 +46,7 @@ from service.universes.retention import UniverseBudgetExceeded, UniverseShareExc
 from service.universes.service import delete_universe, submit_universe, universe_view
 from service.universes.spec import make_spec
 from service.variants.service import submit_variant
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 MODEL = "shares/llama"
 OPTIONS = {"scaling": "uniform", "format": "delta"}

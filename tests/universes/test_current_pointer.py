@@ -18,7 +18,7 @@ from service.universes.records import (
 )
 from service.universes.service import set_current
 from service.universes.spec import Member, UniverseSpec
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 KEY = current_pointer_key("m/one")
 

@@ -15,7 +15,7 @@ import pytest
 from service.engrams.manifest import MalformedManifest, UniverseManifest, read_manifest
 from service.storage.keys import universe_manifest_key
 from service.universes.records import find_manifest
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 UID = "0123456789abcdef0123456789abcdef"
 

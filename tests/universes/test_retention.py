@@ -33,7 +33,7 @@ from service.universes.retention import UniverseBudgetExceeded, expire_unused, u
 from service.universes.service import submit_universe, universe_view
 from service.universes.spec import UniverseSpec, make_spec
 from service.variants.service import submit_variant
-from tests.store_world import StoreWorld, float64_copy, text_records
+from tests.helpers.store_world import StoreWorld, float64_copy, text_records
 
 MODEL = "r/llama"
 OPTIONS = {"scaling": "uniform", "format": "delta"}

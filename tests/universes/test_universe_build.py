@@ -31,7 +31,7 @@ from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
 from service.universes.service import submit_universe
 from tests.helpers.algebra import reference_engram, reference_pinv, rel
-from tests.store_world import StoreWorld, float64_copy, text_records
+from tests.helpers.store_world import StoreWorld, float64_copy, text_records
 
 FACTOR_TOL = 1e-9
 FLOAT32_ENGRAM_TOL = 1.2e-7

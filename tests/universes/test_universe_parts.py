@@ -25,7 +25,7 @@ from service.universes import parts as parts_module
 from service.universes.parts import UniverseBuild
 from service.universes.service import submit_universe
 from tests.helpers.jobs import payload_for
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from service.errors import ServiceUnavailable
 from service.storage.keys import universe_plan_key
 from service.universes.parts import UniversePlan
 from service.universes.records import StoredPlan, find_plan, read_plan
-from tests.store_world import StoreWorld
+from tests.helpers.store_world import StoreWorld
 
 UNIVERSE = "c" * 32
 Q, K, DOWN = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj"

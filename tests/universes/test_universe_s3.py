@@ -25,8 +25,8 @@ from service.storage.s3 import S3Storage
 from service.universes.build import ensure_universe
 from service.universes.factors import load_factors, stored_rows
 from service.universes.service import submit_universe
-from tests.s3 import SeaweedServer
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.s3 import SeaweedServer
+from tests.helpers.store_world import StoreWorld, text_records
 
 
 @pytest.fixture(scope="module")

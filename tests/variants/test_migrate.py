@@ -27,7 +27,7 @@ from service.universes.service import record_universe
 from service.universes.spec import make_spec
 from service.variants.migrate import migrate_store
 from service.variants.service import find_variant_request
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 MODEL = "m/llama"
 OLD = "0123456789abcdef0123456789abcdef"  # a variant requested before universes were stored

@@ -15,9 +15,9 @@ from service.engine.layers import module_strength, with_module_strengths
 from service.errors import InvalidInput
 from service.variants.service import submit_variant
 from tests.helpers.algebra import WEIGHT_TOL
+from tests.helpers.store_world import StoreWorld
 from tests.helpers.variants import ALPHA, assert_matches, build, reference_edit
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
-from tests.store_world import StoreWorld
 
 STRENGTHS = {"q_proj": 2.0, "mlp.gate_proj": 0.25, "gate_proj": 3.0, "down_proj": 0.5}
 

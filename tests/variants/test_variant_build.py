@@ -21,9 +21,9 @@ from service.universes import factors as factors_module
 from service.universes.records import find_manifest, find_request
 from service.universes.service import submit_universe
 from tests.helpers.algebra import WEIGHT_TOL, canonical
+from tests.helpers.store_world import StoreWorld
 from tests.helpers.variants import ALPHA, assert_matches, build, checkpoint_of, layout_of, new_weights, reference_edit
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
-from tests.store_world import StoreWorld
 
 FLOAT64_TOL = 1e-10
 

@@ -16,7 +16,7 @@ from service.config import Settings
 from service.execution.runtime import build_runtime
 from service.jobs.records import VariantPayload
 from service.variants.service import submit_variant
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 MODEL = "q/llama"
 OPTIONS = {"scaling": "uniform", "format": "checkpoint"}

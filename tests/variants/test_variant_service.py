@@ -13,7 +13,7 @@ from service.errors import Conflict, InvalidInput, NotFound
 from service.universes.records import current_pointer
 from service.universes.service import list_universes, submit_universe, universe_view
 from service.variants.service import submit_variant
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 MODEL, OTHER_MODEL = "s/llama", "s/other"
 OPTIONS = {"scaling": "uniform", "format": "checkpoint"}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.helpers.store_world import StoreWorld
 from tests.helpers.variants import build
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
-from tests.store_world import StoreWorld
 
 STEPS = ["request", "model", "universe", "model_files", "scales", "write", "upload", "manifest"]
 

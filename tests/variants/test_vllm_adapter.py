@@ -18,7 +18,7 @@ from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokeniz
 from service.errors import InvalidInput
 from service.universes.records import current_pointer
 from service.variants.service import submit_variant, variant_view
-from tests.store_world import StoreWorld, text_records
+from tests.helpers.store_world import StoreWorld, text_records
 
 LLAMA, GPT2 = "vllm/llama", "vllm/gpt2"
 VLLM = {"scaling": "uniform", "format": "peft", "lora_target": "vllm"}
