@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from service.errors import ProblemError
+from service.errors import ServiceUnavailable
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -184,10 +184,14 @@ class JobRecord(_Frozen):
         return type(self).model_validate({**dict(self), **fields})
 
 
-class UnreadableJobRecord(ProblemError):
-    """A stored job record this version cannot read (written by a newer version, or damaged)."""
+class UnreadableJobRecord(ServiceUnavailable):
+    """A stored job record this version cannot read (written by a newer version, or damaged).
 
-    status, title, slug = 500, "Unreadable job record", "unreadable-job-record"
+    A 503, like every other stored record the service cannot read (an unmigrated model or concept, a
+    malformed statistics or universe manifest): the request was fine, the store needs an operator.
+    """
+
+    title, slug = "Unreadable job record", "unreadable-job-record"
 
     def __init__(self, job_id: str, why: str) -> None:
         super().__init__(f"the stored record of job {job_id} cannot be read: {why}")

@@ -144,7 +144,7 @@ def test_a_stored_record_that_cannot_be_read_is_refused_naming_the_job(case: str
         read_job_record(stored, job_id)
     assert refused.value.detail.startswith(f"the stored record of job {job_id} cannot be read: ")
     assert why in refused.value.detail
-    assert refused.value.to_problem()["status"] == 500
+    assert refused.value.to_problem()["status"] == 503  # as every unreadable stored record
 
 
 def test_each_store_refuses_an_unreadable_record_by_name_and_lists_the_others(
@@ -188,11 +188,11 @@ def test_the_api_answers_an_unreadable_job_with_a_problem_naming_it(tmp_path: Pa
                 (live["job_id"], json.dumps(live)),
             )
         live_answer = server.client.get(f"/jobs/{live['job_id']}")
-    assert live_answer.status_code == 500 and live_answer.headers["content-type"].startswith("application/problem+json")
+    assert live_answer.status_code == 503 and live_answer.headers["content-type"].startswith("application/problem+json")
     assert live_answer.json()["detail"].startswith(
         f"the stored record of job {live['job_id']} cannot be read: format_version 3"
     )
-    assert answer.status_code == 500 and answer.headers["content-type"].startswith("application/problem+json")
+    assert answer.status_code == 503 and answer.headers["content-type"].startswith("application/problem+json")
     assert answer.json()["title"] == "Unreadable job record"
     assert (
         answer.json()["detail"] == f"the stored record of job {bad['job_id']} cannot be read: payload.map_id: Field required"
