@@ -25,7 +25,7 @@ every candidate is reported.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,7 @@ class Candidate:
     outcome: Outcome
     feasible: bool
     stage: str  # "coarse" (bracketing) or "fine" (refining a bracket)
+    metrics: Mapping[str, float] = field(default_factory=dict)  # a goal search's measured metrics (see goal_search)
 
 
 @dataclass(frozen=True)

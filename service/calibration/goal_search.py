@@ -1,0 +1,217 @@
+"""The calibration search for a named objective under named constraints (TOFU's scores, say).
+
+Pure Python (no torch, no storage), like :mod:`service.calibration.search`: the job hands it the
+arms and a function that measures one candidate's metrics, and it decides which candidates to
+evaluate within a budget.
+
+What is assumed, and for which objective:
+
+* The branch and bound of :mod:`service.calibration.search` needs the objective to rise with ``α``
+  along an arm (the forget NLL ratio does), so that an arm's best feasible candidate sits on its
+  feasibility boundary. Overall does not: its Privacy part peaks where the unlearned model's
+  forget losses look like the retain model's, and falls again past it (an over-edited model is as
+  recognisable as an untouched one). No upper bound of an arm can be read off its points, so no
+  arm is pruned here.
+* What this search assumes instead, per arm: the constraints are met on one interval of ``α``
+  (the constraint metric is monotone in ``α``, or near enough: model utility falls as the edit
+  grows), and the objective is unimodal on it (it has one peak; a monotone objective is the
+  special case whose peak is the interval's end). Then the best feasible ``α`` of an arm lies
+  between the evaluated neighbours of its best evaluated feasible point, and shrinking that bracket
+  finds it. Where the assumptions fail the search still returns the best feasible candidate it
+  evaluated, and every candidate is reported.
+
+The search, with ``budget`` evaluations:
+
+1. *coarse*: every arm on the same geometric grid of ``coarse`` strengths from ``α_min`` to
+   ``α_max``, round-robin (so a small budget spreads over the arms);
+2. *fine*: the arm whose best point is best (feasible first, by objective; an arm with no feasible
+   point by its smallest constraint violation) is refined at the geometric midpoint of the wider
+   gap between its best point and its evaluated neighbours; an infeasible point counts as worse
+   than any feasible one, so the bracket closes on the feasibility boundary when the peak lies
+   beyond it (a golden-section-like shrink of the bracket around the best). An arm is done when
+   both gaps are within a factor ``1 + tol``; the next arm is then refined.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from service.calibration.search import Arm, Candidate, Outcome, SearchResult
+
+__all__ = ["Bound", "Goal", "GoalSettings", "goal_rank", "goal_search", "recommend_for_goal", "violation"]
+
+Sense = Literal["maximize", "minimize"]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A constraint on one metric, in absolute terms (a bound relative to the base model is
+    resolved to an absolute one before the search: the base's value times the ratio)."""
+
+    metric: str
+    min: float | None = None
+    max: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min is None and self.max is None:
+            raise ValueError(f"the constraint on {self.metric} has no bound")
+        for value in (self.min, self.max):
+            if value is not None and math.isnan(value):
+                raise ValueError(f"the constraint on {self.metric} has a NaN bound")
+
+    def violation(self, value: float | None) -> float:
+        """How far ``value`` is outside the bound (0: within it; a missing or NaN value: infinitely)."""
+        if value is None or math.isnan(value):
+            return math.inf
+        below = (self.min - value) if self.min is not None and value < self.min else 0.0
+        above = (value - self.max) if self.max is not None and value > self.max else 0.0
+        return max(below, above)
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What the search optimises: ``sense`` of ``objective`` with every bound met."""
+
+    objective: str
+    sense: Sense
+    bounds: tuple[Bound, ...] = ()
+
+    def score(self, metrics: Mapping[str, float]) -> float:
+        """The objective signed so that higher is better; a missing or NaN value ranks last."""
+        value = metrics.get(self.objective)
+        if value is None or math.isnan(value):
+            return -math.inf
+        return value if self.sense == "maximize" else -value
+
+
+def violation(goal: Goal, metrics: Mapping[str, float]) -> float:
+    """The sum of the bounds' violations (0: feasible)."""
+    return sum(bound.violation(metrics.get(bound.metric)) for bound in goal.bounds)
+
+
+@dataclass(frozen=True)
+class GoalSettings:
+    """The search's knobs: the budget, the strengths, the coarse grid and when an arm is done."""
+
+    budget: int
+    alpha_min: float = 0.05
+    alpha_max: float = 4.0
+    coarse: int = 6
+    tol: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"budget must be at least 1, got {self.budget}")
+        if not (0 < self.alpha_min < self.alpha_max):
+            raise ValueError(f"need 0 < alpha_min < alpha_max, got {self.alpha_min}, {self.alpha_max}")
+        if self.coarse < 2 or self.tol <= 0:
+            raise ValueError("coarse must be at least 2 and tol positive")
+
+    def grid(self) -> list[float]:
+        """The coarse strengths: geometric from ``α_min`` to ``α_max``, both ends included."""
+        step = math.log(self.alpha_max / self.alpha_min) / (self.coarse - 1)
+        inner = [self.alpha_min * math.exp(step * k) for k in range(1, self.coarse - 1)]
+        return [self.alpha_min, *inner, self.alpha_max]
+
+
+def goal_rank(goal: Goal, candidate: Candidate) -> tuple[float, float, float]:
+    """Better first: feasible before infeasible, then the objective (an infeasible candidate: the
+    smaller violation), then the gentler edit."""
+    if candidate.feasible:
+        return 1.0, goal.score(candidate.metrics), -candidate.alpha
+    return 0.0, -violation(goal, candidate.metrics), -candidate.alpha
+
+
+@dataclass
+class _Arm:
+    arm: Arm
+    points: list[Candidate] = field(default_factory=list)
+    done: bool = False
+
+    def best(self, goal: Goal) -> Candidate | None:
+        return max(self.points, key=lambda c: goal_rank(goal, c), default=None)
+
+    def next_alpha(self, goal: Goal, settings: GoalSettings) -> float | None:
+        """The midpoint (in ``log α``) of the wider gap beside the best point; None when both
+        gaps are within ``1 + tol`` (or at the range's ends)."""
+        best = self.best(goal)
+        if best is None:
+            return None
+        alphas = sorted({p.alpha for p in self.points})
+        i = alphas.index(best.alpha)
+        gaps = []
+        if i > 0:
+            gaps.append((alphas[i] / alphas[i - 1], alphas[i - 1]))
+        if i + 1 < len(alphas):
+            gaps.append((alphas[i + 1] / alphas[i], alphas[i + 1]))
+        gaps = [(ratio, other) for ratio, other in gaps if ratio > 1 + settings.tol]
+        if not gaps:
+            return None
+        _, other = max(gaps)
+        return math.sqrt(best.alpha * other)
+
+
+def goal_search(
+    arms: Sequence[Arm], evaluate: Callable[[Arm, float], Mapping[str, float]], goal: Goal, settings: GoalSettings
+) -> SearchResult:
+    """Search the arms for the best feasible candidate (see the module docstring).
+
+    Args:
+        arms: the edit space (distinct arms).
+        evaluate: one candidate's metrics (called once per candidate, in the order returned). The
+            metrics ``forget_nll_ratio`` and ``retain_nll_ratio``, when present, become the
+            candidate's :class:`Outcome` (NaN when absent).
+        goal: the objective and the bounds.
+        settings: the budget and the strengths.
+
+    Returns:
+        Every candidate evaluated (``stage`` coarse or fine), no arm pruned, the arms never evaluated.
+    """
+    if len(set(arms)) != len(arms):
+        raise ValueError("the arms must be distinct")
+    states = [_Arm(arm) for arm in arms]
+    candidates: list[Candidate] = []
+
+    def run(state: _Arm, alpha: float, stage: str) -> None:
+        metrics = dict(evaluate(state.arm, alpha))
+        outcome = Outcome(metrics.get("forget_nll_ratio", math.nan), metrics.get("retain_nll_ratio", math.nan))
+        feasible = violation(goal, metrics) == 0.0
+        candidate = Candidate(len(candidates), state.arm, alpha, outcome, feasible, stage, metrics)
+        state.points.append(candidate)
+        candidates.append(candidate)
+
+    for alpha in settings.grid():  # coarse, round-robin over the arms
+        for state in states:
+            if len(candidates) >= settings.budget:
+                return _result(states, candidates, "budget")
+            run(state, alpha, "coarse")
+    while True:
+        live = [s for s in states if not s.done]
+        if not live:
+            return _result(states, candidates, "converged")
+        state = max(live, key=lambda s: _arm_key(goal, s))
+        alpha = state.next_alpha(goal, settings)
+        if alpha is None:
+            state.done = True
+            continue
+        if len(candidates) >= settings.budget:
+            return _result(states, candidates, "budget")
+        run(state, alpha, "fine")
+
+
+def _arm_key(goal: Goal, state: _Arm) -> tuple[float, float, float]:
+    best = state.best(goal)
+    return goal_rank(goal, best) if best is not None else (-1.0, 0.0, 0.0)
+
+
+def _result(states: list[_Arm], candidates: list[Candidate], stopped: str) -> SearchResult:
+    unexplored = [s.arm.name for s in states if not s.points]
+    return SearchResult(candidates, [], unexplored, stopped)
+
+
+def recommend_for_goal(goal: Goal, candidates: Sequence[Candidate]) -> Candidate | None:
+    """The feasible candidate with the best objective (ties: the gentler edit), or None."""
+    return max((c for c in candidates if c.feasible), key=lambda c: goal_rank(goal, c), default=None)
