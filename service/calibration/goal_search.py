@@ -193,13 +193,13 @@ def goal_search(
         if not live:
             return _result(states, candidates, "converged")
         state = max(live, key=lambda s: _arm_key(goal, s))
-        alpha = state.next_alpha(goal, settings)
-        if alpha is None:
+        step = state.next_alpha(goal, settings)
+        if step is None:
             state.done = True
             continue
         if len(candidates) >= settings.budget:
             return _result(states, candidates, "budget")
-        run(state, alpha, "fine")
+        run(state, step, "fine")
 
 
 def _arm_key(goal: Goal, state: _Arm) -> tuple[float, float, float]:
