@@ -11,10 +11,20 @@ from pydantic.json_schema import SkipJsonSchema
 from api_schemas.common import DictReadable, Problem
 
 
+class JobGroups(BaseModel):
+    built: list[str] = Field(description="the universe's input groups this job built first: those of the layers it edits")
+    deferred: list[str] = Field(description="the input groups left for later: built by the request that needs them")
+
+
 class JobProgress(BaseModel):
     done: int = 0
     total: int = 0
     unit: str = "items"
+    groups: JobGroups | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="a job that built part of its universe first: which input groups, and which it deferred",
+    )
 
 
 class JobResult(DictReadable):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from service.errors import ServiceUnavailable
 
@@ -124,10 +124,19 @@ AnyPayload = (
 P = TypeVar("P", bound=JobPayload)
 
 
+class GroupsProgress(_Frozen):
+    """A job that builds its universe's input groups: those it builds for itself (the groups of the
+    layers it edits that were not built yet) and those it leaves for a later request."""
+
+    built: tuple[str, ...] = ()
+    deferred: tuple[str, ...] = ()
+
+
 class ProgressCounts(_Frozen):
     done: int = 0
     total: int = 0
     unit: str = "items"
+    groups: GroupsProgress | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class JobRecord(_Frozen):
