@@ -18,10 +18,15 @@ class ProblemError(Exception):
     title = "Bad request"
     slug = "bad-request"
 
-    def __init__(self, detail: str, *, errors: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, detail: str, *, errors: list[dict[str, Any]] | None = None, extensions: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
         self.errors = errors
+        # RFC 9457 extension members a client can act on (close matches, the job to follow); the
+        # detail says the same in words, so a client that shows only the detail loses nothing.
+        self.extensions = extensions or {}
 
     @property
     def type(self) -> str:
@@ -31,7 +36,7 @@ class ProblemError(Exception):
         body: dict[str, Any] = {"type": self.type, "title": self.title, "status": self.status, "detail": self.detail}
         if self.errors:
             body["errors"] = self.errors
-        return body
+        return {**self.extensions, **body}
 
 
 class InvalidInput(ProblemError):

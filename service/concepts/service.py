@@ -8,8 +8,9 @@ resolves first) and one collection job per model, each naming the statistics it 
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,8 +269,26 @@ def find_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRec
 def get_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRecord:
     concept = find_concept(ctx, name, recent=recent)
     if concept is None:
-        raise NotFound(f"concept {name} does not exist")
+        raise unknown_concepts(ctx, [name])
     return concept
+
+
+# How a user lists the concepts the service knows (the detail of an unknown concept's 404 says it).
+LIST_CONCEPTS_HINT = "GET /concepts lists the known ones (engram concepts list)"
+
+
+def unknown_concepts(ctx: Context, names: Sequence[str]) -> NotFound:
+    """The 404 of concept names that do not exist: each with its close matches among the known names
+    (a misspelling's likely intent), and how to list them all.
+
+    The problem's ``close_matches`` member holds the same suggestions: name -> known names.
+    """
+    known = concept_names(ctx)
+    matches = {name: difflib.get_close_matches(name, known, n=3) for name in sorted(set(names))}
+    named = [f"{name} (did you mean {' or '.join(close)}?)" if close else name for name, close in matches.items()]
+    noun = "concept" if len(named) == 1 else "concepts"
+    detail = f"unknown {noun}: {', '.join(named)}; {LIST_CONCEPTS_HINT}"
+    return NotFound(detail, extensions={"close_matches": matches})
 
 
 def list_concepts(ctx: Context, *, recent: bool = False) -> list[ConceptRecord]:
@@ -362,18 +381,50 @@ def ready_statistics(ctx: Context, model_id: str, names: Sequence[str]) -> dict[
     """name -> {prefix, dataset_digest} for concepts ready on this model; 404/409 naming the rest."""
     unknown = [n for n in names if find_concept(ctx, n) is None]
     if unknown:
-        raise NotFound(f"unknown concept(s): {', '.join(sorted(unknown))}")
-    ready, not_ready = {}, []
+        raise unknown_concepts(ctx, unknown)
+    ready, not_ready = {}, {}
     for name in names:
         concept = get_concept(ctx, name)
         entry = concept.models.get(model_id)
         if entry is None or not entry.stats or stats_manifest(ctx, entry.stats) is None or concept.dataset_digest is None:
-            not_ready.append(name)
+            not_ready[name] = entry
             continue
         ready[name] = {"prefix": entry.stats, "dataset_digest": concept.dataset_digest}
     if not_ready:
-        raise Conflict(f"concept(s) without ready statistics on model {model_id}: {', '.join(sorted(not_ready))}")
+        raise not_ready_concepts(ctx, model_id, not_ready)
     return ready
+
+
+def not_ready_concepts(ctx: Context, model_id: str, entries: Mapping[str, ConceptModelState | None]) -> Conflict:
+    """The 409 of concepts whose statistics on ``model_id`` are not ready: for each, why and what to
+    do (a collection still running: its job to follow and wait for; a failed one: its job to read; none
+    on this model: post the concept for it).
+
+    The problem's ``jobs`` member lists the collections to follow: ``{concept, job_id, status, url}``.
+    """
+    reasons, jobs = [], []
+    for name in sorted(entries):
+        entry = entries[name]
+        if entry is None:
+            reasons.append(f"{name} was never collected on this model: post it again with {model_id} in its models")
+            continue
+        job = ctx.jobs.get(entry.job_id)
+        status = job.status if job is not None else "gone"
+        url = f"/jobs/{entry.job_id}"
+        jobs.append({"concept": name, "job_id": entry.job_id, "status": status, "url": url})
+        if status in FINISHED or job is None:
+            reasons.append(
+                f"{name}'s collection job {entry.job_id} ended {status} without statistics: GET {url} says why; "
+                "post the concept again to collect it anew"
+            )
+        else:
+            reasons.append(
+                f"{name} is still being collected by job {entry.job_id} ({status}): wait for it to finish "
+                f"(follow GET {url}, or engram jobs watch {entry.job_id}), then repeat this request"
+            )
+    noun = "concept" if len(entries) == 1 else "concepts"
+    detail = f"{noun} without ready statistics on model {model_id}: {'; '.join(reasons)}"
+    return Conflict(detail, extensions={"jobs": jobs} if jobs else None)
 
 
 def default_reference(ctx: Context, model_id: str) -> list[str]:

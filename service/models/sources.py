@@ -102,15 +102,26 @@ def _file_source(source: str, model_roots: list[Path]) -> Path:
     raw = file_uri_path(source, "file:// source")
     path = Path(raw).resolve()  # symlinks resolved: a link must not lead out of the roots
     if not _within(path, model_roots):
-        roots = ", ".join(str(r) for r in model_roots) or "none configured"
-        raise InvalidInput(f"{path} is outside ENGRAM_MODEL_ROOTS ({roots})")
+        raise InvalidInput(outside_roots_message(path, model_roots))
     if not path.is_dir():
         raise InvalidInput(f"{path} is not a directory")
     # A hub cache snapshot's files may link into its repo's blobs/ (model_files' policy): only
     # when that directory is inside the roots too.
     if not all(_within(d, model_roots) for d in allowed_dirs(path)):
-        raise InvalidInput(f"{path} is a hub cache snapshot whose blobs/ is outside ENGRAM_MODEL_ROOTS")
+        raise InvalidInput(outside_roots_message(path, model_roots, what="is a hub cache snapshot whose blobs/ is"))
     return path
+
+
+def outside_roots_message(path: Path, model_roots: list[Path], what: str = "is") -> str:
+    """Why a ``file://`` model is refused, and the two ways to fix it: ``ENGRAM_MODEL_ROOTS`` is the
+    server's setting (the operator's), not a field of the request, so a user needs to be told so."""
+    roots = ", ".join(str(r) for r in model_roots) or "none (the setting is empty)"
+    return (
+        f"{path} {what} outside the folders this server may read models from: its ENGRAM_MODEL_ROOTS "
+        f"setting (a server setting, not a request field), now {roots}. Put the model under one of "
+        "those folders, or ask the server's operator to add its folder to ENGRAM_MODEL_ROOTS (a "
+        "colon-separated list) and restart the server; or register it from s3:// or hf:// instead"
+    )
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
