@@ -5,15 +5,83 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
-from api_schemas.common import Strict
+from api_schemas.common import MODEL_ID_PATTERN, Strict
 from api_schemas.edit_options import ADAPTER_OPTION_RULES, VLLM_LORA_RANKS
-from api_schemas.evaluation import Probe
+from api_schemas.evaluation import Probe, UtilitySetName, tofu_metric_names
 from api_schemas.jobs import Job, JobResult
 
 ModuleSetPreset = Literal["all", "qk_gate", "attention", "mlp", "data_weighted"]
 ModuleSuffixes = Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(min_length=1, max_length=64)]
 BlockIndices = Annotated[list[Annotated[int, Field(ge=0, le=100_000)]], Field(min_length=1, max_length=1024)]
+
+
+# A calibration's own metrics (per candidate, on the forget and retain probes), beside TOFU's names.
+CALIBRATION_METRICS = (
+    "forget_nll_ratio",
+    "retain_nll_ratio",
+    "forget_mean_nll",
+    "retain_mean_nll",
+    "forget_exact_match",
+    "retain_exact_match",
+)
+MetricName = Annotated[str, Field(min_length=1, max_length=64)]
+Bound = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
+Ratio = Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1e6)]
+
+
+def calibration_metric_names(utility_sets: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every metric an objective or a constraint may name: the calibration's own, then TOFU's."""
+    return [*CALIBRATION_METRICS, *tofu_metric_names(utility_sets)]
+
+
+class Objective(Strict):
+    """The score the calibration optimises: exactly one of ``maximize`` and ``minimize``."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["maximize"]}, {"required": ["minimize"]}]})
+
+    maximize: MetricName | SkipJsonSchema[None] = Field(default=None, description="a metric to maximise (overall)")
+    minimize: MetricName | SkipJsonSchema[None] = Field(default=None, description="a metric to minimise")
+
+    @model_validator(mode="after")
+    def _one(self) -> Objective:
+        if (self.maximize is None) == (self.minimize is None):
+            raise ValueError("an objective is maximize or minimize, one metric")
+        return self
+
+    @property
+    def metric(self) -> str:
+        return self.maximize or self.minimize or ""
+
+    @property
+    def sense(self) -> Literal["maximize", "minimize"]:
+        return "maximize" if self.maximize is not None else "minimize"
+
+
+class MetricConstraint(Strict):
+    """Bounds on one metric of the candidate: absolute (``min``, ``max``) or relative to the base
+    model's value on the same probes (``min_ratio_to_base``: value ≥ ratio × base's)."""
+
+    metric: MetricName
+    min: Bound | SkipJsonSchema[None] = Field(default=None, description="the value at least this")
+    max: Bound | SkipJsonSchema[None] = Field(default=None, description="the value at most this")
+    min_ratio_to_base: Ratio | SkipJsonSchema[None] = Field(
+        default=None, description="the value at least this times the base model's (model_utility ≥ 0.9 × base's)"
+    )
+    max_ratio_to_base: Ratio | SkipJsonSchema[None] = Field(
+        default=None, description="the value at most this times the base model's (retain_nll_ratio-like damage)"
+    )
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> MetricConstraint:
+        bounds = (self.min, self.max, self.min_ratio_to_base, self.max_ratio_to_base)
+        if all(b is None for b in bounds):
+            bounds_named = "min, max, min_ratio_to_base or max_ratio_to_base"
+            raise ValueError(f"the constraint on {self.metric} has no bound: {bounds_named}")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"the constraint on {self.metric} has min {self.min} above max {self.max}")
+        return self
 
 
 class CalibrateRequest(Strict):
@@ -65,9 +133,37 @@ class CalibrateRequest(Strict):
     callback_url: str | None = Field(
         default=None, max_length=2000, description="POSTed the calibration job when it ends (host must be allowlisted)"
     )
+    objective: Objective | SkipJsonSchema[None] = Field(
+        default=None,
+        description="a named score to optimise (a TOFU name, as evaluate reports it, or forget_nll_ratio ...) under "
+        "constraints; absent: the strongest forget NLL ratio within max_retain_nll_ratio",
+    )
+    constraints: list[MetricConstraint] = Field(
+        default_factory=list, max_length=16, description="with objective: bounds every recommended candidate meets"
+    )
+    retain_model: Annotated[str, Field(max_length=256, pattern=MODEL_ID_PATTERN)] | SkipJsonSchema[None] = Field(
+        default=None,
+        description="with objective: a registered model or variant trained without the forget set (forget_quality, "
+        "privacy, memorization, overall need it)",
+    )
+    holdout: list[Probe] = Field(
+        default_factory=list, max_length=10000, description="with objective: facts no model saw (the raw MIA AUCs)"
+    )
+    utility: dict[UtilitySetName, Annotated[list[Probe], Field(min_length=1, max_length=10000)]] = Field(
+        default_factory=dict, max_length=8, description="with objective: named probe sets for model utility, as evaluate"
+    )
+    held_out_fraction: float | SkipJsonSchema[None] = Field(
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="with objective: this share of the forget, retain and utility probes is kept out of the search, "
+        "to check the recommended variant against the constraints on probes it was not chosen on",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrateRequest:
+        self._check_goal()
         if self.alpha_min >= self.alpha_max:
             raise ValueError(f"alpha_min ({self.alpha_min}) must be below alpha_max ({self.alpha_max})")
         if len(set(self.scalings)) != len(self.scalings):
@@ -81,6 +177,25 @@ class CalibrateRequest(Strict):
             rank = self.lora_rank
             raise ValueError(f'lora_rank {rank} is not a rank vLLM serves: with lora_target "vllm", one of {allowed}')
         return self
+
+    def _check_goal(self) -> None:
+        """The objective's options are given with an objective only, and name known metrics."""
+        if self.objective is None:
+            options = ("constraints", "retain_model", "holdout", "utility", "held_out_fraction")
+            given = [name for name in options if getattr(self, name)]
+            if given:
+                raise ValueError(f"{', '.join(given)} only serve an objective: add an objective (maximize or minimize)")
+            return
+        if self.held_out_fraction is not None and (len(self.forget) < 2 or len(self.retain) < 2):
+            raise ValueError("held_out_fraction needs two forget and two retain probes (one searched, one held out)")
+        reserved = sorted({"forget", "retain", "holdout"} & set(self.utility))
+        if reserved:
+            raise ValueError(f"utility set names {reserved} are taken by the request's own sets")
+        known = calibration_metric_names(tuple(self.utility))
+        named = [self.objective.metric, *(c.metric for c in self.constraints)]
+        unknown = list(dict.fromkeys(name for name in named if name not in known))
+        if unknown:
+            raise ValueError(f"unknown metrics {unknown}; known: {', '.join(known)}")
 
 
 class CalibrationSubmission(BaseModel):
@@ -110,12 +225,47 @@ class CandidateOptions(BaseModel):
     )
 
 
+MetricValues = dict[str, float | None]
+
+
+def _absent(value: object) -> bool:
+    return value is None
+
+
+class ResolvedConstraint(BaseModel):
+    """A constraint as the search applied it: absolute bounds (a ratio to the base resolved with the
+    base model's value on the same probes)."""
+
+    metric: str
+    min: float | None = Field(default=None, description="the value at least this")
+    max: float | None = Field(default=None, description="the value at most this")
+    base: float | None = Field(default=None, description="the base model's value on these probes")
+
+
+class GoalView(BaseModel):
+    metric: str
+    sense: Literal["maximize", "minimize"]
+
+
+class HeldOutCheck(BaseModel):
+    """The recommended variant on the probes kept out of the search (held_out_fraction)."""
+
+    probes: dict[str, int] = Field(description="per set, the probes held out")
+    constraints: list[ResolvedConstraint] = Field(description="the bounds, resolved with the base on these probes")
+    feasible: bool = Field(description="the recommended variant meets every bound on the held-out probes")
+    base: MetricValues = Field(description="the base model's metrics on the held-out probes")
+    recommended: MetricValues = Field(description="the recommended variant's metrics on the held-out probes")
+
+
 class CalibrationCandidate(BaseModel):
     index: int = Field(description="evaluation order")
     options: CandidateOptions
     forget: SplitScore
     retain: SplitScore
-    feasible: bool = Field(description="its retain NLL ratio meets the constraint")
+    metrics: MetricValues | None = Field(
+        default=None, exclude_if=_absent, description="with an objective: every metric measured (objective, bounds, TOFU)"
+    )
+    feasible: bool = Field(description="it meets the constraint (with an objective: every bound)")
     pareto: bool = Field(description="on the Pareto front: no candidate forgets more without more retain damage")
     stage: Literal["coarse", "fine"] = Field(description="coarse: bracketing the constraint; fine: refining it")
 
@@ -128,6 +278,7 @@ class CalibrationRecommendation(BaseModel):
     variant_id: str = Field(description="the candidate built as an unlearn variant (GET /variants/{variant_id})")
     variant_job_id: str | None = None
     format: Literal["checkpoint", "delta", "peft"]
+    metrics: MetricValues | None = Field(default=None, exclude_if=_absent, description="with an objective: its metrics")
 
 
 class CalibrationResult(BaseModel):
@@ -153,8 +304,22 @@ class CalibrationResult(BaseModel):
     skipped_module_sets: list[str] = Field(description="presets that select no layer of this model")
     alpha_range: list[float]
     grid_equivalent: int = Field(description="candidates a full grid over the same arms at the same resolution needs")
-    front_png: str = Field(description="where the drawn front is served")
+    front_png: str = Field(description="where the drawn front is served (?x=&y= name the metrics plotted)")
     seconds: dict[str, float] = Field(default_factory=dict)
+    objective: GoalView | None = Field(default=None, exclude_if=_absent, description="the objective, when one was asked")
+    constraints: list[ResolvedConstraint] | None = Field(
+        default=None, exclude_if=_absent, description="with an objective: the bounds as applied"
+    )
+    retain_model: str | None = Field(default=None, exclude_if=_absent, description="the retain model scored against")
+    base_metrics: MetricValues | None = Field(
+        default=None, exclude_if=_absent, description="with an objective: the base model's metrics on the search's probes"
+    )
+    retain_metrics: MetricValues | None = Field(
+        default=None, exclude_if=_absent, description="with a retain model: its metrics on the search's probes"
+    )
+    held_out: HeldOutCheck | None = Field(
+        default=None, exclude_if=_absent, description="with held_out_fraction: the recommendation checked on unseen probes"
+    )
 
 
 class Calibration(BaseModel):

@@ -23,6 +23,9 @@ from typing import Any
 
 from api_schemas import EditOptions
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
+from service.calibration.goal import held_out_split
+from service.calibration.goal_run import GoalRun
+from service.calibration.goal_search import goal_search, recommend_for_goal
 from service.calibration.plot import render_front_png
 from service.calibration.request import CalibrationRequest
 from service.calibration.search import (
@@ -78,6 +81,9 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
     layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()
+    raw = _stored_probes(ctx, request.probes_digest)
+    fraction = request.goal.held_out_fraction if request.goal is not None else None
+    searched, held = _split(raw, fraction)
     # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
     with template_process(ctx, job.job_id) as renderer:
         candidates = InMemoryCandidates(
@@ -86,11 +92,14 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
             layout,
             universe,
             term_prefixes,
-            _probes(ctx, request.probes_digest),
+            {split: [parse_probe(p) for p in searched[split]] for split in SPLITS},
             ctx.settings.torch_device,
             _union(layout, request.search.arms),
             renderer,
         )
+        goal = None
+        if request.goal is not None:
+            goal = GoalRun(ctx, job.job_id, request.goal, candidates, searched, held, renderer)
     load_s = time.monotonic() - loaded
     # the data_weighted arms' strengths: from the universe's engrams and statistics, no forward pass
     arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, request.search.arms)
@@ -101,11 +110,25 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
         progress.advance(1)
         return measured[(arm, alpha)].outcome
 
-    searched = time.monotonic()
-    found = search(arms, evaluate, request.search.settings())
-    search_s = time.monotonic() - searched
+    def evaluate_metrics(arm: Arm, alpha: float) -> dict[str, float]:
+        assert goal is not None
+        measured[(arm, alpha)] = candidates.measure(arm, alpha)
+        progress.advance(1)
+        return goal.candidate_metrics(measured[(arm, alpha)].summary)
+
+    searched_at = time.monotonic()
+    if goal is None:
+        found = search(arms, evaluate, request.search.settings())
+        best = recommend(found.candidates)
+    else:
+        found = goal_search(arms, evaluate_metrics, goal.goal, request.search.goal_settings())
+        best = recommend_for_goal(goal.goal, found.candidates)
+    search_s = time.monotonic() - searched_at
     result = assemble(request, candidates.base, found, measured)
-    best = recommend(found.candidates)
+    if goal is not None:
+        goal.amend(result, found, best)
+        if best is not None and goal.has_held_out:
+            result["held_out"] = goal.check_held_out(best)
     if best is not None:
         result["recommended"].update(_build_recommended(ctx, job.job_id, request, best, run_job))
     result["seconds"] = {
@@ -126,9 +149,22 @@ def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
     return [spec for spec in layout.layers if spec.name in names]
 
 
-def _probes(ctx: Context, digest: str) -> dict[str, list[Any]]:
-    raw = json.loads(ctx.storage.get_bytes(f"probes/{digest}.json"))
-    return {split: [parse_probe(p) for p in raw[split]] for split in SPLITS}
+def _stored_probes(ctx: Context, digest: str) -> dict[str, Any]:
+    stored: dict[str, Any] = json.loads(ctx.storage.get_bytes(f"probes/{digest}.json"))
+    return stored
+
+
+def _split(raw: Mapping[str, Any], fraction: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stored probe sets as ``(searched, held out)``: forget, retain and each utility set split
+    by ``held_out_fraction`` (none without one); the holdout (non-member) facts are used whole by both."""
+    searched: dict[str, Any] = {"holdout": list(raw.get("holdout") or [])}
+    held: dict[str, Any] = {"holdout": list(raw.get("holdout") or [])}
+    for split in SPLITS:
+        searched[split], held[split] = held_out_split(raw[split], fraction)
+    searched["utility"], held["utility"] = {}, {}
+    for name, items in (raw.get("utility") or {}).items():
+        searched["utility"][name], held["utility"][name] = held_out_split(items, fraction)
+    return searched, held
 
 
 # ---------------------------------------------------------------- the result

@@ -152,6 +152,10 @@ class InMemoryCandidates:
         )
         return Measured(summary, outcome)
 
+    def applied(self, arm: Arm, alpha: float) -> nn.Module:
+        """The model with the candidate's weights swapped in (nothing scored)."""
+        return self._apply(arm, alpha)
+
     def scales(self, arm: Arm, alpha: float) -> dict[str, float]:
         """The candidate's per-layer ``f_l · s_l``, computed as its variant computes them (W-Norm over
         the arm's layers, from the engram of the request's terms, then the module types' strengths:

@@ -1,4 +1,10 @@
-"""The calibration front as a PNG: every candidate, the Pareto front, the constraint, the recommendation."""
+"""The calibration front as a PNG: every candidate on two metrics, the front, the bounds, the recommendation.
+
+The default axes are the retain NLL ratio (x) and the forget NLL ratio (y), as the job draws and
+stores the front; ``GET /calibrations/{id}/front.png?x=…&y=…`` draws any two metrics the
+candidates carry (:func:`candidate_values`: the NLL ratios, mean NLLs and exact match per split,
+and with an objective every metric measured, TOFU's included) from the stored result.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +14,52 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 WIDTH, HEIGHT, DPI = 900, 620, 100
 _MARKERS = {"uniform": "o", "weight_norm": "s"}
+DEFAULT_X, DEFAULT_Y = "retain_nll_ratio", "forget_nll_ratio"
+_LABELS = {
+    "retain_nll_ratio": "retain answer NLL ratio (variant / base): lower keeps more",
+    "forget_nll_ratio": "forget answer NLL ratio (variant / base): higher forgets more",
+}
+_SPLIT_FIELDS = {"nll_ratio": "nll_ratio", "mean_nll": "mean_nll", "exact_match": "exact_match"}
 
 
-def render_front_png(result: Mapping[str, Any]) -> bytes:
+def candidate_values(candidate: Mapping[str, Any]) -> dict[str, float]:
+    """Every finite metric of one candidate row of a result, by name."""
+    values: dict[str, Any] = {}
+    for split in ("forget", "retain"):
+        scores = candidate.get(split) or {}
+        for field, suffix in _SPLIT_FIELDS.items():
+            values[f"{split}_{suffix}"] = scores.get(field)
+    values.update(candidate.get("metrics") or {})
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+
+def plottable_metrics(result: Mapping[str, Any]) -> list[str]:
+    """The metrics some candidate of the result carries (what ``x`` and ``y`` may name)."""
+    names: dict[str, None] = {}
+    for candidate in result["candidates"]:
+        names.update(dict.fromkeys(candidate_values(candidate)))
+    return sorted(names)
+
+
+def render_front_png(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEFAULT_Y) -> bytes:
     """The front of :func:`front_figure` as PNG bytes (``WIDTH × HEIGHT`` pixels)."""
     buffer = io.BytesIO()
-    front_figure(result).savefig(buffer, format="png", dpi=DPI)
+    front_figure(result, x, y).savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
 
 
-def front_figure(result: Mapping[str, Any]) -> Figure:
-    """Forget NLL ratio against retain NLL ratio of every candidate (colour: module set, marker:
-    scaling), the Pareto front as a line, the constraint as a dashed line, the recommendation starred.
+def front_figure(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEFAULT_Y) -> Figure:
+    """``y`` against ``x`` for every candidate (colour: module set, marker: scaling), the Pareto
+    front as a line (on the default axes), the bounds on either metric as dashed lines, the
+    recommendation starred.
 
-    Both axes are logarithmic: the ratios run from about 1 (the acceptable candidates, retain ratio
-    just above 1) to many times that, and a linear axis squeezes the acceptable ones into a sliver.
+    An NLL-ratio axis is logarithmic: the ratios run from about 1 (the acceptable candidates, retain
+    ratio just above 1) to many times that, and a linear axis squeezes the acceptable ones into a sliver.
     """
     import matplotlib
 
@@ -35,42 +68,44 @@ def front_figure(result: Mapping[str, Any]) -> Figure:
 
     figure = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI, layout="constrained")
     ax = figure.subplots()
-    points = [c for c in result["candidates"] if _finite(c)]
+    log = {axis: name.endswith("_nll_ratio") for axis, name in (("x", x), ("y", y))}
+    points = [(c, candidate_values(c)) for c in result["candidates"]]
+    points = [(c, v) for c, v in points if _drawable(v, x, log["x"]) and _drawable(v, y, log["y"])]
     sets = list(dict.fromkeys(c["options"]["module_set"] for c in result["candidates"]))
     colours = {name: f"C{i % 10}" for i, name in enumerate(sets)}
     for (module_set, scaling), group in _groups(points).items():
         ax.scatter(
-            [c["retain"]["nll_ratio"] for c in group],
-            [c["forget"]["nll_ratio"] for c in group],
+            [v[x] for _, v in group],
+            [v[y] for _, v in group],
             c=colours[module_set],
             marker=_MARKERS.get(scaling, "o"),
             alpha=0.75,
             label=f"{module_set} / {scaling}",
         )
-    front = [c for c in points if c["pareto"]]
-    front.sort(key=lambda c: c["retain"]["nll_ratio"])
-    if front:
-        xs = [c["retain"]["nll_ratio"] for c in front]
-        ys = [c["forget"]["nll_ratio"] for c in front]
-        ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto front")
-    limit = result["constraint"]["max_retain_nll_ratio"]
-    ax.axvline(limit, color="red", linestyle="--", linewidth=1, label=f"max retain NLL ratio {limit:g}")
-    recommended = result.get("recommended")
-    if recommended is not None:
+    if (x, y) == (DEFAULT_X, DEFAULT_Y) and result.get("objective") is None:
+        front = sorted(((c, v) for c, v in points if c["pareto"]), key=lambda item: item[1][x])
+        if front:
+            xs, ys = [v[x] for _, v in front], [v[y] for _, v in front]
+            ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto front")
+    _bounds(ax, result, x, y)
+    star = _recommended_point(result, x, y)
+    if star is not None:
         ax.scatter(
-            [recommended["retain_nll_ratio"]],
-            [recommended["forget_nll_ratio"]],
+            [star[0]],
+            [star[1]],
             marker="*",
             s=320,
             c="gold",
             edgecolors="black",
             zorder=5,
-            label=f"recommended: {_describe(recommended['options'])}",
+            label=f"recommended: {_describe(result['recommended']['options'])}",
         )
-    ax.set_xlabel("retain answer NLL ratio (variant / base): lower keeps more")
-    ax.set_ylabel("forget answer NLL ratio (variant / base): higher forgets more")
-    ax.set_xscale("log")  # ratios: ×1.02 and ×10 both readable (only positive ratios are drawn)
-    ax.set_yscale("log")
+    ax.set_xlabel(_LABELS.get(x, x))
+    ax.set_ylabel(_LABELS.get(y, y))
+    if log["x"]:
+        ax.set_xscale("log")  # ratios: ×1.02 and ×10 both readable (only positive ratios are drawn)
+    if log["y"]:
+        ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     concepts = ", ".join(result["concepts"])
@@ -78,15 +113,46 @@ def front_figure(result: Mapping[str, Any]) -> Figure:
     return figure
 
 
-def _finite(candidate: Mapping[str, Any]) -> bool:
-    values = (candidate["forget"]["nll_ratio"], candidate["retain"]["nll_ratio"])
-    return all(v is not None and math.isfinite(v) and v > 0 for v in values)
+def _drawable(values: Mapping[str, float], name: str, log: bool) -> bool:
+    return name in values and (values[name] > 0 or not log)
 
 
-def _groups(points: list[Mapping[str, Any]]) -> dict[tuple[str, str], list[Mapping[str, Any]]]:
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for c in points:
-        groups.setdefault((c["options"]["module_set"], c["options"]["scaling"]), []).append(c)
+def _bounds(ax: Axes, result: Mapping[str, Any], x: str, y: str) -> None:
+    """The constraint's lines: the NLL search's retain limit, or an objective's bounds on x or y."""
+    limits: list[tuple[str, str, float]] = []
+    old = (result.get("constraint") or {}).get("max_retain_nll_ratio")
+    if old is not None:
+        limits.append(("retain_nll_ratio", "max retain NLL ratio", old))
+    for bound in result.get("constraints") or []:
+        for side in ("min", "max"):
+            if bound.get(side) is not None:
+                limits.append((bound["metric"], f"{side} {bound['metric']}", bound[side]))
+    for metric, label, value in limits:
+        if metric == x:
+            ax.axvline(value, color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
+        if metric == y:
+            ax.axhline(value, color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
+
+
+def _recommended_point(result: Mapping[str, Any], x: str, y: str) -> tuple[float, float] | None:
+    recommended = result.get("recommended")
+    if recommended is None:
+        return None
+    index = recommended.get("candidate")
+    rows = result["candidates"]
+    if isinstance(index, int) and 0 <= index < len(rows):
+        values = candidate_values(rows[index])
+    else:  # a result without the candidate's index: the recommendation's own ratios
+        values = {DEFAULT_X: recommended.get("retain_nll_ratio"), DEFAULT_Y: recommended.get("forget_nll_ratio")}
+    if values.get(x) is None or values.get(y) is None:
+        return None
+    return float(values[x]), float(values[y])
+
+
+def _groups(points: list[tuple[Mapping[str, Any], dict[str, float]]]) -> dict[tuple[str, str], list[Any]]:
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for c, v in points:
+        groups.setdefault((c["options"]["module_set"], c["options"]["scaling"]), []).append((c, v))
     return groups
 
 

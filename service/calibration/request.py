@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api_schemas import CalibrateRequest, Probe
+from service.calibration.goal import GoalSpec
+from service.calibration.goal_search import GoalSettings
 from service.calibration.search import Arm, SearchSettings
 from service.calibration.space import EditSpace
 from service.engine.lora_rules import LoraTarget
@@ -34,8 +36,12 @@ def one_term_each(options: CalibrateRequest) -> CalibrateRequest:
 
 def stored_probes(options: CalibrateRequest) -> bytes:
     """The probes as ``probes/<sha256>.json`` holds them (and the ID digests them): each without its
-    nulls, as evaluations store theirs."""
-    probes = {"forget": _probe_json(options.forget), "retain": _probe_json(options.retain)}
+    nulls, as evaluations store theirs. With an objective, also the ``holdout`` and ``utility`` sets
+    (without one, the stored probes, and so the ID, are what they were before objectives)."""
+    probes: dict[str, Any] = {"forget": _probe_json(options.forget), "retain": _probe_json(options.retain)}
+    if options.objective is not None:
+        probes["holdout"] = _probe_json(options.holdout)
+        probes["utility"] = {name: _probe_json(items) for name, items in options.utility.items()}
     return json.dumps(probes, sort_keys=True, ensure_ascii=False).encode()
 
 
@@ -45,7 +51,8 @@ def probes_digest(probes: bytes) -> str:
 
 def has_messages(options: CalibrateRequest) -> bool:
     """Whether a probe is a conversation (the model then needs a chat template)."""
-    return any(p.messages is not None for p in [*options.forget, *options.retain])
+    extra = [*options.holdout, *(p for items in options.utility.values() for p in items)]
+    return any(p.messages is not None for p in [*options.forget, *options.retain, *extra])
 
 
 def _probe_json(probes: Sequence[Probe]) -> list[dict[str, Any]]:
@@ -89,6 +96,10 @@ class SearchSpec:
             alpha_max=self.alpha_max,
             alpha_start=min(max(1.0, self.alpha_min), self.alpha_max),
         )
+
+    def goal_settings(self) -> GoalSettings:
+        """The goal search's settings (an objective's calibration)."""
+        return GoalSettings(budget=self.budget, alpha_min=self.alpha_min, alpha_max=self.alpha_max)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,14 +160,16 @@ def calibration_identity(
     probes: str,
     search: SearchSpec,
     variant: VariantFormat,
+    goal: GoalSpec | None = None,
 ) -> dict[str, Any]:
     """Everything that determines a calibration's answer; its ID is the digest of this.
 
     Args:
         term_prefixes: the removed concepts' statistics prefixes (names are labels).
         probes: the digest of :func:`stored_probes`.
+        goal: an objective's goal (absent without one: the identity of a request before objectives).
     """
-    return {
+    identity = {
         "format": CALIBRATION_FORMAT,
         "engine": ENGINE_VERSION,
         "model_digest": model_digest,
@@ -166,6 +179,9 @@ def calibration_identity(
         "search": search.to_json(),
         "variant": variant.to_json(),
     }
+    if goal is not None:
+        identity["goal"] = goal.model_dump(mode="json")
+    return identity
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,7 @@ class CalibrationRequest:
     skipped_module_sets: tuple[str, ...]
     variant: VariantFormat
     job_id: str | None = None
+    goal: GoalSpec | None = None
 
     @classmethod
     def new(
@@ -202,6 +219,7 @@ class CalibrationRequest:
         resolved: EditUniverse,
         space: EditSpace,
         probes: str,
+        goal: GoalSpec | None = None,
     ) -> CalibrationRequest:
         """The request of a calibration of ``model`` (options with each concept once: :func:`one_term_each`)
         in the universe it resolved to, over ``space``, on the probes of digest ``probes``; named by its identity."""
@@ -210,7 +228,7 @@ class CalibrationRequest:
         variant = VariantFormat(format=options.format, lora_rank=options.lora_rank, lora_target=options.lora_target)
         universe_id = resolved.spec.universe_id
         term_prefixes = [resolved.terms[name] for name in concepts]
-        identity = calibration_identity(model.digest, universe_id, term_prefixes, probes, search, variant)
+        identity = calibration_identity(model.digest, universe_id, term_prefixes, probes, search, variant, goal)
         return cls(
             calibration_id=canonical_digest(identity)[:32],
             model_id=model.model_id,
@@ -222,6 +240,7 @@ class CalibrationRequest:
             search=search,
             skipped_module_sets=space.skipped,
             variant=variant,
+            goal=goal,
         )
 
     @property
@@ -233,8 +252,9 @@ class CalibrationRequest:
         return dataclasses.replace(self, job_id=job_id)
 
     def to_json(self) -> dict[str, Any]:
-        """The stored JSON: the keys, in their order, that requests have been stored with."""
-        return {
+        """The stored JSON: the keys, in their order, that requests have been stored with (``goal``
+        only with an objective)."""
+        stored = {
             "calibration_id": self.calibration_id,
             "model_id": self.model_id,
             "concepts": list(self.concepts),
@@ -247,6 +267,9 @@ class CalibrationRequest:
             "variant": self.variant.to_json(),
             "job_id": self.job_id,
         }
+        if self.goal is not None:
+            stored["goal"] = self.goal.model_dump(mode="json")
+        return stored
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CalibrationRequest:
@@ -264,6 +287,7 @@ class CalibrationRequest:
             skipped_module_sets=tuple(data.get("skipped_module_sets") or ()),
             variant=VariantFormat.from_json(data["variant"]),
             job_id=data.get("job_id"),
+            goal=GoalSpec.model_validate(data["goal"]) if data.get("goal") is not None else None,
         )
 
 

@@ -21,6 +21,8 @@ import dataclasses
 from typing import Any
 
 from api_schemas import CalibrateRequest
+from service.calibration.goal import GoalSpec, RetainModelRef, check_measurable, goal_spec
+from service.calibration.plot import DEFAULT_X, DEFAULT_Y, plottable_metrics, render_front_png
 from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
 from service.context import Context
@@ -29,6 +31,7 @@ from service.engine.layers import LayerSpec, summarize_names
 from service.engine.layout import ModelLayout
 from service.engine.lora_rules import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
+from service.evaluation.service import _retain_model as check_retain_model
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import CalibratePayload, JobRecord
@@ -78,6 +81,7 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     space = request_space(full, options)
     if has_messages(options):
         check_chat_templates({model_id: model}, "messages probes")
+    goal = _goal(ctx, model_id, options)
     resolved = _resolve(ctx, model, options)
     # Layers no member reached (a vision tower) are never edited: what a candidate can carry is
     # checked on the others, as the job evaluates them (service.calibration.build).
@@ -91,7 +95,7 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
         if resolved.becomes_current is not None and current_pointer(ctx, model_id) is not None:
             resolved = _resolve(ctx, model, options)  # another request fixed the current universe first: use it
             _check_cover(ctx, layout, resolved, space)
-        request = CalibrationRequest.new(model, options, resolved, space, digest)
+        request = CalibrationRequest.new(model, options, resolved, space, digest, goal)
         calibration_id = request.calibration_id
         existing = _answering_job(ctx, calibration_id)
         if existing is None:  # before anything is written; a calibration answered already is never refused
@@ -110,6 +114,20 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
         ctx.storage.put_json(calibration_prefix(calibration_id) + "request.json", request.with_job(job.job_id).to_json())
     ctx.dispatch(job)
     return calibration_id, ctx.jobs.get(job.job_id) or job, False
+
+
+def _goal(ctx: Context, model_id: str, options: CalibrateRequest) -> GoalSpec | None:
+    """An objective's goal: its retain model found and checked (404/422 as evaluate's), every metric
+    it names measurable on these probes (422 naming what is missing). None without an objective."""
+    if options.objective is None:
+        return None
+    retain = None
+    if options.retain_model is not None:
+        # evaluate's own check (a registered model or a ready variant, the base's vocabulary)
+        found = check_retain_model(ctx, {"model_id": model_id}, options.retain_model)
+        retain = RetainModelRef(id=found["id"], kind=found["kind"], digest=found["digest"])
+    check_measurable(options, retain is not None)
+    return goal_spec(options, retain)
 
 
 def request_space(layout: ModelLayout, options: CalibrateRequest) -> EditSpace:
@@ -203,11 +221,19 @@ def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
     }
 
 
-def front_png(ctx: Context, calibration_id: str) -> bytes:
-    """The drawn front of a finished calibration (404 before)."""
+def front_png(ctx: Context, calibration_id: str, x: str | None = None, y: str | None = None) -> bytes:
+    """The drawn front of a finished calibration (404 before): as the job stored it, or with ``x``
+    and/or ``y`` any two metrics its candidates carry, drawn from its result (422 naming an unknown one)."""
     if find_request(ctx, calibration_id) is None:
         raise NotFound(f"calibration {calibration_id} does not exist")
     key = calibration_prefix(calibration_id) + "front.png"
     if not ctx.storage.exists(key):
         raise NotFound(f"calibration {calibration_id} has no front yet (its job has not succeeded)")
-    return ctx.storage.get_bytes(key)
+    if x is None and y is None:
+        return ctx.storage.get_bytes(key)
+    result = ctx.storage.get_json(calibration_prefix(calibration_id) + "result.json")
+    known = plottable_metrics(result)
+    unknown = [name for name in (x, y) if name is not None and name not in known]
+    if unknown:
+        raise InvalidInput(f"the candidates carry no metric {', '.join(unknown)}; known: {', '.join(known)}")
+    return render_front_png(result, x or DEFAULT_X, y or DEFAULT_Y)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 
 from api_schemas import CalibrateRequest, Calibration, CalibrationSubmission
 from service.api.deps import ContextDep, LanesDep
@@ -37,7 +37,19 @@ async def get_calibration(calibration_id: str, ctx: ContextDep, lanes: LanesDep)
     return await lanes.status(calibration.calibration_view, ctx, calibration_id)
 
 
+_METRIC = Query(max_length=64, description="a metric the candidates carry (default: the NLL ratios)")
+
+
 @router.get("/calibrations/{calibration_id}/front.png", response_class=Response, responses=_PNG)
-async def get_front_png(calibration_id: str, ctx: ContextDep, lanes: LanesDep) -> Response:
-    """The calibration's front drawn when its job finished (the recommended candidate starred)."""
-    return Response(await lanes.status(calibration.front_png, ctx, calibration_id), media_type="image/png")
+async def get_front_png(
+    calibration_id: str,
+    ctx: ContextDep,
+    lanes: LanesDep,
+    x: Annotated[str | None, _METRIC] = None,
+    y: Annotated[str | None, _METRIC] = None,
+) -> Response:
+    """The calibration's front drawn when its job finished (the recommended candidate starred): by
+    default retain (x) against forget (y) NLL ratio; ``x`` and ``y`` name any two metrics its
+    candidates carry (with an objective, TOFU's), a 422 naming an unknown one."""
+    png = await lanes.status(calibration.front_png, ctx, calibration_id, x, y)
+    return Response(png, media_type="image/png")

@@ -1,0 +1,169 @@
+"""A calibration's objective and constraints on named metrics: checked at submission, stored, resolved.
+
+A request with an ``objective`` (:class:`api_schemas.calibration.Objective`) is searched by
+:mod:`service.calibration.goal_search` on the metrics each candidate is measured on: the
+calibration's own (NLL ratios, exact match) and TOFU's suite as ``evaluate`` reports it
+(:mod:`service.evaluation.tofu_metrics`). What a metric needs (a retain model, paraphrased or
+perturbed answers on the probes, holdout facts) is found by running that very suite on placeholder
+statistics shaped like the request's probes, so the refusal at submission names exactly what the
+job would have left out, with the suite's own reason.
+
+The stored form (:class:`GoalSpec`, ``goal`` in ``request.json``) is a frozen record; a request
+without an objective stores none, so its ID and its answer are what they were before.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from api_schemas.calibration import CALIBRATION_METRICS, CalibrateRequest
+from api_schemas.evaluation import Probe
+from service.calibration.goal_search import Bound, Goal
+from service.engine.tofu_scoring import AnswerTokens, ProbeStatistics
+from service.errors import InvalidInput
+from service.evaluation import tofu_metrics as tm
+
+SPLIT_SEED = 0  # the held-out split's seed: the same request, the same split
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ConstraintSpec(_Frozen):
+    """One constraint as asked (absolute bounds and bounds relative to the base model's value)."""
+
+    metric: str
+    min: float | None = None
+    max: float | None = None
+    min_ratio_to_base: float | None = None
+    max_ratio_to_base: float | None = None
+
+    def bound(self, base: Mapping[str, float]) -> Bound:
+        """The absolute bound: a ratio times the base model's value (on the same probes), the tighter
+        of it and an absolute bound where both are given.
+
+        Raises:
+            ValueError: a ratio to a base value that is missing, not finite or not positive.
+        """
+        lows = [self.min] if self.min is not None else []
+        highs = [self.max] if self.max is not None else []
+        if self.min_ratio_to_base is not None or self.max_ratio_to_base is not None:
+            value = base.get(self.metric)
+            if value is None or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"a bound relative to the base needs the base's {self.metric} positive; it is {value}")
+            if self.min_ratio_to_base is not None:
+                lows.append(self.min_ratio_to_base * value)
+            if self.max_ratio_to_base is not None:
+                highs.append(self.max_ratio_to_base * value)
+        return Bound(self.metric, max(lows) if lows else None, min(highs) if highs else None)
+
+
+class RetainModelRef(_Frozen):
+    """The retain model: a registered model (``digest`` its weights') or a variant (its ID)."""
+
+    id: str
+    kind: Literal["model", "variant"]
+    digest: str
+
+
+class GoalSpec(_Frozen):
+    """What a calibration with an objective stores as ``goal`` (and its ID digests)."""
+
+    objective: str
+    sense: Literal["maximize", "minimize"]
+    constraints: tuple[ConstraintSpec, ...] = ()
+    retain_model: RetainModelRef | None = None
+    held_out_fraction: float | None = None
+    utility_sets: tuple[str, ...] = ()
+
+    def goal(self, base: Mapping[str, float]) -> Goal:
+        """The search's goal, its bounds resolved against the base model's metrics."""
+        return Goal(self.objective, self.sense, tuple(c.bound(base) for c in self.constraints))
+
+    @property
+    def metrics(self) -> list[str]:
+        """The objective's and the constraints' metrics, each once."""
+        return list(dict.fromkeys([self.objective, *(c.metric for c in self.constraints)]))
+
+
+def goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) -> GoalSpec | None:
+    """The stored goal of a request (None without an objective). An explicitly set
+    ``max_retain_nll_ratio`` becomes a constraint on ``retain_nll_ratio``."""
+    if options.objective is None:
+        return None
+    constraints = [ConstraintSpec(**c.model_dump(exclude_none=True)) for c in options.constraints]
+    if "max_retain_nll_ratio" in options.model_fields_set:
+        constraints.append(ConstraintSpec(metric="retain_nll_ratio", max=options.max_retain_nll_ratio))
+    return GoalSpec(
+        objective=options.objective.metric,
+        sense=options.objective.sense,
+        constraints=tuple(constraints),
+        retain_model=retain_model,
+        held_out_fraction=options.held_out_fraction,
+        utility_sets=tuple(options.utility),
+    )
+
+
+# ---------------------------------------------------------------- what a metric needs
+
+
+def _placeholder(probes: Sequence[Probe], n: int = 3) -> list[ProbeStatistics]:
+    """Statistics shaped like ``probes``: a paraphrase (perturbed answers) where every probe has one."""
+    tokens = AnswerTokens((-1.0, -2.0), (-3.0, -3.0), (1.0, 1.0), (True, False))
+    para = all(p.paraphrased_answer is not None for p in probes)
+    wrong = all(p.perturbed_answers is not None for p in probes)
+    return [
+        ProbeStatistics(
+            answer=tokens,
+            answer_text="a b",
+            paraphrased=tokens if para else None,
+            perturbed=(tokens, tokens) if wrong else None,
+            generation="a b",
+        )
+        for _ in range(n)
+    ]
+
+
+def unavailable_metrics(options: CalibrateRequest, metrics: Sequence[str], has_retain_model: bool) -> dict[str, str]:
+    """The named metrics the request cannot measure, each with the suite's reason."""
+    tofu = [m for m in metrics if m not in CALIBRATION_METRICS]
+    if not tofu:
+        return {}
+    utility = {name: _placeholder(items) for name, items in options.utility.items()}
+    holdout = _placeholder(options.holdout) if options.holdout else None
+    report = tm.model_report(_placeholder(options.forget), _placeholder(options.retain), utility, holdout)
+    scored = tm.tofu_scores(report, report if has_retain_model else None, report)
+    return {m: scored.left_out.get(m, "not computed by the TOFU suite") for m in tofu if m not in scored.values}
+
+
+def check_measurable(options: CalibrateRequest, has_retain_model: bool) -> None:
+    """422 naming each objective or constraint metric the request cannot measure, and why."""
+    if options.objective is None:
+        return
+    named = [options.objective.metric, *(c.metric for c in options.constraints)]
+    missing = unavailable_metrics(options, list(dict.fromkeys(named)), has_retain_model)
+    if missing:
+        why = "; ".join(f"{name} {reason}" for name, reason in missing.items())
+        raise InvalidInput(
+            f"the calibration cannot measure {', '.join(missing)}: {why} (give retain_model, or probes with "
+            "paraphrased_answer and perturbed_answers, or holdout probes, as the metric needs)"
+        )
+
+
+# ---------------------------------------------------------------- the held-out split
+
+
+def held_out_split(items: Sequence[Any], fraction: float | None) -> tuple[list[Any], list[Any]]:
+    """``(searched, held out)``: ``round(fraction·n)`` probes held out, at least one and leaving at
+    least one, chosen by a fixed seed (a set of one probe is not split: it is searched on)."""
+    if fraction is None or len(items) < 2:
+        return list(items), []
+    n_out = min(max(1, round(fraction * len(items))), len(items) - 1)
+    out = set(random.Random(SPLIT_SEED).sample(range(len(items)), n_out))
+    return [p for i, p in enumerate(items) if i not in out], [p for i, p in enumerate(items) if i in out]

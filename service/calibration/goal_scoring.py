@@ -1,0 +1,97 @@
+"""An objective's metrics for one loaded model: TOFU's suite and the calibration's own ratios.
+
+The TOFU values come from the functions ``evaluate`` runs (:func:`service.engine.tofu_scoring.tofu_statistics`,
+then :func:`service.evaluation.tofu_metrics.model_report` and :func:`~service.evaluation.tofu_metrics.tofu_scores`
+against the retain model's and the base model's reports on the same probes), so a candidate's
+``overall`` is the number ``evaluate`` gives its built variant on these probes. The calibration's own
+metrics (``forget_nll_ratio`` …) are computed from the NLL summaries as the NLL-ratio search's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from service.calibration.candidates import ratio
+from service.engine.chat import Renderer
+from service.engine.evaluate import encode_probe
+from service.engine.messages import Message
+from service.engine.tofu_scoring import TofuProbe, tofu_statistics, with_answer
+from service.errors import JobFailed
+from service.evaluation import tofu_metrics as tm
+
+OWN_SETS = ("forget", "retain", "holdout")  # the rest of a probe-set mapping are utility sets
+BATCH = 16
+
+
+class RenderedOnce:
+    """A renderer primed inside the job's template process (every answer of every probe, before any
+    model runs), then answering from what it rendered: candidates' scoring renders nothing again."""
+
+    def __init__(self, inner: Renderer | None) -> None:
+        self.inner = inner
+        self._seen: dict[tuple[Any, ...], list[str]] = {}
+
+    def render(self, tokenizer: Any, messages: Sequence[Message], prefixes: Sequence[tuple[int, bool]]) -> list[str]:
+        key = (id(tokenizer), tuple((m.role, m.content) for m in messages), tuple(prefixes))
+        if key not in self._seen:
+            if self.inner is None:
+                raise JobFailed("a chat probe's template was not rendered before scoring")  # a bug, not the user's
+            self._seen[key] = self.inner.render(tokenizer, messages, prefixes)
+        return self._seen[key]
+
+
+def prime(tokenizer: Any, sets: Mapping[str, Sequence[TofuProbe]], renderer: RenderedOnce) -> None:
+    """Tokenize every answer of every probe once (rendering chat templates into ``renderer``); an
+    answer that cannot be scored fails the job naming it."""
+    for name, items in sets.items():
+        for i, item in enumerate(items):
+            answers = [("", item.probe)]
+            if item.paraphrased_answer is not None:
+                answers.append((".paraphrased_answer", with_answer(item.probe, item.paraphrased_answer)))
+            wrong = item.perturbed_answers or ()
+            answers += [(f".perturbed_answers[{j}]", with_answer(item.probe, w)) for j, w in enumerate(wrong)]
+            for where, probe in answers:
+                try:
+                    encode_probe(tokenizer, probe, renderer)
+                except ValueError as exc:
+                    raise JobFailed(f"{name}[{i}]{where}: {exc}") from None
+
+
+def tofu_report(model: Any, tokenizer: Any, sets: Mapping[str, Sequence[TofuProbe]], renderer: Renderer) -> tm.ModelReport:
+    """One model's raw TOFU values on the sets (forget, retain, holdout and utility sets by name)."""
+    stats = {
+        name: tofu_statistics(model, tokenizer, items, batch_size=BATCH, renderer=renderer)
+        for name, items in sets.items()
+        if items
+    }
+    utility = {name: items for name, items in stats.items() if name not in OWN_SETS}
+    return tm.model_report(stats["forget"], stats.get("retain"), utility, stats.get("holdout"))
+
+
+def own_metrics(summary: Mapping[str, Mapping[str, float]], base: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The calibration's own metrics from NLL/EM summaries (per split) and the base model's."""
+    values: dict[str, float] = {}
+    for split in ("forget", "retain"):
+        values[f"{split}_nll_ratio"] = ratio(summary[split]["mean_nll"], base[split]["mean_nll"])
+        values[f"{split}_mean_nll"] = float(summary[split]["mean_nll"])
+        values[f"{split}_exact_match"] = float(summary[split]["exact_match"])
+    return values
+
+
+def metrics(
+    report: tm.ModelReport,
+    retain: tm.ModelReport | None,
+    base: tm.ModelReport,
+    summary: Mapping[str, Mapping[str, float]],
+    base_summary: Mapping[str, Mapping[str, float]],
+) -> dict[str, float]:
+    """Every metric of one model: TOFU's scores (against the retain and base reports) and the own."""
+    scored = tm.tofu_scores(report, retain, base)
+    return {**scored.values, **own_metrics(summary, base_summary)}
+
+
+def public(values: Mapping[str, float]) -> dict[str, float | None]:
+    """JSON has no infinity or NaN: a non-finite value (log10 of a p-value of 0) is null."""
+    return {name: (float(v) if math.isfinite(v) else None) for name, v in sorted(values.items())}
