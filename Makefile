@@ -24,7 +24,7 @@ help:
 	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
 	@echo "make test             the whole test suite, as CI runs it (needs redis-server on PATH); prints the 25 slowest"
 	@echo "make test-fast        the in-process tier (pytest -m fast: no server, Redis or S3 process); prints the 20 slowest"
-	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (DEMO_ARGS=--threads=1 when busy)"
+	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (threads: the idle cores; DEMO_ARGS=--threads=N)"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
 	@echo "make distributed-stop stop what make distributed started"
 	@echo "make lint             ruff check, ruff format --check, mypy (what CI runs before the tests)"
@@ -50,7 +50,8 @@ $(STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproject.toml
 run: install
 	ENGRAM_MODEL_ROOTS="$${ENGRAM_MODEL_ROOTS:-$(CURDIR)/demo}" $(VENV)/bin/engram-service serve --host $(HOST) --port $(PORT)
 
-# DEMO_ARGS=--threads=1 on a busy machine: torch's spinning threads slow a tiny model down many times.
+# The demo picks its torch threads from the idle cores (os.cpu_count() less the load average) and says
+# which; DEMO_ARGS=--threads=N fixes the count (the same count trains the same model on one machine).
 demo: install
 	$(PY) -m engram_fixtures.demo --out demo $(DEMO_ARGS)
 

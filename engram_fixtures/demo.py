@@ -11,6 +11,11 @@ Usage::
 
     python -m engram_fixtures.demo --out demo
     python -m engram_fixtures.demo --out demo-chat --chat   # the same facts as one-turn chats (a chat template)
+    python -m engram_fixtures.demo evaluate --model demo/model --probes demo
+
+Both print their progress on stderr (each stage, the training loss every epoch, the time so far), so a
+slow run on a busy machine can be told from a hung one, and both pick their torch thread count from
+the machine's idle cores (:func:`default_threads`) unless ``--threads`` says otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -25,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -35,7 +42,9 @@ from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summa
 __all__ = [
     "DEFAULT_STEPS",
     "DemoPaths",
+    "Progress",
     "build_demo",
+    "default_threads",
     "main",
     "make_facts",
     "read_probes",
@@ -253,6 +262,7 @@ def train_on_facts(
     seed: int = 0,
     completion_only: bool = False,
     chat: bool = False,
+    on_epoch: Callable[[int, int, float], None] | None = None,
 ) -> list[float]:
     """Memorize facts by causal-LM training of ``prompt + completion`` with AdamW.
 
@@ -270,6 +280,9 @@ def train_on_facts(
         completion_only: Take the loss on the completion tokens only instead of on
             every token after BOS.
         chat: Train on the facts rendered as one-turn chats (the tokenizer's chat template).
+        on_epoch: Called after the last step and each time a fresh epoch is drawn, with
+            ``(steps done, steps, mean loss of the steps since the last call)``; it only reads, so the
+            training is the same with or without it.
 
     Returns:
         The training loss of each step.
@@ -283,8 +296,12 @@ def train_on_facts(
     order: list[int] = []
     losses: list[float] = []
     model.train()
-    for _ in range(steps):
+    reported = 0
+    for step in range(steps):
         if len(order) < batch_size:  # refill with a fresh shuffled epoch
+            if on_epoch is not None and step > reported:
+                on_epoch(step, steps, sum(losses[reported:]) / (step - reported))
+                reported = step
             epoch = list(range(len(rows)))
             rng.shuffle(epoch)
             order.extend(epoch)
@@ -297,8 +314,78 @@ def train_on_facts(
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
+    if on_epoch is not None and steps > reported:
+        on_epoch(steps, steps, sum(losses[reported:]) / (steps - reported))
     model.eval()
     return losses
+
+
+class Progress:
+    """The demo's progress on stderr: each stage and each training epoch, with the time since the start.
+
+    Progress goes to stderr, flushed at once, and results to stdout, so ``> results.txt`` still shows
+    that the run is moving.
+    """
+
+    def __init__(self, silent: bool = False, stream: Any = None) -> None:
+        self.silent = silent
+        self.stream = stream
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def stage(self, what: str) -> None:
+        """Say what starts now."""
+        self._write(f"[{self.elapsed():6.1f}s] {what}")
+
+    def epoch(self, n_facts: int) -> Callable[[int, int, float], None]:
+        """The ``on_epoch`` callback of :func:`train_on_facts` for ``n_facts`` facts of
+        :data:`DEFAULT_BATCH_SIZE` per step: ``epoch E: step S/N, loss L``."""
+
+        def report(done: int, steps: int, loss: float) -> None:
+            epoch = done * DEFAULT_BATCH_SIZE / n_facts
+            self._write(f"[{self.elapsed():6.1f}s]   epoch {epoch:4.1f}: step {done}/{steps}, loss {loss:.4f}")
+
+        return report
+
+    def _write(self, line: str) -> None:
+        if self.silent:
+            return
+        stream = self.stream or sys.stderr
+        stream.write(line + "\n")
+        stream.flush()
+
+
+# torch's own default is one thread per core, busy or not: on a tiny model whose every op is too
+# small to split, threads that wait for a core spin, and on a 2-core machine at load 4-5 the demo took
+# 6 min 39 s instead of ~25 s. Its ops gain little past 4 threads anyway.
+MAX_DEFAULT_THREADS = 4
+
+
+def default_threads(cpu_count: int | None = None, load_average: float | None = None) -> tuple[int, str]:
+    """The torch thread count the demo uses unless told: the cores idle now (``os.cpu_count()`` minus
+    the 1-minute load average, rounded down), at least 1 and at most :data:`MAX_DEFAULT_THREADS`;
+    and why, in words.
+
+    The same count gives the same model and figures on one machine (:func:`build_demo`'s
+    ``threads``); ``--threads N`` fixes it where the load varies between runs.
+
+    Args:
+        cpu_count: The cores (default: ``os.cpu_count()``).
+        load_average: The 1-minute load average (default: ``os.getloadavg()``; none where the platform
+            has none, then every core counts as idle).
+    """
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except OSError:  # no load average on this platform
+            load_average = 0.0
+    idle = math.floor(cores - load_average + 0.5)  # rounded: a load of 1.2 on 4 cores leaves 3 idle
+    threads = max(1, min(idle, cores, MAX_DEFAULT_THREADS))
+    reason = f"{cores} core(s), load average {load_average:.1f}: {max(idle, 0)} idle"
+    return threads, reason
 
 
 @dataclass
@@ -391,6 +478,7 @@ def build_demo(
     steps: int | None = None,
     chat: bool = False,
     threads: int | None = None,
+    progress: Progress | None = None,
 ) -> DemoPaths:
     """Train the demo model and write it with its forget/retain probe sets.
 
@@ -409,12 +497,16 @@ def build_demo(
         threads: Train with this many torch threads (restored afterwards); None: the caller's.
             A fixed count makes the trained weights the same on every run of one machine: the
             float sums of a step depend on how many threads share them.
+        progress: Told each stage and, while training, each epoch's loss (None: silent); the result
+            does not depend on it.
 
     Returns:
         The written paths.
     """
     out_dir = Path(out_dir)
+    report = progress or Progress(silent=True)
     facts = make_facts(n_facts, seed)
+    report.stage(f"{len(facts)} facts; training the tokenizer")
     tokenizer = train_tokenizer([p + c for p, c in facts] + (["<|user|>\n<|assistant|>\n"] * 20 if chat else []))
     if chat:
         tokenizer.chat_template = CHAT_TEMPLATE
@@ -423,10 +515,15 @@ def build_demo(
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    n_steps = DEFAULT_STEPS if steps is None else steps
     try:
-        train_on_facts(model, tokenizer, facts, steps=DEFAULT_STEPS if steps is None else steps, seed=seed, chat=chat)
+        report.stage(
+            f"training the model: {n_steps} steps of {DEFAULT_BATCH_SIZE} facts on {torch.get_num_threads()} thread(s)"
+        )
+        train_on_facts(model, tokenizer, facts, steps=n_steps, seed=seed, chat=chat, on_epoch=report.epoch(len(facts)))
     finally:
         torch.set_num_threads(previous_threads)
+    report.stage(f"writing {out_dir}")
 
     paths = DemoPaths(out_dir, out_dir / "model", out_dir / "forget.jsonl", out_dir / "retain.jsonl")
     paths.model_dir.mkdir(parents=True, exist_ok=True)
@@ -461,18 +558,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forget-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS})")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     parser.add_argument("--chat", action="store_true", help="a chat model: facts as one-turn chats, messages probes")
     args = parser.parse_args(args_list)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    progress = Progress()
+    _use_threads(args.threads, progress)
 
-    start = time.perf_counter()
-    paths = build_demo(args.out, args.n_facts, args.forget_fraction, args.seed, args.steps, chat=args.chat)
-    elapsed = time.perf_counter() - start
-    sys.stdout.write(f"wrote {paths.root} (model: {paths.model_dir}) in {elapsed:.1f}s\nbefore edit:\n")
-    _print_metrics(paths.model_dir, paths.root)
+    paths = build_demo(
+        args.out, args.n_facts, args.forget_fraction, args.seed, args.steps, chat=args.chat, progress=progress
+    )
+    sys.stdout.write(f"wrote {paths.root} (model: {paths.model_dir}) in {progress.elapsed():.1f}s\nbefore edit:\n")
+    sys.stdout.flush()
+    _print_metrics(paths.model_dir, paths.root, progress)
+    progress.stage("done")
     return 0
+
+
+THREADS_HELP = "torch threads (default: the idle cores, 1 to 4, from os.cpu_count() and the load average)"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _use_threads(threads: int | None, progress: Progress) -> int:
+    """Set torch's thread count (``threads``, or :func:`default_threads`) and say which and why."""
+    if threads is None:
+        threads, reason = default_threads()
+        progress.stage(f"using {threads} torch thread(s) ({reason}; --threads N to choose)")
+    else:
+        progress.stage(f"using {threads} torch thread(s) (--threads)")
+    torch.set_num_threads(threads)
+    return threads
 
 
 def evaluate_main(argv: Sequence[str]) -> int:
@@ -480,21 +600,31 @@ def evaluate_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m engram_fixtures.demo evaluate")
     parser.add_argument("--model", type=Path, action="append", required=True, help="a checkpoint directory")
     parser.add_argument("--probes", type=Path, default=Path("demo"), help="folder with forget/retain.jsonl")
+    parser.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     args = parser.parse_args(argv)
+    progress = Progress()
+    _use_threads(args.threads, progress)
     for model_dir in args.model:
         sys.stdout.write(f"{model_dir}:\n")
-        _print_metrics(model_dir, args.probes)
+        sys.stdout.flush()
+        _print_metrics(model_dir, args.probes, progress)
+    progress.stage("done")
     return 0
 
 
-def _print_metrics(model_dir: Path, probes_dir: Path) -> None:
+def _print_metrics(model_dir: Path, probes_dir: Path, progress: Progress | None = None) -> None:
     """Answer NLL and greedy exact match on the forget and retain sets, read back from disk."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    report = progress or Progress(silent=True)
+    report.stage(f"loading {model_dir}")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for split in ("forget", "retain"):
-        sys.stdout.write("  " + _metrics_line(split, model, tokenizer, read_probes(probes_dir / f"{split}.jsonl")) + "\n")
+        probes = read_probes(probes_dir / f"{split}.jsonl")
+        report.stage(f"scoring {split}: {len(probes)} probes (answer NLL, then greedy decoding)")
+        sys.stdout.write("  " + _metrics_line(split, model, tokenizer, probes) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
+from engram_fixtures import demo
 from engram_fixtures.demo import build_demo, make_facts, read_probes, tiny_llama_config, train_on_facts, train_tokenizer
 from engram_fixtures.models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
@@ -277,3 +278,81 @@ def test_make_tokenizer_default() -> None:
     tok = make_tokenizer()
     assert len(tok) == 300
     assert tok("hello")["input_ids"][0] == tok.bos_token_id
+
+
+# --- the demo's command line: progress and its thread count (issue 28) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cores", "load", "threads"),
+    [(2, 0.0, 2), (2, 4.6, 1), (2, 1.4, 1), (8, 1.2, 4), (16, 2.0, 4), (4, 1.6, 2), (1, 0.0, 1)],
+)
+def test_default_threads_are_the_idle_cores_from_1_to_4(cores: int, load: float, threads: int) -> None:
+    chosen, reason = demo.default_threads(cores, load)
+    assert chosen == threads
+    assert f"{cores} core(s)" in reason and f"load average {load:.1f}" in reason
+
+
+def test_default_threads_reads_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (4.7, 3.0, 2.0))
+    assert demo.default_threads() == (1, "2 core(s), load average 4.7: 0 idle")
+
+
+def test_epoch_reports_leave_the_training_unchanged() -> None:
+    """The progress callback reads the losses: the same seed trains the same model with or without it."""
+    facts = make_facts(12, seed=2)
+    tok = train_tokenizer([p + c for p, c in facts], vocab_size=300)
+    config = tiny_llama_config(len(tok), hidden=32, layers=1, intermediate=64, tokenizer=tok)
+    reports: list[tuple[int, int, float]] = []
+    trained = []
+    for on_epoch in (None, lambda *report: reports.append(report)):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        losses = train_on_facts(model, tok, facts, steps=7, batch_size=5, seed=0, on_epoch=on_epoch)
+        trained.append((losses, model.state_dict()))
+    (plain, plain_weights), (reported, reported_weights) = trained
+    assert plain == reported
+    assert all(torch.equal(plain_weights[k], reported_weights[k]) for k in plain_weights)
+    # 12 facts, 5 a step: a fresh epoch is drawn before steps 2, 4 and 7 (12 -> 7 -> 2 -> 14 ...), and the end.
+    assert [(done, steps) for done, steps, _ in reports] == [(2, 7), (4, 7), (7, 7)]
+    assert reports[0][2] == pytest.approx(sum(plain[:2]) / 2)
+    assert reports[-1][2] == pytest.approx(sum(plain[4:]) / 3)
+
+
+def test_the_demo_says_its_threads_and_progress_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # a busy machine: 1 thread
+    assert demo.main(["--out", str(tmp_path / "demo"), "--n-facts", "20", "--steps", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "using 1 torch thread(s)" in err and "load average 9.0" in err and "--threads N" in err
+    assert "training the model: 4 steps of 16 facts on 1 thread(s)" in err
+    epochs = [line for line in err.splitlines() if "epoch" in line]
+    assert epochs and epochs[-1].endswith(tuple("0123456789")) and "step 4/4, loss " in epochs[-1]
+    assert all(line.startswith("[") and "s]" in line for line in epochs)  # the time so far
+    assert "scoring forget: 2 probes" in err and "scoring retain: 18 probes" in err
+    assert "forget  n=2" in out and "retain  n=18" in out  # the results stay on stdout
+    assert "epoch" not in out
+
+    # The evaluator: the same default, told by name, and its own progress.
+    assert demo.main(["evaluate", "--model", str(tmp_path / "demo" / "model"), "--probes", str(tmp_path / "demo")]) == 0
+    out, err = capsys.readouterr()
+    assert "using 1 torch thread(s) (2 core(s), load average 9.0: 0 idle; --threads N to choose)" in err
+    assert "loading" in err and "scoring retain: 18 probes" in err
+    assert "retain  n=18" in out
+
+
+def test_threads_given_are_used_and_a_bad_count_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    used: list[int] = []
+    monkeypatch.setattr(demo.torch, "set_num_threads", used.append)
+    monkeypatch.setattr(demo, "_print_metrics", lambda *args: None)
+    assert demo.main(["evaluate", "--threads", "3", "--model", str(tmp_path)]) == 0
+    assert used == [3]
+    assert "using 3 torch thread(s) (--threads)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["evaluate", "--threads", "0", "--model", str(tmp_path)])
+    assert "must be 1 or more" in capsys.readouterr().err
