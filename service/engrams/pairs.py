@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -26,6 +25,7 @@ from safetensors import safe_open
 from service.context import Context
 from service.engine.arithmetic import APPLY_BLOCK_VALUES
 from service.engine.layers import LayerSpec
+from service.engrams.files import EngramFile, layer_file
 from service.engrams.manifest import UniverseManifest
 from service.storage.keys import engram_pair_key
 
@@ -36,7 +36,7 @@ def combined_norms(
     ctx: Context,
     manifest: UniverseManifest,
     terms: Sequence[tuple[float, str]],
-    paths: Mapping[str, Path],
+    paths: Mapping[str, EngramFile],
     layers: Sequence[LayerSpec],
 ) -> dict[str, float]:
     """``‖Σ_k c_k E_k,l[:, :in]‖_F`` of every layer from the members' norms and their pairs'
@@ -69,7 +69,7 @@ def _compute_pairs(
     ctx: Context,
     universe_id: str,
     products: dict[Pair, dict[str, float]],
-    paths: Mapping[str, Path],
+    paths: Mapping[str, EngramFile],
     layers: Sequence[LayerSpec],
 ) -> None:
     """Add ``⟨E_j,l[:, :in], E_k,l[:, :in]⟩`` for ``layers`` to each pair's products, one layer of
@@ -80,7 +80,7 @@ def _compute_pairs(
     for spec in layers:
         engrams = {}
         for member in needed:
-            with safe_open(str(paths[member]), framework="pt") as handle:
+            with safe_open(str(layer_file(paths[member], spec.name)), framework="pt") as handle:
                 engrams[member] = handle.get_tensor(spec.name)
         for j, k in grown:
             if spec.name not in products[(j, k)]:

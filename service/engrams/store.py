@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -20,6 +19,7 @@ from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, EngramSource, L
 from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
+from service.engrams.files import EngramFile, MemberFiles, layer_file
 from service.engrams.manifest import UniverseManifest
 from service.engrams.pairs import combined_norms
 from service.statistics.local import statistics
@@ -31,7 +31,8 @@ class StoredEngrams:
     """``Σ_k c_k E_k,l`` of a built universe, read from its members' engram files.
 
     Args:
-        terms: ``(c_k, engram file)`` per term; a file named twice has its coefficients added.
+        terms: ``(c_k, engram file)`` per term (a member's :class:`MemberFiles` where its engrams are in
+            several files); a file named twice has its coefficients added.
         layers: the layers the universe has engrams for (any other is refused by name).
         members: engram file -> its member key in the universe's manifest (where its norms are).
         combined_norms: every layer's ``‖Σ_k c_k E_k,l[:, :in]‖`` at once, without reading the
@@ -40,27 +41,32 @@ class StoredEngrams:
 
     def __init__(
         self,
-        terms: Sequence[tuple[float, Path]],
+        terms: Sequence[tuple[float, EngramFile]],
         layers: Collection[str],
-        members: Mapping[Path, str] | None = None,
+        members: Mapping[EngramFile, str] | None = None,
         combined_norms: Callable[[Sequence[LayerSpec]], dict[str, float]] | None = None,
+        require_layer: Callable[[str], None] | None = None,
     ) -> None:
         self.members = dict(members or {})
-        merged: dict[Path, float] = {}
+        merged: dict[EngramFile, float] = {}
         for coefficient, path in terms:
             merged[path] = merged.get(path, 0.0) + float(coefficient)
         self.terms = [(c, p) for p, c in merged.items()]
         self.layers = set(layers)
         # Several terms' W-Norm numerators from the universe's pair products (service.engrams.pairs).
         self.combined_norms = combined_norms
+        # A partial universe's check: a layer of a deferred group is refused naming the group.
+        self.require_layer = require_layer
 
     def read(self, spec: LayerSpec) -> list[tuple[float, torch.Tensor]]:
         """``(c_k, E_k,l)`` per term, as stored (float32 or float64)."""
+        if self.require_layer is not None:
+            self.require_layer(spec.name)
         if spec.name not in self.layers:
             raise EditError(f"no statistics for layer {spec.name}")
         read = []
-        for coefficient, path in self.terms:
-            with safe_open(str(path), framework="pt") as handle:
+        for coefficient, engrams in self.terms:
+            with safe_open(str(layer_file(engrams, spec.name)), framework="pt") as handle:
                 read.append((coefficient, handle.get_tensor(spec.name)))
         return read
 
@@ -83,7 +89,9 @@ class StoredEngrams:
 
 
 def stored_engrams(ctx: Context, manifest: UniverseManifest, terms: Mapping[str, float]) -> StoredEngrams:
-    """The engrams of ``terms`` (statistics prefix -> coefficient) in a built universe, as local files.
+    """The engrams of ``terms`` (statistics prefix -> coefficient) in a built universe, as local files
+    (or, for a universe built in stages, fetched per layer: a partial universe's deferred layers are
+    refused by name when read).
 
     Raises:
         EditError: a term is not a member of the universe.
@@ -92,12 +100,17 @@ def stored_engrams(ctx: Context, manifest: UniverseManifest, terms: Mapping[str,
     outside = sorted(p for p in terms if p not in keys)
     if outside:
         raise EditError(f"statistics {', '.join(outside)} are not members of universe {manifest.universe_id}")
-    paths = {p: local_object(ctx, engram_key(manifest.universe_id, keys[p])) for p in terms}
+    paths: dict[str, EngramFile] = {
+        p: MemberFiles(ctx, manifest, keys[p])
+        if manifest.engrams[keys[p]].files
+        else local_object(ctx, engram_key(manifest.universe_id, keys[p]))
+        for p in terms
+    }
     members = {paths[p]: keys[p] for p in terms}
     member_terms = [(c, keys[p]) for p, c in terms.items()]
     member_paths = {keys[p]: paths[p] for p in terms}
     norms = partial(combined_norms, ctx, manifest, member_terms, member_paths)
-    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest.layers, members, norms)
+    return StoredEngrams([(c, paths[p]) for p, c in terms.items()], manifest.layers, members, norms, manifest.require_layer)
 
 
 def stored_editor(
@@ -122,6 +135,7 @@ def relative_norms(layers: Sequence[LayerSpec], engrams: StoredEngrams, manifest
     else the norm of the summed stored engram, one layer at a time.
     """
     for spec in layers:
+        manifest.require_layer(spec.name)  # a deferred group's layer is refused naming its group
         if spec.name not in engrams.layers:
             raise EditError(f"no statistics for layer {spec.name}")
     several = len(engrams.terms) > 1 and engrams.combined_norms is not None

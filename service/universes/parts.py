@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,7 +38,7 @@ from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.key import StatsKey
 from service.statistics.local import statistics
-from service.storage.keys import engram_key, group_key, part_key, universe_prefix
+from service.storage.keys import canonical_digest, engram_key, group_key, part_key, universe_prefix
 from service.storage.local_copies import local_object
 from service.universes.factors import (
     GroupFile,
@@ -118,6 +118,10 @@ class UniverseBuild:
     members: dict[str, StatisticsFile]  # statistics prefix -> its statistics
     member_of: dict[str, str]  # member key -> statistics prefix
     leases: Leases
+    # The groups this build computes (a stage: all of them, or those a request needs first) and the
+    # stage's name ("" for the whole universe at once: its engram files are named as they always were).
+    stage: tuple[str, ...] = ()
+    stage_name: str = ""
     computed: dict[str, int] = field(default_factory=lambda: {"groups": 0, "members": 0})
     _local: dict[str, Path] = field(default_factory=dict)  # groups this process computed, as scratch files
     _reader: CheckpointReader | None = None
@@ -139,30 +143,60 @@ class UniverseBuild:
         members = {prefix: statistics(ctx, prefix) for prefix in spec.prefixes}
         plan = plan_universe(model.layout, members)
         member_of = {key: prefix for prefix, key in member_keys(sorted(members)).items()}
-        return cls(ctx, universe_id, spec, model, plan, members, member_of, _leases(ctx, universe_id))
+        build = cls(ctx, universe_id, spec, model, plan, members, member_of, _leases(ctx, universe_id))
+        return build.for_stage(plan.groups)
+
+    def for_stage(self, groups: Collection[str]) -> UniverseBuild:
+        """Build only ``groups`` (and every member's engrams of their layers): one stage of the universe.
+
+        Its name is a digest of the groups (the same groups, the same name: a stage cut short, or built
+        by two requests at once, is resumed and shared, not duplicated), "" when it is every group.
+        """
+        unknown = sorted(set(groups) - set(self.plan.groups))
+        if unknown:
+            raise JobFailed(f"universe {self.universe_id} has no input group {', '.join(unknown)}")
+        self.stage = tuple(g for g in self.plan.groups if g in set(groups))
+        whole = len(self.stage) == len(self.plan.groups)
+        self.stage_name = "" if whole else stage_name(self.stage)
+        return self
+
+    @property
+    def stage_layers(self) -> list[LayerSpec]:
+        """The layers of this stage's groups, in layout order."""
+        held = set(self.stage)
+        return [s for s in self.plan.layers if self.plan.group_of(s.name) in held]
+
+    def member_file(self, member: str) -> str:
+        """The name of a member's engram file of this stage (``engrams/<name>.safetensors``)."""
+        return f"{member}~{self.stage_name}" if self.stage_name else member
 
     @property
     def total_steps(self) -> int:
-        return len(self.plan.groups) + len(self.plan.layers) * len(self.members)
+        return len(self.stage) + len(self.stage_layers) * len(self.members)
 
     def group_order(self) -> list[str]:
         """The groups, widest first: the longest decompositions start first, so the last one to finish
         is a short one (the build's wall time is closest to its work divided among the builders)."""
         first = self.members[min(self.members)]  # the plan names each group by the first member's key
-        return sorted(self.plan.groups, key=lambda g: -first.dims.get(g, 0))
+        return sorted(self.stage, key=lambda g: -first.dims.get(g, 0))
 
     def published(self) -> tuple[set[str], set[str]]:
         """The groups and members published so far (two listings)."""
         prefix = universe_prefix(self.universe_id)
         stored = set(self.ctx.storage.list(prefix + "groups/"))
-        groups = {g for g in self.plan.groups if group_key(self.universe_id, g) in stored}
+        groups = {g for g in self.stage if group_key(self.universe_id, g) in stored}
         stored = set(self.ctx.storage.list(prefix + "engrams/"))
-        members = {m for m in self.member_of if engram_key(self.universe_id, m, ".json") in stored}
+        members = {m for m in self.member_of if engram_key(self.universe_id, self.member_file(m), ".json") in stored}
         return groups, members
 
+    def part_name(self, kind: str, name: str) -> str:
+        """A part's name in its lease and record: a group's, or the member's engram file of this stage."""
+        return name if kind == "group" else self.member_file(name)
+
     def _is_published(self, kind: str, name: str) -> bool:
-        key = group_key(self.universe_id, name) if kind == "group" else engram_key(self.universe_id, name, ".json")
-        return self.ctx.storage.exists(key)
+        if kind == "group":
+            return self.ctx.storage.exists(group_key(self.universe_id, name))
+        return self.ctx.storage.exists(engram_key(self.universe_id, self.member_file(name), ".json"))
 
     # ------------------------------------------------------------ the loop
 
@@ -174,7 +208,7 @@ class UniverseBuild:
         Returns:
             Seconds spent: ``decomposition`` (until every group was published), ``engrams``, ``total``.
         """
-        credit = _Credit(progress, len(self.plan.layers))
+        credit = _Credit(progress, len(self.stage_layers))
         order = self.group_order()
         started = time.perf_counter()
         decomposed: float | None = None
@@ -205,7 +239,7 @@ class UniverseBuild:
     def _claim_one(self, todo: list[tuple[str, str]], scratch: Path, credit: _Credit) -> bool:
         """Compute the first part of ``todo`` no one else holds; False when others hold them all."""
         for kind, name in todo:
-            with self.leases.claim(f"{kind}:{name}") as held:
+            with self.leases.claim(f"{kind}:{self.part_name(kind, name)}") as held:
                 if not held:
                     continue
                 if not self._is_published(kind, name):  # another may have published it since the listing
@@ -243,9 +277,9 @@ class UniverseBuild:
         )  # fmt: skip
 
     def group_files(self) -> dict[str, GroupFile]:
-        """Every group's factors as a local file (call once every group is published)."""
+        """This stage's groups' factors as local files (call once they are all published)."""
         files = {}
-        for group in self.plan.groups:
+        for group in self.stage:
             path = self._local.get(group) or local_object(self.ctx, group_key(self.universe_id, group))
             files[group] = group_file(path)
         return files
@@ -253,7 +287,7 @@ class UniverseBuild:
     # ------------------------------------------------------------ members
 
     def compute_member(self, member: str, scratch: Path, on_layer: Callable[[], None]) -> None:
-        """Compute one member's engrams of every layer and publish them (the sidecar last)."""
+        """Compute one member's engrams of every layer of this stage and publish them (the sidecar last)."""
         started = time.perf_counter()
         prefix = self.member_of[member]
         files = self.group_files()
@@ -262,11 +296,12 @@ class UniverseBuild:
         if exact:  # groups decomposed from rows: this member's Σ_k from its rows too (as Σ_U saw them)
             stats = RowsExact(self.ctx, prefix, stats, member_group_keys(self.plan.member_groups, prefix, exact))
         reader = self.reader()
-        file = scratch / f"{member}.safetensors"
+        name = self.member_file(member)
+        file = scratch / f"{name}.safetensors"
         info = write_member_engrams(
             file,
             stats,
-            self.plan.layers,
+            self.stage_layers,
             _LastGroup(self.plan, files),
             reader.layer_weights,
             lambda spec: reader.stored_dtype(reader.layout.weight_keys[spec.name]),
@@ -274,15 +309,13 @@ class UniverseBuild:
             device=self.ctx.settings.torch_device,
         )
         seconds = round(time.perf_counter() - started, 3)
-        record = {"part": "member", "name": member, "worker": worker_name(), "seconds": seconds, "bytes": info.nbytes}
-        self.ctx.storage.put_json(part_key(self.universe_id, "member", member), record)
-        self.ctx.storage.put_file(engram_key(self.universe_id, member), file)
+        record = {"part": "member", "name": name, "worker": worker_name(), "seconds": seconds, "bytes": info.nbytes}
+        self.ctx.storage.put_json(part_key(self.universe_id, "member", name), record)
+        self.ctx.storage.put_file(engram_key(self.universe_id, name), file)
         file.unlink()
-        self.ctx.storage.put_json(engram_key(self.universe_id, member, ".json"), info.to_json())  # last: published
+        self.ctx.storage.put_json(engram_key(self.universe_id, name, ".json"), info.to_json())  # last: published
         self.computed["members"] += 1
-        log.info(
-            "universe %s: engrams of member %s written by %s in %.3fs", self.universe_id, member, worker_name(), seconds
-        )
+        log.info("universe %s: engrams of member %s written by %s in %.3fs", self.universe_id, name, worker_name(), seconds)
 
     def reader(self) -> CheckpointReader:
         if self._reader is None:
@@ -293,11 +326,18 @@ class UniverseBuild:
     # ------------------------------------------------------------ manifest
 
     def manifest(self, seconds: Mapping[str, float]) -> UniverseManifest:
-        """The universe's manifest (every part published): members, groups, layers, bytes, seconds."""
+        """This stage's manifest (every part of it published): members, its groups and layers, bytes,
+        seconds; the plan's other groups deferred (none for a universe built at once: its manifest)."""
         spec, plan = self.spec, self.plan
         keys = member_keys(sorted(self.members))
-        engrams = {m: self.ctx.storage.get_json(engram_key(self.universe_id, m, ".json")) for m in sorted(self.member_of)}
-        groups = {g: self._group_info(g) for g in plan.groups}
+        engrams = {
+            m: self.ctx.storage.get_json(engram_key(self.universe_id, self.member_file(m), ".json"))
+            for m in sorted(self.member_of)
+        }
+        groups = {g: self._group_info(g) for g in self.stage}
+        layers = [s.name for s in self.stage_layers]
+        files = {key: {"files": {self.member_file(key): layers}} if self.stage_name else {} for key in engrams}
+        deferred = {g: names for g, names in plan.groups.items() if g not in groups}
         first = next(iter(engrams.values()))
         group_bytes = sum(int(g["bytes"]) for g in groups.values())
         engram_bytes = sum(int(e["bytes"]) for e in engrams.values())
@@ -325,12 +365,13 @@ class UniverseBuild:
                         "dtype": first["dtypes"][s.name],
                         "weight_norm": first["weight_norms"][s.name],
                     }
-                    for s in plan.layers
+                    for s in self.stage_layers
                 },
-                "engrams": {key: {"bytes": e["bytes"], "norms": e["norms"]} for key, e in engrams.items()},
+                "engrams": {key: {"bytes": e["bytes"], "norms": e["norms"], **files[key]} for key, e in engrams.items()},
                 "bytes": {"groups": group_bytes, "engrams": engram_bytes, "total": group_bytes + engram_bytes},
                 "seconds": dict(seconds),
                 "created_at": utc_now(),
+                **({"deferred": deferred} if deferred else {}),
             }
         )
 
@@ -343,6 +384,11 @@ class UniverseBuild:
             record["source"] = found.source
         fields = ("dim", "rank", "explicit", "bytes", "source", "worker", "seconds")
         return {k: record[k] for k in fields if k in record}
+
+
+def stage_name(groups: Collection[str]) -> str:
+    """A stage's name: a digest of its groups (16 hex digits)."""
+    return canonical_digest(sorted(groups))[:16]
 
 
 def _leases(ctx: Context, universe_id: str) -> Leases:

@@ -21,6 +21,7 @@ from service.storage.keys import (
     model_universes_prefix,
     universe_manifest_key,
     universe_plan_key,
+    universe_prefix,
     universe_request_key,
     usage_key,
 )
@@ -66,6 +67,33 @@ def _manifest_json(ctx: Context, universe_id: str, recent: bool) -> dict[str, An
         return dict(manifest)
     ctx.reads.forget(key)  # a cached miss is never trusted: a build's publication shows at once
     return ctx.reads.recent_json(key)
+
+
+def stage_key(universe_id: str, stage: str) -> str:
+    """A partial build stage's manifest (:mod:`service.universes.build`): written once its parts are."""
+    return f"{universe_prefix(universe_id)}stages/{stage}.json"
+
+
+def build_target_key(universe_id: str, job_id: str) -> str:
+    """The groups job ``job_id`` builds of the universe (one stage): what its helpers help with."""
+    return f"{universe_prefix(universe_id)}builds/{job_id}.json"
+
+
+def find_stages(ctx: Context, universe_id: str) -> list[UniverseManifest]:
+    """The partial build stages stored so far (their manifests), in name order.
+
+    Read from storage itself, never cached: the retention rule deletes them with the universe.
+
+    Raises:
+        MalformedManifest: a stored stage is of another format or not a manifest (named).
+    """
+    prefix = universe_prefix(universe_id) + "stages/"
+    found = []
+    for key in sorted(ctx.storage.list(prefix)):
+        data = ctx.storage.find_json(key)
+        if data is not None:  # deleted since the listing (evicted)
+            found.append(read_manifest(universe_id, data, partial=True))
+    return found
 
 
 def find_usage(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[str, Any]:

@@ -586,6 +586,8 @@ def evict_universe(ctx: Context, universe_id: str, *, reason: str) -> int:
     freed = groups + engrams
     ctx.storage.delete(prefix + "manifest.json")
     ctx.reads.forget(prefix + "manifest.json")
+    for stage in ctx.storage.list(prefix + "stages/"):  # a partial universe's stages, as its manifest: first
+        ctx.storage.delete(stage)
     kept = {universe_request_key(universe_id), usage_key(universe_id)}
     parts = [k for k in ctx.storage.list(prefix) if k not in kept]  # plan, groups, engrams, part records
     for key in parts:
@@ -617,6 +619,8 @@ def remove_universe(ctx: Context, universe_id: str) -> int:
     request, usage = universe_request_key(universe_id), usage_key(universe_id)
     ctx.storage.delete(prefix + "manifest.json")
     ctx.reads.forget(prefix + "manifest.json")
+    for stage in ctx.storage.list(prefix + "stages/"):  # a partial universe's stages, as its manifest: first
+        ctx.storage.delete(stage)
     parts = [k for k in ctx.storage.list(prefix) if k not in {request, usage}]
     for key in parts:
         ctx.storage.delete(key)
