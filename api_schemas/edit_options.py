@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -39,10 +40,23 @@ ADAPTER_OPTION_RULES: dict[str, Any] = {
 }
 
 
+# adapter_base_model names the base of a peft adapter only: unlike lora_rank it has no calibrate twin.
+BASE_MODEL_RULE: dict[str, Any] = {
+    "if": {"required": ["adapter_base_model"], "properties": {"adapter_base_model": {"type": "string"}}},
+    "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
+}
+
+# A folder path or a hub name as peft writes it into adapter_config.json: printable, one line.
+ADAPTER_BASE_MODEL_MAX = 1000
+ADAPTER_BASE_MODEL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+
 class EditOptions(Strict):
     # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
     # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
-    model_config = ConfigDict(json_schema_extra=ADAPTER_OPTION_RULES)
+    model_config = ConfigDict(
+        json_schema_extra={**ADAPTER_OPTION_RULES, "allOf": [*ADAPTER_OPTION_RULES["allOf"], BASE_MODEL_RULE]}
+    )
 
     scaling: Literal["uniform", "weight_norm"] = "uniform"
     modules: list[str] | None = Field(default=None, min_length=1, description="module-name suffixes")
@@ -92,9 +106,37 @@ class EditOptions(Strict):
             "q/k/v, GPT-2, BERT) is a 422 naming it; the variant's lora report gives each layer's kept energy"
         ),
     )
+    adapter_base_model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=ADAPTER_BASE_MODEL_MAX,
+        json_schema_extra={"pattern": ADAPTER_BASE_MODEL_PATTERN},  # checked by _printable, which says why
+        description=(
+            'format "peft": the adapter\'s base_model_name_or_path, what AutoPeftModelForCausalLM.from_pretrained'
+            "(adapter_dir) loads the base model from: a folder path or a hub name as the loading machine sees it "
+            "(printable, one line). Default: the hub name (and revision) of a model registered from hf://, else "
+            "the service's model ID, which the adapter's lora_report.json notes is neither"
+        ),
+    )
     callback_url: str | None = Field(
         default=None, max_length=2000, description="POSTed the build job when it ends (host must be allowlisted)"
     )
+
+    @field_validator("adapter_base_model")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        if value is not None and re.search(r"[\x00-\x1f\x7f]", value):
+            raise ValueError(
+                "adapter_base_model must be one printable line (no newline, tab or other control character): "
+                "a folder path or a hub name such as org/name"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _base_model_of_an_adapter(self) -> EditOptions:
+        if self.adapter_base_model is not None and self.format != "peft":
+            raise ValueError(f'adapter_base_model names the base of format "peft" only, not {self.format!r}')
+        return self
 
     @model_validator(mode="after")
     def _servable_rank(self) -> EditOptions:

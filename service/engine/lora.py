@@ -13,9 +13,14 @@ Conventions, checked against peft 0.21 in ``tests/engine/test_lora.py``:
 - The scaling ``lora_alpha / r`` is 1 in every layer: the global ``r`` and ``lora_alpha`` are both
   the largest rank, and ``rank_pattern`` = ``alpha_pattern`` give each layer its own. A server that
   ignores the patterns and computes ``lora_alpha / r`` once per adapter still scales by 1.
-- Bias changes go to ``lora_B.bias`` (peft's ``lora_bias=True``), so biased layers are exact too.
-  peft's switch is adapter-wide: bias-free layers of such an adapter carry a zero bias, which is
-  exact when serving but which ``merge_and_unload`` refuses to merge.
+- Bias changes go to ``lora_B.bias`` (peft's ``lora_bias=True``) when every adapted layer has a
+  bias, so biased layers are exact too. peft's switch is adapter-wide, and ``merge_and_unload``
+  refuses a ``lora_bias`` on a layer without a bias (a ResNet's convs beside its biased head,
+  Qwen2's bias-free ``o_proj`` beside its biased ``q_proj``). Such a mixed adapter has no
+  ``lora_bias``: its biased layers' edited biases are stored whole as their base layers' bias
+  (peft's ``bias="lora_only"``, keys ``<module>.base_layer.bias``), which ``PeftModel`` loads into
+  the base model; it merges, and serves, as the checkpoint variant. The report says that
+  ``disable_adapter()`` and ``unload()`` then keep the edited biases.
 - A tied ``lm_head`` gets its own LoRA: served unmerged it changes the head's output only and the
   embedding keeps its values. Merging would add ``B·A`` into the shared tensor and so change the
   embedding as well; the report says when that applies.
@@ -151,6 +156,8 @@ class LayerLora:
             here and written as peft's conv LoRA shapes (:func:`~service.engine.lora_files.adapter_tensors`).
         kept_rank: the singular directions the factors carry; past it, up to ``rank``, zero padding
             (``None``: no padding, ``rank``).
+        edited_bias: the layer's new bias as the checkpoint variant stores it (``None`` without a
+            bias): what a mixed adapter stores whole (see the module notes).
     """
 
     name: str
@@ -166,6 +173,7 @@ class LayerLora:
     transposed: bool
     kept_rank: int | None = None
     kernel: ConvKernel | None = None
+    edited_bias: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -241,7 +249,16 @@ def layer_lora(
         delta_norm=factors.norm,
         transposed=spec.transposed,
         kernel=spec.kernel,
+        edited_bias=_edited_bias(item),
     )
+
+
+def _edited_bias(item: LayerDelta) -> torch.Tensor | None:
+    """``b + Δb`` summed in float64 and cast to the bias's dtype, as the checkpoint writer does."""
+    old = item.weights.bias
+    if not item.spec.bias or old is None:
+        return None
+    return (old.to(COMPUTE_DTYPE) + item.delta[:, item.spec.in_features]).to(old.dtype).contiguous()
 
 
 def layer_loras(

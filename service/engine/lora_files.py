@@ -3,6 +3,10 @@
 
 The factors come from :mod:`service.engine.lora` (one :class:`~service.engine.lora.LayerLora` per
 edited layer, computed layer by layer from its float64 delta).
+
+``base_model_name_or_path`` is what ``AutoPeftModel*.from_pretrained(adapter_dir)`` loads the base
+from (:func:`adapter_base`): the name the request gave (a folder or hub name), else the hub name of
+a model registered from ``hf://``, else the service's model ID, which the report says is neither.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -21,17 +26,77 @@ from service.engine.errors import EditError
 from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, REPORT_FILE, LayerLora, servable_by_vllm
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget
 
+# ---------------------------------------------------------------- the base model it names
+
+HF_SCHEME = "hf://"
+
+
+@dataclass(frozen=True)
+class AdapterBase:
+    """The base model an adapter names in ``adapter_config.json``.
+
+    Attributes:
+        name: ``base_model_name_or_path``.
+        revision: peft's ``revision`` (the hub revision of an ``hf://org/name@rev`` model).
+        note: why ``name`` will not load by itself (the service's model ID), for the report.
+    """
+
+    name: str
+    revision: str | None = None
+    note: str | None = None
+
+
+def adapter_base(model_id: str, source: str, requested: str | None = None) -> AdapterBase:
+    """The base model an adapter of ``model_id`` names.
+
+    Args:
+        model_id: the service's model ID.
+        source: the model's registered source (``file://``, ``s3://`` or ``hf://org/name[@revision]``,
+            validated at registration).
+        requested: the request's ``adapter_base_model`` (a folder or hub name), which wins.
+    """
+    if requested is not None:
+        return AdapterBase(requested)
+    if source.startswith(HF_SCHEME):
+        name, _, revision = source.removeprefix(HF_SCHEME).partition("@")
+        return AdapterBase(name, revision or None)
+    return AdapterBase(
+        model_id,
+        note=(
+            f"base_model_name_or_path is the service's model ID {model_id!r}, not a folder or hub name, so "
+            "AutoPeftModel.from_pretrained(adapter_dir) cannot find the base by itself: load the base model "
+            "and call PeftModel.from_pretrained(base, adapter_dir), or set adapter_base_model on the edit "
+            "request to the base model's folder or hub name"
+        ),
+    )
+
+
 # ---------------------------------------------------------------- the adapter directory
+
+# How an adapter carries its layers' bias changes (see service.engine.lora): "lora_bias" when every
+# layer has a bias, "base_bias" (edited biases stored whole, peft bias "lora_only") when only some do.
+BiasLayout = Literal["none", "lora_bias", "base_bias"]
+
+
+def bias_layout(loras: Sequence[LayerLora]) -> BiasLayout:
+    """``lora_bias`` only where peft can merge it (every layer has a bias), else whole biases."""
+    biased = [lora.bias is not None for lora in loras]
+    if not any(biased):
+        return "none"
+    return "lora_bias" if all(biased) else "base_bias"
 
 
 def adapter_tensors(loras: Sequence[LayerLora]) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the keys ``PeftModel.save_pretrained`` writes (a conv's as peft's
     conv LoRA holds them: ``lora_A`` ``[r, C_in, *kernel]``, ``lora_B`` ``[out, r, 1, 1]``).
 
-    With any biased layer, every layer gets ``lora_B.bias`` (peft's ``lora_bias`` is adapter-wide):
-    zeros where the base layer has no bias.
+    Bias changes (:func:`bias_layout`): as ``lora_B.bias`` when every layer has a bias; when only some
+    do, their edited biases whole as ``base_layer.bias`` (what peft's ``bias="lora_only"`` saves).
+
+    Raises:
+        ValueError: a mixed adapter's biased layer without its edited bias.
     """
-    with_bias = any(lora.bias is not None for lora in loras)
+    layout = bias_layout(loras)
     tensors: dict[str, torch.Tensor] = {}
     for lora in loras:
         prefix = f"{KEY_PREFIX}{lora.name}"
@@ -42,9 +107,12 @@ def adapter_tensors(loras: Sequence[LayerLora]) -> dict[str, torch.Tensor]:
             lora_b = lora_b.reshape(lora_b.shape[0], lora.rank, *ones)
         tensors[f"{prefix}.lora_A.weight"] = lora_a.contiguous()
         tensors[f"{prefix}.lora_B.weight"] = lora_b.contiguous()
-        if with_bias:
-            bias = lora.bias if lora.bias is not None else lora.lora_B.new_zeros(lora.lora_B.shape[0])
-            tensors[f"{prefix}.lora_B.bias"] = bias.contiguous()
+        if layout == "lora_bias" and lora.bias is not None:
+            tensors[f"{prefix}.lora_B.bias"] = lora.bias.contiguous()
+        elif layout == "base_bias" and lora.bias is not None:
+            if lora.edited_bias is None:
+                raise ValueError(f"layer {lora.name} has a bias change but no edited bias to store")
+            tensors[f"{prefix}.base_layer.bias"] = lora.edited_bias.contiguous()
     return tensors
 
 
@@ -54,12 +122,15 @@ def exact_pattern(names: Iterable[str]) -> str:
 
 
 def adapter_config(
-    model_id: str, loras: Sequence[LayerLora], lora_target: LoraTarget = "peft", task_type: str | None = "CAUSAL_LM"
+    model_id: str | AdapterBase,
+    loras: Sequence[LayerLora],
+    lora_target: LoraTarget = "peft",
+    task_type: str | None = "CAUSAL_LM",
 ) -> dict[str, Any]:
     """``adapter_config.json`` for the layers: LoRA with scaling 1 and one rank per layer.
 
     Args:
-        model_id: the base model's ID (``base_model_name_or_path``).
+        model_id: the base model (``base_model_name_or_path`` and ``revision``; a string: the name).
         loras: the adapter's layers (at least one).
         lora_target: ``"vllm"``: every layer has rank ``r``, so no rank/alpha patterns (vLLM reads none).
         task_type: peft's ``task_type``, which picks the ``PeftModel`` class that wraps the model:
@@ -69,14 +140,16 @@ def adapter_config(
     Returns:
         The config as peft's ``LoraConfig`` reads it (unlisted fields take peft's defaults).
     """
+    base = model_id if isinstance(model_id, AdapterBase) else AdapterBase(model_id)
+    layout = bias_layout(loras)
     top = max(lora.rank for lora in loras)
     # peft matches a pattern key k as r"(.*\.)?(k)$": escaped full paths match one module each.
     ranks = {re.escape(lora.name): lora.rank for lora in loras} if lora_target == "peft" else {}
     return {
         "peft_type": "LORA",
         "task_type": task_type,
-        "base_model_name_or_path": model_id,
-        "revision": None,
+        "base_model_name_or_path": base.name,
+        "revision": base.revision,
         "r": top,
         "lora_alpha": top,
         "rank_pattern": ranks,
@@ -85,8 +158,8 @@ def adapter_config(
         "lora_dropout": 0.0,
         # Describes the Conv1D layers; peft sets it per module anyway (False for an nn.Linear head).
         "fan_in_fan_out": any(lora.transposed for lora in loras),
-        "bias": "none",
-        "lora_bias": any(lora.bias is not None for lora in loras),
+        "bias": "lora_only" if layout == "base_bias" else "none",
+        "lora_bias": layout == "lora_bias",
         "use_rslora": False,
         "use_dora": False,
         "init_lora_weights": True,
@@ -103,8 +176,10 @@ def adapter_report(
     rtol: float,
     tied: Mapping[str, Sequence[str]],
     lora_target: LoraTarget = "peft",
+    base: AdapterBase | None = None,
 ) -> dict[str, Any]:
-    """Per-layer ranks, errors and kept energy, totals, and whether peft can merge the adapter safely.
+    """Per-layer ranks, errors and kept energy, totals, whether peft can merge the adapter safely, and
+    notes on loading it (the merge's obstacles first).
 
     Args:
         loras: the adapter's layers.
@@ -113,14 +188,18 @@ def adapter_report(
         rtol: the numerical-rank cut.
         tied: layer -> the parameters sharing its base weight (``lm_head`` -> ``model.embed_tokens.weight``).
         lora_target: what the adapter was written for.
+        base: the base model the config names (given: the report repeats it, with its note).
     """
     delta_energy = sum(lora.delta_norm**2 for lora in loras)
     error_energy = sum((lora.relative_error * lora.delta_norm) ** 2 for lora in loras)
     kept = sum(lora.kept_energy * lora.delta_norm**2 for lora in loras)
     parameters = sum(t.numel() for t in adapter_tensors(loras).values())
     dense = sum(lora.lora_B.shape[0] * (lora.lora_A.shape[1] + int(lora.bias is not None)) for lora in loras)
-    notes = _merge_notes(loras, tied)
+    blocking = _merge_notes(loras, tied)
+    notes = blocking + _loading_notes(loras, base)
+    base_fields = {} if base is None else {"base_model_name_or_path": base.name, "revision": base.revision}
     return {
+        **base_fields,
         "lora_target": lora_target,
         "max_rank": max_rank,
         "rtol": rtol,
@@ -138,7 +217,8 @@ def adapter_report(
             "parameters": parameters,
             "dense_parameters": dense,
         },
-        "mergeable": not notes,
+        "bias": bias_layout(loras),
+        "mergeable": not blocking,
         "notes": notes,
     }
 
@@ -150,18 +230,27 @@ def _merge_notes(loras: Sequence[LayerLora], tied: Mapping[str, Sequence[str]]) 
         for lora in loras
         if tied.get(lora.name)
     ]
-    bias_free = [lora.name for lora in loras if lora.bias is None]
-    if bias_free and len(bias_free) < len(loras):
+    return notes
+
+
+def _loading_notes(loras: Sequence[LayerLora], base: AdapterBase | None) -> list[str]:
+    """What loading the adapter does or needs that peft does not say by itself."""
+    notes = []
+    if bias_layout(loras) == "base_bias":
+        biased = ", ".join(lora.name for lora in loras if lora.bias is not None)
         notes.append(
-            f"lora_bias is adapter-wide in peft: the bias-free layers {', '.join(bias_free)} carry a zero "
-            "lora_B.bias, exact when served, but peft refuses to merge them"
+            "peft's lora_bias is adapter-wide and cannot merge into the layers without a bias, so the edited "
+            f'biases of {biased} are stored whole (bias "lora_only"): PeftModel.from_pretrained writes them '
+            "into the base model's layers, where they stay after disable_adapter() or unload()"
         )
+    if base is not None and base.note is not None:
+        notes.append(base.note)
     return notes
 
 
 def write_adapter(
     target: Path,
-    model_id: str,
+    model_id: str | AdapterBase,
     loras: Iterable[LayerLora],
     *,
     max_rank: int | None = None,
@@ -177,7 +266,7 @@ def write_adapter(
 
     Args:
         target: an existing, empty directory.
-        model_id: the base model's ID, written as ``base_model_name_or_path``.
+        model_id: the base model (:func:`adapter_base`; a string: ``base_model_name_or_path``).
         loras: the layers' factors (from :func:`layer_loras`, with the same ``lora_target``).
         max_rank: the rank cap ``loras`` used, for the report; for vLLM the adapter's rank (``None``:
             the smallest rank vLLM serves that holds every layer's kept directions).
@@ -202,8 +291,9 @@ def write_adapter(
         raise EditError("the edit changes no layer, so there is no adapter to write")
     if lora_target == "vllm":
         kept = servable_by_vllm(kept, max_rank)
+    base = model_id if isinstance(model_id, AdapterBase) else AdapterBase(model_id)
     save_file(adapter_tensors(kept), str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(model_id, kept, lora_target, task_type), indent=2))
-    report = adapter_report(kept, max_rank, rtol, tied or {}, lora_target)
+    (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(base, kept, lora_target, task_type), indent=2))
+    report = adapter_report(kept, max_rank, rtol, tied or {}, lora_target, base)
     (target / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return report

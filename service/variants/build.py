@@ -17,16 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from service.context import Context
-from service.engine.checkpoint import CheckpointReader, file_sha256
-from service.engine.checkpoint_write import write_checkpoint, write_delta
+from service.engine.checkpoint import CheckpointReader
+from service.engine.checkpoint_write import Written, write_checkpoint, write_delta
 from service.engine.compose import EngramSource, layer_deltas, layer_scales, normalized_scales
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
 from service.engine.layers import LayerSpec, select_layers, with_module_strengths
 from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
-from service.engine.lora_files import write_adapter
+from service.engine.lora_files import AdapterBase, adapter_base, write_adapter
 from service.engine.model_files import ModelSourceError
+from service.engine.safetensors_stream import WrittenFile
 from service.engrams.manifest import UniverseManifest
 from service.engrams.store import (
     StoredEngrams,
@@ -40,11 +41,11 @@ from service.jobs.records import JobRecord, VariantPayload
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
-from service.storage.base import scratch_dir
-from service.storage.keys import variant_file_key, variant_manifest_key, variant_request_key
+from service.storage.keys import variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
-from service.variants.manifest import VariantFile, VariantManifest
+from service.variants.manifest import VariantManifest
+from service.variants.publish import discard_variant_files, publish_variant_files
 from service.variants.spec import VariantRequest
 
 
@@ -56,7 +57,8 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
     selection, which layers the universe reached), ``universe`` (its manifest and engram index;
     building it when missing), ``model_files`` (the checkpoint's files opened and checked against
     the identity recorded at registration), ``scales``, ``write`` (each layer: ``W`` and the terms'
-    engrams read, summed, written), ``upload`` (hashed and put in the store) and ``manifest``.
+    engrams read, summed, written, each file hashed as it is written), ``upload`` (the files moved
+    into the store: renamed on ``file://``, uploaded on S3) and ``manifest``.
     """
     timer = StepTimes()
     with timer.step("request"):
@@ -67,10 +69,12 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
             return {"variant_id": variant_id, "reused": True}
     progress = JobProgress(ctx, job.job_id, 0)
     started = time.monotonic()
-    with scratch_dir("variant") as tmp:
-        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id, timer=timer)
+    # Written where the store can take each file by a rename (file://), hashed while written: one pass.
+    with ctx.storage.staging_dir("variant") as tmp:
+        written: dict[str, WrittenFile] = {}
+        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id, timer=timer, written=written)
         with timer.step("upload"):
-            files = upload_variant(ctx, variant_id, Path(tmp))
+            files = publish_variant_files(ctx, variant_id, Path(tmp), written)
     seconds = round(time.monotonic() - started, 3)
     published = VariantManifest(
         variant_id=variant_id,
@@ -82,7 +86,11 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
         lora=built.lora,  # per-layer ranks and errors of a peft adapter, shown on the variant
     )
     with timer.step("manifest"):
-        ctx.storage.put_json(variant_manifest_key(variant_id), published.to_json())  # last: the variant now exists
+        try:
+            ctx.storage.put_json(variant_manifest_key(variant_id), published.to_json())  # last: the variant now exists
+        except BaseException:
+            discard_variant_files(ctx, variant_id)  # no manifest: nothing may stay under the variant's key
+            raise
         note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
     result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
     return {**result, "universe_built_s": built.universe_built_s, "steps": timer.seconds}
@@ -108,6 +116,7 @@ def build_variant_files(
     *,
     job_id: str | None = None,
     timer: StepTimes | None = None,
+    written: Written | None = None,
 ) -> BuiltVariant:
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
@@ -117,6 +126,8 @@ def build_variant_files(
             universe build before it only checks for cancellation).
         job_id: the variant job; given, a universe built first asks idle workers to help with it.
         timer: told the seconds of each step (see :func:`run_variant`).
+        written: given, told the size and sha256 of each file as it is written (a peft adapter's
+            files are not: their writer does not hash).
 
     Raises:
         JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
@@ -135,7 +146,7 @@ def build_variant_files(
         if spec.format == "peft":
             check_adapter_layers(layers)  # before the universe is built
         with timer.step("universe"):
-            source, universe, built_s = _engram_source(ctx, request, steps, job_id)
+            source, universe, built_s = _engram_source(ctx, request, steps, job_id, [s.name for s in layers])
         with timer.step("model_files"):
             reader = CheckpointReader(checked_model_files(ctx, model), layout)
         if isinstance(steps, JobProgress):
@@ -144,19 +155,21 @@ def build_variant_files(
             # W-Norm's f_l (or 1) first, then each module type's strength factor
             scales = with_module_strengths(variant_scales(layers, source, universe, spec.scaling, reader), spec.strengths)
         with timer.step("write"):
-            lora = write_variant(out, reader, layout, layers, source, scales, request, steps)
+            base = adapter_base(model.model_id, model.source, spec.adapter_base_model)
+            lora = write_variant(out, reader, layout, layers, source, scales, request, steps, base, written=written)
     except (EditError, ModelSourceError) as exc:
         raise JobFailed(str(exc)) from None
     return BuiltVariant(scales, lora, built_s, [layer.name for layer in selected if layer.name in unreached])
 
 
 def _engram_source(
-    ctx: Context, request: VariantRequest, progress: Progress, job_id: str | None
+    ctx: Context, request: VariantRequest, progress: Progress, job_id: str | None, layers: Sequence[str] | None = None
 ) -> tuple[EngramSource, UniverseManifest | None, float | None]:
-    """The variant's terms as stored engrams of its universe (built now if missing)."""
+    """The variant's terms as stored engrams of its universe (built now if missing: the input groups
+    of ``layers`` only, the rest deferred to the request that needs it)."""
     started = time.monotonic()
     cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
-    universe, existed = ensure_universe(ctx, request.universe_id, cancel_only, job_id=job_id)
+    universe, existed = ensure_universe(ctx, request.universe_id, cancel_only, job_id=job_id, layers=layers)
     built_s = None if existed else round(time.monotonic() - started, 3)
     terms: dict[str, float] = {}
     for name, coefficient in request.terms.items():
@@ -189,12 +202,15 @@ def write_variant(
     scales: dict[str, float],
     request: VariantRequest,
     progress: Progress,
+    base: AdapterBase | None = None,
+    *,
+    written: Written | None = None,
 ) -> dict[str, Any] | None:
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     edit_layer = stored_editor(source, reader.layer_weights, scales)
     edited = {name for name, scale in scales.items() if scale != 0.0}
     if request.spec.format == "checkpoint":
-        write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance)
+        write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance, written=written)
         return None
     if request.spec.format == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
@@ -202,7 +218,7 @@ def write_variant(
         loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank, lora_target=target)
         return write_adapter(
             out,
-            request.model_id,
+            base or request.model_id,  # the base model peft's config names
             loras,
             max_rank=rank,
             tied=layout.tied_partners,
@@ -211,14 +227,14 @@ def write_variant(
             task_type=None if layout.causal_lm is False else "CAUSAL_LM",  # an image classifier: peft's base PeftModel
         )
     metadata = {"variant_id": request.variant_id, "terms": json.dumps(dict(request.terms))}
-    write_delta(reader.files, out / "delta.safetensors", layout, edit_layer, edited, metadata, on_layer=progress.advance)
+    write_delta(
+        reader.files,
+        out / "delta.safetensors",
+        layout,
+        edit_layer,
+        edited,
+        metadata,
+        on_layer=progress.advance,
+        written=written,
+    )
     return None
-
-
-def upload_variant(ctx: Context, variant_id: str, out: Path) -> tuple[VariantFile, ...]:
-    files = []
-    for file in sorted(p for p in out.rglob("*") if p.is_file()):
-        rel = file.relative_to(out).as_posix()
-        ctx.storage.put_file(variant_file_key(variant_id, rel), file)
-        files.append(VariantFile(path=rel, size=file.stat().st_size, sha256=file_sha256(file)))
-    return tuple(files)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas import EditOptions
 from service.engine.errors import EditError
@@ -39,6 +39,7 @@ class VariantSpec:
         lora_rank: ``peft``: the largest rank (``vllm``: the one rank); None: exact, or the smallest.
         lora_target: ``peft``: what loads the adapter; None for the other formats (and for peft
             adapters stored before the option, which are ``peft``).
+        adapter_base_model: ``peft``: the base the adapter names (None: the model's default).
     """
 
     scaling: str = "uniform"
@@ -48,6 +49,7 @@ class VariantSpec:
     module_strengths: Strengths = ()
     lora_rank: int | None = None
     lora_target: str | None = None
+    adapter_base_model: str | None = None
 
     @classmethod
     def from_options(cls, options: EditOptions) -> VariantSpec:
@@ -61,6 +63,7 @@ class VariantSpec:
             module_strengths=tuple((s, float(v)) for s, v in sorted(given.items()) if float(v) != 1.0),
             lora_rank=options.lora_rank,
             lora_target=options.lora_target if options.format == "peft" else None,
+            adapter_base_model=options.adapter_base_model if options.format == "peft" else None,
         )
 
     @property
@@ -95,6 +98,8 @@ class VariantSpec:
             lora: dict[str, Any] = {"rank": self.lora_rank, "rtol": EXACT_RTOL}
             if self.adapter_target != "peft":
                 lora["target"] = self.adapter_target
+            if self.adapter_base_model is not None:  # written into adapter_config.json
+                lora["base_model"] = self.adapter_base_model
             identity["lora"] = lora
         return identity
 
@@ -166,6 +171,8 @@ class VariantRequest(BaseModel):
     universe_id: str
     universe_stats: tuple[str, ...]
     job_id: str | None = None
+    # absent from requests stored without it, so that they are stored as before
+    adapter_base_model: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @classmethod
     def new(
@@ -196,6 +203,7 @@ class VariantRequest(BaseModel):
             term_stats=dict(resolved.terms),
             universe_id=universe.universe_id,
             universe_stats=tuple(universe.prefixes),
+            adapter_base_model=spec.adapter_base_model,
         )
 
     @classmethod
@@ -213,6 +221,7 @@ class VariantRequest(BaseModel):
             module_strengths=tuple((s, float(v)) for s, v in (self.module_strengths or {}).items()),
             lora_rank=self.lora_rank,
             lora_target=self.lora_target,
+            adapter_base_model=self.adapter_base_model,
         )
 
     def with_job(self, job_id: str) -> VariantRequest:
