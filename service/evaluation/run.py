@@ -3,7 +3,8 @@
 A job loads the variant *as it was shipped* (the checkpoint directory, the delta on the base, or the
 PEFT adapter on the base), so the numbers describe the artifact users download, not a recomputation.
 An evaluation's result is stored content-addressed (``evaluations/<evaluation id>.json``), and the
-same probes on the same variant are answered from it.
+same probes on the same variant are answered from it. Image probes on an image classifier's variant
+are scored by :mod:`service.evaluation.classifier_run`.
 
 Chat probes and a generation's ``messages`` are rendered by the job's bounded template process
 (:mod:`service.jobs.templates`: ENGRAM_TEMPLATE_TIMEOUT_S / _MEMORY_BYTES / _MAX_CHARS, killed when
@@ -31,6 +32,7 @@ from service.engine.layout import is_causal_lm
 from service.engine.model_files import ModelFiles
 from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics, with_answer
 from service.errors import JobFailed
+from service.evaluation.classifier_run import evaluate_classifiers
 from service.evaluation.service import SPLITS
 from service.evaluation.tofu_metrics import ModelReport, model_report, tofu_scores
 from service.jobs.progress import JobProgress
@@ -129,6 +131,13 @@ def run_evaluation(ctx: Context, job: JobRecord) -> dict[str, Any]:
     if cached is not None:
         return {**cached, "reused": True}
     raw = json.loads(ctx.storage.get_bytes(probes_key(payload.probes_digest)))
+    if raw.get("classifier") is not None:  # image probes on an image classifier's variant
+        result = evaluate_classifiers(
+            ctx, payload.variant_id, raw, VARIANT_MODELS.get, lambda total: _progress(ctx, job, total)
+        )
+        _check_base_unchanged(ctx, payload.variant_id)
+        ctx.storage.put_json(key, result)
+        return result
     probes = {s: [_probe(p) for p in raw[s]] for s in SPLITS}
     base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload.variant_id)
     _causal(base)

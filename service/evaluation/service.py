@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from api_schemas.evaluation import CLASSIFIER_SETS
 from service.context import Context
 from service.errors import Conflict, InvalidInput, NotFound
+from service.evaluation.classifier_probes import check_image_probes, check_probe_kinds, model_classes, retain_classifier
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
@@ -29,10 +31,15 @@ SPLITS = ("forget", "retain")
 METRICS_ALL = "tofu"
 
 
-def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
+def _ready_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     view = variant_view(ctx, variant_id)  # 404 for an unknown variant
     if view["status"] != "ready":
         raise Conflict(f"variant {variant_id} is {view['status']}, not ready; wait for its job {view['job_id']}")
+    return view
+
+
+def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
+    view = _ready_view(ctx, variant_id)
     check_causal_lm(get_model(ctx, view["model_id"]), "evaluation and generation")
     return view
 
@@ -43,15 +50,24 @@ def submit_evaluation(
     probes: dict[str, list[dict[str, Any]]],
     callback_url: str | None,
     tofu: Mapping[str, Any] | None = None,
+    retain_model: str | None = None,
 ) -> JobRecord:
     """Store the probes and queue an evaluation job; returns the job.
 
     ``tofu`` (the request's ``metrics``, ``retain_model``, ``holdout``, ``utility``; None without
     metrics) is stored with the probes, so it is part of the evaluation's identity: the same probes
     asked for other metrics or against another retain model are scored again, not answered from storage.
+
+    Image probes (an image classifier's variant; ``probes`` may hold a ``test`` set) go to
+    :func:`_submit_classifier`, with ``retain_model`` the retrained classifier.
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    view = _ready_variant(ctx, variant_id)
+    view = _ready_view(ctx, variant_id)
+    model = get_model(ctx, view["model_id"])
+    check_probe_kinds(probes, model)  # before the causal-LM check: it names the probe and the model's kind
+    if model.kind == "image":
+        return _queue(ctx, variant_id, _classifier_probes(ctx, model, probes, retain_model), urls)
+    check_causal_lm(model, "evaluation and generation")
     stored: dict[str, Any] = {s: probes.get(s, []) for s in SPLITS}
     if tofu is not None:
         stored["tofu"] = _tofu_options(ctx, view, tofu)
@@ -62,6 +78,24 @@ def submit_evaluation(
     if any("messages" in p for p in every_probe):
         _check_chat_template(ctx, view, "messages probes")
     # Without metrics the stored JSON (and so the identity) is exactly what it was before metrics.
+    return _queue(ctx, variant_id, stored, urls)
+
+
+def _classifier_probes(
+    ctx: Context, model: ModelRecord, probes: dict[str, list[dict[str, Any]]], retain_model: str | None
+) -> dict[str, Any]:
+    """The stored form of an image classifier's evaluation: its probe sets as sent (every image
+    decoded once and every label resolved here, so the job meets no probe it cannot read) and the
+    resolved retrained model (``classifier.retain_model``; None without one)."""
+    check_image_probes(probes, model_classes(model), ctx.settings.max_image_pixels)
+    retained = retain_classifier(ctx, model, retain_model) if retain_model is not None else None
+    stored: dict[str, Any] = {s: probes.get(s, []) for s in CLASSIFIER_SETS}
+    stored["classifier"] = {"retain_model": retained}
+    return stored
+
+
+def _queue(ctx: Context, variant_id: str, stored: dict[str, Any], urls: list[str]) -> JobRecord:
+    """Store the probes (content-addressed) and queue the evaluation job that reads them."""
     data = json.dumps(stored, sort_keys=True, ensure_ascii=False).encode()
     digest = hashlib.sha256(data).hexdigest()
     payload = EvaluatePayload(

@@ -49,9 +49,30 @@ async def evaluate(
     ``metrics`` (``"tofu"`` or a list of names), also ``tofu.{base,variant,retain}``: TOFU's raw
     values and scores as OpenUnlearning names them, and what was left out and why (``retain``, and
     the scores against the retain model, only with ``retain_model``).
+
+    An image classifier's variant takes labelled image probes (``{"image", "label"}``) in
+    ``forget``, ``retain`` and ``test``: ``summary`` and ``records`` then hold the label's NLL and
+    whether the top-1 class is the label, and ``classifier`` per model (base, variant, and the
+    ``retain_model`` as ``retrained``) and set the top-1 accuracy, the mean label NLL and the
+    confusion row of each forgotten class, the features' DA and NMI, and the variant's ToW and CKA
+    to the base and to the retrained model.
     """
     # exclude_none: a prompt/completion probe is stored (and digested) as it always was.
-    probes = {split: [p.model_dump(exclude_none=True) for p in getattr(body, split)] for split in evaluation.SPLITS}
+    sets = (*evaluation.SPLITS, "test")
+    probes = {split: [p.model_dump(exclude_none=True) for p in getattr(body, split)] for split in sets}
+    if body.kind == "image":
+        return await _submit_and_wait(
+            ctx,
+            lanes,
+            wait,
+            response,
+            evaluation.submit_evaluation,
+            variant_id,
+            probes,
+            body.callback_url,
+            None,
+            body.retain_model,
+        )
     tofu = None
     if body.metrics is not None:
         tofu = {

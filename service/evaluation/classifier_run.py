@@ -1,0 +1,304 @@
+"""The ``evaluate`` job on an image classifier's variant: labelled image probes through the base, the
+variant and the retrained model.
+
+The probes are decoded, bounded and converted as a concept's image records are
+(:mod:`service.datasets.images`, :mod:`service.engine.images`: the model's own image processor, its
+channel count), in batches of ``ENGRAM_COLLECT_BATCH_SIZE``, decoded again for each model (at most
+one batch of pixels is held at once). :func:`service.engine.classify.classify` gives each model's
+logits and penultimate features, and :mod:`service.evaluation.classifier_metrics` the numbers:
+
+- per model and probe set: top-1 accuracy, mean label NLL and the confusion row of each forgotten
+  class (the labels of the forget probes) that has probes in the set;
+- per model, with forget and retain probes: DA and NMI of the penultimate features;
+- the variant's linear CKA to the base per set, and given the retrained model its CKA to it per set and
+  ToW on the forget, retain and test accuracies (all three sets needed).
+
+A number that cannot be computed (a set without probes, a representation that is the same for every
+probe) is left out, naming why (``classifier.scores.left_out``). ``summary`` and ``records`` keep their
+text shape: ``mean_nll`` / ``nll`` is the label's NLL and ``exact_match`` whether the top-1 class is
+the label. The variant is the artifact shipped (checkpoint, delta or PEFT adapter; see
+:mod:`service.evaluation.run`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from api_schemas.evaluation import CLASSIFIER_SETS
+from service.context import Context
+from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, decode_base64, decode_image, resolve_label
+from service.engine.classify import Classified, HeadNotFound, classify
+from service.engine.collect import PixelBatch
+from service.engine.images import ImageProcessorError, channels_of, load_image_processor, pixel_batches
+from service.errors import InvalidInput, JobFailed, PayloadTooLarge
+from service.evaluation import classifier_metrics as metrics
+from service.models.loaded import MODELS
+from service.models.registry import get_model
+from service.variants.service import find_variant_request
+
+# (base model, variant model, tokenizer) of a variant, as shipped: service.evaluation.run's loader.
+VariantLoader = Callable[[Context, str], tuple[Any, Any, Any]]
+ProbeSets = dict[str, list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A loaded classifier and the folder whose image processor reads its images."""
+
+    model: Any
+    folder: Path
+
+
+def model_classes(model: Any) -> dict[int, str]:
+    """The loaded model's classes (``config.id2label``, ids as ints)."""
+    return {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
+
+
+def probe_sets(raw: dict[str, Any]) -> ProbeSets:
+    """The stored probe sets that have probes, in the order forget, retain, test."""
+    return {name: list(raw.get(name) or []) for name in CLASSIFIER_SETS if raw.get(name)}
+
+
+def resolved_labels(sets: ProbeSets, classes: dict[int, str]) -> dict[str, list[int]]:
+    """Every probe's label as a class id of the model (checked at submission; again here, where the
+    model itself is read)."""
+    try:
+        return {
+            name: [_class_id(resolve_label(p[LABEL_FIELD], classes, f"{name}[{i}]")) for i, p in enumerate(probes)]
+            for name, probes in sets.items()
+        }
+    except InvalidInput as exc:
+        raise JobFailed(exc.detail) from None
+
+
+def _class_id(label: int | None) -> int:
+    if label is None:  # the schema requires a label on every image probe
+        raise JobFailed("an image probe has no label")
+    return label
+
+
+def _images(probes: Sequence[dict[str, Any]], name: str, max_pixels: int) -> Iterator[Any]:
+    for i, probe in enumerate(probes):
+        where = f"{name}[{i}]"
+        try:
+            yield decode_image(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels)
+        except (InvalidInput, PayloadTooLarge) as exc:  # the worker's own bound may be lower than the API's
+            raise JobFailed(exc.detail) from None
+
+
+def run_classifier(
+    classifier: Classifier,
+    probes: Sequence[dict[str, Any]],
+    labels: Sequence[int],
+    name: str,
+    *,
+    batch_size: int,
+    max_pixels: int,
+    advance: Callable[[int], None],
+) -> Classified:
+    """One classifier's logits and penultimate features on one probe set, its images read by its
+    own image processor; ``advance`` is called with each batch's image count."""
+    try:
+        processor = load_image_processor(classifier.folder)
+        channels = channels_of(classifier.model.config)
+    except ImageProcessorError as exc:
+        raise JobFailed(str(exc)) from None
+
+    def batches() -> Iterator[PixelBatch]:
+        for values in pixel_batches(processor, _images(probes, name, max_pixels), batch_size, channels):
+            batch = PixelBatch(values)
+            yield batch
+            advance(batch.num_counted)
+
+    try:
+        return classify(classifier.model, batches(), labels)
+    except (HeadNotFound, ImageProcessorError) as exc:
+        raise JobFailed(str(exc)) from None
+
+
+# ---------------------------------------------------------------- the numbers
+
+
+def per_probe(outputs: Classified) -> tuple[list[float], list[bool]]:
+    """Each probe's label NLL (``−log softmax(logits)[label]``) and whether its top-1 class is its label."""
+    logits, labels = outputs.logits.numpy(), outputs.labels.numpy()
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    nll = (-log_probs[np.arange(labels.shape[0]), labels]).tolist()
+    correct = (np.argmax(logits, axis=1) == labels).tolist()
+    return nll, correct
+
+
+def set_report(outputs: Classified, forgotten: Sequence[int], name: str) -> dict[str, Any]:
+    """``{n, accuracy, label_nll, confusion?}`` of one model on one probe set."""
+    logits, labels = outputs.logits.numpy(), outputs.labels.numpy()
+    report: dict[str, Any] = {
+        "n": int(labels.shape[0]),
+        "accuracy": metrics.top1_accuracy(logits, labels, what=name),
+        "label_nll": metrics.mean_label_nll(logits, labels, what=name),
+    }
+    present = [c for c in forgotten if bool((labels == c).any())]
+    if present:
+        report["confusion"] = {str(c): metrics.confusion_row(logits, labels, c, what=name) for c in present}
+    return report
+
+
+def model_report(
+    outputs: dict[str, Classified], forgotten: Sequence[int], model: str, left_out: dict[str, str]
+) -> dict[str, Any]:
+    """One model's per-set reports, and its features' DA and NMI when forget and retain probes were given."""
+    report: dict[str, Any] = {"sets": {name: set_report(out, forgotten, name) for name, out in outputs.items()}}
+    if "forget" not in outputs or "retain" not in outputs:
+        why = "needs forget and retain probes"
+        left_out.update({f"{model}.da": why, f"{model}.nmi": why})
+        return report
+    forget, retain = outputs["forget"], outputs["retain"]
+    try:
+        report["da"] = metrics.dimensional_alignment(forget.features.numpy(), retain.features.numpy())
+    except ValueError as exc:
+        left_out[f"{model}.da"] = str(exc)
+    features = torch.cat([forget.features, retain.features]).numpy()
+    labels = torch.cat([forget.labels, retain.labels]).numpy()
+    try:
+        report["nmi"] = metrics.feature_nmi(features, labels)
+    except ValueError as exc:
+        left_out[f"{model}.nmi"] = str(exc)
+    return report
+
+
+def cka_per_set(
+    first: dict[str, Classified], second: dict[str, Classified], what: str, left_out: dict[str, str]
+) -> dict[str, float]:
+    """Linear CKA of two models' penultimate features on each probe set (a set where it is undefined
+    is left out, naming why)."""
+    values: dict[str, float] = {}
+    for name, outputs in first.items():
+        try:
+            values[name] = metrics.linear_cka(outputs.features.numpy(), second[name].features.numpy())
+        except ValueError as exc:
+            left_out[f"{what}.{name}"] = str(exc)
+    return values
+
+
+def tug_of_war(variant: dict[str, Classified], retrained: dict[str, Classified], left_out: dict[str, str]) -> float | None:
+    """ToW of the variant against the retrained model on the forget, retain and test accuracies."""
+    missing = [name for name in CLASSIFIER_SETS if name not in variant]
+    if missing:
+        left_out["tow"] = f"ToW compares the forget, retain and test accuracies; no {', '.join(missing)} probes given"
+        return None
+
+    def accuracies(outputs: dict[str, Classified]) -> metrics.SetAccuracies:
+        values = {n: metrics.top1_accuracy(o.logits.numpy(), o.labels.numpy(), what=n) for n, o in outputs.items()}
+        return metrics.SetAccuracies(forget=values["forget"], retain=values["retain"], test=values["test"])
+
+    return metrics.tug_of_war(accuracies(variant), accuracies(retrained))
+
+
+def classifier_section(outputs: dict[str, dict[str, Classified]], forgotten: Sequence[int]) -> dict[str, Any]:
+    """The result's ``classifier`` section from every model's outputs (``base``, ``variant``,
+    ``retrained`` when given), per probe set."""
+    left_out: dict[str, str] = {}
+    models = {name: model_report(per_set, forgotten, name, left_out) for name, per_set in outputs.items()}
+    scores: dict[str, Any] = {"cka_to_base": cka_per_set(outputs["variant"], outputs["base"], "cka_to_base", left_out)}
+    retrained = outputs.get("retrained")
+    if retrained is not None:
+        scores["cka_to_retrained"] = cka_per_set(outputs["variant"], retrained, "cka_to_retrained", left_out)
+        scores["tow"] = tug_of_war(outputs["variant"], retrained, left_out)
+    else:
+        why = "needs retain_model (the classifier retrained without the forget classes)"
+        left_out.update({"tow": why, "cka_to_retrained": why})
+    scores["left_out"] = left_out
+    return {"forgotten_classes": list(forgotten), "models": models, "scores": scores}
+
+
+# ---------------------------------------------------------------- the job
+
+
+def load_retrained(ctx: Context, option: dict[str, Any], load_variant: VariantLoader) -> Classifier:
+    """The retrained classifier named by the stored ``retain_model`` option (a registered model, or a
+    variant as shipped), with the folder of the image processor it reads images with."""
+    if option["kind"] == "variant":
+        request = find_variant_request(ctx, option["id"])
+        if request is None:
+            raise JobFailed(f"retain_model {option['id']} was deleted since this evaluation was asked for")
+        _, model, _ = load_variant(ctx, option["id"])
+        return Classifier(model, Path(get_model(ctx, request.model_id).path))
+    manifest = get_model(ctx, option["id"])
+    if manifest.digest != option["digest"]:
+        raise JobFailed(f"retain_model {option['id']} was registered again since this evaluation was asked for")
+    model, _ = MODELS.get(ctx, manifest, ctx.settings.torch_device)
+    return Classifier(model, Path(manifest.path))
+
+
+def evaluate_classifiers(
+    ctx: Context,
+    variant_id: str,
+    raw: dict[str, Any],
+    load_variant: VariantLoader,
+    progress_for: Callable[[int], Any],
+) -> dict[str, Any]:
+    """An image classifier's evaluation result (``summary``, ``records``, ``classifier``, ``retain_model``).
+
+    Args:
+        raw: the stored probes (``forget``, ``retain``, ``test``, ``classifier``).
+        load_variant: loads a variant as shipped (``(base, variant, tokenizer)``).
+        progress_for: makes the job's progress from its total (images × models).
+    """
+    request = find_variant_request(ctx, variant_id)
+    if request is None:
+        raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
+    folder = Path(get_model(ctx, request.model_id).path)
+    base, variant, _ = load_variant(ctx, variant_id)
+    classifiers = {"base": Classifier(base, folder), "variant": Classifier(variant, folder)}
+    option = (raw.get("classifier") or {}).get("retain_model")
+    if option is not None:
+        classifiers["retrained"] = load_retrained(ctx, option, load_variant)
+        if len(model_classes(classifiers["retrained"].model)) != len(model_classes(base)):
+            raise JobFailed(f"retain_model {option['id']} has another number of classes than the base model")
+    sets = probe_sets(raw)
+    labels = resolved_labels(sets, model_classes(base))
+    progress = progress_for(len(classifiers) * sum(len(p) for p in sets.values()))
+    outputs = {
+        model: {
+            name: run_classifier(
+                classifier,
+                probes,
+                labels[name],
+                name,
+                batch_size=ctx.settings.collect_batch_size,
+                max_pixels=ctx.settings.max_image_pixels,
+                advance=progress.advance,
+            )
+            for name, probes in sets.items()
+        }
+        for model, classifier in classifiers.items()
+    }
+    forgotten = sorted(set(labels.get("forget", [])))
+    scored = {model: {name: per_probe(out) for name, out in outputs[model].items()} for model in ("base", "variant")}
+    return {
+        "variant_id": variant_id,
+        "summary": {
+            model: {
+                name: {"mean_nll": float(np.mean(nll)), "exact_match": float(np.mean(hits)), "n": len(nll)}
+                for name, (nll, hits) in per_set.items()
+            }
+            for model, per_set in scored.items()
+        },
+        "records": [
+            {
+                "split": name,
+                "index": i,
+                **{model: {"nll": scored[model][name][0][i], "exact_match": scored[model][name][1][i]} for model in scored},
+            }
+            for name in sets
+            for i in range(len(sets[name]))
+        ],
+        "classifier": classifier_section(outputs, forgotten),
+        "retain_model": option["id"] if option is not None else None,
+    }
