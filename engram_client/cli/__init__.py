@@ -17,13 +17,15 @@ This module assembles the command tree, in the order ``engram --help`` lists it;
   stdout and stderr, the tables, the progress of jobs and downloads;
 - :mod:`~engram_client.cli.options`, :mod:`~engram_client.cli.files`: shared options, local files;
 - one module per command or group: ``models``, ``concepts``, ``edits`` (unlearn, compose),
-  ``evaluation`` (evaluate, generate, map), ``calibration``, ``jobs``, ``variants``, ``universes``.
+  ``evaluation`` (evaluate, generate, map), ``calibration``, ``jobs``, ``variants``, ``universes``,
+  ``deltas`` (apply-delta: a delta variant applied to its base folder, locally).
 """
 
 from __future__ import annotations
 
 from engram_client.cli.calibration import calibrate_command
 from engram_client.cli.concepts import concepts_app
+from engram_client.cli.deltas import apply_delta_command
 from engram_client.cli.edits import compose, unlearn
 from engram_client.cli.evaluation import engram_map, evaluate, generate
 from engram_client.cli.jobs import jobs_app
@@ -43,5 +45,6 @@ app.command()(evaluate)
 app.command()(generate)
 app.command("map")(engram_map)
 app.command("calibrate")(calibrate_command)
+app.command("apply-delta")(apply_delta_command)
 
 __all__ = ["app"]
