@@ -1,0 +1,254 @@
+"""A request waits only for what it needs (issue 27): a variant of some modules on a new universe
+builds only the input groups of the layers it edits (a stage), the others are deferred until a
+request needs them, and every variant still equals the float64 formula.
+
+Through the real job bodies on a store world (tests.helpers.variants): a tiny Llama whose layers
+have four input groups each (attention input: q/k/v; o_proj's; the MLP input: gate/up; down_proj's).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from service.engine.checkpoint import CheckpointReader
+from service.engrams.manifest import GroupNotBuilt, MalformedManifest, read_manifest
+from service.jobs.leases import RedisLeases
+from service.jobs.progress import NoProgress
+from service.storage.keys import engram_key, group_key, part_key, universe_prefix
+from service.universes import parts as parts_module
+from service.universes.build import ensure_universe
+from service.universes.parts import UniverseBuild, stage_name
+from service.universes.records import find_manifest, find_stages
+from service.universes.service import submit_universe, universe_view
+from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, augmented, rel
+from tests.helpers.store_world import StoreWorld
+from tests.helpers.variants import ALPHA, assert_matches, build, checkpoint_of, layout_of, new_weights, reference_edit
+from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
+
+MODEL = "v/llama"
+REFERENCE = ["forget", "retain"]
+TERMS = {"forget": -ALPHA}
+
+
+def assert_module_edit(
+    world: dict[str, Any], variant: dict[str, Any], modules: list[str], terms: dict[str, float] = TERMS
+) -> None:
+    """The variant's layers of ``modules`` equal base + the float64 edit (uniform scaling, the universe
+    ``REFERENCE``); every other layer is the base's, bit for bit."""
+    w: StoreWorld = world["world"]
+    layout = layout_of(w, MODEL)
+    engrams, _ = reference_edit(world, MODEL, terms, REFERENCE, "uniform")
+    reader = CheckpointReader(world["paths"][MODEL], layout)
+    written = checkpoint_of(w, variant)
+    edited = 0
+    for spec in layout.layers:
+        old = augmented(spec, reader.layer_weights(spec))
+        new = new_weights(spec, layout, written)
+        if spec.name.rsplit(".", 1)[-1] not in modules:
+            assert torch.equal(new, old), spec.name
+            continue
+        edited += 1
+        assert rel(new, old + engrams[spec.name]) < WEIGHT_TOL, spec.name
+        assert rel(new - old, engrams[spec.name]) < DELTA_TOL, spec.name
+    assert edited > 0
+
+
+def _groups_of(w: StoreWorld, universe_id: str, module: str) -> set[str]:
+    """The plan's input groups whose layers are ``module`` layers."""
+    build = UniverseBuild.open(w.ctx, universe_id)
+    return {g for g, layers in build.plan.groups.items() if any(n.endswith("." + module) for n in layers)}
+
+
+def _stored_groups(w: StoreWorld, universe_id: str) -> set[str]:
+    build = UniverseBuild.open(w.ctx, universe_id)
+    return {g for g in build.plan.groups if w.ctx.storage.exists(group_key(universe_id, g))}
+
+
+def _progress_groups(w: StoreWorld, variant: dict[str, Any]) -> dict[str, set[str]]:
+    job = w.ctx.jobs.get(variant["job_id"])
+    assert job is not None and job.progress.groups is not None, "the job's progress names the groups"
+    return {"built": set(job.progress.groups.built), "deferred": set(job.progress.groups.deferred)}
+
+
+@pytest.fixture(scope="module")
+def first(world: dict[str, Any]) -> dict[str, Any]:
+    """A Q/K+Gate variant on a new universe (nothing of it built before)."""
+    w: StoreWorld = world["world"]
+    variant = build(w, MODEL, TERMS, reference=REFERENCE, modules=["q_proj", "k_proj", "gate_proj"])
+    return variant
+
+
+def test_a_q_k_gate_request_builds_only_the_attention_and_mlp_input_groups(
+    world: dict[str, Any], first: dict[str, Any]
+) -> None:
+    w: StoreWorld = world["world"]
+    uid = first["universe_id"]
+    needed = _groups_of(w, uid, "q_proj") | _groups_of(w, uid, "gate_proj")
+    down = _groups_of(w, uid, "down_proj")
+    others = set(UniverseBuild.open(w.ctx, uid).plan.groups) - needed  # o_proj's, down_proj's, lm_head's
+    assert down and down <= others and needed
+    assert _stored_groups(w, uid) == needed, "down_proj's (and o_proj's) inputs not decomposed"
+    assert not any(w.ctx.storage.exists(part_key(uid, "group", g)) for g in others), "no part record either"
+    assert find_manifest(w.ctx, uid) is None, "a partial universe has no manifest.json: it is not built"
+    assert not w.ctx.storage.exists(universe_prefix(uid) + "manifest.json")
+    [stage] = find_stages(w.ctx, uid)
+    assert set(stage.groups) == needed and set(stage.deferred) == others
+    held = {n for g in needed for n in UniverseBuild.open(w.ctx, uid).plan.groups[g]}
+    assert set(stage.layers) == held
+    for member in stage.engrams.values():
+        [(name, layers)] = (member.files or {}).items()
+        assert set(layers) == held and w.ctx.storage.exists(engram_key(uid, name))
+    assert _progress_groups(w, first) == {"built": needed, "deferred": others}
+    view = universe_view(w.ctx, uid)
+    assert view["status"] != "ready" and view["groups"]["done"] == len(needed)
+
+
+def test_the_partial_variant_equals_the_float64_formula(world: dict[str, Any], first: dict[str, Any]) -> None:
+    assert_module_edit(world, first, ["q_proj", "k_proj", "gate_proj"])
+
+
+def test_a_partial_universe_refuses_a_deferred_layer_by_name(world: dict[str, Any], first: dict[str, Any]) -> None:
+    w: StoreWorld = world["world"]
+    uid = first["universe_id"]
+    [stage] = find_stages(w.ctx, uid)
+    down_layer = next(n for n in layout_of(w, MODEL).weight_keys if n.endswith("down_proj"))
+    with pytest.raises(GroupNotBuilt, match=f"layer {down_layer} of universe {uid}: its input group .* not built"):
+        stage.weight_norm(down_layer)
+    with pytest.raises(MalformedManifest, match="partial"):  # as manifest.json, a stage is refused
+        read_manifest(uid, stage.to_json())
+
+
+def test_a_down_proj_request_builds_the_deferred_group_and_equals_the_formula(
+    world: dict[str, Any], first: dict[str, Any]
+) -> None:
+    w: StoreWorld = world["world"]
+    uid = first["universe_id"]
+    before = _stored_groups(w, uid)
+    variant = build(w, MODEL, TERMS, reference=REFERENCE, modules=["down_proj"])
+    assert variant["universe_id"] == uid
+    down = _groups_of(w, uid, "down_proj")
+    assert _stored_groups(w, uid) == before | down
+    rest = set(UniverseBuild.open(w.ctx, uid).plan.groups) - before - down
+    assert _progress_groups(w, variant) == {"built": down, "deferred": rest}
+    assert find_manifest(w.ctx, uid) is None, "o_proj's inputs are still deferred"
+    assert_module_edit(world, variant, ["down_proj"])
+    again = build(w, MODEL, {"forget": -0.5}, reference=REFERENCE, modules=["k_proj", "down_proj"])
+    assert _stored_groups(w, uid) == before | down, "groups built by earlier stages are read, not built again"
+    assert _progress_groups(w, again)["built"] == set()
+
+
+def test_the_universe_job_builds_the_rest_and_writes_the_whole_manifest(
+    world: dict[str, Any], first: dict[str, Any]
+) -> None:
+    w: StoreWorld = world["world"]
+    uid = first["universe_id"]
+    decomposed: list[str] = []
+    real = parts_module.decompose_group
+
+    def counting(*args: Any) -> Any:
+        decomposed.append(args[2])
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parts_module, "decompose_group", counting)
+        view, job = submit_universe(w.ctx, MODEL, REFERENCE, None)
+        assert view["universe_id"] == uid and job is not None
+        [done] = w.run_pending()
+    assert done.status == "succeeded", done
+    rest = set(UniverseBuild.open(w.ctx, uid).plan.groups) - _groups_of(w, uid, "q_proj")
+    rest -= _groups_of(w, uid, "gate_proj") | _groups_of(w, uid, "down_proj")
+    assert len(decomposed) == len(rest) and rest, "only the groups no stage built"
+    manifest = find_manifest(w.ctx, uid)
+    assert manifest is not None and not manifest.partial
+    assert set(manifest.groups) == set(UniverseBuild.open(w.ctx, uid).plan.groups)
+    assert set(manifest.layers) == set(layout_of(w, MODEL).weight_keys)
+    assert universe_view(w.ctx, uid)["status"] == "ready"
+    # every layer of the whole universe: the variant of every module equals the formula
+    variant = build(w, MODEL, {"forget": -0.25}, reference=REFERENCE)
+    engrams, _ = reference_edit(world, MODEL, {"forget": -0.25}, REFERENCE, "uniform")
+    assert_matches(world, MODEL, variant, engrams, WEIGHT_TOL)
+    variant = build(w, MODEL, {"forget": -0.25}, reference=REFERENCE, scaling="weight_norm")
+    engrams, scales = reference_edit(world, MODEL, {"forget": -0.25}, REFERENCE, "weight_norm")
+    assert_matches(world, MODEL, variant, {n: scales[n] * e for n, e in engrams.items()}, WEIGHT_TOL)
+
+
+def test_ensure_universe_without_layers_completes_a_partial_universe(world: dict[str, Any]) -> None:
+    """What calibration asks (every layer): a partial universe's remaining groups are built, once."""
+    w: StoreWorld = world["world"]
+    reference = ["forget", "other"]
+    variant = build(w, MODEL, TERMS, reference=reference, modules=["gate_proj"])
+    uid = variant["universe_id"]
+    assert find_manifest(w.ctx, uid) is None and len(find_stages(w.ctx, uid)) == 1
+    manifest, existed = ensure_universe(w.ctx, uid)
+    assert not existed and not manifest.partial
+    assert find_manifest(w.ctx, uid) == manifest
+    assert ensure_universe(w.ctx, uid) == (manifest, True)
+
+
+def test_a_stage_cut_short_resumes_without_redoing_its_parts(world: dict[str, Any]) -> None:
+    w: StoreWorld = world["world"]
+    view, job = submit_universe(w.ctx, MODEL, ["retain", "other"], None)
+    w.pending.clear()  # recorded, never run: nothing of it is built
+    uid = view["universe_id"]
+    layers = [n for n in layout_of(w, MODEL).weight_keys if n.endswith("q_proj")]
+    real_member = UniverseBuild.compute_member
+
+    def dies(self: UniverseBuild, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("killed")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(UniverseBuild, "compute_member", dies)
+        with pytest.raises(RuntimeError, match="killed"):
+            ensure_universe(w.ctx, uid, layers=layers)
+    assert find_stages(w.ctx, uid) == [] and find_manifest(w.ctx, uid) is None, "no stage without its parts"
+    decomposed: list[str] = []
+    real = parts_module.decompose_group
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parts_module, "decompose_group", lambda *a: decomposed.append(a[2]) or real(*a))
+        patch.setattr(UniverseBuild, "compute_member", real_member)
+        manifest, existed = ensure_universe(w.ctx, uid, layers=layers)
+    assert decomposed == [] and not existed, "the groups published before the crash are read"
+    assert manifest.partial and set(manifest.groups) == _groups_of(w, uid, "q_proj")
+
+
+def test_two_builders_of_one_stage_compute_each_part_once(
+    world: dict[str, Any], redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w: StoreWorld = world["world"]
+    view, _ = submit_universe(w.ctx, MODEL, ["forget", "retain", "other"], 1e-3)
+    w.pending.clear()
+    uid = view["universe_id"]
+    computed: list[str] = []
+    real = parts_module.decompose_group
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.05)
+        computed.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(parts_module, "decompose_group", slow)
+    builds = []
+    for _ in range(2):
+        b = UniverseBuild.open(w.ctx, uid)
+        b.leases = RedisLeases(redis_client, f"universe:{uid}", 2)
+        builds.append(b.for_stage(_groups_of(w, uid, "gate_proj") | _groups_of(w, uid, "down_proj")))
+    assert builds[0].stage_name == builds[1].stage_name == stage_name(builds[0].stage) != ""
+    threads = []
+    for i, b in enumerate(builds):
+        (tmp_path / str(i)).mkdir()
+        threads.append(
+            threading.Thread(target=b.run, args=(tmp_path / str(i), NoProgress()), kwargs={"finish": True}, name=f"b{i}")
+        )
+        threads[-1].start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(computed) == len(builds[0].stage), "each group of the stage decomposed once"
+    assert sum(b.computed["members"] for b in builds) == len(builds[0].member_of), "each member's engrams once"
+    assert _stored_groups(w, uid) == set(builds[0].stage), "no group outside the stage"
