@@ -208,10 +208,15 @@ def test_a_stage_cut_short_resumes_without_redoing_its_parts(world: dict[str, An
         with pytest.raises(RuntimeError, match="killed"):
             ensure_universe(w.ctx, uid, layers=layers)
     assert find_stages(w.ctx, uid) == [] and find_manifest(w.ctx, uid) is None, "no stage without its parts"
-    decomposed: list[str] = []
+    decomposed: list[Any] = []
     real = parts_module.decompose_group
+
+    def counting(*args: Any) -> Any:
+        decomposed.append(args[2])
+        return real(*args)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(parts_module, "decompose_group", lambda *a: decomposed.append(a[2]) or real(*a))
+        patch.setattr(parts_module, "decompose_group", counting)
         patch.setattr(UniverseBuild, "compute_member", real_member)
         manifest, existed = ensure_universe(w.ctx, uid, layers=layers)
     assert decomposed == [] and not existed, "the groups published before the crash are read"
