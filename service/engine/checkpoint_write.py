@@ -7,15 +7,19 @@ are replaced, and the shard is written again, so at most one shard is in memory.
 never edited by accident: when an edited layer shares its weight with another parameter
 (``lm_head`` tied to ``embed_tokens``), the variant *unties* them, writing the edited head under
 its own key and setting ``tie_word_embeddings: false``; the embedding keeps its original values.
+
+Given a ``written`` record, each file is hashed as it is written (:class:`HashingSink`) and its size
+and sha256 recorded under its name: a variant's manifest needs them, and reading the files back to
+hash them would be a second pass over every byte.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -25,10 +29,18 @@ from service.engine.expert_keys import fused_tensor_with_edits
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
 from service.engine.model_files import INDEX_FILE, SIDE_FILES, ModelFiles, model_files_of, target_file
-from service.engine.safetensors_stream import Planned, TensorEntry, read_header, write_streaming
+from service.engine.safetensors_stream import (
+    HashingSink,
+    Planned,
+    TensorEntry,
+    WrittenFile,
+    read_header,
+    write_streaming,
+)
 
 _target_file = target_file  # write_delta's parameter of that name shadows it
 _COPY_CHUNK = 8 << 20
+Written = MutableMapping[str, WrittenFile]  # file name (relative to the target) -> size and sha256
 
 
 def edit_plan(spec: LayerSpec, layout: ModelLayout) -> list[tuple[str, str, str]]:
@@ -133,6 +145,7 @@ def write_checkpoint(
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
     edited: Collection[str],
     on_layer: Callable[[], None] | None = None,
+    written: Written | None = None,
 ) -> None:
     """Write a loadable checkpoint directory with the edited layers, streaming tensor by tensor.
 
@@ -147,9 +160,10 @@ def write_checkpoint(
         edit_layer: computes one layer's edit (``None``: it turned out unchanged).
         edited: names of the layers to edit (they decide the keys, before any edit is computed).
         on_layer: progress callback, once per edited layer.
+        written: given, each file written is recorded in it (name -> size and sha256, hashed as written).
     """
     with model_files_of(source) as files:
-        _write_checkpoint(files, target, layout, edit_layer, edited, on_layer)
+        _write_checkpoint(files, target, layout, edit_layer, edited, on_layer, written)
 
 
 def _write_checkpoint(
@@ -159,6 +173,7 @@ def _write_checkpoint(
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
     edited: Collection[str],
     on_layer: Callable[[], None] | None,
+    written: Written | None,
 ) -> None:
     shards = _shard_paths(source)
     entries = _all_entries(shards)
@@ -184,31 +199,46 @@ def _write_checkpoint(
         planned += _expert_slice_plans(shard_entries, real, layout, edit_layer, edited, values.reader, on_layer)
         claimed = {item.key for item in planned}
         planned += [Planned(key, entry, real) for key, entry in shard_entries.items() if key not in claimed]
-        write_streaming(target_file(target, shard), planned, {**metadata, "format": "pt"})
-    _copy_side_files(source, target, bool(new_keys), new_keys)
+        sink = None if written is None else HashingSink()
+        write_streaming(target_file(target, shard), planned, {**metadata, "format": "pt"}, sink)
+        if written is not None and sink is not None:
+            written[shard] = sink.written()
+    _copy_side_files(source, target, bool(new_keys), new_keys, written)
     # What was read must still be what was opened: a file rewritten in place during the write (a new
     # mtime or size; the descriptor sees the new bytes) fails the build instead of publishing a mix.
     source.check_unchanged()
 
 
-def _copy_side_files(source: ModelFiles, target: Path, untied: bool, new_keys: dict[str, str]) -> None:
+def _copy_side_files(
+    source: ModelFiles, target: Path, untied: bool, new_keys: dict[str, str], written: Written | None = None
+) -> None:
     """Copy the :data:`SIDE_FILES` the source has (only those: never a README or any other file),
     untying the config and adding the new keys to the index when the edit untied a weight."""
     for name in source.names:
         if name not in SIDE_FILES:
             continue  # a shard: written above
         out = target_file(target, name)
-        if name == "config.json" and untied:
-            config = source.read_json(name)
-            config["tie_word_embeddings"] = False
-            out.write_text(json.dumps(config, indent=2))
-        elif name == INDEX_FILE and new_keys:
-            index = source.read_json(name)
-            index["weight_map"].update(new_keys)
-            out.write_text(json.dumps(index, indent=2))
-        else:
-            with source.open(name) as src, out.open("xb") as dst:
-                shutil.copyfileobj(src, dst, _COPY_CHUNK)
+        sink = HashingSink()
+        with out.open("xb") as dst:
+            if name == "config.json" and untied:
+                config = source.read_json(name)
+                config["tie_word_embeddings"] = False
+                _write_hashed(dst, json.dumps(config, indent=2).encode(), sink)
+            elif name == INDEX_FILE and new_keys:
+                index = source.read_json(name)
+                index["weight_map"].update(new_keys)
+                _write_hashed(dst, json.dumps(index, indent=2).encode(), sink)
+            else:
+                with source.open(name) as src:
+                    while chunk := src.read(_COPY_CHUNK):
+                        _write_hashed(dst, chunk, sink)
+        if written is not None:
+            written[name] = sink.written()
+
+
+def _write_hashed(out: BinaryIO, data: bytes, sink: HashingSink) -> None:
+    sink.update(data)
+    out.write(data)
 
 
 def write_delta(
@@ -219,6 +249,7 @@ def write_delta(
     edited: Collection[str],
     metadata: dict[str, str],
     on_layer: Callable[[], None] | None = None,
+    written: Written | None = None,
 ) -> None:
     """Write only the changed tensors (their new values, under checkpoint keys) to one file,
     streaming layer by layer like :func:`write_checkpoint`.
@@ -233,7 +264,10 @@ def write_delta(
         planned = _delta_plan(files, entries, layout, edit_layer, edited, values, on_layer)
         untied = any(key not in layout.key_files for key in planned)
         out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
-        write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)})
+        sink = None if written is None else HashingSink()
+        write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)}, sink)
+        if written is not None and sink is not None:
+            written[out.name] = sink.written()
         files.check_unchanged()  # as write_checkpoint: nothing rewritten in place meanwhile
 
 

@@ -5,10 +5,17 @@ would then sit in memory next to its source. The format allows streaming: an 8-b
 header length, a JSON header giving every tensor's dtype, shape and byte range, then the bytes. When
 the dtypes and shapes are known up front (an edit never changes them), the header is written first
 and each tensor's bytes follow as they are produced, or are copied from the source file unread.
+
+A writer that must also know the file's digest (a variant: its manifest lists each file's sha256)
+passes a :class:`HashingSink`: every byte is hashed as it is written, so the file is never read
+back. The unchanged tensors then pass through this process (read, hashed, written) instead of being
+copied by the kernel: one read of the source and one write, where a kernel copy and a re-read for
+the hash would move them twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -23,6 +30,29 @@ import torch
 _ALIGN = 8  # the header is padded so the data starts 8-byte aligned, as safetensors itself does
 _COPY_CHUNK = 16 << 20
 _KERNEL_CHUNK = 1 << 30
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A file as it was written: its size and the sha256 of its bytes (hex)."""
+
+    size: int
+    sha256: str
+
+
+class HashingSink:
+    """The sha256 and the byte count of the bytes of one file, told to it in order as they are written."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._digest.update(data)
+        self.size += memoryview(data).nbytes
+
+    def written(self) -> WrittenFile:
+        return WrittenFile(self.size, self._digest.hexdigest())
 
 
 @dataclass(frozen=True)
@@ -68,8 +98,13 @@ class Planned:
     produce: Callable[[], torch.Tensor] | None = None
 
 
-def write_streaming(target: Path, planned: Sequence[Planned], metadata: dict[str, str]) -> None:
+def write_streaming(
+    target: Path, planned: Sequence[Planned], metadata: dict[str, str], sink: HashingSink | None = None
+) -> None:
     """Write ``planned`` to ``target`` in order: header first, then each tensor's bytes.
+
+    Args:
+        sink: given, told every byte written, in order (the file's digest without reading it back).
 
     Raises:
         ValueError: a produced tensor's size differs from the planned entry's.
@@ -85,16 +120,16 @@ def write_streaming(target: Path, planned: Sequence[Planned], metadata: dict[str
     # Unbuffered: the unchanged tensors are copied by the kernel (os.copy_file_range) at the file
     # descriptor's own position, which a buffered writer would not see move.
     with target.open("wb", buffering=0) as out:
-        _write_all(out, struct.pack("<Q", len(raw)))
-        _write_all(out, raw)
+        _write_all(out, struct.pack("<Q", len(raw)), sink)
+        _write_all(out, raw, sink)
         for item in planned:
             if item.produce is None:
-                _copy_range(item.source, item.like, out)
+                _copy_range(item.source, item.like, out, sink)
             else:
-                _write_tensor(item, out)
+                _write_tensor(item, out, sink)
 
 
-def _write_tensor(item: Planned, out: BinaryIO) -> None:
+def _write_tensor(item: Planned, out: BinaryIO, sink: HashingSink | None) -> None:
     assert item.produce is not None, "only produced tensors are written from memory"
     tensor = item.produce()
     data: np.ndarray[Any, np.dtype[np.uint8]] = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
@@ -102,13 +137,15 @@ def _write_tensor(item: Planned, out: BinaryIO) -> None:
     view = memoryview(data)  # type: ignore[arg-type]
     if data.nbytes != item.like.nbytes or list(tensor.shape) != item.like.shape:
         raise ValueError(f"{item.key}: produced {list(tensor.shape)} ({data.nbytes} bytes), planned {item.like}")
-    _write_all(out, view)
+    _write_all(out, view, sink)
 
 
-def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:
+def _write_all(out: BinaryIO, data: bytes | memoryview, sink: HashingSink | None = None) -> None:
     """Write every byte: an unbuffered file's ``write`` may take fewer (Linux moves at most ~2 GiB
     per call), so a large tensor is written in as many calls as it takes."""
     view = memoryview(data).cast("B")
+    if sink is not None:
+        sink.update(view)
     while view.nbytes:
         written = out.write(view)
         if not written:
@@ -116,14 +153,14 @@ def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def _copy_range(source: Path, entry: TensorEntry, out: BinaryIO) -> None:
+def _copy_range(source: Path, entry: TensorEntry, out: BinaryIO, sink: HashingSink | None = None) -> None:
     """Append ``entry``'s bytes of ``source`` to ``out``: in the kernel where it can (no pass
-    through this process's memory), else read and written in chunks."""
+    through this process's memory) and nobody hashes them, else read and written in chunks."""
     with source.open("rb") as handle:
-        remaining = _kernel_copy(handle.fileno(), out, entry.start, entry.nbytes)
+        remaining = entry.nbytes if sink is not None else _kernel_copy(handle.fileno(), out, entry.start, entry.nbytes)
         handle.seek(entry.start + entry.nbytes - remaining)
         for chunk in _chunks(handle, remaining):
-            _write_all(out, chunk)
+            _write_all(out, chunk, sink)
             remaining -= len(chunk)
     if remaining:
         raise ValueError(f"{source} ended {remaining} bytes early")

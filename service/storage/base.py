@@ -15,6 +15,7 @@ import socket
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,19 @@ class Storage(ABC):
         """Drop unfinished uploads older than ``older_than_s`` that a crashed writer left (S3's
         multipart uploads); returns how many. Backends that publish by rename have none."""
         return 0
+
+    def staging_dir(self, prefix: str) -> AbstractContextManager[str]:
+        """A private folder, removed with its context, to write files that :meth:`move_file` then
+        publishes: where publishing can be a rename (local storage: a folder on the store's own
+        volume), else a scratch folder (:func:`scratch_dir`) from which each file is uploaded."""
+        return scratch_dir(prefix)
+
+    def move_file(self, key: str, source: Path) -> None:
+        """Atomically publish ``source`` (a file of a :meth:`staging_dir` folder) under ``key``; the
+        file is consumed: renamed into place where the backend can, else uploaded (S3: a multipart
+        upload above its threshold) and deleted, so no second local copy is ever made."""
+        self.put_file(key, source)
+        source.unlink(missing_ok=True)
 
     def put_json(self, key: str, value: Any) -> None:
         self.put_bytes(key, json.dumps(value, sort_keys=True, indent=1).encode())

@@ -61,7 +61,12 @@ def variant_manifest_key(variant_id: str) -> str:
 
 
 def variant_file_key(variant_id: str, path: str) -> str:
-    return f"{VARIANTS}{variant_id}/files/{path}"
+    return f"{variant_files_prefix(variant_id)}{path}"
+
+
+def variant_files_prefix(variant_id: str) -> str:
+    """Where a variant's files are (published before its manifest; removed when publishing fails)."""
+    return f"{VARIANTS}{variant_id}/files/"
 
 
 def probes_key(digest: str) -> str:

@@ -2,9 +2,11 @@
 
 Every write is atomic: the bytes go to a temporary file under ``<root>/.tmp/`` (named with its
 owner, :func:`service.storage.base.owner_tag`) and are renamed into place, so a reader sees a whole
-object or none. A write the file system refuses for good reasons of its own (full, over quota, a file
-too large for it, read-only, not ours to write) is :class:`StorageUnavailable` naming the reason, as
-``ping`` (``/readyz``) says for a folder that is not writable: the operator's to fix, not a bug.
+object or none. Files a job writes for the store (a variant's) are written in a staging folder
+there too (:meth:`LocalStorage.staging_dir`), so publishing each is a rename, never a copy. A write
+the file system refuses for good reasons of its own (full, over quota, a file too large for it,
+read-only, not ours to write) is :class:`StorageUnavailable` naming the reason, as ``ping``
+(``/readyz``) says for a folder that is not writable: the operator's to fix, not a bug.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,25 @@ class LocalStorage(Storage):
 
     def put_file(self, key: str, source: Path) -> None:
         self._publish(key, lambda tmp: shutil.copyfile(source, tmp))
+
+    def staging_dir(self, prefix: str) -> AbstractContextManager[str]:
+        """A folder under ``<root>/.tmp/`` named ``<owner tag>.<uuid hex>`` like the temporary files
+        (the janitor removes it once its process is gone), on the store's volume: :meth:`move_file`
+        renames its files into place. ``prefix`` names nothing here: the owner tag says whose it is."""
+        return _StagingDir(self.tmp_dir / f"{owner_tag()}.{uuid.uuid4().hex}")
+
+    def move_file(self, key: str, source: Path) -> None:
+        target = self._path(key)
+        with self._writing(key):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(source, target)  # atomic, and no byte is copied
+                return
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:  # a file from another volume is copied instead
+                    raise
+            self.put_file(key, source)
+            source.unlink(missing_ok=True)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._publish(key, lambda tmp: tmp.write_bytes(data))
@@ -131,3 +152,17 @@ class LocalStorage(Storage):
     def local_path(self, key: str) -> Path | None:
         path = self._path(key)
         return path if path.is_file() else None
+
+
+class _StagingDir(AbstractContextManager[str]):
+    """A folder made on entry and removed, with whatever is left in it, on exit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> str:
+        self.path.mkdir(mode=0o700)
+        return str(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
