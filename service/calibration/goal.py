@@ -139,7 +139,18 @@ def unavailable_metrics(options: CalibrateRequest, metrics: Sequence[str], has_r
     holdout = _placeholder(options.holdout) if options.holdout else None
     report = tm.model_report(_placeholder(options.forget), _placeholder(options.retain), utility, holdout)
     scored = tm.tofu_scores(report, report if has_retain_model else None, report)
-    return {m: scored.left_out.get(m, "not computed by the TOFU suite") for m in tofu if m not in scored.values}
+    return {m: _reason(m, scored.left_out) for m in tofu if m not in scored.values}
+
+
+def _reason(name: str, left_out: Mapping[str, str], depth: int = 0) -> str:
+    """The suite's reason, with the reasons of the aggregates it names (overall needs privacy, which
+    needs a retain model)."""
+    reason = left_out.get(name, "is not computed by the TOFU suite")
+    if depth > 3 or not reason.startswith("needs "):
+        return reason
+    parts = [part.strip() for part in reason[len("needs ") :].split(",")]
+    nested = [f"{part} {_reason(part, left_out, depth + 1)}" for part in parts if part in left_out and part != name]
+    return reason + (f" ({'; '.join(nested)})" if nested else "")
 
 
 def check_measurable(options: CalibrateRequest, has_retain_model: bool) -> None:
