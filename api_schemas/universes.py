@@ -43,8 +43,9 @@ class Universe(BaseModel):
     members: list[UniverseMember]
     rcond: float | None = None
     current: bool = Field(description="requests without universe or reference use this universe")
-    status: Literal["building", "ready", "failed", "evicted"] = Field(
-        description="evicted: the retention rule deleted its factors and engrams; requesting it again rebuilds it"
+    status: Literal["building", "ready", "partial", "failed", "evicted"] = Field(
+        description="evicted: the retention rule deleted its factors and engrams; requesting it again rebuilds it. "
+        "partial: the input groups of the layers requests edited are built, the others when a request needs them"
     )
     groups: UniverseGroups = Field(description="input groups whose pseudo-inverse is stored")
     bytes: int | None = Field(default=None, description="stored factors and engrams, once ready (0 once evicted)")

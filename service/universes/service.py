@@ -223,9 +223,10 @@ def _current_of(ctx: Context, universe_id: str) -> list[str]:
 def universe_view(ctx: Context, universe_id: str, current: str | None = None) -> dict[str, Any]:
     """A universe as the API shows it: members, status, groups done/total, bytes, last use.
 
-    Status: ``ready`` (its manifest exists), ``building`` (a job builds it), ``evicted`` (the
-    retention rule deleted its parts: ``bytes`` 0, ``evicted_at`` set; requesting it again rebuilds
-    it under the same ID), or ``failed``.
+    Status: ``ready`` (its manifest exists), ``building`` (a job builds it), ``partial`` (requests
+    that edit some layers built their input groups; the others are built when a request needs them),
+    ``evicted`` (the retention rule deleted its parts: ``bytes`` 0, ``evicted_at`` set; requesting it
+    again rebuilds it under the same ID), or ``failed``.
     """
     request = find_request(ctx, universe_id, recent=True)
     if request is None:
@@ -273,7 +274,10 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
     plan = find_plan(ctx, universe_id)
     done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
     total = len(plan.groups) if plan else None
-    status = "building" if building else "failed"
+    # Stages stored and no build running: the groups earlier requests needed are built, the others
+    # wait for a request that needs them (service.universes.build); not a failure.
+    partial = not building and bool(ctx.storage.list(universe_prefix(universe_id) + "stages/"))
+    status = "building" if building else "partial" if partial else "failed"
     return {
         **view,
         "status": status,
