@@ -19,6 +19,15 @@ class ConceptMap(DictReadable):
     argmax: str = Field(description="the layer holding it")
 
 
+class ConvMap(DictReadable):
+    """One conv layer's engram inside the layer, with the map's measure."""
+
+    channels: list[float] = Field(description="per output channel: the filter's share of the engram")
+    kernel: list[list[float]] = Field(
+        description="per kernel position (rows × columns; a Conv1d's one row), over every input channel"
+    )
+
+
 class MapLayer(DictReadable):
     name: str
     block: int | None = Field(description="its block index (null: outside the blocks, e.g. an embedding)")
@@ -54,6 +63,12 @@ class EngramMap(DictReadable):
         description="per concept, the value of each drawn layer outside the blocks"
     )
     layers: list[MapLayer] = Field(default_factory=list, description="every drawn layer")
+    conv: dict[str, dict[str, ConvMap]] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="per concept and conv layer, its engram per output channel and per kernel position "
+        "(absent without conv layers)",
+    )
     left_out: MapLeftOut | None = Field(
         default=None, description="layers not drawn (null: a map stored before maps named them)"
     )

@@ -14,6 +14,9 @@ concept, of its engram ``E_l = W_l Σ_k Σ_U⁺`` (coefficient 1) relative to th
   alike, the rare ones the universe hardly sees included (it can exceed 1, and is what ``scaling:
   "weight_norm"`` scales by).
 
+A convolution also gets its engram drawn inside the layer (``conv``: per output channel and per
+kernel position, with the same measure; :mod:`service.maps.conv`).
+
 The numbers come from cached statistics only (no forward pass), but they load weights and decompose
 ``Σ_U``: a ``map`` job computes them (:func:`run_map`, on a worker), and the API only checks the
 request and reads the result (:mod:`service.maps.service`). A map is content-addressed by everything
@@ -41,6 +44,7 @@ from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
 from service.jobs.progress import JobProgress, NoProgress, Progress
 from service.jobs.records import JobRecord, MapPayload
+from service.maps.conv import conv_breakdown
 from service.maps.service import MapRequest, find_map, map_request
 from service.models.loaded import checked_model_files
 from service.models.record import ModelRecord
@@ -127,10 +131,11 @@ def _compute(
     reader = CheckpointReader(checked_model_files(ctx, model), layout)
     weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
     values: dict[str, dict[str, float]] = {}
+    convs: dict[str, dict[str, Any]] = {}
     for name in request.concepts:
         stats = {name: request.stats[name]}
         algebra = statistics_algebra(ctx, {name: 1.0}, stats, list(request.prefixes), request.rcond)
-        values[name] = {}
+        values[name], convs[name] = {}, {}
         for spec in layout.layers:
             weights = reader.layer_weights(spec)
             try:
@@ -141,10 +146,14 @@ def _compute(
                 values[name][spec.name] = relative_norm(spec, engram, weights)
             else:
                 values[name][spec.name] = weigher.ratio(spec, engram, weights)
+            if spec.kernel is not None:
+                sigma = None if weigher is None else weigher.sigma(spec)
+                convs[name][spec.name] = conv_breakdown(spec, engram, augmented_weight(spec, weights), sigma)
             progress.advance()
     names, universe_names = list(request.concepts), list(request.universe_names)
     grid = _grid(model.model_id, layout, names, universe_names, values, request.rcond)
-    return {**grid, "measure": request.measure}
+    with_convs = {"conv": convs} if any(convs.values()) else {}  # a map without convs keeps its shape
+    return {**grid, "measure": request.measure, **with_convs}
 
 
 class _DataWeights:
