@@ -17,7 +17,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: help install run test test-fast test-deps lint format demo bench api-docs distributed distributed-stop validate-deploy clean
+.PHONY: help install run test test-fast test-deps lint format demo bench api-docs docs distributed distributed-stop validate-deploy clean
 
 help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
@@ -31,6 +31,7 @@ help:
 	@echo "make format           ruff format + ruff check --fix"
 	@echo "make bench            the performance goals (bench/README.md); BENCH_ARGS=--quick for a smoke run"
 	@echo "make api-docs         regenerate docs/API.md and docs/settings.md (the OpenAPI document, the settings class)"
+	@echo "make docs             build the documentation site into site/ (mkdocs, offline, --strict: broken links fail)"
 	@echo "make validate-deploy  docker-compose.yml, Dockerfiles and k8s/ checked without Docker or a cluster"
 	@echo "make clean            remove $(VENV)/, .engram/ (the default store) and .pytest_cache/"
 	@echo "settings: HOST=$(HOST) PORT=$(PORT) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
@@ -88,6 +89,10 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# The documentation site (mkdocs.yml): docs/*.md into site/, offline; --strict fails on a broken link or anchor.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 api-docs: install
 	$(PY) scripts/gen_api_docs.py --out docs/API.md

@@ -26,17 +26,17 @@ from tests.helpers.doc_examples import (
     JSON_BODY,
     JSONL,
     REPO,
-    SHELL,
     CurlRequest,
     Example,
     curl_requests,
     doc_pages,
     of_kind,
     request_model,
+    shell_blocks,
 )
 
 PAGES = [REPO / "README.md", *doc_pages()]
-REQUESTS = [request for example in of_kind(SHELL, PAGES) for request in curl_requests(example)]
+REQUESTS = [request for example in shell_blocks(PAGES) for request in curl_requests(example)]
 
 
 def test_the_docs_send_json_bodies_to_the_routes_that_take_them() -> None:

@@ -27,14 +27,15 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 GENERATED = {"API.md", "settings.md"}  # written by scripts/gen_*_docs.py, checked by their own tests
 FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
-MARKER = re.compile(r"<!--\s*(?P<name>not run|body of):\s*(?P<value>.+?)\s*-->\s*\Z", flags=re.S)
+MARKER = re.compile(r"<!--\s*(?P<name>not run|body of|output of):\s*(?P<value>.+?)\s*-->\s*\Z", flags=re.S)
 
 SHELL = "shell"
 PYTHON = "python"
 JSON_BODY = "json"
 JSONL = "jsonl"
+OUTPUT = "output"
 NOT_RUN_KIND = "not run"
-KINDS = (SHELL, PYTHON, JSON_BODY, JSONL, NOT_RUN_KIND)
+KINDS = (SHELL, PYTHON, JSON_BODY, JSONL, OUTPUT, NOT_RUN_KIND)
 LANGUAGE_KINDS = {"bash": SHELL, "sh": SHELL, "console": SHELL, "python": PYTHON, "json": JSON_BODY, "jsonl": JSONL}
 
 
@@ -48,6 +49,7 @@ class Example:
     code: str
     not_run: str | None  # <!-- not run: REASON -->
     body_of: str | None = None  # <!-- body of: POST /route --> before a ```json request body
+    output_of: str | None = None  # <!-- output of: WHAT --> before a block a test compares with what ran
 
     @property
     def where(self) -> str:
@@ -62,6 +64,8 @@ def kind_of(example: Example) -> str:
     """What runs the block: a marked block is never run; otherwise its fence's language decides."""
     if example.not_run is not None:
         return NOT_RUN_KIND
+    if example.output_of is not None:
+        return OUTPUT
     return LANGUAGE_KINDS.get(example.language, f"unknown language {example.language!r}")
 
 
@@ -86,6 +90,7 @@ def examples(page: Path) -> list[Example]:
                 code=match.group(2),
                 not_run=said.get("not run"),
                 body_of=said.get("body of"),
+                output_of=said.get("output of"),
             )
         )
     return found
@@ -97,6 +102,11 @@ def all_examples() -> list[Example]:
 
 def of_kind(kind: str, pages: list[Path] | None = None) -> list[Example]:
     return [e for page in pages or doc_pages() for e in examples(page) if e.kind == kind]
+
+
+def shell_blocks(pages: list[Path] | None = None) -> list[Example]:
+    """Every shell block, run or not: the request bodies of a block marked not run are checked too."""
+    return [e for page in pages or doc_pages() for e in examples(page) if LANGUAGE_KINDS.get(e.language) == SHELL]
 
 
 # ---------------------------------------------------------------- shell walk-throughs
