@@ -19,7 +19,10 @@ between the variants.
     .venv/bin/python -m bench.e2e --profile 100m          # ~4 min on a quiet 2-core box
     .venv/bin/python -m bench.e2e --profile tiny --reps 2 # a smoke run (~40 s)
 
-Prints a table and writes ``bench/results/e2e-<profile>.json``.
+Prints a table and writes ``bench/results/e2e-<profile>.json`` (or ``--json``); ``make bench`` runs it
+(``bench.run``: the 100m profile, the tiny one with ``--quick``) and prints its ratios beside its own.
+The machine's load average at the start and the end is part of the result: on a shared machine the
+figures are only as good as it was quiet.
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -187,6 +191,24 @@ def measure(profile: Profile, root: Path, reps: int) -> dict[str, Any]:
     return {"profile": profile.name, "floors_s": [round(f, 3) for f in floors], "rows": rows}
 
 
+def run(profile_name: str, reps: int, keep: Path | None = None) -> dict[str, Any]:
+    """Measure one profile (a temporary folder unless ``keep``); the result with the load averages."""
+    root = keep or Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    root.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    try:
+        result = measure(PROFILES[profile_name], root, reps)
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    result["environment"] = {
+        **environment(),
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    return result
+
+
 def _median_of(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return round(statistics.median(known), 3) if known else None
@@ -198,9 +220,11 @@ def _median_steps(all_steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def table(result: dict[str, Any]) -> str:
+    load = result.get("environment", {})
     lines = [
         f"variants through the HTTP API, {result['profile']} "
-        f"(POST to ready, median; copy floor {result['rows'][0]['copy_floor_s']} s)",
+        f"(POST to ready, median; copy floor {result['rows'][0]['copy_floor_s']} s; "
+        f"load average {load.get('loadavg_start', '?')} -> {load.get('loadavg_end', '?')})",
         f"{'phase':<14} {'concepts':>8} {'wall s':>8} {'queued s':>9} {'job s':>7} {'× floor':>8} {'goal':>6}",
     ]
     for row in result["rows"]:
@@ -221,21 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="100m")
     parser.add_argument("--reps", type=int, default=3, help="variants of each size per phase (median reported)")
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument("--json", type=Path, default=None, help="result file (default bench/results/e2e-PROFILE.json)")
     args = parser.parse_args(argv)
-    profile = PROFILES[args.profile]
-    root = args.keep or Path(tempfile.mkdtemp(prefix="bench-e2e-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        result = measure(profile, root, args.reps)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(root, ignore_errors=True)
-    result["environment"] = environment()
-    out = REPO / "bench" / "results" / f"e2e-{args.profile}.json"
+    result = run(args.profile, args.reps, args.keep)
+    out = args.json or REPO / "bench" / "results" / f"e2e-{args.profile}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(table(result))
-    print(f"(written to {out.relative_to(REPO)})", file=sys.stderr)
+    print(f"(written to {out})", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,10 @@
 
 Every ratio is measured against its baseline in the same run, on the same model and data;
 repeated measurements are interleaved and the median is reported. See ``bench/README.md``.
+
+Last, what a user waits for (``bench.e2e``, issue 27): variants of 1 and 3 concepts through the HTTP
+API, POST to ready, warm and after a restart, against the copy floor of the same run, with the job's
+step breakdown (the 100m profile; the tiny one with ``--quick``; ``--e2e none`` skips it).
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -783,6 +787,46 @@ class ModelBench:
                 )
 
 
+def run_e2e(profile: str, reps: int) -> dict[str, Any]:
+    """``bench.e2e`` in a fresh interpreter (it starts and restarts real servers); its result."""
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-result-") as tmp:
+        out = Path(tmp) / "e2e.json"
+        command = [sys.executable, "-m", "bench.e2e", "--profile", profile, "--reps", str(reps), "--json", str(out)]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench.e2e --profile {profile} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+
+def e2e_rows(result: dict[str, Any]) -> list[Row]:
+    """One row per phase and variant size: POST to ready against the copy floor (the goal after a
+    restart: issue 27's 1.5x for one concept, 2.5x for three), the job's steps in the details."""
+    rows = []
+    for row in result["rows"]:
+        goal = row["goal"]
+        rows.append(
+            Row(
+                result["profile"],
+                "e2e",
+                f"API variant, {row['concepts']} concept(s), {row['phase']}: POST to ready vs copy floor",
+                row["wall_s"],
+                row["copy_floor_s"],
+                "s",
+                f"<= {goal}x" if goal else "info",
+                limit=goal,
+                details={k: row[k] for k in ("queued_s", "job_run_s", "steps", "walls_s")},
+            )
+        )
+    return rows
+
+
+def e2e_table(result: dict[str, Any]) -> str:
+    from bench.e2e import table as e2e_steps_table
+
+    return e2e_steps_table(result)
+
+
 def monitored(bench: ModelBench, step: Any) -> None:
     """Run one section and note, on each of its rows, how busy the rest of the machine was."""
     first = len(bench.rows)
@@ -833,6 +877,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=RESULTS / "latest.json", help="JSON output (default bench/results/latest.json)"
     )
+    parser.add_argument(
+        "--e2e", default=None, help="bench.e2e profile: tiny, 100m, 1b-slice or none (default: 100m; --quick: tiny)"
+    )
     args = parser.parse_args(argv)
 
     set_threads()
@@ -873,10 +920,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(mb.rows)
             models[profile.name] = mb.info
             del mb
+    e2e_profile = args.e2e or ("tiny" if args.quick else "100m")
+    e2e_text = ""
+    if e2e_profile != "none":
+        log(f"variants through the HTTP API (bench.e2e --profile {e2e_profile})")
+        e2e_result = run_e2e(e2e_profile, reps=1 if args.quick else 3)
+        rows.extend(e2e_rows(e2e_result))
+        models[f"e2e-{e2e_profile}"] = e2e_result
+        e2e_text = e2e_table(e2e_result)
     wall = time.perf_counter() - started
     run_monitor.__exit__(None, None, None)
 
-    text = table(rows)
+    text = table(rows) + ("\n\n" + e2e_text if e2e_text else "")
     failed = [f"{r.model}: {r.metric}" for r in rows if r.passed is False]
     print(text)
     share = 0.0 if run_monitor.share is None else run_monitor.share
