@@ -6,19 +6,21 @@
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich import filesize
 
 from api_schemas import Job
+from api_schemas.evaluation import ClassifierEvaluation, EvaluationResult
 from engram_client.cli.files import png_size, read_probes, write_atomically
 from engram_client.cli.options import CallbackOpt, Generator, JsonFlag, NoWait, RcondOpt, ReferenceOpt
-from engram_client.cli.output import emit, fail, job_failed, stderr, stdout
+from engram_client.cli.output import emit, fail, job_failed, print_lines, stderr, stdout
 from engram_client.cli.progress import watch
-from engram_client.cli.render import render_evaluation, render_generation, render_map
+from engram_client.cli.render import numeric_table, render_evaluation, render_generation, render_map
 from engram_client.cli.root import session
 from engram_client.client import FINISHED, EngramClient
 
@@ -55,11 +57,20 @@ def evaluate(
     variant: Annotated[str, typer.Argument(help="A ready variant; its base model is scored alongside.")],
     forget: Annotated[
         Path | None,
-        typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion (or messages) probes it should forget."),
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="JSONL of prompt/completion (or messages) probes it should forget; an image classifier's: "
+            '{"image": base64 PNG/JPEG/WebP, "label": class id or name}.',
+        ),
     ] = None,
     retain: Annotated[
         Path | None,
-        typer.Option(exists=True, dir_okay=False, help="JSONL of prompt/completion (or messages) probes it should keep."),
+        typer.Option(exists=True, dir_okay=False, help="JSONL of probes it should keep (the same kinds as --forget)."),
+    ] = None,
+    test: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="JSONL of held-out image probes of every class (ToW's test set)."),
     ] = None,
     metrics: Annotated[
         str | None,
@@ -69,7 +80,10 @@ def evaluate(
     ] = None,
     retain_model: Annotated[
         str | None,
-        typer.Option(help="--metrics: a model or variant trained without the forget set (forget quality, privacy)."),
+        typer.Option(
+            help="--metrics: a model or variant trained without the forget set (forget quality, privacy); image "
+            "probes: the classifier retrained without the forget classes (ToW, CKA)."
+        ),
     ] = None,
     holdout: Annotated[
         Path | None,
@@ -84,21 +98,28 @@ def evaluate(
     as_json: JsonFlag = False,
 ) -> None:
     """Score a variant and its base model: mean answer NLL and greedy exact match on forget and retain probes
-    (--metrics tofu: also TOFU's suite, one table of base / variant / retain)."""
+    (--metrics tofu: also TOFU's suite, one table of base / variant / retain). Image probes (an image
+    classifier): top-1 accuracy, label NLL and the forgotten classes' confusion per set and model, and
+    with --retain-model ToW and CKA against the retrained classifier."""
     if forget is None and retain is None:
         raise typer.BadParameter("give --forget, --retain or both", param_hint="--forget/--retain")
-    if metrics is None and (retain_model is not None or holdout is not None or utility):
-        raise typer.BadParameter("--retain-model, --holdout and --utility serve --metrics", param_hint="--metrics")
     chosen: str | list[str] | None = metrics
     if metrics is not None and metrics != "tofu":
         chosen = [name.strip() for name in metrics.split(",") if name.strip()]
     with session(ctx) as client:
-        probes = {split: read_probes(path) if path else [] for split, path in (("forget", forget), ("retain", retain))}
+        files = (("forget", forget), ("retain", retain), ("test", test))
+        probes = {split: _read_any_probes(path) if path else [] for split, path in files}
+        images = any("image" in probe for items in probes.values() for probe in items)
+        if metrics is None and ((retain_model is not None and not images) or holdout is not None or utility):
+            raise typer.BadParameter(
+                "--retain-model (for text probes), --holdout and --utility serve --metrics", param_hint="--metrics"
+            )
         utility_sets = {name: read_probes(path) for name, path in _utility_sets(utility or [])}
         submitted = client.evaluate(
             variant,
             probes["forget"],
             probes["retain"],
+            test=probes["test"],
             metrics=chosen,
             retain_model=retain_model,
             holdout=read_probes(holdout) if holdout else (),
@@ -113,7 +134,83 @@ def evaluate(
     result = job.result
     if result.reused:
         stderr.print("answered from storage: the same probes were scored on this variant before")
-    emit(ctx, as_json, result, lambda: render_evaluation(result))
+    emit(ctx, as_json, result, lambda: _render(result))
+
+
+def _render(result: EvaluationResult) -> None:
+    """The classifier's tables for image probes, else the text evaluation's."""
+    if result.classifier is None:
+        render_evaluation(result)
+        return
+    render_classifier(result.classifier, result.retain_model)
+
+
+def _read_any_probes(path: Path) -> list[dict[str, Any]]:
+    """A JSONL file of text probes (:func:`read_probes`) or of image probes (``{"image", "label"}``,
+    told by its first record); a bad line of an image file is named."""
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        first = next((line for line in lines if line.strip()), "")
+    try:
+        head = json.loads(first) if first else None
+    except ValueError:
+        head = None
+    if not (isinstance(head, dict) and "image" in head):
+        return read_probes(path)
+    probes = []
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = None
+                if not (isinstance(record, dict) and isinstance(record.get("image"), str) and "label" in record):
+                    fail("Error", f'{path} line {number} is not an {{"image": <base64>, "label": <class>}} JSON record')
+                probes.append(record)
+    except UnicodeDecodeError as exc:
+        fail("Error", f"{path} is not UTF-8 text ({exc})")
+    return probes
+
+
+CLASSIFIER_MODELS = ("base", "variant", "retrained")
+
+
+def render_classifier(section: ClassifierEvaluation, retain_model: str | None) -> None:
+    """Per model and probe set: probes, top-1 accuracy, mean label NLL, and for each forgotten class the
+    share of its probes still predicted as it; then the features' DA and NMI, ToW and CKA."""
+    forgotten = [str(c) for c in section.forgotten_classes]
+    rows = numeric_table("model", "set", "probes", "accuracy", "label NLL", *(f"class {c} → {c}" for c in forgotten))
+    if retain_model is not None:
+        rows.caption = f"retrained = {retain_model} (trained without the forget classes)"
+    models = [name for name in CLASSIFIER_MODELS if name in section.models]
+    for name in models:
+        for set_name, report in section.models[name].sets.items():
+            kept = [_kept(report.confusion, c) for c in forgotten]
+            rows.add_row(name, set_name, str(report.n), f"{report.accuracy:.1%}", f"{report.label_nll:.4g}", *kept)
+    stdout.print(rows)
+    scores = section.scores
+    figures = numeric_table("score", *models)
+    figures.add_row("DA", *(_figure(section.models[m].da) for m in models))
+    figures.add_row("NMI", *(_figure(section.models[m].nmi) for m in models))
+    stdout.print(figures)
+    lines = [f"ToW (variant vs retrained): {_figure(scores.tow)}"]
+    lines += [f"CKA variant-base on {s}: {v:.4f}" for s, v in scores.cka_to_base.items()]
+    lines += [f"CKA variant-retrained on {s}: {v:.4f}" for s, v in (scores.cka_to_retrained or {}).items()]
+    lines += [f"left out: {what}: {why}" for what, why in scores.left_out.items()]
+    print_lines(lines)
+
+
+def _kept(confusion: dict[str, list[float]] | None, label: str) -> str:
+    """The share of class ``label``'s probes predicted as it (``-``: the set has none of them)."""
+    if confusion is None or label not in confusion:
+        return "-"
+    return f"{confusion[label][int(label)]:.1%}"
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _utility_sets(options: list[str]) -> list[tuple[str, Path]]:

@@ -10,8 +10,10 @@ from engram_client.bodies import fields_body
 from engram_client.resources.jobs import JobsResource, ProgressCallback
 from engram_client.transport import _quote
 
-# A probe: ``{"prompt", "completion"}`` (other keys are ignored) or a ``(prompt, completion)`` pair.
+# A probe: ``{"prompt", "completion"}`` (other keys are ignored), ``{"messages"}``, a ``(prompt,
+# completion)`` pair, or for an image classifier ``{"image": <base64 PNG/JPEG/WebP>, "label": <id or name>}``.
 ProbeLike = Mapping[str, Any] | Sequence[str]
+IMAGE_FIELDS = ("image", "label")
 # TOFU's extra answers, kept from a probe mapping that has them.
 TOFU_FIELDS = ("paraphrased_answer", "perturbed_answers")
 
@@ -32,6 +34,7 @@ class EvaluationResource(JobsResource):
         forget: Sequence[ProbeLike] = (),
         retain: Sequence[ProbeLike] = (),
         *,
+        test: Sequence[ProbeLike] = (),
         metrics: str | Sequence[str] | None = None,
         retain_model: str | None = None,
         holdout: Sequence[ProbeLike] = (),
@@ -50,10 +53,14 @@ class EvaluationResource(JobsResource):
                 are dropped, so JSONL records with an ``id`` pass) or ``(prompt, completion)`` pairs.
             retain: what it should keep, in the same forms; at least one of the two must hold a probe.
                 A mapping's ``paraphrased_answer`` and ``perturbed_answers`` (TOFU's) are kept.
+                An image classifier's variant takes ``{"image", "label"}`` mappings instead (the base64 of a
+                PNG, JPEG or WebP file, and a class id or a name in the model's ``id2label``).
+            test: image probes only: held-out images of every class (ToW's test accuracy).
             metrics: ``"tofu"`` for TOFU's whole suite, or a list of its names (OpenUnlearning's); None:
                 NLL and exact match only.
             retain_model: with metrics, a registered model or variant trained without the forget set
-                (same tokenizer): forget quality, privacy, memorization and Overall against it.
+                (same tokenizer): forget quality, privacy, memorization and Overall against it. With image
+                probes (no metrics needed): the classifier retrained without the forget classes (ToW, CKA).
             holdout: with metrics, facts no model saw (the membership attacks' non-members).
             utility: with metrics, named probe sets the forget set does not touch (model utility).
             callback_url: POSTed the job when it ends (its host must be allowlisted).
@@ -66,7 +73,10 @@ class EvaluationResource(JobsResource):
             :class:`~api_schemas.EvaluationResult`: ``summary[model][split]`` (``base``/``variant``,
             ``forget``/``retain``) = ``{mean_nll, exact_match, n}`` (a split without probes is absent) and
             ``records``, one per probe in request order with both models' scores; with metrics,
-            ``tofu[model]`` (``base``/``variant``/``retain``) = ``{values, left_out}``.
+            ``tofu[model]`` (``base``/``variant``/``retain``) = ``{values, left_out}``. With image probes,
+            ``summary``/``records`` hold the label's NLL and top-1 correctness, and ``classifier`` a
+            :class:`~api_schemas.evaluation.ClassifierEvaluation` (per model and set accuracy, label NLL,
+            confusion; DA, NMI; ToW and CKA).
 
         Raises:
             ValueError: a probe is neither such a mapping nor a pair.
@@ -76,14 +86,18 @@ class EvaluationResource(JobsResource):
         given: dict[str, Any] = {
             "forget": _probes(forget, "forget"),
             "retain": _probes(retain, "retain"),
+            "test": _probes(test, "test") or None,
             "callback_url": callback_url,
         }
+        images = any("image" in probe for split in ("forget", "retain") for probe in given[split]) or bool(test)
+        if images:  # an image classifier's retrained model needs no metrics
+            given["retain_model"] = retain_model
         if metrics is not None:
             given["metrics"] = metrics if isinstance(metrics, str) else list(metrics)
             given["retain_model"] = retain_model
             given["holdout"] = _probes(holdout, "holdout")
             given["utility"] = {name: _probes(items, name) for name, items in (utility or {}).items()}
-        elif retain_model is not None or holdout or utility:
+        elif (retain_model is not None and not images) or holdout or utility:
             raise ValueError("retain_model, holdout and utility serve metrics: pass metrics='tofu' (or a list)")
         body = fields_body(EvaluateRequest, given)
         path = f"/variants/{_quote(variant_id)}/evaluate"
@@ -128,16 +142,22 @@ class EvaluationResource(JobsResource):
 
 
 def _probes(probes: Sequence[ProbeLike], split: str) -> list[dict[str, Any]]:
-    """``{"prompt", "completion"}`` for each probe, whichever form it came in; a bad one is named by split and index."""
+    """``{"prompt", "completion"}`` (or ``{"messages"}``, or ``{"image", "label"}``) for each probe, whichever
+    form it came in; a bad one is named by split and index."""
     out: list[dict[str, Any]] = []
     for i, probe in enumerate(probes):
         extra = {k: probe[k] for k in TOFU_FIELDS if k in probe} if isinstance(probe, Mapping) else {}
-        if isinstance(probe, Mapping) and "messages" in probe:
+        if isinstance(probe, Mapping) and "image" in probe:
+            out.append({k: probe[k] for k in IMAGE_FIELDS if k in probe})
+        elif isinstance(probe, Mapping) and "messages" in probe:
             out.append({"messages": [dict(m) for m in probe["messages"]], **extra})
         elif isinstance(probe, Mapping) and "prompt" in probe and "completion" in probe:
             out.append({"prompt": probe["prompt"], "completion": probe["completion"], **extra})
         elif isinstance(probe, Sequence) and not isinstance(probe, str) and len(probe) == 2:
             out.append({"prompt": probe[0], "completion": probe[1]})
         else:
-            raise ValueError(f"{split}[{i}] is neither a {{prompt, completion}} mapping nor a pair: {probe!r:.100}")
+            raise ValueError(
+                f"{split}[{i}] is neither a {{prompt, completion}}, {{messages}} or {{image, label}} mapping nor a pair: "
+                f"{probe!r:.100}"
+            )
     return out
