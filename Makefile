@@ -38,13 +38,22 @@ help:
 
 install: $(STAMP)
 
+# setuptools ends every editable install that it maps through an import finder with an 11-line
+# "Editable installation. Please be careful with folders in your working directory with the same name
+# as your package" notice (an InformationOnly UserWarning), which pip 25+ shows even with -q: 33 lines
+# for our three distributions. All three need that finder: api_schemas/ and engram_client/ are each
+# their own package folder (package-dir maps the name to "."), and the root's packages sit beside
+# tests/, bench/ and scripts/, which must not become importable. Nothing is wrong, so that notice alone
+# is filtered, by its message: any other warning still shows.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ./api_schemas -e ".[dev]"
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./api_schemas -e ".[dev]"
 	# The client last: an older engram-service owned the `engram` script, and upgrading it removes it.
-	$(PY) -m pip install -q -e ./engram_client
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./engram_client
 	touch $(STAMP)
 
 # The demo folder is an allowed model root unless you say otherwise.
