@@ -1,8 +1,8 @@
 """Mini-TOFU: the paper's TOFU table on the demo facts, computed by the service's metric suite.
 
-    python -m bench.tofu                    # 200 facts, forget 10 %, the demo's model: base and retain rows
+    python -m bench.tofu                    # 200 facts, forget 10 %, the demo's model: the whole table
     python -m bench.tofu --quick            # 40 facts, the tests' tiny model, 150 steps: a smoke run
-    python -m bench.tofu --json out.json    # also every row's raw values, scores and left-out names
+    python -m bench.tofu --json out.json    # also every row's raw values, scores and the calibration
 
 The protocol, as TOFU's: the base model is fine-tuned on every fact (``engram_fixtures.demo``'s
 recipe: tokenizer, config, seed, steps); the retain model on the retain facts only, with the same
@@ -12,11 +12,19 @@ the utility set is the retain facts of people none of whose facts is forgotten (
 and world-facts sets play this part); the holdout set is fresh facts no model saw (OpenUnlearning's
 MIA AUCs, ``mia_*``; the privacy scores ``privacy_mia_*`` compare with the retain model instead).
 
+The rows: the base and retain models; Engram at uniform α=0.6 and Engram W-Norm (``scaling``
+``weight_norm`` at α=1: the per-layer strength rescaled to a maximum of 1), the paper's two
+settings; the calibrated Engram (``calibrate`` maximising Overall under model_utility ≥ 0.9 × the
+base's, on the same probes as the table, over {all, Q/K+Gate} × {uniform, W-Norm}); GradDiff and
+NPO (:mod:`bench.gradient_baselines`). The Engram rows are built by the service itself, through
+its HTTP API (a live server in embedded mode on a scratch store), and downloaded.
+
 Each model's statistics come from ``service.engine.tofu_scoring.tofu_statistics`` and its row from
 ``service.evaluation.tofu_metrics`` (raw values, then the scores against the retain and base
-models). This is the skeleton of issue 26's bench: the rows of the base and retain models. Still
-to add: Engram uniform α=0.6, Engram W-Norm, the calibrated Engram, and the GradDiff and NPO
-baselines (a short training loop here), with the wall time and forward/backward passes of each.
+models). What each row spent: wall time, and sequences through a forward and a backward pass
+(training: steps × batch; Engram: one forward pass per fact to collect statistics, the edit itself
+none; the calibration: each candidate's teacher-forced scoring on top, its greedy decoding for
+ROUGE and exact match not counted).
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -26,15 +34,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import torch
-from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
+from bench.gradient_baselines import unlearn
 from engram_fixtures.demo import (
+    DEFAULT_BATCH_SIZE,
     DEFAULT_STEPS,
     make_facts,
     split_forget,
@@ -43,6 +62,7 @@ from engram_fixtures.demo import (
     train_on_facts,
     train_tokenizer,
 )
+from engram_fixtures.live import download_variant, start_server, stop_server, wait_concepts_ready, wait_for_job
 from service.engine.evaluate import Probe
 from service.engine.tofu_scoring import ProbeStatistics, TofuProbe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
@@ -127,15 +147,14 @@ def _cell(value: float | None) -> str:
     return f"{value:.4f}" if math.isfinite(value) else str(value)
 
 
-def print_table(rows: dict[str, tm.ModelReport], seconds: dict[str, float]) -> None:
-    header = f"{'method':<10}" + "".join(f"{name:>10}" for name, _ in COLUMNS) + f"{'train s':>9}"
-    print(header)
-    for method, report in rows.items():
-        cells = "".join(f"{_cell(report.values.get(key)):>10}" for _, key in COLUMNS)
-        print(f"{method:<10}{cells}{seconds[method]:>9.1f}")
-    for method, report in rows.items():
-        if report.left_out:
-            print(f"{method}: left out: " + "; ".join(f"{k} ({v})" for k, v in sorted(report.left_out.items())))
+@dataclass
+class Cost:
+    """What a row's method spent: wall time and sequences through forward and backward passes."""
+
+    seconds: float
+    forward: int
+    backward: int
+    note: str = ""
 
 
 def train_model(
@@ -153,22 +172,167 @@ def train_model(
     return model
 
 
-def run(n_facts: int, seed: int, steps: int, small: bool) -> tuple[dict[str, tm.ModelReport], dict[str, float]]:
-    """Train the base (every fact) and retain (retain facts only) models, score both, and return
-    their rows and training times."""
+def _probe_json(probe: TofuProbe) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": probe.probe.prompt, "completion": probe.probe.completion}
+    if probe.paraphrased_answer is not None:
+        body["paraphrased_answer"] = probe.paraphrased_answer
+    if probe.perturbed_answers is not None:
+        body["perturbed_answers"] = list(probe.perturbed_answers)
+    return body
+
+
+def _sequences(probes: Sequence[TofuProbe]) -> int:
+    """Teacher-forced sequences one TOFU scoring of ``probes`` runs (answer, paraphrase, wrong answers)."""
+    return sum(1 + (p.paraphrased_answer is not None) + len(p.perturbed_answers or ()) for p in probes)
+
+
+def _job(client: httpx.Client, response: httpx.Response, timeout: float = 1800) -> dict[str, Any]:
+    assert response.status_code in (200, 202), response.text
+    job = wait_for_job(client, response.json()["job"]["job_id"], timeout=timeout)
+    assert job["status"] == "succeeded", job
+    return job
+
+
+def _variant(client: httpx.Client, body: dict[str, Any], target: Path) -> tuple[PreTrainedModel, float]:
+    """An unlearn variant of the base model built through the API and downloaded; its build time."""
+    started = time.perf_counter()
+    response = client.post(f"/models/{BASE_ID}/unlearn", json=body)
+    _job(client, response)
+    seconds = time.perf_counter() - started
+    return _download(client, response.json()["variant"]["variant_id"], target), seconds
+
+
+def _download(client: httpx.Client, variant_id: str, target: Path) -> PreTrainedModel:
+    variant = client.get(f"/variants/{variant_id}").json()
+    folder = download_variant(client, variant, target)
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+BASE_ID, RETAIN_ID = "bench/tofu-base", "bench/tofu-retain"
+
+
+def engram_rows(
+    models: dict[str, PreTrainedModel],
+    tokenizer: PreTrainedTokenizerFast,
+    sets: MiniTofu,
+    work: Path,
+    budget: int,
+) -> tuple[dict[str, PreTrainedModel], dict[str, Cost], dict[str, Any]]:
+    """Engram α=0.6 (uniform), Engram W-Norm (weight_norm at α=1: the strength rescaled to max 1)
+    and the calibrated Engram (maximise Overall under model_utility ≥ 0.9 of the base's), each
+    built through the live API (embedded mode) and downloaded; what each spent; the calibration."""
+    root = work / "models"
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    server = start_server(work / "store", root, work / "server.log")
+    try:
+        client = server.client
+        for model_id, name in ((BASE_ID, "base"), (RETAIN_ID, "retain")):
+            response = client.post("/models", json={"model_id": model_id, "source": f"file://{root / name}"})
+            assert response.status_code in (200, 201), response.text
+        started = time.perf_counter()
+        for concept, role, probes in (("tofu-forget", "target", sets.forget), ("tofu-retain", "reference", sets.retain)):
+            records = [{"prompt": p.probe.prompt, "completion": p.probe.completion} for p in probes]
+            concept_body = {"name": concept, "role": role, "models": [BASE_ID], "records": records}
+            assert client.post("/concepts", json=concept_body).status_code == 202
+        wait_concepts_ready(client, ["tofu-forget", "tofu-retain"], BASE_ID, timeout=1800)
+        collect_s = time.perf_counter() - started
+        collect_fwd = len(sets.forget) + len(sets.retain)  # one forward pass per fact
+        out: dict[str, PreTrainedModel] = {}
+        costs: dict[str, Cost] = {}
+        for row, body in (
+            ("Engram a=.6", {"concepts": ["tofu-forget"], "alpha": 0.6}),
+            ("Engram WN", {"concepts": ["tofu-forget"], "alpha": 1.0, "scaling": "weight_norm"}),
+        ):
+            out[row], seconds = _variant(client, body, work / row.replace(" ", "_").replace("=", ""))
+            costs[row] = Cost(collect_s + seconds, collect_fwd, 0, f"collection {collect_s:.1f} s + build {seconds:.1f} s")
+        request = {
+            "concepts": ["tofu-forget"],
+            "forget": [_probe_json(p) for p in sets.forget],
+            "retain": [_probe_json(p) for p in sets.retain],
+            "utility": {"utility": [_probe_json(p) for p in sets.utility]},
+            "holdout": [_probe_json(p) for p in sets.holdout],
+            "objective": {"maximize": "overall"},
+            "constraints": [{"metric": "model_utility", "min_ratio_to_base": 0.9}],
+            "retain_model": RETAIN_ID,
+            "module_sets": ["all", "qk_gate"],
+            "budget": budget,
+        }
+        started = time.perf_counter()
+        job = _job(client, client.post(f"/models/{BASE_ID}/calibrate", json=request), timeout=3600)
+        calibrate_s = time.perf_counter() - started
+        result = job["result"]
+        per_candidate = len(sets.forget) + len(sets.retain)  # the NLL scoring
+        per_candidate += sum(_sequences(s) for s in (sets.forget, sets.retain, sets.utility, sets.holdout))
+        evaluated = result["evaluations"] + 2  # the candidates, the base and the retain model
+        if result["recommended"] is not None:
+            out["Engram cal"] = _download(client, result["recommended"]["variant_id"], work / "calibrated")
+            costs["Engram cal"] = Cost(
+                collect_s + calibrate_s,
+                collect_fwd + evaluated * per_candidate,
+                0,
+                f"collection {collect_s:.1f} s + calibration {calibrate_s:.1f} s ({result['evaluations']} candidates)",
+            )
+        return out, costs, result
+    finally:
+        stop_server(server)
+
+
+def run(
+    n_facts: int, seed: int, steps: int, small: bool, budget: int, work: Path
+) -> tuple[dict[str, tm.ModelReport], dict[str, Cost], dict[str, Any]]:
+    """Train the base (every fact) and retain (retain facts only) models, unlearn with Engram (three
+    ways) and the two gradient baselines, score every model, and return the rows and their costs."""
     facts = make_facts(n_facts, seed)
     forget, retain = split_forget(facts, 0.1, seed)
     tokenizer = train_tokenizer([p + c for p, c in facts])  # one tokenizer for both, as build_demo's
-    seconds: dict[str, float] = {}
-    models = {}
+    costs: dict[str, Cost] = {}
+    models: dict[str, PreTrainedModel] = {}
     for name, train_facts in (("base", facts), ("retain", retain)):
         start = time.perf_counter()
         models[name] = train_model(tokenizer, train_facts, seed, steps, small)
-        seconds[name] = time.perf_counter() - start
+        sequences = steps * min(DEFAULT_BATCH_SIZE, len(train_facts))
+        costs[name] = Cost(time.perf_counter() - start, sequences, sequences, "training from scratch")
     sets = mini_tofu(facts, forget, seed, n_holdout=len(forget))
+    engram, engram_costs, calibration = engram_rows(models, tokenizer, sets, work, budget)
+    models.update(engram)
+    costs.update(engram_costs)
+    plain = {name: [p.probe for p in getattr(sets, name)] for name in ("forget", "retain")}
+    for row, method in (("GradDiff", "graddiff"), ("NPO", "npo")):
+        model, spent = unlearn(models["base"], tokenizer, plain["forget"], plain["retain"], method)  # type: ignore[arg-type]
+        models[row] = model
+        costs[row] = Cost(spent.seconds, spent.forward, spent.backward, f"{spent.steps} steps")
     raw = {name: model_report(model, tokenizer, sets) for name, model in models.items()}
     rows = {name: tm.tofu_scores(report, retain=raw["retain"], base=raw["base"]) for name, report in raw.items()}
-    return rows, seconds
+    return rows, costs, calibration
+
+
+def print_table(rows: dict[str, tm.ModelReport], costs: dict[str, Cost]) -> None:
+    header = f"{'method':<12}" + "".join(f"{name:>10}" for name, _ in COLUMNS) + f"{'wall s':>9}{'fwd':>8}{'bwd':>8}"
+    print(header)
+    for method, report in rows.items():
+        cells = "".join(f"{_cell(report.values.get(key)):>10}" for _, key in COLUMNS)
+        cost = costs[method]
+        print(f"{method:<12}{cells}{cost.seconds:>9.1f}{cost.forward:>8}{cost.backward:>8}")
+    for method, cost in costs.items():
+        print(f"{method}: {cost.note}")
+    for method, report in rows.items():
+        if report.left_out:
+            print(f"{method}: left out: " + "; ".join(f"{k} ({v})" for k, v in sorted(report.left_out.items())))
+
+
+def _calibration_line(result: dict[str, Any]) -> str:
+    recommended = result.get("recommended")
+    if recommended is None:
+        return f"calibration: nothing recommended ({result.get('note')})"
+    options = recommended["options"]
+    bound = result["constraints"][0]
+    return (
+        f"calibration: {result['evaluations']} candidates; recommended α={options['alpha']:.3g} "
+        f"{options['module_set']}/{options['scaling']}: overall {recommended['metrics']['overall']:.4f}, "
+        f"model_utility {recommended['metrics']['model_utility']:.4f} (floor {bound['min']:.4f} = 0.9 × base's)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,16 +342,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--quick", action="store_true", help="40 facts, the tests' tiny model, 150 steps: a smoke run")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
+    parser.add_argument("--budget", type=int, default=40, help="the calibration's candidates (default 40)")
     parser.add_argument("--json", type=Path, default=None, help="write every row's values and left-out names here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     n_facts, steps = (40, 150) if args.quick else (args.n_facts, args.steps)
-    rows, seconds = run(n_facts, args.seed, steps, small=args.quick)
+    with tempfile.TemporaryDirectory(prefix="bench-tofu-") as work:
+        rows, costs, calibration = run(n_facts, args.seed, steps, args.quick, args.budget, Path(work))
     print(f"mini-TOFU: {n_facts} facts, forget 10 %, seed {args.seed}, {steps} steps, {args.threads} threads")
-    print_table(rows, seconds)
+    print_table(rows, costs)
+    print(_calibration_line(calibration))
     if args.json is not None:
-        payload = {m: {"values": r.values, "left_out": r.left_out, "train_s": seconds[m]} for m, r in rows.items()}
-        args.json.write_text(json.dumps(payload, indent=2, default=str))
+        payload = {m: {"values": r.values, "left_out": r.left_out, "seconds": costs[m].seconds} for m, r in rows.items()}
+        args.json.write_text(json.dumps({"rows": payload, "calibration": calibration}, indent=2, default=str))
     return 0
 
 
