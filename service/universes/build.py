@@ -81,8 +81,8 @@ def ensure_universe(
     Args:
         progress: told of each step; a :class:`JobProgress` is first given the number of steps.
         job_id: the job building it; given, idle workers are asked to help (``ctx.universe_helpers``,
-            distributed mode), and they stop when that job ends or is cancelled; its progress names the
-            groups built for it and those deferred.
+            distributed mode), and they stop when that job ends or is cancelled; unless it builds the
+            whole universe at once, its progress names the groups built for it and those deferred.
         layers: the layers the request reads (None: every layer, the whole universe). Their input
             groups are built first, alone; the answer is then partial (``deferred`` names the groups
             not built) unless every group is built. A layer the universe does not hold is left to the
@@ -107,7 +107,9 @@ def ensure_universe(
     # No layer the universe holds (the readers refuse them by name): as before stages, the whole universe.
     needed = (needed_groups(plan, layers) if layers is not None else []) or list(plan.groups)
     missing = [g for g in needed if g not in built]
-    _note_groups(ctx, job_id, built=missing, deferred=[g for g in plan.groups if g not in built and g not in missing])
+    if len(missing) < len(plan.groups):  # a universe built at once says nothing more than before
+        deferred = [g for g in plan.groups if g not in built and g not in missing]
+        _note_groups(ctx, job_id, built=missing, deferred=deferred)
     if missing:
         stages.append(_build_stage(ctx, build.for_stage(missing), progress, job_id))
     if build.stage_name == "" and missing:  # every group at once: the stage is the universe
