@@ -76,7 +76,9 @@ def _accepted(response: Any) -> dict[str, Any]:
 def variant(server: LiveServer, mini_cifar: MiniCifar) -> dict[str, Any]:
     client = server.client
     for model_id, folder in ((MODEL, mini_cifar.model("resnet")), (RETRAINED, mini_cifar.model("resnet", True))):
-        _accepted(client.post("/models", json={"model_id": model_id, "source": f"file://{folder}"}))
+        registered = _accepted(client.post("/models", json={"model_id": model_id, "source": f"file://{folder}"}))
+        if registered.get("kind") == "register":  # it ran past the request's wait: its job
+            assert wait_for_job(client, registered["job_id"], timeout=TIMEOUT_S)["status"] == "succeeded"
     train = _records(mini_cifar.train)
     for label in range(NUM_CLASSES):
         records = [r for r in train if int(r["label"]) == label]
