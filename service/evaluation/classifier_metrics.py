@@ -277,18 +277,26 @@ def normalized_mutual_info(first: npt.ArrayLike, second: npt.ArrayLike) -> float
 def _plus_plus_centres(points: FloatArray, clusters: int, rng: np.random.Generator) -> FloatArray:
     """k-means++ seeding (Arthur and Vassilvitskii 2007): each next centre drawn ∝ squared distance."""
     centres = [points[rng.integers(points.shape[0])]]
+    distances = _squared_distances(points, centres[0][None, :])[:, 0]
     for _ in range(1, clusters):
-        distances = ((points[:, None, :] - np.asarray(centres)[None, :, :]) ** 2).sum(axis=2).min(axis=1)
         total = distances.sum()
         index = rng.integers(points.shape[0]) if total == 0.0 else rng.choice(points.shape[0], p=distances / total)
         centres.append(points[index])
+        distances = np.minimum(distances, _squared_distances(points, points[index][None, :])[:, 0])
     return np.asarray(centres)
+
+
+def _squared_distances(points: FloatArray, centres: FloatArray) -> FloatArray:
+    """``[n, k]`` squared Euclidean distances as ``‖x‖² − 2x·c + ‖c‖²`` (clamped at 0): memory ``n·k``,
+    not the ``n·k·d`` of differencing every pair (ten thousand 768-wide features into 1000 classes)."""
+    squares = (points**2).sum(axis=1)[:, None] - 2.0 * points @ centres.T + (centres**2).sum(axis=1)[None, :]
+    return np.maximum(squares, 0.0)
 
 
 def _lloyd(points: FloatArray, centres: FloatArray, max_iter: int) -> tuple[IntArray, float]:
     previous: IntArray | None = None
     for _ in range(max_iter):
-        distances = ((points[:, None, :] - centres[None, :, :]) ** 2).sum(axis=2)
+        distances = _squared_distances(points, centres)
         assignment = distances.argmin(axis=1)
         if previous is not None and np.array_equal(assignment, previous):
             break
@@ -297,7 +305,7 @@ def _lloyd(points: FloatArray, centres: FloatArray, max_iter: int) -> tuple[IntA
             if members.shape[0]:  # an emptied cluster keeps its centre
                 centres[cluster] = members.mean(axis=0)
         previous = assignment
-    distances = ((points[:, None, :] - centres[None, :, :]) ** 2).sum(axis=2)
+    distances = _squared_distances(points, centres)
     assignment = distances.argmin(axis=1)
     return assignment, float(distances[np.arange(points.shape[0]), assignment].sum())
 
