@@ -31,6 +31,7 @@ class VariantsResource(JobsResource):
         callback_url: str | None = None,
         module_strengths: Mapping[str, float] | None = None,
         lora_target: str | None = None,
+        adapter_base_model: str | None = None,
         universe: str | None = None,
         options: EditOptions | None = None,
     ) -> VariantSubmission:
@@ -64,6 +65,7 @@ class VariantsResource(JobsResource):
         callback_url: str | None = None,
         module_strengths: Mapping[str, float] | None = None,
         lora_target: str | None = None,
+        adapter_base_model: str | None = None,
         universe: str | None = None,
         options: EditOptions | None = None,
     ) -> VariantSubmission:
