@@ -260,6 +260,8 @@ def apply_delta(base_dir: Path, delta_file: Path, out_dir: Path) -> DeltaReport:
         raise DeltaError(f"{delta_file} is not a file (the delta's delta.safetensors)")
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists; choose a new folder for the result")
+    if out_dir.resolve().is_relative_to(base_dir.resolve()):  # it would copy itself into itself
+        raise DeltaError(f"{out_dir} is inside the base folder {base_dir}; choose a folder outside it")
     delta = read_header(delta_file)
     untied = delta.metadata.get("untied", "false") == "true"
     weight_map, index = _shards(base_dir)

@@ -180,6 +180,9 @@ def test_an_existing_out_dir_or_a_folder_without_weights_is_refused(base: Path, 
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="taken"):
         apply_delta(base, delta, tmp_path / "taken")
+    with pytest.raises(DeltaError, match="inside the base folder"):
+        apply_delta(base, delta, base / "edited")
+    assert not (base / "edited").exists() and leftovers(base) == []
     (tmp_path / "empty").mkdir()
     with pytest.raises(DeltaError, match="not a safetensors checkpoint folder"):
         apply_delta(tmp_path / "empty", delta, tmp_path / "out")
