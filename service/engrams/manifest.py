@@ -220,7 +220,9 @@ def merge_stages(
     plan's other groups deferred (none: the whole universe, what ``manifest.json`` stores).
 
     Args:
-        stages: the stored stages' manifests (at least one; they hold disjoint groups).
+        stages: the stored stages' manifests (at least one). Two requests that needed overlapping
+            groups at once may both have built a group's layers (the group itself once, through its
+            lease): a layer is then read from the first stage's file, and both files' bytes count.
         groups: the plan's input groups -> their layers; ``layers``: the plan's layers in layout order.
     """
     first = stages[0]

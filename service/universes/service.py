@@ -13,8 +13,13 @@ Storage layout:
   the job building it (written when first asked for; the only mutable part: its ``job_id``)
 - ``universes/<id>/plan.json``: written first by the build: its input groups and layers
 - ``universes/<id>/groups/<quoted group>.safetensors``: the group's pseudo-inverse factors (float64)
-- ``universes/<id>/engrams/<member key>.safetensors`` (+ ``.json``: per-layer norms): ``E_k,l``
-- ``universes/<id>/manifest.json``: written last; the universe exists exactly when it does
+- ``universes/<id>/engrams/<member key>.safetensors`` (+ ``.json``: per-layer norms): ``E_k,l``; for a
+  universe built in stages (a request's layers first: :mod:`service.universes.build`), one file per
+  member and stage, ``engrams/<member key>~<stage>.safetensors``
+- ``universes/<id>/stages/<stage>.json``: a stage's manifest (its groups; the others ``deferred``),
+  written once its parts are; ``builds/<job id>.json``: the groups a job builds (what its helpers help with)
+- ``universes/<id>/manifest.json``: written last, once every group is built; the universe exists
+  exactly when it does (a universe with stages only is ``partial``)
 - ``universes/<id>/usage.json``: when it was last used, its projected bytes, when it was evicted
   (:mod:`service.universes.retention`: the storage budget and the retention rule)
 - ``model-universes/<quoted model id>/current.json``: the model's current universe

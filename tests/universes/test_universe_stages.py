@@ -23,6 +23,7 @@ from service.jobs.leases import RedisLeases
 from service.jobs.progress import NoProgress
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
 from service.universes import parts as parts_module
+from service.universes import retention
 from service.universes.build import ensure_universe
 from service.universes.parts import UniverseBuild, stage_name
 from service.universes.records import find_manifest, find_stages
@@ -257,3 +258,31 @@ def test_two_builders_of_one_stage_compute_each_part_once(
     assert len(computed) == len(builds[0].stage), "each group of the stage decomposed once"
     assert sum(b.computed["members"] for b in builds) == len(builds[0].member_of), "each member's engrams once"
     assert _stored_groups(w, uid) == set(builds[0].stage), "no group outside the stage"
+
+
+def test_an_evicted_partial_universe_loses_its_stages_first_and_is_built_again_on_need(world: dict[str, Any]) -> None:
+    w: StoreWorld = world["world"]
+    options = {"reference": ["other", "retain"], "modules": ["q_proj"], "rcond": 1e-2}
+    variant = build(w, MODEL, {"other": -0.5}, **options)
+    uid = variant["universe_id"]
+    assert universe_view(w.ctx, uid)["status"] == "partial"
+    deleted: list[str] = []
+    real_delete = w.ctx.storage.delete
+
+    def recording(key: str) -> None:
+        deleted.append(key)
+        real_delete(key)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(w.ctx.storage, "delete", recording)
+        with w.ctx.lock:
+            freed = retention.evict_universe(w.ctx, uid, reason="test")
+    assert freed > 0
+    stage_keys = [i for i, key in enumerate(deleted) if "/stages/" in key]
+    part_keys = [i for i, key in enumerate(deleted) if "/groups/" in key or "/engrams/" in key]
+    assert stage_keys and max(stage_keys) < min(part_keys), "the stage goes before the parts it names"
+    assert find_stages(w.ctx, uid) == [] and _stored_groups(w, uid) == set()
+    assert universe_view(w.ctx, uid)["status"] == "evicted"
+    again = build(w, MODEL, {"other": -0.6}, **options)
+    assert again["universe_id"] == uid and universe_view(w.ctx, uid)["status"] == "partial"
+    assert _stored_groups(w, uid) == _groups_of(w, uid, "q_proj")
