@@ -1,8 +1,10 @@
-"""Class-wise unlearning on the mini-CIFAR: Engram α=1 against the model retrained without class 0.
+"""Class-wise unlearning on the mini-CIFAR: Engram α=1 and α_best against the model retrained without
+class 0, and against the training baselines (fine-tuning on the retain set, NegGrad), timed.
 
     python -m bench.vision                    # both architectures (builds the mini-CIFAR once: minutes)
     python -m bench.vision --arch resnet --out bench/results/vision.json
     python -m bench.vision --alphas 0.5,0.6,0.7,0.8,0.9,1,1.2,1.4,1.6,1.8,2   # the paper's grid: α_best by ToW
+    python -m bench.vision --scale                # also the 100-class measurement (bench.vision_scale)
 
 Per architecture (engram_fixtures.mini_cifar's tiny ResNet and ViT), in this process, on file
 storage in a temporary directory, with the service's own functions: the base model is registered
@@ -24,8 +26,18 @@ Then the base, the Engram variant and the retrained model are run over the probe
   retain features against their classes) of each model's penultimate features; linear CKA of the
   test split's penultimate features to the base and to the retrained model.
 
+The baselines (:mod:`bench.vision_baselines`): fine-tuning the base on the retain set and NegGrad
+(gradient ascent on the forget set, stopped at chance), short AdamW loops from the base weights.
+
 Timings: the collection per concept, the universe build, the variant job (median over the grid),
-next to the retrained model's training time (the mini-CIFAR build's).
+next to the retrained model's training time (the mini-CIFAR build's) and the baselines' loops. The
+table's cost columns per method: ``seconds`` (Engram: the variant job, the universe already built;
+a baseline: its loop; Retrain: its training), ``fwd``/``bwd`` (images forwarded / back-propagated:
+Engram's forward passes are the collection's, one per training image, none backward; Retrain's
+are its epochs over the retain set).
+
+``--scale``: the 100-class measurement of :mod:`bench.vision_scale` (a universe of 100 class
+concepts built once, then each class variant against the checkpoint copy floor).
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -50,6 +62,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from bench.universe import run_pending, service_context  # noqa: E402
+from bench.vision_baselines import FINETUNE_PLAN, NEGGRAD_PLAN, BaselineRun, finetune_retain, neggrad  # noqa: E402
 from engram_fixtures.mini_cifar import (
     FORGET_CLASS,
     NUM_CLASSES,
@@ -129,6 +142,24 @@ def engram_variants(
     return folders, timings
 
 
+def _pixels(folder: Path, images: list[Image.Image]) -> torch.Tensor:
+    return torch.cat([batch.pixel_values for batch in _batches(folder, images)])
+
+
+def baselines(built: MiniCifar, architecture: str, root: Path) -> tuple[dict[str, Path], dict[str, BaselineRun]]:
+    """Fine-tune on the retain set and NegGrad on the forget set, from the base model; their folders and costs."""
+    base = built.model(architecture)
+    images, labels = load_split(built.train)
+    forget = [i for i, y in enumerate(labels) if y == FORGET_CLASS]
+    retain = [i for i, y in enumerate(labels) if y != FORGET_CLASS]
+    pixels, targets = _pixels(base, images), torch.as_tensor(labels)
+    runs = {
+        "finetune_retain": finetune_retain(base, root / "finetune", pixels[retain], targets[retain], FINETUNE_PLAN),
+        "neggrad": neggrad(base, root / "neggrad", pixels[forget], targets[forget], NEGGRAD_PLAN, NUM_CLASSES),
+    }
+    return {"finetune_retain": root / "finetune", "neggrad": root / "neggrad"}, runs
+
+
 def _run(folder: Path, images: list[Image.Image], labels: list[int]) -> Classified:
     from transformers import AutoModelForImageClassification
 
@@ -160,10 +191,12 @@ def measure(built: MiniCifar, architecture: str, alphas: list[float]) -> dict[st
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-vision-") as scratch:
         variants, timings = engram_variants(built, architecture, Path(scratch), alphas)
+        trained, runs = baselines(built, architecture, Path(scratch))
         splits = {"train": load_split(built.train), "test": load_split(built.test)}
         folders = {
             "original": built.model(architecture),
             **{f"engram_alpha_{alpha:g}": folder for alpha, folder in variants.items()},
+            **trained,
             "retrain": built.model(architecture, retrained=True),
         }
         outputs = {name: {split: _run(folder, *data) for split, data in splits.items()} for name, folder in folders.items()}
@@ -175,17 +208,42 @@ def measure(built: MiniCifar, architecture: str, alphas: list[float]) -> dict[st
         row["CKA_to_original"] = cm.linear_cka(features, outputs["original"]["test"].features.numpy())
         row["CKA_to_retrain"] = cm.linear_cka(features, outputs["retrain"]["test"].features.numpy())
     best = max(alphas, key=lambda alpha: rows[f"engram_alpha_{alpha:g}"]["ToW"])
-    return {"architecture": architecture, "alpha_best": best, "timings": timings, "rows": rows, "report": built.report}
+    _costs(rows, timings, runs, built, alphas)
+    result = {"architecture": architecture, "alpha_best": best, "timings": timings, "rows": rows}
+    return {**result, "baselines": {name: run.to_json() for name, run in runs.items()}, "report": built.report}
+
+
+def _costs(
+    rows: dict[str, dict[str, float]],
+    timings: dict[str, Any],
+    runs: dict[str, BaselineRun],
+    built: MiniCifar,
+    alphas: list[float],
+) -> None:
+    """Each row's seconds and forward/backward passes (see the module notes)."""
+    images, labels = load_split(built.train)
+    retained = sum(1 for y in labels if y != FORGET_CLASS)
+    epochs = int(built.report["plan"]["epochs"])  # type: ignore[index]
+    rows["original"].update(seconds=0.0, fwd=0, bwd=0)
+    for alpha in alphas:
+        rows[f"engram_alpha_{alpha:g}"].update(seconds=timings["variant_s_median"], fwd=len(images), bwd=0)
+    for name, run in runs.items():
+        rows[name].update(seconds=run.seconds, fwd=run.forward_passes, bwd=run.backward_passes)
+    rows["retrain"].update(seconds=float(timings["retrain_s"]), fwd=epochs * retained, bwd=epochs * retained)
 
 
 def _table(result: dict[str, Any]) -> str:
-    columns = ["forget", "retain", "test", "ToW", "DA", "NMI", "CKA_to_original", "CKA_to_retrain"]
+    columns = {"forget": "forget", "retain": "retain", "test": "test", "ToW": "ToW", "DA": "DA", "NMI": "NMI"}
+    columns |= {"CKA_to_original": "CKA_orig", "CKA_to_retrain": "CKA_retr"}
+    costs = ["seconds", "fwd", "bwd"]
     lines = [
         f"{result['architecture']} (alpha_best by ToW: {result['alpha_best']:g}): " + json.dumps(result["timings"]),
-        "method".ljust(18) + "".join(c.rjust(16) for c in columns),
+        "method".ljust(25) + "".join(c.rjust(9) for c in columns.values()) + "".join(c.rjust(9) for c in costs),
     ]
     for name, row in result["rows"].items():
-        lines.append(name.ljust(18) + "".join(f"{row[c]:16.4f}" for c in columns))
+        label = f"{name} (best)" if name == f"engram_alpha_{result['alpha_best']:g}" else name
+        metrics = "".join(f"{row[c]:9.4f}" for c in columns)
+        lines.append(label.ljust(25) + metrics + f"{row['seconds']:9.2f}{int(row['fwd']):9d}{int(row['bwd']):9d}")
     return "\n".join(lines)
 
 
@@ -198,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--cache", type=Path, default=None, help="the mini-CIFAR cache (default: $ENGRAM_FIXTURE_CACHE)")
     parser.add_argument("--epochs", type=int, default=TrainingPlan.epochs, help="the mini-CIFAR's training epochs")
+    parser.add_argument("--scale", action="store_true", help="also the 100-class measurement (bench.vision_scale)")
     arguments = parser.parse_args(argv)
     built = build_mini_cifar(arguments.cache, TrainingPlan(epochs=arguments.epochs))
     architectures = ["resnet", "vit"] if arguments.arch == "both" else [arguments.arch]
@@ -205,8 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(built, architecture, alphas) for architecture in architectures]
     for result in results:
         print(_table(result))
+    output: dict[str, Any] = {"classwise": results}
+    if arguments.scale:
+        from bench.vision_scale import measure_scale, scale_table
+
+        output["scale"] = measure_scale()
+        print(scale_table(output["scale"]))
     if arguments.out:
-        arguments.out.write_text(json.dumps(results, indent=2) + "\n")
+        arguments.out.write_text(json.dumps(output if arguments.scale else results, indent=2) + "\n")
     return 0
 
 
