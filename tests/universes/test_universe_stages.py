@@ -24,9 +24,9 @@ from service.jobs.progress import NoProgress
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
 from service.universes import parts as parts_module
 from service.universes import retention
-from service.universes.build import ensure_universe
+from service.universes.build import ensure_universe, help_build_universe
 from service.universes.parts import UniverseBuild, stage_name
-from service.universes.records import find_manifest, find_stages
+from service.universes.records import build_target_key, find_manifest, find_stages
 from service.universes.service import submit_universe, universe_view
 from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, augmented, rel
 from tests.helpers.store_world import StoreWorld
@@ -286,3 +286,32 @@ def test_an_evicted_partial_universe_loses_its_stages_first_and_is_built_again_o
     again = build(w, MODEL, {"other": -0.6}, **options)
     assert again["universe_id"] == uid and universe_view(w.ctx, uid)["status"] == "partial"
     assert _stored_groups(w, uid) == _groups_of(w, uid, "q_proj")
+
+
+def test_a_helper_of_a_stage_builds_that_stage_only(world: dict[str, Any], tmp_path: Path) -> None:
+    """A job building one stage records its groups: an idle worker asked to help computes those
+    groups and the members' engrams of their layers, not the groups the job defers."""
+    w: StoreWorld = world["world"]
+    view, builder = submit_universe(w.ctx, MODEL, ["forget", "other"], 1e-2)
+    w.pending.clear()  # recorded, never run: the helper alone computes
+    assert builder is not None
+    uid = view["universe_id"]
+    groups = sorted(_groups_of(w, uid, "gate_proj"))
+    w.ctx.storage.put_json(build_target_key(uid, builder.job_id), {"groups": groups})
+    computed = help_build_universe(w.ctx, uid, builder.job_id)
+    assert computed == {"groups": len(groups), "members": 2}
+    assert _stored_groups(w, uid) == set(groups)
+    layers = [n for n in layout_of(w, MODEL).weight_keys if n.endswith(("gate_proj", "up_proj"))]
+    decomposed: list[Any] = []
+    real = parts_module.decompose_group
+
+    def counting(*args: Any) -> Any:
+        decomposed.append(args[2])
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parts_module, "decompose_group", counting)
+        patch.setattr(parts_module, "write_member_engrams", lambda *a, **k: pytest.fail("engrams computed again"))
+        manifest, existed = ensure_universe(w.ctx, uid, layers=layers)
+    assert decomposed == [] and not existed, "the job finds its stage's parts published by the helper"
+    assert set(manifest.groups) == set(groups) and set(manifest.layers) == set(layers)
