@@ -5,16 +5,27 @@ script registers it, posts a target and a reference concept, unlearns the target
 checkpoint variant, loads it back with transformers, runs a forward pass on it and, for a model
 that predicts the next token, evaluates it through the API. It prints one line per family: the
 editable layers, how many the variant moved, the layers it left as they were (unreached), and any
-refusal, as the service worded it. Nothing here is a test: the tests pin a subset of these
-families (tests/api/test_architectures.py, test_multimodal.py, tests/engine/test_moe_architectures.py).
+refusal, as the service worded it. The tests pin a subset of these families
+(tests/api/test_architectures.py, test_multimodal.py, tests/engine/test_moe_architectures.py), and
+tests/e2e/test_image_sweep.py runs the image part whole.
 
-    .venv/bin/python -m scripts.architecture_sweep               # every family, about a minute
+The image part: every ``…ForImageClassification`` family transformers has (ViT, DeiT, BEiT, Swin,
+ConvNeXt, ResNet, RegNet, EfficientNet, MobileNetV1/V2, the CLIP and SigLIP vision towers; built by
+:mod:`engram_fixtures.image_families`), with image records (base64 PNGs) for concepts. Its line says
+``edited`` (the layers, how many are convs, the tensors the variant moved, its logits finite) or
+``refused`` with the service's reason; either way the layers the service does not edit (a depthwise
+conv) are counted and the first one's reason quoted.
+
+    .venv/bin/python -m scripts.architecture_sweep               # every family, a few minutes
     .venv/bin/python -m scripts.architecture_sweep qwen2 mamba   # some
+    .venv/bin/python -m scripts.architecture_sweep --images      # the image families only
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import sys
 import tempfile
 import time
@@ -23,10 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import torch
 import transformers
+from PIL import Image
 
 from engram_fixtures.demo import make_facts
+from engram_fixtures.image_families import IMAGE_FAMILIES, IMAGE_SIDE, make_tiny_image_classifier
 from engram_fixtures.live import download_variant, start_server, stop_server
 from engram_fixtures.models import (
     MOE_FAMILIES,
@@ -141,7 +155,25 @@ TARGET = [{"text": p + c} for p, c in FACTS[:6]]
 REFERENCE = [{"text": p + c} for p, c in FACTS[6:]]
 
 
+def _pictures(count: int, seed: int, tint: int) -> list[dict[str, str]]:
+    """Image records: random PNGs of the model's side, their red channel raised by ``tint``."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(count):
+        pixels = rng.integers(0, 256 - tint, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
+        pixels[..., 0] += np.uint8(tint)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        records.append({"image": base64.b64encode(buffer.getvalue()).decode()})
+    return records
+
+
+IMAGE_TARGET, IMAGE_REFERENCE = _pictures(6, seed=1, tint=120), _pictures(18, seed=2, tint=0)
+
+
 def _build(family: str, path: Path) -> Path:
+    if family in IMAGE_FAMILIES:
+        return make_tiny_image_classifier(family, path)
     if family in VISION:
         return VISION[family](path)
     if family in ENCODERS:
@@ -169,8 +201,57 @@ def _problem(response: httpx.Response) -> str:
     return f"{response.status_code}: {response.json().get('detail', '')[:160]}"
 
 
+def try_image_family(api: httpx.Client, family: str, folder: Path, out: Path) -> str:
+    """One image family through the API: ``edited …`` or ``refused …``, and the layers left unedited."""
+    model_id = f"sweep/{family}"
+    # a short wait, then the job: the client's read timeout is 60 s, and a busy machine may take longer
+    registered = api.post("/models", params={"wait": 20}, json={"model_id": model_id, "source": f"file://{folder}"})
+    if registered.status_code == 202:  # a busy machine: the registration job outlasted the wait
+        job = _wait(api, f"/jobs/{registered.json()['job_id']}", lambda j: j["status"] in ("succeeded", "failed"))
+        if job["status"] != "succeeded":
+            return f"refused at registration: {_job_error(api, job['job_id'])}"
+        registered = api.get(f"/models/{model_id}")
+    if registered.status_code not in (200, 201):
+        return f"refused at registration, {_problem(registered)}"
+    model = registered.json()
+    layers, refused = model["layers"], model.get("refused_layers") or {}
+    convs = sum(1 for layer in layers if layer.get("kernel"))
+    unedited = f"; {len(refused)} layers not edited ({next(iter(refused.values()))})" if refused else ""
+    names = (f"{family}-t", f"{family}-r")
+    for name, role, records in zip(names, ("target", "reference"), (IMAGE_TARGET, IMAGE_REFERENCE), strict=True):
+        posted = api.post("/concepts", json={"name": name, "role": role, "models": [model_id], "records": records})
+        if posted.status_code != 202:
+            return f"refused: concept {_problem(posted)}{unedited}"
+    for name in names:
+        state = _wait(api, f"/concepts/{name}", lambda c: c["models"][model_id]["status"] in ("ready", "failed"))
+        if state["models"][model_id]["status"] == "failed":
+            return f"refused: collection failed: {_job_error(api, state['models'][model_id]['job_id'])}{unedited}"
+    submitted = api.post(f"/models/{model_id}/unlearn", json={"concepts": [names[0]], "reference": [names[1]]})
+    if submitted.status_code not in (200, 202):
+        return f"refused: unlearn {_problem(submitted)}{unedited}"
+    variant = _wait(api, f"/variants/{submitted.json()['variant']['variant_id']}", lambda v: v["status"] != "building")
+    if variant["status"] != "ready":
+        return f"refused: variant failed: {_job_error(api, variant['job_id'])}{unedited}"
+    moved = _load_and_compare_images(folder, download_variant(api, variant, out / family))
+    return f"edited: {len(layers)} layers ({convs} conv), {moved} tensors moved{unedited}"
+
+
+def _load_and_compare_images(base: Path, edited: Path) -> int:
+    """Tensors the variant moved (both loaded by transformers); its logits on an image must be finite."""
+    before = transformers.AutoModelForImageClassification.from_pretrained(base).eval()
+    after = transformers.AutoModelForImageClassification.from_pretrained(edited).eval()
+    with torch.no_grad():
+        logits = after(pixel_values=torch.randn(1, 3, IMAGE_SIDE, IMAGE_SIDE)).logits
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError(f"{edited}: the variant's forward pass is not finite")
+    old, new = before.state_dict(), after.state_dict()
+    return sum(not torch.equal(old[k], new[k]) for k in old if k in new)
+
+
 def try_family(api: httpx.Client, family: str, folder: Path, out: Path) -> str:
     """One family through the API; a line saying what happened."""
+    if family in IMAGE_FAMILIES:
+        return try_image_family(api, family, folder, out)
     model_id = f"sweep/{family}"
     registered = api.post("/models", params={"wait": 60}, json={"model_id": model_id, "source": f"file://{folder}"})
     if registered.status_code not in (200, 201):
@@ -215,9 +296,10 @@ def _load_and_compare(base: Path, edited: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("families", nargs="*", help="families to try (default: all)")
+    parser.add_argument("--images", action="store_true", help="the image classifier families only")
     args = parser.parse_args(argv)
-    everything = [*FAMILIES, *ENCODERS, *VISION]
-    chosen = args.families or everything
+    everything = [*FAMILIES, *ENCODERS, *VISION, *IMAGE_FAMILIES]
+    chosen = args.families or (list(IMAGE_FAMILIES) if args.images else everything)
     unknown = sorted(set(chosen) - set(everything))
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(everything)}")
