@@ -102,7 +102,9 @@ def variant(server: LiveServer, probes: dict[str, Any]) -> dict[str, Any]:
     api = server.client
     for model_id, folder in ((BASE, "base"), (RETAIN, "retain"), (OTHER, "other")):
         response = api.post("/models", json={"model_id": model_id, "source": f"file://{server.model_root / folder}"})
-        assert response.status_code == 201, response.text
+        assert response.status_code in (201, 202), response.text
+        if response.status_code == 202:  # registration ran past the request's wait (a loaded machine): its job
+            assert wait_for_job(api, response.json()["job_id"], timeout=600)["status"] == "succeeded"
     plain = {s: [{"prompt": r["prompt"], "completion": r["completion"]} for r in probes[s]] for s in ("forget", "retain")}
     for name, role, split in (("tofu-eval-forget", "target", "forget"), ("tofu-eval-retain", "reference", "retain")):
         body = {"name": name, "role": role, "models": [BASE], "records": plain[split]}
