@@ -18,6 +18,13 @@ from typing import Any, Literal
 from api_schemas import CalibrateRequest, Probe
 from service.calibration.goal import GoalSpec
 from service.calibration.goal_search import GoalSettings
+from service.calibration.records import (
+    StoredArm,
+    StoredCalibrationRequest,
+    StoredSearch,
+    StoredVariantFormat,
+    read_calibration_request,
+)
 from service.calibration.search import Arm, SearchSettings
 from service.calibration.space import EditSpace
 from service.engine.lora_rules import LoraTarget
@@ -251,43 +258,67 @@ class CalibrationRequest:
     def with_job(self, job_id: str) -> CalibrationRequest:
         return dataclasses.replace(self, job_id=job_id)
 
+    def record(self) -> StoredCalibrationRequest:
+        """The stored record (``request.json``)."""
+        search = self.search
+        return StoredCalibrationRequest(
+            calibration_id=self.calibration_id,
+            model_id=self.model_id,
+            concepts=self.concepts,
+            term_stats=dict(self.term_stats),
+            universe_id=self.universe_id,
+            reference=self.reference,
+            probes_digest=self.probes_digest,
+            search=StoredSearch(
+                max_retain_nll_ratio=search.max_retain_nll_ratio,
+                budget=search.budget,
+                alpha_min=search.alpha_min,
+                alpha_max=search.alpha_max,
+                arms=tuple(StoredArm.model_validate(_arm_json(arm)) for arm in search.arms),
+            ),
+            skipped_module_sets=self.skipped_module_sets,
+            variant=StoredVariantFormat.model_validate(self.variant.to_json()),
+            job_id=self.job_id,
+            goal=self.goal,
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The stored JSON: the keys, in their order, that requests have been stored with (``goal``
         only with an objective)."""
-        stored = {
-            "calibration_id": self.calibration_id,
-            "model_id": self.model_id,
-            "concepts": list(self.concepts),
-            "term_stats": dict(self.term_stats),
-            "universe_id": self.universe_id,
-            "reference": list(self.reference),
-            "probes_digest": self.probes_digest,
-            "search": self.search.to_json(),
-            "skipped_module_sets": list(self.skipped_module_sets),
-            "variant": self.variant.to_json(),
-            "job_id": self.job_id,
-        }
-        if self.goal is not None:
-            stored["goal"] = self.goal.model_dump(mode="json")
-        return stored
+        return self.record().model_dump(mode="json")
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> CalibrationRequest:
-        """A stored request, of this version or one stored before data_weighted (its arms have no
-        ``weighted``: none was)."""
+    def from_json(cls, data: Any, calibration_id: str | None = None) -> CalibrationRequest:
+        """A stored request, read through :func:`~service.calibration.records.read_calibration_request`
+        (this version's, or one stored before data_weighted: its arms have no ``weighted``).
+
+        Raises:
+            MalformedCalibration: it is no calibration request (or, given ``calibration_id``, another's).
+        """
+        named = calibration_id or (str(data.get("calibration_id", "?")) if isinstance(data, Mapping) else "?")
+        record = read_calibration_request(named, data)
+        search = record.search
         return cls(
-            calibration_id=data["calibration_id"],
-            model_id=data["model_id"],
-            concepts=tuple(data["concepts"]),
-            term_stats=dict(data["term_stats"]),
-            universe_id=data["universe_id"],
-            reference=tuple(data["reference"]),
-            probes_digest=data["probes_digest"],
-            search=SearchSpec.from_json(data["search"]),
-            skipped_module_sets=tuple(data.get("skipped_module_sets") or ()),
-            variant=VariantFormat.from_json(data["variant"]),
-            job_id=data.get("job_id"),
-            goal=GoalSpec.model_validate(data["goal"]) if data.get("goal") is not None else None,
+            calibration_id=record.calibration_id,
+            model_id=record.model_id,
+            concepts=record.concepts,
+            term_stats=dict(record.term_stats),
+            universe_id=record.universe_id,
+            reference=record.reference,
+            probes_digest=record.probes_digest,
+            search=SearchSpec(
+                max_retain_nll_ratio=search.max_retain_nll_ratio,
+                budget=search.budget,
+                alpha_min=search.alpha_min,
+                alpha_max=search.alpha_max,
+                arms=tuple(Arm(a.module_set, a.modules, a.layers, a.scaling, a.weighted) for a in search.arms),
+            ),
+            skipped_module_sets=record.skipped_module_sets,
+            variant=VariantFormat(
+                format=record.variant.format, lora_rank=record.variant.lora_rank, lora_target=record.variant.lora_target
+            ),
+            job_id=record.job_id,
+            goal=record.goal,
         )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from api_schemas import CalibrateRequest
 from service.calibration.goal import GoalSpec, RetainModelRef, check_measurable, goal_spec
 from service.calibration.plot import DEFAULT_X, DEFAULT_Y, plottable_metrics, render_front_png
+from service.calibration.records import read_calibration_result
 from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
 from service.context import Context
@@ -196,10 +197,16 @@ def find_request(ctx: Context, calibration_id: str) -> CalibrationRequest | None
     if not valid_calibration_id(calibration_id):
         return None
     stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "request.json")
-    return None if stored is None else CalibrationRequest.from_json(stored)
+    return None if stored is None else CalibrationRequest.from_json(stored, calibration_id)
 
 
 # ---------------------------------------------------------------- views
+
+
+def stored_result(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
+    """The stored result (``result.json``) as the API shows it, read through its record; None before."""
+    stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
+    return None if stored is None else read_calibration_result(calibration_id, stored).to_json()
 
 
 def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
@@ -208,7 +215,7 @@ def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
     if request is None:
         raise NotFound(f"calibration {calibration_id} does not exist")
     job = ctx.jobs.get(request.job_id) if request.job_id else None
-    result = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
+    result = stored_result(ctx, calibration_id)
     status = "succeeded" if result is not None else (job.status if job else "failed")
     return {
         "calibration_id": calibration_id,
@@ -231,7 +238,9 @@ def front_png(ctx: Context, calibration_id: str, x: str | None = None, y: str | 
         raise NotFound(f"calibration {calibration_id} has no front yet (its job has not succeeded)")
     if x is None and y is None:
         return ctx.storage.get_bytes(key)
-    result = ctx.storage.get_json(calibration_prefix(calibration_id) + "result.json")
+    result = stored_result(ctx, calibration_id)
+    if result is None:
+        raise NotFound(f"calibration {calibration_id} has no result yet (its job has not succeeded)")
     known = plottable_metrics(result)
     unknown = [name for name in (x, y) if name is not None and name not in known]
     if unknown:

@@ -33,12 +33,19 @@ def probes(start: int, stop: int, tofu: bool = True) -> list[dict[str, Any]]:
     return out
 
 
+def register(client: httpx.Client, model_id: str, folder: Path) -> None:
+    """Register a model, waiting for its register job when it ran past the request's wait (202 under load)."""
+    response = client.post("/models", json={"model_id": model_id, "source": f"file://{folder}"})
+    assert response.status_code in (200, 201, 202), response.text
+    if response.status_code == 202:
+        assert wait_for_job(client, response.json()["job_id"], timeout=300)["status"] == "succeeded"
+
+
 @pytest.fixture(scope="module")
 def api(live_server: LiveServer, tiny_llama_dir: Path) -> httpx.Client:
     """``cal/goal`` registered with ``goal-forget`` (target) and ``goal-retain`` (reference) ready on it."""
     client = live_server.client
-    response = client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-    assert response.status_code in (200, 201), response.text
+    register(client, MODEL, tiny_llama_dir)
     for name, role, (start, stop) in (("goal-forget", "target", (0, 6)), ("goal-retain", "reference", (6, 40))):
         records = [{"prompt": p["prompt"], "completion": p["completion"]} for p in probes(start, stop, tofu=False)]
         response = client.post("/concepts", json={"name": name, "role": role, "models": [MODEL], "records": records})
