@@ -54,6 +54,7 @@ def test_a_misspelt_concept_names_its_close_matches_and_how_to_list_them(server:
 
     stderr = failed(run_cli(server.base_url, "concepts", "show", "guide-forgte"), "did you mean guide-forget?")
     assert "engram concepts list" in stderr
+    failed(run_cli(server.base_url, "unlearn", MODEL, "-c", "guide-forgte", "--no-wait"), "did you mean guide-forget?")
 
 
 def test_an_unlearn_before_the_collection_finished_names_the_job_to_wait_for(server: LiveServer) -> None:
@@ -69,8 +70,9 @@ def test_an_unlearn_before_the_collection_finished_names_the_job_to_wait_for(ser
         followed = {"concept": "guide-later", "job_id": job_id, "status": "queued", "url": f"/jobs/{job_id}"}
         assert problem["jobs"] == [followed]
         # The CLI prints the service's problem as it is, whichever command met it.
-        cli = run_cli(server.base_url, "universes", "build", MODEL, "-c", "guide-later", "--no-wait")
-        failed(cli, job_id, f"/jobs/{job_id}", f"engram jobs watch {job_id}")
+        for command in (("unlearn", MODEL, "-c", "guide-later"), ("universes", "build", MODEL, "-c", "guide-later")):
+            cli = run_cli(server.base_url, *command, "--no-wait")
+            failed(cli, "Conflict (409)", job_id, f"/jobs/{job_id}", f"engram jobs watch {job_id}", "wait")
     wait_for_job(api, job_id)
     wait_concepts_ready(api, ["guide-later"], MODEL)
 
