@@ -17,7 +17,9 @@ Through the service's own code, in this process, on file storage (as bench.visio
 collection job publishes it; the universe of every class concept (``submit_universe`` + the
 workers' ``run_job``), timed; then the unlearn variant of each of ``--variants`` classes
 (``submit_variant`` + ``run_job``, α = 1, the universe as reference), timed, with the variant job's
-own step times; next to the copy floor: ``shutil.copyfile`` of the base checkpoint (median of 5).
+own step times; next to two floors (medians of 5): ``shutil.copyfile`` of the base checkpoint, and
+the same copy through safetensors (``load_file`` + ``save_file``: every tensor read and written,
+what any writer of a new checkpoint does at least; the variant job's ``write`` step compares with it).
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -99,6 +101,17 @@ def _copy_floor(checkpoint: Path, scratch: Path, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _safetensors_floor(checkpoint: Path, scratch: Path, repeats: int = 5) -> float:
+    from safetensors.torch import load_file, save_file
+
+    times = []
+    for attempt in range(repeats):
+        started = time.perf_counter()
+        save_file(load_file(str(checkpoint)), str(scratch / f"resaved-{attempt}.safetensors"), metadata={"format": "pt"})
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def measure_scale(classes: int = 100, per_class: int = 20, variants: int = 5, seed: int = 0) -> dict[str, Any]:
     """The universe's build time, each class variant's time and steps, and the copy floor."""
     from bench.vision import publish_concept
@@ -143,6 +156,7 @@ def measure_scale(classes: int = 100, per_class: int = 20, variants: int = 5, se
         checkpoint = model_dir / "model.safetensors"
         checkpoint_bytes = checkpoint.stat().st_size
         floor = _copy_floor(checkpoint, root)
+        resave = _safetensors_floor(checkpoint, root)
     median = statistics.median(variant_s)
     return {
         "classes": classes,
@@ -158,6 +172,7 @@ def measure_scale(classes: int = 100, per_class: int = 20, variants: int = 5, se
         "variant_steps_median": {k: round(statistics.median(s[k] for s in steps), 4) for k in steps[0]},
         "copy_floor_s": round(floor, 4),
         "variant_over_copy": round(median / floor, 1) if floor > 0 else None,
+        "safetensors_floor_s": round(resave, 4),
         "threads": torch.get_num_threads(),
     }
 
@@ -172,6 +187,7 @@ def scale_table(result: dict[str, Any]) -> str:
         f"{result['variant_s']}",
         f"  checkpoint copy floor:          {result['copy_floor_s']:8.4f} s  "
         f"(variant / copy: {result['variant_over_copy']})",
+        f"  safetensors read + write floor: {result['safetensors_floor_s']:8.4f} s",
         f"  variant job steps (median s):   {json.dumps(result['variant_steps_median'])}",
     ]
     return "\n".join(lines)
