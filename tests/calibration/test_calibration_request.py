@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from api_schemas import CalibrateRequest
+from service.calibration.goal import goal_spec
+from service.calibration.records import MalformedCalibration, read_calibration_result
 from service.calibration.request import (
     CalibrationRequest,
     has_messages,
@@ -190,3 +192,35 @@ def test_a_request_stored_before_data_weighted_reads_with_unweighted_arms() -> N
     older = CalibrationRequest.from_json({**STORED, "search": {**STORED["search"], "arms": arms}})
     assert [arm.weighted for arm in older.search.arms] == [False, False, False]
     assert older.calibration_id == STORED["calibration_id"] and older.job_id == "job-1"
+
+
+def test_a_stored_request_that_does_not_fit_is_refused_naming_the_calibration_and_the_field() -> None:
+    broken = {**STORED, "search": {**STORED["search"], "budget": "many"}}
+    with pytest.raises(MalformedCalibration, match=r"e8b2cd68db8136c6aa2e4aba6e073907.*search\.budget"):
+        CalibrationRequest.from_json(broken, STORED["calibration_id"])
+    with pytest.raises(MalformedCalibration, match="it names calibration e8b2"):
+        CalibrationRequest.from_json(STORED, "f" * 32)
+    with pytest.raises(MalformedCalibration, match="not an object"):
+        read_calibration_result("f" * 32, [1, 2])
+
+
+def test_an_objective_is_stored_and_named_by_the_id_and_a_request_without_one_is_not_changed() -> None:
+    plain = CASES["module_sets"]
+    goal = {
+        **plain,
+        "forget": [{**p, "paraphrased_answer": "x", "perturbed_answers": ["y"]} for p in plain["forget"] * 2],
+        "retain": plain["retain"] * 2,
+        "objective": {"maximize": "model_utility"},
+        "constraints": [{"metric": "retain_nll_ratio", "max": 2.0}],
+        "held_out_fraction": 0.5,
+    }
+    options = CalibrateRequest(**goal)
+    space = request_space(LAYOUT, options)
+    spec = goal_spec(options, None)
+    request = CalibrationRequest.new(MODEL, options, UNIVERSE, space, probes_digest(stored_probes(options)), spec)
+    assert request.calibration_id != PINNED["module_sets"]
+    stored = json.loads(json.dumps(request.with_job("j").to_json()))
+    assert stored["goal"]["objective"] == "model_utility" and stored["goal"]["held_out_fraction"] == 0.5
+    assert CalibrationRequest.from_json(stored) == request.with_job("j")
+    assert "goal" not in request_of("module_sets").to_json()
+    assert set(json.loads(stored_probes(options))) == {"forget", "retain", "holdout", "utility"}
