@@ -33,6 +33,15 @@ _FIELD_ERROR: dict[str, Any] = {
 }
 
 
+class ProblemJob(BaseModel):
+    """A job a conflict waits on (a 409's ``jobs`` member): follow ``url`` until it ends, then repeat."""
+
+    concept: str = Field(description="the concept the job collects")
+    job_id: str
+    status: str = Field(description="the job's status when the request was refused (or gone)")
+    url: str = Field(description="where to follow it: /jobs/{job_id}")
+
+
 class Problem(BaseModel):
     """RFC 9457 problem details: every error the API returns."""
 
@@ -56,6 +65,12 @@ class Problem(BaseModel):
     detail: str = Field(description="what exactly is wrong with this request")
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="invalid input: each invalid field", json_schema_extra={"items": _FIELD_ERROR}
+    )
+    close_matches: list[str] | None = Field(
+        default=None, description="a name not found: the known names closest to it (a misspelt concept)"
+    )
+    jobs: list[ProblemJob] | None = Field(
+        default=None, description="a conflict with work in progress: the jobs to follow before repeating the request"
     )
 
 
