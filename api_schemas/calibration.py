@@ -85,7 +85,8 @@ class MetricConstraint(Strict):
 
 
 class CalibrateRequest(Strict):
-    """Search the edit space for the strongest unlearning whose retain NLL stays within a bound."""
+    """Search the edit space for the strongest unlearning whose retain NLL stays within a bound; or,
+    with ``objective``, for the best value of a named score (TOFU's ``overall`` …) within ``constraints``."""
 
     model_config = ConfigDict(json_schema_extra=ADAPTER_OPTION_RULES)
 

@@ -343,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--quick", action="store_true", help="40 facts, the tests' tiny model, 150 steps: a smoke run")
+    parser.add_argument("--small", action="store_true", help="the tests' tiny model shape (hidden 64, 2 layers)")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
     parser.add_argument("--budget", type=int, default=40, help="the calibration's candidates (default 40)")
     parser.add_argument("--json", type=Path, default=None, help="write every row's values and left-out names here")
@@ -350,8 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     n_facts, steps = (40, 150) if args.quick else (args.n_facts, args.steps)
     with tempfile.TemporaryDirectory(prefix="bench-tofu-") as work:
-        rows, costs, calibration = run(n_facts, args.seed, steps, args.quick, args.budget, Path(work))
-    print(f"mini-TOFU: {n_facts} facts, forget 10 %, seed {args.seed}, {steps} steps, {args.threads} threads")
+        rows, costs, calibration = run(n_facts, args.seed, steps, args.quick or args.small, args.budget, Path(work))
+    shape = "tiny shape (hidden 64, 2 layers)" if args.quick or args.small else "the demo's shape"
+    print(f"mini-TOFU: {n_facts} facts, forget 10 %, seed {args.seed}, {steps} steps, {shape}, {args.threads} threads")
     print_table(rows, costs)
     print(_calibration_line(calibration))
     if args.json is not None:

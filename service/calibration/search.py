@@ -20,6 +20,11 @@ Arms not yet bracketed are stepped round-robin; once every live arm is bracketed
 to the arm with the highest bound. Both monotonicities are assumptions about the model, not
 guarantees: where they fail the search still returns the best feasible candidate it evaluated, and
 every candidate is reported.
+
+This search serves the default objective only (the forget NLL ratio under ``max_retain_nll_ratio``),
+for which both monotonicities are expected. A named objective (``objective`` in the request: TOFU's
+Overall, say) is not monotone in ``α`` and has no such bound: :mod:`service.calibration.goal_search`
+searches it, without pruning.
 """
 
 from __future__ import annotations

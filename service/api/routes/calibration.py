@@ -19,7 +19,10 @@ _PNG: dict[int | str, dict[str, Any]] = {
 
 @router.post("/models/{model_id:path}/calibrate", response_model=CalibrationSubmission, status_code=202)
 def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
-    """Find the strongest unlearning of ``concepts`` whose retain NLL ratio meets the constraint.
+    """Find the strongest unlearning of ``concepts`` whose retain NLL ratio meets the constraint; or,
+    with ``objective``, the best value of a named score (TOFU's ``overall``, ``privacy`` …, as
+    ``evaluate`` reports them) within ``constraints`` (``min``/``max``, or relative to the base
+    model's value), checked on ``held_out_fraction`` of the probes it was not chosen on.
 
     A job (kind ``calibrate``, progress in candidates) evaluates candidates (α × scaling × module set
     × layer set) on the probes within ``budget``, and builds the recommended one as a variant in
