@@ -339,8 +339,9 @@ def render_calibration(result: CalibrationResult) -> None:
         "#", "module set", "scaling", "α", "forget ×NLL", "retain ×NLL", "forget exact", "retain exact", "flags"
     )
     rows.columns[1].justify = rows.columns[2].justify = rows.columns[8].justify = "left"
-    limit = result.constraint["max_retain_nll_ratio"]
-    rows.caption = f"×NLL = candidate / base mean answer NLL; ✓ retain ×NLL ≤ {limit:g}, P Pareto front, ★ recommended"
+    limit = result.constraint.get("max_retain_nll_ratio")  # absent with an objective: its bounds decide ✓
+    feasible = f"retain ×NLL ≤ {limit:g}" if limit is not None else "every constraint met"
+    rows.caption = f"×NLL = candidate / base mean answer NLL; ✓ {feasible}, P Pareto front, ★ recommended"
     for c in result.candidates:
         flags = ("✓" if c.feasible else " ") + ("P" if c.pareto else " ") + ("★" if c.index == recommended else "")
         blocks = "" if c.options.layers is None else f"@{','.join(map(str, c.options.layers))}"
