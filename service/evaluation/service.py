@@ -4,6 +4,11 @@ In distributed mode they go to the ``gpu`` queue like collections, in embedded m
 lane; the job bodies are :mod:`service.evaluation.run`. Evaluation results are content-addressed
 (``evaluations/<variant, probes digest>.json``): the same probes on the same variant are answered
 from storage.
+
+Image probes (``{"image", "label"}``) go to an image classifier's variant only: every image is
+decoded under ``ENGRAM_MAX_IMAGE_PIXELS`` and every label resolved against the model's classes at
+submission (:mod:`service.evaluation.classifier_probes`), and the job is
+:mod:`service.evaluation.classifier_run`.
 """
 
 from __future__ import annotations
