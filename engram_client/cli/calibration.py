@@ -6,6 +6,7 @@ this module is only the command: its options, the watching, and where the result
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,6 +47,72 @@ def _layer_sets(values: list[str] | None) -> list[list[int]] | None:
         raise typer.BadParameter("a layer set is comma-separated block indices, e.g. 0,1,2", param_hint="--layers") from None
 
 
+def _objective(maximize: str | None, minimize: str | None) -> dict[str, str] | None:
+    if maximize is not None and minimize is not None:
+        raise typer.BadParameter("give --maximize or --minimize, not both", param_hint="--maximize")
+    if maximize is not None:
+        return {"maximize": maximize}
+    return {"minimize": minimize} if minimize is not None else None
+
+
+_CONSTRAINT = re.compile(r"^\s*([A-Za-z0-9_]+)\s*(>=|<=)\s*([-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)(x?)\s*$")
+
+
+def _constraints(values: list[str] | None) -> list[dict[str, Any]] | None:
+    """``metric>=0.4``, ``metric<=2``, or relative to the base model: ``model_utility>=0.9x``."""
+    if not values:
+        return None
+    constraints = []
+    for value in values:
+        match = _CONSTRAINT.match(value)
+        if match is None:
+            raise typer.BadParameter(
+                f"{value!r}: a constraint is metric>=value or metric<=value (a trailing x: times the base's)",
+                param_hint="--constraint",
+            )
+        metric, operator, number, relative = match.groups()
+        side = "min" if operator == ">=" else "max"
+        constraints.append({"metric": metric, f"{side}_ratio_to_base" if relative else side: float(number)})
+    return constraints
+
+
+def _utility(values: list[str] | None) -> dict[str, list[dict[str, Any]]] | None:
+    """``name=path.jsonl`` per utility set."""
+    if not values:
+        return None
+    sets = {}
+    for value in values:
+        name, _, path = value.partition("=")
+        if not name or not path or not Path(path).is_file():
+            why = f"{value!r}: a utility set is name=path.jsonl (an existing file)"
+            raise typer.BadParameter(why, param_hint="--utility")
+        sets[name] = read_probes(Path(path))
+    return sets
+
+
+def _render_goal(result: Any) -> None:
+    """With an objective: the bounds as applied, the recommendation's objective and bound metrics,
+    and the held-out check."""
+    if result.objective is None:
+        return
+    metric = result.objective.metric
+    bounds = ", ".join(
+        f"{b.metric} {'≥ ' + format(b.min, '.4g') if b.min is not None else ''}"
+        f"{' ≤ ' + format(b.max, '.4g') if b.max is not None else ''}"
+        for b in result.constraints or []
+    )
+    stdout.print(f"objective: {result.objective.sense} {metric}" + (f" subject to {bounds}" if bounds else ""))
+    if result.recommended is not None and result.recommended.metrics is not None:
+        named = [metric, *(b.metric for b in result.constraints or [])]
+        values = ", ".join(f"{n} {result.recommended.metrics.get(n)}" for n in dict.fromkeys(named))
+        stdout.print(f"recommended on the searched probes: {values}")
+    if result.held_out is not None:
+        held = result.held_out
+        verdict = "meets every bound" if held.feasible else "MISSES a bound"
+        values = ", ".join(f"{b.metric} {held.recommended.get(b.metric)}" for b in held.constraints)
+        stdout.print(f"held-out probes {held.probes}: the recommended variant {verdict} ({values})")
+
+
 def _save_front(png: Path, image: bytes, calibration_id: str) -> None:
     """Write the drawn front atomically and say where it went and how big it is."""
     write_atomically(png, image)
@@ -79,6 +146,24 @@ def calibrate_command(
     universe: Annotated[str | None, typer.Option(help="A universe of the model (default: its current one).")] = None,
     fmt: FormatOpt = None,
     lora_rank: LoraRankOpt = None,
+    maximize: Annotated[str | None, typer.Option(help="A score to maximise instead (overall, …: TOFU's names).")] = None,
+    minimize: Annotated[str | None, typer.Option(help="A score to minimise instead.")] = None,
+    constraint: Annotated[
+        list[str] | None,
+        typer.Option("--constraint", help="With an objective: metric>=v, metric<=v, or model_utility>=0.9x (repeat)."),
+    ] = None,
+    retain_model: Annotated[
+        str | None, typer.Option(help="With an objective: the model trained without the forget set.")
+    ] = None,
+    held_out_fraction: Annotated[
+        float | None, typer.Option(help="With an objective: share of the probes kept to check the recommendation.")
+    ] = None,
+    utility: Annotated[
+        list[str] | None, typer.Option("--utility", help="With an objective: a utility set, name=path.jsonl (repeat).")
+    ] = None,
+    holdout: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="With an objective: JSONL of facts no model saw.")
+    ] = None,
     png: Annotated[Path | None, typer.Option(dir_okay=False, help="Write the drawn front here.")] = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
@@ -100,6 +185,12 @@ def calibrate_command(
         "format": fmt.value if fmt else None,
         "lora_rank": lora_rank,
         "callback_url": callback_url,
+        "objective": _objective(maximize, minimize),
+        "constraints": _constraints(constraint),
+        "retain_model": retain_model,
+        "held_out_fraction": held_out_fraction,
+        "utility": _utility(utility),
+        "holdout": read_probes(holdout) if holdout is not None else None,
     }
     with session(ctx) as client:
         probes = {"forget": read_probes(forget), "retain": read_probes(retain)}
@@ -126,4 +217,9 @@ def calibrate_command(
     result = found.result
     if png is not None and image is not None:
         _save_front(png, image, submission.calibration_id)
-    emit(ctx, as_json, result, lambda: render_calibration(result))
+
+    def render() -> None:
+        render_calibration(result)
+        _render_goal(result)
+
+    emit(ctx, as_json, result, render)
