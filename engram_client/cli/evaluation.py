@@ -182,6 +182,7 @@ def render_classifier(section: ClassifierEvaluation, retain_model: str | None) -
     share of its probes still predicted as it; then the features' DA and NMI, ToW and CKA."""
     forgotten = [str(c) for c in section.forgotten_classes]
     rows = numeric_table("model", "set", "probes", "accuracy", "label NLL", *(f"class {c} → {c}" for c in forgotten))
+    rows.columns[1].justify = "left"  # a name, not a number
     if retain_model is not None:
         rows.caption = f"retrained = {retain_model} (trained without the forget classes)"
     models = [name for name in CLASSIFIER_MODELS if name in section.models]
