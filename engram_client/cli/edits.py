@@ -16,6 +16,7 @@ import typer
 
 from api_schemas import VariantSubmission
 from engram_client.cli.options import (
+    AdapterBaseModelOpt,
     CallbackOpt,
     Force,
     Format,
@@ -54,6 +55,7 @@ def _edit_options(
     strength: list[str] | None = None,
     lora_target: LoraTarget | None = None,
     universe: str | None = None,
+    adapter_base_model: str | None = None,
 ) -> dict[str, Any]:
     """The client's keyword arguments, named as :class:`api_schemas.EditOptions` names them (every one of
     its fields has a flag: tests/client/test_options.py); an option not given stays None and is not sent."""
@@ -68,6 +70,7 @@ def _edit_options(
         "format": fmt.value if fmt else None,
         "lora_rank": lora_rank,
         "lora_target": lora_target.value if lora_target else None,
+        "adapter_base_model": adapter_base_model,
         "callback_url": callback_url,
     }
 
@@ -120,13 +123,25 @@ def unlearn(
     lora_target: LoraTargetOpt = None,
     strength: StrengthOpt = None,
     universe: UniverseOpt = None,
+    adapter_base_model: AdapterBaseModelOpt = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Remove concepts from a model; watch the build and download the variant with --out."""
     options = _edit_options(
-        scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url, strength, lora_target, universe
+        scaling,
+        module,
+        layer,
+        rcond,
+        reference,
+        fmt,
+        lora_rank,
+        callback_url,
+        strength,
+        lora_target,
+        universe,
+        adapter_base_model,
     )
     with session(ctx) as client:
         submission = client.unlearn(model, concept, alpha, **options)
@@ -171,6 +186,7 @@ def compose(
     lora_target: LoraTargetOpt = None,
     strength: StrengthOpt = None,
     universe: UniverseOpt = None,
+    adapter_base_model: AdapterBaseModelOpt = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
@@ -178,7 +194,18 @@ def compose(
     """Engram arithmetic W + Σ c_k f_l W_k⁺; watch the build and download the variant with --out."""
     terms = _parse_terms(term)
     options = _edit_options(
-        scaling, module, layer, rcond, reference, fmt, lora_rank, callback_url, strength, lora_target, universe
+        scaling,
+        module,
+        layer,
+        rcond,
+        reference,
+        fmt,
+        lora_rank,
+        callback_url,
+        strength,
+        lora_target,
+        universe,
+        adapter_base_model,
     )
     with session(ctx) as client:
         submission = client.compose(model, terms, **options)

@@ -83,3 +83,10 @@ LoraTargetOpt = Annotated[
     LoraTarget | None, typer.Option(help="Format peft: vllm writes an adapter at a rank vLLM serves, without bias edits.")
 ]
 UniverseOpt = Annotated[str | None, typer.Option(help="Edit relative to this built universe (its ID).")]
+AdapterBaseModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Format peft: the base_model_name_or_path written into the adapter (a folder or hub name as the "
+        "loading machine sees it), so AutoPeftModelForCausalLM.from_pretrained(adapter_dir) finds the base."
+    ),
+]
