@@ -67,6 +67,7 @@ class Universe(BaseModel):
 class UniverseStatusCounts(BaseModel):
     ready: int
     building: int
+    partial: int = Field(default=0, description="built in part: the input groups requests needed so far")
     failed: int
     evicted: int
 

@@ -86,7 +86,7 @@ log = logging.getLogger("engram.universes")
 # A use is written at most this often per universe: a burst of variant requests costs one write.
 _USE_WRITE_INTERVAL_S = 60.0
 
-Status = Literal["ready", "building", "failed", "evicted"]
+Status = Literal["ready", "building", "partial", "failed", "evicted"]
 
 
 class UniverseBudgetExceeded(Conflict):
@@ -333,7 +333,7 @@ class UniverseStorage:
         """What ``GET /universes/usage`` shows and ``/metrics`` exports."""
         groups = sum(u.groups for u in self.universes)
         engrams = sum(u.engrams for u in self.universes)
-        statuses: dict[str, int] = dict.fromkeys(("ready", "building", "failed", "evicted"), 0)
+        statuses: dict[str, int] = dict.fromkeys(("ready", "building", "partial", "failed", "evicted"), 0)
         for u in self.universes:
             statuses[u.status] += 1
         limits = self.limits or Budget(self.budget, self.budget)
@@ -388,6 +388,8 @@ def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool
         reserved = max(0, projected - groups - engrams)
         return StoredUniverse(universe_id, "building", groups, engrams, reserved, last_used, current, True, users)
     status: Status = "evicted" if usage.get("evicted_at") and groups + engrams == 0 else "failed"
+    if status == "failed" and ctx.storage.list(universe_prefix(universe_id) + "stages/"):
+        status = "partial"  # the groups requests needed are built; the others wait for a request that needs them
     return StoredUniverse(universe_id, status, groups, engrams, 0, last_used, current, False, users)
 
 

@@ -109,6 +109,8 @@ def test_a_q_k_gate_request_builds_only_the_attention_and_mlp_input_groups(
     assert _progress_groups(w, first) == {"built": needed, "deferred": others}
     view = universe_view(w.ctx, uid)
     assert view["status"] == "partial" and view["groups"]["done"] == len(needed)
+    stored = retention.stored_universe(w.ctx, uid, current=False, busy=False)
+    assert stored is not None and stored.status == "partial" and stored.stored > 0, "counted, and not as failed"
 
 
 def test_the_partial_variant_equals_the_float64_formula(world: dict[str, Any], first: dict[str, Any]) -> None:
