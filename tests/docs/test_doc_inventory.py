@@ -12,10 +12,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tests.helpers.doc_examples import JSON_BODY, JSONL, KINDS, NOT_RUN_KIND, OUTPUT, PYTHON, REPO, SHELL, all_examples
+from tests.helpers.doc_examples import (
+    JSON_BODY,
+    JSONL,
+    KINDS,
+    NOT_RUN_KIND,
+    OUTPUT,
+    PYTHON,
+    SHELL,
+    WALKTHROUGH_PAGES,
+    all_examples,
+)
 
-# The pages whose shell and Python blocks tests/docs/test_docs_walkthrough.py runs, in its order.
-WALKTHROUGH_PAGES = {"docs/tutorial.md", "docs/how-to/outputs.md", "docs/how-to/evaluate-and-calibrate.md"}
 # Checked wherever they are (test_doc_bodies.py), or compared by the walk-through (an output block).
 CHECKED_ANYWHERE = {JSON_BODY, JSONL}
 
@@ -23,10 +31,9 @@ CHECKED_ANYWHERE = {JSON_BODY, JSONL}
 def test_every_example_is_run_or_says_why_not() -> None:
     unaccounted = []
     for example in all_examples():
-        page = str(example.page.relative_to(REPO))
         if example.kind in CHECKED_ANYWHERE or example.kind == NOT_RUN_KIND and example.not_run:
             continue
-        if example.kind in (SHELL, PYTHON, OUTPUT) and page in WALKTHROUGH_PAGES:
+        if example.kind in (SHELL, PYTHON, OUTPUT) and example.page in WALKTHROUGH_PAGES:
             continue
         unaccounted.append(f"{example.where} ({example.kind})")
     assert not unaccounted, (

@@ -26,6 +26,9 @@ from pydantic import BaseModel
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 GENERATED = {"API.md", "settings.md"}  # written by scripts/gen_*_docs.py, checked by their own tests
+# The pages tests/docs/test_docs_walkthrough.py runs, in its order: the tutorial, then the how-tos that
+# continue it in its folder. Their shell and Python blocks run there; other pages' must be marked.
+WALKTHROUGH_PAGES = [DOCS / page for page in ("tutorial.md", "how-to/outputs.md", "how-to/evaluate-and-calibrate.md")]
 FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
 MARKER = re.compile(r"<!--\s*(?P<name>not run|body of|output of):\s*(?P<value>.+?)\s*-->\s*\Z", flags=re.S)
 
