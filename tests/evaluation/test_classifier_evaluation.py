@@ -25,7 +25,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 from engram_fixtures.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 from engram_fixtures.models import make_tiny_llama
-from engram_fixtures.vision import make_tiny_resnet
+from engram_fixtures.vision import make_tiny_resnet, make_tiny_vit
 from tests.helpers.api import assert_problem, unchanged
 from tests.helpers.app import InProcessServer, in_process_server
 from tests.helpers.images import b64, digit_image, digit_record, digits, encode, png_bomb
@@ -33,6 +33,7 @@ from tests.helpers.images import b64, digit_image, digit_record, digits, encode,
 pytestmark = pytest.mark.fast
 
 RESNET, RETRAINED, FIVE, LLAMA = "cls/resnet", "cls/retrained", "cls/five", "cls/llama"
+VIT, VIT_RETRAINED = "cls/vit", "cls/vit-retrained"
 TOL = 1e-6
 FORGET_DIGIT = 0
 
@@ -56,6 +57,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_resnet(path / "models" / "resnet", num_labels=10, seed=0)
     make_tiny_resnet(path / "models" / "retrained", num_labels=10, seed=1)
     make_tiny_resnet(path / "models" / "five", num_labels=5, seed=2)
+    make_tiny_vit(path / "models" / "vit", num_labels=10, seed=0)
+    make_tiny_vit(path / "models" / "vit-retrained", num_labels=10, seed=1)
     make_tiny_llama(path / "models" / "llama")
     return path
 
@@ -64,7 +67,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(root: Path) -> Iterator[InProcessServer]:
     torch.set_num_threads(1)
     with in_process_server(root / "app", root / "models") as app:
-        for model_id, folder in ((RESNET, "resnet"), (RETRAINED, "retrained"), (FIVE, "five"), (LLAMA, "llama")):
+        models = (
+            (RESNET, "resnet"),
+            (RETRAINED, "retrained"),
+            (FIVE, "five"),
+            (LLAMA, "llama"),
+            (VIT, "vit"),
+            (VIT_RETRAINED, "vit-retrained"),
+        )
+        for model_id, folder in models:
             source = f"file://{root / 'models' / folder}"
             response = app.client.post("/models", json={"model_id": model_id, "source": source})
             assert response.status_code in (201, 202), response.text
@@ -342,3 +353,47 @@ def test_a_delta_or_peft_variant_is_evaluated_as_shipped(server: InProcessServer
     tolerance = TOL if fmt == "delta" else 1e-4  # the adapter drops singular values under its rank cut
     for name in probes:
         assert abs(got[name]["label_nll"] - expected[name]["label_nll"]) <= tolerance * max(1.0, expected[name]["label_nll"])
+
+
+def _vit_outputs(folder: Path, model: Any, probes: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A ViT's float64 logits and penultimate features (the [CLS] token of ``model.vit``'s output)."""
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    images = [digit_image_from(p) for p in probes]
+    with torch.no_grad():
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"].float()
+        cls = model.eval().vit(pixel_values=pixels).last_hidden_state[:, 0, :]
+        logits = model.classifier(cls)
+    return logits.double().numpy(), cls.double().numpy(), [int(p["label"]) for p in probes]
+
+
+def test_a_vit_variant_is_evaluated_as_a_hand_computation_says(server: InProcessServer, root: Path, tmp_path: Path) -> None:
+    _post_concept(server, "vit-zero", VIT, "target", [digit_record(i) for i in _indices(FORGET_DIGIT, 0, 20)])
+    _post_concept(server, "vit-others", VIT, "reference", [digit_record(i) for i in _indices(None, 0, 60, exclude=0)])
+    wait_concepts_ready(server.client, ["vit-zero", "vit-others"], VIT, timeout=300)
+    response = server.client.post(f"/models/{VIT}/unlearn", json={"concepts": ["vit-zero"], "alpha": 1.0})
+    assert response.status_code in (200, 202), response.text
+    shipped = wait_variant_ready(server.client, response.json()["variant"]["variant_id"], timeout=300)
+    sets = {"forget": FORGET, "retain": RETAIN, "test": [digit_record(i) for i in _indices(None, 1200, 20)]}
+    result = _evaluate(server, shipped["variant_id"], {**sets, "retain_model": VIT_RETRAINED})
+    folders = {
+        "base": root / "models" / "vit",
+        "variant": download_variant(server.client, shipped, tmp_path / "vit-variant"),
+        "retrained": root / "models" / "vit-retrained",
+    }
+    hand = {
+        m: {s: _vit_outputs(f, AutoModelForImageClassification.from_pretrained(f), p) for s, p in sets.items()}
+        for m, f in folders.items()
+    }
+    section = result["classifier"]
+    accuracy = {m: {s: _hand_accuracy(hand[m][s][0], hand[m][s][2]) for s in sets} for m in folders}
+    for m in folders:
+        for s in sets:
+            got = section["models"][m]["sets"][s]
+            assert _close(got["accuracy"], accuracy[m][s]), (m, s)
+            nll = _hand_nll(hand[m][s][0], hand[m][s][2])
+            assert _close(got["label_nll"], sum(nll) / len(nll)), (m, s)
+    expected_tow = math.prod(1.0 - abs(accuracy["variant"][s] - accuracy["retrained"][s]) for s in sets)
+    assert _close(section["scores"]["tow"], expected_tow)
+    for s in sets:
+        assert _close(section["scores"]["cka_to_base"][s], _hand_cka(hand["variant"][s][1], hand["base"][s][1]))
+        assert _close(section["scores"]["cka_to_retrained"][s], _hand_cka(hand["variant"][s][1], hand["retrained"][s][1]))
