@@ -43,12 +43,37 @@ def is_editable(module: nn.Module) -> bool:
     return isinstance(module, _editable_types())
 
 
+# nn.MultiheadAttention (SigLIP's pooling head, CLIP-style heads) hands its out_proj's weight to
+# F.multi_head_attention_forward instead of calling the layer, so no hook on out_proj ever sees its input:
+# statistics could never be collected, and the layer would stay listed as editable but unusable.
+_FUNCTIONAL_CALLERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+_CALLED_BY_WEIGHT = (
+    "is a child of nn.MultiheadAttention, which uses its weight directly (F.multi_head_attention_forward) "
+    "without calling the layer: its inputs cannot be observed, so no statistics exist for it"
+)
+
+
+def _called_by_weight(model: nn.Module) -> set[str]:
+    """Names of the Linear layers whose parent reads their weight instead of calling them."""
+    return {
+        f"{parent}.{child}" if parent else child
+        for parent, module in model.named_modules()
+        if isinstance(module, _FUNCTIONAL_CALLERS)
+        for child, sub in module.named_children()
+        if isinstance(sub, _editable_types())
+    }
+
+
 def refused_layers(model: nn.Module) -> dict[str, str]:
-    """The convolutions of ``model`` the engram does not edit, each with the reason (so that none is
-    left out unsaid: a grouped conv, a ``Conv3d``), in module order."""
+    """The layers of ``model`` the engram does not edit, each with the reason (so that none is left
+    out unsaid: a grouped conv, a ``Conv3d``, the out_proj of an ``nn.MultiheadAttention``), in module
+    order."""
     refused = {}
+    unobservable = _called_by_weight(model)
     for name, module in model.named_modules():
         reason = conv_refusal(module) if is_conv(module) else None
+        if name in unobservable:
+            reason = _CALLED_BY_WEIGHT
         if reason is not None:
             refused[name] = reason
     return refused
@@ -79,7 +104,8 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
 def editable_layers(model: nn.Module) -> list[LayerSpec]:
     """Every editable layer of ``model``, in module order (blocks inside numbered stages numbered
     across the stages: :func:`~service.engine.layers.staged_block_indices`)."""
-    specs = [layer_spec(name, m) for name, m in model.named_modules() if is_editable(m)]
+    unobservable = _called_by_weight(model)
+    specs = [layer_spec(name, m) for name, m in model.named_modules() if is_editable(m) and name not in unobservable]
     staged = staged_block_indices(spec.name for spec in specs)
     return [replace(spec, block=staged[spec.name]) if spec.name in staged else spec for spec in specs]
 
