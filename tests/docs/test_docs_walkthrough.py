@@ -3,8 +3,9 @@ pages that continue it (outputs, evaluate and calibrate).
 
 Their shell blocks run in order, in one bash process, from a folder laid out as a fresh clone after
 ``make demo`` (tests/helpers/walkthrough.py), with ``.venv/bin`` on ``PATH`` as the tutorial's
-"activate the venv" says; then their Python blocks run, each in a fresh interpreter in that folder,
-on the files the shell blocks downloaded. A block no test can run carries ``<!-- not run: … -->``
+"activate the venv" says; then their Python blocks run in that folder, on the files the shell blocks
+downloaded (in one interpreter, each block in a namespace of its own: torch is imported once). A
+block no test can run carries ``<!-- not run: … -->``
 and is counted by tests/docs/test_doc_inventory.py. The tutorial's output block is compared with
 what its command printed, and the delta recipe's result with the checkpoint variant.
 """
@@ -20,9 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
-from tests.helpers.doc_examples import OUTPUT, PYTHON, SHELL, Example, examples, shell_script
+from tests.helpers.doc_examples import OUTPUT, PYTHON, SHELL, WALKTHROUGH_PAGES, Example, examples, shell_script
 from tests.helpers.walkthrough import (
-    REPO,
     Ran,
     clone_like,
     evaluation_rows,
@@ -33,11 +33,7 @@ from tests.helpers.walkthrough import (
     without_fixture_lines,
 )
 
-PAGES = [
-    REPO / "docs" / "tutorial.md",
-    REPO / "docs" / "how-to" / "outputs.md",
-    REPO / "docs" / "how-to" / "evaluate-and-calibrate.md",
-]
+PAGES = WALKTHROUGH_PAGES
 pytestmark = pytest.mark.slow
 
 
