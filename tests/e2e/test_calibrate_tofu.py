@@ -37,9 +37,17 @@ import httpx
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engram_fixtures.demo import read_probes
+from engram_fixtures.demo import (
+    DEFAULT_STEPS,
+    make_facts,
+    read_probes,
+    split_forget,
+    tiny_llama_config,
+    tofu_answers,
+    train_on_facts,
+)
 from engram_fixtures.live import REPO_ROOT, LiveServer, download_variant, wait_for_job
 from service.engine.evaluate import Probe, answer_nll
 from tests.e2e.tofu import post_concept, probe_metrics
@@ -89,7 +97,10 @@ def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, l
     """The demo model registered; every forget fact the target, every retain fact the reference."""
     client = tofu_server.client
     source = f"file://{mini_tofu_demo / 'demo' / 'model'}"
-    assert client.post("/models", json={"model_id": MODEL_ID, "source": source}).status_code == 201
+    registered = client.post("/models", json={"model_id": MODEL_ID, "source": source})
+    assert registered.status_code in (201, 202), registered.text
+    if registered.status_code == 202:  # the register job ran past the request's wait (under load)
+        assert wait_for_job(client, registered.json()["job_id"], timeout=300)["status"] == "succeeded"
     for name, role, items in (
         ("cal-forget", "target", probes["all_forget"]),
         ("cal-retain", "reference", probes["all_retain"]),
@@ -250,3 +261,97 @@ def test_calibration_meets_the_constraint_on_held_out_facts_and_beats_the_grid(
     assert len([line for line in done.stdout.splitlines() if "★" in line and "recommended" not in line]) == 1
     assert "answered from storage" in done.stderr
     assert (tmp_path / "front.png").read_bytes() == png.content
+
+
+# ---------------------------------------------------------------- an objective: Overall under a Utility floor (issue 26)
+
+RETAIN_MODEL_ID = "demo/calibrate-tofu-retain"
+UTILITY_FLOOR = 0.9  # model_utility at least this times the base's
+GOAL_BUDGET = 14
+# The held-out claim is the service's own check (held_out.feasible: the bound resolved with the
+# base's model_utility on the held-out probes); the test prints the margin it was met by.
+
+
+@pytest.fixture(scope="module")
+def retain_model(mini_tofu_demo: Path) -> Path:
+    """TOFU's retain model: the demo's recipe (config, seed, steps, one thread) on the retain facts
+    only, with the demo model's tokenizer, beside it under the model root."""
+    target = mini_tofu_demo / "retain-model"
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(mini_tofu_demo / "demo" / "model")
+    _, retain = split_forget(make_facts(200, 0), 0.1, 0)  # build_demo's facts and split (seed 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same weights on every run of one machine
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer=tokenizer))
+        train_on_facts(model, tokenizer, retain, steps=DEFAULT_STEPS, seed=0)
+    finally:
+        torch.set_num_threads(previous)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    for file in target.iterdir():
+        file.chmod(0o644)
+    return target
+
+
+def _tofu_pairs(probes: list[Probe]) -> list[dict[str, Any]]:
+    """The probes with TOFU's extra answers (engram_fixtures.demo.tofu_answers, seed 0)."""
+    extra = tofu_answers([(p.prompt or "", p.completion or "") for p in probes], 0)
+    return [
+        {"prompt": p.prompt, "completion": p.completion, "paraphrased_answer": para, "perturbed_answers": list(wrong)}
+        for p, (para, wrong) in zip(probes, extra, strict=True)
+    ]
+
+
+def test_a_calibration_maximising_overall_under_a_utility_floor_meets_it_on_held_out_probes(
+    collected: LiveServer, retain_model: Path, probes: dict[str, list[Probe]]
+) -> None:
+    client = collected.client
+    response = client.post("/models", json={"model_id": RETAIN_MODEL_ID, "source": f"file://{retain_model}"})
+    assert response.status_code in (201, 202), response.text
+    if response.status_code == 202:  # the register job ran past the request's wait (under load)
+        assert wait_for_job(client, response.json()["job_id"], timeout=300)["status"] == "succeeded"
+    body = {
+        "concepts": ["cal-forget"],
+        "forget": _tofu_pairs(probes["all_forget"]),
+        "retain": _tofu_pairs(probes["all_retain"][:60]),
+        "utility": {"others": _tofu_pairs(probes["all_retain"][60:100])},
+        "objective": {"maximize": "overall"},
+        "constraints": [{"metric": "model_utility", "min_ratio_to_base": UTILITY_FLOOR}],
+        "retain_model": RETAIN_MODEL_ID,
+        "held_out_fraction": 0.5,
+        "module_sets": ["all"],
+        "budget": GOAL_BUDGET,
+    }
+    submitted = client.post(f"/models/{MODEL_ID}/calibrate", json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = wait_for_job(client, submitted.json()["job"]["job_id"], timeout=1800)
+    assert job["status"] == "succeeded", job.get("error")
+    result = job["result"]
+    assert result["evaluations"] <= GOAL_BUDGET and result["objective"] == {"metric": "overall", "sense": "maximize"}
+    [floor] = result["constraints"]
+    assert floor["min"] == pytest.approx(UTILITY_FLOOR * result["base_metrics"]["model_utility"])
+    recommended = result["recommended"]
+    assert recommended is not None, result["note"]
+    feasible = [c for c in result["candidates"] if c["feasible"]]
+    assert all(c["metrics"]["model_utility"] >= floor["min"] for c in feasible)
+    assert recommended["metrics"]["overall"] == max(c["metrics"]["overall"] for c in feasible)
+
+    held = result["held_out"]
+    assert held["probes"] == {"forget": 10, "retain": 30, "others": 20}
+    held_floor = held["constraints"][0]["min"]
+    assert held_floor == pytest.approx(UTILITY_FLOOR * held["base"]["model_utility"])
+    margin = held["recommended"]["model_utility"] / held_floor
+    figures = {
+        "recommended": recommended["options"],
+        "searched": {k: recommended["metrics"][k] for k in ("overall", "model_utility", "privacy", "memorization")},
+        "held_out": {k: held["recommended"][k] for k in ("overall", "model_utility", "privacy", "memorization")},
+        "held_out_floor": held_floor,
+        "held_out_margin": margin,
+        "evaluations": result["evaluations"],
+        "seconds": result["seconds"],
+    }
+    print("\nOverall under a utility floor on mini-TOFU:\n" + json.dumps(figures, indent=1))  # noqa: T201
+    assert held["feasible"] and margin >= 1.0, figures
+    png = client.get(result["front_png"], params={"x": "model_utility", "y": "overall"})
+    assert png.status_code == 200 and png.headers["content-type"] == "image/png"
