@@ -269,7 +269,12 @@ RETAIN_MODEL_ID = "demo/calibrate-tofu-retain"
 UTILITY_FLOOR = 0.9  # model_utility at least this times the base's
 GOAL_BUDGET = 14
 # The held-out claim is the service's own check (held_out.feasible: the bound resolved with the
-# base's model_utility on the held-out probes); the test prints the margin it was met by.
+# base's model_utility on the held-out probes); the test prints the margin it was met by. Measured
+# (2026-11-27, 2 shared cores under load, both models trained on one thread): recommended α 0.693
+# all/uniform, held-out model_utility 0.8812 against a floor of 0.8761, a margin of ×1.006: thin.
+# The search puts the recommendation on the floor's boundary (Privacy is ~0 for every feasible
+# candidate on this tiny model, so Overall barely moves), and the held-out half's utility is that
+# boundary's value plus sampling noise: if this fails on another machine, the margin is the reason.
 
 
 @pytest.fixture(scope="module")
