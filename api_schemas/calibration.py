@@ -249,9 +249,17 @@ class GoalView(BaseModel):
 
 
 class HeldOutCheck(BaseModel):
-    """The recommended variant on the probes kept out of the search (held_out_fraction)."""
+    """The recommended variant on the probes kept out of the search (held_out_fraction).
+
+    The held-out probes validate the choice: the best candidates are checked in rank order (at most
+    four) and the first that meets every bound there is recommended; ``rejected`` lists those that
+    did not. A test set the choice never saw stays with the user (evaluate the variant on it)."""
 
     probes: dict[str, int] = Field(description="per set, the probes held out")
+    candidate: int | None = Field(default=None, description="the candidate checked and recommended (its index)")
+    rejected: list[int] = Field(
+        default_factory=list, description="better-ranked candidates that missed a bound on the held-out probes"
+    )
     constraints: list[ResolvedConstraint] = Field(description="the bounds, resolved with the base on these probes")
     feasible: bool = Field(description="the recommended variant meets every bound on the held-out probes")
     base: MetricValues = Field(description="the base model's metrics on the held-out probes")

@@ -25,7 +25,7 @@ from api_schemas import EditOptions
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
 from service.calibration.goal import held_out_split
 from service.calibration.goal_run import GoalRun
-from service.calibration.goal_search import goal_search, recommend_for_goal
+from service.calibration.goal_search import goal_search, ranked_for_goal, recommend_for_goal
 from service.calibration.plot import render_front_png
 from service.calibration.records import checked_result, read_calibration_result
 from service.calibration.request import CalibrationRequest
@@ -127,9 +127,12 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
     search_s = time.monotonic() - searched_at
     result = assemble(request, candidates.base, found, measured)
     if goal is not None:
-        goal.amend(result, found, best)
+        held_out = None
         if best is not None and goal.has_held_out:
-            result["held_out"] = goal.check_held_out(best)
+            best, held_out = goal.validated_on_held_out(ranked_for_goal(goal.goal, found.candidates))
+        goal.amend(result, found, best)
+        if held_out is not None:
+            result["held_out"] = held_out
     if best is not None:
         result["recommended"].update(_build_recommended(ctx, job.job_id, request, best, run_job))
     result["seconds"] = {

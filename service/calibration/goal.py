@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from api_schemas.calibration import CALIBRATION_METRICS, CalibrateRequest
 from api_schemas.evaluation import Probe
 from service.calibration.goal_search import Bound, Goal
-from service.engine.tofu_scoring import AnswerTokens, ProbeStatistics
+from service.engine.tofu_statistics import AnswerTokens, ProbeStatistics
 from service.errors import InvalidInput
 from service.evaluation import tofu_metrics as tm
 

@@ -23,13 +23,17 @@ from service.engine.chat import Renderer
 from service.engine.tofu_scoring import TofuProbe, tofu_probe
 from service.errors import JobFailed
 from service.evaluation import tofu_metrics as tm
-from service.evaluation.run import _retain_model as load_retain_model
+from service.evaluation.run import load_retain_model
 
 
 def _tofu_sets(raw: Mapping[str, Any]) -> dict[str, list[TofuProbe]]:
     """Stored probe sets (forget, retain, holdout, utility by name) as TOFU probes, empty ones dropped."""
     sets = {"forget": raw["forget"], "retain": raw["retain"], "holdout": raw.get("holdout") or [], **raw["utility"]}
     return {name: [tofu_probe(dict(p)) for p in items] for name, items in sets.items() if items}
+
+
+# Candidates the held-out probes may check before the best one is recommended unvalidated.
+HELD_OUT_TRIES = 4
 
 
 class GoalRun:
@@ -100,6 +104,28 @@ class GoalRun:
             "base": public(base),
             "recommended": public(held),
         }
+
+    def validated_on_held_out(self, ranked: Sequence[Candidate]) -> tuple[Candidate, dict[str, Any]]:
+        """The best-ranked candidate that meets the bounds on the held-out probes too, and its check.
+
+        The search puts the best candidate on a bound's boundary (the objective pushes the edit as far
+        as the floor allows), so on other probes it meets the bound about half the time: sampling
+        noise, not a worse edit. The held-out probes therefore *validate* the choice: candidates are
+        checked in rank order, at most :data:`HELD_OUT_TRIES` of them, and the first that meets every
+        bound there is recommended (the next ranks are gentler edits, with room under the bound).
+        When none does, the best is recommended with ``feasible: false``. ``rejected`` lists the
+        candidates that failed the check; a test set the choice never saw stays with the user.
+        """
+        rejected: list[int] = []
+        first: dict[str, Any] | None = None
+        for candidate in ranked[:HELD_OUT_TRIES]:
+            check = self.check_held_out(candidate)
+            first = first or check
+            if check["feasible"]:
+                return candidate, {**check, "candidate": candidate.index, "rejected": rejected}
+            rejected.append(candidate.index)
+        assert first is not None, "validated_on_held_out needs at least one candidate"
+        return ranked[0], {**first, "candidate": ranked[0].index, "rejected": rejected}
 
     def amend(self, result: dict[str, Any], found: SearchResult, best: Candidate | None) -> None:
         """The objective's fields of the result (``assemble`` wrote the NLL search's): every

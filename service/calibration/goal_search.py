@@ -215,3 +215,9 @@ def _result(states: list[_Arm], candidates: list[Candidate], stopped: str) -> Se
 def recommend_for_goal(goal: Goal, candidates: Sequence[Candidate]) -> Candidate | None:
     """The feasible candidate with the best objective (ties: the gentler edit), or None."""
     return max((c for c in candidates if c.feasible), key=lambda c: goal_rank(goal, c), default=None)
+
+
+def ranked_for_goal(goal: Goal, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The feasible candidates, best first (:func:`recommend_for_goal`'s order): the order in which
+    the held-out probes validate them."""
+    return sorted((c for c in candidates if c.feasible), key=lambda c: goal_rank(goal, c), reverse=True)

@@ -32,7 +32,7 @@ from service.engine.layers import LayerSpec, summarize_names
 from service.engine.layout import ModelLayout
 from service.engine.lora_rules import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
-from service.evaluation.service import _retain_model as check_retain_model
+from service.evaluation.service import resolve_retain_model as check_retain_model
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import CalibratePayload, JobRecord

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# The private helpers are evaluate's own padding and decoding, reused so both score the same inputs.
 from service.engine.evaluate import Probe, _greedy_batch, _model_device, _pad_id, _right_pad, encode_probe
+
+# The private helpers are evaluate's own padding and decoding, reused so both score the same inputs.
+from service.engine.tofu_statistics import AnswerTokens, ProbeStatistics
 
 if TYPE_CHECKING:  # annotations only
     from service.engine.chat import Renderer
@@ -54,31 +56,6 @@ class TofuProbe:
     probe: Probe
     paraphrased_answer: str | None = None
     perturbed_answers: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class AnswerTokens:
-    """Teacher-forced statistics of one answer's tokens, float64, one entry per answer token."""
-
-    logprobs: tuple[float, ...]
-    vocab_mean: tuple[float, ...]  # E[log p] under the next-token distribution
-    vocab_var: tuple[float, ...]  # Var[log p] under it
-    argmax_hits: tuple[bool, ...]
-
-    @property
-    def avg_loss(self) -> float:
-        return -sum(self.logprobs) / len(self.logprobs)
-
-
-@dataclass(frozen=True)
-class ProbeStatistics:
-    """Everything the metrics read about one probe under one model."""
-
-    answer: AnswerTokens
-    answer_text: str  # the answer's tokens decoded without special tokens (zlib, ROUGE reference)
-    paraphrased: AnswerTokens | None
-    perturbed: tuple[AnswerTokens, ...] | None
-    generation: str | None  # greedy answer, cut at the end token; None when not generated
 
 
 def with_answer(probe: Probe, answer: str) -> Probe:

@@ -299,7 +299,7 @@ def _tofu_result(
     }
     retain_option = options.get("retain_model")
     if retain_option is not None:
-        retain_model = _retain_model(ctx, retain_option, tokenizer)
+        retain_model = load_retain_model(ctx, retain_option, tokenizer)
         reports["retain"] = _report(retain_model, tokenizer, sets, renderer, progress)
     retain = reports.get("retain")
     scored = {name: tofu_scores(report, retain, reports["base"]) for name, report in reports.items()}
@@ -310,7 +310,7 @@ def _tofu_result(
     }
 
 
-def _retain_model(ctx: Context, option: dict[str, Any], tokenizer: Any) -> Any:
+def load_retain_model(ctx: Context, option: dict[str, Any], tokenizer: Any) -> Any:
     """The retain model loaded (a registered model, or a variant as shipped), checked to be a causal
     LM with the base's vocabulary (the request checked it where the API could read the files)."""
     if option["kind"] == "variant":

@@ -128,11 +128,11 @@ def _tofu_options(ctx: Context, view: dict[str, Any], tofu: Mapping[str, Any]) -
     }
     retain_id = tofu.get("retain_model")
     if retain_id is not None:
-        options["retain_model"] = _retain_model(ctx, view, retain_id)
+        options["retain_model"] = resolve_retain_model(ctx, view, retain_id)
     return options
 
 
-def _retain_model(ctx: Context, view: dict[str, Any], retain_id: str) -> dict[str, Any]:
+def resolve_retain_model(ctx: Context, view: dict[str, Any], retain_id: str) -> dict[str, Any]:
     """A registered model or a ready variant, a causal LM with the base model's vocabulary.
 
     Raises:

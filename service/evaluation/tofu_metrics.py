@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy import stats
 
-from service.engine.tofu_scoring import ProbeStatistics
+from service.engine.tofu_statistics import ProbeStatistics
 
 __all__ = [
     "MIA_ATTACKS",
