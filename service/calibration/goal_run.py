@@ -15,11 +15,11 @@ from typing import Any
 
 from service.calibration.candidates import SPLITS, InMemoryCandidates, check_probes, parse_probe, score
 from service.calibration.goal import GoalSpec
-from service.calibration.goal_scoring import RenderedOnce, metrics, prime, public, tofu_report
+from service.calibration.goal_scoring import metrics, prime, public, tofu_report
 from service.calibration.goal_search import Goal, violation
 from service.calibration.search import Candidate, SearchResult
 from service.context import Context
-from service.engine.chat import Renderer
+from service.engine.chat import RenderedOnce, Renderer
 from service.engine.tofu_scoring import TofuProbe, tofu_probe
 from service.errors import JobFailed
 from service.evaluation import tofu_metrics as tm

@@ -14,32 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service.calibration.candidates import ratio
-from service.engine.chat import Renderer
+from service.engine.chat import RenderedOnce, Renderer
 from service.engine.evaluate import encode_probe
-from service.engine.messages import Message
 from service.engine.tofu_scoring import TofuProbe, tofu_statistics, with_answer
 from service.errors import JobFailed
 from service.evaluation import tofu_metrics as tm
 
 OWN_SETS = ("forget", "retain", "holdout")  # the rest of a probe-set mapping are utility sets
 BATCH = 16
-
-
-class RenderedOnce:
-    """A renderer primed inside the job's template process (every answer of every probe, before any
-    model runs), then answering from what it rendered: candidates' scoring renders nothing again."""
-
-    def __init__(self, inner: Renderer | None) -> None:
-        self.inner = inner
-        self._seen: dict[tuple[Any, ...], list[str]] = {}
-
-    def render(self, tokenizer: Any, messages: Sequence[Message], prefixes: Sequence[tuple[int, bool]]) -> list[str]:
-        key = (id(tokenizer), tuple((m.role, m.content) for m in messages), tuple(prefixes))
-        if key not in self._seen:
-            if self.inner is None:
-                raise JobFailed("a chat probe's template was not rendered before scoring")  # a bug, not the user's
-            self._seen[key] = self.inner.render(tokenizer, messages, prefixes)
-        return self._seen[key]
 
 
 def prime(tokenizer: Any, sets: Mapping[str, Sequence[TofuProbe]], renderer: RenderedOnce) -> None:

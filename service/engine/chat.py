@@ -315,3 +315,23 @@ def generation_prompt(
 ) -> list[int]:
     """``messages`` rendered with the generation prompt: what a model continues to answer."""
     return render_ids(tokenizer, messages, add_generation_prompt=True, renderer=renderer)
+
+
+class RenderedOnce:
+    """A renderer that answers from what it rendered before: primed inside the job's template
+    process (every answer of every probe, before any model runs), it then serves every model's (and
+    every calibration candidate's) scoring after that process ended, rendering nothing again."""
+
+    def __init__(self, inner: Renderer | None) -> None:
+        self.inner = inner
+        self._seen: dict[tuple[object, ...], list[str]] = {}
+
+    def render(
+        self, tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], prefixes: Sequence[tuple[int, bool]]
+    ) -> list[str]:
+        key = (id(tokenizer), tuple((m.role, m.content) for m in messages), tuple(prefixes))
+        if key not in self._seen:
+            if self.inner is None:  # a bug (a probe not primed), not the user's
+                raise RuntimeError("a chat probe's template was not rendered before scoring")
+            self._seen[key] = self.inner.render(tokenizer, messages, prefixes)
+        return self._seen[key]

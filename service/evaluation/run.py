@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from service.context import Context
-from service.engine.chat import Renderer
+from service.engine.chat import RenderedOnce, Renderer
 from service.engine.checkpoint import load_model
 from service.engine.evaluate import Probe, answer_nll, encode_probe, encoded, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
@@ -213,24 +213,6 @@ def _score(
 # ---------------------------------------------------------------- TOFU's metrics (metrics: "tofu")
 
 
-class _RenderedOnce:
-    """A renderer that answers from what it rendered before: primed inside the job's template
-    process (every answer of every probe, before any model runs), it then serves the three models'
-    scoring after the process ended, rendering nothing again."""
-
-    def __init__(self, inner: Renderer | None) -> None:
-        self.inner = inner
-        self._seen: dict[tuple[Any, ...], list[str]] = {}
-
-    def render(self, tokenizer: Any, messages: Any, prefixes: Any) -> list[str]:
-        key = (id(tokenizer), tuple((m.role, m.content) for m in messages), tuple(prefixes))
-        if key not in self._seen:
-            if self.inner is None:
-                raise JobFailed("a chat probe's template was not rendered before scoring")  # a bug, not the user's
-            self._seen[key] = self.inner.render(tokenizer, messages, prefixes)
-        return self._seen[key]
-
-
 def _tofu_sets(raw: dict[str, Any]) -> dict[str, list[TofuProbe]]:
     """The probe sets the suite reads, by name: forget, retain, holdout and each utility set."""
     options = raw["tofu"]
@@ -289,7 +271,7 @@ def _tofu_result(
     variant and (given one) the retain model, each scored against the retain model and the base."""
     options = raw["tofu"]
     sets = _tofu_sets(raw)
-    renderer = _RenderedOnce(None)
+    renderer = RenderedOnce(None)
     with template_process(ctx, job.job_id) as process:  # every template rendered before any model runs
         renderer.inner = process
         _prime(tokenizer, sets, renderer)
