@@ -154,24 +154,7 @@ def _read_any_probes(path: Path) -> list[dict[str, Any]]:
         head = json.loads(first) if first else None
     except ValueError:
         head = None
-    if not (isinstance(head, dict) and "image" in head):
-        return read_probes(path)
-    probes = []
-    try:
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    record = None
-                if not (isinstance(record, dict) and isinstance(record.get("image"), str) and "label" in record):
-                    fail("Error", f'{path} line {number} is not an {{"image": <base64>, "label": <class>}} JSON record')
-                probes.append(record)
-    except UnicodeDecodeError as exc:
-        fail("Error", f"{path} is not UTF-8 text ({exc})")
-    return probes
+    return read_probes(path, images=isinstance(head, dict) and "image" in head)
 
 
 CLASSIFIER_MODELS = ("base", "variant", "retrained")

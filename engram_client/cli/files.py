@@ -25,8 +25,19 @@ def _is_probe(record: Any) -> bool:
     return all(isinstance(record.get(k), str) for k in ("prompt", "completion"))
 
 
-def read_probes(path: Path) -> list[dict[str, Any]]:
-    """The ``{"prompt", "completion"}`` or ``{"messages"}`` records of a JSONL file; a bad line is named."""
+def _is_image_probe(record: Any) -> bool:
+    """``{"image": <base64>, "label": <class>}`` (the service decodes the image and checks the label)."""
+    return isinstance(record, dict) and isinstance(record.get("image"), str) and "label" in record
+
+
+TEXT_PROBE = '{"prompt": ..., "completion": ...} or {"messages": [...]}'
+IMAGE_PROBE = '{"image": <base64>, "label": <class>}'
+
+
+def read_probes(path: Path, images: bool = False) -> list[dict[str, Any]]:
+    """The probe records of a JSONL file: text probes (``{"prompt", "completion"}`` or
+    ``{"messages"}``), or with ``images`` labelled image probes; a bad line is named."""
+    accepts, shape = (_is_image_probe, IMAGE_PROBE) if images else (_is_probe, TEXT_PROBE)
     probes = []
     try:
         with path.open(encoding="utf-8") as lines:
@@ -37,12 +48,8 @@ def read_probes(path: Path) -> list[dict[str, Any]]:
                     record = json.loads(line)
                 except ValueError:
                     record = None
-                if not _is_probe(record):
-                    fail(
-                        "Error",
-                        f'{path} line {number} is not a {{"prompt": ..., "completion": ...}} or {{"messages": [...]}} '
-                        "JSON record",
-                    )
+                if not accepts(record):
+                    fail("Error", f"{path} line {number} is not a {shape} JSON record")
                 probes.append(record)
     except UnicodeDecodeError as exc:
         fail("Error", f"{path} is not UTF-8 text ({exc})")
