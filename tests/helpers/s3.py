@@ -24,10 +24,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import httpx
+
+if TYPE_CHECKING:  # the service is imported where used, as client() does
+    from service.storage.s3 import S3Storage
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 1.0  # the filer's graceful stop waits 15 s on open S3 streams; a kill loses nothing written
@@ -268,3 +271,16 @@ def drop_bucket(server: SeaweedServer, bucket: str) -> None:
         if keys:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
     client.delete_bucket(Bucket=bucket)
+
+
+MiB = 1024 * 1024
+PART = 5 * MiB  # S3's smallest multipart part: the threshold the storage tests use
+PAGE = 7  # keys per S3 list page in the storage tests, so 30 keys take 5 pages
+
+
+def s3_storage(server: SeaweedServer, bucket: str, **options: Any) -> S3Storage:
+    """An S3Storage under a fresh prefix of ``bucket``, with test-sized parts and pages."""
+    from service.storage.s3 import S3Storage
+
+    options = {"multipart_threshold": PART, "multipart_chunksize": PART, "page_size": PAGE, **options}
+    return S3Storage(server.client(), bucket, f"run-{uuid.uuid4().hex[:8]}/", **options)

@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from service.storage.base import Storage
+from service.storage.local import LocalStorage
+from service.storage.s3 import S3Storage
+from tests.helpers.s3 import SeaweedServer, s3_storage
+
 
 @pytest.fixture
 def scratch(tmp_path: Path) -> Path:
@@ -16,3 +21,18 @@ def scratch(tmp_path: Path) -> Path:
     path = tmp_path / "scratch"
     path.mkdir()
     return path
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    """Each backend in turn, empty."""
+    if request.param == "local":
+        return LocalStorage(tmp_path / "store")
+    server: SeaweedServer = request.getfixturevalue("seaweed")
+    return s3_storage(server, request.getfixturevalue("s3_bucket"))
+
+
+@pytest.fixture
+def s3(seaweed: SeaweedServer, s3_bucket: str) -> S3Storage:
+    """The S3 backend alone, empty."""
+    return s3_storage(seaweed, s3_bucket)

@@ -14,7 +14,6 @@ import pytest
 from service.storage.base import Storage, owner_tag
 from service.storage.janitor import STORAGE_TMP
 from service.storage.local import LocalStorage
-from tests.storage.test_storage import s3, s3_storage, storage  # noqa: F401  (the backends' fixtures)
 
 DATA = os.urandom(6 * 1024 * 1024 + 17)  # above the tests' S3 multipart threshold (5 MiB)
 

@@ -24,35 +24,8 @@ import pytest
 from engram_fixtures.live import free_port
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.factory import open_storage
-from service.storage.local import LocalStorage
 from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client
-from tests.helpers.s3 import SeaweedServer, restart_seaweed, stop_seaweed
-
-MiB = 1024 * 1024
-PART = 5 * MiB  # S3's smallest multipart part: the threshold the tests use
-PAGE = 7  # keys per S3 list page in tests, so 30 keys take 5 pages
-
-
-def s3_storage(server: SeaweedServer, bucket: str, **options: Any) -> S3Storage:
-    """An S3Storage under a fresh prefix of ``bucket``, with test-sized parts and pages."""
-    options = {"multipart_threshold": PART, "multipart_chunksize": PART, "page_size": PAGE, **options}
-    return S3Storage(server.client(), bucket, f"run-{uuid.uuid4().hex[:8]}/", **options)
-
-
-@pytest.fixture(params=["local", "s3"])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
-    """Each backend in turn, empty."""
-    if request.param == "local":
-        return LocalStorage(tmp_path / "store")
-    server: SeaweedServer = request.getfixturevalue("seaweed")
-    return s3_storage(server, request.getfixturevalue("s3_bucket"))
-
-
-@pytest.fixture
-def s3(seaweed: SeaweedServer, s3_bucket: str) -> S3Storage:
-    """The S3 backend alone, empty."""
-    return s3_storage(seaweed, s3_bucket)
-
+from tests.helpers.s3 import PART, MiB, SeaweedServer, restart_seaweed, s3_storage, stop_seaweed
 
 # ---------------------------------------------------------------- the shared contract
 
