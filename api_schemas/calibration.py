@@ -164,6 +164,7 @@ class CalibrateRequest(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrateRequest:
+        self._text_probes_only()
         self._check_goal()
         if self.alpha_min >= self.alpha_max:
             raise ValueError(f"alpha_min ({self.alpha_min}) must be below alpha_max ({self.alpha_max})")
@@ -178,6 +179,19 @@ class CalibrateRequest(Strict):
             rank = self.lora_rank
             raise ValueError(f'lora_rank {rank} is not a rank vLLM serves: with lora_target "vllm", one of {allowed}')
         return self
+
+    def _text_probes_only(self) -> None:
+        """Calibration scores candidates by answer NLL (or TOFU's metrics) on a causal LM: an image probe
+        is refused by name rather than failing the job (an image classifier is evaluated, not calibrated,
+        so far: POST /variants/{id}/evaluate takes image probes)."""
+        sets = {"forget": self.forget, "retain": self.retain, "holdout": self.holdout, **self.utility}
+        for name, probes in sets.items():
+            for index, probe in enumerate(probes):
+                if probe.kind == "image":
+                    raise ValueError(
+                        f"{name}[{index}] is an image probe: calibrate searches on text probes of a causal LM; "
+                        "an image classifier's variants are scored with POST /variants/{variant_id}/evaluate"
+                    )
 
     def _check_goal(self) -> None:
         """The objective's options are given with an objective only, and name known metrics."""
