@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import MODEL_ID_PATTERN, Strict
@@ -153,14 +153,21 @@ class CalibrateRequest(Strict):
     utility: dict[UtilitySetName, Annotated[list[Probe], Field(min_length=1, max_length=10000)]] = Field(
         default_factory=dict, max_length=8, description="with objective: named probe sets for model utility, as evaluate"
     )
+    # Bounds checked by _fraction: as Field(gt=, lt=) on this union they were compared with a null (a
+    # TypeError: a 500), and as bounds of the float branch a 422 would name the branch, not the field.
     held_out_fraction: float | SkipJsonSchema[None] = Field(
         default=None,
-        gt=0.0,
-        lt=1.0,
-        allow_inf_nan=False,
+        json_schema_extra={"exclusiveMinimum": 0.0, "exclusiveMaximum": 1.0},
         description="with objective: this share of the forget, retain and utility probes is kept out of the search, "
         "to check the recommended variant against the constraints on probes it was not chosen on",
     )
+
+    @field_validator("held_out_fraction")
+    @classmethod
+    def _fraction(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value < 1.0:  # NaN fails both comparisons
+            raise ValueError(f"held_out_fraction must be between 0 and 1 (both excluded), not {value}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrateRequest:

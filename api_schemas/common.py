@@ -66,8 +66,9 @@ class Problem(BaseModel):
     errors: list[dict[str, Any]] | None = Field(
         default=None, description="invalid input: each invalid field", json_schema_extra={"items": _FIELD_ERROR}
     )
-    close_matches: list[str] | None = Field(
-        default=None, description="a name not found: the known names closest to it (a misspelt concept)"
+    close_matches: dict[str, list[str]] | None = Field(
+        default=None,
+        description="names not found (misspelt concepts): each with the known names closest to it (may be empty)",
     )
     jobs: list[ProblemJob] | None = Field(
         default=None, description="a conflict with work in progress: the jobs to follow before repeating the request"
