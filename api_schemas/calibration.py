@@ -9,7 +9,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import MODEL_ID_PATTERN, Strict
 from api_schemas.edit_options import ADAPTER_OPTION_RULES, VLLM_LORA_RANKS
-from api_schemas.evaluation import Probe, UtilitySetName, tofu_metric_names
+from api_schemas.evaluation import CLASSIFIER_SETS, Probe, ProbeKind, UtilitySetName, tofu_metric_names
 from api_schemas.jobs import Job, JobResult
 
 ModuleSetPreset = Literal["all", "qk_gate", "attention", "mlp", "data_weighted"]
@@ -31,9 +31,28 @@ Bound = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
 Ratio = Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1e6)]
 
 
+# An image classifier's metrics (per candidate, on the forget, retain and test probes), named as
+# evaluate's ``classifier`` section reports them: ``<set>_accuracy`` is its ``models.variant.sets.<set>.accuracy``,
+# ``<set>_label_nll`` its ``label_nll``, ``tow`` its ``scores.tow``, ``cka_to_base_<set>`` its
+# ``scores.cka_to_base.<set>`` (and ``cka_to_retrained_<set>``); ``<set>_label_nll_ratio`` is the
+# label NLL, candidate / base.
+CLASSIFIER_METRICS = (
+    *(f"{s}_{m}" for s in CLASSIFIER_SETS for m in ("accuracy", "label_nll", "label_nll_ratio")),
+    "tow",
+    *(f"cka_to_{m}_{s}" for m in ("base", "retrained") for s in CLASSIFIER_SETS),
+)
+# A classifier calibration with no objective: the lowest forget accuracy with the retain accuracy at
+# least this share of the base's, or, given a retrained model, the highest ToW.
+DEFAULT_RETAIN_ACCURACY_RATIO = 0.9
+
+
 def calibration_metric_names(utility_sets: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Every metric an objective or a constraint may name: the calibration's own, then TOFU's."""
+    """Every metric an objective or a constraint may name on text probes: the calibration's own, then TOFU's."""
     return [*CALIBRATION_METRICS, *tofu_metric_names(utility_sets)]
+
+
+def _a(kind: ProbeKind) -> str:
+    return f"an {kind}" if kind == "image" else f"a {kind}"
 
 
 class Objective(Strict):
@@ -86,7 +105,12 @@ class MetricConstraint(Strict):
 
 class CalibrateRequest(Strict):
     """Search the edit space for the strongest unlearning whose retain NLL stays within a bound; or,
-    with ``objective``, for the best value of a named score (TOFU's ``overall`` …) within ``constraints``."""
+    with ``objective``, for the best value of a named score (TOFU's ``overall`` …) within ``constraints``.
+
+    With labelled image probes (an image classifier), the search is on the classifier's metrics
+    (``forget_accuracy``, ``retain_accuracy``, ``tow`` …); without an objective it minimises
+    ``forget_accuracy`` with ``retain_accuracy`` ≥ 0.9 × the base's, or, given ``retain_model``,
+    maximises ``tow``."""
 
     model_config = ConfigDict(json_schema_extra=ADAPTER_OPTION_RULES)
 
@@ -95,6 +119,11 @@ class CalibrateRequest(Strict):
     )
     forget: list[Probe] = Field(min_length=1, max_length=10000, description="probes the variant should forget")
     retain: list[Probe] = Field(min_length=1, max_length=10000, description="probes it should keep")
+    test: list[Probe] = Field(
+        default_factory=list,
+        max_length=10000,
+        description="image probes only: held-out images of every class (test_accuracy, and ToW's third set)",
+    )
     max_retain_nll_ratio: float = Field(
         default=2.0,
         gt=1.0,
@@ -136,16 +165,20 @@ class CalibrateRequest(Strict):
     )
     objective: Objective | SkipJsonSchema[None] = Field(
         default=None,
-        description="a named score to optimise (a TOFU name, as evaluate reports it, or forget_nll_ratio ...) under "
-        "constraints; absent: the strongest forget NLL ratio within max_retain_nll_ratio",
+        description="a named score to optimise (a TOFU name, as evaluate reports it, or forget_nll_ratio ...; for image "
+        "probes forget_accuracy, tow ...) under constraints; absent: the strongest forget NLL ratio within "
+        "max_retain_nll_ratio (image probes: the lowest forget_accuracy with retain_accuracy >= 0.9 x the base's, or "
+        "with retain_model the highest tow)",
     )
     constraints: list[MetricConstraint] = Field(
-        default_factory=list, max_length=16, description="with objective: bounds every recommended candidate meets"
+        default_factory=list,
+        max_length=16,
+        description="with objective (or image probes): bounds every recommended candidate meets",
     )
     retain_model: Annotated[str, Field(max_length=256, pattern=MODEL_ID_PATTERN)] | SkipJsonSchema[None] = Field(
         default=None,
-        description="with objective: a registered model or variant trained without the forget set (forget_quality, "
-        "privacy, memorization, overall need it)",
+        description="with objective (or image probes): a registered model or variant trained without the forget set "
+        "(forget_quality, privacy, memorization, overall need it; for an image classifier tow and cka_to_retrained_*)",
     )
     holdout: list[Probe] = Field(
         default_factory=list, max_length=10000, description="with objective: facts no model saw (the raw MIA AUCs)"
@@ -158,7 +191,8 @@ class CalibrateRequest(Strict):
     held_out_fraction: float | SkipJsonSchema[None] = Field(
         default=None,
         json_schema_extra={"exclusiveMinimum": 0.0, "exclusiveMaximum": 1.0},
-        description="with objective: this share of the forget, retain and utility probes is kept out of the search, "
+        description="with objective (or image probes): this share of the forget, retain, test and utility probes is "
+        "kept out of the search, "
         "to check the recommended variant against the constraints on probes it was not chosen on",
     )
 
@@ -171,8 +205,10 @@ class CalibrateRequest(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> CalibrateRequest:
-        self._text_probes_only()
-        self._check_goal()
+        if self.kind == "image":
+            self._check_classifier_goal()
+        else:
+            self._check_goal()
         if self.alpha_min >= self.alpha_max:
             raise ValueError(f"alpha_min ({self.alpha_min}) must be below alpha_max ({self.alpha_max})")
         if len(set(self.scalings)) != len(self.scalings):
@@ -187,21 +223,57 @@ class CalibrateRequest(Strict):
             raise ValueError(f'lora_rank {rank} is not a rank vLLM serves: with lora_target "vllm", one of {allowed}')
         return self
 
-    def _text_probes_only(self) -> None:
-        """Calibration scores candidates by answer NLL (or TOFU's metrics) on a causal LM: an image probe
-        is refused by name rather than failing the job (an image classifier is evaluated, not calibrated,
-        so far: POST /variants/{id}/evaluate takes image probes)."""
-        sets = {"forget": self.forget, "retain": self.retain, "holdout": self.holdout, **self.utility}
-        for name, probes in sets.items():
-            for index, probe in enumerate(probes):
-                if probe.kind == "image":
-                    raise ValueError(
-                        f"{name}[{index}] is an image probe: calibrate searches on text probes of a causal LM; "
-                        "an image classifier's variants are scored with POST /variants/{variant_id}/evaluate"
-                    )
+    @property
+    def kind(self) -> ProbeKind:
+        """The request's probe kind: ``"image"`` (labelled images, an image classifier) or ``"text"``.
+
+        Raises:
+            ValueError: text and image probes together, naming the first probe of the other kind.
+        """
+        sets = {"forget": self.forget, "retain": self.retain, "test": self.test, "holdout": self.holdout}
+        named = [(f"{name}[{i}]", p) for name, items in sets.items() for i, p in enumerate(items)]
+        named += [(f"utility.{n}[{i}]", p) for n, items in self.utility.items() for i, p in enumerate(items)]
+        first_where, first = named[0]  # forget has at least one probe
+        for where, probe in named:
+            if probe.kind != first.kind:
+                raise ValueError(
+                    f"{where} is {_a(probe.kind)} probe but {first_where} is {_a(first.kind)} probe: "
+                    "a calibration's probes are all of one kind (labelled images for an image classifier, "
+                    "prompt + completion or messages for a language model)"
+                )
+        return first.kind
+
+    def _check_classifier_goal(self) -> None:
+        """Image probes: the classifier's metrics, the options that serve them, and no text-only option."""
+        given = [name for name in ("holdout", "utility") if getattr(self, name)]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} serve TOFU's metrics on text probes; an image classifier is calibrated on "
+                "accuracy, label NLL, ToW and CKA (forget, retain and test image probes)"
+            )
+        if "max_retain_nll_ratio" in self.model_fields_set:
+            raise ValueError(
+                "max_retain_nll_ratio bounds the answer NLL of text probes; for image probes bound the classifier's "
+                'metrics: constraints [{"metric": "retain_accuracy", "min_ratio_to_base": 0.9}]'
+            )
+        if self.held_out_fraction is not None and (len(self.forget) < 2 or len(self.retain) < 2):
+            raise ValueError("held_out_fraction needs two forget and two retain probes (one searched, one held out)")
+        named = [*([self.objective.metric] if self.objective is not None else []), *(c.metric for c in self.constraints)]
+        text = set(calibration_metric_names()) - set(CLASSIFIER_METRICS)
+        wrong = list(dict.fromkeys(name for name in named if name in text))
+        if wrong:
+            raise ValueError(
+                f"{', '.join(wrong)}: a metric of text probes (answer NLL, TOFU), but these are image probes of an "
+                f"image classifier; its metrics: {', '.join(CLASSIFIER_METRICS)}"
+            )
+        unknown = list(dict.fromkeys(name for name in named if name not in CLASSIFIER_METRICS))
+        if unknown:
+            raise ValueError(f"unknown metrics {unknown}; an image classifier's: {', '.join(CLASSIFIER_METRICS)}")
 
     def _check_goal(self) -> None:
         """The objective's options are given with an objective only, and name known metrics."""
+        if self.test:
+            raise ValueError("test probes are for image classifiers (image + label probes); text probes: forget, retain")
         if self.objective is None:
             options = ("constraints", "retain_model", "holdout", "utility", "held_out_fraction")
             given = [name for name in options if getattr(self, name)]
@@ -215,6 +287,12 @@ class CalibrateRequest(Strict):
             raise ValueError(f"utility set names {reserved} are taken by the request's own sets")
         known = calibration_metric_names(tuple(self.utility))
         named = [self.objective.metric, *(c.metric for c in self.constraints)]
+        pictured = list(dict.fromkeys(name for name in named if name in CLASSIFIER_METRICS and name not in known))
+        if pictured:
+            raise ValueError(
+                f"{', '.join(pictured)}: a metric of an image classifier (labelled image probes), but these are text "
+                "probes; their metrics: forget_nll_ratio, ... and TOFU's names"
+            )
         unknown = list(dict.fromkeys(name for name in named if name not in known))
         if unknown:
             raise ValueError(f"unknown metrics {unknown}; known: {', '.join(known)}")
@@ -317,7 +395,9 @@ class CalibrationResult(BaseModel):
     concepts: list[str]
     universe_id: str
     reference: list[str]
-    constraint: dict[str, float]
+    constraint: dict[str, float] = Field(
+        description="the bounds applied (absolute): max_retain_nll_ratio, or with an objective min_{metric} / max_{metric}"
+    )
     base: dict[str, SplitScore] = Field(description="the base model's scores on the forget and retain probes")
     candidates: list[CalibrationCandidate]
     pareto_front: list[int] = Field(description="indices of the candidates on the front, by increasing retain ratio")

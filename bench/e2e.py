@@ -1,13 +1,19 @@
 """What a user waits for: a variant through the HTTP API, POST to ready, against the copy floor.
 
 ``bench.universe`` times the arithmetic as a function; a user POSTs ``/models/{id}/unlearn`` and
-waits for the job. This bench runs the real server (``engram-service serve``, embedded job
-process, file storage), registers a random Llama of a bench profile, collects ``CONCEPTS``
+waits for the job. This bench runs the real service, in one of two deployments (``--mode``):
+
+- **embedded**: ``engram-service serve`` with its embedded job process, on file storage;
+- **distributed**: the API, one Celery worker (``engram-service worker``), a private Redis and an
+  S3 store (SeaweedFS, signatures checked), as ``docker-compose.yml`` deploys them;
+
+registers a random Llama of a bench profile, collects ``CONCEPTS``
 concepts, builds their universe, then times variants of 1 and 3 concepts:
 
 - **warm**: the server that built the universe, second and later variants;
-- **after restart**: a fresh server on the same storage, its first variant (nothing cached in any
-  process; the universe and engrams are read back from the store).
+- **after restart**: a fresh server (distributed: a fresh API and worker) on the same storage, its
+  first variant (nothing cached in any process; the universe and engrams are read back from the
+  store; a worker's download cache on disk stays, as it does when a pod restarts on its node).
 
 Each variant asks for a new ``alpha`` so that no answer is a stored one. The client's wall time runs
 from the POST to the moment ``GET /variants/{id}`` says ``ready`` (polled every
@@ -16,10 +22,11 @@ in the queue and the job's run, and the job's ``result.steps`` (where the servic
 its steps. The copy floor is ``load_file`` + ``save_file`` of every shard, measured in the same run
 between the variants.
 
-    .venv/bin/python -m bench.e2e --profile 100m          # ~4 min on a quiet 2-core box
-    .venv/bin/python -m bench.e2e --profile tiny --reps 2 # a smoke run (~40 s)
+    .venv/bin/python -m bench.e2e --profile 100m                      # ~4 min on a quiet 2-core box
+    .venv/bin/python -m bench.e2e --profile 100m --mode distributed   # Celery + S3
+    .venv/bin/python -m bench.e2e --profile tiny --reps 2             # a smoke run (~40 s)
 
-Prints a table and writes ``bench/results/e2e-<profile>.json`` (or ``--json``); ``make bench`` runs it
+Prints a table and writes ``bench/results/e2e-<profile>[-distributed].json`` (or ``--json``); ``make bench`` runs it
 (``bench.run``: the 100m profile, the tiny one with ``--quick``) and prints its ratios beside its own.
 The machine's load average at the start and the end is part of the result: on a shared machine the
 figures are only as good as it was quiet.
@@ -32,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -39,11 +47,24 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from bench.common import LLAMA_1B_SLICE, LLAMA_100M, LLAMA_TINY, Profile, build_model, environment, text_records
 from bench.compose import copy_floor
-from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job
+from engram_fixtures.live import (
+    LiveServer,
+    RedisServer,
+    kill_worker,
+    post_and_wait,
+    server_env,
+    start_redis,
+    start_server,
+    start_worker,
+    stop_redis,
+    stop_server,
+    wait_concepts_ready,
+)
+from engram_fixtures.seaweed import SeaweedServer, new_bucket, start_seaweed, stop_seaweed
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = {"tiny": LLAMA_TINY, "100m": LLAMA_100M, "1b-slice": LLAMA_1B_SLICE}
@@ -52,6 +73,8 @@ CONCEPTS = 4
 VARIANT_SIZES = (1, 3)
 POLL_S = 0.01
 GOALS = {1: 1.5, 3: 2.5}  # issue 27: after a restart, ≤ 1.5× (1 concept) and ≤ 2.5× (3) the copy floor
+READY_TIMEOUT_S = 300
+Mode = Literal["embedded", "distributed"]
 
 
 @dataclass
@@ -78,26 +101,100 @@ def _job_split(job: dict[str, Any]) -> tuple[float | None, float | None]:
     return queued, run
 
 
-def _start(root: Path, model_root: Path, name: str) -> LiveServer:
-    server = start_server(root / "store", model_root, root / f"{name}.log")
-    # A restarted service is measured once it is ready to run jobs (its job process has imported the
-    # job bodies), as a user's request meets it: a restart is rarely a second before the request.
-    deadline = time.monotonic() + 300
-    while server.client.get("/readyz").json().get("job_process", "ready") != "ready":
+def _wait_ready(server: LiveServer, ready: Any) -> None:
+    """Poll ``/readyz`` until ``ready(status code, body)`` says the service can run jobs."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        answer = server.client.get("/readyz")
+        if ready(answer.status_code, answer.json()):
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the job process was not ready within 300 s:\n{server.log_tail()}")
+            raise RuntimeError(f"not ready to run jobs within {READY_TIMEOUT_S} s: {answer.text}\n{server.log_tail()}")
         time.sleep(0.1)
-    return server
+
+
+class Embedded:
+    """``engram-service serve`` with its embedded job process, on file storage under ``root``."""
+
+    mode: Mode = "embedded"
+
+    def __init__(self, root: Path, model_root: Path) -> None:
+        self.root, self.model_root = root, model_root
+        self.server: LiveServer | None = None
+
+    def start(self, name: str) -> LiveServer:
+        self.server = start_server(self.root / "store", self.model_root, self.root / f"{name}.log")
+        # A restarted service is measured once it is ready to run jobs (its job process has imported the
+        # job bodies), as a user's request meets it: a restart is rarely a second before the request.
+        _wait_ready(self.server, lambda code, body: body.get("job_process", "ready") == "ready")
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            stop_server(self.server)
+            self.server = None
+
+    def close(self) -> None:
+        self.stop()
+
+
+class Distributed:
+    """The API and one Celery worker (processes of their own) with a private Redis and SeaweedFS S3.
+
+    A restart is a new API and a new worker on the same Redis, bucket and worker cache directory."""
+
+    mode: Mode = "distributed"
+    # Heartbeats as the distributed tests set them: a stopped worker leaves /readyz within seconds.
+    ENV = {"ENGRAM_HEARTBEAT_TTL_S": "3", "ENGRAM_RECONCILE_INTERVAL_S": "1"}
+
+    def __init__(self, root: Path, model_root: Path) -> None:
+        self.root, self.model_root = root, model_root
+        self.redis: RedisServer = start_redis()
+        # Room for GBs of statistics, engrams and variants (the tests' default holds 2 GB).
+        self.seaweed: SeaweedServer = start_seaweed(root / "seaweed", volume_mb=1024, volumes=64)
+        bucket = new_bucket(self.seaweed, "bench-e2e")
+        self.env = {
+            "ENGRAM_BROKER_URL": self.redis.url,
+            "ENGRAM_STORAGE_URL": f"s3://{bucket}/engram",
+            "ENGRAM_S3_ENDPOINT_URL": self.seaweed.endpoint_url,
+            **self.seaweed.env(),
+            **self.ENV,
+        }
+        self.server: LiveServer | None = None
+        self.worker: Any = None
+
+    def start(self, name: str) -> LiveServer:
+        env = {**self.env, "ENGRAM_CACHE_DIR": str(self.root / "cache" / "api")}
+        self.server = start_server(self.root / "store", self.model_root, self.root / f"{name}-api.log", **env)
+        worker_env = {**self.env, "ENGRAM_CACHE_DIR": str(self.root / "cache" / "worker")}
+        self.worker = start_worker(
+            server_env(self.root / "store", self.model_root, **worker_env), self.root / f"{name}-worker.log"
+        )
+        # Ready when every queue has a live worker (a 503 names the queues without one).
+        _wait_ready(self.server, lambda code, body: code == 200 and bool(body.get("workers")))
+        return self.server
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            kill_worker(self.worker, signal.SIGTERM)  # a warm shutdown: the worker says goodbye
+            self.worker = None
+        if self.server is not None:
+            # The next API must not count the stopped worker as live: wait for its heartbeat to lapse.
+            _wait_ready(self.server, lambda code, body: code == 503)
+            stop_server(self.server)
+            self.server = None
+
+    def close(self) -> None:
+        self.stop()
+        stop_redis(self.redis)
+        stop_seaweed(self.seaweed)
 
 
 def prepare(server: LiveServer, model_dir: Path, profile: Profile) -> list[str]:
     """Register the model, collect ``CONCEPTS`` concepts on it and build their universe."""
     api = server.client
-    registered = api.post("/models", params={"wait": 60}, json={"model_id": MODEL_ID, "source": f"file://{model_dir}"})
-    if registered.status_code == 202:
-        wait_for_job(api, registered.json()["job"]["job_id"], timeout=600)
-    elif registered.status_code not in (200, 201):
-        raise RuntimeError(f"registration failed: {registered.status_code} {registered.text}")
+    # A 202 from POST /models is the register job itself: post_and_wait waits for it either way.
+    post_and_wait(api, "/models", {"model_id": MODEL_ID, "source": f"file://{model_dir}"}, 600, params={"wait": 60})
     names = []
     for k in range(CONCEPTS):
         records = [r.to_json() for r in text_records(profile.concept_records, profile.facts_per_record, seed=100 + k)]
@@ -107,14 +204,7 @@ def prepare(server: LiveServer, model_dir: Path, profile: Profile) -> list[str]:
             raise RuntimeError(f"concept {name}: {answer.status_code} {answer.text}")
         names.append(name)
     wait_concepts_ready(api, names, MODEL_ID, timeout=1800)
-    built = api.post(f"/models/{MODEL_ID}/universes", json={"concepts": names})
-    if built.status_code not in (200, 201, 202):
-        raise RuntimeError(f"universe: {built.status_code} {built.text}")
-    job = built.json().get("job")
-    if job:
-        finished = wait_for_job(api, job["job_id"], timeout=3600)
-        if finished["status"] != "succeeded":
-            raise RuntimeError(f"universe build failed: {finished}")
+    post_and_wait(api, f"/models/{MODEL_ID}/universes", {"concepts": names}, 3600)
     return names
 
 
@@ -140,34 +230,14 @@ def time_variant(server: LiveServer, concepts: list[str], alpha: float, phase: s
     return VariantTiming(len(concepts), phase, wall, queued, run, {k: float(v) for k, v in steps.items()})
 
 
-def measure(profile: Profile, root: Path, reps: int) -> dict[str, Any]:
+def measure(profile: Profile, root: Path, reps: int, mode: Mode = "embedded") -> dict[str, Any]:
     model_root = root / "models"
     model_dir = build_model(profile, model_root / "llama")
-    server = _start(root, model_root, "first")
+    deployment = Embedded(root, model_root) if mode == "embedded" else Distributed(root, model_root)
     try:
-        names = prepare(server, model_dir, profile)
-        timings: list[VariantTiming] = []
-        floors: list[float] = []
-        alpha = 1.0
-        for _ in range(reps):
-            for size in VARIANT_SIZES:
-                alpha -= 0.001
-                timings.append(time_variant(server, names[:size], alpha, "warm"))
-                floors.append(copy_floor(model_dir, root / "floor"))
-                shutil.rmtree(root / "floor", ignore_errors=True)
+        timings, floors = _measure_on(deployment, profile, model_dir, root, reps)
     finally:
-        stop_server(server)
-    for rep in range(reps):
-        for size in VARIANT_SIZES:
-            # A fresh server per measurement: each is "the first variant after a restart".
-            server = _start(root, model_root, f"restart-{rep}-{size}")
-            try:
-                alpha -= 0.001
-                timings.append(time_variant(server, names[:size], alpha, "after restart"))
-            finally:
-                stop_server(server)
-            floors.append(copy_floor(model_dir, root / "floor"))
-            shutil.rmtree(root / "floor", ignore_errors=True)
+        deployment.close()
     floor = statistics.median(floors)
     rows = []
     for phase in ("warm", "after restart"):
@@ -188,16 +258,48 @@ def measure(profile: Profile, root: Path, reps: int) -> dict[str, Any]:
                     "walls_s": [round(t.wall_s, 3) for t in picked],
                 }
             )
-    return {"profile": profile.name, "floors_s": [round(f, 3) for f in floors], "rows": rows}
+    return {"profile": profile.name, "mode": mode, "floors_s": [round(f, 3) for f in floors], "rows": rows}
 
 
-def run(profile_name: str, reps: int, keep: Path | None = None) -> dict[str, Any]:
+def _measure_on(
+    deployment: Embedded | Distributed, profile: Profile, model_dir: Path, root: Path, reps: int
+) -> tuple[list[VariantTiming], list[float]]:
+    """Variants of every size, warm then each after a restart, with a copy floor after each."""
+    timings: list[VariantTiming] = []
+    floors: list[float] = []
+    server = deployment.start("first")
+    names = prepare(server, model_dir, profile)
+    alpha = 1.0
+    for _ in range(reps):
+        for size in VARIANT_SIZES:
+            alpha -= 0.001
+            timings.append(time_variant(server, names[:size], alpha, "warm"))
+            floors.append(_copy_floor(model_dir, root))
+    deployment.stop()
+    for rep in range(reps):
+        for size in VARIANT_SIZES:
+            # A fresh service per measurement: each is "the first variant after a restart".
+            server = deployment.start(f"restart-{rep}-{size}")
+            alpha -= 0.001
+            timings.append(time_variant(server, names[:size], alpha, "after restart"))
+            deployment.stop()
+            floors.append(_copy_floor(model_dir, root))
+    return timings, floors
+
+
+def _copy_floor(model_dir: Path, root: Path) -> float:
+    seconds = copy_floor(model_dir, root / "floor")
+    shutil.rmtree(root / "floor", ignore_errors=True)
+    return seconds
+
+
+def run(profile_name: str, reps: int, keep: Path | None = None, mode: Mode = "embedded") -> dict[str, Any]:
     """Measure one profile (a temporary folder unless ``keep``); the result with the load averages."""
     root = keep or Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     root.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
     try:
-        result = measure(PROFILES[profile_name], root, reps)
+        result = measure(PROFILES[profile_name], root, reps, mode)
     finally:
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -222,7 +324,7 @@ def _median_steps(all_steps: list[dict[str, float]]) -> dict[str, float]:
 def table(result: dict[str, Any]) -> str:
     load = result.get("environment", {})
     lines = [
-        f"variants through the HTTP API, {result['profile']} "
+        f"variants through the HTTP API, {result['profile']}, {result.get('mode', 'embedded')} "
         f"(POST to ready, median; copy floor {result['rows'][0]['copy_floor_s']} s; "
         f"load average {load.get('loadavg_start', '?')} -> {load.get('loadavg_end', '?')})",
         f"{'phase':<14} {'concepts':>8} {'wall s':>8} {'queued s':>9} {'job s':>7} {'× floor':>8} {'goal':>6}",
@@ -245,10 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="100m")
     parser.add_argument("--reps", type=int, default=3, help="variants of each size per phase (median reported)")
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (default: a temporary one)")
-    parser.add_argument("--json", type=Path, default=None, help="result file (default bench/results/e2e-PROFILE.json)")
+    parser.add_argument(
+        "--mode",
+        choices=["embedded", "distributed"],
+        default="embedded",
+        help="embedded job process on file storage, or API + Celery worker + Redis + S3 (SeaweedFS)",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="result file (default bench/results/e2e-PROFILE[-distributed].json)"
+    )
     args = parser.parse_args(argv)
-    result = run(args.profile, args.reps, args.keep)
-    out = args.json or REPO / "bench" / "results" / f"e2e-{args.profile}.json"
+    result = run(args.profile, args.reps, args.keep, args.mode)
+    suffix = "" if args.mode == "embedded" else f"-{args.mode}"
+    out = args.json or REPO / "bench" / "results" / f"e2e-{args.profile}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(table(result))

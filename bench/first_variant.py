@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import build_model, environment, text_records
-from bench.e2e import MODEL_ID, PROFILES, REPO, _start
-from engram_fixtures.live import LiveServer, stop_server, wait_concepts_ready, wait_for_job
+from bench.e2e import MODEL_ID, PROFILES, REPO, Embedded
+from engram_fixtures.live import LiveServer, post_and_wait, wait_concepts_ready
 
 QK_GATE = ["q_proj", "k_proj", "gate_proj"]
 TIMEOUT_S = 7200
@@ -43,13 +43,7 @@ TIMEOUT_S = 7200
 def _post_and_wait(server: LiveServer, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """POST ``body`` and wait for its job (if any); the seconds and the finished job."""
     started = time.perf_counter()
-    answer = server.client.post(path, json=body)
-    if answer.status_code not in (200, 201, 202):
-        raise RuntimeError(f"{path}: {answer.status_code} {answer.text}")
-    job = answer.json().get("job")
-    finished = wait_for_job(server.client, job["job_id"], timeout=TIMEOUT_S) if job else None
-    if finished is not None and finished["status"] != "succeeded":
-        raise RuntimeError(f"{path}: job failed: {finished}")
+    _, finished = post_and_wait(server.client, path, body, timeout=TIMEOUT_S)
     return time.perf_counter() - started, finished
 
 
@@ -69,17 +63,18 @@ def measure(profile_name: str, root: Path) -> dict[str, Any]:
     profile = PROFILES[profile_name]
     model_root = root / "models"
     model_dir = build_model(profile, model_root / "llama")
-    server = _start(root, model_root, "first-variant")
+    # bench.e2e's embedded deployment: measured once its job process is ready, as bench.e2e measures
+    deployment = Embedded(root, model_root)
     try:
+        server = deployment.start("first-variant")
         api = server.client
-        registered = api.post("/models", params={"wait": 60}, json={"model_id": MODEL_ID, "source": f"file://{model_dir}"})
-        if registered.status_code == 202:
-            wait_for_job(api, registered.json()["job"]["job_id"], timeout=600)
+        source = {"model_id": MODEL_ID, "source": f"file://{model_dir}"}
+        post_and_wait(api, "/models", source, timeout=600, params={"wait": 60})  # a 202 is the register job
         names = []
         for k in range(4):
             records = [r.to_json() for r in text_records(profile.concept_records, profile.facts_per_record, seed=100 + k)]
             names.append(f"fv-concept{k}")
-            api.post("/concepts", json={"name": names[-1], "records": records, "models": [MODEL_ID]})
+            post_and_wait(api, "/concepts", {"name": names[-1], "records": records, "models": [MODEL_ID]}, TIMEOUT_S)
         wait_concepts_ready(api, names, MODEL_ID, timeout=TIMEOUT_S)
         whole, needed = names[:2], names[2:]
         built_s, _ = _post_and_wait(server, f"/models/{MODEL_ID}/universes", {"concepts": whole})
@@ -87,7 +82,7 @@ def measure(profile_name: str, root: Path) -> dict[str, Any]:
         after = _unlearn(server, needed, QK_GATE, 1.0)
         later = _unlearn(server, needed, ["down_proj"], 1.0)
     finally:
-        stop_server(server)
+        deployment.close()
     return {
         "profile": profile.name,
         "whole_universe_first": {

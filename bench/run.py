@@ -7,8 +7,9 @@ Every ratio is measured against its baseline in the same run, on the same model 
 repeated measurements are interleaved and the median is reported. See ``bench/README.md``.
 
 Last, what a user waits for (``bench.e2e``, issue 27): variants of 1 and 3 concepts through the HTTP
-API, POST to ready, warm and after a restart, against the copy floor of the same run, with the job's
-step breakdown (the 100m profile; the tiny one with ``--quick``; ``--e2e none`` skips it).
+API, POST to ready, warm and after a restart, embedded and distributed (Celery + SeaweedFS S3),
+against the copy floor of the same run, with the job's step breakdown (the 100m profile; the tiny
+one with ``--quick``; ``--e2e none`` skips it).
 """
 
 # ruff: noqa: T201  (a command-line tool: printing is its output)
@@ -787,14 +788,14 @@ class ModelBench:
                 )
 
 
-def run_e2e(profile: str, reps: int) -> dict[str, Any]:
+def run_e2e(profile: str, reps: int, mode: str = "embedded") -> dict[str, Any]:
     """``bench.e2e`` in a fresh interpreter (it starts and restarts real servers); its result."""
     with tempfile.TemporaryDirectory(prefix="bench-e2e-result-") as tmp:
         out = Path(tmp) / "e2e.json"
-        command = [sys.executable, "-m", "bench.e2e", "--profile", profile, "--reps", str(reps), "--json", str(out)]
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+        command = [sys.executable, "-m", "bench.e2e", "--profile", profile, "--reps", str(reps), "--mode", mode]
+        done = subprocess.run([*command, "--json", str(out)], cwd=REPO, capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"bench.e2e --profile {profile} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"{' '.join(command[1:])} failed ({done.returncode}):\n{done.stderr[-4000:]}")
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
@@ -809,7 +810,8 @@ def e2e_rows(result: dict[str, Any]) -> list[Row]:
             Row(
                 result["profile"],
                 "e2e",
-                f"API variant, {row['concepts']} concept(s), {row['phase']}: POST to ready vs copy floor",
+                f"API variant ({result.get('mode', 'embedded')}), {row['concepts']} concept(s), {row['phase']}: "
+                "POST to ready vs copy floor",
                 row["wall_s"],
                 row["copy_floor_s"],
                 "s",
@@ -921,13 +923,14 @@ def main(argv: list[str] | None = None) -> int:
             models[profile.name] = mb.info
             del mb
     e2e_profile = args.e2e or ("tiny" if args.quick else "100m")
-    e2e_text = ""
-    if e2e_profile != "none":
-        log(f"variants through the HTTP API (bench.e2e --profile {e2e_profile})")
-        e2e_result = run_e2e(e2e_profile, reps=1 if args.quick else 3)
+    e2e_texts = []
+    for mode in () if e2e_profile == "none" else ("embedded", "distributed"):
+        log(f"variants through the HTTP API (bench.e2e --profile {e2e_profile} --mode {mode})")
+        e2e_result = run_e2e(e2e_profile, reps=1 if args.quick else 3, mode=mode)
         rows.extend(e2e_rows(e2e_result))
-        models[f"e2e-{e2e_profile}"] = e2e_result
-        e2e_text = e2e_table(e2e_result)
+        models[f"e2e-{e2e_profile}-{mode}"] = e2e_result
+        e2e_texts.append(e2e_table(e2e_result))
+    e2e_text = "\n\n".join(e2e_texts)
     wall = time.perf_counter() - started
     run_monitor.__exit__(None, None, None)
 

@@ -3,6 +3,7 @@
     python -m bench.tofu                    # 200 facts, forget 10 %, the demo's model: the whole table
     python -m bench.tofu --quick            # 40 facts, the tests' tiny model, 150 steps: a smoke run
     python -m bench.tofu --json out.json    # also every row's raw values, scores and the calibration
+    python -m bench.tofu --answer-pool 6    # answers shared across people (pooled_facts), as TOFU's
 
 The protocol, as TOFU's: the base model is fine-tuned on every fact (``engram_fixtures.demo``'s
 recipe: tokenizer, config, seed, steps); the retain model on the retain facts only, with the same
@@ -11,6 +12,17 @@ perturbed (wrong) answers (:func:`engram_fixtures.demo.tofu_answers`); the retai
 the utility set is the retain facts of people none of whose facts is forgotten (TOFU's real-authors
 and world-facts sets play this part); the holdout set is fresh facts no model saw (OpenUnlearning's
 MIA AUCs, ``mia_*``; the privacy scores ``privacy_mia_*`` compare with the retain model instead).
+
+With the demo's facts every answer is a distinct string of random syllables, so the retain model
+has never seen a forget answer's word and scores it worse than a uniform guess: no edit that keeps
+the retain facts makes the forget answers look like that, and Privacy is 0 within any Utility
+floor (``python -m bench.tofu_sweep`` shows the AUCs along α). ``--answer-pool`` draws each
+answer from a few per attribute shared by every person, so the retain model's forget loss is that
+of not knowing which answer, as a model trained without TOFU's forget authors still finds their
+answers' words plausible. A limit that remains: the tiny models never learn the paraphrased form
+(``forget_Q_A_PARA_Prob`` ~1e-3 for base and retain alike), so its rescaled value is noise over
+noise, often clipped to 1, and then Memorization, and Overall, is 0 for every unlearned row (the
+gradient baselines' too; seen at seed 1 and at 200 facts).
 
 The rows: the base and retain models; Engram at uniform α=0.6 and Engram W-Norm (``scaling``
 ``weight_norm`` at α=1: the per-layer strength rescaled to a maximum of 1), the paper's two
@@ -34,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import tempfile
 import time
 from collections.abc import Sequence
@@ -62,7 +75,14 @@ from engram_fixtures.demo import (
     train_on_facts,
     train_tokenizer,
 )
-from engram_fixtures.live import download_variant, start_server, stop_server, wait_concepts_ready, wait_for_job
+from engram_fixtures.live import (
+    download_variant,
+    post_and_wait,
+    start_server,
+    stop_server,
+    wait_concepts_ready,
+    wait_for_job,
+)
 from service.engine.evaluate import Probe
 from service.engine.tofu_scoring import ProbeStatistics, TofuProbe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
@@ -110,8 +130,38 @@ def _person(prompt: str) -> str:
     raise ValueError(f"no person in {prompt!r}")
 
 
-def mini_tofu(facts: Sequence[Fact], forget: Sequence[Fact], seed: int, n_holdout: int) -> MiniTofu:
-    """Probe sets with TOFU's fields from the demo's facts and its forget split."""
+def pooled_facts(n: int, seed: int, pool: int | None) -> list[Fact]:
+    """:func:`engram_fixtures.demo.make_facts`' facts; with ``pool``, each answer replaced by one of
+    the first ``pool`` answers of its attribute (its question unchanged), drawn with ``seed``.
+
+    Why: the demo's answers are distinct random syllables, so a retain model has never seen a forget
+    answer and scores it worse than a uniform guess (6.5 nats/token on a 512-token vocabulary at
+    100 facts, 300 steps). TOFU's answers are ordinary words a model trained without them still
+    finds plausible; with a pool, every forget answer is also another person's retain answer, and
+    the retain model's forget loss is what not knowing *which* answer costs, as in TOFU. The
+    facts, the forget split and the probes are otherwise those of ``make_facts``."""
+    facts = make_facts(n, seed)
+    if pool is None:
+        return facts
+    if pool < 2:
+        raise ValueError(f"the answer pool needs at least 2 answers per attribute, got {pool}")
+    rng = random.Random(f"pool-{seed}")
+    by_kind: dict[str, list[str]] = {}
+    for prompt, completion in facts:
+        by_kind.setdefault(_kind(prompt), []).append(completion)
+    pools = {kind: answers[:pool] for kind, answers in by_kind.items()}
+    return [(prompt, rng.choice(pools[_kind(prompt)])) for prompt, _ in facts]
+
+
+def _kind(prompt: str) -> str:
+    # a make_facts question without its person: the attribute's template
+    return prompt.replace(_person(prompt), "")
+
+
+def mini_tofu(facts: Sequence[Fact], forget: Sequence[Fact], seed: int, n_holdout: int, pooled: bool = False) -> MiniTofu:
+    """Probe sets with TOFU's fields from the demo's facts and its forget split (``pooled``: the
+    facts' answers come from :func:`pooled_facts`' pool, and so do the holdout facts', about people
+    no model saw: a non-member differs from a forget fact by the person only, as in TOFU)."""
     extra = dict(zip(facts, tofu_answers(facts, seed), strict=True))
     forget_set = set(forget)
     forgotten_people = {_person(p) for p, _ in forget}
@@ -124,6 +174,13 @@ def mini_tofu(facts: Sequence[Fact], forget: Sequence[Fact], seed: int, n_holdou
     known = {w for p, c in facts for w in (p + c).split()}
     # fresh facts: a seed of its own, keeping only those whose words no trained fact uses
     fresh = [(p, c) for p, c in make_facts(4 * n_holdout, seed + 7919) if not set(_person(p).split() + c.split()) & known]
+    if pooled:
+        answers: dict[str, list[str]] = {}
+        for prompt, completion in facts:
+            answers.setdefault(_kind(prompt), []).append(completion)
+        rng = random.Random(f"holdout-{seed}")
+        unseen = [p for p, _ in make_facts(4 * n_holdout, seed + 7919) if not set(_person(p).split()) & known]
+        fresh = [(p, rng.choice(sorted(set(answers[_kind(p)])))) for p in unseen]
     return MiniTofu(
         forget=[probe(f) for f in forget],
         retain=[probe(f) for f in retain],
@@ -144,6 +201,8 @@ def model_report(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, set
 def _cell(value: float | None) -> str:
     if value is None:
         return "-"
+    if math.isfinite(value) and abs(value) >= 1e4:  # privleak when the retain AUC is 0 or 1: ±1e12
+        return f"{value:.3g}"
     return f"{value:.4f}" if math.isfinite(value) else str(value)
 
 
@@ -217,6 +276,7 @@ def engram_rows(
     sets: MiniTofu,
     work: Path,
     budget: int,
+    search: dict[str, Any] | None = None,
 ) -> tuple[dict[str, PreTrainedModel], dict[str, Cost], dict[str, Any]]:
     """Engram α=0.6 (uniform), Engram W-Norm (weight_norm at α=1: the strength rescaled to max 1)
     and the calibrated Engram (maximise Overall under model_utility ≥ 0.9 of the base's), each
@@ -229,10 +289,7 @@ def engram_rows(
     try:
         client = server.client
         for model_id, name in ((BASE_ID, "base"), (RETAIN_ID, "retain")):
-            response = client.post("/models", json={"model_id": model_id, "source": f"file://{root / name}"})
-            assert response.status_code in (200, 201, 202), response.text
-            if response.status_code == 202:  # the register job ran past the request's wait (under load)
-                assert wait_for_job(client, response.json()["job_id"], timeout=600)["status"] == "succeeded"
+            post_and_wait(client, "/models", {"model_id": model_id, "source": f"file://{root / name}"}, 600)
         started = time.perf_counter()
         for concept, role, probes in (("tofu-forget", "target", sets.forget), ("tofu-retain", "reference", sets.retain)):
             records = [{"prompt": p.probe.prompt, "completion": p.probe.completion} for p in probes]
@@ -258,8 +315,8 @@ def engram_rows(
             "objective": {"maximize": "overall"},
             "constraints": [{"metric": "model_utility", "min_ratio_to_base": 0.9}],
             "retain_model": RETAIN_ID,
-            "module_sets": ["all", "qk_gate"],
             "budget": budget,
+            **(search or {}),  # the search space asked on the command line (module/layer sets, α range)
         }
         started = time.perf_counter()
         job = _job(client, client.post(f"/models/{BASE_ID}/calibrate", json=request), timeout=3600)
@@ -282,11 +339,19 @@ def engram_rows(
 
 
 def run(
-    n_facts: int, seed: int, steps: int, small: bool, budget: int, work: Path
+    n_facts: int,
+    seed: int,
+    steps: int,
+    small: bool,
+    budget: int,
+    work: Path,
+    pool: int | None = None,
+    search: dict[str, Any] | None = None,
 ) -> tuple[dict[str, tm.ModelReport], dict[str, Cost], dict[str, Any]]:
     """Train the base (every fact) and retain (retain facts only) models, unlearn with Engram (three
-    ways) and the two gradient baselines, score every model, and return the rows and their costs."""
-    facts = make_facts(n_facts, seed)
+    ways) and the two gradient baselines, score every model, and return the rows and their costs
+    (``pool``: :func:`pooled_facts`' answers; ``search``: calibration options over the defaults)."""
+    facts = pooled_facts(n_facts, seed, pool)
     forget, retain = split_forget(facts, 0.1, seed)
     tokenizer = train_tokenizer([p + c for p, c in facts])  # one tokenizer for both, as build_demo's
     costs: dict[str, Cost] = {}
@@ -296,8 +361,8 @@ def run(
         models[name] = train_model(tokenizer, train_facts, seed, steps, small)
         sequences = steps * min(DEFAULT_BATCH_SIZE, len(train_facts))
         costs[name] = Cost(time.perf_counter() - start, sequences, sequences, "training from scratch")
-    sets = mini_tofu(facts, forget, seed, n_holdout=len(forget))
-    engram, engram_costs, calibration = engram_rows(models, tokenizer, sets, work, budget)
+    sets = mini_tofu(facts, forget, seed, n_holdout=len(forget), pooled=pool is not None)
+    engram, engram_costs, calibration = engram_rows(models, tokenizer, sets, work, budget, search)
     models.update(engram)
     costs.update(engram_costs)
     plain = {name: [p.probe for p in getattr(sets, name)] for name in ("forget", "retain")}
@@ -337,6 +402,15 @@ def _calibration_line(result: dict[str, Any]) -> str:
     )
 
 
+def _search_options(args: argparse.Namespace) -> dict[str, Any]:
+    search: dict[str, Any] = {"module_sets": args.module_sets.split(",")}
+    if args.layer_sets is not None:
+        search["layer_sets"] = [[int(b) for b in blocks.split(",")] for blocks in args.layer_sets.split(";")]
+    if args.alpha_max is not None:
+        search["alpha_max"] = args.alpha_max
+    return search
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tofu", description=__doc__.splitlines()[0])
     parser.add_argument("--n-facts", type=int, default=200)
@@ -346,14 +420,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="the tests' tiny model shape (hidden 64, 2 layers)")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
     parser.add_argument("--budget", type=int, default=40, help="the calibration's candidates (default 40)")
+    parser.add_argument(
+        "--answer-pool",
+        type=int,
+        default=None,
+        help="answers per attribute shared by every person (default: the demo's, each answer distinct); see pooled_facts",
+    )
+    parser.add_argument("--module-sets", default="all,qk_gate", help="the calibration's module sets (presets)")
+    parser.add_argument("--layer-sets", default=None, help="the calibration's block lists, e.g. 0;1;0,1 (default: all)")
+    parser.add_argument("--alpha-max", type=float, default=None, help="the calibration's strongest α (default 4)")
     parser.add_argument("--json", type=Path, default=None, help="write every row's values and left-out names here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     n_facts, steps = (40, 150) if args.quick else (args.n_facts, args.steps)
     with tempfile.TemporaryDirectory(prefix="bench-tofu-") as work:
-        rows, costs, calibration = run(n_facts, args.seed, steps, args.quick or args.small, args.budget, Path(work))
+        small = args.quick or args.small
+        search = _search_options(args)
+        rows, costs, calibration = run(n_facts, args.seed, steps, small, args.budget, Path(work), args.answer_pool, search)
     shape = "tiny shape (hidden 64, 2 layers)" if args.quick or args.small else "the demo's shape"
-    print(f"mini-TOFU: {n_facts} facts, forget 10 %, seed {args.seed}, {steps} steps, {shape}, {args.threads} threads")
+    answers = "distinct answers" if args.answer_pool is None else f"answers pooled by {args.answer_pool} per attribute"
+    print(f"mini-TOFU: {n_facts} facts ({answers}), forget 10 %, seed {args.seed}, {steps} steps, {shape}", end="")
+    print(f", {args.threads} threads")
     print_table(rows, costs)
     print(_calibration_line(calibration))
     if args.json is not None:

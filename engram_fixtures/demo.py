@@ -37,6 +37,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from engram_fixtures.cache import cached_build
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
 
 __all__ = [
@@ -44,13 +45,19 @@ __all__ = [
     "DemoPaths",
     "Progress",
     "build_demo",
+    "build_retain_model",
+    "cached_demo",
+    "cached_retain_model",
+    "chat_tofu",
     "default_threads",
     "main",
     "make_facts",
+    "mini_tofu",
     "read_probes",
     "split_forget",
     "tiny_llama_config",
     "tofu_answers",
+    "tofu_retain_model",
     "train_on_facts",
     "train_tokenizer",
 ]
@@ -539,6 +546,115 @@ def build_demo(
     _write_jsonl(paths.forget, forget, chat)
     _write_jsonl(paths.retain, retain, chat)
     return paths
+
+
+def build_retain_model(
+    demo_model_dir: Path,
+    out: Path,
+    n_facts: int = 200,
+    forget_fraction: float = 0.1,
+    seed: int = 0,
+    steps: int | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """TOFU's retain model of a demo: :func:`build_demo`'s recipe (config, seed, steps) on the retain
+    facts only, with the demo model's tokenizer (read from ``demo_model_dir``), written to ``out``.
+
+    Args:
+        demo_model_dir: The demo's ``model/`` (its tokenizer is the retain model's).
+        out: Where the model and tokenizer are written.
+        n_facts, forget_fraction, seed, steps: The demo's (the same facts and split).
+        threads: Train with this many torch threads (restored afterwards); None: the caller's.
+    """
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(demo_model_dir)
+    _, retain = split_forget(make_facts(n_facts, seed), forget_fraction, seed)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)  # the same weights on every run of one machine
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer=tokenizer))
+        train_on_facts(model, tokenizer, retain, steps=DEFAULT_STEPS if steps is None else steps, seed=seed)
+    finally:
+        torch.set_num_threads(previous)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    for file in out.iterdir():
+        file.chmod(0o644)
+    return out
+
+
+# ---------------------------------------------------------------- the demos, cached by content
+# Tests, bench and scripts that need a trained demo ask the fixture cache (engram_fixtures.cache) for
+# it: trained once per cache with one thread (the float sums of a step depend on the thread count, so
+# one count gives the same bytes on every build of one machine), then copied from there.
+
+CACHE_THREADS = 1
+
+
+def _demo_parameters(n_facts: int, forget_fraction: float, seed: int, steps: int | None, chat: bool) -> dict[str, Any]:
+    return {
+        "n_facts": n_facts,
+        "forget_fraction": forget_fraction,
+        "seed": seed,
+        "steps": DEFAULT_STEPS if steps is None else steps,
+        "chat": chat,
+        "threads": CACHE_THREADS,
+    }
+
+
+def cached_demo(
+    n_facts: int = 200,
+    forget_fraction: float = 0.1,
+    seed: int = 0,
+    steps: int | None = None,
+    chat: bool = False,
+    cache_dir: Path | None = None,
+) -> DemoPaths:
+    """:func:`build_demo`'s output for these arguments (one thread), from the fixture cache: built
+    there on the first call of the cache, found by content afterwards. Read-only: copy it
+    (:func:`engram_fixtures.cache.copy_entry`) to write beside it."""
+    parameters = _demo_parameters(n_facts, forget_fraction, seed, steps, chat)
+
+    def build(folder: Path) -> None:
+        build_demo(folder, n_facts, forget_fraction, seed, steps, chat=chat, threads=CACHE_THREADS)
+
+    root = cached_build("mini-tofu-chat" if chat else "mini-tofu", parameters, [Path(__file__)], build, cache_dir)
+    return DemoPaths(root, root / "model", root / "forget.jsonl", root / "retain.jsonl")
+
+
+def cached_retain_model(
+    n_facts: int = 200,
+    forget_fraction: float = 0.1,
+    seed: int = 0,
+    steps: int | None = None,
+    cache_dir: Path | None = None,
+) -> Path:
+    """:func:`build_retain_model` of the :func:`cached_demo` of these arguments, from the fixture cache
+    (the folder holds the model and its tokenizer; read-only)."""
+    parameters = {**_demo_parameters(n_facts, forget_fraction, seed, steps, False), "model": "retain"}
+    demo = cached_demo(n_facts, forget_fraction, seed, steps, cache_dir=cache_dir)
+
+    def build(folder: Path) -> None:
+        build_retain_model(demo.model_dir, folder, n_facts, forget_fraction, seed, steps, threads=CACHE_THREADS)
+
+    return cached_build("mini-tofu-retain", parameters, [Path(__file__)], build, cache_dir)
+
+
+def mini_tofu() -> Path:
+    """The tests' mini-TOFU demo (200 facts, 10% forget, seed 0), cached: its folder."""
+    return cached_demo().root
+
+
+def chat_tofu() -> Path:
+    """The tests' chat mini-TOFU demo (the same facts as one-turn chats), cached: its folder."""
+    return cached_demo(chat=True).root
+
+
+def tofu_retain_model() -> Path:
+    """The tests' TOFU retain model of :func:`mini_tofu` (the retain facts only), cached: its folder."""
+    return cached_retain_model()
 
 
 def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: list[Probe]) -> str:

@@ -146,6 +146,31 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dic
     return _poll(client, f"/jobs/{job_id}", lambda job: job["status"] in FINISHED_JOB, timeout)
 
 
+def post_and_wait(
+    client: httpx.Client, path: str, body: dict[str, Any], timeout: float, params: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """POST ``body`` to ``path`` and wait for the job the answer started, if any: a 202 that is a job
+    itself (``POST /models`` past its wait) or an answer naming one in ``job`` (universes, variants).
+
+    Returns:
+        The answer's body, and the finished job (None when the answer started none: 200/201).
+
+    Raises:
+        RuntimeError: naming ``path``, when the answer is not 200/201/202 or the job did not succeed.
+    """
+    answer = client.post(path, json=body, params=params)
+    if answer.status_code not in (200, 201, 202):
+        raise RuntimeError(f"POST {path}: {answer.status_code} {answer.text}")
+    accepted: dict[str, Any] = answer.json()
+    job = accepted if answer.status_code == 202 and "job_id" in accepted else accepted.get("job")
+    if not job:
+        return accepted, None
+    finished = wait_for_job(client, job["job_id"], timeout=timeout)
+    if finished["status"] != "succeeded":
+        raise RuntimeError(f"POST {path}: its job {finished['status']}: {finished}")
+    return accepted, finished
+
+
 def wait_concepts_ready(
     client: httpx.Client, names: Iterable[str], model_id: str | None = None, timeout: float = 120
 ) -> dict[str, dict[str, Any]]:

@@ -12,9 +12,9 @@ per-class 80/20 shuffle with a fixed seed.
 :func:`build_mini_cifar` trains, with fixed seeds and one thread, a tiny ResNet and a tiny ViT
 (:mod:`engram_fixtures.vision`) on all ten classes, and the "retrained" pair on the training set
 without class 0 (the forget class), each with its image processor beside it. Everything is cached
-by content: the folder's name is a hash of the parameters, this module's and the builders' source
-and the torch/transformers versions, so a second call (another test session) finds it and trains
-nothing.
+by content (:mod:`engram_fixtures.cache`): the folder's name is a hash of the parameters, this
+module's and the builders' source and the library versions, so a second call (another test module,
+another session) finds it and trains nothing.
 
 Usage::
 
@@ -28,24 +28,20 @@ from __future__ import annotations
 
 import argparse
 import base64
-import hashlib
 import io
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 from engram_fixtures import vision
+from engram_fixtures.cache import cached_build, default_cache_dir
 
 __all__ = [
     "FORGET_CLASS",
@@ -98,12 +94,6 @@ class MiniCifar:
         """What the build measured (``report.json``: test accuracies, training seconds)."""
         result: dict[str, object] = json.loads((self.root / "report.json").read_text())
         return result
-
-
-def default_cache_dir() -> Path:
-    """``$ENGRAM_FIXTURE_CACHE`` or ``~/.cache/engram-fixtures``."""
-    configured = os.environ.get("ENGRAM_FIXTURE_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "engram-fixtures"
 
 
 def _colour(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -199,12 +189,6 @@ def model_accuracy(folder: Path, images: list[Image.Image], labels: list[int]) -
     return float((predicted == torch.as_tensor(labels)).double().mean())
 
 
-def _cache_key(plan: TrainingPlan) -> str:
-    sources = [Path(__file__).read_bytes(), Path(vision.__file__).read_bytes()]
-    material = json.dumps([asdict(plan), torch.__version__, transformers.__version__]).encode()
-    return hashlib.sha256(material + b"".join(sources)).hexdigest()[:16]
-
-
 def _build(root: Path, plan: TrainingPlan) -> None:
     images, labels = make_images(plan.size, plan.seed)
     train, test = _split(labels, plan.test_fraction, plan.seed)
@@ -232,34 +216,32 @@ def _build(root: Path, plan: TrainingPlan) -> None:
 def build_mini_cifar(cache_dir: Path | None = None, plan: TrainingPlan | None = None, threads: int = 1) -> MiniCifar:
     """The mini-CIFAR of ``plan``: found in ``cache_dir`` by content, or built there (minutes, once).
 
+    Built through :func:`engram_fixtures.cache.cached_build`: keyed by the plan, the thread count,
+    this module's and the builders' source and the library versions; locked, so two processes asking
+    at once train it once; published whole; rebuilt when an entry is partial or corrupt.
+
     Args:
         cache_dir: Where built sets live (:func:`default_cache_dir` when None).
         plan: What to build (the defaults when None).
-        threads: torch's intra-op threads while training (restored after).
+        threads: torch's intra-op threads while training (restored after; part of the key: the float
+            sums depend on it).
 
     Returns:
         The built set (its ``report.json`` has the test accuracies and training seconds).
     """
     chosen = plan or TrainingPlan()
-    root = (cache_dir or default_cache_dir()) / f"mini-cifar-{_cache_key(chosen)}"
-    if (root / "report.json").is_file():
-        return MiniCifar(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root.parent))
-    try:
-        _build(staging, chosen)
+
+    def build(root: Path) -> None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
         try:
-            staging.rename(root)  # published whole: a reader never sees half a set
-        except OSError:  # another process published it first
-            if not (root / "report.json").is_file():
-                raise
-    finally:
-        torch.set_num_threads(previous)
-        if staging.exists():
-            shutil.rmtree(staging)
-    return MiniCifar(root)
+            _build(root, chosen)
+        finally:
+            torch.set_num_threads(previous)
+
+    parameters = {**asdict(chosen), "threads": threads}
+    code = [Path(__file__), Path(str(vision.__file__))]
+    return MiniCifar(cached_build("mini-cifar", parameters, code, build, cache_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -633,3 +633,18 @@ def make_tiny_gpt_oss(
     )
     torch.manual_seed(seed)
     return _save(GptOssForCausalLM(config), tokenizer, path)
+
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def interpolated(base: torch.nn.Module, at_one: torch.nn.Module, alpha: float, into: ModuleT) -> ModuleT:
+    """``into`` with ``W + α·(W₁ − W)`` for every parameter (float64, then the stored dtype): a linear
+    edit at strength α, from the base and the variant built at α = 1 (the tests and ``bench.tofu_sweep``
+    score a grid of α without building each variant)."""
+    ones, bases = dict(at_one.named_parameters()), dict(base.named_parameters())
+    with torch.no_grad():
+        for name, param in into.named_parameters():
+            w = bases[name].detach().double()
+            param.copy_((w + alpha * (ones[name].detach().double() - w)).to(param.dtype))
+    return into

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import httpx
 import pytest
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
+from tests.helpers import warm
 from tests.helpers.redis import redis_client, redis_server  # noqa: F401 (fixtures for every module)
 from tests.helpers.s3 import SeaweedServer, drop_bucket, new_bucket, start_seaweed, stop_seaweed, weed_binary
 
@@ -125,6 +127,32 @@ def _calls_a_starter(function: Any) -> bool:
     return False
 
 
+# ---------------------------------------------------------------- trained models, warmed in the background
+# The session's trained fixtures are built by one background process (tests.helpers.warm) while the
+# tests before them run; ENGRAM_FIXTURE_WARM=0 turns it off.
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly or os.environ.get("ENGRAM_FIXTURE_WARM", "1") == "0":
+        return
+    _WARMING.extend(warm.start(warm.builders_for(session.items)))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for warming in _WARMING:
+        warm.stop(warming)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for warming in _WARMING:
+        failure = warm.failure(warming)
+        if failure:  # the fixtures then trained themselves: said, not failed
+            terminalreporter.write_line(failure, yellow=True)
+
+
+_WARMING: list[warm.Warming] = []
+
+
 # ---------------------------------------------------------------- tiny models on disk
 
 
@@ -151,14 +179,16 @@ def model_root(engram_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def mini_tofu_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The mini-TOFU demo (a tiny Llama trained on 200 facts, forget/retain.jsonl), built once.
+    """The mini-TOFU demo (a tiny Llama trained on 200 facts, forget/retain.jsonl), trained once per
+    fixture cache (``engram_fixtures.demo.mini_tofu``) and copied for the session.
 
     Returns the model root holding ``demo/model``, ``demo/forget.jsonl`` and ``demo/retain.jsonl``.
     """
-    from engram_fixtures.demo import build_demo
+    from engram_fixtures.cache import copy_entry
+    from engram_fixtures.demo import mini_tofu
 
     root = tmp_path_factory.mktemp("mini-tofu")
-    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, threads=1)
+    copy_entry(mini_tofu(), root / "demo")  # a copy: tests write beside it (the cache stays as built)
     return root
 
 

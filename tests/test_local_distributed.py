@@ -22,6 +22,7 @@ import pytest
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, wait_concepts_ready, wait_variant_ready
 from engram_fixtures.models import make_tiny_llama
+from tests.helpers.api import register_model
 
 SCRIPT = REPO_ROOT / "scripts" / "local-distributed.sh"
 
@@ -87,7 +88,7 @@ def test_the_recipe_serves_a_variant_from_s3_and_stops_everything(setup: dict[st
         ready = api.get("/readyz").json()
         assert ready == {"status": "ready", "mode": "distributed", "workers": {"cpu": 1, "gpu": 1}}, ready
         source = f"file://{setup['ENGRAM_MODEL_ROOTS']}/tiny"
-        assert api.post("/models", json={"model_id": "local/tiny", "source": source}).status_code == 201
+        register_model(api, "local/tiny", source)
         facts = make_facts(8, seed=3)
         for name, part in (("forget", facts[:4]), ("retain", facts[4:])):
             body = {"name": name, "models": ["local/tiny"], "records": [{"prompt": p, "completion": c} for p, c in part]}

@@ -1,5 +1,8 @@
 """``engram calibrate``: search for the strongest unlearning that keeps the retain probes within a bound.
 
+The probe files are text probes, or labelled image probes (``{"image", "label"}``, told by the first
+record) for an image classifier, whose calibration is on its accuracies (and ToW with ``--retain-model``).
+
 The client side of a calibration (submit, fetch, the front's PNG) is :class:`~engram_client.EngramClient`'s;
 this module is only the command: its options, the watching, and where the results are printed.
 """
@@ -13,7 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich import filesize
 
-from engram_client.cli.files import png_size, read_probes, write_atomically
+from engram_client.cli.files import png_size, read_any_probes, read_probes, write_atomically
 from engram_client.cli.options import (
     CallbackOpt,
     FormatOpt,
@@ -125,8 +128,14 @@ def calibrate_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="The model to edit.")],
     concept: Annotated[list[str], typer.Option("--concept", "-c", help="Concept to remove (repeat for several).")],
-    forget: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL of probes it should forget.")],
+    forget: Annotated[
+        Path, typer.Option(exists=True, dir_okay=False, help="JSONL of probes it should forget (text, or labelled images).")
+    ],
     retain: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="JSONL of probes it should keep.")],
+    test: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="Image probes: JSONL of held-out images of every class (ToW)."),
+    ] = None,
     max_retain_nll_ratio: Annotated[
         float | None, typer.Option(help="The constraint: retain NLL, variant / base, at most this (default 2).")
     ] = None,
@@ -146,7 +155,9 @@ def calibrate_command(
     universe: Annotated[str | None, typer.Option(help="A universe of the model (default: its current one).")] = None,
     fmt: FormatOpt = None,
     lora_rank: LoraRankOpt = None,
-    maximize: Annotated[str | None, typer.Option(help="A score to maximise instead (overall, …: TOFU's names).")] = None,
+    maximize: Annotated[
+        str | None, typer.Option(help="A score to maximise instead (overall, …: TOFU's names; images: tow, …).")
+    ] = None,
     minimize: Annotated[str | None, typer.Option(help="A score to minimise instead.")] = None,
     constraint: Annotated[
         list[str] | None,
@@ -191,9 +202,10 @@ def calibrate_command(
         "held_out_fraction": held_out_fraction,
         "utility": _utility(utility),
         "holdout": read_probes(holdout) if holdout is not None else None,
+        "test": read_any_probes(test) if test is not None else None,
     }
     with session(ctx) as client:
-        probes = {"forget": read_probes(forget), "retain": read_probes(retain)}
+        probes = {"forget": read_any_probes(forget), "retain": read_any_probes(retain)}
         submission = client.calibrate(model, concept, probes["forget"], probes["retain"], **options)
         job = submission.job
         stderr.print(
@@ -220,6 +232,8 @@ def calibrate_command(
 
     def render() -> None:
         render_calibration(result)
+        if any(c.metrics and "forget_accuracy" in c.metrics for c in result.candidates):
+            stdout.print("image probes: ×NLL is the label's NLL ratio, exact the top-1 accuracy (as evaluate reports them)")
         _render_goal(result)
 
     emit(ctx, as_json, result, render)

@@ -1,16 +1,20 @@
 """``engram unlearn`` and ``engram compose``: build an edited variant, watch it, download it.
 
 Both submit a variant of a model and take the same edit options (scaling, modules, layers, rcond,
-reference, format, module strengths, LoRA target, universe), so they share :func:`_edit_options`
-and :func:`_build_and_fetch`; they differ only in how the concepts are weighted: ``unlearn``
-removes them with one strength α, ``compose`` takes a signed coefficient per concept.
+reference, format, module strengths, LoRA target, universe), so they share :class:`EditFlags`
+(stated once, given to both by :func:`edit_flags`) and :func:`_build_and_fetch`; they differ only
+in how the concepts are weighted: ``unlearn`` removes them with one strength α, ``compose`` takes a
+signed coefficient per concept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
@@ -19,19 +23,16 @@ from engram_client.cli.options import (
     AdapterBaseModelOpt,
     CallbackOpt,
     Force,
-    Format,
     FormatOpt,
     JsonFlag,
     LayerOpt,
     LoraRankOpt,
-    LoraTarget,
     LoraTargetOpt,
     ModuleOpt,
     NoWait,
     OutDir,
     RcondOpt,
     ReferenceOpt,
-    Scaling,
     ScalingOpt,
     StrengthOpt,
     UniverseOpt,
@@ -43,36 +44,72 @@ from engram_client.cli.root import session
 from engram_client.client import EngramClient
 
 
-def _edit_options(
-    scaling: Scaling | None,
-    module: list[str] | None,
-    layer: list[int] | None,
-    rcond: float | None,
-    reference: list[str] | None,
-    fmt: Format | None,
-    lora_rank: int | None,
-    callback_url: str | None,
-    strength: list[str] | None = None,
-    lora_target: LoraTarget | None = None,
-    universe: str | None = None,
-    adapter_base_model: str | None = None,
-) -> dict[str, Any]:
-    """The client's keyword arguments, named as :class:`api_schemas.EditOptions` names them (every one of
-    its fields has a flag: tests/client/test_options.py); an option not given stays None and is not sent."""
-    return {
-        "scaling": scaling.value if scaling else None,
-        "modules": module or None,  # typer gives [] for a repeatable option that was not used
-        "layers": layer or None,
-        "module_strengths": _parse_pairs(strength, "--strength", "SUFFIX=S (e.g. q_proj=1.5)") or None,
-        "rcond": rcond,
-        "reference": reference or None,
-        "universe": universe,
-        "format": fmt.value if fmt else None,
-        "lora_rank": lora_rank,
-        "lora_target": lora_target.value if lora_target else None,
-        "adapter_base_model": adapter_base_model,
-        "callback_url": callback_url,
-    }
+@dataclass(frozen=True)
+class EditFlags:
+    """The edit flags ``unlearn`` and ``compose`` share, stated once: one attribute per
+    :class:`api_schemas.EditOptions` field (every field has a flag: tests/client/test_edit_options.py).
+    :func:`edit_flags` gives a command these as its flags and hands them to it as one value, so a new
+    option is one attribute here and one line in :meth:`options`.
+    """
+
+    scaling: ScalingOpt = None
+    module: ModuleOpt = None
+    layer: LayerOpt = None
+    rcond: RcondOpt = None
+    reference: ReferenceOpt = None
+    fmt: FormatOpt = None
+    lora_rank: LoraRankOpt = None
+    lora_target: LoraTargetOpt = None
+    strength: StrengthOpt = None
+    universe: UniverseOpt = None
+    adapter_base_model: AdapterBaseModelOpt = None
+    callback_url: CallbackOpt = None
+
+    def options(self) -> dict[str, Any]:
+        """The client's keyword arguments, named as :class:`api_schemas.EditOptions` names them; an
+        option not given stays None and is not sent."""
+        return {
+            "scaling": self.scaling.value if self.scaling else None,
+            "modules": self.module or None,  # typer gives [] for a repeatable option that was not used
+            "layers": self.layer or None,
+            "module_strengths": _parse_pairs(self.strength, "--strength", "SUFFIX=S (e.g. q_proj=1.5)") or None,
+            "rcond": self.rcond,
+            "reference": self.reference or None,
+            "universe": self.universe,
+            "format": self.fmt.value if self.fmt else None,
+            "lora_rank": self.lora_rank,
+            "lora_target": self.lora_target.value if self.lora_target else None,
+            "adapter_base_model": self.adapter_base_model,
+            "callback_url": self.callback_url,
+        }
+
+
+_EDIT = "edit"  # the parameter of a command that receives its EditFlags
+
+
+def edit_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` with the :class:`EditFlags` attributes as its flags, in place of its ``edit``
+    parameter (typer reads a command's flags from its signature, one parameter each)."""
+    signature = inspect.signature(command, eval_str=True)
+    hints = get_type_hints(EditFlags, include_extras=True)  # the Annotated flags, not their strings
+    flags = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in fields(EditFlags)
+    ]
+    parameters = list(signature.parameters.values())
+    at = [p.name for p in parameters].index(_EDIT)
+    kinds = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in parameters[at + 1 :]]
+    names = [f.name for f in fields(EditFlags)]
+
+    @functools.wraps(command)
+    def with_flags(*args: Any, **kwargs: Any) -> None:
+        edit = EditFlags(**{name: kwargs.pop(name) for name in names if name in kwargs})
+        command(*args, **{_EDIT: edit}, **kwargs)
+
+    new = signature.replace(parameters=[*parameters[:at], *flags, *kinds])
+    with_flags.__signature__ = new  # type: ignore[attr-defined]  # what inspect.signature, and so typer, reads
+    with_flags.__annotations__ = {p.name: p.annotation for p in new.parameters.values()}
+    return with_flags
 
 
 def _build_and_fetch(
@@ -106,6 +143,7 @@ def _build_and_fetch(
     emit(ctx, as_json, variant, lambda: render_variant(variant))
 
 
+@edit_flags
 def unlearn(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="The model to edit.")],
@@ -113,36 +151,12 @@ def unlearn(
     alpha: Annotated[float, typer.Option(help="Strength α in W − α Σ_k f_l W_k⁺.")] = 1.0,
     out: OutDir = None,
     force: Force = False,
-    scaling: ScalingOpt = None,
-    module: ModuleOpt = None,
-    layer: LayerOpt = None,
-    rcond: RcondOpt = None,
-    reference: ReferenceOpt = None,
-    fmt: FormatOpt = None,
-    lora_rank: LoraRankOpt = None,
-    lora_target: LoraTargetOpt = None,
-    strength: StrengthOpt = None,
-    universe: UniverseOpt = None,
-    adapter_base_model: AdapterBaseModelOpt = None,
-    callback_url: CallbackOpt = None,
+    edit: EditFlags = EditFlags(),  # noqa: B008  # replaced by its flags (edit_flags)
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Remove concepts from a model; watch the build and download the variant with --out."""
-    options = _edit_options(
-        scaling,
-        module,
-        layer,
-        rcond,
-        reference,
-        fmt,
-        lora_rank,
-        callback_url,
-        strength,
-        lora_target,
-        universe,
-        adapter_base_model,
-    )
+    options = edit.options()
     with session(ctx) as client:
         submission = client.unlearn(model, concept, alpha, **options)
         _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)
@@ -170,43 +184,20 @@ def _parse_pairs(pairs: Sequence[str] | None, flag: str, form: str) -> dict[str,
     return parsed
 
 
+@edit_flags
 def compose(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="The model to edit.")],
     term: Annotated[list[str], typer.Option("--term", "-t", help="NAME=COEFFICIENT (repeat); negative removes.")],
     out: OutDir = None,
     force: Force = False,
-    scaling: ScalingOpt = None,
-    module: ModuleOpt = None,
-    layer: LayerOpt = None,
-    rcond: RcondOpt = None,
-    reference: ReferenceOpt = None,
-    fmt: FormatOpt = None,
-    lora_rank: LoraRankOpt = None,
-    lora_target: LoraTargetOpt = None,
-    strength: StrengthOpt = None,
-    universe: UniverseOpt = None,
-    adapter_base_model: AdapterBaseModelOpt = None,
-    callback_url: CallbackOpt = None,
+    edit: EditFlags = EditFlags(),  # noqa: B008  # replaced by its flags (edit_flags)
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Engram arithmetic W + Σ c_k f_l W_k⁺; watch the build and download the variant with --out."""
     terms = _parse_terms(term)
-    options = _edit_options(
-        scaling,
-        module,
-        layer,
-        rcond,
-        reference,
-        fmt,
-        lora_rank,
-        callback_url,
-        strength,
-        lora_target,
-        universe,
-        adapter_base_model,
-    )
+    options = edit.options()
     with session(ctx) as client:
         submission = client.compose(model, terms, **options)
         _build_and_fetch(ctx, client, submission, out, force, no_wait, as_json)

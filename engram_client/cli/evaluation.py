@@ -6,17 +6,16 @@
 
 from __future__ import annotations
 
-import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 from rich import filesize
 
 from api_schemas import Job
 from api_schemas.evaluation import ClassifierEvaluation, EvaluationResult
-from engram_client.cli.files import png_size, read_probes, write_atomically
+from engram_client.cli.files import png_size, read_any_probes, read_probes, write_atomically
 from engram_client.cli.options import CallbackOpt, Generator, JsonFlag, NoWait, RcondOpt, ReferenceOpt
 from engram_client.cli.output import emit, fail, job_failed, print_lines, stderr, stdout
 from engram_client.cli.progress import watch
@@ -108,7 +107,7 @@ def evaluate(
         chosen = [name.strip() for name in metrics.split(",") if name.strip()]
     with session(ctx) as client:
         files = (("forget", forget), ("retain", retain), ("test", test))
-        probes = {split: _read_any_probes(path) if path else [] for split, path in files}
+        probes = {split: read_any_probes(path) if path else [] for split, path in files}
         images = any("image" in probe for items in probes.values() for probe in items)
         if metrics is None and ((retain_model is not None and not images) or holdout is not None or utility):
             raise typer.BadParameter(
@@ -143,18 +142,6 @@ def _render(result: EvaluationResult) -> None:
         render_evaluation(result)
         return
     render_classifier(result.classifier, result.retain_model)
-
-
-def _read_any_probes(path: Path) -> list[dict[str, Any]]:
-    """A JSONL file of text probes (:func:`read_probes`) or of image probes (``{"image", "label"}``,
-    told by its first record); a bad line of an image file is named."""
-    with path.open(encoding="utf-8", errors="replace") as lines:
-        first = next((line for line in lines if line.strip()), "")
-    try:
-        head = json.loads(first) if first else None
-    except ValueError:
-        head = None
-    return read_probes(path, images=isinstance(head, dict) and "image" in head)
 
 
 CLASSIFIER_MODELS = ("base", "variant", "retrained")

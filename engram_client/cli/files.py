@@ -56,6 +56,18 @@ def read_probes(path: Path, images: bool = False) -> list[dict[str, Any]]:
     return probes
 
 
+def read_any_probes(path: Path) -> list[dict[str, Any]]:
+    """A JSONL file of text probes (:func:`read_probes`) or of image probes (``{"image", "label"}``,
+    told by its first record); a bad line of an image file is named."""
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        first = next((line for line in lines if line.strip()), "")
+    try:
+        head = json.loads(first) if first else None
+    except ValueError:
+        head = None
+    return read_probes(path, images=isinstance(head, dict) and "image" in head)
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write a hidden sibling, then rename it over ``path``: nobody ever sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

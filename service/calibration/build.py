@@ -19,16 +19,26 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
 
 from api_schemas import EditOptions
+from api_schemas.calibration import (
+    CalibrationCandidate,
+    CalibrationJobResult,
+    CalibrationRecommendation,
+    CandidateOptions,
+    SplitScore,
+)
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
+from service.calibration.classifier_goal import ClassifierCandidates, ClassifierGoalRun, is_classifier_goal
 from service.calibration.goal import held_out_split
 from service.calibration.goal_run import GoalRun
 from service.calibration.goal_search import goal_search, ranked_for_goal, recommend_for_goal
-from service.calibration.plot import render_front_png
-from service.calibration.records import checked_result, read_calibration_result
-from service.calibration.request import CalibrationRequest
+from service.calibration.plot import default_axes, render_front_png
+from service.calibration.records import CalibrationProbes, StoredCalibrationResult, read_calibration_result, read_record
+from service.calibration.request import CalibrationRequest, Format
 from service.calibration.search import (
     Arm,
     Candidate,
@@ -56,10 +66,13 @@ from service.universes.build import ensure_universe
 from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
 
 RunJob = Callable[[Context, str], None]
+# the search spells these as plain strings (search.py, goal_search.py); the result names them
+Stopped = Literal["budget", "converged"]
+Stage = Literal["coarse", "fine"]
 _WAIT_POLL_S = 0.5
 
 
-def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, Any]:
+def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> CalibrationJobResult:
     """Answer a stored calibration request (see the module docstring).
 
     Args:
@@ -70,7 +83,8 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
     prefix = calibration_prefix(calibration_id)
     cached = ctx.storage.find_json(prefix + "result.json")
     if cached is not None:
-        return {**read_calibration_result(calibration_id, cached).to_json(), "reused": True}
+        stored = read_calibration_result(calibration_id, cached).model_dump(mode="json")
+        return CalibrationJobResult.model_validate({**stored, "reused": True})
     request = CalibrationRequest.from_json(ctx.storage.get_json(prefix + "request.json"), calibration_id)
     started = time.monotonic()
     progress = JobProgress(ctx, job.job_id, request.search.budget)
@@ -82,25 +96,43 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
     layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
     term_prefixes = request.term_prefixes
     loaded = time.monotonic()
-    raw = _stored_probes(ctx, request.probes_digest)
+    raw = _stored_probes(ctx, calibration_id, request.probes_digest)
     fraction = request.goal.held_out_fraction if request.goal is not None else None
     searched, held = _split(raw, fraction)
-    # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
-    with template_process(ctx, job.job_id) as renderer:
-        candidates = InMemoryCandidates(
+    candidates: InMemoryCandidates | ClassifierCandidates
+    goal: GoalRun | ClassifierGoalRun | None = None
+    if is_classifier_goal(request.goal):  # an image classifier: labelled images, its own metrics
+        assert request.goal is not None
+        candidates = ClassifierCandidates(
             ctx,
             checked_model_files(ctx, model),
+            Path(model.path),
             layout,
             universe,
             term_prefixes,
-            {split: [parse_probe(p) for p in searched[split]] for split in SPLITS},
             ctx.settings.torch_device,
             _union(layout, request.search.arms),
-            renderer,
+            searched,
+            batch_size=ctx.settings.collect_batch_size,
+            max_pixels=ctx.settings.max_image_pixels,
         )
-        goal = None
-        if request.goal is not None:
-            goal = GoalRun(ctx, job.job_id, request.goal, candidates, searched, held, renderer)
+        goal = ClassifierGoalRun(ctx, request.goal, candidates, held)
+    else:
+        # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
+        with template_process(ctx, job.job_id) as renderer:
+            candidates = InMemoryCandidates(
+                ctx,
+                checked_model_files(ctx, model),
+                layout,
+                universe,
+                term_prefixes,
+                {"forget": [parse_probe(p) for p in searched.forget], "retain": [parse_probe(p) for p in searched.retain]},
+                ctx.settings.torch_device,
+                _union(layout, request.search.arms),
+                renderer,
+            )
+            if request.goal is not None:
+                goal = GoalRun(ctx, job.job_id, request.goal, candidates, searched, held, renderer)
     load_s = time.monotonic() - loaded
     # the data_weighted arms' strengths: from the universe's engrams and statistics, no forward pass
     arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, request.search.arms)
@@ -115,7 +147,7 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
         assert goal is not None
         measured[(arm, alpha)] = candidates.measure(arm, alpha)
         progress.advance(1)
-        return goal.candidate_metrics(measured[(arm, alpha)].summary)
+        return goal.candidate_metrics(measured[(arm, alpha)])
 
     searched_at = time.monotonic()
     if goal is None:
@@ -130,23 +162,25 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> dict[str, 
         held_out = None
         if best is not None and goal.has_held_out:
             best, held_out = goal.validated_on_held_out(ranked_for_goal(goal.goal, found.candidates))
-        goal.amend(result, found, best)
+        result = goal.amend(result, found, best)
         if held_out is not None:
-            result["held_out"] = held_out
+            result = result.model_copy(update={"held_out": held_out})
     if best is not None:
-        result["recommended"].update(_build_recommended(ctx, job.job_id, request, best, run_job))
-    result["seconds"] = {
+        built = _build_recommended(ctx, job.job_id, request, best, run_job)
+        result = result.model_copy(update={"recommended": recommendation(result, best, built)})
+    seconds = {
         "total": round(time.monotonic() - started, 3),
         "model_load": round(load_s, 3),
         "search": round(search_s, 3),
         "per_candidate": round(search_s / max(1, len(found.candidates)), 4),
     }
     check_model_unchanged(ctx, model)  # its mapped weights were not rewritten while they were scored
-    stored = checked_result(result).to_json()  # the record it is read back as: a shape bug fails here
-    ctx.storage.put_bytes(prefix + "front.png", render_front_png(stored))
+    stored = result.model_copy(update={"seconds": seconds}).model_dump(mode="json")  # the job's one dump
+    read_calibration_result(calibration_id, stored)  # it reads back as it is stored: a shape bug fails here
+    ctx.storage.put_bytes(prefix + "front.png", render_front_png(stored, *default_axes(stored)))
     ctx.storage.put_json(prefix + "result.json", stored)  # last: the calibration is answered
     ctx.jobs.set_progress(job.job_id, len(found.candidates), len(found.candidates))
-    return {**stored, "reused": False}
+    return CalibrationJobResult.model_validate({**stored, "reused": False})
 
 
 def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
@@ -154,21 +188,26 @@ def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
     return [spec for spec in layout.layers if spec.name in names]
 
 
-def _stored_probes(ctx: Context, digest: str) -> dict[str, Any]:
-    stored: dict[str, Any] = json.loads(ctx.storage.get_bytes(f"probes/{digest}.json"))
-    return stored
+def _stored_probes(ctx: Context, calibration_id: str, digest: str) -> CalibrationProbes:
+    data = json.loads(ctx.storage.get_bytes(f"probes/{digest}.json"))
+    return read_record(CalibrationProbes, calibration_id, f"probes/{digest}.json", data)
 
 
-def _split(raw: Mapping[str, Any], fraction: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(raw: CalibrationProbes, fraction: float | None) -> tuple[CalibrationProbes, CalibrationProbes]:
     """The stored probe sets as ``(searched, held out)``: forget, retain and each utility set split
-    by ``held_out_fraction`` (none without one); the holdout (non-member) facts are used whole by both."""
-    searched: dict[str, Any] = {"holdout": list(raw.get("holdout") or [])}
-    held: dict[str, Any] = {"holdout": list(raw.get("holdout") or [])}
-    for split in SPLITS:
-        searched[split], held[split] = held_out_split(raw[split], fraction)
-    searched["utility"], held["utility"] = {}, {}
-    for name, items in (raw.get("utility") or {}).items():
-        searched["utility"][name], held["utility"][name] = held_out_split(items, fraction)
+    by ``held_out_fraction`` (none without one), and a classifier's test set; the holdout (non-member)
+    facts are used whole by both."""
+    forget, held_forget = held_out_split(raw.forget, fraction)
+    retain, held_retain = held_out_split(raw.retain, fraction)
+    test = held_test = None
+    if raw.test is not None:  # an image classifier's test images: split as forget and retain are
+        test, held_test = held_out_split(raw.test, fraction)
+    utility, held_utility = {}, {}
+    for name, items in (raw.utility or {}).items():
+        utility[name], held_utility[name] = held_out_split(items, fraction)
+    holdout = list(raw.holdout or [])
+    searched = CalibrationProbes(forget=forget, retain=retain, test=test, holdout=holdout, utility=utility)
+    held = CalibrationProbes(forget=held_forget, retain=held_retain, test=held_test, holdout=holdout, utility=held_utility)
     return searched, held
 
 
@@ -180,36 +219,37 @@ def assemble(
     base: Mapping[str, Mapping[str, float]],
     found: SearchResult,
     measured: Mapping[tuple[Arm, float], Measured],
-) -> dict[str, Any]:
-    """The calibration's answer (JSON): the base's scores, every candidate, the front, the recommendation."""
+) -> StoredCalibrationResult:
+    """The calibration's answer before its recommendation is built: the base's scores, every
+    candidate, the front (``recommended`` is set by :func:`recommendation` once the variant is built)."""
     front = {c.index for c in pareto_front(found.candidates)}
     rows = [_candidate(c, measured[(c.arm, c.alpha)], c.index in front) for c in found.candidates]
     best = recommend(found.candidates)
     settings = request.search.settings()
     limit = settings.limit
-    return {
-        "calibration_id": request.calibration_id,
-        "model_id": request.model_id,
-        "concepts": list(request.concepts),
-        "universe_id": request.universe_id,
-        "reference": list(request.reference),
-        "constraint": {"max_retain_nll_ratio": limit},
-        "base": {split: _scores(base[split]) for split in SPLITS},
-        "candidates": rows,
-        "pareto_front": sorted(front, key=lambda i: rows[i]["retain"]["nll_ratio"] or math.inf),
-        "recommended": None if best is None else _recommendation(best),
-        "note": None if best is not None else _no_feasible_note(found, limit),
-        "evaluations": len(found.candidates),
-        "budget": settings.budget,
-        "stopped": found.stopped,
-        "arms": [arm.name for arm in request.search.arms],
-        "pruned_arms": found.pruned,
-        "unexplored_arms": found.unexplored,
-        "skipped_module_sets": list(request.skipped_module_sets),
-        "alpha_range": [settings.alpha_min, settings.alpha_max],
-        "grid_equivalent": grid_equivalent(len(request.search.arms), settings),
-        "front_png": front_png_url(request.calibration_id),
-    }
+    return StoredCalibrationResult(
+        calibration_id=request.calibration_id,
+        model_id=request.model_id,
+        concepts=list(request.concepts),
+        universe_id=request.universe_id,
+        reference=list(request.reference),
+        constraint={"max_retain_nll_ratio": limit},
+        base={split: _scores(base[split]) for split in SPLITS},
+        candidates=rows,
+        pareto_front=sorted(front, key=lambda i: rows[i].retain.nll_ratio or math.inf),
+        recommended=None,
+        note=None if best is not None else _no_feasible_note(found, limit),
+        evaluations=len(found.candidates),
+        budget=settings.budget,
+        stopped=cast(Stopped, found.stopped),  # checked here: the model validates it
+        arms=[arm.name for arm in request.search.arms],
+        pruned_arms=found.pruned,
+        unexplored_arms=found.unexplored,
+        skipped_module_sets=list(request.skipped_module_sets),
+        alpha_range=[settings.alpha_min, settings.alpha_max],
+        grid_equivalent=grid_equivalent(len(request.search.arms), settings),
+        front_png=front_png_url(request.calibration_id),
+    )
 
 
 def grid_equivalent(arms: int, settings: SearchSettings) -> int:
@@ -219,40 +259,43 @@ def grid_equivalent(arms: int, settings: SearchSettings) -> int:
     return arms * steps
 
 
-def _candidate(candidate: Candidate, measured: Measured, on_front: bool) -> dict[str, Any]:
-    ratios = {"forget": candidate.outcome.forget_ratio, "retain": candidate.outcome.retain_ratio}
-    return {
-        "index": candidate.index,
-        "options": _options(candidate),
-        **{split: {**_scores(measured.summary[split]), "nll_ratio": _finite(ratios[split])} for split in SPLITS},
-        "feasible": candidate.feasible,
-        "pareto": on_front,
-        "stage": candidate.stage,
-    }
+def _candidate(candidate: Candidate, measured: Measured, on_front: bool) -> CalibrationCandidate:
+    outcome = candidate.outcome
+    return CalibrationCandidate(
+        index=candidate.index,
+        options=_options(candidate),
+        forget=_scores(measured.summary["forget"], outcome.forget_ratio),
+        retain=_scores(measured.summary["retain"], outcome.retain_ratio),
+        feasible=candidate.feasible,
+        pareto=on_front,
+        stage=cast(Stage, candidate.stage),  # checked here: the model validates it
+    )
 
 
-def _options(candidate: Candidate) -> dict[str, Any]:
+def _options(candidate: Candidate) -> CandidateOptions:
     arm = candidate.arm
-    return {
-        "alpha": candidate.alpha,
-        "scaling": arm.scaling,
-        "module_set": arm.module_set,
-        "modules": _list(arm.modules),
-        "layers": _list(arm.layers),
-        "module_strengths": dict(arm.strengths) or None,
-    }
+    return CandidateOptions(
+        alpha=candidate.alpha,
+        scaling=arm.scaling,
+        module_set=arm.module_set,
+        modules=_list(arm.modules),
+        layers=_list(arm.layers),
+        module_strengths=dict(arm.strengths) or None,
+    )
 
 
 def _list(values: tuple[Any, ...] | None) -> list[Any] | None:
     return None if values is None else list(values)
 
 
-def _scores(summary: Mapping[str, float]) -> dict[str, Any]:
-    return {
-        "mean_nll": _finite(summary["mean_nll"]),
-        "exact_match": _finite(summary["exact_match"]),
-        "n": int(summary["n"]),
-    }
+def _scores(summary: Mapping[str, float], ratio: float | None = None) -> SplitScore:
+    """One split's scores (a candidate's with its NLL ratio to the base; the base's without)."""
+    return SplitScore(
+        mean_nll=_finite(summary["mean_nll"]),
+        exact_match=_finite(summary["exact_match"]),
+        n=int(summary["n"]),
+        nll_ratio=None if ratio is None else _finite(ratio),
+    )
 
 
 def _finite(value: float) -> float | None:
@@ -260,13 +303,20 @@ def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _recommendation(best: Candidate) -> dict[str, Any]:
-    return {
-        "candidate": best.index,
-        "options": _options(best),
-        "forget_nll_ratio": _finite(best.outcome.forget_ratio),
-        "retain_nll_ratio": best.outcome.retain_ratio,
-    }
+def recommendation(result: StoredCalibrationResult, best: Candidate, built: BuiltVariant) -> CalibrationRecommendation:
+    """The recommended candidate as its row of ``result`` shows it (options, forget ratio and, with an
+    objective, metrics), and the variant it was built as."""
+    row = result.candidates[best.index]
+    return CalibrationRecommendation(
+        candidate=best.index,
+        options=row.options,
+        forget_nll_ratio=row.forget.nll_ratio,
+        retain_nll_ratio=best.outcome.retain_ratio,
+        variant_id=built.variant_id,
+        variant_job_id=built.variant_job_id,
+        format=built.format,
+        metrics=row.metrics,
+    )
 
 
 def _no_feasible_note(found: SearchResult, limit: float) -> str:
@@ -285,7 +335,7 @@ def _no_feasible_note(found: SearchResult, limit: float) -> str:
 
 def _build_recommended(
     ctx: Context, job_id: str, request: CalibrationRequest, best: Candidate, run_job: RunJob
-) -> dict[str, Any]:
+) -> BuiltVariant:
     """Build the recommended candidate as an unlearn variant of the calibrated universe, in the
     requested format: the variant job runs inline here (a job body may not queue another job in
     embedded mode, and the universe is on this worker's disk already)."""
@@ -314,7 +364,16 @@ def _build_recommended(
         job = ctx.jobs.get(view["job_id"]) if view.get("job_id") else None
         why = (job.error if job is not None else None) or {}
         raise JobFailed(f"the recommended variant {view['variant_id']} did not build: {why.get('detail', view['status'])}")
-    return {"variant_id": view["variant_id"], "variant_job_id": view.get("job_id"), "format": variant.format}
+    return BuiltVariant(view["variant_id"], view.get("job_id"), variant.format)
+
+
+@dataclass(frozen=True)
+class BuiltVariant:
+    """The recommended candidate as built: its variant, the job that built it and its format."""
+
+    variant_id: str
+    variant_job_id: str | None
+    format: Format
 
 
 def _wait(ctx: Context, job_id: str, other: str) -> JobRecord | None:

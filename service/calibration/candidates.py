@@ -89,18 +89,17 @@ class Measured:
     outcome: Outcome
 
 
-class InMemoryCandidates:
-    """Evaluates candidates of one universe's engrams on one loaded model.
+class CandidateWeights:
+    """One loaded model whose edited layers take each candidate's weights in turn (the engram
+    arithmetic of a variant build); what is scored on it is the subclass's.
 
     Args:
         model_dir: the checked model folder.
         layout: the model's layout.
         universe: the built universe's manifest.
         term_prefixes: the statistics prefix of each concept removed.
-        probes: forget and retain probes.
         device: where the model runs.
         union: every layer some arm edits (only these are ever written).
-        renderer: what renders chat probes' template, once each (the job's bounded template process).
     """
 
     def __init__(
@@ -110,24 +109,25 @@ class InMemoryCandidates:
         layout: ModelLayout,
         universe: UniverseManifest,
         term_prefixes: Sequence[str],
-        probes: Mapping[str, Sequence[Probe]],
         device: str,
         union: Sequence[LayerSpec],
-        renderer: Renderer | None = None,
     ) -> None:
         self.ctx, self.layout, self.universe = ctx, layout, universe
         self.prefixes = list(term_prefixes)  # one per concept: two names of one dataset count twice, as in a variant
         self.reader = CheckpointReader(model_dir, layout)
         untie = any(spec.name in layout.tied_partners for spec in union)
         self.model = load_model(model_dir, device=device, untie=untie)
-        if not is_causal_lm(self.model):
-            raise JobFailed(f"calibration needs a causal language model; this one is a {type(self.model).__name__}")
-        self.tokenizer = load_tokenizer(model_dir)
-        self.probes = probes = check_probes(self.tokenizer, probes, renderer)
+        self.check_loaded(self.model)
         self.modules = {spec.name: self._module(spec) for spec in union}
         self._scales: dict[tuple[Arm, float], dict[str, float]] = {}
         self._edited: set[str] = set(self.modules)  # untied or not, every layer is set from the checkpoint first
-        self.base = score(self._restored(set()), self.tokenizer, probes)
+
+    def check_loaded(self, model: nn.Module) -> None:
+        """Refuse a model the subclass cannot score (a JobFailed naming its class)."""
+
+    def base_model(self) -> nn.Module:
+        """The model with every layer at the checkpoint's weights."""
+        return self._restored(set())
 
     def _module(self, spec: LayerSpec) -> nn.Module:
         try:
@@ -141,16 +141,6 @@ class InMemoryCandidates:
                 "calibration edits whole modules: leave it out with module_sets"
             )
         return module
-
-    def measure(self, arm: Arm, alpha: float) -> Measured:
-        """Swap in the candidate's weights, score the probes, and say how they compare to the base."""
-        model = self._apply(arm, alpha)
-        summary = score(model, self.tokenizer, self.probes)
-        outcome = Outcome(
-            ratio(summary["forget"]["mean_nll"], self.base["forget"]["mean_nll"]),
-            ratio(summary["retain"]["mean_nll"], self.base["retain"]["mean_nll"]),
-        )
-        return Measured(summary, outcome)
 
     def applied(self, arm: Arm, alpha: float) -> nn.Module:
         """The model with the candidate's weights swapped in (nothing scored)."""
@@ -213,3 +203,44 @@ class InMemoryCandidates:
         loaded.copy_(weight)
         if bias is not None:
             module.get_parameter("bias").copy_(bias)
+
+
+class InMemoryCandidates(CandidateWeights):
+    """Evaluates candidates of one universe's engrams on one loaded causal LM (answer NLL, exact match).
+
+    Args:
+        probes: forget and retain probes.
+        renderer: what renders chat probes' template, once each (the job's bounded template process).
+        (the others: :class:`CandidateWeights`'s)
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        model_dir: Any,
+        layout: ModelLayout,
+        universe: UniverseManifest,
+        term_prefixes: Sequence[str],
+        probes: Mapping[str, Sequence[Probe]],
+        device: str,
+        union: Sequence[LayerSpec],
+        renderer: Renderer | None = None,
+    ) -> None:
+        super().__init__(ctx, model_dir, layout, universe, term_prefixes, device, union)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.probes = probes = check_probes(self.tokenizer, probes, renderer)
+        self.base = score(self.base_model(), self.tokenizer, probes)
+
+    def check_loaded(self, model: nn.Module) -> None:
+        if not is_causal_lm(model):
+            raise JobFailed(f"calibration needs a causal language model; this one is a {type(model).__name__}")
+
+    def measure(self, arm: Arm, alpha: float) -> Measured:
+        """Swap in the candidate's weights, score the probes, and say how they compare to the base."""
+        model = self._apply(arm, alpha)
+        summary = score(model, self.tokenizer, self.probes)
+        outcome = Outcome(
+            ratio(summary["forget"]["mean_nll"], self.base["forget"]["mean_nll"]),
+            ratio(summary["retain"]["mean_nll"], self.base["retain"]["mean_nll"]),
+        )
+        return Measured(summary, outcome)

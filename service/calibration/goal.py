@@ -19,14 +19,20 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from api_schemas.calibration import CALIBRATION_METRICS, CalibrateRequest
+from api_schemas.calibration import (
+    CALIBRATION_METRICS,
+    CLASSIFIER_METRICS,
+    DEFAULT_RETAIN_ACCURACY_RATIO,
+    CalibrateRequest,
+)
 from api_schemas.evaluation import Probe
 from service.calibration.goal_search import Bound, Goal
 from service.engine.tofu_statistics import AnswerTokens, ProbeStatistics
 from service.errors import InvalidInput
 from service.evaluation import tofu_metrics as tm
+from service.evaluation.retain_model import RetainModelRef
 
 SPLIT_SEED = 0  # the held-out split's seed: the same request, the same split
 
@@ -64,14 +70,6 @@ class ConstraintSpec(_Frozen):
         return Bound(self.metric, max(lows) if lows else None, min(highs) if highs else None)
 
 
-class RetainModelRef(_Frozen):
-    """The retain model: a registered model (``digest`` its weights') or a variant (its ID)."""
-
-    id: str
-    kind: Literal["model", "variant"]
-    digest: str
-
-
 class GoalSpec(_Frozen):
     """What a calibration with an objective stores as ``goal`` (and its ID digests)."""
 
@@ -81,6 +79,9 @@ class GoalSpec(_Frozen):
     retain_model: RetainModelRef | None = None
     held_out_fraction: float | None = None
     utility_sets: tuple[str, ...] = ()
+    # "image": an image classifier's calibration (its metrics, :mod:`service.calibration.classifier_goal`).
+    # Absent for text, so a text goal's stored form (and its calibration's ID) is what it was.
+    kind: Literal["image"] | None = Field(default=None, exclude_if=lambda v: v is None)
 
     def goal(self, base: Mapping[str, float]) -> Goal:
         """The search's goal, its bounds resolved against the base model's metrics."""
@@ -95,6 +96,8 @@ class GoalSpec(_Frozen):
 def goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) -> GoalSpec | None:
     """The stored goal of a request (None without an objective). An explicitly set
     ``max_retain_nll_ratio`` becomes a constraint on ``retain_nll_ratio``."""
+    if options.kind == "image":
+        return classifier_goal_spec(options, retain_model)
     if options.objective is None:
         return None
     constraints = [ConstraintSpec(**c.model_dump(exclude_none=True)) for c in options.constraints]
@@ -108,6 +111,45 @@ def goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) ->
         held_out_fraction=options.held_out_fraction,
         utility_sets=tuple(options.utility),
     )
+
+
+def classifier_goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) -> GoalSpec:
+    """An image classifier's goal: the request's objective, or the default one (the lowest
+    ``forget_accuracy`` with ``retain_accuracy`` ≥ 0.9 × the base's when no constraint is given; given a
+    retrained model, the highest ``tow``, which weighs the retain and test accuracies itself)."""
+    constraints = [ConstraintSpec(**c.model_dump(exclude_none=True)) for c in options.constraints]
+    if options.objective is not None:
+        objective, sense = options.objective.metric, options.objective.sense
+    elif retain_model is not None:
+        objective, sense = "tow", "maximize"
+    else:
+        objective, sense = "forget_accuracy", "minimize"
+        if not constraints:
+            constraints = [ConstraintSpec(metric="retain_accuracy", min_ratio_to_base=DEFAULT_RETAIN_ACCURACY_RATIO)]
+    return GoalSpec(
+        objective=objective,
+        sense=sense,
+        constraints=tuple(constraints),
+        retain_model=retain_model,
+        held_out_fraction=options.held_out_fraction,
+        kind="image",
+    )
+
+
+def unavailable_classifier_metrics(metrics: Sequence[str], has_test: bool, has_retain_model: bool) -> dict[str, str]:
+    """The named classifier metrics the request cannot measure, each with the reason."""
+    missing: dict[str, str] = {}
+    for name in metrics:
+        needs = []
+        if name == "tow" or name.startswith("cka_to_retrained_"):
+            needs += [] if has_retain_model else ["retain_model (the classifier retrained without the forget classes)"]
+        if name == "tow" or name.endswith("_test") or name.startswith("test_"):
+            needs += [] if has_test else ["test probes (labelled images of every class)"]
+        if needs:
+            missing[name] = "needs " + " and ".join(needs)
+        elif name not in CLASSIFIER_METRICS:
+            missing[name] = "is no metric of an image classifier"
+    return missing
 
 
 # ---------------------------------------------------------------- what a metric needs
@@ -155,6 +197,19 @@ def _reason(name: str, left_out: Mapping[str, str], depth: int = 0) -> str:
 
 def check_measurable(options: CalibrateRequest, has_retain_model: bool) -> None:
     """422 naming each objective or constraint metric the request cannot measure, and why."""
+    if options.kind == "image":
+        spec = classifier_goal_spec(options, None)
+        implied = (
+            "" if options.objective is not None else f" (with no objective, the calibration {spec.sense}s {spec.objective})"
+        )
+        if options.objective is None and has_retain_model:
+            implied = " (with no objective and a retain_model, the calibration maximizes tow)"
+            spec = spec.model_copy(update={"objective": "tow"})
+        missing = unavailable_classifier_metrics(spec.metrics, bool(options.test), has_retain_model)
+        if missing:
+            why = "; ".join(f"{name} {reason}" for name, reason in missing.items())
+            raise InvalidInput(f"the calibration cannot measure {', '.join(missing)}{implied}: {why}")
+        return
     if options.objective is None:
         return
     named = [options.objective.metric, *(c.metric for c in options.constraints)]

@@ -10,13 +10,14 @@ probes kept, and released.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
-from service.calibration.candidates import SPLITS, InMemoryCandidates, check_probes, parse_probe, score
+from api_schemas.calibration import GoalView, HeldOutCheck, ResolvedConstraint
+from service.calibration.candidates import InMemoryCandidates, Measured, check_probes, parse_probe, score
 from service.calibration.goal import GoalSpec
 from service.calibration.goal_scoring import metrics, prime, public, tofu_report
 from service.calibration.goal_search import Goal, violation
+from service.calibration.records import CalibrationProbes, StoredCalibrationResult
 from service.calibration.search import Candidate, SearchResult
 from service.context import Context
 from service.engine.chat import RenderedOnce, Renderer
@@ -26,9 +27,9 @@ from service.evaluation import tofu_metrics as tm
 from service.evaluation.run import load_retain_model
 
 
-def _tofu_sets(raw: Mapping[str, Any]) -> dict[str, list[TofuProbe]]:
+def _tofu_sets(raw: CalibrationProbes) -> dict[str, list[TofuProbe]]:
     """Stored probe sets (forget, retain, holdout, utility by name) as TOFU probes, empty ones dropped."""
-    sets = {"forget": raw["forget"], "retain": raw["retain"], "holdout": raw.get("holdout") or [], **raw["utility"]}
+    sets = {"forget": raw.forget, "retain": raw.retain, "holdout": raw.holdout or [], **(raw.utility or {})}
     return {name: [tofu_probe(dict(p)) for p in items] for name, items in sets.items() if items}
 
 
@@ -52,18 +53,18 @@ class GoalRun:
         job_id: str,
         spec: GoalSpec,
         candidates: InMemoryCandidates,
-        searched: Mapping[str, Any],
-        held: Mapping[str, Any],
+        searched: CalibrationProbes,
+        held: CalibrationProbes,
         renderer: Renderer,
     ) -> None:
         self.spec, self.candidates = spec, candidates
         tokenizer = candidates.tokenizer
         self.sets = _tofu_sets(searched)
         self.held_sets = _tofu_sets(held)
-        self.has_held_out = all(held[split] for split in SPLITS)
+        self.has_held_out = bool(held.forget and held.retain)
         self.renderer = RenderedOnce(renderer)
         prime(tokenizer, {**self.sets, **{f"held_out {k}": v for k, v in self.held_sets.items()}}, self.renderer)
-        held_plain = {split: [parse_probe(p) for p in held[split]] for split in SPLITS}
+        held_plain = {"forget": [parse_probe(p) for p in held.forget], "retain": [parse_probe(p) for p in held.retain]}
         self.held_plain = check_probes(tokenizer, held_plain, self.renderer) if self.has_held_out else {}
         self.renderer.inner = None  # the template process ends with the job's block: all is rendered
         model = candidates.model  # at the base weights
@@ -73,19 +74,19 @@ class GoalRun:
         self.retain_report: tm.ModelReport | None = None
         self.retain_held_report: tm.ModelReport | None = None
         if spec.retain_model is not None:
-            retain = load_retain_model(ctx, spec.retain_model.model_dump(), tokenizer)
+            retain = load_retain_model(ctx, spec.retain_model, tokenizer)
             self.retain_report = tofu_report(retain, tokenizer, self.sets, self.renderer)
             if self.has_held_out:
                 self.retain_held_report = tofu_report(retain, tokenizer, self.held_sets, self.renderer)
         self.base_metrics = metrics(self.base_report, self.retain_report, self.base_report, candidates.base, candidates.base)
-        self.goal = _resolved(spec, self.base_metrics)
+        self.goal = resolved(spec, self.base_metrics)
 
-    def candidate_metrics(self, summary: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    def candidate_metrics(self, measured: Measured) -> dict[str, float]:
         """The metrics of the candidate now applied to the model (its NLL summary measured)."""
         report = tofu_report(self.candidates.model, self.candidates.tokenizer, self.sets, self.renderer)
-        return metrics(report, self.retain_report, self.base_report, summary, self.candidates.base)
+        return metrics(report, self.retain_report, self.base_report, measured.summary, self.candidates.base)
 
-    def check_held_out(self, best: Candidate) -> dict[str, Any]:
+    def check_held_out(self, best: Candidate) -> HeldOutCheck:
         """The recommended candidate on the held-out probes, its bounds resolved with the base's
         values on those probes (a ratio to the base is a ratio to the base on the same probes)."""
         assert self.base_held_report is not None
@@ -96,87 +97,114 @@ class GoalRun:
         held = metrics(report, self.retain_held_report, self.base_held_report, summary, self.base_held_summary)
         base_summary, base_report = self.base_held_summary, self.base_held_report
         base = metrics(base_report, self.retain_held_report, base_report, base_summary, base_summary)
-        goal = _resolved(self.spec, base)
-        return {
-            "probes": {name: len(items) for name, items in self.held_sets.items() if name != "holdout"},
-            "constraints": _bounds_json(goal, base),
-            "feasible": violation(goal, held) == 0.0,
-            "base": public(base),
-            "recommended": public(held),
-        }
+        goal = resolved(self.spec, base)
+        return HeldOutCheck(
+            probes={name: len(items) for name, items in self.held_sets.items() if name != "holdout"},
+            constraints=resolved_bounds(goal, base),
+            feasible=violation(goal, held) == 0.0,
+            base=public(base),
+            recommended=public(held),
+        )
 
-    def validated_on_held_out(self, ranked: Sequence[Candidate]) -> tuple[Candidate, dict[str, Any]]:
-        """The best-ranked candidate that meets the bounds on the held-out probes too, and its check.
+    def validated_on_held_out(self, ranked: Sequence[Candidate]) -> tuple[Candidate, HeldOutCheck]:
+        """The best-ranked candidate that meets the bounds on the held-out probes too, and its check
+        (:func:`validated_on_held_out`)."""
+        return validated_on_held_out(ranked, self.check_held_out)
 
-        The search puts the best candidate on a bound's boundary (the objective pushes the edit as far
-        as the floor allows), so on other probes it meets the bound about half the time: sampling
-        noise, not a worse edit. The held-out probes therefore *validate* the choice: candidates are
-        checked in rank order, at most :data:`HELD_OUT_TRIES` of them, and the first that meets every
-        bound there is recommended (the next ranks are gentler edits, with room under the bound).
-        When none does, the best is recommended with ``feasible: false``. ``rejected`` lists the
-        candidates that failed the check; a test set the choice never saw stays with the user.
-        """
-        rejected: list[int] = []
-        first: dict[str, Any] | None = None
-        for candidate in ranked[:HELD_OUT_TRIES]:
-            check = self.check_held_out(candidate)
-            first = first or check
-            if check["feasible"]:
-                return candidate, {**check, "candidate": candidate.index, "rejected": rejected}
-            rejected.append(candidate.index)
-        assert first is not None, "validated_on_held_out needs at least one candidate"
-        return ranked[0], {**first, "candidate": ranked[0].index, "rejected": rejected}
-
-    def amend(self, result: dict[str, Any], found: SearchResult, best: Candidate | None) -> None:
-        """The objective's fields of the result (``assemble`` wrote the NLL search's): every
-        candidate's metrics, the front of the objective against the first bound, the recommendation."""
-        rows = result["candidates"]
-        front = goal_front(self.goal, found.candidates)
-        for row, candidate in zip(rows, found.candidates, strict=True):
-            row["metrics"] = public(candidate.metrics)
-            row["pareto"] = candidate.index in front
-        result["pareto_front"] = sorted(front)
-        result["constraint"] = {}
-        result["objective"] = {"metric": self.spec.objective, "sense": self.spec.sense}
-        result["constraints"] = _bounds_json(self.goal, self.base_metrics)
-        result["retain_model"] = self.spec.retain_model.id if self.spec.retain_model is not None else None
-        result["base_metrics"] = public(self.base_metrics)
+    def amend(self, result: StoredCalibrationResult, found: SearchResult, best: Candidate | None) -> StoredCalibrationResult:
+        """The result with the objective's fields (``assemble`` wrote the NLL search's)."""
+        retain = None
         if self.retain_report is not None:
-            retain = tm.tofu_scores(self.retain_report, self.retain_report, self.base_report)
-            result["retain_metrics"] = public(retain.values)
-        if best is None:
-            result["recommended"] = None
-            result["note"] = _no_feasible_note(self.goal, found)
-            return
-        result["note"] = None
-        result["recommended"] = {
-            "candidate": best.index,
-            "options": rows[best.index]["options"],
-            "forget_nll_ratio": rows[best.index]["forget"]["nll_ratio"],
-            "retain_nll_ratio": best.outcome.retain_ratio,
-            "metrics": public(best.metrics),
+            retain = public(tm.tofu_scores(self.retain_report, self.retain_report, self.base_report).values)
+        return amend_goal_result(result, found, best, self.spec, self.goal, self.base_metrics, retain)
+
+
+def validated_on_held_out(
+    ranked: Sequence[Candidate], check: Callable[[Candidate], HeldOutCheck]
+) -> tuple[Candidate, HeldOutCheck]:
+    """The best-ranked candidate that meets the bounds on the held-out probes too, and its check.
+
+    The search puts the best candidate on a bound's boundary (the objective pushes the edit as far
+    as the floor allows), so on other probes it meets the bound about half the time: sampling
+    noise, not a worse edit. The held-out probes therefore *validate* the choice: candidates are
+    checked in rank order, at most :data:`HELD_OUT_TRIES` of them, and the first that meets every
+    bound there is recommended (the next ranks are gentler edits, with room under the bound).
+    When none does, the best is recommended with ``feasible: false``. ``rejected`` lists the
+    candidates that failed the check; a test set the choice never saw stays with the user.
+    """
+    rejected: list[int] = []
+    first: HeldOutCheck | None = None
+    for candidate in ranked[:HELD_OUT_TRIES]:
+        checked = check(candidate)
+        first = first or checked
+        if checked.feasible:
+            return candidate, checked.model_copy(update={"candidate": candidate.index, "rejected": rejected})
+        rejected.append(candidate.index)
+    assert first is not None, "validated_on_held_out needs at least one candidate"
+    return ranked[0], first.model_copy(update={"candidate": ranked[0].index, "rejected": rejected})
+
+
+def amend_goal_result(
+    result: StoredCalibrationResult,
+    found: SearchResult,
+    best: Candidate | None,
+    spec: GoalSpec,
+    goal: Goal,
+    base_metrics: Mapping[str, float],
+    retain_metrics: Mapping[str, float | None] | None,
+    shown: Callable[[Mapping[str, float]], dict[str, float | None]] = public,
+) -> StoredCalibrationResult:
+    """``result`` with an objective's fields: every candidate's metrics (as ``shown``), the front of
+    the objective against the first bound, the bounds as applied; the recommendation is left to the
+    job, which builds it (``note`` says why there is none)."""
+    front = goal_front(goal, found.candidates)
+    rows = [
+        row.model_copy(update={"metrics": shown(candidate.metrics), "pareto": candidate.index in front})
+        for row, candidate in zip(result.candidates, found.candidates, strict=True)
+    ]
+    return result.model_copy(
+        update={
+            "candidates": rows,
+            "pareto_front": sorted(front),
+            "constraint": constraint_summary(goal),
+            "objective": GoalView(metric=spec.objective, sense=spec.sense),
+            "constraints": resolved_bounds(goal, base_metrics),
+            "retain_model": spec.retain_model.id if spec.retain_model is not None else None,
+            "base_metrics": shown(base_metrics),
+            "retain_metrics": dict(retain_metrics) if retain_metrics is not None else None,
+            "recommended": None,
+            "note": None if best is not None else _no_feasible_note(goal, found),
         }
+    )
 
 
-def _resolved(spec: GoalSpec, base: Mapping[str, float]) -> Goal:
+def resolved(spec: GoalSpec, base: Mapping[str, float]) -> Goal:
     try:
         return spec.goal(base)
     except ValueError as exc:
         raise JobFailed(str(exc)) from None
 
 
-def _bounds_json(goal: Goal, base: Mapping[str, float]) -> list[dict[str, Any]]:
+def constraint_summary(goal: Goal) -> dict[str, float]:
+    """The bounds applied, as the old ``constraint`` field names its one bound: ``min_<metric>`` /
+    ``max_<metric>`` (absolute, a ratio to the base already resolved), so a client reading only that
+    field sees what the recommendation meets (``max_retain_nll_ratio`` keeps its old name)."""
+    summary: dict[str, float] = {}
+    for bound in goal.bounds:
+        if bound.min is not None:
+            summary[f"min_{bound.metric}"] = bound.min
+        if bound.max is not None:
+            summary[f"max_{bound.metric}"] = bound.max
+    return summary
+
+
+def resolved_bounds(goal: Goal, base: Mapping[str, float]) -> list[ResolvedConstraint]:
+    """The goal's bounds as applied, each with the base model's value of its metric (null: not finite)."""
     rows = []
     for bound in goal.bounds:
         value = base.get(bound.metric)
-        rows.append(
-            {
-                "metric": bound.metric,
-                "min": bound.min,
-                "max": bound.max,
-                "base": float(value) if value is not None and math.isfinite(value) else None,
-            }
-        )
+        finite = float(value) if value is not None and math.isfinite(value) else None
+        rows.append(ResolvedConstraint(metric=bound.metric, min=bound.min, max=bound.max, base=finite))
     return rows
 
 

@@ -24,12 +24,23 @@ The search, with ``budget`` evaluations:
 
 1. *coarse*: every arm on the same geometric grid of ``coarse`` strengths from ``α_min`` to
    ``α_max``, round-robin (so a small budget spreads over the arms);
-2. *fine*: the arm whose best point is best (feasible first, by objective; an arm with no feasible
-   point by its smallest constraint violation) is refined at the geometric midpoint of the wider
-   gap between its best point and its evaluated neighbours; an infeasible point counts as worse
-   than any feasible one, so the bracket closes on the feasibility boundary when the peak lies
-   beyond it (a golden-section-like shrink of the bracket around the best). An arm is done when
-   both gaps are within a factor ``1 + tol``; the next arm is then refined.
+2. *fine*: the arm whose best point is best (feasible first, by objective, then the tie-break
+   below; an arm with no feasible point by its smallest constraint violation) is refined at the
+   geometric midpoint of the wider gap between its best point and its evaluated neighbours; an
+   infeasible point counts as worse than any feasible one, so the bracket closes on the
+   feasibility boundary when the peak lies beyond it (a golden-section-like shrink of the bracket
+   around the best). An arm is done when both gaps are within a factor ``1 + tol``; the next arm
+   is then refined.
+
+*Ties on the objective.* Overall is a harmonic mean: one part at 0 (Privacy within a Utility floor,
+say) makes it 0 at every candidate. Ranked by the objective alone, every feasible point would then
+tie, the gentlest edit would win, and the fine phase would refine around ``α_min``, improving
+nothing. Candidates that tie exactly on the objective are therefore ranked by the other TOFU
+aggregates, in :func:`tie_break_order`'s order (for ``overall``: ``memorization``, then ``utility``,
+then ``privacy``; for any other objective: ``overall``, then those three), each higher is better
+(TOFU's aggregates are scores), a missing one ranking last; then by the gentler edit. The fine
+phase picks its arm and its point by the same rank, so on a flat objective it refines toward the
+best memorization within the bounds, and the recommendation is the best on the tie-break.
 """
 
 from __future__ import annotations
@@ -41,9 +52,30 @@ from typing import Literal
 
 from service.calibration.search import Arm, Candidate, Outcome, SearchResult
 
-__all__ = ["Bound", "Goal", "GoalSettings", "goal_rank", "goal_search", "recommend_for_goal", "violation"]
+__all__ = [
+    "AGGREGATES",
+    "Bound",
+    "Goal",
+    "GoalSettings",
+    "goal_rank",
+    "goal_search",
+    "ranked_for_goal",
+    "recommend_for_goal",
+    "tie_break_order",
+    "violation",
+]
 
 Sense = Literal["maximize", "minimize"]
+
+# TOFU's aggregate scores (higher is better), in the order that breaks a tie on the objective.
+AGGREGATES = ("overall", "memorization", "utility", "privacy")
+
+
+def tie_break_order(objective: str) -> tuple[str, ...]:
+    """The metrics that rank candidates tying on ``objective``, first first: the aggregates but the
+    objective itself (for ``overall``: memorization, utility, privacy: the part Engram moves first,
+    then the one the floor protects; for any other objective, Overall leads)."""
+    return tuple(name for name in AGGREGATES if name != objective)
 
 
 @dataclass(frozen=True)
@@ -81,10 +113,17 @@ class Goal:
 
     def score(self, metrics: Mapping[str, float]) -> float:
         """The objective signed so that higher is better; a missing or NaN value ranks last."""
-        value = metrics.get(self.objective)
-        if value is None or math.isnan(value):
-            return -math.inf
-        return value if self.sense == "maximize" else -value
+        value = _value(metrics, self.objective)
+        return value if self.sense == "maximize" or value == -math.inf else -value
+
+    def tie_break(self, metrics: Mapping[str, float]) -> tuple[float, ...]:
+        """The :func:`tie_break_order` metrics' values (higher is better; missing or NaN: last)."""
+        return tuple(_value(metrics, name) for name in tie_break_order(self.objective))
+
+
+def _value(metrics: Mapping[str, float], name: str) -> float:
+    value = metrics.get(name)
+    return -math.inf if value is None or math.isnan(value) else value
 
 
 def violation(goal: Goal, metrics: Mapping[str, float]) -> float:
@@ -117,12 +156,12 @@ class GoalSettings:
         return [self.alpha_min, *inner, self.alpha_max]
 
 
-def goal_rank(goal: Goal, candidate: Candidate) -> tuple[float, float, float]:
-    """Better first: feasible before infeasible, then the objective (an infeasible candidate: the
-    smaller violation), then the gentler edit."""
-    if candidate.feasible:
-        return 1.0, goal.score(candidate.metrics), -candidate.alpha
-    return 0.0, -violation(goal, candidate.metrics), -candidate.alpha
+def goal_rank(goal: Goal, candidate: Candidate) -> tuple[float, ...]:
+    """Higher is better: feasible before infeasible, then the objective, then the tie-break
+    (:meth:`Goal.tie_break`), then the gentler edit; an infeasible candidate: the smaller violation,
+    then the tie-break, then the gentler edit."""
+    first = goal.score(candidate.metrics) if candidate.feasible else -violation(goal, candidate.metrics)
+    return (1.0 if candidate.feasible else 0.0), first, *goal.tie_break(candidate.metrics), -candidate.alpha
 
 
 @dataclass
@@ -202,9 +241,9 @@ def goal_search(
         run(state, step, "fine")
 
 
-def _arm_key(goal: Goal, state: _Arm) -> tuple[float, float, float]:
+def _arm_key(goal: Goal, state: _Arm) -> tuple[float, ...]:
     best = state.best(goal)
-    return goal_rank(goal, best) if best is not None else (-1.0, 0.0, 0.0)
+    return goal_rank(goal, best) if best is not None else (-1.0,)
 
 
 def _result(states: list[_Arm], candidates: list[Candidate], stopped: str) -> SearchResult:
@@ -213,7 +252,8 @@ def _result(states: list[_Arm], candidates: list[Candidate], stopped: str) -> Se
 
 
 def recommend_for_goal(goal: Goal, candidates: Sequence[Candidate]) -> Candidate | None:
-    """The feasible candidate with the best objective (ties: the gentler edit), or None."""
+    """The feasible candidate with the best objective (ties: :meth:`Goal.tie_break`, then the
+    gentler edit), or None."""
     return max((c for c in candidates if c.feasible), key=lambda c: goal_rank(goal, c), default=None)
 
 

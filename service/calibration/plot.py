@@ -20,9 +20,12 @@ if TYPE_CHECKING:
 WIDTH, HEIGHT, DPI = 900, 620, 100
 _MARKERS = {"uniform": "o", "weight_norm": "s"}
 DEFAULT_X, DEFAULT_Y = "retain_nll_ratio", "forget_nll_ratio"
+CLASSIFIER_X, CLASSIFIER_Y = "retain_accuracy", "forget_accuracy"  # an image classifier's calibration
 _LABELS = {
     "retain_nll_ratio": "retain answer NLL ratio (variant / base): lower keeps more",
     "forget_nll_ratio": "forget answer NLL ratio (variant / base): higher forgets more",
+    "retain_accuracy": "retain top-1 accuracy: higher keeps more",
+    "forget_accuracy": "forget top-1 accuracy: lower forgets more",
 }
 _SPLIT_FIELDS = {"nll_ratio": "nll_ratio", "mean_nll": "mean_nll", "exact_match": "exact_match"}
 
@@ -36,6 +39,13 @@ def candidate_values(candidate: Mapping[str, Any]) -> dict[str, float]:
             values[f"{split}_{suffix}"] = scores.get(field)
     values.update(candidate.get("metrics") or {})
     return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+
+def default_axes(result: Mapping[str, Any]) -> tuple[str, str]:
+    """The axes a result is drawn on by default: the NLL ratios, or for an image classifier's
+    calibration (its candidates carry ``forget_accuracy``) the retain and forget accuracies."""
+    classifier = any("forget_accuracy" in (c.get("metrics") or {}) for c in result["candidates"])
+    return (CLASSIFIER_X, CLASSIFIER_Y) if classifier else (DEFAULT_X, DEFAULT_Y)
 
 
 def plottable_metrics(result: Mapping[str, Any]) -> list[str]:

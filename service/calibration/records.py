@@ -1,80 +1,56 @@
 """A calibration's stored files as frozen records, and their one reader each (issue 24).
 
-``calibrations/<id>/request.json`` (:class:`StoredCalibrationRequest`, read by
-:func:`read_calibration_request`) and ``calibrations/<id>/result.json``
-(:class:`StoredCalibrationResult`, read by :func:`read_calibration_result`). Each is checked when
-written and when read; a file that does not fit is refused naming the calibration and its first
-wrong field (:class:`MalformedCalibration`), never passed on as a dict.
-
-The stored keys are those calibrations have always been stored with. Older shapes read here only:
-a request stored before data_weighted has arms without ``weighted`` (none was), one stored before
-presets were skipped has no ``skipped_module_sets``; a request without an objective has no ``goal``.
+``calibrations/<id>/request.json`` is :class:`~service.calibration.request.CalibrationRequest`
+itself (a :class:`StoredRecord`: its older shapes are named there) and ``calibrations/<id>/result.json``
+is :class:`StoredCalibrationResult`, read by :func:`read_calibration_result`; its probes
+(``probes/<sha256>.json``) are :class:`CalibrationProbes`. Each is checked when
+written and when read (:func:`read_record`); a file that does not fit is refused naming the
+calibration and its first wrong field (:class:`MalformedCalibration`), never passed on as a dict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from api_schemas.calibration import CalibrationResult
-from service.calibration.goal import GoalSpec
 from service.errors import ServiceUnavailable, first_validation_error
+from service.evaluation.records import ProbeJson
 
 
-class _Record(BaseModel):
+class StoredRecord(BaseModel):
+    """A stored calibration record: frozen, and a key this version does not know is refused."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class StoredArm(_Record):
-    """An arm as stored (its data_weighted strengths are measured by the job, not stored)."""
+class CalibrationProbes(StoredRecord):
+    """A calibration's probes (``probes/<sha256>.json``; the digest is part of its ID): forget and retain;
+    with an objective also ``holdout`` and ``utility``; an image classifier's also ``test``. Only the
+    sets the request set are stored (so a request without an objective has the ID it always had)."""
 
-    module_set: str
-    modules: tuple[str, ...] | None
-    layers: tuple[int, ...] | None
-    scaling: Literal["uniform", "weight_norm"]
-    weighted: bool = False
+    forget: list[ProbeJson]
+    retain: list[ProbeJson]
+    test: list[ProbeJson] | None = None
+    holdout: list[ProbeJson] | None = None
+    utility: dict[str, list[ProbeJson]] | None = None
 
+    def to_bytes(self) -> bytes:
+        """The stored bytes: the sets set, keys sorted (their sha256 is the probes' digest)."""
+        return json.dumps(self.model_dump(mode="json", exclude_unset=True), sort_keys=True, ensure_ascii=False).encode()
 
-class StoredSearch(_Record):
-    max_retain_nll_ratio: float
-    budget: int
-    alpha_min: float
-    alpha_max: float
-    arms: tuple[StoredArm, ...]
-
-
-class StoredVariantFormat(_Record):
-    format: Literal["checkpoint", "delta", "peft"]
-    lora_rank: int | None
-    lora_target: Literal["peft", "vllm"]
-
-
-class StoredCalibrationRequest(_Record):
-    """``request.json``: what the calibration's job reads (see :class:`~service.calibration.request.CalibrationRequest`)."""
-
-    calibration_id: str
-    model_id: str
-    concepts: tuple[str, ...]
-    term_stats: dict[str, str]
-    universe_id: str
-    reference: tuple[str, ...]
-    probes_digest: str
-    search: StoredSearch
-    skipped_module_sets: tuple[str, ...] = ()
-    variant: StoredVariantFormat
-    job_id: str | None = None
-    goal: GoalSpec | None = Field(default=None, exclude_if=lambda v: v is None)
+    def image_sets(self) -> dict[str, Sequence[ProbeJson] | None]:
+        """The sets an image classifier's probes are read from (forget, retain, test)."""
+        return {"forget": self.forget, "retain": self.retain, "test": self.test}
 
 
 class StoredCalibrationResult(CalibrationResult):
     """``result.json``: the calibration's answer as ``GET /calibrations/{id}`` shows it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
 
 class MalformedCalibration(ServiceUnavailable):
@@ -87,36 +63,20 @@ class MalformedCalibration(ServiceUnavailable):
         )
 
 
-def read_calibration_request(calibration_id: str, data: Any) -> StoredCalibrationRequest:
-    """The stored request of ``calibration_id`` as a record.
-
-    Raises:
-        MalformedCalibration: not a calibration request, or another calibration's.
-    """
-    record = _read(StoredCalibrationRequest, calibration_id, "request.json", data)
-    if record.calibration_id != calibration_id:
-        raise MalformedCalibration(calibration_id, "request.json", f"it names calibration {record.calibration_id}")
-    return record
-
-
 def read_calibration_result(calibration_id: str, data: Any) -> StoredCalibrationResult:
     """The stored result of ``calibration_id`` as a record (same refusals as the request's reader)."""
-    record = _read(StoredCalibrationResult, calibration_id, "result.json", data)
+    record = read_record(StoredCalibrationResult, calibration_id, "result.json", data)
     if record.calibration_id != calibration_id:
         raise MalformedCalibration(calibration_id, "result.json", f"it names calibration {record.calibration_id}")
     return record
 
 
-def checked_result(result: Mapping[str, Any]) -> StoredCalibrationResult:
-    """A result the job assembled, as the record it is stored as (a shape bug fails the job here,
-    before anything is stored)."""
-    return StoredCalibrationResult.model_validate(dict(result))
-
-
 R = TypeVar("R", bound=BaseModel)
 
 
-def _read(model: type[R], calibration_id: str, file: str, data: Any) -> R:
+def read_record(model: type[R], calibration_id: str, file: str, data: Any) -> R:
+    """``data`` (a stored file of ``calibration_id``) as ``model``, or refused naming the file and its
+    first wrong field."""
     if not isinstance(data, Mapping):
         raise MalformedCalibration(calibration_id, file, f"a JSON {type(data).__name__}, not an object")
     try:

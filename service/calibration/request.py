@@ -8,26 +8,20 @@ digest of :func:`calibration_identity`, the one place a calibration's ID is made
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
+
+from pydantic import Field, field_validator
 
 from api_schemas import CalibrateRequest, Probe
 from service.calibration.goal import GoalSpec
 from service.calibration.goal_search import GoalSettings
-from service.calibration.records import (
-    StoredArm,
-    StoredCalibrationRequest,
-    StoredSearch,
-    StoredVariantFormat,
-    read_calibration_request,
-)
+from service.calibration.records import CalibrationProbes, MalformedCalibration, StoredRecord, read_record
 from service.calibration.search import Arm, SearchSettings
 from service.calibration.space import EditSpace
 from service.engine.lora_rules import LoraTarget
+from service.evaluation.records import ProbeJson
 from service.models.record import ModelRecord
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 from service.universes.members import EditUniverse
@@ -44,12 +38,17 @@ def one_term_each(options: CalibrateRequest) -> CalibrateRequest:
 def stored_probes(options: CalibrateRequest) -> bytes:
     """The probes as ``probes/<sha256>.json`` holds them (and the ID digests them): each without its
     nulls, as evaluations store theirs. With an objective, also the ``holdout`` and ``utility`` sets
-    (without one, the stored probes, and so the ID, are what they were before objectives)."""
-    probes: dict[str, Any] = {"forget": _probe_json(options.forget), "retain": _probe_json(options.retain)}
+    (without one, the stored probes, and so the ID, are what they were before objectives); with image
+    probes, the ``test`` set."""
+    forget, retain = _probe_json(options.forget), _probe_json(options.retain)
+    if options.kind == "image":  # an image classifier's: forget, retain and test images (no holdout, no utility)
+        return CalibrationProbes(forget=forget, retain=retain, test=_probe_json(options.test)).to_bytes()
     if options.objective is not None:
-        probes["holdout"] = _probe_json(options.holdout)
-        probes["utility"] = {name: _probe_json(items) for name, items in options.utility.items()}
-    return json.dumps(probes, sort_keys=True, ensure_ascii=False).encode()
+        utility = {name: _probe_json(items) for name, items in options.utility.items()}
+        return CalibrationProbes(
+            forget=forget, retain=retain, holdout=_probe_json(options.holdout), utility=utility
+        ).to_bytes()
+    return CalibrationProbes(forget=forget, retain=retain).to_bytes()
 
 
 def probes_digest(probes: bytes) -> str:
@@ -62,20 +61,19 @@ def has_messages(options: CalibrateRequest) -> bool:
     return any(p.messages is not None for p in [*options.forget, *options.retain, *extra])
 
 
-def _probe_json(probes: Sequence[Probe]) -> list[dict[str, Any]]:
+def _probe_json(probes: Sequence[Probe]) -> list[ProbeJson]:
     return [p.model_dump(exclude_none=True) for p in probes]
 
 
-@dataclass(frozen=True)
-class SearchSpec:
+class SearchSpec(StoredRecord):
     """What the search is asked (stored as ``search``): the constraint, the budget, the α range, the arms.
 
     Attributes:
         max_retain_nll_ratio: the retain probes' mean answer NLL, variant / base, at most this.
         budget: the most candidates evaluated.
         alpha_min, alpha_max: the range of α searched.
-        arms: the edit space's arms, in the order the search steps them (without their strengths:
-            the job measures those).
+        arms: the edit space's arms, in the order the search steps them (stored without their
+            strengths: the job measures those).
     """
 
     max_retain_nll_ratio: float
@@ -83,6 +81,15 @@ class SearchSpec:
     alpha_min: float
     alpha_max: float
     arms: tuple[Arm, ...]
+
+    @field_validator("arms", mode="before")
+    @classmethod
+    def _strengths_are_never_stored(cls, arms: Any) -> Any:
+        """An Arm validates from its fields, ``strengths`` too; a stored arm has none (the job measures them)."""
+        for i, arm in enumerate(arms if isinstance(arms, (list, tuple)) else ()):
+            if isinstance(arm, Mapping) and "strengths" in arm:
+                raise ValueError(f"arm {i} stores strengths, which the job measures and a request never stores")
+        return arms
 
     @classmethod
     def of(cls, options: CalibrateRequest, space: EditSpace) -> SearchSpec:
@@ -108,56 +115,13 @@ class SearchSpec:
         """The goal search's settings (an objective's calibration)."""
         return GoalSettings(budget=self.budget, alpha_min=self.alpha_min, alpha_max=self.alpha_max)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_retain_nll_ratio": self.max_retain_nll_ratio,
-            "budget": self.budget,
-            "alpha_min": self.alpha_min,
-            "alpha_max": self.alpha_max,
-            "arms": [_arm_json(arm) for arm in self.arms],
-        }
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SearchSpec:
-        return cls(
-            max_retain_nll_ratio=float(data["max_retain_nll_ratio"]),
-            budget=int(data["budget"]),
-            alpha_min=float(data["alpha_min"]),
-            alpha_max=float(data["alpha_max"]),
-            arms=tuple(_arm_of(arm) for arm in data["arms"]),
-        )
-
-
-def _arm_json(arm: Arm) -> dict[str, Any]:
-    return {
-        "module_set": arm.module_set,
-        "modules": _list(arm.modules),
-        "layers": _list(arm.layers),
-        "scaling": arm.scaling,
-        "weighted": arm.weighted,
-    }
-
-
-def _arm_of(data: Mapping[str, Any]) -> Arm:
-    """A stored arm (one stored before data_weighted has no ``weighted``: it was not)."""
-    modules, layers = _tuple(data["modules"]), _tuple(data["layers"])
-    return Arm(data["module_set"], modules, layers, data["scaling"], bool(data.get("weighted", False)))
-
-
-@dataclass(frozen=True)
-class VariantFormat:
+class VariantFormat(StoredRecord):
     """How the recommended candidate is built as a variant (stored as ``variant``)."""
 
     format: Format = "checkpoint"
     lora_rank: int | None = None
     lora_target: LoraTarget = "peft"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "lora_rank": self.lora_rank, "lora_target": self.lora_target}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VariantFormat:
-        return cls(format=data["format"], lora_rank=data["lora_rank"], lora_target=data["lora_target"])
 
 
 def calibration_identity(
@@ -183,17 +147,22 @@ def calibration_identity(
         "universe_id": universe_id,
         "terms": sorted(term_prefixes),
         "probes": probes,
-        "search": search.to_json(),
-        "variant": variant.to_json(),
+        "search": search.model_dump(mode="json"),
+        "variant": variant.model_dump(mode="json"),
     }
     if goal is not None:
         identity["goal"] = goal.model_dump(mode="json")
     return identity
 
 
-@dataclass(frozen=True)
-class CalibrationRequest:
+class CalibrationRequest(StoredRecord):
     """The stored request of a calibration (``calibrations/<id>/request.json``): what its job reads.
+
+    The record is its own stored form: ``to_json`` dumps it and ``from_json`` validates it, with the
+    keys, in their order, that requests have always been stored with (``goal`` only with an objective).
+    A request stored before presets were skipped has no ``skipped_module_sets`` (none was); one stored
+    before data_weighted has arms without ``weighted`` (:class:`~service.calibration.search.Arm`).
+    Any other shape is refused naming the calibration and its first wrong field.
 
     Attributes:
         concepts: the concepts removed, each once, in the request's order.
@@ -208,15 +177,15 @@ class CalibrationRequest:
     calibration_id: str
     model_id: str
     concepts: tuple[str, ...]
-    term_stats: Mapping[str, str]
+    term_stats: dict[str, str]
     universe_id: str
     reference: tuple[str, ...]
     probes_digest: str
     search: SearchSpec
-    skipped_module_sets: tuple[str, ...]
+    skipped_module_sets: tuple[str, ...] = ()
     variant: VariantFormat
     job_id: str | None = None
-    goal: GoalSpec | None = None
+    goal: GoalSpec | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @classmethod
     def new(
@@ -256,75 +225,21 @@ class CalibrationRequest:
         return [self.term_stats[name] for name in self.concepts]
 
     def with_job(self, job_id: str) -> CalibrationRequest:
-        return dataclasses.replace(self, job_id=job_id)
-
-    def record(self) -> StoredCalibrationRequest:
-        """The stored record (``request.json``)."""
-        search = self.search
-        return StoredCalibrationRequest(
-            calibration_id=self.calibration_id,
-            model_id=self.model_id,
-            concepts=self.concepts,
-            term_stats=dict(self.term_stats),
-            universe_id=self.universe_id,
-            reference=self.reference,
-            probes_digest=self.probes_digest,
-            search=StoredSearch(
-                max_retain_nll_ratio=search.max_retain_nll_ratio,
-                budget=search.budget,
-                alpha_min=search.alpha_min,
-                alpha_max=search.alpha_max,
-                arms=tuple(StoredArm.model_validate(_arm_json(arm)) for arm in search.arms),
-            ),
-            skipped_module_sets=self.skipped_module_sets,
-            variant=StoredVariantFormat.model_validate(self.variant.to_json()),
-            job_id=self.job_id,
-            goal=self.goal,
-        )
+        return self.model_copy(update={"job_id": job_id})
 
     def to_json(self) -> dict[str, Any]:
-        """The stored JSON: the keys, in their order, that requests have been stored with (``goal``
-        only with an objective)."""
-        return self.record().model_dump(mode="json")
+        """The stored JSON (``request.json``)."""
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_json(cls, data: Any, calibration_id: str | None = None) -> CalibrationRequest:
-        """A stored request, read through :func:`~service.calibration.records.read_calibration_request`
-        (this version's, or one stored before data_weighted: its arms have no ``weighted``).
+        """A stored request (this version's, or one of the older shapes the class docstring names).
 
         Raises:
             MalformedCalibration: it is no calibration request (or, given ``calibration_id``, another's).
         """
         named = calibration_id or (str(data.get("calibration_id", "?")) if isinstance(data, Mapping) else "?")
-        record = read_calibration_request(named, data)
-        search = record.search
-        return cls(
-            calibration_id=record.calibration_id,
-            model_id=record.model_id,
-            concepts=record.concepts,
-            term_stats=dict(record.term_stats),
-            universe_id=record.universe_id,
-            reference=record.reference,
-            probes_digest=record.probes_digest,
-            search=SearchSpec(
-                max_retain_nll_ratio=search.max_retain_nll_ratio,
-                budget=search.budget,
-                alpha_min=search.alpha_min,
-                alpha_max=search.alpha_max,
-                arms=tuple(Arm(a.module_set, a.modules, a.layers, a.scaling, a.weighted) for a in search.arms),
-            ),
-            skipped_module_sets=record.skipped_module_sets,
-            variant=VariantFormat(
-                format=record.variant.format, lora_rank=record.variant.lora_rank, lora_target=record.variant.lora_target
-            ),
-            job_id=record.job_id,
-            goal=record.goal,
-        )
-
-
-def _tuple(values: Any) -> tuple[Any, ...] | None:
-    return None if values is None else tuple(values)
-
-
-def _list(values: tuple[Any, ...] | None) -> list[Any] | None:
-    return None if values is None else list(values)
+        record = read_record(cls, named, "request.json", data)
+        if record.calibration_id != named:
+            raise MalformedCalibration(named, "request.json", f"it names calibration {record.calibration_id}")
+        return record

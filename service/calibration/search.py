@@ -32,10 +32,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Annotated, Literal
 
-if TYPE_CHECKING:  # a type only: the search stays pure Python
-    from service.engine.compose import Scaling
+from pydantic import ConfigDict, Field
+
+# service.engine.compose.Scaling's values, spelled here so the search stays free of torch and a
+# stored request's arms validate as Arms.
+Scaling = Literal["uniform", "weight_norm"]
 
 __all__ = ["Arm", "Candidate", "Outcome", "SearchResult", "SearchSettings", "pareto_front", "recommend", "search"]
 
@@ -53,14 +56,20 @@ class Arm:
         weighted: each module type edited at its own strength, from the data-weighted map (the
             ``data_weighted`` module set); the job measures them into ``strengths`` before the search.
         strengths: ``(suffix, s)`` per module type, the variant's ``module_strengths`` (empty: all 1).
+
+    A calibration's stored request holds its arms in this shape (pydantic validates and dumps the
+    dataclass): every field but ``strengths``, which the job measures; a request stored before
+    data_weighted has no ``weighted`` (none was), and any other key is refused.
     """
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     module_set: str
     modules: tuple[str, ...] | None
     layers: tuple[int, ...] | None
     scaling: Scaling
     weighted: bool = False
-    strengths: tuple[tuple[str, float], ...] = ()
+    strengths: Annotated[tuple[tuple[str, float], ...], Field(exclude=True)] = ()
 
     @property
     def name(self) -> str:

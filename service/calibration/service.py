@@ -21,8 +21,8 @@ import dataclasses
 from typing import Any
 
 from api_schemas import CalibrateRequest
-from service.calibration.goal import GoalSpec, RetainModelRef, check_measurable, goal_spec
-from service.calibration.plot import DEFAULT_X, DEFAULT_Y, plottable_metrics, render_front_png
+from service.calibration.goal import GoalSpec, check_measurable, goal_spec
+from service.calibration.plot import default_axes, plottable_metrics, render_front_png
 from service.calibration.records import read_calibration_result
 from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
@@ -32,6 +32,7 @@ from service.engine.layers import LayerSpec, summarize_names
 from service.engine.layout import ModelLayout
 from service.engine.lora_rules import vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
+from service.evaluation.classifier_probes import check_image_probes, check_probe_kinds, model_classes, retain_classifier
 from service.evaluation.service import resolve_retain_model as check_retain_model
 from service.jobs import callbacks
 from service.jobs.admission import admit
@@ -77,7 +78,7 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     urls = callbacks.check_optional_url(options.callback_url, ctx.settings)
     options = one_term_each(options)
     model = get_model(ctx, model_id)
-    check_causal_lm(model, "calibration's evaluations")
+    _check_probes(ctx, model, options)
     full = model.layout
     space = request_space(full, options)
     if has_messages(options):
@@ -117,16 +118,36 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
     return calibration_id, ctx.jobs.get(job.job_id) or job, False
 
 
+def _check_probes(ctx: Context, model: ModelRecord, options: CalibrateRequest) -> None:
+    """The probes are of the model's kind (a 422 naming the first that is not, and the model's kind):
+    labelled images for an image classifier, each decoded under the pixel bound (413) with a label of
+    its classes (422), as evaluate checks them; text probes for a causal LM."""
+    probes = {
+        name: [p.model_dump(exclude_none=True) for p in getattr(options, name)] for name in ("forget", "retain", "test")
+    }
+    check_probe_kinds(probes, model)  # before the causal-LM check: it names the probe and the model's kind
+    if model.kind == "image":
+        check_image_probes(probes, model_classes(model), ctx.settings.max_image_pixels)
+    else:
+        check_causal_lm(model, "calibration's evaluations")
+
+
 def _goal(ctx: Context, model_id: str, options: CalibrateRequest) -> GoalSpec | None:
     """An objective's goal: its retain model found and checked (404/422 as evaluate's), every metric
-    it names measurable on these probes (422 naming what is missing). None without an objective."""
+    it names measurable on these probes (422 naming what is missing). None without an objective (but
+    for image probes: an image classifier's calibration always has one, its default if none is asked)."""
+    if options.kind == "image":
+        retain = None
+        if options.retain_model is not None:  # evaluate's check of a retrained classifier
+            retain = retain_classifier(ctx, get_model(ctx, model_id), options.retain_model)
+        check_measurable(options, retain is not None)
+        return goal_spec(options, retain)
     if options.objective is None:
         return None
     retain = None
     if options.retain_model is not None:
         # evaluate's own check (a registered model or a ready variant, the base's vocabulary)
-        found = check_retain_model(ctx, {"model_id": model_id}, options.retain_model)
-        retain = RetainModelRef(id=found["id"], kind=found["kind"], digest=found["digest"])
+        retain = check_retain_model(ctx, model_id, options.retain_model)
     check_measurable(options, retain is not None)
     return goal_spec(options, retain)
 
@@ -206,7 +227,7 @@ def find_request(ctx: Context, calibration_id: str) -> CalibrationRequest | None
 def stored_result(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
     """The stored result (``result.json``) as the API shows it, read through its record; None before."""
     stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
-    return None if stored is None else read_calibration_result(calibration_id, stored).to_json()
+    return None if stored is None else read_calibration_result(calibration_id, stored).model_dump(mode="json")
 
 
 def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
@@ -245,4 +266,5 @@ def front_png(ctx: Context, calibration_id: str, x: str | None = None, y: str | 
     unknown = [name for name in (x, y) if name is not None and name not in known]
     if unknown:
         raise InvalidInput(f"the candidates carry no metric {', '.join(unknown)}; known: {', '.join(known)}")
-    return render_front_png(result, x or DEFAULT_X, y or DEFAULT_Y)
+    default_x, default_y = default_axes(result)
+    return render_front_png(result, x or default_x, y or default_y)

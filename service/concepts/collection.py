@@ -44,6 +44,7 @@ from service.engine.template_render import TemplateProcess
 from service.errors import InvalidInput, JobFailed
 from service.jobs.progress import JobCancelled, JobProgress
 from service.jobs.records import CollectPayload, JobRecord
+from service.jobs.results import CollectResult
 from service.jobs.store import utc_now
 from service.jobs.templates import template_limits
 from service.models.loaded import MODELS, check_model_unchanged
@@ -59,7 +60,7 @@ from service.storage.keys import concept_key, dataset_key
 log = logging.getLogger("engram.collection")
 
 
-def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_collection(ctx: Context, job: JobRecord) -> CollectResult:
     """Collect one concept's statistics on one model (skipped when they already exist).
 
     A concept posted with a dataset reference has no dataset yet: the job resolves it first
@@ -76,7 +77,9 @@ def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
     if published is not None:
         # Reused statistics: the job is done with every token it would have counted (not "0/0").
         ctx.jobs.set_progress(job.job_id, published.tokens, published.tokens)
-        return {"tokens": published.tokens, "stats": prefix, "reused": True, **(published.truncation or {})}
+        return CollectResult.model_validate(
+            {"tokens": published.tokens, "stats": prefix, "reused": True, **(published.truncation or {})}
+        )
     manifest = get_model(ctx, payload.model_id)
     if manifest.digest != payload.model_digest:
         raise JobFailed(f"model {payload.model_id} was re-registered with other weights")
@@ -137,12 +140,14 @@ def run_collection(ctx: Context, job: JobRecord) -> dict[str, Any]:
     report = survey.report()
     check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran (issue 23, 7)
     _publish_statistics(ctx, prefix, stats, payload, spec, seconds, report, cancelled)
-    return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
+    return CollectResult.model_validate(
+        {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
+    )
 
 
 def _collect_images(
     ctx: Context, job_id: str, payload: CollectPayload, manifest: ModelRecord, model: Any, spec: CollectionSpec, prefix: str
-) -> dict[str, Any]:
+) -> CollectResult:
     """An image concept on an image classifier: every image counts whole (nothing to truncate);
     progress counts images."""
     assert payload.dataset_digest is not None  # resolved before anything is collected
@@ -168,7 +173,9 @@ def _collect_images(
     check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran
     report = Survey(spec.max_length, records=records).report()  # an image is never cut: none truncated
     _publish_statistics(ctx, prefix, stats, payload, spec, seconds, report, cancelled)
-    return {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
+    return CollectResult.model_validate(
+        {"tokens": stats.tokens, "stats": prefix, "reused": False, "seconds": round(seconds, 3), **report}
+    )
 
 
 FIRST_LISTED = 10  # record indices a truncation report lists

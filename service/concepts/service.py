@@ -12,8 +12,11 @@ import difflib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+from pydantic import JsonValue
+
+from api_schemas import Concept
 from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
 from service.context import Context
 from service.datasets.images import check_record_kinds
@@ -27,6 +30,7 @@ from service.jobs.admission import admit
 from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
+from service.models.record import ModelRecord
 from service.models.registry import check_chat_templates, get_model
 from service.statistics.manifest import StatisticsManifest, stats_manifest
 from service.statistics.spec import CollectionSpec, canonical_modules
@@ -72,7 +76,7 @@ def submit_concept(
     modules: Sequence[str] | None = None,
     reference: dict[str, Any] | None = None,
     template: str | None | Any = KEEP,
-) -> tuple[dict[str, Any], list[JobRecord]]:
+) -> tuple[Concept, list[JobRecord]]:
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
     Args:
@@ -194,7 +198,7 @@ def _check_same_concept(
 def _plan_collections(
     ctx: Context,
     concept: ConceptRecord,
-    manifests: dict[str, Any],
+    manifests: Mapping[str, ModelRecord],
     callback_urls: list[str],
     modules: list[str] | None = None,
 ) -> tuple[ConceptRecord, list[JobRecord]]:
@@ -220,7 +224,7 @@ def _plan_collections(
 
 
 def _models_to_collect(
-    ctx: Context, concept: ConceptRecord | None, manifests: dict[str, Any], modules: list[str] | None
+    ctx: Context, concept: ConceptRecord | None, manifests: Mapping[str, ModelRecord], modules: list[str] | None
 ) -> list[str]:
     """The listed models that need a collection job: those the concept is not collecting or
     collected on (a new concept: every one).
@@ -321,7 +325,20 @@ def _cancel_collections(ctx: Context, concept: ConceptRecord) -> None:
             ctx.jobs.update(job.job_id, cancel_requested=True)
 
 
-def concept_model_state(ctx: Context, entry: ConceptModelState) -> dict[str, Any]:
+class _StateKeys(TypedDict):
+    status: str  # ready, collecting, pending or failed
+    tokens: int | None
+    job_id: str
+
+
+class ModelStateView(_StateKeys, total=False):
+    """A concept's collection on one model as its view shows it (``truncation``: once ready, what
+    ``max_length`` did, from the statistics manifest; None in one written before it was reported)."""
+
+    truncation: dict[str, JsonValue] | None
+
+
+def concept_model_state(ctx: Context, entry: ConceptModelState) -> ModelStateView:
     # The job first, then the manifest: a collection publishes its manifest before its job succeeds,
     # so a job read as finished guarantees the manifest is found. The other order could read "no
     # manifest yet", then "succeeded", and report a finished collection as failed.
@@ -334,25 +351,26 @@ def concept_model_state(ctx: Context, entry: ConceptModelState) -> dict[str, Any
     return {"status": status, "tokens": None, "job_id": entry.job_id}
 
 
-def ready_state(published: StatisticsManifest, job_id: str) -> dict[str, Any]:
+def ready_state(published: StatisticsManifest, job_id: str) -> ModelStateView:
     """A model's state once its statistics are published: their tokens and what ``max_length`` did
     (the manifest's truncation report; ``None`` in a manifest written before there was one)."""
     return {"status": "ready", "tokens": published.tokens, "job_id": job_id, "truncation": published.truncation}
 
 
-def concept_view(ctx: Context, concept: ConceptRecord) -> dict[str, Any]:
+def concept_view(ctx: Context, concept: ConceptRecord) -> Concept:
+    """The concept as the routes answer it: the contract's :class:`~api_schemas.Concept`."""
     states = {m: concept_model_state(ctx, e) for m, e in concept.models.items()}
     error = None
     if concept.dataset is not None and concept.dataset_digest is None:
         failed = [ctx.jobs.get(e.job_id) for e in concept.models.values()]
         error = next((j.error["detail"] for j in failed if j and j.error), None)
-    return concept_fields(concept, states, error)
+    return Concept.model_validate(concept_fields(concept, states, error))
 
 
-def concept_fields(concept: ConceptRecord, states: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+def concept_fields(concept: ConceptRecord, states: Mapping[str, ModelStateView], error: str | None = None) -> dict[str, Any]:
     """A concept's view from its record and its models' states (``error``: why its dataset
     reference did not resolve, when it did not)."""
-    view = {
+    view: dict[str, Any] = {  # the JSON the API answers (api_schemas.Concept)
         "name": concept.name,
         "role": concept.role,
         "description": concept.description,
@@ -377,7 +395,7 @@ def concept_fields(concept: ConceptRecord, states: dict[str, Any], error: str | 
 # ---------------------------------------------------------------- the concepts an edit is measured against
 
 
-def ready_statistics(ctx: Context, model_id: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+def ready_statistics(ctx: Context, model_id: str, names: Sequence[str]) -> dict[str, dict[str, str]]:
     """name -> {prefix, dataset_digest} for concepts ready on this model; 404/409 naming the rest."""
     unknown = [n for n in names if find_concept(ctx, n) is None]
     if unknown:

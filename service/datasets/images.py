@@ -39,6 +39,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from service.config import Settings
+from service.datasets.sources import Fingerprint
 from service.errors import InvalidInput, PayloadTooLarge
 
 IMAGE_FIELD, LABEL_FIELD = "image", "label"
@@ -336,7 +337,7 @@ def _entries(folder: Path, root: Path) -> list[tuple[str, str, Path]]:
     return sorted(found, key=lambda item: item[0].encode("utf-8", "surrogateescape"))
 
 
-def folder_fingerprint(images: list[FolderImage]) -> dict[str, Any]:
+def folder_fingerprint(images: list[FolderImage]) -> Fingerprint:
     """What identifies an ImageFolder's content without reading it: the digest of every file's
     relative path, size, mtime and inode (any write, rename or replacement changes it)."""
     digest = hashlib.sha256()
@@ -346,7 +347,7 @@ def folder_fingerprint(images: list[FolderImage]) -> dict[str, Any]:
     return {"files": len(images), "listing": digest.hexdigest()}
 
 
-def image_folder(root: Path, max_files: int, max_bytes: int) -> Iterator[tuple[str, dict[str, Any]]]:
+def image_folder(root: Path, max_files: int, max_bytes: int) -> Iterator[tuple[str, dict[str, str]]]:
     """An ImageFolder's records, in the order of :func:`list_image_folder`: ``(where, record)``
     with ``record = {"image": <base64>, "label": <its folder's name>}``, read one file at a time."""
     for image in list_image_folder(root, max_files, max_bytes):

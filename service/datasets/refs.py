@@ -51,6 +51,7 @@ from service.datasets.images import (
 )
 from service.datasets.sources import (
     FINGERPRINT,
+    Fingerprint,
     Source,
     allowed_s3_key,
     check_regular_file,
@@ -174,7 +175,7 @@ def submitted_reference(raw: dict[str, Any], settings: Settings) -> dict[str, An
     return {**reference, FINGERPRINT: fingerprint_reference(reference, settings)}
 
 
-def _folder_print(reference: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def _folder_print(reference: dict[str, Any], settings: Settings) -> Fingerprint:
     root = file_path(reference["uri"], settings.dataset_root_paths)
     return folder_fingerprint(list_image_folder(root, settings.max_records, settings.max_dataset_bytes))
 

@@ -20,7 +20,7 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import unquote, urlparse
 
 from service.config import S3_BUCKET_NAME, S3_BUCKET_RULE, Settings
@@ -36,6 +36,25 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 HF_CACHE = "hf-datasets"  # under ENGRAM_CACHE_DIR
 HUB_TIMEOUT_S = 10.0  # resolving a revision at submission: a slow hub must not hold the request long
 FINGERPRINT = "fingerprint"  # the key of a stored reference that holds its content's fingerprint
+
+
+class Fingerprint(TypedDict, total=False):
+    """What identifies a reference's content, taken without reading it: compared whole (any key
+    that differs is other content) and shown key by key. Stored in the reference as this JSON.
+
+    Which keys a fingerprint has says what it is of: a ``file://`` file's ``size``, ``mtime_ns`` and
+    ``inode``; an S3 object's ``etag`` and ``size`` (and ``version_id`` in a versioned bucket); a hub
+    file's ``commit``; an ImageFolder's ``files`` and ``listing`` (:func:`service.datasets.images.folder_fingerprint`).
+    """
+
+    size: int
+    mtime_ns: int
+    inode: int
+    etag: str
+    version_id: str
+    commit: str
+    files: int
+    listing: str
 
 
 # ---------------------------------------------------------------- URI shapes
@@ -133,7 +152,7 @@ def hf_parts(uri: str) -> tuple[str, str | None, str]:
 # ---------------------------------------------------------------- fingerprints: what content a reference names
 
 
-def fingerprint_reference(reference: dict[str, Any], settings: Settings) -> dict[str, Any] | None:
+def fingerprint_reference(reference: dict[str, Any], settings: Settings) -> Fingerprint | None:
     """What identifies the referenced content now, read without opening it.
 
     Returns:
@@ -161,13 +180,13 @@ def fingerprint_reference(reference: dict[str, Any], settings: Settings) -> dict
     return {"commit": commit} if commit is not None else None
 
 
-def _stat_print(info: os.stat_result) -> dict[str, Any]:
+def _stat_print(info: os.stat_result) -> Fingerprint:
     # Size and mtime change with any ordinary write; the inode changes when a file is replaced by a
     # rename (an editor's save, an atomic publish) even within one mtime tick.
     return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "inode": info.st_ino}
 
 
-def _s3_print(uri: str, settings: Settings) -> dict[str, Any] | None:
+def _s3_print(uri: str, settings: Settings) -> Fingerprint | None:
     from service.storage.s3 import BucketNotFound, S3CredentialsMissing, make_s3_client
 
     bucket, key = allowed_s3_key(uri, settings)
@@ -189,8 +208,8 @@ def _head(client: Any, bucket: str, key: str, **pin: str) -> dict[str, Any]:
         return dict(client.head_object(Bucket=bucket, Key=key, **pin))
 
 
-def _head_print(head: dict[str, Any]) -> dict[str, Any]:
-    found: dict[str, Any] = {"etag": head["ETag"], "size": int(head["ContentLength"])}
+def _head_print(head: dict[str, Any]) -> Fingerprint:
+    found: Fingerprint = {"etag": head["ETag"], "size": int(head["ContentLength"])}
     # "null" names the version an unversioned write overwrites in place: not a version to pin.
     if head.get("VersionId") and head["VersionId"] != "null":
         found["version_id"] = head["VersionId"]
@@ -222,8 +241,8 @@ def hub_commit(repo: str, revision: str | None, cache: Path) -> str | None:
     return cached if COMMIT.fullmatch(cached) else None
 
 
-def _changed(uri: str, when: str, then: dict[str, Any], now: dict[str, Any] | None = None) -> Conflict:
-    def shown(fingerprint: dict[str, Any]) -> str:
+def _changed(uri: str, when: str, then: Fingerprint, now: Fingerprint | None = None) -> Conflict:
+    def shown(fingerprint: Fingerprint) -> str:
         return ", ".join(f"{k} {v}" for k, v in fingerprint.items())
 
     seen = f"{shown(then)} then" + (f"; {shown(now)} now" if now is not None else "")
@@ -259,7 +278,7 @@ class _LocalSource(Source):
     """A local file, read through the descriptor opened first: a rename over its path changes
     nothing read; an in-place write shows in ``fstat`` (checked when opened and after reading)."""
 
-    def __init__(self, uri: str, path: Path, fingerprint: dict[str, Any] | None = None) -> None:
+    def __init__(self, uri: str, path: Path, fingerprint: Fingerprint | None = None) -> None:
         # Refused unopened when it is no regular file; opened non-blocking all the same, so a FIFO
         # swapped in after that look cannot block the job (fstat then refuses it).
         flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
@@ -342,7 +361,7 @@ class _S3Source(Source):
     """An S3 object; every ranged GET is pinned to the content opened (its version, else its ETag
     with ``If-Match``), so a write to the key while the job reads it is a 409, never mixed bytes."""
 
-    def __init__(self, uri: str, settings: Settings, fingerprint: dict[str, Any] | None = None) -> None:
+    def __init__(self, uri: str, settings: Settings, fingerprint: Fingerprint | None = None) -> None:
         from service.storage.s3 import BucketNotFound, make_s3_client
 
         self.bucket, self.key = allowed_s3_key(uri, settings)
@@ -394,7 +413,7 @@ class _S3Source(Source):
             yield handle
 
 
-def _hf_source(uri: str, settings: Settings, fingerprint: dict[str, Any] | None = None) -> Source:
+def _hf_source(uri: str, settings: Settings, fingerprint: Fingerprint | None = None) -> Source:
     """A hub dataset file, downloaded (streamed to disk, resumable) into ``ENGRAM_CACHE_DIR/hf-datasets``
     at the commit posted (a branch may have moved since), then the cache trimmed to its budget."""
     repo, revision, path = hf_parts(uri)
@@ -416,7 +435,7 @@ def _hf_source(uri: str, settings: Settings, fingerprint: dict[str, Any] | None 
     return _LocalSource(uri, real)
 
 
-def open_source(uri: str, settings: Settings, fingerprint: dict[str, Any] | None = None) -> Source:
+def open_source(uri: str, settings: Settings, fingerprint: Fingerprint | None = None) -> Source:
     """The reference opened for reading (nothing read yet), its rules checked again on this machine
     and its content checked against ``fingerprint`` (as :func:`fingerprint_reference` took it)."""
     scheme = urlparse(uri).scheme.lower()

@@ -26,6 +26,7 @@ from service.context import Context
 from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, decode_base64, decode_image, resolve_label
 from service.engine.model_files import ModelSourceError, read_side_json
 from service.errors import Conflict, InvalidInput, NotFound
+from service.evaluation.retain_model import RetainModelRef
 from service.models.record import ModelRecord
 from service.models.registry import find_model, get_model
 from service.variants.service import find_variant_request, variant_view
@@ -99,10 +100,10 @@ def check_image_probes(
         decode_image(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels)
 
 
-def retain_classifier(ctx: Context, base: ModelRecord, retain_id: str) -> dict[str, Any]:
-    """The retrained classifier named by ``retain_model``, resolved: ``{"id", "kind", "digest"}`` (a
-    registered model's checkpoint digest, or the variant id, which names its content), so that a
-    re-registered retain model is a new evaluation.
+def retain_classifier(ctx: Context, base: ModelRecord, retain_id: str) -> RetainModelRef:
+    """The retrained classifier named by ``retain_model``, resolved (a registered model's checkpoint
+    digest, or the variant id, which names its content), so that a re-registered retain model is a
+    new evaluation.
 
     Raises:
         NotFound: neither a registered model nor a variant has this id.
@@ -112,14 +113,14 @@ def retain_classifier(ctx: Context, base: ModelRecord, retain_id: str) -> dict[s
     manifest = find_model(ctx, retain_id)
     if manifest is not None:
         _check_same_classes(base, manifest, retain_id)
-        return {"id": retain_id, "kind": "model", "digest": manifest.digest}
+        return RetainModelRef(id=retain_id, kind="model", digest=manifest.digest)
     if find_variant_request(ctx, retain_id) is None:
         raise NotFound(f"retain_model {retain_id} is neither a registered model nor a variant")
     view = variant_view(ctx, retain_id)
     if view["status"] != "ready":
         raise Conflict(f"retain_model {retain_id} is a variant that is {view['status']}, not ready")
     _check_same_classes(base, get_model(ctx, view["model_id"]), retain_id)
-    return {"id": retain_id, "kind": "variant", "digest": retain_id}
+    return RetainModelRef(id=retain_id, kind="variant", digest=retain_id)
 
 
 def _check_same_classes(base: ModelRecord, retain: ModelRecord, retain_id: str) -> None:

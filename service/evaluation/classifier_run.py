@@ -22,15 +22,27 @@ the label. The variant is the artifact shipped (checkpoint, delta or PEFT adapte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
-from api_schemas.evaluation import CLASSIFIER_SETS
+from api_schemas.evaluation import (
+    ClassifierEvaluation,
+    ClassifierModel,
+    ClassifierModelReport,
+    ClassifierScores,
+    ClassifierSet,
+    ClassifierSetReport,
+    EvaluationResult,
+    ProbeRecord,
+    ProbeScore,
+    ProbeSummary,
+    Scored,
+)
 from service.context import Context
 from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, decode_base64, decode_image, resolve_label
 from service.engine.classify import Classified, HeadNotFound, classify
@@ -38,13 +50,19 @@ from service.engine.collect import PixelBatch
 from service.engine.images import ImageProcessorError, channels_of, load_image_processor, pixel_batches
 from service.errors import InvalidInput, JobFailed, PayloadTooLarge
 from service.evaluation import classifier_metrics as metrics
+from service.evaluation.records import ProbeJson, StoredProbes
+from service.evaluation.retain_model import RetainModelRef
 from service.models.loaded import MODELS
 from service.models.registry import get_model
 from service.variants.service import find_variant_request
 
 # (base model, variant model, tokenizer) of a variant, as shipped: service.evaluation.run's loader.
 VariantLoader = Callable[[Context, str], tuple[Any, Any, Any]]
-ProbeSets = dict[str, list[dict[str, Any]]]
+# the probe sets and the models of a classifier evaluation, as the result names them (one spelling)
+SETS: tuple[ClassifierSet, ...] = get_args(ClassifierSet)
+ProbeSets = dict[ClassifierSet, list[ProbeJson]]
+# one model's outputs per probe set
+SetOutputs = Mapping[ClassifierSet, Classified]
 # NMI's k-means costs n·d·k multiply-adds per Lloyd iteration (10 restarts, up to 300 iterations
 # each): past this it is left out, naming why, rather than holding a worker for hours.
 NMI_MAX_WORK = 2_000_000_000
@@ -63,9 +81,9 @@ def model_classes(model: Any) -> dict[int, str]:
     return {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
 
 
-def probe_sets(raw: dict[str, Any]) -> ProbeSets:
+def probe_sets(raw: Mapping[str, Sequence[ProbeJson] | None]) -> ProbeSets:
     """The stored probe sets that have probes, in the order forget, retain, test."""
-    return {name: list(raw.get(name) or []) for name in CLASSIFIER_SETS if raw.get(name)}
+    return {name: list(raw.get(name) or []) for name in SETS if raw.get(name)}
 
 
 def resolved_labels(sets: ProbeSets, classes: dict[int, str]) -> dict[str, list[int]]:
@@ -86,7 +104,7 @@ def _class_id(label: int | None) -> int:
     return label
 
 
-def _images(probes: Sequence[dict[str, Any]], name: str, max_pixels: int) -> Iterator[Any]:
+def _images(probes: Sequence[ProbeJson], name: str, max_pixels: int) -> Iterator[Any]:
     for i, probe in enumerate(probes):
         where = f"{name}[{i}]"
         try:
@@ -95,9 +113,31 @@ def _images(probes: Sequence[dict[str, Any]], name: str, max_pixels: int) -> Ite
             raise JobFailed(exc.detail) from None
 
 
+def probe_pixels(
+    classifier: Classifier, probes: Sequence[ProbeJson], name: str, *, batch_size: int, max_pixels: int
+) -> Iterator[PixelBatch]:
+    """The probes' pixels in batches, read by the classifier's own image processor (decoded lazily:
+    one batch held at a time). An image that does not decode, a processor that cannot be read: JobFailed."""
+    try:
+        processor = load_image_processor(classifier.folder)
+        channels = channels_of(classifier.model.config)
+    except ImageProcessorError as exc:
+        raise JobFailed(str(exc)) from None
+    for values in pixel_batches(processor, _images(probes, name, max_pixels), batch_size, channels):
+        yield PixelBatch(values)
+
+
+def classified(model: Any, batches: Iterable[PixelBatch], labels: Sequence[int]) -> Classified:
+    """:func:`~service.engine.classify.classify`, its refusals as the job's failure."""
+    try:
+        return classify(model, batches, labels)
+    except (HeadNotFound, ImageProcessorError) as exc:
+        raise JobFailed(str(exc)) from None
+
+
 def run_classifier(
     classifier: Classifier,
-    probes: Sequence[dict[str, Any]],
+    probes: Sequence[ProbeJson],
     labels: Sequence[int],
     name: str,
     *,
@@ -107,22 +147,13 @@ def run_classifier(
 ) -> Classified:
     """One classifier's logits and penultimate features on one probe set, its images read by its
     own image processor; ``advance`` is called with each batch's image count."""
-    try:
-        processor = load_image_processor(classifier.folder)
-        channels = channels_of(classifier.model.config)
-    except ImageProcessorError as exc:
-        raise JobFailed(str(exc)) from None
 
     def batches() -> Iterator[PixelBatch]:
-        for values in pixel_batches(processor, _images(probes, name, max_pixels), batch_size, channels):
-            batch = PixelBatch(values)
+        for batch in probe_pixels(classifier, probes, name, batch_size=batch_size, max_pixels=max_pixels):
             yield batch
             advance(batch.num_counted)
 
-    try:
-        return classify(classifier.model, batches(), labels)
-    except (HeadNotFound, ImageProcessorError) as exc:
-        raise JobFailed(str(exc)) from None
+    return classified(classifier.model, batches(), labels)
 
 
 # ---------------------------------------------------------------- the numbers
@@ -138,32 +169,32 @@ def per_probe(outputs: Classified) -> tuple[list[float], list[bool]]:
     return nll, correct
 
 
-def set_report(outputs: Classified, forgotten: Sequence[int], name: str) -> dict[str, Any]:
-    """``{n, accuracy, label_nll, confusion?}`` of one model on one probe set."""
+def set_report(outputs: Classified, forgotten: Sequence[int], name: str) -> ClassifierSetReport:
+    """One model on one probe set: ``n``, accuracy, label NLL, and the forgotten classes' confusion rows."""
     logits, labels = outputs.logits.numpy(), outputs.labels.numpy()
-    report: dict[str, Any] = {
-        "n": int(labels.shape[0]),
-        "accuracy": metrics.top1_accuracy(logits, labels, what=name),
-        "label_nll": metrics.mean_label_nll(logits, labels, what=name),
-    }
     present = [c for c in forgotten if bool((labels == c).any())]
-    if present:
-        report["confusion"] = {str(c): metrics.confusion_row(logits, labels, c, what=name) for c in present}
-    return report
+    confusion = {str(c): metrics.confusion_row(logits, labels, c, what=name) for c in present} if present else None
+    return ClassifierSetReport(
+        n=int(labels.shape[0]),
+        accuracy=metrics.top1_accuracy(logits, labels, what=name),
+        label_nll=metrics.mean_label_nll(logits, labels, what=name),
+        confusion=confusion,
+    )
 
 
 def model_report(
-    outputs: dict[str, Classified], forgotten: Sequence[int], model: str, left_out: dict[str, str]
-) -> dict[str, Any]:
+    outputs: SetOutputs, forgotten: Sequence[int], model: str, left_out: dict[str, str]
+) -> ClassifierModelReport:
     """One model's per-set reports, and its features' DA and NMI when forget and retain probes were given."""
-    report: dict[str, Any] = {"sets": {name: set_report(out, forgotten, name) for name, out in outputs.items()}}
+    sets = {name: set_report(out, forgotten, name) for name, out in outputs.items()}
     if "forget" not in outputs or "retain" not in outputs:
         why = "needs forget and retain probes"
         left_out.update({f"{model}.da": why, f"{model}.nmi": why})
-        return report
+        return ClassifierModelReport(sets=sets)
     forget, retain = outputs["forget"], outputs["retain"]
+    da: float | None = None
     try:
-        report["da"] = metrics.dimensional_alignment(forget.features.numpy(), retain.features.numpy())
+        da = metrics.dimensional_alignment(forget.features.numpy(), retain.features.numpy())
     except ValueError as exc:
         left_out[f"{model}.da"] = str(exc)
     features = torch.cat([forget.features, retain.features]).numpy()
@@ -174,20 +205,19 @@ def model_report(
             f"k-means of {features.shape[0]} features {features.shape[1]} wide into {len(set(labels.tolist()))} "
             f"clusters is {work:.3g} multiply-adds an iteration, past {NMI_MAX_WORK:.0e}: send fewer probes"
         )
-        return report
+        return ClassifierModelReport(sets=sets, da=da)
+    nmi: float | None = None
     try:
-        report["nmi"] = metrics.feature_nmi(features, labels)
+        nmi = metrics.feature_nmi(features, labels)
     except ValueError as exc:
         left_out[f"{model}.nmi"] = str(exc)
-    return report
+    return ClassifierModelReport(sets=sets, da=da, nmi=nmi)
 
 
-def cka_per_set(
-    first: dict[str, Classified], second: dict[str, Classified], what: str, left_out: dict[str, str]
-) -> dict[str, float]:
+def cka_per_set(first: SetOutputs, second: SetOutputs, what: str, left_out: dict[str, str]) -> dict[ClassifierSet, float]:
     """Linear CKA of two models' penultimate features on each probe set (a set where it is undefined
     is left out, naming why)."""
-    values: dict[str, float] = {}
+    values: dict[ClassifierSet, float] = {}
     for name, outputs in first.items():
         try:
             values[name] = metrics.linear_cka(outputs.features.numpy(), second[name].features.numpy())
@@ -196,52 +226,54 @@ def cka_per_set(
     return values
 
 
-def tug_of_war(variant: dict[str, Classified], retrained: dict[str, Classified], left_out: dict[str, str]) -> float | None:
+def tug_of_war(variant: SetOutputs, retrained: SetOutputs, left_out: dict[str, str]) -> float | None:
     """ToW of the variant against the retrained model on the forget, retain and test accuracies."""
-    missing = [name for name in CLASSIFIER_SETS if name not in variant]
+    missing = [name for name in SETS if name not in variant]
     if missing:
         left_out["tow"] = f"ToW compares the forget, retain and test accuracies; no {', '.join(missing)} probes given"
         return None
 
-    def accuracies(outputs: dict[str, Classified]) -> metrics.SetAccuracies:
+    def accuracies(outputs: SetOutputs) -> metrics.SetAccuracies:
         values = {n: metrics.top1_accuracy(o.logits.numpy(), o.labels.numpy(), what=n) for n, o in outputs.items()}
         return metrics.SetAccuracies(forget=values["forget"], retain=values["retain"], test=values["test"])
 
     return metrics.tug_of_war(accuracies(variant), accuracies(retrained))
 
 
-def classifier_section(outputs: dict[str, dict[str, Classified]], forgotten: Sequence[int]) -> dict[str, Any]:
+def classifier_section(outputs: Mapping[ClassifierModel, SetOutputs], forgotten: Sequence[int]) -> ClassifierEvaluation:
     """The result's ``classifier`` section from every model's outputs (``base``, ``variant``,
-    ``retrained`` when given), per probe set."""
+    ``retrained`` when given), per probe set. A score not computed is absent, ``left_out`` naming why."""
     left_out: dict[str, str] = {}
     models = {name: model_report(per_set, forgotten, name, left_out) for name, per_set in outputs.items()}
-    scores: dict[str, Any] = {"cka_to_base": cka_per_set(outputs["variant"], outputs["base"], "cka_to_base", left_out)}
+    cka_to_base = cka_per_set(outputs["variant"], outputs["base"], "cka_to_base", left_out)
+    cka_to_retrained: dict[ClassifierSet, float] | None = None
+    tow: float | None = None
     retrained = outputs.get("retrained")
     if retrained is not None:
-        scores["cka_to_retrained"] = cka_per_set(outputs["variant"], retrained, "cka_to_retrained", left_out)
-        scores["tow"] = tug_of_war(outputs["variant"], retrained, left_out)
+        cka_to_retrained = cka_per_set(outputs["variant"], retrained, "cka_to_retrained", left_out)
+        tow = tug_of_war(outputs["variant"], retrained, left_out)
     else:
         why = "needs retain_model (the classifier retrained without the forget classes)"
         left_out.update({"tow": why, "cka_to_retrained": why})
-    scores["left_out"] = left_out
-    return {"forgotten_classes": list(forgotten), "models": models, "scores": scores}
+    scores = ClassifierScores(tow=tow, cka_to_base=cka_to_base, cka_to_retrained=cka_to_retrained, left_out=left_out)
+    return ClassifierEvaluation(forgotten_classes=list(forgotten), models=models, scores=scores)
 
 
 # ---------------------------------------------------------------- the job
 
 
-def load_retrained(ctx: Context, option: dict[str, Any], load_variant: VariantLoader) -> Classifier:
+def load_retrained(ctx: Context, option: RetainModelRef, load_variant: VariantLoader) -> Classifier:
     """The retrained classifier named by the stored ``retain_model`` option (a registered model, or a
     variant as shipped), with the folder of the image processor it reads images with."""
-    if option["kind"] == "variant":
-        request = find_variant_request(ctx, option["id"])
+    if option.kind == "variant":
+        request = find_variant_request(ctx, option.id)
         if request is None:
-            raise JobFailed(f"retain_model {option['id']} was deleted since this evaluation was asked for")
-        _, model, _ = load_variant(ctx, option["id"])
+            raise JobFailed(f"retain_model {option.id} was deleted since this evaluation was asked for")
+        _, model, _ = load_variant(ctx, option.id)
         return Classifier(model, Path(get_model(ctx, request.model_id).path))
-    manifest = get_model(ctx, option["id"])
-    if manifest.digest != option["digest"]:
-        raise JobFailed(f"retain_model {option['id']} was registered again since this evaluation was asked for")
+    manifest = get_model(ctx, option.id)
+    if manifest.digest != option.digest:
+        raise JobFailed(f"retain_model {option.id} was registered again since this evaluation was asked for")
     model, _ = MODELS.get(ctx, manifest, ctx.settings.torch_device)
     return Classifier(model, Path(manifest.path))
 
@@ -249,10 +281,10 @@ def load_retrained(ctx: Context, option: dict[str, Any], load_variant: VariantLo
 def evaluate_classifiers(
     ctx: Context,
     variant_id: str,
-    raw: dict[str, Any],
+    raw: StoredProbes,
     load_variant: VariantLoader,
     progress_for: Callable[[int], Any],
-) -> dict[str, Any]:
+) -> EvaluationResult:
     """An image classifier's evaluation result (``summary``, ``records``, ``classifier``, ``retain_model``).
 
     Args:
@@ -265,13 +297,16 @@ def evaluate_classifiers(
         raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
     folder = Path(get_model(ctx, request.model_id).path)
     base, variant, _ = load_variant(ctx, variant_id)
-    classifiers = {"base": Classifier(base, folder), "variant": Classifier(variant, folder)}
-    option = (raw.get("classifier") or {}).get("retain_model")
+    classifiers: dict[ClassifierModel, Classifier] = {
+        "base": Classifier(base, folder),
+        "variant": Classifier(variant, folder),
+    }
+    option = raw.classifier.retain_model if raw.classifier is not None else None
     if option is not None:
         classifiers["retrained"] = load_retrained(ctx, option, load_variant)
         if len(model_classes(classifiers["retrained"].model)) != len(model_classes(base)):
-            raise JobFailed(f"retain_model {option['id']} has another number of classes than the base model")
-    sets = probe_sets(raw)
+            raise JobFailed(f"retain_model {option.id} has another number of classes than the base model")
+    sets = probe_sets({"forget": raw.forget, "retain": raw.retain, "test": raw.test})
     labels = resolved_labels(sets, model_classes(base))
     progress = progress_for(len(classifiers) * sum(len(p) for p in sets.values()))
     outputs = {
@@ -290,25 +325,28 @@ def evaluate_classifiers(
         for model, classifier in classifiers.items()
     }
     forgotten = sorted(set(labels.get("forget", [])))
-    scored = {model: {name: per_probe(out) for name, out in outputs[model].items()} for model in ("base", "variant")}
-    return {
-        "variant_id": variant_id,
-        "summary": {
+    scored: dict[Scored, dict[ClassifierSet, tuple[list[float], list[bool]]]] = {
+        model: {name: per_probe(out) for name, out in outputs[model].items()} for model in ("base", "variant")
+    }
+    return EvaluationResult(
+        variant_id=variant_id,
+        summary={
             model: {
-                name: {"mean_nll": float(np.mean(nll)), "exact_match": float(np.mean(hits)), "n": len(nll)}
+                name: ProbeSummary(mean_nll=float(np.mean(nll)), exact_match=float(np.mean(hits)), n=len(nll))
                 for name, (nll, hits) in per_set.items()
             }
             for model, per_set in scored.items()
         },
-        "records": [
-            {
-                "split": name,
-                "index": i,
-                **{model: {"nll": scored[model][name][0][i], "exact_match": scored[model][name][1][i]} for model in scored},
-            }
+        records=[
+            ProbeRecord(
+                split=name,
+                index=i,
+                base=ProbeScore(nll=scored["base"][name][0][i], exact_match=scored["base"][name][1][i]),
+                variant=ProbeScore(nll=scored["variant"][name][0][i], exact_match=scored["variant"][name][1][i]),
+            )
             for name in sets
             for i in range(len(sets[name]))
         ],
-        "classifier": classifier_section(outputs, forgotten),
-        "retain_model": option["id"] if option is not None else None,
-    }
+        classifier=classifier_section(outputs, forgotten),
+        retain_model=option.id if option is not None else None,
+    )

@@ -24,6 +24,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from api_schemas.evaluation import (
+    EvaluationResult,
+    GeneratedText,
+    GenerationResult,
+    ProbeRecord,
+    ProbeScore,
+    ProbeSummary,
+    Scored,
+    Split,
+    TofuModel,
+    TofuReport,
+)
 from service.context import Context
 from service.engine.chat import RenderedOnce, Renderer
 from service.engine.checkpoint import load_model
@@ -33,6 +45,8 @@ from service.engine.model_files import ModelFiles
 from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics, with_answer
 from service.errors import JobFailed
 from service.evaluation.classifier_run import evaluate_classifiers
+from service.evaluation.records import ProbeJson, StoredProbes, TofuOptions
+from service.evaluation.retain_model import RetainModelRef
 from service.evaluation.service import SPLITS
 from service.evaluation.tofu_metrics import ModelReport, model_report, tofu_scores
 from service.jobs.progress import JobProgress
@@ -123,46 +137,66 @@ def _progress(ctx: Context, job: JobRecord, total: int) -> Any:
 # ---------------------------------------------------------------- job bodies
 
 
-def run_evaluation(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_evaluation(ctx: Context, job: JobRecord) -> EvaluationResult:
     """Per-probe answer NLL and greedy exact match on the base and the variant, with summaries."""
     payload = job.payload_of(EvaluatePayload)
     key = evaluation_key(payload.evaluation_id)
     cached = ctx.storage.find_json(key)
     if cached is not None:
-        return {**cached, "reused": True}
-    raw = json.loads(ctx.storage.get_bytes(probes_key(payload.probes_digest)))
-    if raw.get("classifier") is not None:  # image probes on an image classifier's variant
+        return EvaluationResult.model_validate({**cached, "reused": True})
+    raw = StoredProbes.from_bytes(ctx.storage.get_bytes(probes_key(payload.probes_digest)), payload.probes_digest)
+    if raw.classifier is not None:  # image probes on an image classifier's variant
         result = evaluate_classifiers(
             ctx, payload.variant_id, raw, VARIANT_MODELS.get, lambda total: _progress(ctx, job, total)
         )
-        _check_base_unchanged(ctx, payload.variant_id)
-        ctx.storage.put_json(key, result)
-        return result
-    probes = {s: [_probe(p) for p in raw[s]] for s in SPLITS}
-    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload.variant_id)
+    else:
+        result = _evaluate_text(ctx, job, payload.variant_id, raw)
+    _check_base_unchanged(ctx, payload.variant_id)
+    ctx.storage.put_json(key, evaluation_json(result))
+    return result  # the runner stores it as evaluation_json does: the fields the job set
+
+
+def evaluation_json(result: EvaluationResult) -> dict[str, Any]:
+    """The result as it is stored and answered: the fields the job set (``tofu`` and ``retain_model``
+    only with metrics or image probes; ``reused`` only when answered from storage)."""
+    return result.model_dump(mode="json", exclude_unset=True)
+
+
+def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredProbes) -> EvaluationResult:
+    """Text probes: the base and the variant on every probe, and TOFU's suite when asked for."""
+    probes: dict[Split, list[Probe]] = {"forget": [_probe(p) for p in raw.forget], "retain": [_probe(p) for p in raw.retain]}
+    base, variant, tokenizer = VARIANT_MODELS.get(ctx, variant_id)
     _causal(base)
     with template_process(ctx, job.job_id) as renderer:  # one render process, ended before scoring
         probes = _checked_probes(tokenizer, probes, renderer)
     progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()) + _tofu_units(raw))
-    scores = {name: _score(model, tokenizer, probes, progress) for name, model in (("base", base), ("variant", variant))}
-    result = {
-        "variant_id": payload.variant_id,
-        "summary": {name: {s: summarize(*per[s]) for s in SPLITS if probes[s]} for name, per in scores.items()},
-        "records": [
-            {
-                "split": split,
-                "index": i,
-                **{name: {"nll": scores[name][split][0][i], "exact_match": scores[name][split][1][i]} for name in scores},
-            }
+    scores: dict[Scored, dict[Split, tuple[list[float], list[bool]]]] = {
+        "base": _score(model=base, tokenizer=tokenizer, probes=probes, progress=progress),
+        "variant": _score(model=variant, tokenizer=tokenizer, probes=probes, progress=progress),
+    }
+    result = EvaluationResult(
+        variant_id=variant_id,
+        summary={name: {s: _summary(*per[s]) for s in SPLITS if probes[s]} for name, per in scores.items()},
+        records=[
+            ProbeRecord(
+                split=split,
+                index=i,
+                base=ProbeScore(nll=scores["base"][split][0][i], exact_match=scores["base"][split][1][i]),
+                variant=ProbeScore(nll=scores["variant"][split][0][i], exact_match=scores["variant"][split][1][i]),
+            )
             for split in SPLITS
             for i in range(len(probes[split]))
         ],
-    }
-    if raw.get("tofu") is not None:
-        result.update(_tofu_result(ctx, job, raw, base, variant, tokenizer, progress))
-    _check_base_unchanged(ctx, payload.variant_id)
-    ctx.storage.put_json(key, result)
+    )
+    if raw.tofu is not None:
+        tofu, retain_model = _tofu_result(ctx, job, raw, raw.tofu, base, variant, tokenizer, progress)
+        result = result.model_copy(update={"tofu": tofu, "retain_model": retain_model})
     return result
+
+
+def _summary(nll: list[float], em: list[bool]) -> ProbeSummary:
+    values = summarize(nll, em)
+    return ProbeSummary(mean_nll=values["mean_nll"], exact_match=values["exact_match"], n=int(values["n"]))
 
 
 def _check_base_unchanged(ctx: Context, variant_id: str) -> None:
@@ -173,16 +207,16 @@ def _check_base_unchanged(ctx: Context, variant_id: str) -> None:
         check_model_unchanged(ctx, get_model(ctx, request.model_id))
 
 
-def _probe(raw: dict[str, Any]) -> Probe:
+def _probe(raw: ProbeJson) -> Probe:
     if raw.get("messages") is not None:
         return Probe(messages=[{"role": m["role"], "content": m["content"]} for m in raw["messages"]])
     return Probe(raw["prompt"], raw["completion"])
 
 
-def _checked_probes(tokenizer: Any, probes: dict[str, list[Probe]], renderer: Renderer) -> dict[str, list[Probe]]:
+def _checked_probes(tokenizer: Any, probes: dict[Split, list[Probe]], renderer: Renderer) -> dict[Split, list[Probe]]:
     """Each probe with its token IDs (a chat probe rendered once, by ``renderer``); a probe that
     cannot be scored, or a template past a bound (naming its setting), fails the job naming it."""
-    checked: dict[str, list[Probe]] = {}
+    checked: dict[Split, list[Probe]] = {}
     for split, items in probes.items():
         checked[split] = []
         for i, probe in enumerate(items):
@@ -194,10 +228,10 @@ def _checked_probes(tokenizer: Any, probes: dict[str, list[Probe]], renderer: Re
 
 
 def _score(
-    model: Any, tokenizer: Any, probes: dict[str, list[Probe]], progress: Any
-) -> dict[str, tuple[list[float], list[bool]]]:
+    model: Any, tokenizer: Any, probes: dict[Split, list[Probe]], progress: Any
+) -> dict[Split, tuple[list[float], list[bool]]]:
     """``split -> (per-probe NLL, per-probe exact match)``, reporting progress every chunk."""
-    scores: dict[str, tuple[list[float], list[bool]]] = {}
+    scores: dict[Split, tuple[list[float], list[bool]]] = {}
     for split, items in probes.items():
         nll: list[float] = []
         em: list[bool] = []
@@ -213,14 +247,13 @@ def _score(
 # ---------------------------------------------------------------- TOFU's metrics (metrics: "tofu")
 
 
-def _tofu_sets(raw: dict[str, Any]) -> dict[str, list[TofuProbe]]:
+def _tofu_sets(raw: StoredProbes, options: TofuOptions) -> dict[str, list[TofuProbe]]:
     """The probe sets the suite reads, by name: forget, retain, holdout and each utility set."""
-    options = raw["tofu"]
-    sets = {"forget": raw["forget"], "retain": raw["retain"], "holdout": options["holdout"], **options["utility"]}
+    sets = {"forget": raw.forget, "retain": raw.retain, "holdout": options.holdout, **options.utility}
     return {name: [tofu_probe(_plain(p)) for p in items] for name, items in sets.items() if items}
 
 
-def _plain(record: dict[str, Any]) -> dict[str, object]:
+def _plain(record: ProbeJson) -> dict[str, object]:
     if record.get("messages") is not None:
         messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
         return {**record, "messages": messages}
@@ -245,13 +278,13 @@ def _prime(tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer)
                     raise JobFailed(f"{name}[{i}]{where}: {exc}") from None
 
 
-def _tofu_units(raw: dict[str, Any]) -> int:
+def _tofu_units(raw: StoredProbes) -> int:
     """The progress units of the TOFU suite: each probe of each set, once per model scored."""
-    options = raw.get("tofu")
+    options = raw.tofu
     if options is None:
         return 0
-    models = 3 if options.get("retain_model") is not None else 2
-    return models * sum(len(items) for items in _tofu_sets(raw).values())
+    models = 3 if options.retain_model is not None else 2
+    return models * sum(len(items) for items in _tofu_sets(raw, options).values())
 
 
 def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer, progress: Any) -> ModelReport:
@@ -265,50 +298,54 @@ def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], render
 
 
 def _tofu_result(
-    ctx: Context, job: JobRecord, raw: dict[str, Any], base: Any, variant: Any, tokenizer: Any, progress: Any
-) -> dict[str, Any]:
-    """``{"tofu": {model: {values, left_out}}, "retain_model": id}``: the suite on the base, the
-    variant and (given one) the retain model, each scored against the retain model and the base."""
-    options = raw["tofu"]
-    sets = _tofu_sets(raw)
+    ctx: Context,
+    job: JobRecord,
+    raw: StoredProbes,
+    options: TofuOptions,
+    base: Any,
+    variant: Any,
+    tokenizer: Any,
+    progress: Any,
+) -> tuple[dict[TofuModel, TofuReport], str | None]:
+    """The suite per model (``base``, ``variant`` and, given one, ``retain``), each scored against the
+    retain model and the base, and the retain model's id (None without one)."""
+    sets = _tofu_sets(raw, options)
     renderer = RenderedOnce(None)
     with template_process(ctx, job.job_id) as process:  # every template rendered before any model runs
         renderer.inner = process
         _prime(tokenizer, sets, renderer)
     renderer.inner = None
-    reports = {
-        name: _report(model, tokenizer, sets, renderer, progress) for name, model in (("base", base), ("variant", variant))
+    reports: dict[TofuModel, ModelReport] = {
+        "base": _report(base, tokenizer, sets, renderer, progress),
+        "variant": _report(variant, tokenizer, sets, renderer, progress),
     }
-    retain_option = options.get("retain_model")
+    retain_option = options.retain_model
     if retain_option is not None:
         retain_model = load_retain_model(ctx, retain_option, tokenizer)
         reports["retain"] = _report(retain_model, tokenizer, sets, renderer, progress)
     retain = reports.get("retain")
-    scored = {name: tofu_scores(report, retain, reports["base"]) for name, report in reports.items()}
-    wanted = options["metrics"]
-    return {
-        "tofu": {name: _public_report(report, wanted) for name, report in scored.items()},
-        "retain_model": retain_option["id"] if retain_option is not None else None,
-    }
+    wanted = options.metrics
+    tofu = {name: _public_report(tofu_scores(report, retain, reports["base"]), wanted) for name, report in reports.items()}
+    return tofu, retain_option.id if retain_option is not None else None
 
 
-def load_retain_model(ctx: Context, option: dict[str, Any], tokenizer: Any) -> Any:
+def load_retain_model(ctx: Context, option: RetainModelRef, tokenizer: Any) -> Any:
     """The retain model loaded (a registered model, or a variant as shipped), checked to be a causal
     LM with the base's vocabulary (the request checked it where the API could read the files)."""
-    if option["kind"] == "variant":
-        _, model, retain_tokenizer = VARIANT_MODELS.get(ctx, option["id"])
+    if option.kind == "variant":
+        _, model, retain_tokenizer = VARIANT_MODELS.get(ctx, option.id)
     else:
-        manifest = get_model(ctx, option["id"])
-        if manifest.digest != option["digest"]:
-            raise JobFailed(f"retain_model {option['id']} was registered again since this evaluation was asked for")
+        manifest = get_model(ctx, option.id)
+        if manifest.digest != option.digest:
+            raise JobFailed(f"retain_model {option.id} was registered again since this evaluation was asked for")
         model, retain_tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device)
     _causal(model)
     if retain_tokenizer is None or retain_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise JobFailed(f"retain_model {option['id']} has another tokenizer vocabulary than the base model")
+        raise JobFailed(f"retain_model {option.id} has another tokenizer vocabulary than the base model")
     return model
 
 
-def _public_report(report: ModelReport, wanted: str | list[str]) -> dict[str, Any]:
+def _public_report(report: ModelReport, wanted: str | list[str]) -> TofuReport:
     """Values (a non-finite one, log10 of a p-value of 0, as null) and left-out reasons; a list of
     metrics keeps only those."""
     values: dict[str, float | None] = {k: (v if math.isfinite(v) else None) for k, v in report.values.items()}
@@ -316,17 +353,20 @@ def _public_report(report: ModelReport, wanted: str | list[str]) -> dict[str, An
     if isinstance(wanted, list):
         values = {k: v for k, v in values.items() if k in wanted}
         left_out = {k: v for k, v in left_out.items() if k in wanted}
-    return {"values": values, "left_out": left_out}
+    return TofuReport(values=values, left_out=left_out)
 
 
-def run_generation(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_generation(ctx: Context, job: JobRecord) -> GenerationResult:
     """Greedy continuation of the prompt by each requested model (stops at EOS)."""
     payload = job.payload_of(GeneratePayload)
+    if isinstance(payload.prompt, list):  # submit_generation stores text (or None with messages)
+        raise JobFailed("a generation's stored prompt is token IDs; only text (or messages) is answered")
+    sent = payload.prompt
     base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload.variant_id)
     _causal(base)
     models = {"base": base, "variant": variant}
     progress = _progress(ctx, job, len(payload.models))
-    outputs = {}
+    outputs: dict[Scored, GeneratedText] = {}
     messages = payload.messages
     prompt: str | list[int] | None = payload.prompt
     if messages is not None:
@@ -341,16 +381,24 @@ def run_generation(ctx: Context, job: JobRecord) -> dict[str, Any]:
     if prompt is None:
         raise JobFailed("a generation needs a prompt or messages")
     for name in payload.models:
-        outputs[name] = greedy_generate(models[name], tokenizer, prompt, payload.max_new_tokens)
+        outputs[_scored(name)] = greedy_generate(models[name], tokenizer, prompt, payload.max_new_tokens)
         progress.advance(1)
     _check_base_unchanged(ctx, payload.variant_id)
-    result: dict[str, Any] = {"variant_id": payload.variant_id, "prompt": payload.prompt, "outputs": outputs}
+    result = GenerationResult(variant_id=payload.variant_id, prompt=sent, outputs=outputs)
     if messages is not None:
-        result["messages"] = messages
-    return result
+        result = result.model_copy(update={"messages": messages})
+    return result  # the runner stores the fields it set: messages only when they were sent
 
 
-def greedy_generate(model: Any, tokenizer: Any, prompt: str | list[int], max_new_tokens: int) -> dict[str, Any]:
+def _scored(name: str) -> Scored:
+    if name == "base":
+        return "base"
+    if name == "variant":
+        return "variant"
+    raise JobFailed(f"a generation's models are base and variant, not {name!r}")
+
+
+def greedy_generate(model: Any, tokenizer: Any, prompt: str | list[int], max_new_tokens: int) -> GeneratedText:
     """The greedy continuation (text and token IDs), with ``generate``'s KV cache; stops at EOS.
 
     ``prompt`` is text (tokenized with special tokens) or token IDs (a rendered chat)."""
@@ -366,4 +414,4 @@ def greedy_generate(model: Any, tokenizer: Any, prompt: str | list[int], max_new
             **inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad, top_p=None, top_k=None
         )
     new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
-    return {"text": tokenizer.decode(new_tokens, skip_special_tokens=True), "token_ids": new_tokens}
+    return GeneratedText(text=tokenizer.decode(new_tokens, skip_special_tokens=True), token_ids=new_tokens)

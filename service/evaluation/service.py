@@ -14,15 +14,16 @@ submission (:mod:`service.evaluation.classifier_probes`), and the job is
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from api_schemas.evaluation import CLASSIFIER_SETS
+from api_schemas.evaluation import Split
 from service.context import Context
 from service.errors import Conflict, InvalidInput, NotFound
 from service.evaluation.classifier_probes import check_image_probes, check_probe_kinds, model_classes, retain_classifier
+from service.evaluation.records import ClassifierOptions, StoredProbes, TofuOptions
+from service.evaluation.retain_model import RetainModelRef
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
@@ -32,7 +33,7 @@ from service.models.registry import check_causal_lm, check_chat_templates, find_
 from service.storage.keys import canonical_digest, probes_key
 from service.variants.service import find_variant_request, variant_view
 
-SPLITS = ("forget", "retain")
+SPLITS: tuple[Split, ...] = ("forget", "retain")  # a text evaluation's probe sets
 METRICS_ALL = "tofu"
 
 
@@ -73,35 +74,37 @@ def submit_evaluation(
     if model.kind == "image":
         return _queue(ctx, variant_id, _classifier_probes(ctx, model, probes, retain_model), urls)
     check_causal_lm(model, "evaluation and generation")
-    stored: dict[str, Any] = {s: probes.get(s, []) for s in SPLITS}
+    # Without metrics the stored JSON (and so the identity) is exactly what it was before metrics.
+    stored = StoredProbes(forget=probes.get("forget", []), retain=probes.get("retain", []))
     if tofu is not None:
-        stored["tofu"] = _tofu_options(ctx, view, tofu)
-    every_probe = [p for split in SPLITS for p in stored[split]]
-    if tofu is not None:
-        every_probe += list(tofu.get("holdout") or [])
-        every_probe += [p for items in (tofu.get("utility") or {}).values() for p in items]
+        stored = StoredProbes(forget=stored.forget, retain=stored.retain, tofu=_tofu_options(ctx, view, tofu))
+    every_probe = [*stored.forget, *stored.retain]
+    if stored.tofu is not None:
+        every_probe += [*stored.tofu.holdout, *(p for items in stored.tofu.utility.values() for p in items)]
     if any("messages" in p for p in every_probe):
         _check_chat_template(ctx, view, "messages probes")
-    # Without metrics the stored JSON (and so the identity) is exactly what it was before metrics.
     return _queue(ctx, variant_id, stored, urls)
 
 
 def _classifier_probes(
     ctx: Context, model: ModelRecord, probes: dict[str, list[dict[str, Any]]], retain_model: str | None
-) -> dict[str, Any]:
+) -> StoredProbes:
     """The stored form of an image classifier's evaluation: its probe sets as sent (every image
     decoded once and every label resolved here, so the job meets no probe it cannot read) and the
     resolved retrained model (``classifier.retain_model``; None without one)."""
     check_image_probes(probes, model_classes(model), ctx.settings.max_image_pixels)
     retained = retain_classifier(ctx, model, retain_model) if retain_model is not None else None
-    stored: dict[str, Any] = {s: probes.get(s, []) for s in CLASSIFIER_SETS}
-    stored["classifier"] = {"retain_model": retained}
-    return stored
+    return StoredProbes(
+        forget=probes.get("forget", []),
+        retain=probes.get("retain", []),
+        test=probes.get("test", []),
+        classifier=ClassifierOptions(retain_model=retained),
+    )
 
 
-def _queue(ctx: Context, variant_id: str, stored: dict[str, Any], urls: list[str]) -> JobRecord:
+def _queue(ctx: Context, variant_id: str, stored: StoredProbes, urls: list[str]) -> JobRecord:
     """Store the probes (content-addressed) and queue the evaluation job that reads them."""
-    data = json.dumps(stored, sort_keys=True, ensure_ascii=False).encode()
+    data = stored.to_bytes()
     digest = hashlib.sha256(data).hexdigest()
     payload = EvaluatePayload(
         variant_id=variant_id,
@@ -116,41 +119,38 @@ def _queue(ctx: Context, variant_id: str, stored: dict[str, Any], urls: list[str
     return job
 
 
-def _tofu_options(ctx: Context, view: dict[str, Any], tofu: Mapping[str, Any]) -> dict[str, Any]:
-    """The stored TOFU options, with the retain model resolved: ``{"id", "kind", "digest"}`` (its
-    checkpoint digest, or the variant id, which names its content), so a re-registered retain model
-    is a new evaluation."""
-    options = {
-        "metrics": tofu["metrics"],
-        "holdout": list(tofu.get("holdout") or []),
-        "utility": {name: list(items) for name, items in (tofu.get("utility") or {}).items()},
-        "retain_model": None,
-    }
+def _tofu_options(ctx: Context, view: dict[str, Any], tofu: Mapping[str, Any]) -> TofuOptions:
+    """The stored TOFU options, with the retain model resolved (:class:`RetainModelRef`)."""
     retain_id = tofu.get("retain_model")
-    if retain_id is not None:
-        options["retain_model"] = resolve_retain_model(ctx, view, retain_id)
-    return options
+    return TofuOptions(
+        metrics=tofu["metrics"],
+        holdout=list(tofu.get("holdout") or []),
+        utility={name: list(items) for name, items in (tofu.get("utility") or {}).items()},
+        retain_model=resolve_retain_model(ctx, view["model_id"], retain_id) if retain_id is not None else None,
+    )
 
 
-def resolve_retain_model(ctx: Context, view: dict[str, Any], retain_id: str) -> dict[str, Any]:
-    """A registered model or a ready variant, a causal LM with the base model's vocabulary.
+def resolve_retain_model(ctx: Context, model_id: str, retain_id: str) -> RetainModelRef:
+    """A registered model or a ready variant, a causal LM with the base model's vocabulary (that of
+    ``model_id``); its reference names its checkpoint digest, or the variant id, which names its
+    content, so a re-registered retain model is a new evaluation.
 
     Raises:
         NotFound: neither a registered model nor a variant has this id.
         Conflict: a variant that is not ready.
         InvalidInput: not a causal LM, or another vocabulary than the base model's.
     """
-    base = get_model(ctx, view["model_id"])
+    base = get_model(ctx, model_id)
     manifest = find_model(ctx, retain_id)
     if manifest is not None:
         check_causal_lm(manifest, "a retain model's metrics")
         _check_same_vocabulary(base, manifest)
-        return {"id": retain_id, "kind": "model", "digest": manifest.digest}
+        return RetainModelRef(id=retain_id, kind="model", digest=manifest.digest)
     if find_variant_request(ctx, retain_id) is None:
         raise NotFound(f"retain_model {retain_id} is neither a registered model nor a variant")
     retain_view = _ready_variant(ctx, retain_id)
     _check_same_vocabulary(base, get_model(ctx, retain_view["model_id"]))
-    return {"id": retain_id, "kind": "variant", "digest": retain_id}
+    return RetainModelRef(id=retain_id, kind="variant", digest=retain_id)
 
 
 def _check_same_vocabulary(base: ModelRecord, retain: ModelRecord) -> None:

@@ -13,10 +13,16 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from service.jobs.records import JobKind, JobRecord
+from pydantic import BaseModel
 
-# A body reads its payload with job.payload_of(<its kind's payload model>, service.jobs.records.PAYLOADS).
-Body = Callable[[Any, JobRecord], dict[str, Any]]
+from service.jobs.records import JobKind, JobRecord
+from service.jobs.results import RESULTS
+
+# A body reads its payload with job.payload_of(<its kind's payload model>, service.jobs.records.PAYLOADS)
+# and returns its kind's result model (service.jobs.results.RESULTS). The variant body still returns
+# the JSON object, which the runner validates as its kind's model (service/variants/build.py is not
+# this change's to edit).
+Body = Callable[[Any, JobRecord], BaseModel | dict[str, Any]]
 Queue = Literal["gpu", "cpu"]
 Lane = Literal["collect", "variant", "inference", "map", "register"]
 
@@ -32,12 +38,14 @@ class Kind:
         task: the Celery task's name (stable: messages in flight name it).
         lane: embedded mode's thread lane in the job process (one job at a time per lane, so a
             compose never waits behind a long collection, and a quick evaluation neither).
+        result: the model of the body's result (:data:`service.jobs.results.RESULTS`).
     """
 
     body_path: str
     queue: Queue
     task: str
     lane: Lane
+    result: type[BaseModel]
 
     @property
     def body(self) -> Body:
@@ -64,19 +72,23 @@ def _import(path: str) -> Body:
 
 
 KINDS: dict[JobKind, Kind] = {
-    "collect": Kind("service.concepts.collection:run_collection", "gpu", "engram.collect", "collect"),
-    "variant": Kind("service.variants.build:run_variant", "cpu", "engram.build_variant", "variant"),
+    "collect": Kind("service.concepts.collection:run_collection", "gpu", "engram.collect", "collect", RESULTS["collect"]),
+    "variant": Kind("service.variants.build:run_variant", "cpu", "engram.build_variant", "variant", RESULTS["variant"]),
     # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
-    "universe": Kind("service.universes.build:run_universe", "gpu", "engram.build_universe", "variant"),
-    "evaluate": Kind("service.evaluation.run:run_evaluation", "gpu", "engram.evaluate", "inference"),
-    "generate": Kind("service.evaluation.run:run_generation", "gpu", "engram.generate", "inference"),
+    "universe": Kind("service.universes.build:run_universe", "gpu", "engram.build_universe", "variant", RESULTS["universe"]),
+    "evaluate": Kind("service.evaluation.run:run_evaluation", "gpu", "engram.evaluate", "inference", RESULTS["evaluate"]),
+    "generate": Kind("service.evaluation.run:run_generation", "gpu", "engram.generate", "inference", RESULTS["generate"]),
     # It runs the model over probes, candidate after candidate (and its variant's job inline).
-    "calibrate": Kind("service.execution.runner:run_calibration_job", "gpu", "engram.calibrate", "inference"),
+    "calibrate": Kind(
+        "service.execution.runner:run_calibration_job", "gpu", "engram.calibrate", "inference", RESULTS["calibrate"]
+    ),
     # A map loads weights and decomposes Σ_U, as a universe build does; its own lane in embedded
     # mode, so a map waits neither for a collection nor for a variant.
-    "map": Kind("service.maps.build:run_map", "gpu", "engram.build_map", "map"),
+    "map": Kind("service.maps.build:run_map", "gpu", "engram.build_map", "map", RESULTS["map"]),
     # Downloading and hashing a remote checkpoint: network and disk, no accelerator.
-    "register": Kind("service.models.inspection:run_registration", "cpu", "engram.register_model", "register"),
+    "register": Kind(
+        "service.models.inspection:run_registration", "cpu", "engram.register_model", "register", RESULTS["register"]
+    ),
 }
 # A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
 UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)

@@ -26,7 +26,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis.exceptions
+from pydantic import BaseModel
 
+from api_schemas.calibration import CalibrationJobResult
 from service.context import Context
 from service.engine.errors import CollectionCancelled
 from service.errors import JobFailed, ProblemError
@@ -40,10 +42,10 @@ from service.storage.base import StorageUnavailable
 
 log = logging.getLogger("engram.runner")
 
-__all__ = ["KINDS", "UNIVERSE_HELPER", "Kind", "Queue", "run_job", "retry_after", "run_universe_helper"]
+__all__ = ["KINDS", "UNIVERSE_HELPER", "Kind", "Queue", "run_job", "retry_after", "run_universe_helper", "stored_result"]
 
 
-def run_calibration_job(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_calibration_job(ctx: Context, job: JobRecord) -> CalibrationJobResult:
     """A calibration runs its recommended variant's job inline, through this runner."""
     from service.calibration.build import run_calibration
 
@@ -85,7 +87,8 @@ def run_job(
     try:
         with job_context(job_id), _heartbeat(ctx, job_id), _cancel_watchdog(ctx, job_id, stuck_cancel):
             log.info("%s job started", job.kind)
-            result = {**KINDS[job.kind].body(ctx, job), "worker": worker_name()}
+            kind = KINDS[job.kind]
+            result = {**stored_result(kind, job.kind, kind.body(ctx, job)), "worker": worker_name()}
             log.info("%s job succeeded", job.kind)
     except (JobCancelled, CollectionCancelled):
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
@@ -105,6 +108,18 @@ def run_job(
         _fail(ctx, job_id, problem)
     else:
         ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+
+
+def stored_result(kind: Kind, name: str, returned: BaseModel | dict[str, Any]) -> dict[str, Any]:
+    """A body's result as the job stores it: its kind's model, dumped once with the fields the body set.
+
+    A body that returns a JSON object (none does today) has it validated as its kind's
+    model first, so a field no kind declares or a value of the wrong type fails the job, naming it.
+    """
+    typed = kind.result.model_validate(returned) if isinstance(returned, dict) else returned
+    if not isinstance(typed, kind.result):
+        raise TypeError(f"the {name} job's body returned a {type(typed).__name__}, not a {kind.result.__name__}")
+    return typed.model_dump(mode="json", exclude_unset=True)
 
 
 def retry_after(ctx: Context, job_id: str, exc: Exception, retries: int, max_retries: int) -> int | None:

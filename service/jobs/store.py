@@ -30,7 +30,17 @@ from service.observability import record_job_state
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
 
-__all__ = ["FINISHED", "JobKind", "JobRecord", "JobStore", "RedisJobStore", "new_job", "public_view", "utc_now"]
+__all__ = [
+    "FINISHED",
+    "JobKind",
+    "JobRecord",
+    "JobStore",
+    "RedisJobStore",
+    "job_answer",
+    "new_job",
+    "public_view",
+    "utc_now",
+]
 FINISHED = {"succeeded", "failed", "cancelled"}
 OPEN_SET = "engram:open-jobs"  # Redis: the unfinished jobs' IDs (``:<owner>`` for one owner's)
 log = logging.getLogger("engram.jobs")
@@ -59,9 +69,15 @@ _SUBJECT = ("model_id", "concept", "variant_id")  # what a job is about, from it
 
 
 def public_view(job: JobRecord) -> dict[str, Any]:
-    """The job as the API shows it (and as callbacks carry it): no payload, no internals."""
+    """The job as the API shows it (and as callbacks carry it): no payload, no internals. The JSON
+    object a callback posts; a route answers :func:`job_answer`."""
     stored = job.model_dump(mode="json")
     return {k: getattr(job.payload, k, None) if k in _SUBJECT else stored.get(k) for k in Job.model_fields}
+
+
+def job_answer(job: JobRecord) -> Job:
+    """The job as the routes answer it: the contract's :class:`~api_schemas.Job`."""
+    return Job.model_validate(public_view(job))
 
 
 def valid_job_id(job_id: str) -> bool:

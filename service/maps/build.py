@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -44,7 +43,9 @@ from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
 from service.jobs.progress import JobProgress, NoProgress, Progress
 from service.jobs.records import JobRecord, MapPayload
+from service.jobs.results import MapResult
 from service.maps.conv import conv_breakdown
+from service.maps.document import ConceptGrid, ConvBreakdown, LeftOut, MapDocument
 from service.maps.service import MapRequest, find_map, map_request
 from service.models.loaded import checked_model_files
 from service.models.record import ModelRecord
@@ -62,7 +63,7 @@ def engram_map(
     reference: Sequence[str] | None,
     rcond: float | None,
     measure: str = "data",
-) -> dict[str, Any]:
+) -> MapDocument:
     """The grid of each concept on a model, computed here when not stored yet (the ``map`` job's
     work, in this process: for tests and the bench; the API submits a job instead).
 
@@ -74,7 +75,7 @@ def engram_map(
     return find_map(ctx, request) or compute_map(ctx, request, lambda _: NoProgress())
 
 
-def run_map(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_map(ctx: Context, job: JobRecord) -> MapResult:
     """The ``map`` job body: compute the map its request names and store it (once: a map already
     stored is not computed again)."""
     map_id = job.payload_of(MapPayload).map_id
@@ -82,10 +83,10 @@ def run_map(ctx: Context, job: JobRecord) -> dict[str, Any]:
     reused = find_map(ctx, request) is not None
     if not reused:
         compute_map(ctx, request, lambda total: JobProgress(ctx, job.job_id, total))
-    return {"map_id": map_id, "model_id": request.model_id, "concepts": list(request.concepts), "reused": reused}
+    return MapResult(map_id=map_id, model_id=request.model_id, concepts=tuple(request.concepts), reused=reused)
 
 
-def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Progress]) -> dict[str, Any]:
+def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Progress]) -> MapDocument:
     """Compute the map (from the statistics and the weights: the worker's work) and store it.
 
     Args:
@@ -100,7 +101,7 @@ def compute_map(ctx: Context, request: MapRequest, progress: Callable[[int], Pro
     return result
 
 
-def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[ModelLayout, dict[str, list[str]]]:
+def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[ModelLayout, LeftOut]:
     """The layers the map can draw: those every concept of the universe has statistics for. The
     others are left off and named: ``unreached`` (no concept's forward pass ran them, a vision
     tower: no engram), ``without_statistics`` (a concept collected with ``modules`` lacks them:
@@ -113,7 +114,7 @@ def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[Mod
     held = [statistics_layers(ctx, p, stats_manifest(ctx, p), full) for p in request.prefixes]
     covered = frozenset.intersection(*held) if held else frozenset()
     layers = [spec for spec in full.layers if spec.name in covered and spec.name not in unreached]
-    left_out = {
+    left_out: LeftOut = {
         "unreached": [spec.name for spec in full.layers if spec.name in unreached],
         "without_statistics": [s.name for s in full.layers if s.name not in covered and s.name not in unreached],
     }
@@ -125,13 +126,11 @@ def _drawable(ctx: Context, full: ModelLayout, request: MapRequest) -> tuple[Mod
     return dataclasses.replace(full, layers=layers), left_out
 
 
-def _compute(
-    ctx: Context, model: ModelRecord, layout: ModelLayout, request: MapRequest, progress: Progress
-) -> dict[str, Any]:
+def _compute(ctx: Context, model: ModelRecord, layout: ModelLayout, request: MapRequest, progress: Progress) -> MapDocument:
     reader = CheckpointReader(checked_model_files(ctx, model), layout)
     weigher = _DataWeights([statistics(ctx, p) for p in request.prefixes]) if request.measure == "data" else None
     values: dict[str, dict[str, float]] = {}
-    convs: dict[str, dict[str, Any]] = {}
+    convs: dict[str, dict[str, ConvBreakdown]] = {}
     for name in request.concepts:
         stats = {name: request.stats[name]}
         algebra = statistics_algebra(ctx, {name: 1.0}, stats, list(request.prefixes), request.rcond)
@@ -151,9 +150,10 @@ def _compute(
                 convs[name][spec.name] = conv_breakdown(spec, engram, augmented_weight(spec, weights), sigma)
             progress.advance()
     names, universe_names = list(request.concepts), list(request.universe_names)
-    grid = _grid(model.model_id, layout, names, universe_names, values, request.rcond)
-    with_convs = {"conv": convs} if any(convs.values()) else {}  # a map without convs keeps its shape
-    return {**grid, "measure": request.measure, **with_convs}
+    document = _grid(model.model_id, layout, names, universe_names, values, request.rcond, request.measure)
+    if any(convs.values()):  # a map without convs keeps its shape
+        document["conv"] = convs
+    return document
 
 
 class _DataWeights:
@@ -196,11 +196,13 @@ def _grid(
     universe_names: list[str],
     rho: dict[str, dict[str, float]],
     rcond: float | None,
-) -> dict[str, Any]:
+    measure: str,
+) -> MapDocument:
     in_blocks = [(spec, spec.block) for spec in layout.layers if spec.block is not None]
     blocks = sorted({block for _, block in in_blocks})
     modules = list(dict.fromkeys(module_type(spec.name) for spec, _ in in_blocks))
-    maps, outside = {}, {}
+    maps: dict[str, ConceptGrid] = {}
+    outside: dict[str, dict[str, float]] = {}
     for name in names:
         grid: list[list[float | None]] = [[None] * len(modules) for _ in blocks]
         for spec, block in in_blocks:
@@ -218,4 +220,5 @@ def _grid(
         "maps": maps,
         "outside_blocks": outside,
         "layers": [{"name": s.name, "block": s.block, "module": module_type(s.name)} for s in layout.layers],
+        "measure": measure,  # after the grid's keys: the order maps were always stored in
     }

@@ -27,11 +27,10 @@ import torch
 
 from service.engine.compose import COMPUTE_DTYPE
 from service.engine.layers import LayerSpec
+from service.maps.document import ConvBreakdown
 
 
-def conv_breakdown(
-    spec: LayerSpec, engram: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor | None
-) -> dict[str, list[float] | list[list[float]]]:
+def conv_breakdown(spec: LayerSpec, engram: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor | None) -> ConvBreakdown:
     """One conv layer's engram per output channel and per kernel position.
 
     Args:

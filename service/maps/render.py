@@ -7,6 +7,8 @@ import io
 import math
 from typing import TYPE_CHECKING, Any
 
+from service.maps.document import MapDocument
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -16,7 +18,7 @@ MEASURE_LABELS = {
 }
 
 
-def panel(data: dict[str, Any], name: str) -> tuple[list[str], list[str], list[list[float]]]:
+def panel(data: MapDocument, name: str) -> tuple[list[str], list[str], list[list[float]]]:
     """One concept's heatmap: rows are the blocks, then ``outside`` when layers lie outside them;
     columns the module types, then each outside layer (``lm_head``), so every edited layer has a cell."""
     outside = data["outside_blocks"].get(name) or {}
@@ -29,7 +31,7 @@ def panel(data: dict[str, Any], name: str) -> tuple[list[str], list[str], list[l
     return rows, columns, grid
 
 
-def conv_panels(data: dict[str, Any], name: str) -> tuple[list[str], list[list[float]], list[list[float]]]:
+def conv_panels(data: MapDocument, name: str) -> tuple[list[str], list[list[float]], list[list[float]]]:
     """One concept's conv layers: rows are the layers; one grid's columns their output channels, the
     other's their kernel positions row by row (``kh × kw`` flattened), NaN past a layer's own."""
     layers = data.get("conv", {}).get(name) or {}
@@ -44,7 +46,7 @@ def _padded(rows: list[list[float]]) -> list[list[float]]:
     return [row + [math.nan] * (width - len(row)) for row in rows]
 
 
-def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
+def render_png(data: MapDocument, width: int, height: int) -> bytes:
     """The map of :func:`map_figure` as PNG bytes, ``width × height`` pixels."""
     figure = map_figure(data, width, height)
     buffer = io.BytesIO()
@@ -52,7 +54,7 @@ def render_png(data: dict[str, Any], width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def map_figure(data: dict[str, Any], width: int, height: int) -> Figure:
+def map_figure(data: MapDocument, width: int, height: int) -> Figure:
     """One heatmap panel per concept (rows: blocks, columns: module types, and the layers outside the
     blocks), each on its own colour scale with its own colour bar, ``width × height`` pixels.
 
@@ -87,7 +89,7 @@ def map_figure(data: dict[str, Any], width: int, height: int) -> Figure:
     return figure
 
 
-def _conv_panels(figure: Figure, channel_ax: Any, kernel_ax: Any, data: dict[str, Any], name: str, label: str) -> None:
+def _conv_panels(figure: Figure, channel_ax: Any, kernel_ax: Any, data: MapDocument, name: str, label: str) -> None:
     """A concept's conv layers by output channel and by kernel position, each on its own scale."""
     rows, channels, kernels = conv_panels(data, name)
     for ax, grid, what in ((channel_ax, channels, "output channel"), (kernel_ax, kernels, "kernel position (row-major)")):
@@ -120,7 +122,7 @@ def panel_range(grid: list[list[float]]) -> tuple[float, float]:
     return low - pad, high + pad
 
 
-def default_size(data: dict[str, Any]) -> tuple[int, int]:
+def default_size(data: MapDocument) -> tuple[int, int]:
     """A readable size: 420 px per concept panel, 24 px per block row (plus room for labels)."""
     outside = any(data["outside_blocks"].get(name) for name in data["concepts"])
     convs = max((len(data.get("conv", {}).get(name) or {}) for name in data["concepts"]), default=0)

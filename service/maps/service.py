@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from service.context import Context
 from service.errors import Forbidden, InvalidInput
 from service.jobs.admission import admit
 from service.jobs.records import JobRecord, MapPayload
 from service.jobs.store import new_job
+from service.maps.document import MapDocument
 from service.models.registry import get_model
 from service.storage.keys import canonical_digest, map_key, map_request_key
 from service.universes.members import resolve_members
@@ -109,12 +110,13 @@ def map_request(
     )
 
 
-def find_map(ctx: Context, request: MapRequest) -> dict[str, Any] | None:
+def find_map(ctx: Context, request: MapRequest) -> MapDocument | None:
     """The stored map answering ``request``, or None when it was not computed yet."""
     cached = ctx.storage.find_json(map_key(request.map_id))
     if cached is None:
         return None
-    return {**cached, "model_id": request.model_id, "measure": request.measure}
+    # The document the map job stored (build.compute_map), read back as the JSON it wrote.
+    return cast(MapDocument, {**cached, "model_id": request.model_id, "measure": request.measure})
 
 
 class MapNotComputed(Forbidden):
@@ -135,7 +137,7 @@ class MapAnswer:
     """A map request's answer: the map when it is stored, else the job computing it."""
 
     request: MapRequest
-    data: dict[str, Any] | None
+    data: MapDocument | None
     job: JobRecord | None
 
 
@@ -181,6 +183,6 @@ def submit_map(
     return MapAnswer(request, None, ctx.jobs.get(job.job_id) or job)
 
 
-def job_map(ctx: Context, request: MapRequest, job: JobRecord) -> dict[str, Any] | None:
+def job_map(ctx: Context, request: MapRequest, job: JobRecord) -> MapDocument | None:
     """The map once ``job`` succeeded (None while it runs, or when it failed)."""
     return find_map(ctx, request) if job.status == "succeeded" else None

@@ -9,33 +9,33 @@ the job imports this module (``service.execution.kinds`` names its body by impor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from service.context import Context
 from service.engine.checkpoint import check_tokenizer, combined_digest, file_digests, inspect_model_dir
-from service.engine.image_models import ModelKind, model_kind
+from service.engine.image_models import ModelKind
 from service.engine.images import ImageProcessorError, load_image_processor
 from service.engine.layout import ModelLayout
 from service.engine.model_checks import validate_model_dir
-from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files, read_side_json
+from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
 from service.errors import Conflict, InvalidInput
 from service.jobs.records import JobRecord, RegisterPayload
+from service.jobs.results import RegisterResult
 from service.jobs.store import utc_now
 from service.models.loaded import write_copy_record
-from service.models.record import ModelRecord
+from service.models.record import ModelRecord, folder_kind
 from service.models.registry import files_changed, find_model
 from service.models.sources import is_remote, local_model_dir
 from service.storage.keys import model_key
 
 
-def run_registration(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_registration(ctx: Context, job: JobRecord) -> RegisterResult:
     """The ``register`` job body: download and inspect the checkpoint, then write the registration
     (the manifest last: a failed download registers nothing)."""
     payload = job.payload_of(RegisterPayload)
     ctx.jobs.set_progress(job.job_id, 0, 1)
     manifest, created = register_model(ctx, payload.model_id, payload.source)
     ctx.jobs.set_progress(job.job_id, 1, 1)
-    return {"model_id": manifest.model_id, "digest": manifest.digest, "created": created}
+    return RegisterResult(model_id=manifest.model_id, digest=manifest.digest, created=created)
 
 
 def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecord, bool]:
@@ -77,7 +77,10 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
 def _kind(path: Path) -> ModelKind:
     """Whether the (validated) folder holds an image model; an image model's processor is loaded
     once now, as every collection will (a folder without a usable one is a 422 naming the reason)."""
-    kind = model_kind(read_side_json(path, "config.json"))
+    try:
+        kind = folder_kind(path)
+    except ModelSourceError as exc:
+        raise InvalidInput(str(exc)) from None
     if kind == "image":
         try:
             load_image_processor(path)

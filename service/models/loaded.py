@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from service.context import Context
 from service.engine.checkpoint import combined_digest, directory_digest, file_digests, load_model, load_tokenizer
@@ -152,9 +153,9 @@ def _machine_identity(ctx: Context, manifest: ModelRecord, folder: Path) -> dict
     """The identity ``folder``'s files had when this machine last found them holding the registered
     content (:func:`write_copy_record`), if it did."""
     saved = _read_record(copy_record(ctx, folder))
-    if saved is None or saved.get("digest") != manifest.digest or not isinstance(saved.get("identity"), dict):
+    if saved is None or saved.digest != manifest.digest:
         return None
-    identity = {name: FileIdentity.from_json(value) for name, value in saved["identity"].items()}
+    identity = {name: FileIdentity.from_json(value) for name, value in saved.identity.items()}
     return {name: value for name, value in identity.items() if value is not None} if all(identity.values()) else None
 
 
@@ -171,16 +172,32 @@ def write_copy_record(ctx: Context, files: ModelFiles, digest: str) -> None:
     record.parent.mkdir(parents=True, exist_ok=True)
     identity = {name: value.to_json() for name, value in files.identity().items()}
     partial = record.with_name(f".{record.name}.{os.getpid()}.{threading.get_ident()}")
-    partial.write_text(json.dumps({"folder": str(files.folder), "digest": digest, "identity": identity}))
+    written = CopyRecord(folder=str(files.folder), digest=digest, identity=identity)
+    partial.write_text(json.dumps(written.model_dump()))
     os.replace(partial, record)
 
 
-def _read_record(record: Path) -> dict[str, Any] | None:
+class CopyRecord(BaseModel):
+    """This machine's record of a model folder whose content it checked (:func:`write_copy_record`).
+
+    Attributes:
+        identity: each file's identity as :meth:`FileIdentity.to_json` writes it (read back by
+            :meth:`FileIdentity.from_json`, which refuses anything else).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    folder: str | None = None
+    digest: str
+    identity: dict[str, list[int]]
+
+
+def _read_record(record: Path) -> CopyRecord | None:
+    """The record; None when there is none, or it is not one (the folder is then checked by content)."""
     try:
-        value = json.loads(record.read_text())
-    except (OSError, ValueError):
+        return CopyRecord.model_validate_json(record.read_bytes())
+    except (OSError, ValidationError):
         return None
-    return value if isinstance(value, dict) else None
 
 
 class ModelCache:

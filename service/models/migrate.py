@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
 from service.context import Context
+from service.engine.model_files import ModelSourceError
 from service.errors import first_validation_error
-from service.models.record import ModelRecord
-from service.models.stored import FORMAT_VERSION
+from service.models.record import MODEL_FORMAT_VERSION, ModelRecord, folder_kind
 from service.storage.keys import MODELS, model_key
 
 
@@ -26,32 +29,69 @@ class Migration:
 
 
 def migrate_models(ctx: Context, *, dry_run: bool = False) -> Migration:
-    """Give every registration of an older format the current one (0.1.0's lack only the version:
-    a registration without recorded file identities keeps none; its first check records them)."""
+    """Give every registration of an older format the current one.
+
+    0.1.0's and version 1's differ from it in the version, and in ``kind`` where they lack it: it is
+    recorded as registration decides it, from the folder's ``config.json`` (:func:`folder_kind`), never
+    assumed to be text (an image classifier registered before kinds existed would be fed text). A
+    registration whose folder cannot say is refused by name and left as it was. A registration without
+    recorded file identities keeps none; its first check records them.
+    """
     done = Migration()
     for key in ctx.storage.list(MODELS):
         if not key.endswith(".json"):
             continue
         data = ctx.storage.get_json(key)
-        if data.get("format_version") == FORMAT_VERSION:
+        if data.get("format_version") == MODEL_FORMAT_VERSION:
             continue
         try:
-            record = ModelRecord.model_validate({**data, "format_version": FORMAT_VERSION})
-        except ValidationError as exc:
-            done.refused.append(
-                (key, f"not a model registration this version can read ({first_validation_error(exc)}): register it again")
-            )
+            record = current_registration(data)
+        except Unmigratable as exc:
+            done.refused.append((key, str(exc)))
             continue
         if not dry_run:
             ctx.storage.put_json(key, record.to_json())
-        done.changed.append((key, f"format_version {data.get('format_version')!r} -> {FORMAT_VERSION}"))
+        what = f"format_version {data.get('format_version')!r} -> {MODEL_FORMAT_VERSION}"
+        done.changed.append((key, what if "kind" in data else f"{what}, kind {record.kind!r} from its config.json"))
     return done
 
 
+class Unmigratable(Exception):
+    """Why one registration cannot be migrated, in words."""
+
+
+def current_registration(data: Mapping[str, Any]) -> ModelRecord:
+    """A stored registration of any version, in the current format (``kind`` read from its folder
+    when it lacks one).
+
+    Raises:
+        Unmigratable: it is not a registration, or its folder does not say what the model reads.
+    """
+    path = data.get("path")
+    if "kind" in data or data.get("format_version") == MODEL_FORMAT_VERSION:
+        kind = data.get("kind")
+    elif isinstance(path, str) and path:
+        try:
+            kind = folder_kind(Path(path))
+        except ModelSourceError as exc:
+            raise Unmigratable(
+                f"its kind (text or image) is not recorded and its folder {path} cannot say ({exc}): register it again"
+            ) from None
+    else:
+        kind = None  # not a registration: refused below, naming what is wrong
+    try:
+        return ModelRecord.model_validate({**data, "kind": kind, "format_version": MODEL_FORMAT_VERSION})
+    except ValidationError as exc:
+        raise Unmigratable(
+            f"not a model registration this version can read ({first_validation_error(exc)}): register it again"
+        ) from None
+
+
 def registration_of_any_version(ctx: Context, model_id: str) -> ModelRecord | None:
-    """A registration, migrated or not (what a dry run, which rewrites nothing, reads)."""
+    """A registration, migrated or not (what a dry run, which rewrites nothing, reads); None when
+    there is none, or it cannot be migrated."""
     data = ctx.storage.find_json(model_key(model_id))
     try:
-        return None if data is None else ModelRecord.model_validate({**data, "format_version": FORMAT_VERSION})
-    except ValidationError:
+        return None if data is None else current_registration(data)
+    except Unmigratable:
         return None

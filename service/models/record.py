@@ -1,14 +1,25 @@
-"""A model's registration (``models/<quoted id>.json``) as a frozen record: its layout parsed once."""
+"""A model's registration (``models/<quoted id>.json``) as a frozen record: its layout parsed once.
+
+Its stored format is version 2 (:data:`MODEL_FORMAT_VERSION`): version 1, and 0.1.0's records
+without a version, may lack ``kind``, which a reader must not guess (an image classifier registered
+before kinds existed would read as text and be fed text). Readers refuse them by name; ``engram-service
+migrate`` (:mod:`service.models.migrate`) records the kind registration gives the folder
+(:func:`folder_kind`).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
+from service.engine.image_models import PREPROCESSOR_CONFIG, ModelKind, check_preprocessor_config, model_kind
 from service.engine.layout import ModelLayout
-from service.engine.model_files import FileIdentity
-from service.models.stored import FORMAT_VERSION
+from service.engine.model_files import FileIdentity, ModelSourceError, read_side_json
+
+# 1: the first versioned registration; 2: ``kind`` is always recorded (issue 25).
+MODEL_FORMAT_VERSION = 2
 
 
 def _parse_layout(value: Any) -> ModelLayout:
@@ -31,13 +42,12 @@ class ModelRecord(BaseModel):
         fingerprint: sizes and mtimes, what workers older than identities read.
         layout: the checkpoint's editable layers, parsed once when the record is read.
         kind: what its records are: ``"image"`` for an image classifier (it reads ``pixel_values``
-            through its image processor), ``"text"`` for every other model
-            (:func:`service.engine.image_models.model_kind`); ``"text"`` in a registration made before kinds.
+            through its image processor), ``"text"`` for every other model (:func:`folder_kind`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    format_version: int = FORMAT_VERSION
+    format_version: int = MODEL_FORMAT_VERSION
     model_id: str
     source: str
     path: str
@@ -67,3 +77,22 @@ class ModelRecord(BaseModel):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def folder_kind(path: Path) -> ModelKind:
+    """The kind registration records for a model folder: what its ``config.json`` says
+    (:func:`service.engine.image_models.model_kind`); an image model's ``preprocessor_config.json``
+    must say how to read an image (the register job also loads the processor, which needs transformers).
+
+    Raises:
+        ModelSourceError: ``config.json`` is not readable, or an image model's processor config is
+            missing or unusable (the message names the file).
+    """
+    config = read_side_json(path, "config.json")
+    if not isinstance(config, dict):
+        raise ModelSourceError("config.json is not a JSON object")
+    kind = model_kind(config)
+    if kind == "image":
+        has_processor = (path / PREPROCESSOR_CONFIG).is_file()
+        check_preprocessor_config(read_side_json(path, PREPROCESSOR_CONFIG) if has_processor else None, config)
+    return kind

@@ -12,12 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from api_schemas import Model
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
 from service.engine.layers import LayerSpec
 from service.engine.model_files import ModelSourceError, open_model_files, used_files
 from service.errors import InvalidInput, NotFound
-from service.models.record import ModelRecord
+from service.models.record import MODEL_FORMAT_VERSION, ModelRecord
 from service.models.stored import check_format
 from service.storage.keys import MODELS, model_key
 
@@ -57,7 +58,7 @@ def files_changed(manifest: ModelRecord) -> bool:
 
 def model_record(key: str, data: dict[str, Any]) -> ModelRecord:
     """A stored registration, read (refused when it is of an older format: ``engram-service migrate``)."""
-    return ModelRecord.model_validate(check_format("model registration", key, data))
+    return ModelRecord.model_validate(check_format("model registration", key, data, MODEL_FORMAT_VERSION))
 
 
 def find_model(ctx: Context, model_id: str) -> ModelRecord | None:
@@ -88,6 +89,11 @@ def model_view(manifest: ModelRecord) -> dict[str, Any]:
         "refused_layers": dict(layout.refused_layers),
         "kind": manifest.kind,
     }
+
+
+def model_answer(manifest: ModelRecord) -> Model:
+    """The model as the routes answer it: the contract's :class:`~api_schemas.Model`."""
+    return Model.model_validate(model_view(manifest))
 
 
 def _layer_view(spec: LayerSpec) -> dict[str, Any]:

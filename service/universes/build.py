@@ -38,12 +38,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
 
 from service.context import Context
 from service.engrams.manifest import UniverseManifest, merge_stages
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress, Progress
 from service.jobs.records import JobRecord, UniversePayload
+from service.jobs.results import UniverseResult
 from service.jobs.store import FINISHED
 from service.storage.base import scratch_dir
 from service.storage.keys import universe_manifest_key, universe_plan_key
@@ -54,17 +54,14 @@ from service.universes.records import build_target_key, find_manifest, find_stag
 log = logging.getLogger("engram.universes")
 
 
-def run_universe(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_universe(ctx: Context, job: JobRecord) -> UniverseResult:
     """The ``universe`` job: build it (or find it built), with idle workers' help where there are any."""
     progress = JobProgress(ctx, job.job_id, 0)
     universe_id = job.payload_of(UniversePayload).universe_id
     manifest, reused = ensure_universe(ctx, universe_id, progress, job_id=job.job_id)
-    return {
-        "universe_id": manifest.universe_id,
-        "reused": reused,
-        "bytes": manifest.bytes.total,
-        "seconds": manifest.seconds,
-    }
+    return UniverseResult(
+        universe_id=manifest.universe_id, reused=reused, bytes=manifest.bytes.total, seconds=manifest.seconds
+    )
 
 
 def ensure_universe(

@@ -32,13 +32,14 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
+from api_schemas import Universe, UniverseSubmission
 from service.concepts.service import default_reference, ready_statistics
 from service.context import Context
 from service.errors import Conflict, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import JobRecord, UniversePayload
-from service.jobs.store import FINISHED, new_job, utc_now
+from service.jobs.store import FINISHED, job_answer, new_job, utc_now
 from service.jobs.submit import attach_callbacks
 from service.models.registry import get_model
 from service.statistics.key import StatsKey
@@ -291,6 +292,24 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
         "bytes_detail": None,
         "build_seconds": None,
     }
+
+
+def universe_answer(ctx: Context, universe_id: str) -> Universe:
+    """The universe as the routes answer it: the contract's :class:`~api_schemas.Universe`."""
+    return Universe.model_validate(universe_view(ctx, universe_id))
+
+
+def universe_answers(ctx: Context, model_id: str) -> list[Universe]:
+    """:func:`list_universes` as the routes answer it."""
+    return [Universe.model_validate(view) for view in list_universes(ctx, model_id)]
+
+
+def universe_submission(
+    ctx: Context, model_id: str, concepts: Sequence[str] | None, rcond: float | None, callback_url: str | None = None
+) -> UniverseSubmission:
+    """:func:`submit_universe` as the route answers it: the universe, and its build job when one runs."""
+    universe, job = submit_universe(ctx, model_id, concepts, rcond, callback_url)
+    return UniverseSubmission(universe=Universe.model_validate(universe), job=job_answer(job) if job else None)
 
 
 def list_universes(ctx: Context, model_id: str) -> list[dict[str, Any]]:

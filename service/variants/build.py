@@ -28,6 +28,7 @@ from service.engine.lora import layer_loras
 from service.engine.lora_files import AdapterBase, adapter_base, write_adapter
 from service.engine.model_files import ModelSourceError
 from service.engine.safetensors_stream import WrittenFile
+from service.engine.threads import arithmetic_threads, torch_threads
 from service.engrams.manifest import UniverseManifest
 from service.engrams.store import (
     StoredEngrams,
@@ -38,6 +39,7 @@ from service.engrams.store import (
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress, StepTimes
 from service.jobs.records import JobRecord, VariantPayload
+from service.jobs.results import VariantResult
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
@@ -49,7 +51,7 @@ from service.variants.publish import discard_variant_files, publish_variant_file
 from service.variants.spec import VariantRequest
 
 
-def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
+def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
     """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition.
 
     The result's ``steps`` are the seconds of each part (``bench.e2e`` splits what a user waits
@@ -66,7 +68,7 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
         key = variant_request_key(variant_id)
         request = VariantRequest.stored(key, ctx.storage.get_json(key))
         if ctx.storage.exists(variant_manifest_key(variant_id)):
-            return {"variant_id": variant_id, "reused": True}
+            return VariantResult(variant_id=variant_id, reused=True)
     progress = JobProgress(ctx, job.job_id, 0)
     started = time.monotonic()
     # Written where the store can take each file by a rename (file://), hashed while written: one pass.
@@ -92,8 +94,14 @@ def run_variant(ctx: Context, job: JobRecord) -> dict[str, Any]:
             discard_variant_files(ctx, variant_id)  # no manifest: nothing may stay under the variant's key
             raise
         note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
-    result = {"variant_id": variant_id, "reused": False, "layers": len(built.scales), "seconds": seconds}
-    return {**result, "universe_built_s": built.universe_built_s, "steps": timer.seconds}
+    return VariantResult(
+        variant_id=variant_id,
+        reused=False,
+        layers=len(built.scales),
+        seconds=seconds,
+        universe_built_s=built.universe_built_s,
+        steps=timer.seconds,
+    )
 
 
 @dataclass(frozen=True)
@@ -210,7 +218,8 @@ def write_variant(
     edit_layer = stored_editor(source, reader.layer_weights, scales)
     edited = {name for name, scale in scales.items() if scale != 0.0}
     if request.spec.format == "checkpoint":
-        write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance, written=written)
+        with torch_threads(arithmetic_threads()):  # memory-bound: see service.engine.threads
+            write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance, written=written)
         return None
     if request.spec.format == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
@@ -227,14 +236,15 @@ def write_variant(
             task_type=None if layout.causal_lm is False else "CAUSAL_LM",  # an image classifier: peft's base PeftModel
         )
     metadata = {"variant_id": request.variant_id, "terms": json.dumps(dict(request.terms))}
-    write_delta(
-        reader.files,
-        out / "delta.safetensors",
-        layout,
-        edit_layer,
-        edited,
-        metadata,
-        on_layer=progress.advance,
-        written=written,
-    )
+    with torch_threads(arithmetic_threads()):
+        write_delta(
+            reader.files,
+            out / "delta.safetensors",
+            layout,
+            edit_layer,
+            edited,
+            metadata,
+            on_layer=progress.advance,
+            written=written,
+        )
     return None

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api_schemas import EditOptions
+from api_schemas import EditOptions, Variant, VariantSubmission
 from service.context import Context
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
@@ -23,7 +23,7 @@ from service.errors import InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
 from service.jobs.records import JobRecord, VariantPayload
-from service.jobs.store import FINISHED, new_job
+from service.jobs.store import FINISHED, job_answer, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.record import ModelRecord
 from service.models.registry import get_model
@@ -291,6 +291,19 @@ def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
     return view
 
 
+def variant_answer(ctx: Context, variant_id: str) -> Variant:
+    """The variant as the routes answer it: the contract's :class:`~api_schemas.Variant`."""
+    return Variant.model_validate(variant_view(ctx, variant_id))
+
+
+def variant_submission(
+    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions
+) -> VariantSubmission:
+    """:func:`submit_variant` as the routes answer it: the variant, and its build job when one runs."""
+    variant, job = submit_variant(ctx, model_id, terms, alpha, options)
+    return VariantSubmission(variant=Variant.model_validate(variant), job=job_answer(job) if job else None)
+
+
 def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
     """Every variant's ID, sorted (404 when ``model_id`` names no registered model; its variants are
     told apart by :func:`variant_of`)."""
@@ -299,19 +312,16 @@ def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
     return sorted({k.split("/")[1] for k in ctx.reads.recent_listing(VARIANTS) if k.endswith("/request.json")})
 
 
-def variant_of(ctx: Context, variant_id: str, model_id: str | None) -> dict[str, Any] | None:
-    """The variant's view when it exists and is ``model_id``'s (any model's: None), else None."""
+def variant_of(ctx: Context, variant_id: str, model_id: str | None) -> Variant | None:
+    """The variant when it exists and is ``model_id``'s (any model's: None), else None."""
     try:
-        view = variant_view(ctx, variant_id)
+        variant = variant_answer(ctx, variant_id)
     except NotFound:  # gone since it was listed
         return None
-    return view if model_id is None or view["model_id"] == model_id else None
+    return variant if model_id is None or variant.model_id == model_id else None
 
 
-def list_variants(ctx: Context, model_id: str | None = None) -> list[dict[str, Any]]:
+def list_variants(ctx: Context, model_id: str | None = None) -> list[Variant]:
     """Every variant, or those of one model (404 when that model is not registered)."""
-    if model_id is not None:
-        get_model(ctx, model_id)
-    ids = {k.split("/")[1] for k in ctx.reads.recent_listing(VARIANTS) if k.endswith("/request.json")}
-    views = [variant_view(ctx, v) for v in sorted(ids)]
-    return [v for v in views if model_id is None or v["model_id"] == model_id]
+    found = (variant_of(ctx, v, model_id) for v in variant_ids(ctx, model_id))
+    return [v for v in found if v is not None]

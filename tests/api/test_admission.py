@@ -21,6 +21,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, running_server, start_redis, stop_redis, wait_for_job
+from tests.helpers.api import register_model
 from tests.helpers.job_process import job_process, paused
 
 PER_KEY, TOTAL = 2, 3
@@ -55,8 +56,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, model_
     with running_server(root, model_root, **env) as server:
         world = World(server, spool, keys)
         admin = world.client("admin")
-        registered = admin.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-        assert registered.status_code == 201, registered.text
+        register_model(admin, MODEL, f"file://{tiny_llama_dir}")
         yield world
 
 

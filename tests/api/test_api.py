@@ -30,7 +30,7 @@ from engram_fixtures.live import (
     wait_for_job,
     wait_variant_ready,
 )
-from tests.helpers.api import PROBLEM_KEYS, assert_problem, jsonl, unchanged
+from tests.helpers.api import PROBLEM_KEYS, assert_problem, jsonl, register_model, unchanged
 
 MODEL = "org/tiny"  # the happy path's model: concepts "forget" and "retain"
 MODEL_B = "org/tiny-b"  # same checkpoint, other ID: multipart uploads and cancelled collections
@@ -93,8 +93,7 @@ def world(live_server: LiveServer, tiny_llama_dir: Path) -> World:
     """``org/tiny`` and ``org/tiny-b`` registered; concepts ``forget`` and ``retain`` ready on ``org/tiny``."""
     api = live_server.client
     for model_id in (MODEL, MODEL_B):
-        response = register(api, model_id, tiny_llama_dir)
-        assert response.status_code in (200, 201), response.text
+        register_model(api, model_id, f"file://{tiny_llama_dir}", existing_ok=True)
     posts = {}
     for name, records, role in (("forget", FORGET, "target"), ("retain", RETAIN, "reference")):
         response = post_concept(api, name, records, [MODEL], role=role)

@@ -19,6 +19,7 @@ import pytest
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.api.auth import parse_api_keys, required_scope
+from tests.helpers.api import register_model
 from tests.helpers.app import InProcessServer, another_client, in_process_server
 
 PROBLEM_JSON = "application/problem+json"
@@ -309,8 +310,7 @@ def mapped(auth: AuthWorld) -> str:
 
     model = "acme/mapped"
     write = another_client(auth.server, auth.headers(auth.write))
-    response = write.post("/models", json={"model_id": model, "source": f"file://{auth.model_dir}"})
-    assert response.status_code in (200, 201), response.text
+    register_model(write, model, f"file://{auth.model_dir}", existing_ok=True)
     facts = make_facts(12, seed=7)
     for name, role, part in (("auth-a", "target", facts[:4]), ("auth-ref", "reference", facts[4:])):
         records = [{"prompt": p, "completion": c} for p, c in part]

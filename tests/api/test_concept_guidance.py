@@ -20,7 +20,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
-from tests.helpers.api import assert_problem, unchanged
+from tests.helpers.api import assert_problem, register_model, unchanged
 from tests.helpers.cli import failed, run_cli
 from tests.helpers.job_process import job_process, paused
 
@@ -32,8 +32,7 @@ FACTS = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=41)]
 def server(live_server: LiveServer, tiny_llama_dir: Path) -> LiveServer:
     """The session's server with ``MODEL`` registered and concept ``guide-forget`` ready on it."""
     api = live_server.client
-    response = api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-    assert response.status_code in (200, 201), response.text
+    register_model(api, MODEL, f"file://{tiny_llama_dir}", existing_ok=True)
     response = api.post("/concepts", json={"name": "guide-forget", "models": [MODEL], "records": FACTS[:6]})
     assert response.status_code == 202, response.text
     wait_concepts_ready(api, ["guide-forget"], MODEL)

@@ -22,7 +22,7 @@ from engram_fixtures.demo import make_facts
 from engram_fixtures.live import wait_concepts_ready, wait_variant_ready
 from service.concepts.service import dataset_bytes
 from service.engine.records import Record
-from tests.helpers.api import assert_problem, jsonl, unchanged
+from tests.helpers.api import assert_problem, jsonl, register_model, unchanged
 from tests.helpers.app import InProcessServer, in_process_server
 
 MODEL = "hostile/tiny"
@@ -43,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> Iterat
 def variant(server: InProcessServer, tiny_llama_dir: Path) -> dict[str, Any]:
     """A ready variant of ``hostile/tiny`` (concepts h-forget, target, and h-retain, reference)."""
     api = server.client
-    assert api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    register_model(api, MODEL, f"file://{tiny_llama_dir}", existing_ok=True)
     for name, records, role in (("h-forget", RECORDS[:4], "target"), ("h-retain", RECORDS[4:16], "reference")):
         response = api.post("/concepts", json={"name": name, "models": [MODEL], "records": records, "role": role})
         assert response.status_code == 202, response.text

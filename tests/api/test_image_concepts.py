@@ -26,7 +26,7 @@ import pytest
 from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for_job
 from engram_fixtures.models import make_tiny_llama
 from engram_fixtures.vision import make_tiny_vit
-from tests.helpers.api import assert_problem, jsonl, unchanged
+from tests.helpers.api import assert_problem, jsonl, register_model, unchanged
 from tests.helpers.images import b64, digit_image, digit_record, digits, encode, png_bomb
 
 VIT, LLAMA = "images/vit", "images/llama"
@@ -54,10 +54,7 @@ def server(root: Path) -> Iterator[LiveServer]:
     )
     try:
         for model_id, folder in ((VIT, "vit"), (LLAMA, "llama")):
-            response = live.client.post(
-                "/models", json={"model_id": model_id, "source": f"file://{root / 'models' / folder}"}
-            )
-            assert response.status_code == 201, response.text
+            register_model(live.client, model_id, f"file://{root / 'models' / folder}")
         yield live
     finally:
         stop_server(live)

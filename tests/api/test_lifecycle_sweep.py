@@ -22,7 +22,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, LiveServer, running_server, wait_concepts_ready, wait_for_job
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, register_model
 
 MODEL = "sweep/tiny"
 RECORDS = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=5)]
@@ -46,7 +46,7 @@ def server(
         "ENGRAM_TEST_REFUSED_ROOT": str(root / "store"),
     }
     with running_server(root, model_root, ENGRAM_CACHE_DIR=str(root / "cache"), **refusing) as live:
-        assert live.client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code == 201
+        register_model(live.client, MODEL, f"file://{tiny_llama_dir}")
         assert live.client.post("/concepts", json={"name": "kept", "models": [MODEL], "records": RECORDS}).status_code == 202
         wait_concepts_ready(live.client, ["kept"], MODEL)
         yield live

@@ -25,7 +25,7 @@ import pytest
 
 from api_schemas import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, NEXT_CURSOR_HEADER
 from engram_fixtures.live import LiveServer, running_server, wait_for_job
-from tests.helpers.api import READ_CACHE_S, write_concept
+from tests.helpers.api import READ_CACHE_S, register_model, write_concept
 from tests.helpers.app import InProcessServer, in_process_server
 from tests.helpers.job_process import job_process, paused
 
@@ -107,8 +107,7 @@ def test_every_list_route_pages(server: LiveServer, tiny_llama_dir: Path) -> Non
     """/models, /jobs, /variants, /models/{id}/variants and /models/{id}/universes take limit and cursor too."""
     api = server.client
     for index in range(3):
-        body = {"model_id": f"paged/m{index}", "source": f"file://{tiny_llama_dir}"}
-        assert api.post("/models", json=body).status_code == 201
+        register_model(api, f"paged/m{index}", f"file://{tiny_llama_dir}")
     served = [m["model_id"] for page in _pages(api, "/models", 2) for m in page.json()]
     assert served == ["paged/m0", "paged/m1", "paged/m2"]
 

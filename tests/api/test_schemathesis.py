@@ -53,6 +53,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, LiveServer, start_server, stop_server, wait_concepts_ready, wait_variant_ready
+from tests.helpers.api import register_model
 
 ADMIN_KEY = "st-admin-" + secrets.token_urlsafe(24)
 MODEL = "org/tiny"
@@ -82,8 +83,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     try:
         api = server.client
         api.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-        response = api.post("/models", json={"model_id": MODEL, "source": f"file://{model_dir}"})
-        assert response.status_code == 201, response.text
+        register_model(api, MODEL, f"file://{model_dir}")
         facts = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=0)]
         for name, records, role in (("forget", facts[:4], "target"), ("retain", facts[4:], "reference")):
             response = api.post("/concepts", json={"name": name, "models": [MODEL], "records": records, "role": role})

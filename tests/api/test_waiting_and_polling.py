@@ -29,13 +29,16 @@ from engram_fixtures.live import (
     wait_for_job,
     wait_variant_ready,
 )
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, register_model
 from tests.helpers.job_process import alive, job_process, paused
 
 MODEL = "poll/tiny"
 MAX_WAITERS = 64
 FACTS = make_facts(24, seed=11)
 PROBES = [{"prompt": p, "completion": c} for p, c in FACTS[:2]]
+# How long each waiting request waits: past the time every one of them takes to get in on a loaded
+# machine (the job process is paused, so each wait runs out and answers 202).
+WAIT_S = 12.0
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, model
 @pytest.fixture(scope="module")
 def variant(server: LiveServer, tiny_llama_dir: Path) -> dict[str, Any]:
     api = server.client
-    assert api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code == 201
+    register_model(api, MODEL, f"file://{tiny_llama_dir}")
     records = [{"prompt": p, "completion": c} for p, c in FACTS]
     assert api.post("/concepts", json={"name": "polled", "models": [MODEL], "records": records}).status_code == 202
     wait_concepts_ready(api, ["polled"], MODEL)
@@ -66,41 +69,74 @@ def _evaluate(server: LiveServer, variant_id: str, wait: float, index: int) -> h
         return client.post(f"/variants/{variant_id}/evaluate", params={"wait": wait}, json={"forget": probes})
 
 
+def _active_evaluations(server: LiveServer) -> set[str]:
+    jobs = server.client.get("/jobs", params={"limit": 1000}).json()
+    return {job["job_id"] for job in jobs if job["kind"] == "evaluate"}
+
+
+def _wait_until_all_wait(server: LiveServer, before: set[str], count: int, timeout: float = 60.0) -> set[str]:
+    """The evaluations the waiting requests submitted, once all ``count`` are in (a request is
+    admitted as a waiter before its job is created, and the paused job process finishes none).
+
+    A fixed sleep was not enough on a loaded machine: 64 requests were not all in after 2 s, the
+    request meant to be the 65th waiter was admitted, and the test failed."""
+    deadline = time.monotonic() + timeout
+    while len(submitted := _active_evaluations(server) - before) < count:
+        assert time.monotonic() < deadline, f"only {len(submitted)} of {count} waiting requests got in"
+        time.sleep(0.1)
+    return submitted
+
+
 def _timed_get(client: httpx.Client, path: str) -> tuple[float, httpx.Response]:
     started = time.perf_counter()
     response = client.get(path)
     return time.perf_counter() - started, response
 
 
+def _cancel_queued(server: LiveServer, answers: list[httpx.Response]) -> None:
+    """Cancel the queued evaluations these answers started (while the job process is paused), so that
+    no backlog of them runs into the next test: a later pause could stop the job process in the
+    middle of one, and a later job would wait behind a hundred of them."""
+    for answer in answers:
+        cancelled = server.client.delete(f"/jobs/{answer.json()['job_id']}")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+
+
 def test_sixty_waiting_requests_leave_health_and_status_answering(server: LiveServer, variant: dict[str, Any]) -> None:
-    with paused(job_process(server)), concurrent.futures.ThreadPoolExecutor(60) as pool:
-        waits = [pool.submit(_evaluate, server, variant["variant_id"], 8.0, i) for i in range(60)]
-        time.sleep(2.0)  # every request is in and waiting
-        assert not any(w.done() for w in waits), "the waits ended early: nothing was tested"
-        for path in ("/healthz", "/jobs", f"/variants/{variant['variant_id']}", "/concepts/polled", "/readyz"):
-            seconds, response = _timed_get(server.client, path)
-            assert response.status_code == 200, response.text
-            assert seconds < 1.0, f"{path} took {seconds:.2f}s behind 60 waiting requests"
-        queued = {job["job_id"] for job in server.client.get("/jobs").json() if job["kind"] == "evaluate"}
-        assert len(queued) == 60
-    answers = [w.result() for w in waits]
-    assert {a.status_code for a in answers} == {202}  # the job process was paused for the whole wait
+    with paused(job_process(server)):
+        with concurrent.futures.ThreadPoolExecutor(60) as pool:
+            before = _active_evaluations(server)
+            waits = [pool.submit(_evaluate, server, variant["variant_id"], WAIT_S, i) for i in range(60)]
+            queued = _wait_until_all_wait(server, before, 60)  # every request is in and waiting
+            assert not any(w.done() for w in waits), "the waits ended early: nothing was tested"
+            for path in ("/healthz", "/jobs", f"/variants/{variant['variant_id']}", "/concepts/polled", "/readyz"):
+                seconds, response = _timed_get(server.client, path)
+                assert response.status_code == 200, response.text
+                assert seconds < 1.0, f"{path} took {seconds:.2f}s behind 60 waiting requests"
+            assert _active_evaluations(server) - before == queued and len(queued) == 60
+            answers = [w.result() for w in waits]
+        assert {a.status_code for a in answers} == {202}  # the job process was paused for the whole wait
+        _cancel_queued(server, answers[3:])
     for answer in answers[:3]:
         assert wait_for_job(server.client, answer.json()["job_id"])["status"] == "succeeded"
 
 
 def test_waiters_beyond_the_cap_get_429_and_nothing_is_submitted(server: LiveServer, variant: dict[str, Any]) -> None:
-    with paused(job_process(server)), concurrent.futures.ThreadPoolExecutor(MAX_WAITERS) as pool:
-        waits = [pool.submit(_evaluate, server, variant["variant_id"], 6.0, 1000 + i) for i in range(MAX_WAITERS)]
-        time.sleep(2.0)
-        before = server.client.get("/jobs").json()
-        refused = _evaluate(server, variant["variant_id"], 6.0, 9999)
-        problem = assert_problem(refused, 429, "ENGRAM_MAX_WAITERS")
-        assert refused.headers["retry-after"].isdigit() and problem["status"] == 429
-        assert server.client.get("/jobs").json() == before  # the refused request created no job
-        without_wait = _evaluate(server, variant["variant_id"], 0.0, 9998)  # not waiting: not capped
-        assert without_wait.status_code == 202
-        assert all(w.result().status_code == 202 for w in waits)
+    with paused(job_process(server)):
+        with concurrent.futures.ThreadPoolExecutor(MAX_WAITERS) as pool:
+            active = _active_evaluations(server)
+            waits = [pool.submit(_evaluate, server, variant["variant_id"], WAIT_S, 1000 + i) for i in range(MAX_WAITERS)]
+            _wait_until_all_wait(server, active, MAX_WAITERS)
+            before = server.client.get("/jobs", params={"limit": 1000}).json()
+            refused = _evaluate(server, variant["variant_id"], 6.0, 9999)
+            problem = assert_problem(refused, 429, "ENGRAM_MAX_WAITERS")
+            assert refused.headers["retry-after"].isdigit() and problem["status"] == 429
+            assert server.client.get("/jobs", params={"limit": 1000}).json() == before  # the refused request made no job
+            without_wait = _evaluate(server, variant["variant_id"], 0.0, 9998)  # not waiting: not capped
+            assert without_wait.status_code == 202
+            answers = [w.result() for w in waits]
+        assert all(answer.status_code == 202 for answer in answers)
+        _cancel_queued(server, [*answers, without_wait])
 
 
 def test_fast_status_answers_equal_the_routes(server: LiveServer, variant: dict[str, Any]) -> None:

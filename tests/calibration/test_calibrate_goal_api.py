@@ -122,6 +122,7 @@ def test_a_calibration_maximising_overall_reports_its_metrics_and_checks_held_ou
     [bound] = result["constraints"]
     assert bound["metric"] == "retain_Q_A_Prob" and bound["base"] == pytest.approx(base_prob)
     assert bound["min"] == pytest.approx(0.5 * base_prob)
+    assert result["constraint"] == {"min_retain_Q_A_Prob": bound["min"]}  # the old field names the bound applied
     assert 1 <= result["evaluations"] <= 7
     for candidate in result["candidates"]:
         metrics = candidate["metrics"]

@@ -8,6 +8,7 @@ ID only while these stay equal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -224,3 +225,49 @@ def test_an_objective_is_stored_and_named_by_the_id_and_a_request_without_one_is
     assert CalibrationRequest.from_json(stored) == request.with_job("j")
     assert "goal" not in request_of("module_sets").to_json()
     assert set(json.loads(stored_probes(options))) == {"forget", "retain", "holdout", "utility"}
+
+
+def test_an_arm_s_measured_strengths_are_not_stored_and_an_unknown_arm_key_is_refused() -> None:
+    request = request_of("module_sets").with_job("job-1")
+    weighted = dataclasses.replace(request.search.arms[2], strengths=(("q_proj", 0.5),))
+    measured = request.model_copy(
+        update={"search": request.search.model_copy(update={"arms": (*request.search.arms[:2], weighted)})}
+    )
+    assert json.dumps(measured.to_json()) == json.dumps(STORED)  # the job's measured strengths never reach request.json
+    arms = [{**STORED["search"]["arms"][0], "strengths": []}, *STORED["search"]["arms"][1:]]
+    with pytest.raises(MalformedCalibration, match=r"search\.arms: .*arm 0 stores strengths"):
+        CalibrationRequest.from_json({**STORED, "search": {**STORED["search"], "arms": arms}})
+    arms = [{**STORED["search"]["arms"][0], "suffixes": ["q_proj"]}, *STORED["search"]["arms"][1:]]
+    with pytest.raises(MalformedCalibration, match=r"search\.arms\.0\.suffixes"):
+        CalibrationRequest.from_json({**STORED, "search": {**STORED["search"], "arms": arms}})
+
+
+IMAGE = "iVBORw0KGgo="
+
+
+@pytest.mark.parametrize(
+    ("changes", "sets"),
+    [
+        ({}, {"forget": PAIRS, "retain": PAIRS}),
+        (
+            {"objective": {"maximize": "model_utility"}, "holdout": PAIRS[:1], "utility": {"ra": PAIRS}},
+            {"forget": PAIRS, "retain": PAIRS, "holdout": PAIRS[:1], "utility": {"ra": PAIRS}},
+        ),
+        (
+            {
+                "forget": [{"image": IMAGE, "label": 1}],
+                "retain": [{"image": IMAGE, "label": "cat"}],
+                "test": [{"image": IMAGE, "label": 0}],
+            },
+            {
+                "forget": [{"image": IMAGE, "label": 1}],
+                "retain": [{"image": IMAGE, "label": "cat"}],
+                "test": [{"image": IMAGE, "label": 0}],
+            },
+        ),
+    ],
+)
+def test_stored_probes_are_the_bytes_of_the_sets_the_request_set(changes: dict[str, Any], sets: dict[str, Any]) -> None:
+    """The digest names the calibration: the stored bytes are the sets as sent, keys sorted, UTF-8 as is."""
+    options = CalibrateRequest(**{"concepts": ["forget"], "forget": PAIRS, "retain": PAIRS, **changes})
+    assert stored_probes(options) == json.dumps(sets, sort_keys=True, ensure_ascii=False).encode()

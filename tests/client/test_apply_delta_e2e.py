@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, download_variant, wait_concepts_ready, wait_variant_ready
 from engram_fixtures.models import make_tiny_llama
+from tests.helpers.api import register_model
 from tests.helpers.cli import ok, run_cli
 
 FACTS = [{"prompt": p, "completion": c} for p, c in make_facts(16, seed=57)]
@@ -48,7 +49,7 @@ def test_the_applied_delta_loads_as_the_checkpoint_variant(
     assert (base / "model.safetensors.index.json").is_file() is (name == "sharded")
     model_id = f"delta/{name}"
     api = live_server.client
-    assert api.post("/models", json={"model_id": model_id, "source": f"file://{base}"}).status_code in (200, 201)
+    register_model(api, model_id, f"file://{base}", existing_ok=True)
     concept = f"delta-{name}-forget"
     assert api.post("/concepts", json={"name": concept, "models": [model_id], "records": FACTS}).status_code == 202
     wait_concepts_ready(api, [concept], model_id)

@@ -11,17 +11,19 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from typing import Any, Literal, get_args, get_origin
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from api_schemas import CalibrateRequest, ConceptCreate, DatasetReference, EditOptions, GenerateRequest
-from engram_client import EngramAPIError, EngramClient
+from engram_client import EngramAPIError, EngramClient, cli
 from engram_client.bodies import EDIT_OPTIONS
-from engram_client.cli import edits, options
+from engram_client.cli import edits, options, root
 
 
 def _keywords(method: Any) -> set[str]:
@@ -33,8 +35,54 @@ def test_the_client_and_the_cli_take_exactly_the_contracts_edit_options() -> Non
     assert set(EDIT_OPTIONS) == set(EditOptions.model_fields)
     assert _keywords(EngramClient.unlearn) == set(EDIT_OPTIONS)
     assert _keywords(EngramClient.compose) == set(EDIT_OPTIONS)
-    flags = edits._edit_options(None, None, None, None, None, None, None, None)
+    flags = edits.EditFlags().options()
     assert set(flags) == set(EDIT_OPTIONS) and set(flags.values()) == {None}  # nothing given, nothing sent
+
+
+# Every edit flag on a command line, and what the request body must then hold (by contract field).
+FLAGS = {
+    "scaling": (["--scaling", "weight_norm"], "weight_norm"),
+    "modules": (["--module", "q_proj", "--module", "v_proj"], ["q_proj", "v_proj"]),
+    "layers": (["--layer", "1"], [1]),
+    "module_strengths": (["--strength", "q_proj=1.5"], {"q_proj": 1.5}),
+    "rcond": (["--rcond", "0.01"], 0.01),
+    "reference": (["--reference", "retain"], ["retain"]),
+    "universe": (["--universe", "0" * 32], "0" * 32),
+    "format": (["--format", "peft"], "peft"),
+    "lora_rank": (["--lora-rank", "8"], 8),
+    "lora_target": (["--lora-target", "vllm"], "vllm"),
+    "adapter_base_model": (["--adapter-base-model", "org/base"], "org/base"),
+    "callback_url": (["--callback-url", "http://hook.test/done"], "http://hook.test/done"),
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "body"),
+    [
+        (["unlearn", "m", "-c", "forget", "--alpha", "0.5"], {"concepts": ["forget"], "alpha": 0.5}),
+        (["compose", "m", "-t", "forget=-0.5"], {"terms": {"forget": -0.5}}),
+    ],
+    ids=["unlearn", "compose"],
+)
+def test_every_edit_flag_reaches_the_body_under_the_contracts_name(
+    monkeypatch: pytest.MonkeyPatch, command: list[str], body: dict[str, Any]
+) -> None:
+    """The flags stated once (edits.EditFlags) are each command's: given on its command line, each is
+    sent as its EditOptions field. The service is an httpx mock transport that records the body and
+    answers 404 (what is under test is the command line, not the service)."""
+    assert set(FLAGS) == set(EditOptions.model_fields)  # a new field needs its line here
+    seen: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(404, json={"status": 404, "title": "Not found", "detail": "no such model"})
+
+    transport = httpx.MockTransport(answer)
+    monkeypatch.setattr(root, "EngramClient", functools.partial(EngramClient, transport=transport))
+    args = [*command, *(arg for flag, _ in FLAGS.values() for arg in flag)]
+    result = CliRunner().invoke(cli.app, ["--url", "http://engram.test", *args])
+    assert result.exit_code == 1 and "no such model" in result.output, result.output
+    assert seen == [{**body, **{field: value for field, (_, value) in FLAGS.items()}}]
 
 
 @pytest.mark.parametrize(

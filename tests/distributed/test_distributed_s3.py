@@ -14,6 +14,7 @@ from engram_fixtures.demo import make_facts
 from engram_fixtures.live import kill_worker, wait_for_job
 from tests.distributed.cluster import Cluster
 from tests.e2e.tofu import run_mini_tofu
+from tests.helpers.api import register_model
 from tests.helpers.s3 import SeaweedServer, restart_seaweed, stop_seaweed
 
 PREFIX = "engram"
@@ -70,7 +71,7 @@ def test_s3_outage_is_503_and_the_job_survives_it(s3_cluster: Cluster, seaweed: 
         from engram_fixtures.models import make_tiny_llama
 
         make_tiny_llama(tiny, hidden=32, layers=2)
-    assert client.post("/models", json={"model_id": "s3/tiny", "source": f"file://{tiny}"}).status_code == 201
+    register_model(client, "s3/tiny", f"file://{tiny}")
     for worker in s3_cluster.workers:  # hold the job in the queue until S3 is down
         kill_worker(worker)
     facts = make_facts(12, seed=5)

@@ -13,20 +13,17 @@ what its command printed, and the delta recipe's result with the checkpoint vari
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from engram_fixtures.live import LiveServer, start_server, stop_server
+from engram_fixtures.live import LiveServer
 from tests.helpers.doc_examples import OUTPUT, PYTHON, SHELL, WALKTHROUGH_PAGES, Example, examples, shell_script
 from tests.helpers.walkthrough import (
     Ran,
-    clone_like,
     evaluation_rows,
-    model_root,
     pointed_at,
     run_bash,
     run_python_blocks,
@@ -39,21 +36,6 @@ pytestmark = pytest.mark.slow
 
 def blocks(kind: str) -> list[Example]:
     return [example for page in PAGES for example in examples(page) if example.kind == kind]
-
-
-@pytest.fixture(scope="module")
-def clone(mini_tofu_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clone_like(tmp_path_factory.mktemp("docs-clone"), mini_tofu_demo)
-
-
-@pytest.fixture(scope="module")
-def server(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    work = tmp_path_factory.mktemp("docs-server")
-    live = start_server(work / "store", model_root(clone), work / "server.log")
-    try:
-        yield live
-    finally:
-        stop_server(live)
 
 
 @pytest.fixture(scope="module")

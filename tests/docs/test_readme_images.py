@@ -10,22 +10,19 @@ CLI's own table, so a stale command or a changed answer shape fails.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from engram_fixtures.live import LiveServer, start_server, stop_server
-from tests.helpers.walkthrough import REPO, run_bash
+from engram_fixtures.live import LiveServer
+from tests.helpers.walkthrough import REPO, clone_like, run_bash, section_bash_blocks
 
 SECTION = "## An image classifier"
 pytestmark = pytest.mark.slow
 
 
 def image_block(readme: str) -> str:
-    start = readme.index(SECTION)
-    end = readme.find("\n## ", start + len(SECTION))
-    [block] = re.findall(r"```bash\n(.*?)```", readme[start:end], flags=re.S)
+    [block] = section_bash_blocks(readme, SECTION)
     return block
 
 
@@ -41,20 +38,8 @@ def accuracy_rows(stdout: str) -> dict[tuple[str, str], float]:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("readme-images")
-    (work / "demo").mkdir()
-    (work / ".venv").symlink_to(REPO / ".venv", target_is_directory=True)
-    return work
-
-
-@pytest.fixture(scope="module")
-def server(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    work = tmp_path_factory.mktemp("readme-images-server")
-    live = start_server(work / "store", clone / "demo", work / "server.log")
-    try:
-        yield live
-    finally:
-        stop_server(live)
+    """tests/docs/conftest.py's clone with an empty ``demo/``: the page's commands train the model there."""
+    return clone_like(tmp_path_factory.mktemp("readme-images"), None)
 
 
 def test_the_image_example_runs_as_written_and_forgets_the_class(server: LiveServer, clone: Path) -> None:

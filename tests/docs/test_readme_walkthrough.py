@@ -9,20 +9,17 @@ fail here.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from engram_fixtures.live import LiveServer, start_server, stop_server
+from engram_fixtures.live import LiveServer
 from tests.helpers.walkthrough import (
     REPO,
-    clone_like,
     evaluation_rows,
-    model_root,
     pointed_at,
     run_bash,
+    section_bash_blocks,
     without_fixture_lines,
 )
 
@@ -31,30 +28,11 @@ pytestmark = pytest.mark.slow
 
 
 def walkthrough_blocks(readme: str) -> list[str]:
-    """The ```bash blocks between the walk-through's heading and the next ``## `` heading."""
-    start = readme.index(SECTION)
-    end = readme.find("\n## ", start + len(SECTION))
-    section = readme[start : end if end != -1 else len(readme)]
-    return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    return section_bash_blocks(readme, SECTION)
 
 
 def runnable(blocks: list[str], base: str) -> str:
     return pointed_at(without_fixture_lines("\n".join(block.rstrip("\n") for block in blocks)), base)
-
-
-@pytest.fixture(scope="module")
-def clone(mini_tofu_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return clone_like(tmp_path_factory.mktemp("readme-clone"), mini_tofu_demo)
-
-
-@pytest.fixture(scope="module")
-def server(clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    work = tmp_path_factory.mktemp("readme-server")
-    live = start_server(work / "store", model_root(clone), work / "server.log")
-    try:
-        yield live
-    finally:
-        stop_server(live)
 
 
 def test_the_walkthrough_runs_as_written_and_gives_the_readmes_figures(server: LiveServer, clone: Path) -> None:

@@ -37,20 +37,15 @@ import httpx
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engram_fixtures.demo import (
-    DEFAULT_STEPS,
-    make_facts,
-    read_probes,
-    split_forget,
-    tiny_llama_config,
-    tofu_answers,
-    train_on_facts,
-)
+from engram_fixtures.cache import copy_entry
+from engram_fixtures.demo import read_probes, tofu_answers, tofu_retain_model
 from engram_fixtures.live import REPO_ROOT, LiveServer, download_variant, wait_for_job
+from engram_fixtures.models import interpolated
 from service.engine.evaluate import Probe, answer_nll
 from tests.e2e.tofu import post_concept, probe_metrics
+from tests.helpers.api import register_model
 
 MODEL_ID = "demo/calibrate-tofu"
 LIMIT = 2.0  # max_retain_nll_ratio
@@ -97,10 +92,7 @@ def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, l
     """The demo model registered; every forget fact the target, every retain fact the reference."""
     client = tofu_server.client
     source = f"file://{mini_tofu_demo / 'demo' / 'model'}"
-    registered = client.post("/models", json={"model_id": MODEL_ID, "source": source})
-    assert registered.status_code in (201, 202), registered.text
-    if registered.status_code == 202:  # the register job ran past the request's wait (under load)
-        assert wait_for_job(client, registered.json()["job_id"], timeout=300)["status"] == "succeeded"
+    register_model(client, MODEL_ID, source)
     for name, role, items in (
         ("cal-forget", "target", probes["all_forget"]),
         ("cal-retain", "reference", probes["all_retain"]),
@@ -131,16 +123,6 @@ def unlearn_at_one(client: httpx.Client, modules: list[str] | None, target: Path
         assert wait_for_job(client, submitted.json()["job"]["job_id"], timeout=300)["status"] == "succeeded"
     variant = client.get(f"/variants/{submitted.json()['variant']['variant_id']}").json()
     return download_variant(client, variant, target)
-
-
-def interpolated(base: torch.nn.Module, at_one: torch.nn.Module, alpha: float, into: torch.nn.Module) -> torch.nn.Module:
-    """``into`` with ``W + α·(W₁ − W)`` for every parameter (float64, then the stored dtype)."""
-    ones, bases = dict(at_one.named_parameters()), dict(base.named_parameters())
-    with torch.no_grad():
-        for name, param in into.named_parameters():
-            w = bases[name].detach().double()
-            param.copy_((w + alpha * (ones[name].detach().double() - w)).to(param.dtype))
-    return into
 
 
 def mean_nll(model: torch.nn.Module, tokenizer: Any, items: list[Probe]) -> float:
@@ -281,22 +263,7 @@ GOAL_BUDGET = 14
 def retain_model(mini_tofu_demo: Path) -> Path:
     """TOFU's retain model: the demo's recipe (config, seed, steps, one thread) on the retain facts
     only, with the demo model's tokenizer, beside it under the model root."""
-    target = mini_tofu_demo / "retain-model"
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(mini_tofu_demo / "demo" / "model")
-    _, retain = split_forget(make_facts(200, 0), 0.1, 0)  # build_demo's facts and split (seed 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same weights on every run of one machine
-    try:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer=tokenizer))
-        train_on_facts(model, tokenizer, retain, steps=DEFAULT_STEPS, seed=0)
-    finally:
-        torch.set_num_threads(previous)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    for file in target.iterdir():
-        file.chmod(0o644)
-    return target
+    return copy_entry(tofu_retain_model(), mini_tofu_demo / "retain-model")  # trained once per fixture cache
 
 
 def _tofu_pairs(probes: list[Probe]) -> list[dict[str, Any]]:
@@ -312,10 +279,7 @@ def test_a_calibration_maximising_overall_under_a_utility_floor_meets_it_on_held
     collected: LiveServer, retain_model: Path, probes: dict[str, list[Probe]]
 ) -> None:
     client = collected.client
-    response = client.post("/models", json={"model_id": RETAIN_MODEL_ID, "source": f"file://{retain_model}"})
-    assert response.status_code in (201, 202), response.text
-    if response.status_code == 202:  # the register job ran past the request's wait (under load)
-        assert wait_for_job(client, response.json()["job_id"], timeout=300)["status"] == "succeeded"
+    register_model(client, RETAIN_MODEL_ID, f"file://{retain_model}")
     body = {
         "concepts": ["cal-forget"],
         "forget": _tofu_pairs(probes["all_forget"]),

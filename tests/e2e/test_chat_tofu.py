@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
+from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job, wait_variant_ready
+from tests.helpers.api import register_model
 
 pytestmark = pytest.mark.slow
 MODEL_ID = "demo/chat-tofu"
@@ -37,21 +38,18 @@ ALPHA = 0.6  # the paper's uniform TOFU strength (its TOFU table; ai-engram benc
 @pytest.fixture(scope="module")
 def chat_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The chat demo (trained on the facts rendered with its chat template); the model root holding it."""
-    from engram_fixtures.demo import build_demo
+    from engram_fixtures.cache import copy_entry
+    from engram_fixtures.demo import chat_tofu
 
     root = tmp_path_factory.mktemp("chat-tofu")
-    build_demo(root / "demo", n_facts=200, forget_fraction=0.1, seed=0, chat=True, threads=1)
+    copy_entry(chat_tofu(), root / "demo")  # trained once per fixture cache (200 facts, seed 0, one thread)
     return root
 
 
 @pytest.fixture(scope="module")
 def server(chat_demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    work = tmp_path_factory.mktemp("chat-tofu-server")
-    live = start_server(work / "store", chat_demo, work / "server.log")
-    try:
+    with running_server(tmp_path_factory.mktemp("chat-tofu-server"), chat_demo) as live:
         yield live
-    finally:
-        stop_server(live)
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -64,7 +62,7 @@ def test_chat_mini_tofu_forgets_its_forget_set(chat_demo: Path, server: LiveServ
     forget, retain = records(demo / "forget.jsonl"), records(demo / "retain.jsonl")
     assert all(list(r) == ["messages"] for r in forget + retain)
     source = f"file://{demo / 'model'}"
-    assert api.post("/models", json={"model_id": MODEL_ID, "source": source}).status_code == 201
+    register_model(api, MODEL_ID, source)
     for name, role, data in (("chat-forget", "target", forget), ("chat-retain", "reference", retain)):
         response = api.post("/concepts", json={"name": name, "role": role, "models": [MODEL_ID], "records": data})
         assert response.status_code == 202, response.text

@@ -30,15 +30,10 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-from engram_fixtures.live import (
-    LiveServer,
-    download_variant,
-    running_server,
-    wait_concepts_ready,
-    wait_for_job,
-    wait_variant_ready,
-)
-from engram_fixtures.mini_cifar import FORGET_CLASS, NUM_CLASSES, MiniCifar, build_mini_cifar
+from engram_fixtures.live import LiveServer, download_variant, running_server
+from engram_fixtures.mini_cifar import FORGET_CLASS, NUM_CLASSES, MiniCifar
+from tests.helpers.api import register_model
+from tests.helpers.classifier_api import TIMEOUT_S, class_universe, classes_of, evaluated, read_records, unlearn_class
 from tests.helpers.cli import ok, run_cli, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -46,14 +41,7 @@ pytestmark = pytest.mark.slow
 MODEL, RETRAINED = "mc/resnet", "mc/resnet-retrained"
 CLASSES = [f"class{c}" for c in range(NUM_CLASSES)]
 TOL = 1e-6
-TIMEOUT_S = 900.0
 FORGOTTEN_CEILING = 0.2  # class 0's accuracy after unlearning (the base's is ≥ 0.85): see test_vision_api
-
-
-@pytest.fixture(scope="module")
-def mini_cifar() -> MiniCifar:
-    torch.set_num_threads(1)
-    return build_mini_cifar()
 
 
 @pytest.fixture(scope="module")
@@ -62,48 +50,21 @@ def server(mini_cifar: MiniCifar, tmp_path_factory: pytest.TempPathFactory) -> I
         yield live
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _accepted(response: Any) -> dict[str, Any]:
-    assert response.status_code in (200, 201, 202), response.text
-    body: dict[str, Any] = response.json()
-    return body
-
-
 @pytest.fixture(scope="module")
 def variant(server: LiveServer, mini_cifar: MiniCifar) -> dict[str, Any]:
     client = server.client
     for model_id, folder in ((MODEL, mini_cifar.model("resnet")), (RETRAINED, mini_cifar.model("resnet", True))):
-        registered = _accepted(client.post("/models", json={"model_id": model_id, "source": f"file://{folder}"}))
-        if registered.get("kind") == "register":  # it ran past the request's wait: its job
-            assert wait_for_job(client, registered["job_id"], timeout=TIMEOUT_S)["status"] == "succeeded"
-    train = _records(mini_cifar.train)
-    for label in range(NUM_CLASSES):
-        records = [r for r in train if int(r["label"]) == label]
-        _accepted(client.post("/concepts", json={"name": CLASSES[label], "models": [MODEL], "records": records}))
-    wait_concepts_ready(client, CLASSES, MODEL, timeout=TIMEOUT_S)
-    universe = _accepted(client.post(f"/models/{MODEL}/universes", json={"concepts": CLASSES}))
-    if universe.get("job"):
-        assert wait_for_job(client, universe["job"]["job_id"], timeout=TIMEOUT_S)["status"] == "succeeded"
-    body = {
-        "concepts": [CLASSES[FORGET_CLASS]],
-        "alpha": 1.0,
-        "scaling": "uniform",
-        "universe": universe["universe"]["universe_id"],
-        "format": "checkpoint",
-    }
-    submitted = _accepted(client.post(f"/models/{MODEL}/unlearn", json=body))
-    return wait_variant_ready(client, submitted["variant"]["variant_id"], timeout=TIMEOUT_S)
+        register_model(client, model_id, f"file://{folder}", existing_ok=True, timeout=TIMEOUT_S)
+    universe_id = class_universe(client, MODEL, classes_of(read_records(mini_cifar.train), CLASSES), TIMEOUT_S)
+    return unlearn_class(client, MODEL, CLASSES[FORGET_CLASS], universe_id, TIMEOUT_S, format="checkpoint")
 
 
 def _probe_sets(mini_cifar: MiniCifar) -> dict[str, list[dict[str, Any]]]:
     """forget: 40 training images of class 0; retain: 15 of each other class; test: the whole test split."""
-    train = _records(mini_cifar.train)
+    train = read_records(mini_cifar.train)
     forget = [r for r in train if int(r["label"]) == FORGET_CLASS][:40]
     retain = [r for c in range(NUM_CLASSES) if c != FORGET_CLASS for r in [t for t in train if int(t["label"]) == c][:15]]
-    return {"forget": forget, "retain": retain, "test": _records(mini_cifar.test)}
+    return {"forget": forget, "retain": retain, "test": read_records(mini_cifar.test)}
 
 
 # ---------------------------------------------------------------- the computation written here
@@ -159,11 +120,7 @@ def test_the_evaluation_equals_a_hand_computation_and_ranks_the_unlearning(
     torch.set_num_threads(1)
     sets = _probe_sets(mini_cifar)
     body = {**sets, "retain_model": RETRAINED}
-    response = server.client.post(f"/variants/{variant['variant_id']}/evaluate", params={"wait": 60}, json=body)
-    job = _accepted(response)
-    if job["status"] != "succeeded":
-        job = wait_for_job(server.client, job["job_id"], timeout=TIMEOUT_S)
-    assert job["status"] == "succeeded", job
+    job = evaluated(server.client, variant["variant_id"], body, TIMEOUT_S)
     section = job["result"]["classifier"]
     folders = {
         "base": mini_cifar.model("resnet"),
@@ -197,42 +154,21 @@ def test_the_cli_reads_image_probes_from_jsonl_and_prints_the_classifier_table(
 ) -> None:
     sets = _probe_sets(mini_cifar)
     files = {name: write_jsonl(tmp_path / f"{name}.jsonl", probes) for name, probes in sets.items()}
-    result = ok(
-        run_cli(
-            server.base_url,
-            "evaluate",
-            variant["variant_id"],
-            "--forget",
-            files["forget"],
-            "--retain",
-            files["retain"],
-            "--test",
-            files["test"],
-            "--retain-model",
-            RETRAINED,
-            timeout=TIMEOUT_S,
-        )
-    )
+    arguments: list[str | Path] = [
+        variant["variant_id"],
+        "--forget",
+        files["forget"],
+        "--retain",
+        files["retain"],
+        "--test",
+        files["test"],
+    ]
+    arguments += ["--retain-model", RETRAINED]
+    result = ok(run_cli(server.base_url, "evaluate", *arguments, timeout=TIMEOUT_S))
     assert f"class {FORGET_CLASS} → {FORGET_CLASS}" in result.stdout, result.stdout
     assert "ToW (variant vs retrained)" in result.stdout and "retrained" in result.stdout
     assert "CKA variant-retrained on test" in result.stdout
-    as_json = ok(
-        run_cli(
-            server.base_url,
-            "evaluate",
-            "--json",
-            variant["variant_id"],
-            "--forget",
-            files["forget"],
-            "--retain",
-            files["retain"],
-            "--test",
-            files["test"],
-            "--retain-model",
-            RETRAINED,
-            timeout=TIMEOUT_S,
-        )
-    )
+    as_json = ok(run_cli(server.base_url, "evaluate", "--json", *arguments, timeout=TIMEOUT_S))
     parsed = json.loads(as_json.stdout)
     assert parsed["classifier"]["forgotten_classes"] == [FORGET_CLASS]
     assert "answered from storage" in as_json.stderr

@@ -19,6 +19,7 @@ import pytest
 
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from tests.helpers.api import register_model
 
 MODEL = "demo/readme-figures"
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -30,7 +31,7 @@ def scored(mini_tofu_demo: Path, tofu_server: LiveServer) -> dict[str, Any]:
     api = tofu_server.client
     demo = mini_tofu_demo / "demo"
     source = f"file://{demo / 'model'}"
-    assert api.post("/models", json={"model_id": MODEL, "source": source}).status_code == 201
+    register_model(api, MODEL, source)
     probes = {split: read_probes(demo / f"{split}.jsonl") for split in ("forget", "retain")}
     bodies = {split: [{"prompt": p.prompt, "completion": p.completion} for p in probes[split]] for split in probes}
     for split, role in (("forget", "target"), ("retain", "reference")):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageClassification
 
-from engram_fixtures.mini_cifar import FORGET_CLASS, MiniCifar, build_mini_cifar, load_split, make_images
+from engram_fixtures.mini_cifar import FORGET_CLASS, MiniCifar, load_split, make_images
 from engram_fixtures.statistics import name_digest, publish_concept_statistics
 from service.engine.checkpoint import load_model
 from service.engine.classify import classify
@@ -47,11 +47,6 @@ def test_images_are_deterministic_and_colour_is_not_the_class() -> None:
     per_class = np.array([means[labels == c].mean(axis=0) for c in range(10)])
     nearest = ((means[:, None, :] - per_class[None, :, :]) ** 2).sum(axis=2).argmin(axis=1)
     assert float(np.mean(nearest == labels)) < 0.2
-
-
-@pytest.fixture(scope="module")
-def mini_cifar() -> MiniCifar:
-    return build_mini_cifar()
 
 
 def _classified(built: MiniCifar, architecture: str, retrained: bool) -> tuple[np.ndarray, np.ndarray]:

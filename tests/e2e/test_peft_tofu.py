@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,6 +32,8 @@ from service.engine.evaluate import Probe
 from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from service.engine.lora_rules import EXACT_RTOL
 from tests.e2e.tofu import post_concept, probe_metrics
+from tests.helpers.api import register_model
+from tests.helpers.peft import load_adapter
 
 MODEL_ID = "demo/peft-tofu"
 NLL_TOL = 0.05  # the issue's bar: forget and retain NLLs within 5% of the checkpoint variant's
@@ -52,7 +54,7 @@ def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, l
     """The demo model registered, forget (target) and retain (reference) statistics ready."""
     client = tofu_server.client
     source = f"file://{mini_tofu_demo / 'demo' / 'model'}"
-    assert client.post("/models", json={"model_id": MODEL_ID, "source": source}).status_code == 201
+    register_model(client, MODEL_ID, source)
     for name, role in (("forget", "target"), ("retain", "reference")):
         job = wait_for_job(client, post_concept(client, MODEL_ID, f"peft-{name}", role, probes[name]), timeout=300)
         assert job["status"] == "succeeded", job
@@ -79,8 +81,7 @@ def metrics(model: torch.nn.Module, tokenizer: Any, probes: dict[str, list[Probe
 
 
 def with_adapter(model_dir: Path, adapter_dir: Path) -> torch.nn.Module:
-    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    return PeftModel.from_pretrained(base, adapter_dir).eval()
+    return load_adapter(AutoModelForCausalLM.from_pretrained(model_dir).eval(), adapter_dir)
 
 
 def summary(variant: dict[str, Any]) -> dict[str, Any]:

@@ -10,33 +10,26 @@ edit loads with ``PeftModel.from_pretrained`` and merges to the checkpoint varia
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
-from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageClassification
 
-from engram_fixtures.live import (
-    LiveServer,
-    download_variant,
-    running_server,
-    wait_concepts_ready,
-    wait_for_job,
-    wait_variant_ready,
-)
-from engram_fixtures.mini_cifar import FORGET_CLASS, NUM_CLASSES, MiniCifar, build_mini_cifar, load_split
+from engram_fixtures.live import LiveServer, download_variant, running_server
+from engram_fixtures.mini_cifar import FORGET_CLASS, NUM_CLASSES, MiniCifar, load_split
 from service.engine.layout import ModelLayout
 from service.engine.stats_io import load_statistics
 from service.statistics.key import statistics_key
 from service.storage.keys import model_key
 from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, rel
+from tests.helpers.api import register_model
+from tests.helpers.classifier_api import TIMEOUT_S, class_universe, classes_of, read_records, unlearn_class
+from tests.helpers.peft import load_adapter
 from tests.helpers.vision import per_class_accuracy, reference_unlearn, stored_augmented
 
 pytestmark = pytest.mark.slow
@@ -48,7 +41,6 @@ pytestmark = pytest.mark.slow
 FORGOTTEN_CEILING = 0.2
 KEPT_SHARE = 0.8  # the other classes' mean accuracy keeps at least this share of the base's
 PEFT_TOL = 1e-5  # merged adapter vs checkpoint variant, relative to the edit: the LoRA drops σ < EXACT_RTOL·σ₁
-TIMEOUT_S = 900.0
 CLASSES = [f"class{c}" for c in range(NUM_CLASSES)]
 EXPECTED_CONVS = {
     "resnet": {"resnet.embedder.embedder.convolution": [7, 7]},
@@ -57,30 +49,9 @@ EXPECTED_CONVS = {
 
 
 @pytest.fixture(scope="module")
-def mini_cifar() -> MiniCifar:
-    torch.set_num_threads(1)
-    return build_mini_cifar()
-
-
-@pytest.fixture(scope="module")
 def server(mini_cifar: MiniCifar, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with running_server(tmp_path_factory.mktemp("vision-api"), mini_cifar.root, OMP_NUM_THREADS="1") as live:
         yield live
-
-
-def _class_records(mini_cifar: MiniCifar) -> dict[int, list[dict[str, Any]]]:
-    """The training split's records (base64 PNG, label) by class, as the fixture wrote them."""
-    by_class: dict[int, list[dict[str, Any]]] = {c: [] for c in range(NUM_CLASSES)}
-    for line in mini_cifar.train.read_text().splitlines():
-        record = json.loads(line)
-        by_class[int(record["label"])].append(record)
-    return by_class
-
-
-def _accepted(response: httpx.Response, status: int = 202) -> dict[str, Any]:
-    assert response.status_code in (status, 200), response.text
-    body: dict[str, Any] = response.json()
-    return body
 
 
 def _stored_sums(server: LiveServer, model_id: str, name: str) -> Any:
@@ -92,9 +63,7 @@ def _stored_sums(server: LiveServer, model_id: str, name: str) -> Any:
 
 
 def _unlearn(server: LiveServer, model_id: str, universe_id: str, **options: Any) -> dict[str, Any]:
-    body = {"concepts": [f"class{FORGET_CLASS}"], "alpha": 1.0, "scaling": "uniform", "universe": universe_id, **options}
-    submitted = _accepted(server.client.post(f"/models/{model_id}/unlearn", json=body))
-    return wait_variant_ready(server.client, submitted["variant"]["variant_id"], timeout=TIMEOUT_S)
+    return unlearn_class(server.client, model_id, f"class{FORGET_CLASS}", universe_id, TIMEOUT_S, **options)
 
 
 @pytest.mark.parametrize("architecture", ["resnet", "vit"])
@@ -103,13 +72,7 @@ def test_unlearning_a_class_through_the_api(
 ) -> None:
     torch.set_num_threads(1)
     client, model_id, folder = server.client, f"mini-cifar/{architecture}", mini_cifar.model(architecture)
-    created = client.post("/models", params={"wait": 20}, json={"model_id": model_id, "source": f"file://{folder}"})
-    if created.status_code == 202:  # a loaded machine: the registration job outlasted the wait
-        assert wait_for_job(client, created.json()["job_id"], timeout=TIMEOUT_S)["status"] == "succeeded"
-    else:
-        assert created.status_code == 201, created.text
-
-    view = client.get(f"/models/{model_id}").json()
+    view = register_model(client, model_id, f"file://{folder}", timeout=TIMEOUT_S)  # 201, or 202 and its job
     assert view["kind"] == "image" and view["refused_layers"] == {}
     kernels = {layer["name"]: layer["kernel"] for layer in view["layers"] if layer.get("kernel")}
     for name, size in EXPECTED_CONVS[architecture].items():
@@ -118,15 +81,7 @@ def test_unlearning_a_class_through_the_api(
 
     # one concept per class from its training images (the same records again add this model to a
     # concept the other architecture's run made)
-    for label, records in _class_records(mini_cifar).items():
-        body = {"name": CLASSES[label], "models": [model_id], "records": records}
-        response = client.post("/concepts", json=body)
-        assert response.status_code in (200, 201, 202), response.text
-    wait_concepts_ready(client, CLASSES, model_id, timeout=TIMEOUT_S)
-    universe = _accepted(client.post(f"/models/{model_id}/universes", json={"concepts": CLASSES}))
-    if universe.get("job"):
-        assert wait_for_job(client, universe["job"]["job_id"], timeout=TIMEOUT_S)["status"] == "succeeded"
-    universe_id = universe["universe"]["universe_id"]
+    universe_id = class_universe(client, model_id, classes_of(read_records(mini_cifar.train), CLASSES), TIMEOUT_S)
 
     variant = _unlearn(server, model_id, universe_id, format="checkpoint")
     edited = download_variant(client, variant, tmp_path / "checkpoint")
@@ -164,9 +119,7 @@ def test_unlearning_a_class_through_the_api(
     # the same edit as a peft adapter: PeftModel loads it on the base and merges to the checkpoint variant
     adapter = download_variant(client, _unlearn(server, model_id, universe_id, format="peft"), tmp_path / "adapter")
     assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' deprecation notes
-        served = PeftModel.from_pretrained(AutoModelForImageClassification.from_pretrained(folder), adapter)
+    served = load_adapter(AutoModelForImageClassification.from_pretrained(folder), adapter)
     # peft merges it (a ResNet's biased head beside bias-free convs: the edited bias stored whole,
     # not an adapter-wide lora_bias that merge_and_unload refuses on a conv)
     merged, peft_worst = served.merge_and_unload().state_dict(), 0.0

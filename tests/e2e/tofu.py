@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import download_variant, wait_for_job
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
+from tests.helpers.api import register_model
 
 
 def probe_metrics(model: torch.nn.Module, tokenizer: object, probes: list[Probe]) -> dict[str, float]:
@@ -49,7 +50,7 @@ def run_mini_tofu(client: httpx.Client, demo_root: Path, source: str, work: Path
     model_dir = demo_root / "demo" / "model"
     forget = read_probes(demo_root / "demo" / "forget.jsonl")
     retain = read_probes(demo_root / "demo" / "retain.jsonl")
-    assert client.post("/models", json={"model_id": model_id, "source": source}).status_code == 201
+    register_model(client, model_id, source)
     prefix = model_id.replace("/", "-")
     jobs = [
         wait_for_job(client, post_concept(client, model_id, f"{prefix}-{name}", role, probes), timeout=300)

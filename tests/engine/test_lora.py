@@ -35,15 +35,15 @@ from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, REPORT_FILE, fa
 from service.engine.lora_files import write_adapter
 from service.engine.lora_rules import EXACT_RTOL, LoraTarget, vllm_bias_refusal, vllm_rank
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.helpers.peft import assert_same_parameters, load_adapter
 
 HIDDEN = 32
 FLOAT64_TOL = 1e-12  # a float64 SVD reproduces its matrix to ~1e-15 relative
 # Float32 factors vs the float64 delta: the EXACT_RTOL cut's tail plus float32 rounding of B·A;
 # measured ≤ 9e-7 on these models.
 STORED_TOL = 1e-5
-# Merged or served adapter vs the checkpoint variant (which rounds W + ΔW to float32 in another
-# order): measured ≤ 8e-7 of ‖ΔW‖ per parameter and ≤ 1.2e-6 relative on logits.
-MERGE_TOL = 1e-5
+# Served adapter vs the checkpoint variant: measured ≤ 1.2e-6 relative on logits (merged, per
+# parameter: tests.helpers.peft.MERGE_TOL).
 LOGIT_TOL = 1e-5
 GPT2_BLOCK_LAYERS = ("c_attn", "c_proj", "c_fc")  # every biased Conv1D; lm_head has no bias
 
@@ -113,12 +113,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
 
 
 def load_peft(base_dir: Path, adapter_dir: Path) -> PeftModel:
-    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-    with warnings.catch_warnings():
-        # Expected and documented in service.engine.lora: tied lm_head, per-module fan_in_fan_out,
-        # adapter-wide lora_bias on a bias-free head.
-        warnings.simplefilter("ignore")
-        return PeftModel.from_pretrained(base, adapter_dir).eval()
+    return load_adapter(AutoModelForCausalLM.from_pretrained(base_dir).eval(), adapter_dir)
 
 
 def logits(model: torch.nn.Module, path: Path) -> torch.Tensor:
@@ -287,21 +282,6 @@ def test_tied_head_adapter_serves_like_the_checkpoint_variant(cases: dict[str, C
     embedding = served.get_input_embeddings().weight
     assert torch.equal(embedding, AutoModelForCausalLM.from_pretrained(case.path).get_input_embeddings().weight)
     assert rel(logits(served, case.path), logits(variant, case.path)) < LOGIT_TOL
-
-
-def assert_same_parameters(merged: torch.nn.Module, variant: torch.nn.Module, base: torch.nn.Module) -> list[str]:
-    """Every parameter equal to the variant's, to MERGE_TOL of the edit; returns those the edit changed."""
-    base_params, variant_params = dict(base.named_parameters()), dict(variant.named_parameters())
-    changed = []
-    for name, param in merged.named_parameters():
-        expected, original = variant_params[name].detach().double(), base_params[name].detach().double()
-        edit = float((expected - original).norm())
-        if edit == 0.0:
-            assert torch.equal(param.detach().double(), original), name
-            continue
-        changed.append(name)
-        assert float((param.detach().double() - expected).norm()) <= MERGE_TOL * edit, name
-    return changed
 
 
 # ------------------------------------------------------------------------------------- servable by vLLM

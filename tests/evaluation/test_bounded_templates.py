@@ -32,6 +32,7 @@ from service.engine.evaluate import Probe, answer_nll
 from service.engine.messages import Message
 from service.engine.template_render import TemplateLimits, TemplateProcess
 from service.errors import JobFailed
+from tests.helpers.api import register_model
 from tests.helpers.job_process import job_process, template_children
 
 LOOPING = (
@@ -93,8 +94,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with running_server(root, models, **env) as live:
         api = live.client
         for name in TEMPLATES:
-            response = api.post("/models", json={"model_id": f"t/{name}", "source": f"file://{models / name}"})
-            assert response.status_code in (200, 201), response.text
+            register_model(api, f"t/{name}", f"file://{models / name}", existing_ok=True)
         # text records: collecting them renders no template, so every model gets a variant to evaluate
         # (and a universe to calibrate on)
         for name, role, records in (("cats", "target", TEXT), ("dogs", "reference", REFERENCE)):

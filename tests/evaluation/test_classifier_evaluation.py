@@ -26,7 +26,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification
 from engram_fixtures.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 from engram_fixtures.models import make_tiny_llama
 from engram_fixtures.vision import make_tiny_resnet, make_tiny_vit
-from tests.helpers.api import assert_problem, unchanged
+from tests.helpers.api import assert_problem, register_model, unchanged
 from tests.helpers.app import InProcessServer, in_process_server
 from tests.helpers.images import b64, digit_image, digit_record, digits, encode, png_bomb
 
@@ -76,11 +76,7 @@ def server(root: Path) -> Iterator[InProcessServer]:
             (VIT_RETRAINED, "vit-retrained"),
         )
         for model_id, folder in models:
-            source = f"file://{root / 'models' / folder}"
-            response = app.client.post("/models", json={"model_id": model_id, "source": source})
-            assert response.status_code in (201, 202), response.text
-            if response.status_code == 202:  # registration ran past the request's wait: its job
-                assert wait_for_job(app.client, response.json()["job_id"], 300)["status"] == "succeeded"
+            register_model(app.client, model_id, f"file://{root / 'models' / folder}")
         yield app
 
 

@@ -4,6 +4,7 @@ what each section holds, and what is left out and why."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,8 +38,13 @@ def test_per_probe_nll_and_hits_are_the_softmax_of_each_row() -> None:
         assert got_hit == (max(range(4), key=lambda c: row[c]) == label)
 
 
+def _section(models: dict[str, dict[str, Classified]]) -> dict[str, Any]:
+    """The classifier section as the evaluation stores and answers it (JSON)."""
+    return classifier_run.classifier_section(models, forgotten=[0]).model_dump(mode="json", exclude_unset=True)
+
+
 def test_confusion_rows_only_for_sets_holding_the_forgotten_class() -> None:
-    section = classifier_run.classifier_section(_models(), forgotten=[0])
+    section = _section(_models())
     sets = section["models"]["variant"]["sets"]
     assert set(sets["forget"]["confusion"]) == {"0"} and set(sets["test"]["confusion"]) == {"0"}
     assert "confusion" not in sets["retain"]
@@ -46,7 +52,7 @@ def test_confusion_rows_only_for_sets_holding_the_forgotten_class() -> None:
 
 
 def test_without_a_retrained_model_tow_and_its_cka_are_left_out_naming_why() -> None:
-    section = classifier_run.classifier_section(_models(), forgotten=[0])
+    section = _section(_models())
     scores = section["scores"]
     assert "tow" not in scores and "cka_to_retrained" not in scores
     assert "retain_model" in scores["left_out"]["tow"] and set(scores["cka_to_base"]) == set(SETS)
@@ -56,12 +62,14 @@ def test_tow_needs_the_three_sets() -> None:
     models = _models(("base", "variant", "retrained"))
     for per_set in models.values():
         del per_set["test"]
-    scores = classifier_run.classifier_section(models, forgotten=[0])["scores"]
-    assert scores["tow"] is None and "no test probes" in scores["left_out"]["tow"]
+    section = classifier_run.classifier_section(models, forgotten=[0])
+    assert section.scores.tow is None and section.scores.cka_to_retrained is not None
+    scores = _section(models)["scores"]  # stored: absent (not null), its reason named
+    assert "tow" not in scores and "no test probes" in scores["left_out"]["tow"]
 
 
 def test_nmi_past_its_bound_is_left_out_naming_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(classifier_run, "NMI_MAX_WORK", 10)
-    section = classifier_run.classifier_section(_models(), forgotten=[0])
+    section = _section(_models())
     assert "nmi" not in section["models"]["base"] and "da" in section["models"]["base"]
     assert "send fewer probes" in section["scores"]["left_out"]["base.nmi"]

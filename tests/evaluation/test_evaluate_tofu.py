@@ -40,7 +40,7 @@ from engram_fixtures.live import (
 from engram_fixtures.models import CHAT_TEMPLATE, make_tiny_chat_llama, make_tiny_llama
 from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, register_model
 
 BASE, RETAIN, OTHER = "tofu-eval/base", "tofu-eval/retain", "tofu-eval/other-vocab"
 TOLERANCE = 1e-6
@@ -101,10 +101,7 @@ def probes(mini_tofu_demo: Path) -> dict[str, Any]:
 def variant(server: LiveServer, probes: dict[str, Any]) -> dict[str, Any]:
     api = server.client
     for model_id, folder in ((BASE, "base"), (RETAIN, "retain"), (OTHER, "other")):
-        response = api.post("/models", json={"model_id": model_id, "source": f"file://{server.model_root / folder}"})
-        assert response.status_code in (201, 202), response.text
-        if response.status_code == 202:  # registration ran past the request's wait (a loaded machine): its job
-            assert wait_for_job(api, response.json()["job_id"], timeout=600)["status"] == "succeeded"
+        register_model(api, model_id, f"file://{server.model_root / folder}")
     plain = {s: [{"prompt": r["prompt"], "completion": r["completion"]} for r in probes[s]] for s in ("forget", "retain")}
     for name, role, split in (("tofu-eval-forget", "target", "forget"), ("tofu-eval-retain", "reference", "retain")):
         body = {"name": name, "role": role, "models": [BASE], "records": plain[split]}

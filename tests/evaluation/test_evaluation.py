@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
 from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, register_model
 from tests.helpers.app import InProcessServer
 
 MODEL = "eval/tiny"
@@ -37,7 +37,7 @@ def _variant(api: httpx.Client, fmt: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def variants(api: httpx.Client, tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
-    assert api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    register_model(api, MODEL, f"file://{tiny_llama_dir}", existing_ok=True)
     for name, role, records in (("eval-forget", "target", FORGET), ("eval-retain", "reference", RETAIN)):
         response = api.post("/concepts", json={"name": name, "role": role, "models": [MODEL], "records": records})
         assert response.status_code == 202, response.text

@@ -1,6 +1,7 @@
 """What a request to the live API must answer and leave unchanged: a problem+json answer that names
 what is wrong, and a block that changes no listing and no stored file; concepts written straight
-into a server's storage, for listings to page through."""
+into a server's storage, for listings to page through; a model registered as a client registers one
+(:func:`register_model`: 201, or 202 and its job)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from engram_fixtures.live import LiveServer, wait_idle
+from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job, wait_idle
 
 PROBLEM_KEYS = {"type", "title", "status", "detail"}
 READ_CACHE_S = 1.1  # listings are served as of at most a second ago (service.storage.read_cache)
@@ -34,6 +35,44 @@ def assert_problem(response: httpx.Response, status: int, *mentions: str) -> dic
     for mention in mentions:
         assert mention in problem["detail"], problem
     return problem
+
+
+def register_model(
+    client: httpx.Client, model_id: str, source: str, *, existing_ok: bool = False, timeout: float = 600
+) -> dict[str, Any]:
+    """``POST /models`` and wait for the registration; the model as ``GET /models/{id}`` then shows it.
+
+    The service answers 201 when its register job finished within the request's wait and 202 with
+    the job when it did not (a loaded machine: every test server shares two cores); both are a
+    registration started by this request, and a 202's job must succeed. ``existing_ok``: 200 (the
+    identical registration was there) passes too. For a test of which of them is answered, post
+    and assert the status yourself.
+    """
+    response = client.post("/models", json={"model_id": model_id, "source": source})
+    accepted = (200, 201, 202) if existing_ok else (201, 202)
+    assert response.status_code in accepted, response.text
+    if response.status_code == 202:  # the register job ran past the request's wait
+        job = wait_for_job(client, response.json()["job_id"], timeout=timeout)
+        assert job["status"] == "succeeded", job
+    shown = client.get(f"/models/{model_id}")
+    assert shown.status_code == 200, shown.text
+    model: dict[str, Any] = shown.json()
+    assert model["model_id"] == model_id, model
+    return model
+
+
+def model_with_concepts(
+    client: httpx.Client, model_id: str, source: str, concepts: dict[str, tuple[str | None, list[dict[str, Any]]]]
+) -> None:
+    """``model_id`` registered (:func:`register_model`; 200 too: a module's second registration) and
+    each concept (name -> its role, None to leave it out, and records) posted on it (202: a new
+    collection) and ready."""
+    register_model(client, model_id, source, existing_ok=True)
+    for name, (role, records) in concepts.items():
+        body = {"name": name, "models": [model_id], "records": records, **({"role": role} if role else {})}
+        response = client.post("/concepts", json=body)
+        assert response.status_code == 202, response.text
+    wait_concepts_ready(client, list(concepts), model_id)
 
 
 def snapshot(server: LiveServer) -> dict[str, Any]:

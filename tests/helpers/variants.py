@@ -1,7 +1,8 @@
 """Variants built through the real job bodies on a store world, and the float64 edit they must equal.
 
 :func:`world` (a module-scoped fixture: import it into the module that uses it) registers a tiny
-Llama, its float64 copy and a GPT-2, each with concepts forget / retain / other published;
+Llama, its float64 copy and a GPT-2, each with concepts forget / retain / other published
+(:func:`edit_world`, which tests/universes/test_universe_build.py builds with a bfloat16 copy too);
 :func:`build` submits a variant and runs its job; :func:`reference_edit` is ``Σ_k c_k W Σ_k Σ_U⁺``
 per layer in float64 with the layers' ``f_l``; :func:`assert_matches` holds a written checkpoint to
 base + that edit. Shared by the variants' and calibration's tests.
@@ -9,6 +10,8 @@ base + that edit. Shared by the variants' and calibration's tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,15 +31,24 @@ ALPHA = 0.8
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("variant-build")
+    return edit_world(tmp_path_factory.mktemp("variant-build"), "v")
+
+
+def edit_world(root: Path, prefix: str, *, bfloat16: bool = False) -> dict[str, Any]:
+    """A store world under ``root`` with ``{prefix}/llama`` (a tiny Llama), ``{prefix}/llama64`` (its
+    float64 copy), ``{prefix}/llama16`` (its bfloat16 copy, when asked) and ``{prefix}/gpt2``, each with
+    concepts forget / retain / other published.
+
+    Returns:
+        ``world`` (the StoreWorld), ``paths`` (model ID -> folder), ``stats`` (model ID -> name -> sums).
+    """
     w = StoreWorld(root)
     tokenizer = make_tokenizer()
     llama = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=tokenizer)
-    paths = {
-        "v/llama": llama,
-        "v/llama64": float64_copy(llama, root / "models" / "llama64"),
-        "v/gpt2": make_tiny_gpt2(root / "models" / "gpt2", hidden=32, layers=2, seed=0, tokenizer=tokenizer),
-    }
+    paths = {f"{prefix}/llama": llama, f"{prefix}/llama64": float64_copy(llama, root / "models" / "llama64")}
+    if bfloat16:
+        paths[f"{prefix}/llama16"] = float64_copy(llama, root / "models" / "llama16", torch.bfloat16)
+    paths[f"{prefix}/gpt2"] = make_tiny_gpt2(root / "models" / "gpt2", hidden=32, layers=2, seed=0, tokenizer=tokenizer)
     stats: dict[str, dict[str, LayerStatistics]] = {}
     for model_id, path in paths.items():
         w.register(model_id, path)
@@ -48,14 +60,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"world": w, "paths": paths, "stats": stats}
 
 
-def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any) -> dict[str, Any]:
-    """Submit a variant and run its job; returns the variant view."""
-    options = {"scaling": "uniform", "format": "checkpoint", **options}
-    view, job = submit_variant(w.ctx, model_id, terms, None, options)
+def run_variant(
+    w: StoreWorld, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Submit a variant and run its build job, when the submission made one (not when the variant
+    existed); the variant's view then. The job must succeed."""
+    view, job = submit_variant(w.ctx, model_id, terms, alpha, options)
     if job is not None:
         [done] = w.run_pending()
         assert done.status == "succeeded", done
-        view = variant_view(w.ctx, view["variant_id"])
+    return variant_view(w.ctx, view["variant_id"])
+
+
+def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any) -> dict[str, Any]:
+    """Submit a variant and run its job; returns the variant view and its stored manifest."""
+    view = run_variant(w, model_id, terms, None, {"scaling": "uniform", "format": "checkpoint", **options})
     return {**view, "manifest": w.ctx.storage.get_json(f"variants/{view['variant_id']}/manifest.json")}
 
 
@@ -99,21 +118,35 @@ def reference_edit(
 
 
 def assert_matches(
-    world: dict[str, Any], model_id: str, variant: dict[str, Any], expected: dict[str, torch.Tensor], tol: float = WEIGHT_TOL
+    world: dict[str, Any],
+    model_id: str,
+    variant: dict[str, Any],
+    expected: dict[str, torch.Tensor],
+    tol: float = WEIGHT_TOL,
+    modules: Sequence[str] | None = None,
 ) -> float:
-    """The written checkpoint equals base + expected delta; returns the worst relative delta error."""
+    """The written checkpoint equals base + expected delta; returns the worst relative delta error.
+
+    ``modules``: only the layers of those modules (``q_proj``, …) are edited; every other layer must be
+    the base's, bit for bit, and at least one layer must be edited.
+    """
     from service.engine.checkpoint import CheckpointReader
 
     w: StoreWorld = world["world"]
     layout = layout_of(w, model_id)
     reader = CheckpointReader(world["paths"][model_id], layout)
     written = checkpoint_of(w, variant)
-    worst = 0.0
+    worst, edited = 0.0, 0
     for spec in layout.layers:
         old = augmented(spec, reader.layer_weights(spec))
         new = new_weights(spec, layout, written)
+        if modules is not None and spec.name.rsplit(".", 1)[-1] not in modules:
+            assert torch.equal(new, old), spec.name
+            continue
+        edited += 1
         assert rel(new, old + expected[spec.name]) < tol, spec.name
         error = rel(new - old, expected[spec.name])
         assert error < max(DELTA_TOL, tol), (spec.name, error)
         worst = max(worst, error)
+    assert edited > 0, "no layer edited"
     return worst

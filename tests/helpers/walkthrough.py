@@ -10,10 +10,12 @@ the demo, the setting ``make run`` gives it); ``BASE`` is pointed at that server
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,17 +24,28 @@ RUN_BY_THE_FIXTURE = ("make demo", "make run")
 DEFAULT_BASE = "BASE=http://127.0.0.1:8000"
 
 
-def clone_like(work: Path, mini_tofu_demo: Path) -> Path:
+def clone_like(work: Path, mini_tofu_demo: Path | None) -> Path:
     """``work`` laid out as a clone after ``make demo``: ``demo/`` and ``.venv``.
 
     ``demo/`` is a folder of hard links to the built demo's files (a copy where links cannot be
     made), not a symlink: the CLI resolves ``./demo/model`` to an absolute path, and through a link
     it would name another folder than the ``file://$PWD/demo/model`` the curl commands register.
     Serve it with :func:`model_root` as the server's model root, as ``make run`` serves ``./demo``.
+    ``mini_tofu_demo`` None: ``demo/`` is empty, for a page whose commands build their own model there.
     """
-    shutil.copytree(mini_tofu_demo / "demo", work / "demo", copy_function=_link_or_copy)
+    if mini_tofu_demo is None:
+        (work / "demo").mkdir()
+    else:
+        shutil.copytree(mini_tofu_demo / "demo", work / "demo", copy_function=_link_or_copy)
     (work / ".venv").symlink_to(REPO / ".venv", target_is_directory=True)
     return work
+
+
+def section_bash_blocks(page: str, heading: str) -> list[str]:
+    """The ```bash blocks between ``heading`` (a ``## `` line of ``page``) and the next ``## `` heading."""
+    start = page.index(heading)
+    end = page.find("\n## ", start + len(heading))
+    return re.findall(r"```bash\n(.*?)```", page[start : end if end != -1 else len(page)], flags=re.S)
 
 
 def model_root(clone: Path) -> Path:
@@ -57,6 +70,13 @@ def without_fixture_lines(script: str) -> str:
     return "\n".join(line for line in script.splitlines() if not line.lstrip().startswith(RUN_BY_THE_FIXTURE))
 
 
+def _without_engram_settings() -> dict[str, str]:
+    """This process's environment without the service's and the client's ``ENGRAM_*`` settings; the
+    fixture cache (``ENGRAM_FIXTURE_CACHE``, engram_fixtures.cache) is kept: a page's command that
+    builds a fixture finds what this run trained."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_") or k == "ENGRAM_FIXTURE_CACHE"}
+
+
 @dataclass(frozen=True)
 class Ran:
     returncode: int
@@ -70,17 +90,15 @@ class Ran:
 
 def run_bash(script: str, cwd: Path, timeout: float = 900, **env: str) -> Ran:
     """``set -eo pipefail`` and the script, in one bash process in ``cwd`` (as a reader's terminal)."""
+    return _run(["bash", "-c", "set -eo pipefail\n" + script], cwd, timeout, None, PWD=str(cwd), **env)
+
+
+def _run(command: list[str], cwd: Path, timeout: float, stdin: str | None, **env: str) -> Ran:
+    """``command`` in ``cwd`` with this process's environment less the ``ENGRAM_*`` settings, plus ``env``."""
     # A reader's own ENGRAM_* settings (ENGRAM_URL, ENGRAM_API_KEY) must not steer the CLI's calls.
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_")}
-    environment.update(PWD=str(cwd), **env)
-    done = subprocess.run(
-        ["bash", "-c", "set -eo pipefail\n" + script],
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    environment = _without_engram_settings()
+    environment.update(env)
+    done = subprocess.run(command, input=stdin, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
     return Ran(done.returncode, done.stdout, done.stderr)
 
 
@@ -116,18 +134,5 @@ for block in json.load(sys.stdin):
 
 def run_python_blocks(blocks: list[tuple[str, str]], cwd: Path, timeout: float = 600, **env: str) -> Ran:
     """``(where, code)`` blocks run in order by one fresh interpreter in ``cwd``; the first failure stops it."""
-    import json
-    import sys
-
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_")}
-    environment.update(env)
-    done = subprocess.run(
-        [sys.executable, "-c", _BLOCK_RUNNER],
-        input=json.dumps([{"where": where, "code": code} for where, code in blocks]),
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return Ran(done.returncode, done.stdout, done.stderr)
+    payload = json.dumps([{"where": where, "code": code} for where, code in blocks])
+    return _run([sys.executable, "-c", _BLOCK_RUNNER], cwd, timeout, payload, **env)

@@ -24,7 +24,7 @@ from service.config import Settings
 from service.jobs.callbacks import sign, verify_signature
 from service.jobs.records import JobRecord
 from service.jobs.store import new_job, public_view
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, register_model
 from tests.helpers.jobs import payload_for
 
 SECRET = "test-callback-secret"
@@ -115,8 +115,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(work: Path, model_root: Path, tiny_llama_dir: Path, receiver: Receiver) -> Iterator[LiveServer]:
     live = _start(work, model_root, receiver)
     try:
-        response = live.client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-        assert response.status_code == 201, response.text
+        register_model(live.client, MODEL, f"file://{tiny_llama_dir}")
         yield live
     finally:
         stop_server(live)
@@ -266,8 +265,7 @@ def jam_server(work: Path, model_root: Path, tiny_llama_dir: Path, receiver: Rec
         ENGRAM_CALLBACK_MAX_ATTEMPTS="3",
     )
     try:
-        response = live.client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-        assert response.status_code == 201, response.text
+        register_model(live.client, MODEL, f"file://{tiny_llama_dir}")
         yield live
     finally:
         stop_server(live)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+from pydantic import BaseModel, ConfigDict
 
 from service.api.routes.jobs import cancel_job
 from service.context import Context
@@ -38,11 +39,18 @@ from tests.helpers.jobs import payload_for
 Body = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
 
+class StubResult(BaseModel):
+    """A stub body's result: any JSON object (a real kind's model names its fields)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 @dataclass(frozen=True)
 class StubKind:
-    """What the runner reads of a :class:`service.execution.kinds.Kind`: its body."""
+    """What the runner reads of a :class:`service.execution.kinds.Kind`: its body and its result's model."""
 
     body: Body
+    result: type[BaseModel] = StubResult
 
 
 @pytest.fixture
@@ -180,7 +188,7 @@ def test_cancelling_a_queued_job_ends_it_at_once_and_its_run_never_starts(ctx: C
     use_body(lambda c, j: calls.append(1) or {})
     job_id = submit(ctx)
     view = cancel_job(job_id, ctx)
-    assert view["status"] == "cancelled" and view["finished_at"]
+    assert view.status == "cancelled" and view.finished_at
     assert not is_open(ctx, job_id)
     run_job(ctx, job_id)  # its message arrives anyway
     assert calls == [] and job(ctx, job_id).status == "cancelled"
@@ -215,7 +223,7 @@ def test_cancelling_a_running_job_stops_it_at_its_next_check(ctx: Context, use_b
     runner.start()
     assert started.wait(10)
     view = cancel_job(job_id, ctx)
-    assert view["status"] == "running", "a running job ends when its body looks, not before"
+    assert view.status == "running", "a running job ends when its body looks, not before"
     assert job(ctx, job_id).cancel_requested is True
     runner.join(10)
     assert not runner.is_alive()
@@ -251,7 +259,7 @@ def test_cancelling_a_finished_job_changes_nothing(ctx: Context, outcome: str) -
     ctx.jobs.update(job_id, status=outcome, finished_at="2026-01-01T00:00:00+00:00")
     before = job(ctx, job_id)
     view = cancel_job(job_id, ctx)
-    assert view["status"] == outcome and job(ctx, job_id) == before
+    assert view.status == outcome and job(ctx, job_id) == before
     assert before.cancel_requested is False
 
 

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
 from service.engine.stats_io import load_statistics
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, register_model
 from tests.helpers.job_process import job_process, paused
 
 MODEL = "map/tiny"
@@ -42,7 +42,7 @@ CONCEPTS = {
 
 @pytest.fixture(scope="module")
 def ready(api: httpx.Client, tiny_llama_dir: Path) -> None:
-    assert api.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    register_model(api, MODEL, f"file://{tiny_llama_dir}", existing_ok=True)
     for name, (role, facts) in CONCEPTS.items():
         records = [{"prompt": p, "completion": c} for p, c in facts]
         response = api.post("/concepts", json={"name": name, "role": role, "models": [MODEL], "records": records})
@@ -160,7 +160,7 @@ def test_map_png_size_limits_and_unknown_model(api: httpx.Client, ready: None) -
 
 def test_concept_not_ready_on_the_model_is_409(api: httpx.Client, ready: None, tiny_llama_dir: Path) -> None:
     other = "map/other"
-    assert api.post("/models", json={"model_id": other, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    register_model(api, other, f"file://{tiny_llama_dir}", existing_ok=True)
     assert_problem(api.get(f"/models/{other}/engram-map", params={"concepts": "map-a"}), 409, "map-a")
 
 
@@ -192,7 +192,7 @@ def test_a_failed_map_job_is_answered_with_its_problem(api: httpx.Client, ready:
     copy = tiny_llama_dir.parent / "tiny-llama-map-copy"
     shutil.copytree(tiny_llama_dir, copy, dirs_exist_ok=True)
     model = "map/changed"
-    assert api.post("/models", json={"model_id": model, "source": f"file://{copy}"}).status_code in (200, 201)
+    register_model(api, model, f"file://{copy}", existing_ok=True)
     records = [{"prompt": p, "completion": c} for p, c in FACTS[:4]]
     response = api.post("/concepts", json={"name": "map-changed", "role": "target", "models": [model], "records": records})
     assert response.status_code == 202, response.text
@@ -209,7 +209,7 @@ def test_a_map_draws_the_layers_every_concept_covers_and_names_the_others(api: h
     """A reference collected with ``modules`` covers only those layers: ``Σ_U`` exists there alone,
     so the map draws them and names every layer it leaves off (it was a failed job naming a layer)."""
     model = "map/limited"
-    assert api.post("/models", json={"model_id": model, "source": f"file://{tiny_llama_dir}"}).status_code in (200, 201)
+    register_model(api, model, f"file://{tiny_llama_dir}", existing_ok=True)
     records = [{"prompt": p, "completion": c} for p, c in FACTS[:8]]
     posts = [
         {"name": "lim-a", "role": "target", "models": [model], "records": records[:4]},

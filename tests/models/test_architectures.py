@@ -30,6 +30,7 @@ from service.engine.checkpoint import CheckpointReader, inspect_model_dir
 from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.helpers.api import register_model
 
 FACTS = make_facts(24, seed=3)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]
@@ -71,7 +72,7 @@ def _registered(api: httpx.Client, model_root: Path, arch: str) -> tuple[Path, s
     if not model_dir.exists():
         CASES[arch][0](model_dir)
     model_id = f"arch/{arch}"
-    assert api.post("/models", json={"model_id": model_id, "source": f"file://{model_dir}"}).status_code in (200, 201)
+    register_model(api, model_id, f"file://{model_dir}", existing_ok=True)
     for name, role, records in ((f"{arch}-t", "target", TARGET), (f"{arch}-r", "reference", REFERENCE)):
         body = {"name": name, "role": role, "models": [model_id], "records": records}
         assert api.post("/concepts", json=body).status_code == 202

@@ -19,6 +19,7 @@ import pytest
 
 from service.engine.chat import folder_has_chat_template
 from service.engine.model_files import MAX_SIDE_JSON_BYTES
+from tests.helpers.api import register_model
 
 INDEX = "model.safetensors.index.json"
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot nest into (RecursionError)
@@ -126,8 +127,7 @@ def test_a_folder_without_tokenizer_files_still_registers(api: httpx.Client, fol
     """The tokenizer is checked only when the folder ships one (variants need none)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         os.remove(folder / name)
-    response = api.post("/models", json={"model_id": model_id_for(folder), "source": f"file://{folder}"})
-    assert response.status_code == 201, response.text
+    register_model(api, model_id_for(folder), f"file://{folder}")
 
 
 # ---------------------------------------------------------------- an index no job could load

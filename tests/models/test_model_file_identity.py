@@ -37,6 +37,7 @@ from service.models import loaded
 from service.models.loaded import checked_model_files, copy_record
 from service.models.record import ModelRecord
 from service.storage.local import LocalStorage
+from tests.helpers.api import register_model
 
 FACTS = make_facts(24, seed=5)
 SHARD = "model.safetensors"
@@ -144,9 +145,7 @@ def test_a_shard_changed_after_registration_fails_every_next_job(
 ) -> None:
     api = live_server.client
     model_id = f"identity/{attack}"
-    registered = _register(api, model_id, folder)
-    assert registered.status_code == 201, registered.text
-    digest = registered.json()["digest"]
+    digest = register_model(api, model_id, f"file://{folder}")["digest"]
     names = {role: f"identity-{attack}-{role}" for role in ("forget", "retain", "late")}
     jobs = [_collect(api, model_id, names["forget"], FACTS[:4]), _collect(api, model_id, names["retain"], FACTS[4:12])]
     wait_concepts_ready(api, [names["forget"], names["retain"]], model_id)
@@ -187,8 +186,7 @@ def test_what_the_identity_sees_and_what_re_registering_does(live_server: LiveSe
     registration again, as the job says, registers the files as they are (the same digest here)."""
     api = live_server.client
     model_id = "identity/chmod"
-    registered = _register(api, model_id, folder)
-    assert registered.status_code == 201
+    registered = register_model(api, model_id, f"file://{folder}")
     (folder / SHARD).read_bytes()
     (folder / "README.md").write_text("not a file the service uses")
     assert _register(api, model_id, folder).status_code == 200
@@ -198,7 +196,7 @@ def test_what_the_identity_sees_and_what_re_registering_does(live_server: LiveSe
     _assert_failed_naming_the_file(api, _collect(api, model_id, "identity-chmod-late", FACTS[6:12]))
     renewed = _register(api, model_id, folder)
     assert renewed.status_code == 201, renewed.text
-    assert renewed.json()["digest"] == registered.json()["digest"]
+    assert renewed.json()["digest"] == registered["digest"]
     job = wait_for_job(api, _collect(api, model_id, "identity-chmod-again", FACTS[12:18]))
     assert job["status"] == "succeeded", job
 

@@ -29,12 +29,12 @@ from service.engine.layout import ModelLayout
 from service.engine.model_files import SIDE_FILES, ModelSourceError, open_model_files, target_file, used_files
 from service.errors import InvalidInput, JobFailed
 from service.models.loaded import checked_model_files
-from service.models.record import ModelRecord
+from service.models.record import MODEL_FORMAT_VERSION, ModelRecord
 from service.models.registry import file_fingerprint
 from service.models.sources import local_model_dir
-from service.models.stored import FORMAT_VERSION
 from service.storage.keys import model_key
 from service.storage.local import LocalStorage
+from tests.helpers.api import register_model
 
 SECRET = b"ENGRAM_API_KEYS=read-key-0123456789abcdef\nAWS_SECRET_ACCESS_KEY=hunter2-hunter2\n"
 INDEX = "model.safetensors.index.json"
@@ -339,7 +339,7 @@ def _manifest(path: Path) -> dict[str, Any]:
     with open_model_files(path) as files:
         identity = {name: value.to_json() for name, value in files.identity().items()}
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": MODEL_FORMAT_VERSION,
         "model_id": "safety/job",
         "source": f"file://{path}",
         "path": str(path),
@@ -439,8 +439,7 @@ def test_a_hub_snapshot_in_the_roots_registers_and_writes_real_files(
     cache = model_root / "safety-hub"
     shutil.rmtree(cache, ignore_errors=True)
     snapshot = hub_snapshot(cache, tiny_llama_dir)
-    response = register(api, "safety/hub", snapshot)
-    assert response.status_code in (200, 201), response.text
+    register_model(api, "safety/hub", f"file://{snapshot}", existing_ok=True)
     target = tmp_path / "variant"
     target.mkdir()
     write_checkpoint(snapshot, target, inspect_model_dir(snapshot), no_edit, set())
@@ -510,8 +509,7 @@ def test_variant_through_the_api_carries_no_side_file_and_a_swapped_link_fails_t
     api = live_server.client
     add_side_junk(folder)
     model_id = "safety/e2e"
-    response = register(api, model_id, folder)
-    assert response.status_code in (200, 201), response.text
+    register_model(api, model_id, f"file://{folder}", existing_ok=True)
     records = {"forget": FACTS[:4], "retain": FACTS[4:16]}
     for name, facts in records.items():
         body = {

@@ -10,9 +10,9 @@ import pytest
 
 from engram_fixtures.models import make_tiny_llama
 from service.engine.layout import ModelLayout
-from service.models.record import ModelRecord
+from service.models.record import MODEL_FORMAT_VERSION, ModelRecord
 from service.models.registry import get_model, model_view
-from service.models.stored import FORMAT_VERSION, UnmigratedRecord
+from service.models.stored import UnmigratedRecord
 from service.storage.keys import model_key
 from tests.helpers.store_world import StoreWorld
 
@@ -44,7 +44,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
 
 def test_the_stored_registration_keeps_its_keys_and_reads_back_equal(world: StoreWorld) -> None:
     stored = world.ctx.storage.get_json(model_key(MODEL))
-    assert set(stored) == {"format_version", *KEYS} and stored["format_version"] == FORMAT_VERSION
+    assert set(stored) == {"format_version", *KEYS} and stored["format_version"] == MODEL_FORMAT_VERSION
     record = get_model(world.ctx, MODEL)
     assert json.loads(json.dumps(record.to_json())) == stored
     assert ModelRecord.model_validate(stored) == record

@@ -43,6 +43,7 @@ from service.engine.checkpoint import load_model, load_tokenizer
 from service.engine.expert_names import is_expert_layer
 from service.engine.linalg import default_rcond
 from service.engine.records import Record
+from tests.helpers.api import register_model
 from tests.helpers.app import InProcessServer
 from tests.helpers.moe_reference import expert_weight, reference_pinv, reference_rows
 
@@ -133,9 +134,8 @@ def assert_pooler_matches(model_dir: Path, variant_dir: Path) -> None:
 
 
 def _unlearn_encoder_by_default(api: httpx.Client, model_dir: Path, model_id: str, prefix: str, tmp_path: Path) -> None:
-    response = _register(api, model_id, model_dir)
-    assert response.status_code in (200, 201), response.text
-    assert "pooler.dense" in {layer["name"] for layer in response.json()["layers"]}
+    model = register_model(api, model_id, f"file://{model_dir}", existing_ok=True)
+    assert "pooler.dense" in {layer["name"] for layer in model["layers"]}
     _collect(api, model_id, prefix)
     # Default options: every layer, the pooler included; the universe is every ready concept.
     variant = _unlearn(api, model_id, {"concepts": [f"{prefix}-t"]})
@@ -245,9 +245,8 @@ def test_mixture_of_experts_unlearns_every_routed_expert(
     if not model_dir.exists():
         maker = {"qwen3-moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral}[arch]
         maker(model_dir, layers=2, experts=4, seed=6, fused_on_disk=fused)
-    response = _register(api, f"wild/{label}", model_dir)
-    assert response.status_code in (200, 201), response.text
-    names = [layer["name"] for layer in response.json()["layers"]]
+    model = register_model(api, f"wild/{label}", f"file://{model_dir}", existing_ok=True)
+    names = [layer["name"] for layer in model["layers"]]
     experts = [name for name in names if is_expert_layer(name)]
     assert experts == [
         f"model.layers.{b}.mlp.experts.{e}.{p}"
@@ -294,7 +293,7 @@ def modules_model(api: httpx.Client, model_root: Path) -> str:
     model_dir = model_root / "wild-modules-llama"
     if not model_dir.exists():
         make_tiny_llama(model_dir, hidden=32, layers=2, seed=11)
-    assert _register(api, "wild/modules-llama", model_dir).status_code in (200, 201)
+    register_model(api, "wild/modules-llama", f"file://{model_dir}", existing_ok=True)
     return "wild/modules-llama"
 
 

@@ -28,6 +28,7 @@ from service.engine.collect import collect_statistics
 from service.engine.compose import EngramAlgebra, layer_edits, layer_scales
 from service.engine.experts import unsupported_experts
 from service.engine.records import Record, encode_record, make_batches, pad_token_id
+from tests.helpers.api import register_model
 
 FACTS = make_facts(24, seed=5)
 TARGET = [{"text": p + c} for p, c in FACTS[:6]]
@@ -68,9 +69,8 @@ def test_a_vision_language_model_is_edited_where_text_reaches(
     if not model_dir.exists():
         CASES[arch](model_dir)
     model_id = f"vlm/{arch}"
-    registered = api.post("/models", json={"model_id": model_id, "source": f"file://{model_dir}"})
-    assert registered.status_code in (200, 201), registered.text
-    names = [layer["name"] for layer in registered.json()["layers"]]
+    registered = register_model(api, model_id, f"file://{model_dir}", existing_ok=True)
+    names = [layer["name"] for layer in registered["layers"]]
     assert any(_is_vision(n) for n in names), "the vision side is listed among the model's layers"
     for name, role, records in ((f"{arch}-vt", "target", TARGET), (f"{arch}-vr", "reference", REFERENCE)):
         body = {"name": name, "role": role, "models": [model_id], "records": records}
@@ -146,7 +146,7 @@ def test_a_bypassed_layer_is_refused_by_name_and_the_others_edit(api: httpx.Clie
     if not model_dir.exists():
         make_tiny_mamba(model_dir)
     model_id = "ssm/mamba"
-    assert api.post("/models", json={"model_id": model_id, "source": f"file://{model_dir}"}).status_code in (200, 201)
+    register_model(api, model_id, f"file://{model_dir}", existing_ok=True)
     for name, role, records in (("mamba-t", "target", TARGET), ("mamba-r", "reference", REFERENCE)):
         assert (
             api.post("/concepts", json={"name": name, "role": role, "models": [model_id], "records": records}).status_code

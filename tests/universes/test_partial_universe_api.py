@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from engram_fixtures.demo import make_facts
-from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from engram_fixtures.live import LiveServer, wait_for_job, wait_variant_ready
+from tests.helpers.api import model_with_concepts
 
 MODEL = "stages/tiny"
 FACTS = make_facts(40, seed=13)
@@ -29,15 +30,12 @@ def probes(start: int, stop: int) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def api(live_server: LiveServer, tiny_llama_dir: Path) -> httpx.Client:
-    client = live_server.client
-    response = client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-    assert response.status_code in (200, 201), response.text
-    for name, role, (start, stop) in (("st-forget", "target", (0, 6)), ("st-retain", "reference", (6, 40))):
-        body = {"name": name, "role": role, "models": [MODEL], "records": probes(start, stop)}
-        response = client.post("/concepts", json=body)
-        assert response.status_code == 202, response.text
-    wait_concepts_ready(client, CONCEPTS, MODEL)
-    return client
+    concepts: dict[str, tuple[str | None, list[dict[str, Any]]]] = {
+        "st-forget": ("target", probes(0, 6)),
+        "st-retain": ("reference", probes(6, 40)),
+    }
+    model_with_concepts(live_server.client, MODEL, f"file://{tiny_llama_dir}", concepts)
+    return live_server.client
 
 
 @pytest.fixture(scope="module")

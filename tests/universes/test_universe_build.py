@@ -20,10 +20,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine import compose as compose_module
 from service.engine.checkpoint import CheckpointReader
-from service.engine.collect import LayerStatistics
 from service.engine.layout import ModelLayout
 from service.storage.keys import engram_key, group_key, universe_prefix
 from service.universes import factors as factors_module
@@ -31,7 +29,8 @@ from service.universes.build import ensure_universe
 from service.universes.factors import load_factors
 from service.universes.service import submit_universe
 from tests.helpers.algebra import reference_engram, reference_pinv, rel
-from tests.helpers.store_world import StoreWorld, float64_copy, text_records
+from tests.helpers.store_world import StoreWorld
+from tests.helpers.variants import edit_world
 
 FACTOR_TOL = 1e-9
 FLOAT32_ENGRAM_TOL = 1.2e-7
@@ -43,31 +42,16 @@ FLOAT64_ENGRAM_TOL = 1e-10
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Four models (Llama float32, float64 and bfloat16, GPT-2: Conv1D, biases, tied head), each with
     concepts forget / retain / other published, and each one's universe of the three built."""
-    root = tmp_path_factory.mktemp("universe-build")
-    w = StoreWorld(root)
-    tokenizer = make_tokenizer()
-    llama = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=tokenizer)
-    paths = {
-        "u/llama": llama,
-        "u/llama64": float64_copy(llama, root / "models" / "llama64"),
-        "u/llama16": float64_copy(llama, root / "models" / "llama16", torch.bfloat16),
-        "u/gpt2": make_tiny_gpt2(root / "models" / "gpt2", hidden=32, layers=2, seed=0, tokenizer=tokenizer),
-    }
-    stats: dict[str, dict[str, LayerStatistics]] = {}
+    built = edit_world(tmp_path_factory.mktemp("universe-build"), "u", bfloat16=True)
+    w: StoreWorld = built["world"]
     universes = {}
-    for model_id, path in paths.items():
-        w.register(model_id, path)
-        stats[model_id] = {
-            "forget": w.publish(model_id, "forget", text_records(0, 40)),
-            "retain": w.publish(model_id, "retain", text_records(40, 120)),
-            "other": w.publish(model_id, "other", text_records(0, 30, seed=5)),
-        }
+    for model_id in built["paths"]:
         view, job = submit_universe(w.ctx, model_id, None, None)
         assert view["status"] == "building" and job is not None
         [done] = w.run_pending()
         assert done.status == "succeeded", done
         universes[model_id] = view["universe_id"]
-    return {"world": w, "paths": paths, "stats": stats, "universes": universes}
+    return {**built, "universes": universes}
 
 
 def _manifest(world: dict[str, Any], model_id: str) -> dict[str, Any]:

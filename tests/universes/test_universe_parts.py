@@ -11,21 +11,20 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
-from service.jobs.leases import RedisLeases, worker_name
+from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress
 from service.jobs.store import new_job
 from service.storage.keys import part_key
-from service.universes import parts as parts_module
 from service.universes.parts import UniverseBuild
 from service.universes.service import submit_universe
 from tests.helpers.jobs import payload_for
 from tests.helpers.store_world import StoreWorld, text_records
+from tests.helpers.universes import leased_build, run_on_threads, watch_decompositions
 
 
 @pytest.fixture
@@ -54,9 +53,7 @@ def fresh_universe(w: StoreWorld, rcond: float) -> str:
 
 
 def builder(w: StoreWorld, client: redis.Redis, universe_id: str, ttl_s: float = 2) -> UniverseBuild:
-    build = UniverseBuild.open(w.ctx, universe_id)
-    build.leases = RedisLeases(client, f"universe:{universe_id}", ttl_s)
-    return build
+    return leased_build(w.ctx, client, universe_id, ttl_s)
 
 
 # ---------------------------------------------------------------- builders sharing a universe
@@ -66,28 +63,12 @@ def test_two_builders_share_the_parts_and_compute_each_once(
     world: StoreWorld, client: redis.Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     universe_id = fresh_universe(world, rcond=1e-4)
-    computed: list[tuple[str, str]] = []
-    real = parts_module.decompose_group
-
-    def slow_decompose(*args: Any) -> Any:
-        time.sleep(0.05)  # long enough that both builders are at work at once
-        computed.append(("group", threading.current_thread().name))
-        return real(*args)
-
-    monkeypatch.setattr(parts_module, "decompose_group", slow_decompose)
+    computed = watch_decompositions(monkeypatch, delay_s=0.05)  # both builders at work at once
     builds = [builder(world, client, universe_id) for _ in range(2)]
-    threads = [
-        threading.Thread(target=b.run, args=(tmp_path / str(i), NoProgress()), kwargs={"finish": True}, name=f"b{i}")
-        for i, b in enumerate(builds)
-    ]
-    for i, thread in enumerate(threads):
-        (tmp_path / str(i)).mkdir()
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    run_on_threads(builds, tmp_path)
     groups = len(builds[0].plan.groups)
-    assert len(computed) == groups, "each group decomposed once"
-    assert {name for _, name in computed} == {"b0", "b1"}, "both builders decomposed some"
+    assert len(computed.groups) == groups, "each group decomposed once"
+    assert set(computed.threads) == {"b0", "b1"}, "both builders decomposed some"
     assert sum(b.computed["groups"] for b in builds) == groups
     assert sum(b.computed["members"] for b in builds) == len(builds[0].member_of)
     assert builds[0].published() == (set(builds[0].plan.groups), set(builds[0].member_of))

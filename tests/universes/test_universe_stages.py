@@ -8,19 +8,13 @@ have four input groups each (attention input: q/k/v; o_proj's; the MLP input: ga
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import torch
 
-from service.engine.checkpoint import CheckpointReader
 from service.engrams.manifest import GroupNotBuilt, MalformedManifest, read_manifest
-from service.jobs.leases import RedisLeases
-from service.jobs.progress import NoProgress
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
 from service.universes import parts as parts_module
 from service.universes import retention
@@ -28,9 +22,10 @@ from service.universes.build import ensure_universe, help_build_universe
 from service.universes.parts import UniverseBuild, stage_name
 from service.universes.records import build_target_key, find_manifest, find_stages
 from service.universes.service import submit_universe, universe_view
-from tests.helpers.algebra import DELTA_TOL, WEIGHT_TOL, augmented, rel
+from tests.helpers.algebra import WEIGHT_TOL
 from tests.helpers.store_world import StoreWorld
-from tests.helpers.variants import ALPHA, assert_matches, build, checkpoint_of, layout_of, new_weights, reference_edit
+from tests.helpers.universes import leased_build, run_on_threads, watch_decompositions
+from tests.helpers.variants import ALPHA, assert_matches, build, layout_of, reference_edit
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
 
 MODEL = "v/llama"
@@ -43,22 +38,8 @@ def assert_module_edit(
 ) -> None:
     """The variant's layers of ``modules`` equal base + the float64 edit (uniform scaling, the universe
     ``REFERENCE``); every other layer is the base's, bit for bit."""
-    w: StoreWorld = world["world"]
-    layout = layout_of(w, MODEL)
     engrams, _ = reference_edit(world, MODEL, terms, REFERENCE, "uniform")
-    reader = CheckpointReader(world["paths"][MODEL], layout)
-    written = checkpoint_of(w, variant)
-    edited = 0
-    for spec in layout.layers:
-        old = augmented(spec, reader.layer_weights(spec))
-        new = new_weights(spec, layout, written)
-        if spec.name.rsplit(".", 1)[-1] not in modules:
-            assert torch.equal(new, old), spec.name
-            continue
-        edited += 1
-        assert rel(new, old + engrams[spec.name]) < WEIGHT_TOL, spec.name
-        assert rel(new - old, engrams[spec.name]) < DELTA_TOL, spec.name
-    assert edited > 0
+    assert_matches(world, MODEL, variant, engrams, WEIGHT_TOL, modules=modules)
 
 
 def _groups_of(w: StoreWorld, universe_id: str, module: str) -> set[str]:
@@ -152,15 +133,8 @@ def test_the_universe_job_builds_the_rest_and_writes_the_whole_manifest(
 ) -> None:
     w: StoreWorld = world["world"]
     uid = first["universe_id"]
-    decomposed: list[str] = []
-    real = parts_module.decompose_group
-
-    def counting(*args: Any) -> Any:
-        decomposed.append(args[2])
-        return real(*args)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(parts_module, "decompose_group", counting)
+        decomposed = watch_decompositions(patch).groups
         view, job = submit_universe(w.ctx, MODEL, REFERENCE, None)
         assert view["universe_id"] == uid and job is not None
         [done] = w.run_pending()
@@ -211,15 +185,8 @@ def test_a_stage_cut_short_resumes_without_redoing_its_parts(world: dict[str, An
         with pytest.raises(RuntimeError, match="killed"):
             ensure_universe(w.ctx, uid, layers=layers)
     assert find_stages(w.ctx, uid) == [] and find_manifest(w.ctx, uid) is None, "no stage without its parts"
-    decomposed: list[Any] = []
-    real = parts_module.decompose_group
-
-    def counting(*args: Any) -> Any:
-        decomposed.append(args[2])
-        return real(*args)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(parts_module, "decompose_group", counting)
+        decomposed = watch_decompositions(patch).groups
         patch.setattr(UniverseBuild, "compute_member", real_member)
         manifest, existed = ensure_universe(w.ctx, uid, layers=layers)
     assert decomposed == [] and not existed, "the groups published before the crash are read"
@@ -233,31 +200,12 @@ def test_two_builders_of_one_stage_compute_each_part_once(
     view, _ = submit_universe(w.ctx, MODEL, ["forget", "retain", "other"], 1e-3)
     w.pending.clear()
     uid = view["universe_id"]
-    computed: list[str] = []
-    real = parts_module.decompose_group
-
-    def slow(*args: Any) -> Any:
-        time.sleep(0.05)
-        computed.append(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(parts_module, "decompose_group", slow)
-    builds = []
-    for _ in range(2):
-        b = UniverseBuild.open(w.ctx, uid)
-        b.leases = RedisLeases(redis_client, f"universe:{uid}", 2)
-        builds.append(b.for_stage(_groups_of(w, uid, "gate_proj") | _groups_of(w, uid, "down_proj")))
+    computed = watch_decompositions(monkeypatch, delay_s=0.05)
+    whole = [leased_build(w.ctx, redis_client, uid) for _ in range(2)]
+    builds = [b.for_stage(_groups_of(w, uid, "gate_proj") | _groups_of(w, uid, "down_proj")) for b in whole]
     assert builds[0].stage_name == builds[1].stage_name == stage_name(builds[0].stage) != ""
-    threads = []
-    for i, b in enumerate(builds):
-        (tmp_path / str(i)).mkdir()
-        threads.append(
-            threading.Thread(target=b.run, args=(tmp_path / str(i), NoProgress()), kwargs={"finish": True}, name=f"b{i}")
-        )
-        threads[-1].start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert len(computed) == len(builds[0].stage), "each group of the stage decomposed once"
+    run_on_threads(builds, tmp_path)
+    assert len(computed.groups) == len(builds[0].stage), "each group of the stage decomposed once"
     assert sum(b.computed["members"] for b in builds) == len(builds[0].member_of), "each member's engrams once"
     assert _stored_groups(w, uid) == set(builds[0].stage), "no group outside the stage"
 
@@ -304,15 +252,8 @@ def test_a_helper_of_a_stage_builds_that_stage_only(world: dict[str, Any], tmp_p
     assert computed == {"groups": len(groups), "members": 2}
     assert _stored_groups(w, uid) == set(groups)
     layers = [n for n in layout_of(w, MODEL).weight_keys if n.endswith(("gate_proj", "up_proj"))]
-    decomposed: list[Any] = []
-    real = parts_module.decompose_group
-
-    def counting(*args: Any) -> Any:
-        decomposed.append(args[2])
-        return real(*args)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(parts_module, "decompose_group", counting)
+        decomposed = watch_decompositions(patch).groups
         patch.setattr(parts_module, "write_member_engrams", lambda *a, **k: pytest.fail("engrams computed again"))
         manifest, existed = ensure_universe(w.ctx, uid, layers=layers)
     assert decomposed == [] and not existed, "the job finds its stage's parts published by the helper"

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job, wait_variant_ready
-from tests.helpers.api import assert_problem
+from tests.helpers.api import assert_problem, model_with_concepts
 
 MODEL = "uni/tiny"
 FACTS = make_facts(60, seed=4)
@@ -25,14 +25,12 @@ def records(start: int, stop: int) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def api(live_server: LiveServer, tiny_llama_dir: Path) -> httpx.Client:
     """``uni/tiny`` registered with concepts ``uni-forget`` and ``uni-retain`` ready on it."""
-    client = live_server.client
-    response = client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-    assert response.status_code in (200, 201), response.text
-    for name, (start, stop) in (("uni-forget", (0, 4)), ("uni-retain", (4, 20))):
-        response = client.post("/concepts", json={"name": name, "models": [MODEL], "records": records(start, stop)})
-        assert response.status_code == 202, response.text
-    wait_concepts_ready(client, ["uni-forget", "uni-retain"], MODEL)
-    return client
+    concepts: dict[str, tuple[str | None, list[dict[str, Any]]]] = {
+        "uni-forget": (None, records(0, 4)),
+        "uni-retain": (None, records(4, 20)),
+    }
+    model_with_concepts(live_server.client, MODEL, f"file://{tiny_llama_dir}", concepts)
+    return live_server.client
 
 
 @pytest.fixture(scope="module")

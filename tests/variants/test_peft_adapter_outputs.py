@@ -35,11 +35,11 @@ from service.engine.layers import LayerSpec
 from service.engine.lora_files import adapter_base
 from service.errors import InvalidInput
 from service.models.registry import get_model
-from service.variants.service import submit_variant, variant_view
+from tests.helpers.peft import assert_same_parameters
 from tests.helpers.store_world import StoreWorld, text_records
+from tests.helpers.variants import run_variant
 
 RESNET, LLAMA = "peft/resnet", "peft/llama"
-MERGE_TOL = 1e-5  # of the edit: the LoRA drops singular values under EXACT_RTOL · σ₁ (as tests/engine/test_lora.py)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,7 @@ def _publish_images(w: StoreWorld, layers: Sequence[LayerSpec], name: str, count
 def unlearn(w: StoreWorld, model_id: str, **options: Any) -> dict[str, Any]:
     """Forget ``forget`` in the universe {forget, retain}; the variant once its job has run."""
     options = {"scaling": "uniform", "reference": ["forget", "retain"], **options}
-    view, job = submit_variant(w.ctx, model_id, {"forget": -1.0}, 1.0, options)
-    if job is not None:
-        [done] = w.run_pending()
-        assert done.status == "succeeded", done
-    return variant_view(w.ctx, view["variant_id"])
+    return run_variant(w, model_id, {"forget": -1.0}, 1.0, options)
 
 
 def variant_dir(w: StoreWorld, variant_id: str, marker: str) -> Path:
@@ -83,21 +79,6 @@ def variant_dir(w: StoreWorld, variant_id: str, marker: str) -> Path:
     path = w.ctx.storage.local_path(f"variants/{variant_id}/files/{marker}")
     assert path is not None
     return path.parent
-
-
-def assert_same_parameters(merged: torch.nn.Module, variant: torch.nn.Module, base: torch.nn.Module) -> list[str]:
-    """Every parameter equal to the variant's to MERGE_TOL of the edit; returns those the edit moved."""
-    base_params, variant_params = dict(base.named_parameters()), dict(variant.named_parameters())
-    moved = []
-    for name, param in merged.named_parameters():
-        expected, original = variant_params[name].detach().double(), base_params[name].detach().double()
-        edit = float((expected - original).norm())
-        if edit == 0.0:
-            assert torch.equal(param.detach().double(), original), name
-            continue
-        moved.append(name)
-        assert float((param.detach().double() - expected).norm()) <= MERGE_TOL * edit, name
-    return moved
 
 
 def test_a_resnet_adapter_merges_into_the_checkpoint_variant(world: StoreWorld) -> None:

@@ -17,8 +17,8 @@ from api_schemas import VLLM_LORA_RANKS, ComposeRequest, UnlearnRequest
 from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.errors import InvalidInput
 from service.universes.records import current_pointer
-from service.variants.service import submit_variant, variant_view
 from tests.helpers.store_world import StoreWorld, text_records
+from tests.helpers.variants import run_variant
 
 LLAMA, GPT2 = "vllm/llama", "vllm/gpt2"
 VLLM = {"scaling": "uniform", "format": "peft", "lora_target": "vllm"}
@@ -39,11 +39,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
 
 def unlearn(w: StoreWorld, model_id: str, **options: Any) -> dict[str, Any]:
     """Submit, run the build when there is one; the variant as it is then."""
-    view, job = submit_variant(w.ctx, model_id, {"forget": -1.0}, 1.0, options)
-    if job is not None:
-        [done] = w.run_pending()
-        assert done.status == "succeeded", done
-    return variant_view(w.ctx, view["variant_id"])
+    return run_variant(w, model_id, {"forget": -1.0}, 1.0, options)
 
 
 def stored_files(w: StoreWorld) -> set[str]:

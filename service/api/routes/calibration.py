@@ -18,7 +18,7 @@ _PNG: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/models/{model_id:path}/calibrate", response_model=CalibrationSubmission, status_code=202)
-def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
+def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: Response) -> CalibrationSubmission:
     """Find the strongest unlearning of ``concepts`` whose retain NLL ratio meets the constraint; or,
     with ``objective``, the best value of a named score (TOFU's ``overall``, ``privacy`` …, as
     ``evaluate`` reports them) within ``constraints`` (``min``/``max``, or relative to the base
@@ -31,7 +31,7 @@ def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: 
     """
     calibration_id, job, finished = calibration.submit_calibration(ctx, model_id, body)
     response.status_code = 200 if finished else 202
-    return {"calibration_id": calibration_id, "job": job_view(job)}
+    return CalibrationSubmission(calibration_id=calibration_id, job=job_view(job))
 
 
 @router.get("/calibrations/{calibration_id}", response_model=Calibration)

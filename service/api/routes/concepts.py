@@ -60,7 +60,7 @@ class _UploadFields(ConceptCreate):
 
 
 @router.post("/concepts", response_model=ConceptSubmission, status_code=202, openapi_extra=_OPENAPI_BODY)
-async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
+async def create_concept(request: Request, ctx: ContextDep) -> ConceptSubmission:
     """Store a concept's records and start collecting its statistics on each listed model.
 
     A role left out keeps an existing concept's role (a new concept is a ``target``); another role
@@ -111,7 +111,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> dict[str, Any]:
             reference=reference,
             template=body.template if "template" in body.model_fields_set else concepts.KEEP,
         )
-    return {"concept": concept, "jobs": [job_view(j) for j in jobs]}
+    return ConceptSubmission(concept=concept, jobs=[job_view(j) for j in jobs])
 
 
 def _check_identity_coding(coding: str) -> None:
@@ -181,10 +181,10 @@ def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
 
 
 @router.get("/concepts", response_model=list[Concept], responses=PAGED_HEADERS)
-async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[Concept]:
     """Concepts by name, with their per-model collection status: one page (``limit``, ``cursor``)."""
 
-    def view(key: SortKey) -> dict[str, Any] | None:
+    def view(key: SortKey) -> Concept | None:
         concept = concepts.find_concept(ctx, key[0], recent=True)  # None: deleted since it was listed
         return None if concept is None else concepts.concept_view(ctx, concept)
 
@@ -193,7 +193,7 @@ async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list
 
 
 @router.get("/concepts/{name}", response_model=Concept)
-async def get_concept(name: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+async def get_concept(name: str, ctx: ContextDep, lanes: LanesDep) -> Concept:
     """One concept."""
     return await lanes.status(lambda: concepts.concept_view(ctx, concepts.get_concept(ctx, name, recent=True)))
 

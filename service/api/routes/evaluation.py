@@ -12,7 +12,7 @@ from service.api.deps import ContextDep, LanesDep
 from service.api.lanes import Lanes
 from service.context import Context
 from service.evaluation import service as evaluation
-from service.jobs.store import FINISHED, public_view
+from service.jobs.store import FINISHED, job_answer
 
 router = APIRouter(tags=["evaluation"])
 WaitQuery = Annotated[
@@ -20,9 +20,7 @@ WaitQuery = Annotated[
 ]
 
 
-async def _submit_and_wait(
-    ctx: Context, lanes: Lanes, wait: float, response: Response, submit: Any, *args: Any
-) -> dict[str, Any]:
+async def _submit_and_wait(ctx: Context, lanes: Lanes, wait: float, response: Response, submit: Any, *args: Any) -> Job:
     """Submit in a worker thread, then wait on the event loop (no thread held) when asked to."""
     if wait <= 0:
         job = await run_in_threadpool(submit, ctx, *args)
@@ -35,7 +33,7 @@ async def _submit_and_wait(
             raise
         job = await lanes.wait_for_job(ctx, job, wait)
     response.status_code = 200 if job.status in FINISHED else 202
-    return public_view(job)
+    return job_answer(job)
 
 
 @router.post("/variants/{variant_id}/evaluate", response_model=Job, status_code=202)

@@ -11,10 +11,10 @@ from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.errors import NotFound
 from service.jobs.records import JobRecord
-from service.jobs.store import FINISHED, public_view, utc_now
+from service.jobs.store import FINISHED, job_answer, utc_now
 
 router = APIRouter(tags=["jobs"])
-job_view = public_view
+job_view = job_answer
 
 
 def _job(ctx: Any, job_id: str) -> JobRecord:
@@ -30,7 +30,7 @@ async def list_jobs(
     lanes: LanesDep,
     page: PageDep,
     status: Annotated[list[Literal["queued", "running"]] | None, Query(description="only jobs in these states")] = None,
-) -> list[dict[str, Any]]:
+) -> list[Job]:
     """Jobs not finished yet (queued or running), oldest first (by creation, then ID): what the service
     is working on, one page (``limit``, ``cursor``)."""
     wanted = set(status or ("queued", "running"))
@@ -42,13 +42,13 @@ async def list_jobs(
 
 
 @router.get("/jobs/{job_id}", response_model=Job)
-async def get_job(job_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+async def get_job(job_id: str, ctx: ContextDep, lanes: LanesDep) -> Job:
     """A job's status and progress."""
     return job_view(await lanes.status(_job, ctx, job_id))
 
 
 @router.delete("/jobs/{job_id}", response_model=Job)
-def cancel_job(job_id: str, ctx: ContextDep) -> dict[str, Any]:
+def cancel_job(job_id: str, ctx: ContextDep) -> Job:
     """Cancel a job: a queued one at once, a running one at its next checkpoint."""
     job = _job(ctx, job_id)
     if job.status in FINISHED:

@@ -23,6 +23,7 @@ from service.api.job_answers import unfinished_answer, waited
 from service.api.lanes import Lanes
 from service.context import Context
 from service.maps import render
+from service.maps.document import MapDocument
 from service.maps.service import job_map, submit_map
 
 router = APIRouter(tags=["models"])
@@ -66,7 +67,7 @@ async def _map_or_job(
     reference: list[str] | None,
     rcond: float | None,
     measure: str,
-) -> dict[str, Any] | JSONResponse:
+) -> MapDocument | JSONResponse:
     """The map, or the answer to give while its job runs (202) or after it failed (its problem)."""
     may_start = may_start_work(request_principal(request))
     answer = await run_in_threadpool(

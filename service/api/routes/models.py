@@ -12,7 +12,6 @@ from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
 from service.api.pagination import PAGED_HEADERS, PageDep
 from service.api.routes import variants as variant_routes
-from service.api.routes.jobs import job_view
 from service.context import Context
 from service.models import registration, registry
 from service.variants import service as variants
@@ -52,7 +51,7 @@ async def register_model(
     answer = await run_in_threadpool(registration.request_registration, ctx, body.model_id, body.source)
     if answer.manifest is not None:
         response.status_code = 201 if answer.created else 200
-        return registry.model_view(answer.manifest)
+        return registry.model_answer(answer.manifest)
     assert answer.job is not None  # not registered yet: a job registers it
     job = await waited(ctx, lanes, answer.job, wait)
     if job.status != "succeeded":
@@ -60,26 +59,26 @@ async def register_model(
     manifest = await lanes.status(registry.get_model, ctx, body.model_id)
     # 201 for the request that started the job; one that followed it answers 200, as for a registration done
     response.status_code = 201 if answer.created and (job.result or {}).get("created", True) else 200
-    return registry.model_view(manifest)
+    return registry.model_answer(manifest)
 
 
 @router.get("/models", response_model=list[Model], responses=PAGED_HEADERS)
-async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[Model]:
     """Registered models by ID: one page (``limit``, ``cursor``)."""
     found = {m.model_id: m for m in await lanes.status(registry.list_models, ctx)}
-    items, next_key = page.select(((i,) for i in sorted(found)), lambda key: registry.model_view(found[key[0]]))
+    items, next_key = page.select(((i,) for i in sorted(found)), lambda key: registry.model_answer(found[key[0]]))
     return page.answer(items, next_key)
 
 
 @router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
-def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
+def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Response) -> VariantSubmission:
     """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists)."""
     terms = variants.coefficients_for_unlearn(body.concepts, body.alpha)
     return _submit(ctx, model_id, terms, body.alpha, body, response)
 
 
 @router.post("/models/{model_id:path}/compose", response_model=VariantSubmission, status_code=202)
-def compose(model_id: str, body: ComposeRequest, ctx: ContextDep, response: Response) -> dict[str, Any]:
+def compose(model_id: str, body: ComposeRequest, ctx: ContextDep, response: Response) -> VariantSubmission:
     """Engram arithmetic: ``W_new = W + Σ_k c_k f_l W_k⁺``."""
     return _submit(ctx, model_id, body.terms, None, body, response)
 
@@ -91,19 +90,19 @@ def _submit(
     alpha: float | None,
     options: EditOptions,
     response: Response,
-) -> dict[str, Any]:
-    variant, job = variants.submit_variant(ctx, model_id, terms, alpha, options)
-    response.status_code = 200 if variant["status"] == "ready" else 202
-    return {"variant": variant, "job": job_view(job) if job else None}
+) -> VariantSubmission:
+    submission = variants.variant_submission(ctx, model_id, terms, alpha, options)
+    response.status_code = 200 if submission.variant.status == "ready" else 202
+    return submission
 
 
 @router.get("/models/{model_id:path}/variants", response_model=list[Variant], responses=PAGED_HEADERS)
-async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[Variant]:
     """The variants built from this model, by ID: one page (``limit``, ``cursor``)."""
     return page.answer(*await lanes.status(variant_routes.variants_page, ctx, page, model_id))
 
 
 @router.get("/models/{model_id:path}", response_model=Model)
-async def get_model(model_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+async def get_model(model_id: str, ctx: ContextDep, lanes: LanesDep) -> Model:
     """One model and its editable layers."""
-    return registry.model_view(await lanes.status(registry.get_model, ctx, model_id))
+    return registry.model_answer(await lanes.status(registry.get_model, ctx, model_id))

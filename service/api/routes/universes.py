@@ -10,7 +10,6 @@ from fastapi import APIRouter, Query, Response
 from api_schemas import Universe, UniverseCreate, UniverseSubmission, UniverseUsage
 from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
-from service.api.routes.jobs import job_view
 from service.universes import retention
 from service.universes import service as universes
 
@@ -19,20 +18,20 @@ ModelQuery = Annotated[str | None, Query(max_length=200, description="only this 
 
 
 @router.post("/models/{model_id:path}/universes", response_model=UniverseSubmission, status_code=202)
-def create_universe(model_id: str, body: UniverseCreate, ctx: ContextDep, response: Response) -> dict[str, Any]:
+def create_universe(model_id: str, body: UniverseCreate, ctx: ContextDep, response: Response) -> UniverseSubmission:
     """Build the universe of these concepts (default: every ready one) and make it the model's current one;
     409 when it would not fit ENGRAM_UNIVERSE_BYTES_BUDGET even after evicting unused universes."""
-    universe, job = universes.submit_universe(ctx, model_id, body.concepts, body.rcond, body.callback_url)
-    response.status_code = 200 if universe["status"] == "ready" else 202
-    return {"universe": universe, "job": job_view(job) if job else None}
+    submission = universes.universe_submission(ctx, model_id, body.concepts, body.rcond, body.callback_url)
+    response.status_code = 200 if submission.universe.status == "ready" else 202
+    return submission
 
 
 @router.get("/models/{model_id:path}/universes", response_model=list[Universe], responses=PAGED_HEADERS)
-async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[dict[str, Any]]:
+async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[Universe]:
     """This model's universes, oldest first (by creation, then ID); ``current`` marks the one requests
     use. One page (``limit``, ``cursor``)."""
-    found: dict[SortKey, dict[str, Any]] = {
-        (u["created_at"] or "", u["universe_id"]): u for u in await lanes.status(universes.list_universes, ctx, model_id)
+    found: dict[SortKey, Universe] = {
+        (_created(u), u.universe_id): u for u in await lanes.status(universes.universe_answers, ctx, model_id)
     }
     return page.answer(*page.select(sorted(found), lambda key: found[key]))
 
@@ -65,6 +64,12 @@ def delete_universe(universe_id: str, ctx: ContextDep) -> Response:
 
 
 @router.get("/universes/{universe_id}", response_model=Universe)
-async def get_universe(universe_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+async def get_universe(universe_id: str, ctx: ContextDep, lanes: LanesDep) -> Universe:
     """A universe: its members, status, groups decomposed so far, bytes once built, last use."""
-    return await lanes.status(universes.universe_view, ctx, universe_id)
+    return await lanes.status(universes.universe_answer, ctx, universe_id)
+
+
+def _created(universe: Universe) -> str:
+    """The creation time as stored (``datetime.isoformat()``, which this gives back), the list's
+    first sort key and the cursor's: ``""`` for a universe recorded without one."""
+    return universe.created_at.isoformat() if universe.created_at else ""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
@@ -31,23 +30,21 @@ class RangeNotSatisfiable(ProblemError):
 
 
 @router.get("/variants", response_model=list[Variant], responses=PAGED_HEADERS)
-async def list_variants(
-    ctx: ContextDep, lanes: LanesDep, page: PageDep, model_id: str | None = None
-) -> list[dict[str, Any]]:
+async def list_variants(ctx: ContextDep, lanes: LanesDep, page: PageDep, model_id: str | None = None) -> list[Variant]:
     """Variants by ID, or only those of ``?model_id=``: one page (``limit``, ``cursor``)."""
     return page.answer(*await lanes.status(variants_page, ctx, page, model_id))
 
 
-def variants_page(ctx: Context, page: Page, model_id: str | None) -> tuple[list[dict[str, Any]], SortKey | None]:
+def variants_page(ctx: Context, page: Page, model_id: str | None) -> tuple[list[Variant], SortKey | None]:
     """Only the page's variants (and one more) are read."""
     ids = variants.variant_ids(ctx, model_id)
     return page.select(((i,) for i in ids), lambda key: variants.variant_of(ctx, key[0], model_id))
 
 
 @router.get("/variants/{variant_id}", response_model=Variant)
-async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> Variant:
     """A variant: its terms, options, status and files."""
-    return await lanes.status(variants.variant_view, ctx, variant_id)
+    return await lanes.status(variants.variant_answer, ctx, variant_id)
 
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)
