@@ -16,7 +16,7 @@ hash them would be a second pass over every byte.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from pathlib import Path
 from typing import BinaryIO
@@ -40,7 +40,19 @@ from service.engine.safetensors_stream import (
 
 _target_file = target_file  # write_delta's parameter of that name shadows it
 _COPY_CHUNK = 8 << 20
-Written = MutableMapping[str, WrittenFile]  # file name (relative to the target) -> size and sha256
+
+
+class WrittenFiles(dict[str, WrittenFile]):
+    """Each file written, by name (relative to the target): its size and sha256, as the sink its
+    bytes were told to recorded them. :meth:`sink` makes a safetensors file's sink; a subclass can
+    feed it to more than the hash (an upload of the file while it is written)."""
+
+    def sink(self, name: str) -> HashingSink:
+        """The sink ``name``'s bytes are told to as they are written."""
+        return HashingSink()
+
+
+Written = WrittenFiles
 
 
 def edit_plan(spec: LayerSpec, layout: ModelLayout) -> list[tuple[str, str, str]]:
@@ -199,7 +211,7 @@ def _write_checkpoint(
         planned += _expert_slice_plans(shard_entries, real, layout, edit_layer, edited, values.reader, on_layer)
         claimed = {item.key for item in planned}
         planned += [Planned(key, entry, real) for key, entry in shard_entries.items() if key not in claimed]
-        sink = None if written is None else HashingSink()
+        sink = None if written is None else written.sink(shard)
         write_streaming(target_file(target, shard), planned, {**metadata, "format": "pt"}, sink)
         if written is not None and sink is not None:
             written[shard] = sink.written()
@@ -264,7 +276,7 @@ def write_delta(
         planned = _delta_plan(files, entries, layout, edit_layer, edited, values, on_layer)
         untied = any(key not in layout.key_files for key in planned)
         out = _target_file(target_file.parent, target_file.name)  # refuses a path leaving its directory
-        sink = None if written is None else HashingSink()
+        sink = None if written is None else written.sink(out.name)
         write_streaming(out, list(planned.values()), {**metadata, "untied": json.dumps(untied)}, sink)
         if written is not None and sink is not None:
             written[out.name] = sink.written()

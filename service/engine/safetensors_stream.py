@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +45,12 @@ class WrittenFile:
     sha256: str
 
 
+class ByteStream(Protocol):
+    """Something told a file's bytes in order as they are written (an upload fed as it goes)."""
+
+    def update(self, data: memoryview) -> None: ...
+
+
 class HashingSink:
     """The sha256 and the byte count of the bytes of one file, told to it in order as they are written.
 
@@ -52,18 +58,25 @@ class HashingSink:
     overlaps the writes instead of following them: a file's sha256 is sequential and, on a CPU,
     slower than a copy, so the file's write costs about the larger of the two, not their sum. At
     most :data:`_HASH_BACKLOG` buffers wait to be hashed; each is kept alive, unchanged, until it is.
+
+    Args:
+        also: told the same bytes, in order, right after the hash is (an S3 upload of the file
+            while it is written: :meth:`service.storage.base.Storage.streamed_upload`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, also: ByteStream | None = None) -> None:
         self._digest = hashlib.sha256()
         self.size = 0
+        self._also = also
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-hash")  # one: in order
         self._pending: deque[Future[None]] = deque()
 
     def update(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         self.size += view.nbytes
         self._pending.append(self._pool.submit(self._digest.update, view))
+        if self._also is not None:
+            self._also.update(view)
         while len(self._pending) > _HASH_BACKLOG:
             self._pending.popleft().result()
 

@@ -37,6 +37,25 @@ class StorageUnavailable(RuntimeError):
     """The backend cannot be reached right now (a 503, and a retry for jobs)."""
 
 
+class StreamedUpload(ABC):
+    """An object uploaded while its local file is still being written: told the file's bytes in
+    order (:meth:`update`), published whole by :meth:`complete` (never visible in part), or dropped
+    by :meth:`abort`. The writer keeps each buffer it passes alive and unchanged (as it does for its
+    hash) until the upload has taken it."""
+
+    @abstractmethod
+    def update(self, data: memoryview) -> None:
+        """The next bytes of the object; raises what the upload met so far (the writer stops early)."""
+
+    @abstractmethod
+    def complete(self, size: int) -> None:
+        """Publish the object, after checking that ``size`` bytes (what the file holds) were told."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was uploaded; safe to call twice or after :meth:`complete` failed."""
+
+
 class Storage(ABC):
     """What the service needs from object storage."""
 
@@ -99,6 +118,12 @@ class Storage(ABC):
         publishes: where publishing can be a rename (local storage: a folder on the store's own
         volume), else a scratch folder (:func:`scratch_dir`) from which each file is uploaded."""
         return scratch_dir(prefix)
+
+    def streamed_upload(self, key: str) -> StreamedUpload | None:
+        """An upload of ``key`` fed while its file is written, where publishing a written file is
+        itself a copy (S3: the upload then overlaps the write instead of following it); None where
+        :meth:`move_file` is a rename, or the backend has no such upload."""
+        return None
 
     def move_file(self, key: str, source: Path) -> None:
         """Atomically publish ``source`` (a file of a :meth:`staging_dir` folder) under ``key``; the

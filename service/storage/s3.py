@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -29,14 +32,20 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.base import ObjectNotFound, Storage, StorageUnavailable, StreamedUpload
 
 MiB = 1024 * 1024
 DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
 DEFAULT_MULTIPART_CHUNKSIZE = 16 * MiB  # S3 needs >= 5 MiB per part; 16 MiB keeps big files under 10k parts
 DEFAULT_PAGE_SIZE = 1000  # the most list_objects_v2 returns per page
 DEFAULT_CHUNK = 1 * MiB
+# A streamed upload: parts sent at once, and buffers told but not yet cut into parts. Their product
+# with the part size bounds its memory (4 × 2 + 1 parts of 16 MiB: 144 MiB).
+STREAMED_PARTS_IN_FLIGHT = 4
+STREAMED_BACKLOG = 4
+CHECKSUM_ALGORITHM = "CRC32"  # what s3transfer's upload_file sends by default, part by part
 
+log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Any])
 # Error codes that mean "no such object". HEAD requests carry no body, so their code is the bare status.
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
@@ -240,6 +249,9 @@ class S3Storage(Storage):
         # the object appears only when the upload completes, so readers never see part of it.
         self.client.upload_file(str(source), self.bucket, self._key(key), Config=self.transfer)
 
+    def streamed_upload(self, key: str) -> S3StreamedUpload:
+        return S3StreamedUpload(self.client, self.bucket, self._key(key), key, self.transfer.multipart_chunksize)
+
     @_translate_errors
     def put_bytes(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
@@ -340,3 +352,108 @@ class S3Storage(Storage):
                 "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
             )
         )
+
+
+class S3StreamedUpload(StreamedUpload):
+    """A multipart upload fed the bytes of a file as they are written (see :class:`StreamedUpload`).
+
+    The writer's buffers are cut into parts of ``part_size`` on a thread of its own (one memory copy
+    per byte, off the writer's thread) and each part is sent by a pool of
+    :data:`STREAMED_PARTS_IN_FLIGHT` threads, so the upload runs beside the write. The multipart
+    upload is created with the first part and completed by :meth:`complete`: S3 shows the object
+    only then, whole. An error of a part surfaces at the writer's next :meth:`update` (or at
+    :meth:`complete`), translated like every other S3 call.
+    """
+
+    def __init__(self, client: Any, bucket: str, object_key: str, key: str, part_size: int) -> None:
+        self._client, self._bucket, self._object_key, self._key = client, bucket, object_key, key
+        self._part_size = part_size
+        self._buffer = bytearray(part_size)
+        self._filled = 0
+        self._told = 0
+        self._upload_id: str | None = None
+        self._cutter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-upload-cut")  # one: in order
+        self._senders = ThreadPoolExecutor(max_workers=STREAMED_PARTS_IN_FLIGHT, thread_name_prefix="engram-upload")
+        self._cuts: deque[Future[None]] = deque()
+        self._parts: list[Future[dict[str, Any]]] = []
+
+    def update(self, data: memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._told += view.nbytes
+        self._cuts.append(self._cutter.submit(self._cut, view))
+        while len(self._cuts) > STREAMED_BACKLOG:
+            with _errors_translated(self._key):
+                self._cuts.popleft().result()
+
+    def _cut(self, view: memoryview) -> None:
+        """Copy ``view`` into the current part; send each part that fills (on the cutter's thread)."""
+        while view.nbytes:
+            take = min(view.nbytes, self._part_size - self._filled)
+            self._buffer[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled == self._part_size:
+                self._send(self._buffer)
+                self._buffer, self._filled = bytearray(self._part_size), 0
+
+    def _send(self, body: bytes | bytearray) -> None:
+        if self._upload_id is None:
+            created = self._client.create_multipart_upload(
+                Bucket=self._bucket, Key=self._object_key, ChecksumAlgorithm=CHECKSUM_ALGORITHM
+            )
+            self._upload_id = created["UploadId"]
+        # At most 2 × the senders' parts wait in memory: the oldest is waited for before another.
+        while len(waiting := [part for part in self._parts if not part.done()]) >= 2 * STREAMED_PARTS_IN_FLIGHT:
+            waiting[0].result()
+        self._parts.append(self._senders.submit(self._send_part, len(self._parts) + 1, body, self._upload_id))
+
+    def _send_part(self, number: int, body: bytes | bytearray, upload_id: str) -> dict[str, Any]:
+        response = self._client.upload_part(
+            Bucket=self._bucket,
+            Key=self._object_key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            ChecksumAlgorithm=CHECKSUM_ALGORITHM,
+        )
+        part = {"ETag": response["ETag"], "PartNumber": number}
+        checksum = f"Checksum{CHECKSUM_ALGORITHM}"
+        if checksum in response:
+            part[checksum] = response[checksum]
+        return part
+
+    def complete(self, size: int) -> None:
+        with _errors_translated(self._key):
+            while self._cuts:
+                self._cuts.popleft().result()
+            if self._told != size:
+                raise RuntimeError(f"{self._key}: {self._told} bytes were uploaded, the file holds {size}")
+            if self._upload_id is None and self._filled == 0:  # an empty file: no part to send
+                self._client.put_object(Bucket=self._bucket, Key=self._object_key, Body=b"")
+                self._shutdown()
+                return
+            if self._filled or self._upload_id is None:
+                self._send(bytes(self._buffer[: self._filled]))
+            parts = [part.result() for part in self._parts]
+            self._client.complete_multipart_upload(
+                Bucket=self._bucket, Key=self._object_key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+            )
+        self._upload_id = None  # completed: nothing left to abort
+        self._shutdown()
+
+    def abort(self) -> None:
+        for cut in self._cuts:
+            cut.cancel()
+        for part in self._parts:
+            part.cancel()
+        self._shutdown()
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            try:
+                self._client.abort_multipart_upload(Bucket=self._bucket, Key=self._object_key, UploadId=upload_id)
+            except Exception:  # the janitor's abort_stale_uploads drops it later
+                log.warning("could not abort the upload of %s", self._key, exc_info=True)
+
+    def _shutdown(self) -> None:
+        self._cutter.shutdown(wait=True, cancel_futures=True)
+        self._senders.shutdown(wait=True, cancel_futures=True)

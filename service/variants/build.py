@@ -27,7 +27,6 @@ from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
 from service.engine.lora_files import AdapterBase, adapter_base, write_adapter
 from service.engine.model_files import ModelSourceError
-from service.engine.safetensors_stream import WrittenFile
 from service.engine.threads import arithmetic_threads, torch_threads
 from service.engrams.manifest import UniverseManifest
 from service.engrams.store import (
@@ -47,7 +46,7 @@ from service.storage.keys import variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
 from service.variants.manifest import VariantManifest
-from service.variants.publish import discard_variant_files, publish_variant_files
+from service.variants.publish import UploadedWhileWritten, discard_variant_files, publish_variant_files
 from service.variants.spec import VariantRequest
 
 
@@ -72,9 +71,14 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
     progress = JobProgress(ctx, job.job_id, 0)
     started = time.monotonic()
     # Written where the store can take each file by a rename (file://), hashed while written: one pass.
+    # On S3 each safetensors file is uploaded while it is written (publishing it completes the upload).
     with ctx.storage.staging_dir("variant") as tmp:
-        written: dict[str, WrittenFile] = {}
-        built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id, timer=timer, written=written)
+        written = UploadedWhileWritten(ctx.storage, variant_id)
+        try:
+            built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id, timer=timer, written=written)
+        except BaseException:
+            written.abort()
+            raise
         with timer.step("upload"):
             files = publish_variant_files(ctx, variant_id, Path(tmp), written)
     seconds = round(time.monotonic() - started, 3)

@@ -2,9 +2,11 @@
 
 The writers (:mod:`service.engine.checkpoint_write`) hash each file as they write it; here each file
 of the staging folder (:meth:`service.storage.base.Storage.staging_dir`) is moved under the
-variant's key: a rename on ``file://`` storage, an upload of the file as written on S3. No byte is
-read back to hash it (only a file whose writer recorded no digest is hashed: a peft adapter's), and
-none is copied locally a second time.
+variant's key: a rename on ``file://`` storage. On S3 a safetensors file is uploaded *while* it is
+written (:class:`UploadedWhileWritten`: its parts go out as the writer produces them) and published
+here by completing that upload; the small files beside it are uploaded here. No byte is read back
+to hash it (only a file whose writer recorded no digest is hashed: a peft adapter's), and none is
+copied locally a second time.
 
 A variant exists only once its manifest is published (last). What was published of its files
 before a failure is removed again, so a failed job leaves nothing under the variant's key.
@@ -18,11 +20,35 @@ from pathlib import Path
 
 from service.context import Context
 from service.engine.checkpoint import file_sha256
-from service.engine.safetensors_stream import WrittenFile
+from service.engine.checkpoint_write import WrittenFiles
+from service.engine.safetensors_stream import HashingSink, WrittenFile
+from service.storage.base import Storage, StreamedUpload
 from service.storage.keys import variant_file_key, variant_files_prefix
 from service.variants.manifest import VariantFile
 
 log = logging.getLogger("engram.variants")
+
+
+class UploadedWhileWritten(WrittenFiles):
+    """A variant's written files whose safetensors files are also uploaded to the store as they are
+    written, where the store has such uploads (S3; on ``file://`` publishing is a rename anyway)."""
+
+    def __init__(self, storage: Storage, variant_id: str) -> None:
+        super().__init__()
+        self._storage, self._variant_id = storage, variant_id
+        self.uploads: dict[str, StreamedUpload] = {}
+
+    def sink(self, name: str) -> HashingSink:
+        upload = self._storage.streamed_upload(variant_file_key(self._variant_id, name))
+        if upload is None:
+            return HashingSink()
+        self.uploads[name] = upload
+        return HashingSink(also=upload)
+
+    def abort(self) -> None:
+        """Drop every upload not completed (a failed write or publication: nothing may stay)."""
+        for upload in self.uploads.values():
+            upload.abort()
 
 
 def publish_variant_files(
@@ -45,9 +71,16 @@ def publish_variant_files(
             recorded = written.get(rel) or WrittenFile(file.stat().st_size, file_sha256(file))
             if recorded.size != file.stat().st_size:
                 raise RuntimeError(f"{rel} is {file.stat().st_size} bytes, its writer wrote {recorded.size}")
-            ctx.storage.move_file(variant_file_key(variant_id, rel), file)
+            upload = written.uploads.get(rel) if isinstance(written, UploadedWhileWritten) else None
+            if upload is None:
+                ctx.storage.move_file(variant_file_key(variant_id, rel), file)
+            else:  # uploaded while written: published by completing the upload
+                upload.complete(recorded.size)
+                file.unlink()
             files.append(VariantFile(path=rel, size=recorded.size, sha256=recorded.sha256))
     except BaseException:
+        if isinstance(written, UploadedWhileWritten):
+            written.abort()
         discard_variant_files(ctx, variant_id)
         raise
     return tuple(files)

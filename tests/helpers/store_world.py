@@ -28,6 +28,7 @@ from service.execution.runner import run_job
 from service.jobs.records import JobRecord
 from service.jobs.store import JobStore
 from service.models.inspection import register_model
+from service.storage.base import Storage
 from service.storage.local import LocalStorage
 
 MAX_LENGTH = 120
@@ -52,13 +53,16 @@ def float64_copy(source: Path, target: Path, dtype: torch.dtype = torch.float64)
 class StoreWorld:
     """One storage, its job store, registered models and published concepts."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, storage: Storage | None = None) -> None:
+        """Args:
+        storage: the store (default: file storage under ``root / "store"``; an S3 store for the
+            tests of what S3 does differently)."""
         self.root = root
         (root / "models").mkdir(parents=True, exist_ok=True)
         settings = Settings(
             storage_url=f"file://{root / 'store'}", model_roots=str(root / "models"), cache_dir=root / "cache"
         )
-        storage = LocalStorage(root / "store")
+        storage = storage or LocalStorage(root / "store")
         self.pending: list[JobRecord] = []
         self.ctx = Context(
             settings=settings, storage=storage, jobs=JobStore(storage), dispatch=self.pending.append, lock=threading.RLock()
