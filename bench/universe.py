@@ -127,7 +127,7 @@ def build_universe(ctx: Any, names: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     run_pending(ctx)
     wall = time.perf_counter() - started
-    manifest = find_manifest(ctx, view["universe_id"])
+    manifest = find_manifest(ctx, view.universe_id)
     assert manifest is not None
     return {"manifest": manifest.to_json(), "job_wall_s": wall}
 
@@ -139,7 +139,7 @@ def variant_request(ctx: Any, names: list[str], universe_id: str, scaling: str =
 
     options = EditOptions(scaling=scaling, format="checkpoint", universe=universe_id)
     view, job = submit_variant(ctx, MODEL_ID, dict.fromkeys(names, -1.0), 1.0, options)
-    return {"request": find_variant_request(ctx, view["variant_id"]), "job": job}
+    return {"request": find_variant_request(ctx, view.variant_id), "job": job}
 
 
 def float32_storage_effect(ctx: Any, variant_id: str, layout: Any, model_dir: Path, out: Path) -> dict[str, Any]:

@@ -120,17 +120,17 @@ def engram_variants(
     view, _ = submit_universe(ctx, model_id, [f"class{c}" for c in range(NUM_CLASSES)], None)
     run_pending(ctx)
     universe_s = time.perf_counter() - started
-    options = {"scaling": "uniform", "format": "checkpoint", "universe": view["universe_id"]}
+    options = {"scaling": "uniform", "format": "checkpoint", "universe": view.universe_id}
     folders, variant_s = {}, []
     for alpha in alphas:
         started = time.perf_counter()
         variant, _ = submit_variant(ctx, model_id, coefficients_for_unlearn([f"class{FORGET_CLASS}"], alpha), alpha, options)
         run_pending(ctx)
         variant_s.append(time.perf_counter() - started)
-        assert variant_view(ctx, variant["variant_id"])["status"] == "ready"
+        assert variant_view(ctx, variant.variant_id).status == "ready"
         folder = root / f"variant-{alpha:g}"
         shutil.copytree(model_dir, folder)
-        files = ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")
+        files = ctx.storage.local_path(f"variants/{variant.variant_id}/files/model.safetensors")
         shutil.copyfile(files, folder / "model.safetensors")
         folders[alpha] = folder
     timings = {

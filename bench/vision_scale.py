@@ -143,7 +143,7 @@ def measure_scale(classes: int = 100, per_class: int = 20, variants: int = 5, se
         universe, _ = submit_universe(ctx, model_id, [f"class{c}" for c in range(classes)], None)
         run_pending(ctx)
         universe_s = time.perf_counter() - started
-        options = {"scaling": "uniform", "format": "checkpoint", "universe": universe["universe_id"]}
+        options = {"scaling": "uniform", "format": "checkpoint", "universe": universe.universe_id}
         chosen_classes = [int(c) for c in np.linspace(0, classes - 1, variants).round()]
         variant_s, steps = [], []
         for label in chosen_classes:
@@ -151,7 +151,7 @@ def measure_scale(classes: int = 100, per_class: int = 20, variants: int = 5, se
             view, _ = submit_variant(ctx, model_id, coefficients_for_unlearn([f"class{label}"], 1.0), 1.0, options)
             [job] = run_pending(ctx)
             variant_s.append(time.perf_counter() - started)
-            assert variant_view(ctx, view["variant_id"])["status"] == "ready"
+            assert variant_view(ctx, view.variant_id).status == "ready"
             steps.append(job.result["steps"])
         checkpoint = model_dir / "model.safetensors"
         checkpoint_bytes = checkpoint.stat().st_size

@@ -359,12 +359,12 @@ def _build_recommended(
     view, variant_job = submit_variant(inline, request.model_id, terms, alpha, edit)
     if variant_job is not None and variant_job.status not in FINISHED:
         variant_job = _wait(ctx, job_id, variant_job.job_id)  # built by another request's job
-    view = variant_view(ctx, view["variant_id"])
-    if view["status"] != "ready":
-        job = ctx.jobs.get(view["job_id"]) if view.get("job_id") else None
+    view = variant_view(ctx, view.variant_id)
+    if view.status != "ready":
+        job = ctx.jobs.get(view.job_id) if view.job_id else None
         why = (job.error if job is not None else None) or {}
-        raise JobFailed(f"the recommended variant {view['variant_id']} did not build: {why.get('detail', view['status'])}")
-    return BuiltVariant(view["variant_id"], view.get("job_id"), variant.format)
+        raise JobFailed(f"the recommended variant {view.variant_id} did not build: {why.get('detail', view.status)}")
+    return BuiltVariant(view.variant_id, view.job_id, variant.format)
 
 
 @dataclass(frozen=True)

@@ -117,9 +117,9 @@ def retain_classifier(ctx: Context, base: ModelRecord, retain_id: str) -> Retain
     if find_variant_request(ctx, retain_id) is None:
         raise NotFound(f"retain_model {retain_id} is neither a registered model nor a variant")
     view = variant_view(ctx, retain_id)
-    if view["status"] != "ready":
-        raise Conflict(f"retain_model {retain_id} is a variant that is {view['status']}, not ready")
-    _check_same_classes(base, get_model(ctx, view["model_id"]), retain_id)
+    if view.status != "ready":
+        raise Conflict(f"retain_model {retain_id} is a variant that is {view.status}, not ready")
+    _check_same_classes(base, get_model(ctx, view.model_id), retain_id)
     return RetainModelRef(id=retain_id, kind="variant", digest=retain_id)
 
 

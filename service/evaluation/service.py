@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from api_schemas import Variant
 from api_schemas.evaluation import Split
 from service.context import Context
 from service.errors import Conflict, InvalidInput, NotFound
@@ -37,16 +38,16 @@ SPLITS: tuple[Split, ...] = ("forget", "retain")  # a text evaluation's probe se
 METRICS_ALL = "tofu"
 
 
-def _ready_view(ctx: Context, variant_id: str) -> dict[str, Any]:
+def _ready_view(ctx: Context, variant_id: str) -> Variant:
     view = variant_view(ctx, variant_id)  # 404 for an unknown variant
-    if view["status"] != "ready":
-        raise Conflict(f"variant {variant_id} is {view['status']}, not ready; wait for its job {view['job_id']}")
+    if view.status != "ready":
+        raise Conflict(f"variant {variant_id} is {view.status}, not ready; wait for its job {view.job_id}")
     return view
 
 
-def _ready_variant(ctx: Context, variant_id: str) -> dict[str, Any]:
+def _ready_variant(ctx: Context, variant_id: str) -> Variant:
     view = _ready_view(ctx, variant_id)
-    check_causal_lm(get_model(ctx, view["model_id"]), "evaluation and generation")
+    check_causal_lm(get_model(ctx, view.model_id), "evaluation and generation")
     return view
 
 
@@ -69,7 +70,7 @@ def submit_evaluation(
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     view = _ready_view(ctx, variant_id)
-    model = get_model(ctx, view["model_id"])
+    model = get_model(ctx, view.model_id)
     check_probe_kinds(probes, model)  # before the causal-LM check: it names the probe and the model's kind
     if model.kind == "image":
         return _queue(ctx, variant_id, _classifier_probes(ctx, model, probes, retain_model), urls)
@@ -119,14 +120,14 @@ def _queue(ctx: Context, variant_id: str, stored: StoredProbes, urls: list[str])
     return job
 
 
-def _tofu_options(ctx: Context, view: dict[str, Any], tofu: Mapping[str, Any]) -> TofuOptions:
+def _tofu_options(ctx: Context, view: Variant, tofu: Mapping[str, Any]) -> TofuOptions:
     """The stored TOFU options, with the retain model resolved (:class:`RetainModelRef`)."""
     retain_id = tofu.get("retain_model")
     return TofuOptions(
         metrics=tofu["metrics"],
         holdout=list(tofu.get("holdout") or []),
         utility={name: list(items) for name, items in (tofu.get("utility") or {}).items()},
-        retain_model=resolve_retain_model(ctx, view["model_id"], retain_id) if retain_id is not None else None,
+        retain_model=resolve_retain_model(ctx, view.model_id, retain_id) if retain_id is not None else None,
     )
 
 
@@ -149,7 +150,7 @@ def resolve_retain_model(ctx: Context, model_id: str, retain_id: str) -> RetainM
     if find_variant_request(ctx, retain_id) is None:
         raise NotFound(f"retain_model {retain_id} is neither a registered model nor a variant")
     retain_view = _ready_variant(ctx, retain_id)
-    _check_same_vocabulary(base, get_model(ctx, retain_view["model_id"]))
+    _check_same_vocabulary(base, get_model(ctx, retain_view.model_id))
     return RetainModelRef(id=retain_id, kind="variant", digest=retain_id)
 
 
@@ -198,6 +199,6 @@ def submit_generation(
     return job
 
 
-def _check_chat_template(ctx: Context, view: dict[str, Any], what: str) -> None:
+def _check_chat_template(ctx: Context, view: Variant, what: str) -> None:
     """422 when the variant's model has no chat template (read from its tokenizer files)."""
-    check_chat_templates({view["model_id"]: get_model(ctx, view["model_id"])}, what)
+    check_chat_templates({view.model_id: get_model(ctx, view.model_id)}, what)

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from api_schemas.universes import UniverseBytes, UniverseKeyUsage, UniverseStatusCounts, UniverseUsage
 from service.context import Context
 from service.errors import Conflict
 from service.jobs.admission import job_owner
@@ -329,8 +330,9 @@ class UniverseStorage:
         """What the universes ``key`` alone keeps alive hold (stored and reserved)."""
         return sum(u.held for u in self.by_key(now, excluding).get(key, []))
 
-    def summary(self) -> dict[str, Any]:
-        """What ``GET /universes/usage`` shows and ``/metrics`` exports."""
+    def summary(self, model_id: str | None = None) -> UniverseUsage:
+        """What ``GET /universes/usage`` shows (``model_id``: the model these universes are of) and
+        ``/metrics`` exports."""
         groups = sum(u.groups for u in self.universes)
         engrams = sum(u.engrams for u in self.universes)
         statuses: dict[str, int] = dict.fromkeys(("ready", "building", "partial", "failed", "evicted"), 0)
@@ -338,23 +340,24 @@ class UniverseStorage:
             statuses[u.status] += 1
         limits = self.limits or Budget(self.budget, self.budget)
         keys = [
-            {"key": key, "bytes": sum(u.held for u in kept), "universes": len(kept)}
+            UniverseKeyUsage(key=key, bytes=sum(u.held for u in kept), universes=len(kept))
             for key, kept in sorted(self.by_key().items())
         ]
-        return {
-            "budget_bytes": self.budget,
-            "configured_budget_bytes": limits.configured,
-            "volume_bytes": limits.volume,
-            "budget_note": limits.note,
-            "retention_s": self.retention_s,
-            "key_share": self.share,
-            "key_share_bytes": self.share_bytes,
-            "bytes": {"groups": groups, "engrams": engrams, "total": groups + engrams},
-            "reserved_bytes": sum(u.reserved for u in self.universes),
-            "evictable_bytes": sum(u.stored for u in self.evictable()),
-            "universes": statuses,
-            "keys": keys,
-        }
+        return UniverseUsage(
+            model_id=model_id,
+            budget_bytes=self.budget,
+            configured_budget_bytes=limits.configured,
+            volume_bytes=limits.volume,
+            budget_note=limits.note,
+            retention_s=self.retention_s,
+            key_share=self.share,
+            key_share_bytes=self.share_bytes,
+            bytes=UniverseBytes(groups=groups, engrams=engrams, total=groups + engrams),
+            reserved_bytes=sum(u.reserved for u in self.universes),
+            evictable_bytes=sum(u.stored for u in self.evictable()),
+            universes=UniverseStatusCounts(**statuses),
+            keys=keys,
+        )
 
 
 def universe_storage(ctx: Context, universe_ids: Iterable[str] | None = None) -> UniverseStorage:
@@ -660,11 +663,10 @@ def expire_unused(ctx: Context) -> list[str]:
 # ---------------------------------------------------------------- views and metrics
 
 
-def storage_summary(ctx: Context, model_id: str | None = None) -> dict[str, Any]:
+def storage_summary(ctx: Context, model_id: str | None = None) -> UniverseUsage:
     """``GET /universes/usage``: bytes of every universe (or one model's), the budget, statuses."""
     ids = model_universe_ids(ctx, model_id) if model_id is not None else None
-    summary = universe_storage(ctx, ids).summary()
-    return {**summary, "model_id": model_id}
+    return universe_storage(ctx, ids).summary(model_id)
 
 
 def refresh_metrics(ctx: Context) -> None:
@@ -676,11 +678,11 @@ def refresh_metrics(ctx: Context) -> None:
         log.warning("universe metrics not refreshed: %s", exc)
         return
     set_universe_gauges(
-        groups=summary["bytes"]["groups"],
-        engrams=summary["bytes"]["engrams"],
-        reserved=summary["reserved_bytes"],
-        budget=summary["budget_bytes"],
-        statuses=summary["universes"],
+        groups=summary.bytes.groups,
+        engrams=summary.bytes.engrams,
+        reserved=summary.reserved_bytes,
+        budget=summary.budget_bytes,
+        statuses=summary.universes.model_dump(),
     )
 
 

@@ -124,7 +124,7 @@ def _needs_build(ctx: Context, universe_id: str) -> bool:
 
 def submit_universe(
     ctx: Context, model_id: str, concepts: Sequence[str] | None, rcond: float | None, callback_url: str | None = None
-) -> tuple[dict[str, Any], JobRecord | None]:
+) -> tuple[Universe, JobRecord | None]:
     """Build the universe of ``concepts`` (default: every concept ready on the model) and make it
     the model's current one.
 
@@ -226,8 +226,9 @@ def _current_of(ctx: Context, universe_id: str) -> list[str]:
 # ---------------------------------------------------------------- views
 
 
-def universe_view(ctx: Context, universe_id: str, current: str | None = None) -> dict[str, Any]:
-    """A universe as the API shows it: members, status, groups done/total, bytes, last use.
+def universe_view(ctx: Context, universe_id: str, current: str | None = None) -> Universe:
+    """A universe as the API shows it (the contract's :class:`~api_schemas.Universe`): members, status,
+    groups done/total, bytes, last use.
 
     Status: ``ready`` (its manifest exists), ``building`` (a job builds it), ``partial`` (requests
     that edit some layers built their input groups; the others are built when a request needs them),
@@ -258,25 +259,29 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
     }
     if manifest is not None:
         groups = len(manifest.groups)
-        return {
-            **view,
-            "status": "ready",
-            "groups": {"done": groups, "total": groups},
-            "bytes": manifest.bytes.total,
-            "bytes_detail": manifest.bytes.model_dump(),
-            "build_seconds": dict(manifest.seconds),
-        }
+        return Universe.model_validate(
+            {
+                **view,
+                "status": "ready",
+                "groups": {"done": groups, "total": groups},
+                "bytes": manifest.bytes.total,
+                "bytes_detail": manifest.bytes.model_dump(),
+                "build_seconds": dict(manifest.seconds),
+            }
+        )
     building = job is not None and job.status not in FINISHED
     if not building and usage.get("evicted_at"):
-        return {
-            **view,
-            "status": "evicted",
-            "groups": {"done": 0, "total": None},
-            "bytes": 0,
-            "bytes_detail": None,
-            "build_seconds": None,
-            "evicted_at": usage["evicted_at"],
-        }
+        return Universe.model_validate(
+            {
+                **view,
+                "status": "evicted",
+                "groups": {"done": 0, "total": None},
+                "bytes": 0,
+                "bytes_detail": None,
+                "build_seconds": None,
+                "evicted_at": usage["evicted_at"],
+            }
+        )
     plan = find_plan(ctx, universe_id)
     done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
     total = len(plan.groups) if plan else None
@@ -284,24 +289,16 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
     # wait for a request that needs them (service.universes.build); not a failure.
     partial = not building and bool(ctx.storage.list(universe_prefix(universe_id) + "stages/"))
     status = "building" if building else "partial" if partial else "failed"
-    return {
-        **view,
-        "status": status,
-        "groups": {"done": done, "total": total},
-        "bytes": None,
-        "bytes_detail": None,
-        "build_seconds": None,
-    }
-
-
-def universe_answer(ctx: Context, universe_id: str) -> Universe:
-    """The universe as the routes answer it: the contract's :class:`~api_schemas.Universe`."""
-    return Universe.model_validate(universe_view(ctx, universe_id))
-
-
-def universe_answers(ctx: Context, model_id: str) -> list[Universe]:
-    """:func:`list_universes` as the routes answer it."""
-    return [Universe.model_validate(view) for view in list_universes(ctx, model_id)]
+    return Universe.model_validate(
+        {
+            **view,
+            "status": status,
+            "groups": {"done": done, "total": total},
+            "bytes": None,
+            "bytes_detail": None,
+            "build_seconds": None,
+        }
+    )
 
 
 def universe_submission(
@@ -309,13 +306,13 @@ def universe_submission(
 ) -> UniverseSubmission:
     """:func:`submit_universe` as the route answers it: the universe, and its build job when one runs."""
     universe, job = submit_universe(ctx, model_id, concepts, rcond, callback_url)
-    return UniverseSubmission(universe=Universe.model_validate(universe), job=job_answer(job) if job else None)
+    return UniverseSubmission(universe=universe, job=job_answer(job) if job else None)
 
 
-def list_universes(ctx: Context, model_id: str) -> list[dict[str, Any]]:
-    """Every universe of a model (404 when it is not registered), the current one marked."""
+def list_universes(ctx: Context, model_id: str) -> list[Universe]:
+    """Every universe of a model (404 when it is not registered), the current one marked, oldest first."""
     ids = model_universe_ids(ctx, model_id)
     pointer = current_pointer(ctx, model_id)
     current = pointer.universe_id if pointer else ""
-    views = [{**universe_view(ctx, uid, current), "model_id": model_id} for uid in ids]
-    return sorted(views, key=lambda v: v["created_at"] or "")
+    views = [universe_view(ctx, uid, current).model_copy(update={"model_id": model_id}) for uid in ids]
+    return sorted(views, key=lambda v: v.created_at.isoformat() if v.created_at else "")

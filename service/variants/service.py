@@ -45,7 +45,7 @@ def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str,
 
 def submit_variant(
     ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions | Mapping[str, Any]
-) -> tuple[dict[str, Any], JobRecord | None]:
+) -> tuple[Variant, JobRecord | None]:
     """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
 
     Args:
@@ -275,25 +275,20 @@ VARIANT_FIELDS = (  # of the stored request, in the view
 )
 
 
-def variant_view(ctx: Context, variant_id: str) -> dict[str, Any]:
+def variant_view(ctx: Context, variant_id: str) -> Variant:
+    """The variant as the routes answer it: the contract's :class:`~api_schemas.Variant` (404 when unknown)."""
     request = find_variant_request(ctx, variant_id, recent=True)
     if request is None:
         raise NotFound(f"variant {variant_id} does not exist")
     stored = request.model_dump(mode="json")
-    view: dict[str, Any] = {k: stored[k] for k in VARIANT_FIELDS} | {"files": []}
+    fields: dict[str, Any] = {k: stored[k] for k in VARIANT_FIELDS}
     job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
-        view.update(status="ready", files=manifest.file_views, lora=manifest.lora)
-        view["unreached_layers"] = list(manifest.unreached_layers)
-        return view
-    view["status"] = "building" if job is not None and job.status not in FINISHED else "failed"
-    return view
-
-
-def variant_answer(ctx: Context, variant_id: str) -> Variant:
-    """The variant as the routes answer it: the contract's :class:`~api_schemas.Variant`."""
-    return Variant.model_validate(variant_view(ctx, variant_id))
+        ready = {"status": "ready", "files": manifest.file_views, "lora": manifest.lora}
+        return Variant.model_validate(fields | ready | {"unreached_layers": list(manifest.unreached_layers)})
+    building = job is not None and job.status not in FINISHED
+    return Variant.model_validate(fields | {"files": [], "status": "building" if building else "failed"})
 
 
 def variant_submission(
@@ -301,7 +296,7 @@ def variant_submission(
 ) -> VariantSubmission:
     """:func:`submit_variant` as the routes answer it: the variant, and its build job when one runs."""
     variant, job = submit_variant(ctx, model_id, terms, alpha, options)
-    return VariantSubmission(variant=Variant.model_validate(variant), job=job_answer(job) if job else None)
+    return VariantSubmission(variant=variant, job=job_answer(job) if job else None)
 
 
 def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
@@ -315,7 +310,7 @@ def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
 def variant_of(ctx: Context, variant_id: str, model_id: str | None) -> Variant | None:
     """The variant when it exists and is ``model_id``'s (any model's: None), else None."""
     try:
-        variant = variant_answer(ctx, variant_id)
+        variant = variant_view(ctx, variant_id)
     except NotFound:  # gone since it was listed
         return None
     return variant if model_id is None or variant.model_id == model_id else None

@@ -26,7 +26,7 @@ from service.statistics.local import statistics
 from service.universes.records import find_manifest
 from tests.helpers.algebra import augmented
 from tests.helpers.store_world import StoreWorld
-from tests.helpers.variants import build, checkpoint_of, layout_of, reference_edit
+from tests.helpers.variants import build, checkpoint_of, layout_of, manifest_of, reference_edit
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
 
 MODEL = "v/llama"
@@ -96,7 +96,7 @@ def universe(world: dict[str, Any]) -> UniverseManifest:
     """The built universe ``forget ∪ retain`` of the tiny Llama (built by its first variant)."""
     w: StoreWorld = world["world"]
     variant = build(w, MODEL, {"forget": -1.0}, reference=UNIVERSE)
-    manifest = find_manifest(w.ctx, variant["universe_id"])
+    manifest = find_manifest(w.ctx, variant.universe_id)
     assert manifest is not None
     return manifest
 
@@ -165,8 +165,8 @@ def test_a_weighted_candidate_is_the_variant_with_its_module_strengths(
     [arm] = measure_strengths(w.ctx, universe, [prefix], layout, candidates.reader, space.arms)
     candidates.measure(arm, alpha)
     variant = build(w, MODEL, {"forget": -alpha}, reference=UNIVERSE, scaling=scaling, module_strengths=dict(arm.strengths))
-    assert variant["module_strengths"] == {k: v for k, v in arm.strengths if v != 1.0}
-    assert variant["manifest"]["scales"] == candidates.scales(arm, alpha)
+    assert variant.module_strengths == {k: v for k, v in arm.strengths if v != 1.0}
+    assert manifest_of(w, variant)["scales"] == candidates.scales(arm, alpha)
     written = checkpoint_of(w, variant)
     for layer in layout.layers:
         key = layout.own_keys.get(layer.name, layout.weight_keys[layer.name])

@@ -110,13 +110,13 @@ def test_engram_forgets_class_0_through_the_job_bodies(mini_cifar: MiniCifar, ar
         _publish_class(world, model_id, f"class{label}", collect_statistics(model, batches, layout.layers), len(chosen))
     universe, _ = submit_universe(world.ctx, model_id, [f"class{c}" for c in range(10)], None)
     world.run_pending()
-    options = {"scaling": "uniform", "format": "checkpoint", "universe": universe["universe_id"]}
+    options = {"scaling": "uniform", "format": "checkpoint", "universe": universe.universe_id}
     variant, _ = submit_variant(world.ctx, model_id, {f"class{FORGET_CLASS}": -1.0}, 1.0, options)
     world.run_pending()
-    assert variant_view(world.ctx, variant["variant_id"])["status"] == "ready"
+    assert variant_view(world.ctx, variant.variant_id).status == "ready"
     edited = tmp_path / "variant"
     shutil.copytree(path, edited)
-    files = world.ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")
+    files = world.ctx.storage.local_path(f"variants/{variant.variant_id}/files/model.safetensors")
     shutil.copyfile(files, edited / "model.safetensors")
     test_images, test_labels = load_split(mini_cifar.test)
     result = classify(

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from api_schemas import Variant
 from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.engine.collect import LayerStatistics
 from service.engine.layers import LayerSpec
@@ -62,24 +63,29 @@ def edit_world(root: Path, prefix: str, *, bfloat16: bool = False) -> dict[str, 
 
 def run_variant(
     w: StoreWorld, model_id: str, terms: dict[str, float], alpha: float | None, options: dict[str, Any]
-) -> dict[str, Any]:
+) -> Variant:
     """Submit a variant and run its build job, when the submission made one (not when the variant
     existed); the variant's view then. The job must succeed."""
     view, job = submit_variant(w.ctx, model_id, terms, alpha, options)
     if job is not None:
         [done] = w.run_pending()
         assert done.status == "succeeded", done
-    return variant_view(w.ctx, view["variant_id"])
+    return variant_view(w.ctx, view.variant_id)
 
 
-def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any) -> dict[str, Any]:
-    """Submit a variant and run its job; returns the variant view and its stored manifest."""
-    view = run_variant(w, model_id, terms, None, {"scaling": "uniform", "format": "checkpoint", **options})
-    return {**view, "manifest": w.ctx.storage.get_json(f"variants/{view['variant_id']}/manifest.json")}
+def build(w: StoreWorld, model_id: str, terms: dict[str, float], **options: Any) -> Variant:
+    """Submit a variant and run its job; returns the variant (its stored manifest: :func:`manifest_of`)."""
+    return run_variant(w, model_id, terms, None, {"scaling": "uniform", "format": "checkpoint", **options})
 
 
-def checkpoint_of(w: StoreWorld, variant: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return load_file(str(w.ctx.storage.local_path(f"variants/{variant['variant_id']}/files/model.safetensors")))
+def manifest_of(w: StoreWorld, variant: Variant) -> dict[str, Any]:
+    """The variant's stored manifest, as written."""
+    stored: dict[str, Any] = w.ctx.storage.get_json(f"variants/{variant.variant_id}/manifest.json")
+    return stored
+
+
+def checkpoint_of(w: StoreWorld, variant: Variant) -> dict[str, torch.Tensor]:
+    return load_file(str(w.ctx.storage.local_path(f"variants/{variant.variant_id}/files/model.safetensors")))
 
 
 def layout_of(w: StoreWorld, model_id: str) -> ModelLayout:
@@ -120,7 +126,7 @@ def reference_edit(
 def assert_matches(
     world: dict[str, Any],
     model_id: str,
-    variant: dict[str, Any],
+    variant: Variant,
     expected: dict[str, torch.Tensor],
     tol: float = WEIGHT_TOL,
     modules: Sequence[str] | None = None,

@@ -228,8 +228,8 @@ def test_a_resnet_variant_from_a_built_universe_equals_the_float64_formula(
     view, job = submit_variant(world.ctx, "tiny/resnet", {"forget": -1.0}, None, options)
     assert job is not None
     world.run_pending()
-    assert variant_view(world.ctx, view["variant_id"])["status"] == "ready"
-    files = world.ctx.storage.local_path(f"variants/{view['variant_id']}/files/model.safetensors")
+    assert variant_view(world.ctx, view.variant_id).status == "ready"
+    files = world.ctx.storage.local_path(f"variants/{view.variant_id}/files/model.safetensors")
     tensors = load_file(str(files))
     reader = CheckpointReader(path, layout)
     for spec in layout.layers:

@@ -95,7 +95,7 @@ def unlearn(world: StoreWorld, target: str, reference: str) -> str:
     view, _ = submit_variant(world.ctx, MODEL, {target: -1.0}, 1.0, {**OPTIONS, "reference": [reference]})
     for job in world.run_pending():
         assert job.status == "succeeded", job
-    return str(view["universe_id"])
+    return str(view.universe_id)
 
 
 def stored(world: StoreWorld) -> dict[str, int]:
@@ -119,7 +119,7 @@ def test_a_key_past_its_share_gets_a_409_naming_the_setting_and_its_usage(world:
         with pytest.raises(UniverseShareExceeded) as refused:
             submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "reference": ["d"]})
     problem = refused.value.to_problem()
-    held = sum(universe_view(world.ctx, u)["bytes"] for u in (first, second))
+    held = sum(universe_view(world.ctx, u).bytes for u in (first, second))
     assert problem["status"] == 409 and problem["type"].endswith("/universe-key-share-exceeded")
     assert (problem["key"], problem["key_bytes"], problem["share_bytes"]) == ("key-a", held, int(2.5 * size))
     assert "ENGRAM_UNIVERSE_KEY_SHARE=0.25" in problem["detail"] and "key-a" in problem["detail"]
@@ -139,16 +139,16 @@ def test_another_key_still_builds_once_one_key_filled_its_share(world: StoreWorl
             submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "reference": ["d"]})
     with as_key("key-b"):
         theirs = unlearn(world, "b", "e")
-    assert universe_view(world.ctx, oldest)["status"] == "evicted", "A's least recently used universe made room"
-    assert universe_view(world.ctx, newer)["status"] == universe_view(world.ctx, theirs)["status"] == "ready"
+    assert universe_view(world.ctx, oldest).status == "evicted", "A's least recently used universe made room"
+    assert universe_view(world.ctx, newer).status == universe_view(world.ctx, theirs).status == "ready"
     assert universe_storage(world.ctx).held() <= world.ctx.settings.universe_bytes_budget
     summary = retention.storage_summary(world.ctx)
-    assert {k["key"]: k["universes"] for k in summary["keys"]} == {"key-a": 1, "key-b": 1}
+    assert {k.key: k.universes for k in summary.keys} == {"key-a": 1, "key-b": 1}
     # Now A and B hold one universe each: neither may push the other out (a key only displaces a heavier one).
     with as_key("key-a"), pytest.raises(UniverseBudgetExceeded) as refused:
         submit_variant(world.ctx, MODEL, {"c": -1.0}, 1.0, {**OPTIONS, "reference": ["e"]})
     assert not isinstance(refused.value, UniverseShareExceeded)
-    assert universe_view(world.ctx, theirs)["status"] == "ready"
+    assert universe_view(world.ctx, theirs).status == "ready"
 
 
 def test_a_universe_two_keys_use_is_never_evicted_for_a_third(world: StoreWorld) -> None:
@@ -162,9 +162,9 @@ def test_a_universe_two_keys_use_is_never_evicted_for_a_third(world: StoreWorld)
         world.run_pending()
     with as_key("key-c"):
         unlearn(world, "b", "e")
-    assert universe_view(world.ctx, mine)["status"] == "evicted", "A alone kept it, least recently: it made room"
-    assert universe_view(world.ctx, kept)["status"] == "ready", "only as many as needed"
-    assert universe_view(world.ctx, shared)["status"] == "ready", "two keys use it: it counts for nobody and stays"
+    assert universe_view(world.ctx, mine).status == "evicted", "A alone kept it, least recently: it made room"
+    assert universe_view(world.ctx, kept).status == "ready", "only as many as needed"
+    assert universe_view(world.ctx, shared).status == "ready", "two keys use it: it counts for nobody and stays"
 
 
 def test_without_auth_every_caller_is_one_key_with_the_whole_budget(world: StoreWorld) -> None:
@@ -173,7 +173,7 @@ def test_without_auth_every_caller_is_one_key_with_the_whole_budget(world: Store
     configure(world, universe_bytes_budget=3 * size)
     with as_key("anonymous"):
         built = [unlearn(world, "a", other) for other in ("b", "c", "d")]
-    assert {universe_view(world.ctx, u)["status"] for u in built} == {"ready"}
+    assert {universe_view(world.ctx, u).status for u in built} == {"ready"}
     configure(world, api_keys="x" * 16 + ":write")
     assert world.ctx.settings.key_share == 0.5, "with keys, each gets half by default"
 
@@ -205,9 +205,9 @@ def test_a_models_current_universe_is_not_deleted(world: StoreWorld) -> None:
     view, _ = submit_universe(world.ctx, MODEL, ["a", "c"], None)
     world.run_pending()
     with pytest.raises(Conflict) as refused:
-        delete_universe(world.ctx, view["universe_id"])
+        delete_universe(world.ctx, view.universe_id)
     assert MODEL in refused.value.detail and "current" in refused.value.detail
-    assert universe_view(world.ctx, view["universe_id"])["status"] == "ready"
+    assert universe_view(world.ctx, view.universe_id).status == "ready"
 
 
 # ---------------------------------------------------------------- the volume
@@ -219,9 +219,9 @@ def test_the_budget_is_capped_to_the_stores_volume(world: StoreWorld, caplog: py
     configure(world, universe_bytes_budget=1 << 60)  # an exbibyte: more than any disk
     with caplog.at_level(logging.WARNING, logger="engram.universes"):
         summary = retention.storage_summary(world.ctx)
-    assert summary["configured_budget_bytes"] == 1 << 60
-    assert abs(summary["budget_bytes"] - volume // 2) < volume // 100, "half the volume (its size moves a little)"
-    assert "ENGRAM_UNIVERSE_VOLUME_FRACTION=0.5" in summary["budget_note"]
+    assert summary.configured_budget_bytes == 1 << 60
+    assert abs(summary.budget_bytes - volume // 2) < volume // 100, "half the volume (its size moves a little)"
+    assert "ENGRAM_UNIVERSE_VOLUME_FRACTION=0.5" in summary.budget_note
     assert any("ENGRAM_UNIVERSE_VOLUME_FRACTION" in r.getMessage() for r in caplog.records), "a warning says so"
     # The cap is enforced: a universe that fits the configured budget but not the volume's share is refused.
     size = pair_bytes(world, [("a", "b")])

@@ -75,7 +75,7 @@ def build(w: StoreWorld, model_id: str, names: list[str]) -> str:
     view, _ = submit_universe(w.ctx, model_id, names, None)
     for job in w.run_pending():
         assert job.status == "succeeded", job
-    return str(view["universe_id"])
+    return str(view.universe_id)
 
 
 def stored(w: StoreWorld) -> dict[str, tuple[int, int]]:
@@ -128,7 +128,7 @@ def test_the_projection_bounds_what_the_build_stores(world: StoreWorld, model_id
     assert projection.engrams == actual["engrams"], "engram files are laid out exactly as projected"
     slack = FACTOR_HEADER_BOUND * len(manifest["groups"])
     assert actual["groups"] <= projection.groups <= actual["groups"] + slack
-    assert universe_view(world.ctx, uid)["projected_bytes"] == projection.total, "recorded when requested"
+    assert universe_view(world.ctx, uid).projected_bytes == projection.total, "recorded when requested"
 
 
 # ---------------------------------------------------------------- the budget
@@ -164,7 +164,7 @@ def test_a_variant_of_a_built_universe_needs_no_room(world: StoreWorld, settings
     assert job is not None
     [done] = world.run_pending()
     assert done.status == "succeeded", done
-    assert view["universe_id"] == uid
+    assert view.universe_id == uid
 
 
 # ---------------------------------------------------------------- retention
@@ -183,8 +183,8 @@ def test_unused_universes_are_evicted_least_recently_used_first(world: StoreWorl
         universe_retention_s=2 * 86400,
     )
     new = build(world, MODEL, ["c", "d"])
-    assert universe_view(world.ctx, ac)["status"] == universe_view(world.ctx, ab)["status"] == "evicted"
-    assert [universe_view(world.ctx, u)["status"] for u in (bc, ad, current, new)] == ["ready"] * 4
+    assert universe_view(world.ctx, ac).status == universe_view(world.ctx, ab).status == "evicted"
+    assert [universe_view(world.ctx, u).status for u in (bc, ad, current, new)] == ["ready"] * 4
     assert held_now(world) <= world.ctx.settings.universe_bytes_budget
 
 
@@ -199,11 +199,11 @@ def test_universes_in_use_are_never_evicted(world: StoreWorld, settings: Any) ->
     settings(universe_retention_s=86400)
     evicted = expire_unused(world.ctx)
     assert not {current, recent, busy} & set(evicted)
-    assert {universe_view(world.ctx, u)["status"] for u in (current, recent, busy)} == {"ready"}
+    assert {universe_view(world.ctx, u).status for u in (current, recent, busy)} == {"ready"}
     settings(universe_bytes_budget=held_now(world) + 1, universe_retention_s=86400)
     with pytest.raises(UniverseBudgetExceeded):  # nothing evictable is left to make room either
         submit_universe(world.ctx, MODEL, ["b", "c", "d"], None)
-    assert {universe_view(world.ctx, u)["status"] for u in (current, recent, busy)} == {"ready"}
+    assert {universe_view(world.ctx, u).status for u in (current, recent, busy)} == {"ready"}
     [done] = world.run_pending()  # the variant job finds its universe whole
     assert done.status == "succeeded", done
 
@@ -215,19 +215,19 @@ def test_an_evicted_universe_is_rebuilt_with_the_same_ids_and_bytes(world: Store
     files = _part_digests(world, uid)
     first, _ = submit_variant(world.ctx, MODEL, {"b": -1.0}, 1.0, {**OPTIONS, "universe": uid})
     world.run_pending()
-    variant_files = world.ctx.storage.get_json(f"variants/{first['variant_id']}/manifest.json")["files"]
+    variant_files = world.ctx.storage.get_json(f"variants/{first.variant_id}/manifest.json")["files"]
     used_at(world, uid, 30)
     settings(universe_retention_s=86400)
     assert uid in expire_unused(world.ctx)
 
     evicted = universe_view(world.ctx, uid)
-    assert (evicted["status"], evicted["bytes"], evicted["groups"]["done"]) == ("evicted", 0, 0)
-    assert evicted["evicted_at"] is not None
+    assert (evicted.status, evicted.bytes, evicted.groups.done) == ("evicted", 0, 0)
+    assert evicted.evicted_at is not None
     assert world.ctx.storage.list(universe_prefix(uid)) == [universe_prefix(uid) + n for n in ("request.json", "usage.json")]
     assert find_usage(world.ctx, uid)["evicted_bytes"] == before["bytes"]["total"]
 
     again, job = submit_variant(world.ctx, MODEL, {"c": -1.0}, 1.0, {**OPTIONS, "universe": uid})
-    assert job is not None and universe_view(world.ctx, uid)["status"] == "building"
+    assert job is not None and universe_view(world.ctx, uid).status == "building"
     world.run_pending()
     after = world.ctx.storage.get_json(universe_prefix(uid) + "manifest.json")
     assert after["universe_id"] == uid
@@ -236,11 +236,11 @@ def test_an_evicted_universe_is_rebuilt_with_the_same_ids_and_bytes(world: Store
     assert after["bytes"] == before["bytes"]
     assert _part_digests(world, uid) == files, "the same statistics and cut give the same factors and engrams"
     rebuilt, job = submit_variant(world.ctx, MODEL, {"b": -1.0}, 1.0, {**OPTIONS, "universe": uid})
-    assert job is None and rebuilt["variant_id"] == first["variant_id"], "the variant itself was kept"
-    assert world.ctx.storage.get_json(f"variants/{first['variant_id']}/manifest.json")["files"] == variant_files
+    assert job is None and rebuilt.variant_id == first.variant_id, "the variant itself was kept"
+    assert world.ctx.storage.get_json(f"variants/{first.variant_id}/manifest.json")["files"] == variant_files
     view = universe_view(world.ctx, uid)
-    assert (view["status"], view["evicted_at"], view["bytes"]) == ("ready", None, before["bytes"]["total"])
-    assert again["universe_id"] == uid
+    assert (view.status, view.evicted_at, view.bytes) == ("ready", None, before["bytes"]["total"])
+    assert again.universe_id == uid
 
 
 def test_another_process_never_reads_an_evicted_universe(world: StoreWorld, settings: Any) -> None:
@@ -251,7 +251,7 @@ def test_another_process_never_reads_an_evicted_universe(world: StoreWorld, sett
     other = Context(
         settings=world.ctx.settings, storage=world.ctx.storage, jobs=world.ctx.jobs, dispatch=None, lock=world.ctx.lock
     )
-    assert universe_view(other, uid)["status"] == "ready"
+    assert universe_view(other, uid).status == "ready"
     assert ensure_universe(other, uid)[1] is True
     used_at(world, uid, 30)
     settings(universe_retention_s=86400)
@@ -279,12 +279,12 @@ def test_the_gauges_show_the_stored_bytes(world: StoreWorld, settings: Any) -> N
     retention.refresh_metrics(world.ctx)
     summary = retention.storage_summary(world.ctx)
     manifests = [world.ctx.storage.get_json(k) for k in world.ctx.storage.list("universes/") if k.endswith("/manifest.json")]
-    assert summary["bytes"]["groups"] == sum(m["bytes"]["groups"] for m in manifests) > 0
-    assert summary["bytes"]["engrams"] == sum(m["bytes"]["engrams"] for m in manifests) > 0
-    assert REGISTRY.get_sample_value("engram_universe_bytes", {"part": "groups"}) == summary["bytes"]["groups"]
-    assert REGISTRY.get_sample_value("engram_universe_bytes", {"part": "engrams"}) == summary["bytes"]["engrams"]
+    assert summary.bytes.groups == sum(m["bytes"]["groups"] for m in manifests) > 0
+    assert summary.bytes.engrams == sum(m["bytes"]["engrams"] for m in manifests) > 0
+    assert REGISTRY.get_sample_value("engram_universe_bytes", {"part": "groups"}) == summary.bytes.groups
+    assert REGISTRY.get_sample_value("engram_universe_bytes", {"part": "engrams"}) == summary.bytes.engrams
     assert REGISTRY.get_sample_value("engram_universe_budget_bytes") == 123 << 20
-    assert REGISTRY.get_sample_value("engram_universes", {"status": "ready"}) == summary["universes"]["ready"]
+    assert REGISTRY.get_sample_value("engram_universes", {"status": "ready"}) == summary.universes.ready
 
 
 def test_note_use_is_written_at_most_once_a_minute(world: StoreWorld) -> None:
@@ -317,6 +317,6 @@ def test_asking_for_a_variant_again_counts_as_a_use(world: StoreWorld) -> None:
     world.run_pending()
     used_at(world, uid, 30)
     again, job = submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "universe": uid})
-    assert job is None and again["variant_id"] == first["variant_id"]
+    assert job is None and again.variant_id == first.variant_id
     written = datetime.fromisoformat(find_usage(world.ctx, uid)["last_used"])
     assert abs((datetime.now(timezone.utc) - written).total_seconds()) < 60, "served from it: the retention clock restarts"

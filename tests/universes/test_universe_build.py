@@ -47,10 +47,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     universes = {}
     for model_id in built["paths"]:
         view, job = submit_universe(w.ctx, model_id, None, None)
-        assert view["status"] == "building" and job is not None
+        assert view.status == "building" and job is not None
         [done] = w.run_pending()
         assert done.status == "succeeded", done
-        universes[model_id] = view["universe_id"]
+        universes[model_id] = view.universe_id
     return {**built, "universes": universes}
 
 
@@ -147,7 +147,7 @@ def test_building_an_existing_universe_again_is_a_noop(world: dict[str, Any], mo
     assert existed and manifest.universe_id == uid
     assert manifest.to_json() == _manifest(world, "u/llama"), "the record reads back the stored keys and values"
     view, job = submit_universe(w.ctx, "u/llama", None, None)
-    assert job is None and view["status"] == "ready" and view["universe_id"] == uid
+    assert job is None and view.status == "ready" and view.universe_id == uid
     assert _files(folder) == before
 
 

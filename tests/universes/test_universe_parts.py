@@ -47,9 +47,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
 def fresh_universe(w: StoreWorld, rcond: float) -> str:
     """A universe recorded (its job created, never run): nothing of it is built yet."""
     view, job = submit_universe(w.ctx, "p/llama", ["a", "b"], rcond)
-    assert job is not None and view["status"] == "building"
+    assert job is not None and view.status == "building"
     w.pending.clear()
-    return str(view["universe_id"])
+    return str(view.universe_id)
 
 
 def builder(w: StoreWorld, client: redis.Redis, universe_id: str, ttl_s: float = 2) -> UniverseBuild:

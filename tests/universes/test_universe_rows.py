@@ -70,13 +70,13 @@ def test_narrow_universes_are_decomposed_from_rows(world: dict[str, Any], monkey
     assert job is not None
     [done] = w.run_pending()
     assert done.status == "succeeded", done
-    manifest = w.ctx.storage.get_json(universe_prefix(view["universe_id"]) + "manifest.json")
+    manifest = w.ctx.storage.get_json(universe_prefix(view.universe_id) + "manifest.json")
 
     assert {g for g, info in manifest["groups"].items() if info["source"] == "rows"} == narrow
     assert len(calls["rows"]) == len(narrow) and len(calls["sums"]) == len(one.sums) - len(narrow)
     assert 128 not in calls["sums"], "no 128 x 128 eigendecomposition"
     for group, info in manifest["groups"].items():
-        factors = load_factors(w.ctx.storage.local_path(group_key(view["universe_id"], group)))
+        factors = load_factors(w.ctx.storage.local_path(group_key(view.universe_id, group)))
         universe = (
             sum(exact(s, group) for s in stats.values()) if group in narrow else sum(s.sums[group] for s in stats.values())
         )
@@ -114,5 +114,5 @@ def test_engrams_of_rows_groups_use_the_members_exact_sums(world: dict[str, Any]
 
 def _universe_id(w: StoreWorld) -> str:
     view, job = submit_universe(w.ctx, "r/llama", None, None)
-    assert job is None and view["status"] == "ready"
-    return str(view["universe_id"])
+    assert job is None and view.status == "ready"
+    return str(view.universe_id)

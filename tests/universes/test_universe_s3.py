@@ -41,7 +41,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     w.publish("s/llama", "two", text_records(3, 4))
     view, job = submit_universe(w.ctx, "s/llama", None, None)
     assert job is not None
-    return {"world": w, "universe_id": view["universe_id"]}
+    return {"world": w, "universe_id": view.universe_id}
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 
+from api_schemas import Variant
 from service.engrams.manifest import GroupNotBuilt, MalformedManifest, read_manifest
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
 from service.universes import parts as parts_module
@@ -33,9 +34,7 @@ REFERENCE = ["forget", "retain"]
 TERMS = {"forget": -ALPHA}
 
 
-def assert_module_edit(
-    world: dict[str, Any], variant: dict[str, Any], modules: list[str], terms: dict[str, float] = TERMS
-) -> None:
+def assert_module_edit(world: dict[str, Any], variant: Variant, modules: list[str], terms: dict[str, float] = TERMS) -> None:
     """The variant's layers of ``modules`` equal base + the float64 edit (uniform scaling, the universe
     ``REFERENCE``); every other layer is the base's, bit for bit."""
     engrams, _ = reference_edit(world, MODEL, terms, REFERENCE, "uniform")
@@ -53,25 +52,23 @@ def _stored_groups(w: StoreWorld, universe_id: str) -> set[str]:
     return {g for g in build.plan.groups if w.ctx.storage.exists(group_key(universe_id, g))}
 
 
-def _progress_groups(w: StoreWorld, variant: dict[str, Any]) -> dict[str, set[str]]:
-    job = w.ctx.jobs.get(variant["job_id"])
+def _progress_groups(w: StoreWorld, variant: Variant) -> dict[str, set[str]]:
+    job = w.ctx.jobs.get(variant.job_id)
     assert job is not None and job.progress.groups is not None, "the job's progress names the groups"
     return {"built": set(job.progress.groups.built), "deferred": set(job.progress.groups.deferred)}
 
 
 @pytest.fixture(scope="module")
-def first(world: dict[str, Any]) -> dict[str, Any]:
+def first(world: dict[str, Any]) -> Variant:
     """A Q/K+Gate variant on a new universe (nothing of it built before)."""
     w: StoreWorld = world["world"]
     variant = build(w, MODEL, TERMS, reference=REFERENCE, modules=["q_proj", "k_proj", "gate_proj"])
     return variant
 
 
-def test_a_q_k_gate_request_builds_only_the_attention_and_mlp_input_groups(
-    world: dict[str, Any], first: dict[str, Any]
-) -> None:
+def test_a_q_k_gate_request_builds_only_the_attention_and_mlp_input_groups(world: dict[str, Any], first: Variant) -> None:
     w: StoreWorld = world["world"]
-    uid = first["universe_id"]
+    uid = first.universe_id
     needed = _groups_of(w, uid, "q_proj") | _groups_of(w, uid, "gate_proj")
     down = _groups_of(w, uid, "down_proj")
     others = set(UniverseBuild.open(w.ctx, uid).plan.groups) - needed  # o_proj's, down_proj's, lm_head's
@@ -89,18 +86,18 @@ def test_a_q_k_gate_request_builds_only_the_attention_and_mlp_input_groups(
         assert set(layers) == held and w.ctx.storage.exists(engram_key(uid, name))
     assert _progress_groups(w, first) == {"built": needed, "deferred": others}
     view = universe_view(w.ctx, uid)
-    assert view["status"] == "partial" and view["groups"]["done"] == len(needed)
+    assert view.status == "partial" and view.groups.done == len(needed)
     stored = retention.stored_universe(w.ctx, uid, current=False, busy=False)
     assert stored is not None and stored.status == "partial" and stored.stored > 0, "counted, and not as failed"
 
 
-def test_the_partial_variant_equals_the_float64_formula(world: dict[str, Any], first: dict[str, Any]) -> None:
+def test_the_partial_variant_equals_the_float64_formula(world: dict[str, Any], first: Variant) -> None:
     assert_module_edit(world, first, ["q_proj", "k_proj", "gate_proj"])
 
 
-def test_a_partial_universe_refuses_a_deferred_layer_by_name(world: dict[str, Any], first: dict[str, Any]) -> None:
+def test_a_partial_universe_refuses_a_deferred_layer_by_name(world: dict[str, Any], first: Variant) -> None:
     w: StoreWorld = world["world"]
-    uid = first["universe_id"]
+    uid = first.universe_id
     [stage] = find_stages(w.ctx, uid)
     down_layer = next(n for n in layout_of(w, MODEL).weight_keys if n.endswith("down_proj"))
     with pytest.raises(GroupNotBuilt, match=f"layer {down_layer} of universe {uid}: its input group .* not built"):
@@ -109,14 +106,12 @@ def test_a_partial_universe_refuses_a_deferred_layer_by_name(world: dict[str, An
         read_manifest(uid, stage.to_json())
 
 
-def test_a_down_proj_request_builds_the_deferred_group_and_equals_the_formula(
-    world: dict[str, Any], first: dict[str, Any]
-) -> None:
+def test_a_down_proj_request_builds_the_deferred_group_and_equals_the_formula(world: dict[str, Any], first: Variant) -> None:
     w: StoreWorld = world["world"]
-    uid = first["universe_id"]
+    uid = first.universe_id
     before = _stored_groups(w, uid)
     variant = build(w, MODEL, TERMS, reference=REFERENCE, modules=["down_proj"])
-    assert variant["universe_id"] == uid
+    assert variant.universe_id == uid
     down = _groups_of(w, uid, "down_proj")
     assert _stored_groups(w, uid) == before | down
     rest = set(UniverseBuild.open(w.ctx, uid).plan.groups) - before - down
@@ -128,15 +123,13 @@ def test_a_down_proj_request_builds_the_deferred_group_and_equals_the_formula(
     assert _progress_groups(w, again)["built"] == set()
 
 
-def test_the_universe_job_builds_the_rest_and_writes_the_whole_manifest(
-    world: dict[str, Any], first: dict[str, Any]
-) -> None:
+def test_the_universe_job_builds_the_rest_and_writes_the_whole_manifest(world: dict[str, Any], first: Variant) -> None:
     w: StoreWorld = world["world"]
-    uid = first["universe_id"]
+    uid = first.universe_id
     with pytest.MonkeyPatch.context() as patch:
         decomposed = watch_decompositions(patch).groups
         view, job = submit_universe(w.ctx, MODEL, REFERENCE, None)
-        assert view["universe_id"] == uid and job is not None
+        assert view.universe_id == uid and job is not None
         [done] = w.run_pending()
     assert done.status == "succeeded", done
     rest = set(UniverseBuild.open(w.ctx, uid).plan.groups) - _groups_of(w, uid, "q_proj")
@@ -146,7 +139,7 @@ def test_the_universe_job_builds_the_rest_and_writes_the_whole_manifest(
     assert manifest is not None and not manifest.partial
     assert set(manifest.groups) == set(UniverseBuild.open(w.ctx, uid).plan.groups)
     assert set(manifest.layers) == set(layout_of(w, MODEL).weight_keys)
-    assert universe_view(w.ctx, uid)["status"] == "ready"
+    assert universe_view(w.ctx, uid).status == "ready"
     # every layer of the whole universe: the variant of every module equals the formula
     variant = build(w, MODEL, {"forget": -0.25}, reference=REFERENCE)
     engrams, _ = reference_edit(world, MODEL, {"forget": -0.25}, REFERENCE, "uniform")
@@ -161,7 +154,7 @@ def test_ensure_universe_without_layers_completes_a_partial_universe(world: dict
     w: StoreWorld = world["world"]
     reference = ["forget", "other"]
     variant = build(w, MODEL, TERMS, reference=reference, modules=["gate_proj"])
-    uid = variant["universe_id"]
+    uid = variant.universe_id
     assert find_manifest(w.ctx, uid) is None and len(find_stages(w.ctx, uid)) == 1
     manifest, existed = ensure_universe(w.ctx, uid)
     assert not existed and not manifest.partial
@@ -173,7 +166,7 @@ def test_a_stage_cut_short_resumes_without_redoing_its_parts(world: dict[str, An
     w: StoreWorld = world["world"]
     view, job = submit_universe(w.ctx, MODEL, ["retain", "other"], None)
     w.pending.clear()  # recorded, never run: nothing of it is built
-    uid = view["universe_id"]
+    uid = view.universe_id
     layers = [n for n in layout_of(w, MODEL).weight_keys if n.endswith("q_proj")]
     real_member = UniverseBuild.compute_member
 
@@ -199,7 +192,7 @@ def test_two_builders_of_one_stage_compute_each_part_once(
     w: StoreWorld = world["world"]
     view, _ = submit_universe(w.ctx, MODEL, ["forget", "retain", "other"], 1e-3)
     w.pending.clear()
-    uid = view["universe_id"]
+    uid = view.universe_id
     computed = watch_decompositions(monkeypatch, delay_s=0.05)
     whole = [leased_build(w.ctx, redis_client, uid) for _ in range(2)]
     builds = [b.for_stage(_groups_of(w, uid, "gate_proj") | _groups_of(w, uid, "down_proj")) for b in whole]
@@ -214,8 +207,8 @@ def test_an_evicted_partial_universe_loses_its_stages_first_and_is_built_again_o
     w: StoreWorld = world["world"]
     options = {"reference": ["other", "retain"], "modules": ["q_proj"], "rcond": 1e-2}
     variant = build(w, MODEL, {"other": -0.5}, **options)
-    uid = variant["universe_id"]
-    assert universe_view(w.ctx, uid)["status"] == "partial"
+    uid = variant.universe_id
+    assert universe_view(w.ctx, uid).status == "partial"
     deleted: list[str] = []
     real_delete = w.ctx.storage.delete
 
@@ -232,9 +225,9 @@ def test_an_evicted_partial_universe_loses_its_stages_first_and_is_built_again_o
     part_keys = [i for i, key in enumerate(deleted) if "/groups/" in key or "/engrams/" in key]
     assert stage_keys and max(stage_keys) < min(part_keys), "the stage goes before the parts it names"
     assert find_stages(w.ctx, uid) == [] and _stored_groups(w, uid) == set()
-    assert universe_view(w.ctx, uid)["status"] == "evicted"
+    assert universe_view(w.ctx, uid).status == "evicted"
     again = build(w, MODEL, {"other": -0.6}, **options)
-    assert again["universe_id"] == uid and universe_view(w.ctx, uid)["status"] == "partial"
+    assert again.universe_id == uid and universe_view(w.ctx, uid).status == "partial"
     assert _stored_groups(w, uid) == _groups_of(w, uid, "q_proj")
 
 
@@ -245,7 +238,7 @@ def test_a_helper_of_a_stage_builds_that_stage_only(world: dict[str, Any], tmp_p
     view, builder = submit_universe(w.ctx, MODEL, ["forget", "other"], 1e-2)
     w.pending.clear()  # recorded, never run: the helper alone computes
     assert builder is not None
-    uid = view["universe_id"]
+    uid = view.universe_id
     groups = sorted(_groups_of(w, uid, "gate_proj"))
     w.ctx.storage.put_json(build_target_key(uid, builder.job_id), {"groups": groups})
     computed = help_build_universe(w.ctx, uid, builder.job_id)

@@ -16,7 +16,7 @@ from service.errors import InvalidInput
 from service.variants.service import submit_variant
 from tests.helpers.algebra import WEIGHT_TOL
 from tests.helpers.store_world import StoreWorld
-from tests.helpers.variants import ALPHA, assert_matches, build, reference_edit
+from tests.helpers.variants import ALPHA, assert_matches, build, manifest_of, reference_edit
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
 
 STRENGTHS = {"q_proj": 2.0, "mlp.gate_proj": 0.25, "gate_proj": 3.0, "down_proj": 0.5}
@@ -37,12 +37,12 @@ def test_a_variant_with_strengths_equals_the_float64_formula(world: dict[str, An
     w: StoreWorld = world["world"]
     terms = {"forget": -ALPHA}
     variant = build(w, "v/llama", terms, reference=["forget", "retain"], scaling=scaling, module_strengths=STRENGTHS)
-    assert variant["module_strengths"] == dict(sorted(STRENGTHS.items()))
+    assert variant.module_strengths == dict(sorted(STRENGTHS.items()))
     engrams, scales = reference_edit(world, "v/llama", terms, ["forget", "retain"], scaling)
     expected = {n: scales[n] * module_strength(n, STRENGTHS) * e for n, e in engrams.items()}
     assert any(module_strength(n, STRENGTHS) != 1.0 for n in expected), "the fixture has layers the strengths reach"
     assert_matches(world, "v/llama", variant, expected, WEIGHT_TOL)
-    written = variant["manifest"]["scales"]
+    written = manifest_of(w, variant)["scales"]
     assert written == pytest.approx({n: scales[n] * module_strength(n, STRENGTHS) for n in scales}, rel=1e-6)
 
 
@@ -51,8 +51,8 @@ def test_strengths_of_one_leave_the_variant_as_it_was(world: dict[str, Any]) -> 
     plain = build(w, "v/llama", {"forget": -ALPHA}, reference=["forget", "retain"])
     ones = build(w, "v/llama", {"forget": -ALPHA}, reference=["forget", "retain"], module_strengths={"q_proj": 1.0})
     other = build(w, "v/llama", {"forget": -ALPHA}, reference=["forget", "retain"], module_strengths={"q_proj": 1.5})
-    assert ones["variant_id"] == plain["variant_id"] and ones["module_strengths"] is None
-    assert other["variant_id"] != plain["variant_id"]
+    assert ones.variant_id == plain.variant_id and ones.module_strengths is None
+    assert other.variant_id != plain.variant_id
 
 
 def test_a_suffix_matching_no_edited_layer_is_refused_by_name(world: dict[str, Any]) -> None:

@@ -72,7 +72,7 @@ def _submit(w: StoreWorld, model_id: str, fmt: str = "checkpoint") -> str:
     options = {"scaling": "uniform", "format": fmt, "reference": ["forget", "retain"]}
     view, job = submit_variant(w.ctx, model_id, {"forget": next(_alpha)}, None, options)
     assert job is not None, view
-    return str(view["variant_id"])
+    return str(view.variant_id)
 
 
 def _run(w: StoreWorld) -> Any:

@@ -25,7 +25,7 @@ from PIL import Image
 from pydantic import ValidationError
 from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageClassification
 
-from api_schemas import UnlearnRequest
+from api_schemas import UnlearnRequest, Variant
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from engram_fixtures.statistics import name_digest, publish_concept_statistics
 from engram_fixtures.vision import make_tiny_resnet
@@ -68,7 +68,7 @@ def _publish_images(w: StoreWorld, layers: Sequence[LayerSpec], name: str, count
     publish_concept_statistics(w.ctx, RESNET, name, stats, num_records=count, dataset_digest=digest, scratch=w.root)
 
 
-def unlearn(w: StoreWorld, model_id: str, **options: Any) -> dict[str, Any]:
+def unlearn(w: StoreWorld, model_id: str, **options: Any) -> Variant:
     """Forget ``forget`` in the universe {forget, retain}; the variant once its job has run."""
     options = {"scaling": "uniform", "reference": ["forget", "retain"], **options}
     return run_variant(w, model_id, {"forget": -1.0}, 1.0, options)
@@ -88,12 +88,12 @@ def test_a_resnet_adapter_merges_into_the_checkpoint_variant(world: StoreWorld) 
     path = world.root / "models" / "resnet"
     checkpoint = unlearn(world, RESNET, format="checkpoint")
     adapter = unlearn(world, RESNET, format="peft")
-    report = adapter["lora"]
+    report = adapter.lora
     assert report["bias"] == "base_bias" and report["mergeable"] is True
     assert any("classifier.1" in note and "disable_adapter" in note for note in report["notes"])
-    adapter_path = variant_dir(world, adapter["variant_id"], "adapter_config.json")
+    adapter_path = variant_dir(world, adapter.variant_id, "adapter_config.json")
     variant = AutoModelForImageClassification.from_pretrained(
-        str(variant_dir(world, checkpoint["variant_id"], "model.safetensors"))
+        str(variant_dir(world, checkpoint.variant_id, "model.safetensors"))
     )
     base = AutoModelForImageClassification.from_pretrained(str(path))
     with warnings.catch_warnings(record=True) as caught:
@@ -120,27 +120,27 @@ def test_adapter_base_model_lets_auto_peft_load_a_local_base_offline(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = world.root / "models" / "llama"
     adapter = unlearn(world, LLAMA, format="peft", adapter_base_model=str(path))
-    assert adapter["lora"]["base_model_name_or_path"] == str(path)
-    assert not any("model ID" in note for note in adapter["lora"]["notes"])
+    assert adapter.lora["base_model_name_or_path"] == str(path)
+    assert not any("model ID" in note for note in adapter.lora["notes"])
     checkpoint = unlearn(world, LLAMA, format="checkpoint")
-    loaded = AutoPeftModelForCausalLM.from_pretrained(str(variant_dir(world, adapter["variant_id"], "adapter_config.json")))
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(variant_dir(world, adapter.variant_id, "adapter_config.json")))
     assert loaded.peft_config["default"].base_model_name_or_path == str(path)
-    variant = AutoModelForCausalLM.from_pretrained(str(variant_dir(world, checkpoint["variant_id"], "model.safetensors")))
+    variant = AutoModelForCausalLM.from_pretrained(str(variant_dir(world, checkpoint.variant_id, "model.safetensors")))
     moved = assert_same_parameters(loaded.merge_and_unload(), variant, AutoModelForCausalLM.from_pretrained(str(path)))
     assert moved, "the edit must move weights"
 
 
 def test_without_the_option_the_adapter_names_the_model_id_and_says_so(world: StoreWorld) -> None:
     default = unlearn(world, LLAMA, format="peft")
-    config = world.ctx.storage.get_json(f"variants/{default['variant_id']}/files/adapter_config.json")
+    config = world.ctx.storage.get_json(f"variants/{default.variant_id}/files/adapter_config.json")
     assert (config["base_model_name_or_path"], config["revision"]) == (LLAMA, None)
-    [note] = [note for note in default["lora"]["notes"] if "model ID" in note]
+    [note] = [note for note in default.lora["notes"] if "model ID" in note]
     assert LLAMA in note and "adapter_base_model" in note and "PeftModel.from_pretrained(base" in note
     named = unlearn(world, LLAMA, format="peft", adapter_base_model="org/tiny-llama")
-    assert named["variant_id"] != default["variant_id"]  # its config differs, so it is another variant
-    config = world.ctx.storage.get_json(f"variants/{named['variant_id']}/files/adapter_config.json")
+    assert named.variant_id != default.variant_id  # its config differs, so it is another variant
+    config = world.ctx.storage.get_json(f"variants/{named.variant_id}/files/adapter_config.json")
     assert config["base_model_name_or_path"] == "org/tiny-llama"
-    assert unlearn(world, LLAMA, format="peft", adapter_base_model="org/tiny-llama")["variant_id"] == named["variant_id"]
+    assert unlearn(world, LLAMA, format="peft", adapter_base_model="org/tiny-llama").variant_id == named.variant_id
 
 
 def test_the_base_a_model_names_by_default() -> None:

@@ -22,7 +22,16 @@ from service.universes.records import find_manifest, find_request
 from service.universes.service import submit_universe
 from tests.helpers.algebra import WEIGHT_TOL, canonical
 from tests.helpers.store_world import StoreWorld
-from tests.helpers.variants import ALPHA, assert_matches, build, checkpoint_of, layout_of, new_weights, reference_edit
+from tests.helpers.variants import (
+    ALPHA,
+    assert_matches,
+    build,
+    checkpoint_of,
+    layout_of,
+    manifest_of,
+    new_weights,
+    reference_edit,
+)
 from tests.helpers.variants import world as world  # noqa: PLC0414  (the shared module-scoped fixture)
 
 FLOAT64_TOL = 1e-10
@@ -45,13 +54,13 @@ def test_variant_from_stored_engrams_equals_the_float64_formula(world: dict[str,
     w: StoreWorld = world["world"]
     terms = {"forget": -ALPHA}
     variant = build(w, model_id, terms, reference=["forget", "retain"], scaling=scaling)
-    assert variant["universe_id"] and find_manifest(w.ctx, variant["universe_id"]) is not None
+    assert variant.universe_id and find_manifest(w.ctx, variant.universe_id) is not None
     expected = reference_deltas(world, model_id, terms, ["forget", "retain"], scaling)
     tol = FLOAT64_TOL if model_id.endswith("64") else WEIGHT_TOL
     worst = assert_matches(world, model_id, variant, expected, tol)
     print(f"{model_id} {scaling}: worst relative edit error {worst:.2e}")  # noqa: T201
     _, reference_scales = reference_edit(world, model_id, terms, ["forget", "retain"], scaling)
-    scales = variant["manifest"]["scales"]
+    scales = manifest_of(w, variant)["scales"]
     assert scales == pytest.approx(reference_scales, rel=1e-6), "ρ of the stored (float32) engrams"
     if scaling == "weight_norm":
         assert max(scales.values()) == pytest.approx(1.0, rel=1e-12)
@@ -90,7 +99,7 @@ def test_any_subset_is_the_sum_of_its_members(world: dict[str, Any]) -> None:
         variant = build(w, "v/gpt2", dict.fromkeys(subset, -1.0), reference=universe)
         expected = {n: sum(singles[k][n] for k in subset) for n in singles["forget"]}
         assert_matches(world, "v/gpt2", variant, expected)
-    ids = {build(w, "v/gpt2", dict.fromkeys(s, -1.0), reference=universe)["universe_id"] for s in (["forget"], ["other"])}
+    ids = {build(w, "v/gpt2", dict.fromkeys(s, -1.0), reference=universe).universe_id for s in (["forget"], ["other"])}
     assert len(ids) == 1, "every subset of one universe uses its one set of engrams"
 
 
@@ -98,7 +107,7 @@ def test_signed_composition(world: dict[str, Any]) -> None:
     w: StoreWorld = world["world"]
     terms = {"forget": 0.5, "other": -1.25}
     variant = build(w, "v/llama", terms, reference=["retain"], scaling="weight_norm")
-    assert variant["terms"] == terms
+    assert variant.terms == terms
     assert_matches(
         world, "v/llama", variant, reference_deltas(world, "v/llama", terms, ["forget", "other", "retain"], "weight_norm")
     )
@@ -109,14 +118,14 @@ def test_delta_and_peft_formats_carry_the_same_edit(world: dict[str, Any]) -> No
     common = {"reference": ["forget", "retain"], "modules": ["q_proj", "down_proj"]}
     full = checkpoint_of(w, build(w, "v/llama", {"forget": -1.0}, **common))
     delta_variant = build(w, "v/llama", {"forget": -1.0}, format="delta", **common)
-    delta = load_file(str(w.ctx.storage.local_path(f"variants/{delta_variant['variant_id']}/files/delta.safetensors")))
+    delta = load_file(str(w.ctx.storage.local_path(f"variants/{delta_variant.variant_id}/files/delta.safetensors")))
     assert sorted(delta) == sorted(
         f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "mlp.down_proj")
     )
     for key, value in delta.items():
         assert torch.equal(value, full[key]), key
     peft = build(w, "v/llama", {"forget": -1.0}, format="peft", **common)
-    report = peft["manifest"]["lora"]
+    report = manifest_of(w, peft)["lora"]
     assert report and all(layer["relative_error"] < 1e-5 for layer in report["layers"].values())
 
 
@@ -138,7 +147,7 @@ def test_variants_of_a_built_universe_decompose_nothing_and_multiply_no_engram(
     universe = ["forget", "other", "retain"]
     view, job = submit_universe(w.ctx, "v/llama", universe, None)
     w.run_pending()
-    assert find_manifest(w.ctx, view["universe_id"]) is not None
+    assert find_manifest(w.ctx, view.universe_id) is not None
     for target, name in (
         (torch.linalg, "eigh"),
         (factors_module, "pinv_factors"),
@@ -148,17 +157,17 @@ def test_variants_of_a_built_universe_decompose_nothing_and_multiply_no_engram(
     ):
         _forbid(monkeypatch, target, name)
     for terms, scaling in (({"retain": -0.4}, "uniform"), ({"forget": -1.0, "other": -1.0}, "weight_norm")):
-        variant = build(w, "v/llama", terms, universe=view["universe_id"], scaling=scaling)
-        assert variant["status"] == "ready" and variant["universe_id"] == view["universe_id"]
+        variant = build(w, "v/llama", terms, universe=view.universe_id, scaling=scaling)
+        assert variant.status == "ready" and variant.universe_id == view.universe_id
 
 
 def test_the_first_variant_of_a_new_universe_builds_it(world: dict[str, Any]) -> None:
     w: StoreWorld = world["world"]
     variant = build(w, "v/gpt2", {"other": -1.0}, reference=["other"])
-    record = find_request(w.ctx, variant["universe_id"])
-    assert record is not None and record.job_id == variant["job_id"], "the variant job built its universe"
-    assert find_manifest(w.ctx, variant["universe_id"]) is not None
-    job = w.ctx.jobs.get(variant["job_id"])
+    record = find_request(w.ctx, variant.universe_id)
+    assert record is not None and record.job_id == variant.job_id, "the variant job built its universe"
+    assert find_manifest(w.ctx, variant.universe_id) is not None
+    job = w.ctx.jobs.get(variant.job_id)
     assert job is not None and job.result is not None and job.result["universe_built_s"] is not None
     assert job.progress.done == job.progress.total == len(layout_of(w, "v/gpt2").layers)
 
@@ -173,7 +182,7 @@ def test_weight_norm_of_several_terms_reads_pair_products_once_known(
     universe = ["forget", "other", "retain"]
     view, _ = submit_universe(w.ctx, "v/llama", universe, None)
     w.run_pending()
-    universe_id = view["universe_id"]
+    universe_id = view.universe_id
     manifest = find_manifest(w.ctx, universe_id)
     assert manifest is not None
     terms = {"forget": -0.7, "other": 0.45, "retain": -0.2}
@@ -192,5 +201,5 @@ def test_weight_norm_of_several_terms_reads_pair_products_once_known(
     _forbid(monkeypatch, stored_engrams_module.StoredEngrams, "norm")
     for subset in ({"forget": -1.0, "other": -1.0}, terms):
         variant = build(w, "v/llama", subset, universe=universe_id, scaling="weight_norm")
-        assert variant["status"] == "ready"
+        assert variant.status == "ready"
         assert_matches(world, "v/llama", variant, reference_deltas(world, "v/llama", subset, universe, "weight_norm"))

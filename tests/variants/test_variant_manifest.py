@@ -9,7 +9,7 @@ import pytest
 
 from service.variants.manifest import MalformedVariantManifest, VariantFile, VariantManifest, read_variant_manifest
 from service.variants.service import variant_manifest, variant_view
-from tests.helpers.variants import build, world
+from tests.helpers.variants import build, manifest_of, world
 
 __all__ = ["world"]
 
@@ -96,22 +96,22 @@ def test_a_built_variant_stores_the_keys_it_always_had(world: dict[str, Any], fm
     """The variant job writes the record; the stored keys and the view are those written before it."""
     w = world["world"]
     variant = build(w, "v/llama", {"forget": -0.8}, format=fmt, modules=["mlp.down_proj"])
-    stored = variant["manifest"]
+    stored = manifest_of(w, variant)
     expected = {"variant_id", "files", "scales", "seconds", "universe_id"} | ({"lora"} if fmt == "peft" else set())
     assert set(stored) == expected
-    manifest = variant_manifest(w.ctx, variant["variant_id"])
+    manifest = variant_manifest(w.ctx, variant.variant_id)
     assert manifest is not None and manifest.to_json() == stored
     assert all(set(f) == {"path", "size", "sha256"} for f in stored["files"])
-    view = variant_view(w.ctx, variant["variant_id"])
-    assert view["status"] == "ready" and view["files"] == stored["files"]
-    assert view["lora"] == stored.get("lora") and view["unreached_layers"] == []
+    view = variant_view(w.ctx, variant.variant_id)
+    assert view.status == "ready" and view.model_dump()["files"] == stored["files"]
+    assert view.lora == stored.get("lora") and view.unreached_layers == []
 
 
 def test_a_broken_stored_manifest_is_refused_by_name_on_the_view(world: dict[str, Any]) -> None:
     w = world["world"]
     variant = build(w, "v/gpt2", {"other": -0.5})
-    variant_id = variant["variant_id"]
-    broken = {k: v for k, v in variant["manifest"].items() if k != "scales"}
+    variant_id = variant.variant_id
+    broken = {k: v for k, v in manifest_of(w, variant).items() if k != "scales"}
     w.ctx.storage.put_json(f"variants/{variant_id}/manifest.json", broken)
     w.ctx.reads.forget(f"variants/{variant_id}/manifest.json")
     with pytest.raises(MalformedVariantManifest, match=f"variant {variant_id} cannot be read \\(scales: Field required"):

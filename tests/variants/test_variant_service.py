@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from api_schemas import Variant
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.errors import Conflict, InvalidInput, NotFound
+from service.jobs.records import JobRecord
 from service.universes.records import current_pointer
 from service.universes.service import list_universes, submit_universe, universe_view
 from service.variants.service import submit_variant
@@ -32,7 +34,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
     return w
 
 
-def unlearn(w: StoreWorld, model_id: str, names: list[str], **options: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def unlearn(w: StoreWorld, model_id: str, names: list[str], **options: Any) -> tuple[Variant, JobRecord | None]:
     view, job = submit_variant(w.ctx, model_id, dict.fromkeys(names, -1.0), 1.0, {**OPTIONS, **options})
     w.run_pending()
     return view, job
@@ -60,12 +62,12 @@ def test_the_same_request_keeps_its_variant_after_an_unrelated_upload(world: Sto
     assert job is not None
     pointer = current_pointer(world.ctx, MODEL)
     assert pointer is not None and sorted(pointer.members) == ["forget", "retain"], "every ready concept, then"
-    assert first["universe_id"] == pointer.universe_id
-    assert first["reference"] == ["forget", "retain"]
+    assert first.universe_id == pointer.universe_id
+    assert first.reference == ["forget", "retain"]
     world.publish(MODEL, "unrelated", text_records(0, 25, seed=9))
     again, job = unlearn(world, MODEL, ["forget"])
     assert job is None, "nothing to build: the same variant"
-    assert again["variant_id"] == first["variant_id"] and again["status"] == "ready"
+    assert again.variant_id == first.variant_id and again.status == "ready"
     assert current_pointer(world.ctx, MODEL) == pointer
 
 
@@ -73,37 +75,37 @@ def test_a_term_outside_the_current_universe_joins_it_for_that_request(world: St
     pointer = current_pointer(world.ctx, MODEL)
     assert pointer is not None
     variant, _ = unlearn(world, MODEL, ["unrelated"])
-    assert variant["universe_id"] != pointer.universe_id
-    assert variant["reference"] == ["forget", "retain"], "the answer names the current universe it extended"
-    members = sorted(m["name"] for m in universe_view(world.ctx, variant["universe_id"])["members"])
+    assert variant.universe_id != pointer.universe_id
+    assert variant.reference == ["forget", "retain"], "the answer names the current universe it extended"
+    members = sorted(m.name for m in universe_view(world.ctx, variant.universe_id).members)
     assert members == ["forget", "retain", "unrelated"]
     again, job = unlearn(world, MODEL, ["unrelated"])
-    assert (again["variant_id"], job) == (variant["variant_id"], None), "deterministic"
+    assert (again.variant_id, job) == (variant.variant_id, None), "deterministic"
     assert current_pointer(world.ctx, MODEL) == pointer, "not advanced"
 
 
 def test_advancing_the_universe_changes_the_answer(world: StoreWorld) -> None:
     before, _ = unlearn(world, MODEL, ["forget"])
     view, job = submit_universe(world.ctx, MODEL, None, None)
-    assert sorted(m["name"] for m in view["members"]) == ["forget", "retain", "unrelated"]
-    assert view["current"] is True
+    assert sorted(m.name for m in view.members) == ["forget", "retain", "unrelated"]
+    assert view.current is True
     assert job is None, "this universe was built by the variant that extended the old one"
     after, _ = unlearn(world, MODEL, ["forget"])
-    assert after["universe_id"] == view["universe_id"] != before["universe_id"]
-    assert after["variant_id"] != before["variant_id"]
+    assert after.universe_id == view.universe_id != before.universe_id
+    assert after.variant_id != before.variant_id
     listed = list_universes(world.ctx, MODEL)
-    assert [u["universe_id"] for u in listed if u["current"]] == [view["universe_id"]]
-    assert {before["universe_id"], after["universe_id"]} <= {u["universe_id"] for u in listed}
-    assert all(u["status"] == "ready" for u in listed)
+    assert [u.universe_id for u in listed if u.current] == [view.universe_id]
+    assert {before.universe_id, after.universe_id} <= {u.universe_id for u in listed}
+    assert all(u.status == "ready" for u in listed)
 
 
 def test_an_explicit_universe_is_used_as_it_is(world: StoreWorld) -> None:
-    old = next(u for u in list_universes(world.ctx, MODEL) if not u["current"])
-    names = sorted(m["name"] for m in old["members"])
+    old = next(u for u in list_universes(world.ctx, MODEL) if not u.current)
+    names = sorted(m.name for m in old.members)
     terms = [names[0]]
-    variant, _ = unlearn(world, MODEL, terms, universe=old["universe_id"])
-    assert variant["universe_id"] == old["universe_id"] and variant["status"] == "ready"
-    assert variant["reference"] == names
+    variant, _ = unlearn(world, MODEL, terms, universe=old.universe_id)
+    assert variant.universe_id == old.universe_id and variant.status == "ready"
+    assert variant.reference == names
 
 
 @pytest.mark.parametrize(
@@ -125,10 +127,10 @@ def test_an_explicit_universe_that_does_not_fit_is_refused(
     submit_universe(world.ctx, MODEL, None, None)  # the wide one is current again
     before = stored_files(world)
     request: dict[str, Any] = {
-        "other-model": {"names": ["forget"], "universe": other_model["universe_id"]},
-        "not-a-member": {"names": ["retain"], "universe": narrow["universe_id"]},
-        "with-reference": {"names": ["forget"], "universe": narrow["universe_id"], "reference": ["forget"]},
-        "other-rcond": {"names": ["forget"], "universe": narrow["universe_id"], "rcond": 1e-3},
+        "other-model": {"names": ["forget"], "universe": other_model.universe_id},
+        "not-a-member": {"names": ["retain"], "universe": narrow.universe_id},
+        "with-reference": {"names": ["forget"], "universe": narrow.universe_id, "reference": ["forget"]},
+        "other-rcond": {"names": ["forget"], "universe": narrow.universe_id, "rcond": 1e-3},
     }[case]
     names = request.pop("names")
     with pytest.raises(error, match=mention):
@@ -139,7 +141,7 @@ def test_an_explicit_universe_that_does_not_fit_is_refused(
 def test_another_rcond_is_another_universe(world: StoreWorld) -> None:
     plain, _ = unlearn(world, MODEL, ["forget"])
     cut, _ = unlearn(world, MODEL, ["forget"], rcond=1e-3)
-    assert cut["universe_id"] != plain["universe_id"] and cut["rcond"] == 1e-3
-    assert universe_view(world.ctx, cut["universe_id"])["rcond"] == 1e-3
-    members = lambda uid: sorted(m["name"] for m in universe_view(world.ctx, uid)["members"])  # noqa: E731
-    assert members(cut["universe_id"]) == members(plain["universe_id"]), "the current members, another cut"
+    assert cut.universe_id != plain.universe_id and cut.rcond == 1e-3
+    assert universe_view(world.ctx, cut.universe_id).rcond == 1e-3
+    members = lambda uid: sorted(m.name for m in universe_view(world.ctx, uid).members)  # noqa: E731
+    assert members(cut.universe_id) == members(plain.universe_id), "the current members, another cut"

@@ -19,7 +19,7 @@ STEPS = ["request", "model", "universe", "model_files", "scales", "write", "uplo
 def test_a_built_variant_reports_each_step_once_within_its_seconds(world: dict[str, Any]) -> None:
     w: StoreWorld = world["world"]
     variant = build(w, "v/llama", {"forget": -0.9}, reference=["forget", "retain"])
-    job = w.ctx.jobs.get(variant["job_id"])
+    job = w.ctx.jobs.get(variant.job_id)
     assert job is not None and job.result is not None
     steps = job.result["steps"]
     assert list(steps) == STEPS, steps

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from api_schemas import VLLM_LORA_RANKS, ComposeRequest, UnlearnRequest
+from api_schemas import VLLM_LORA_RANKS, ComposeRequest, UnlearnRequest, Variant
 from engram_fixtures.models import make_tiny_gpt2, make_tiny_llama, make_tokenizer
 from service.errors import InvalidInput
 from service.universes.records import current_pointer
@@ -37,7 +37,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
     return w
 
 
-def unlearn(w: StoreWorld, model_id: str, **options: Any) -> dict[str, Any]:
+def unlearn(w: StoreWorld, model_id: str, **options: Any) -> Variant:
     """Submit, run the build when there is one; the variant as it is then."""
     return run_variant(w, model_id, {"forget": -1.0}, 1.0, options)
 
@@ -86,8 +86,8 @@ def test_a_vllm_request_vllm_cannot_serve_is_refused(world: StoreWorld, options:
 
 def test_the_bias_free_layers_of_a_biased_model_make_a_vllm_adapter(world: StoreWorld) -> None:
     variant = unlearn(world, GPT2, **VLLM, modules=["lm_head"])
-    config, tensors = adapter_files(world, variant["variant_id"])
-    r = variant["lora"]["r"]
+    config, tensors = adapter_files(world, variant.variant_id)
+    r = variant.lora["r"]
     assert r in VLLM_LORA_RANKS and (config["r"], config["lora_alpha"], config["lora_bias"]) == (r, r, False)
     assert sorted(tensors) == ["base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"]
 
@@ -95,28 +95,26 @@ def test_the_bias_free_layers_of_a_biased_model_make_a_vllm_adapter(world: Store
 def test_a_vllm_variant_names_its_target_rank_and_kept_energy(world: StoreWorld) -> None:
     views = [unlearn(world, LLAMA, **o) for o in ({**VLLM, "lora_target": "peft"}, VLLM, {**VLLM, "lora_rank": 8})]
     capped = views[2]
-    assert len({v["variant_id"] for v in views}) == 3
-    assert [v["lora_target"] for v in views] == ["peft", "vllm", "vllm"]
-    assert [v["lora_rank"] for v in views] == [None, None, 8]
-    auto_report, capped_report = views[1]["lora"], views[2]["lora"]
+    assert len({v.variant_id for v in views}) == 3
+    assert [v.lora_target for v in views] == ["peft", "vllm", "vllm"]
+    assert [v.lora_rank for v in views] == [None, None, 8]
+    auto_report, capped_report = views[1].lora, views[2].lora
     kept = max(layer["kept_rank"] for layer in auto_report["layers"].values())
     assert auto_report["r"] == min(r for r in VLLM_LORA_RANKS if r >= kept) and auto_report["lora_target"] == "vllm"
     assert auto_report["totals"]["truncated_layers"] == 0 and auto_report["totals"]["kept_energy"] > 1 - 1e-9
     assert capped_report["r"] == 8 and capped_report["totals"]["truncated_layers"] > 0
     assert all(0.0 < layer["kept_energy"] <= 1.0 for layer in capped_report["layers"].values())
     assert capped_report["totals"]["kept_energy"] < 1.0
-    config, _ = adapter_files(world, capped["variant_id"])
+    config, _ = adapter_files(world, capped.variant_id)
     assert (config["r"], config["lora_alpha"], config["rank_pattern"]) == (8, 8, {})
 
 
 def test_peft_adapters_keep_their_ids(world: StoreWorld) -> None:
     """A request without lora_target (as stored before it existed) is the same variant as "peft"."""
     options = {"scaling": "uniform", "format": "peft"}
-    assert (
-        unlearn(world, LLAMA, **options)["variant_id"] == unlearn(world, LLAMA, **options, lora_target="peft")["variant_id"]
-    )
+    assert unlearn(world, LLAMA, **options).variant_id == unlearn(world, LLAMA, **options, lora_target="peft").variant_id
     checkpoint = {"scaling": "uniform", "format": "checkpoint"}
-    assert unlearn(world, LLAMA, **checkpoint)["lora_target"] is None
+    assert unlearn(world, LLAMA, **checkpoint).lora_target is None
 
 
 def test_the_request_model_states_vllm_ranks() -> None:

@@ -3,7 +3,7 @@ them, and what they hold in storage against the budget."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
@@ -31,7 +31,7 @@ async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep, page: 
     """This model's universes, oldest first (by creation, then ID); ``current`` marks the one requests
     use. One page (``limit``, ``cursor``)."""
     found: dict[SortKey, Universe] = {
-        (_created(u), u.universe_id): u for u in await lanes.status(universes.universe_answers, ctx, model_id)
+        (_created(u), u.universe_id): u for u in await lanes.status(universes.list_universes, ctx, model_id)
     }
     return page.answer(*page.select(sorted(found), lambda key: found[key]))
 
@@ -42,7 +42,7 @@ async def list_universes(model_id: str, ctx: ContextDep, lanes: LanesDep, page: 
     response_model=UniverseUsage,
     responses={404: {"description": "`model_id` names a model that is not registered"}},
 )
-async def universe_usage(ctx: ContextDep, lanes: LanesDep, model_id: ModelQuery = None) -> dict[str, Any]:
+async def universe_usage(ctx: ContextDep, lanes: LanesDep, model_id: ModelQuery = None) -> UniverseUsage:
     """Bytes stored by universes (factors, engrams), builds' reserved bytes, the budget and statuses;
     ``?model_id=`` for one model's universes (404 when it is not registered)."""
     return await lanes.status(retention.storage_summary, ctx, model_id)
@@ -66,7 +66,7 @@ def delete_universe(universe_id: str, ctx: ContextDep) -> Response:
 @router.get("/universes/{universe_id}", response_model=Universe)
 async def get_universe(universe_id: str, ctx: ContextDep, lanes: LanesDep) -> Universe:
     """A universe: its members, status, groups decomposed so far, bytes once built, last use."""
-    return await lanes.status(universes.universe_answer, ctx, universe_id)
+    return await lanes.status(universes.universe_view, ctx, universe_id)
 
 
 def _created(universe: Universe) -> str:

@@ -44,7 +44,7 @@ def variants_page(ctx: Context, page: Page, model_id: str | None) -> tuple[list[
 @router.get("/variants/{variant_id}", response_model=Variant)
 async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> Variant:
     """A variant: its terms, options, status and files."""
-    return await lanes.status(variants.variant_answer, ctx, variant_id)
+    return await lanes.status(variants.variant_view, ctx, variant_id)
 
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)
