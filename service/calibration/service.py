@@ -18,12 +18,11 @@ Storage layout:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from api_schemas import CalibrateRequest
+from api_schemas import CalibrateRequest, Calibration
 from service.calibration.goal import GoalSpec, check_measurable, goal_spec
 from service.calibration.plot import default_axes, plottable_metrics, render_front_png
-from service.calibration.records import read_calibration_result
+from service.calibration.records import StoredCalibrationResult, read_calibration_result
 from service.calibration.request import CalibrationRequest, has_messages, one_term_each, probes_digest, stored_probes
 from service.calibration.space import EditSpace, SpaceError, arm_layers, edit_space
 from service.context import Context
@@ -224,29 +223,29 @@ def find_request(ctx: Context, calibration_id: str) -> CalibrationRequest | None
 # ---------------------------------------------------------------- views
 
 
-def stored_result(ctx: Context, calibration_id: str) -> dict[str, Any] | None:
-    """The stored result (``result.json``) as the API shows it, read through its record; None before."""
+def calibration_result(ctx: Context, calibration_id: str) -> StoredCalibrationResult | None:
+    """The stored result (``result.json``) as its record; None before."""
     stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
-    return None if stored is None else read_calibration_result(calibration_id, stored).model_dump(mode="json")
+    return None if stored is None else read_calibration_result(calibration_id, stored)
 
 
-def calibration_view(ctx: Context, calibration_id: str) -> dict[str, Any]:
+def calibration_view(ctx: Context, calibration_id: str) -> Calibration:
     """A calibration: its request's subject, its job's status, and its result once there."""
     request = find_request(ctx, calibration_id)
     if request is None:
         raise NotFound(f"calibration {calibration_id} does not exist")
     job = ctx.jobs.get(request.job_id) if request.job_id else None
-    result = stored_result(ctx, calibration_id)
+    result = calibration_result(ctx, calibration_id)
     status = "succeeded" if result is not None else (job.status if job else "failed")
-    return {
-        "calibration_id": calibration_id,
-        "model_id": request.model_id,
-        "concepts": list(request.concepts),
-        "universe_id": request.universe_id,
-        "status": status,
-        "job_id": request.job_id,
-        "result": result,
-    }
+    return Calibration(
+        calibration_id=calibration_id,
+        model_id=request.model_id,
+        concepts=list(request.concepts),
+        universe_id=request.universe_id,
+        status=status,
+        job_id=request.job_id,
+        result=result,
+    )
 
 
 def front_png(ctx: Context, calibration_id: str, x: str | None = None, y: str | None = None) -> bytes:
@@ -259,9 +258,10 @@ def front_png(ctx: Context, calibration_id: str, x: str | None = None, y: str | 
         raise NotFound(f"calibration {calibration_id} has no front yet (its job has not succeeded)")
     if x is None and y is None:
         return ctx.storage.get_bytes(key)
-    result = stored_result(ctx, calibration_id)
-    if result is None:
+    record = calibration_result(ctx, calibration_id)
+    if record is None:
         raise NotFound(f"calibration {calibration_id} has no result yet (its job has not succeeded)")
+    result = record.model_dump(mode="json")
     known = plottable_metrics(result)
     unknown = [name for name in (x, y) if name is not None and name not in known]
     if unknown:

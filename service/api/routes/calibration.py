@@ -35,7 +35,7 @@ def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: 
 
 
 @router.get("/calibrations/{calibration_id}", response_model=Calibration)
-async def get_calibration(calibration_id: str, ctx: ContextDep, lanes: LanesDep) -> dict[str, Any]:
+async def get_calibration(calibration_id: str, ctx: ContextDep, lanes: LanesDep) -> Calibration:
     """A calibration: its status and, once its job succeeded, its result."""
     return await lanes.status(calibration.calibration_view, ctx, calibration_id)
 
