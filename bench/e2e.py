@@ -19,8 +19,17 @@ Each variant asks for a new ``alpha`` so that no answer is a stored one. The cli
 from the POST to the moment ``GET /variants/{id}`` says ``ready`` (polled every
 ``POLL_S``: the figure is at most that much late); the job's own timestamps split it into the wait
 in the queue and the job's run, and the job's ``result.steps`` (where the service reports them) into
-its steps. The copy floor is ``load_file`` + ``save_file`` of every shard, measured in the same run
-between the variants.
+its steps. Three floors are measured in the same run, after each variant:
+
+- the **copy floor**: ``load_file`` + ``save_file`` of every shard of the model's checkpoint;
+- the **variant floor**: the same for the variant's own files, plus their sha256 (a variant's
+  manifest needs it): the fair floor where the variant is bigger than its model (an edited tied
+  head is untied: the 1B slice's variant is 1.26 GB against a 0.73 GB checkpoint);
+- distributed only, the **store floor**: the variant floor, then an upload of those files to the
+  same bucket (``S3Storage.put_file``): what the variant must cost at least to reach S3.
+
+The ratios are printed against the copy floor and against the deployment's own floor (the variant
+floor embedded, the store floor distributed).
 
     .venv/bin/python -m bench.e2e --profile 100m                      # ~4 min on a quiet 2-core box
     .venv/bin/python -m bench.e2e --profile 100m --mode distributed   # Celery + S3
@@ -50,7 +59,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bench.common import LLAMA_1B_SLICE, LLAMA_100M, LLAMA_TINY, Profile, build_model, environment, text_records
-from bench.compose import copy_floor
+from bench.compose import copy_floor, variant_floor
 from engram_fixtures.live import (
     LiveServer,
     RedisServer,
@@ -65,6 +74,7 @@ from engram_fixtures.live import (
     wait_concepts_ready,
 )
 from engram_fixtures.seaweed import SeaweedServer, new_bucket, start_seaweed, stop_seaweed
+from service.storage.s3 import S3Storage
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = {"tiny": LLAMA_TINY, "100m": LLAMA_100M, "1b-slice": LLAMA_1B_SLICE}
@@ -87,6 +97,9 @@ class VariantTiming:
     queued_s: float | None
     run_s: float | None
     steps: dict[str, float] = field(default_factory=dict)
+    variant_id: str = ""
+    copy_floor_s: float = 0.0  # the floors measured right after it (see the module's docstring)
+    own_floor_s: float = 0.0
 
 
 def _iso_seconds(stamp: str | None) -> float | None:
@@ -137,6 +150,13 @@ class Embedded:
     def close(self) -> None:
         self.stop()
 
+    def own_floor(self, variant_id: str) -> float:
+        """The variant floor of this variant's files, read where the store keeps them."""
+        files = self.root / "store" / "variants" / variant_id / "files"
+        seconds = variant_floor(files, self.root / "floor")
+        shutil.rmtree(self.root / "floor", ignore_errors=True)
+        return seconds
+
 
 class Distributed:
     """The API and one Celery worker (processes of their own) with a private Redis and SeaweedFS S3.
@@ -153,6 +173,7 @@ class Distributed:
         # Room for GBs of statistics, engrams and variants (the tests' default holds 2 GB).
         self.seaweed: SeaweedServer = start_seaweed(root / "seaweed", volume_mb=1024, volumes=64)
         bucket = new_bucket(self.seaweed, "bench-e2e")
+        self.store = S3Storage(self.seaweed.client(), bucket, "engram/")
         self.env = {
             "ENGRAM_BROKER_URL": self.redis.url,
             "ENGRAM_STORAGE_URL": f"s3://{bucket}/engram",
@@ -188,6 +209,25 @@ class Distributed:
         self.stop()
         stop_redis(self.redis)
         stop_seaweed(self.seaweed)
+
+    def own_floor(self, variant_id: str) -> float:
+        """The store floor: the variant's files (downloaded, untimed) copied and hashed, then
+        uploaded to the same bucket, as the worker's own upload would."""
+        files, out = self.root / "variant-files", self.root / "floor"
+        prefix = f"variants/{variant_id}/files/"
+        for key in self.store.list(prefix):
+            target = files / key.removeprefix(prefix)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.store.download(key, target)
+        started = time.perf_counter()
+        variant_floor(files, out)
+        for path in sorted(p for p in out.rglob("*") if p.is_file()):
+            self.store.put_file(f"floor/{path.relative_to(out).as_posix()}", path)
+        seconds = time.perf_counter() - started
+        self.store.delete_prefix("floor/")
+        shutil.rmtree(files, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        return seconds
 
 
 def prepare(server: LiveServer, model_dir: Path, profile: Profile) -> list[str]:
@@ -227,7 +267,7 @@ def time_variant(server: LiveServer, concepts: list[str], alpha: float, phase: s
         raise RuntimeError(f"variant {variant_id} failed: {job}")
     queued, run = _job_split(job)
     steps = (job.get("result") or {}).get("steps") or {}
-    return VariantTiming(len(concepts), phase, wall, queued, run, {k: float(v) for k, v in steps.items()})
+    return VariantTiming(len(concepts), phase, wall, queued, run, {k: float(v) for k, v in steps.items()}, variant_id)
 
 
 def measure(profile: Profile, root: Path, reps: int, mode: Mode = "embedded") -> dict[str, Any]:
@@ -235,15 +275,16 @@ def measure(profile: Profile, root: Path, reps: int, mode: Mode = "embedded") ->
     model_dir = build_model(profile, model_root / "llama")
     deployment = Embedded(root, model_root) if mode == "embedded" else Distributed(root, model_root)
     try:
-        timings, floors = _measure_on(deployment, profile, model_dir, root, reps)
+        timings = _measure_on(deployment, profile, model_dir, root, reps)
     finally:
         deployment.close()
-    floor = statistics.median(floors)
+    copy_floor_s = statistics.median(t.copy_floor_s for t in timings)
     rows = []
     for phase in ("warm", "after restart"):
         for size in VARIANT_SIZES:
             picked = [t for t in timings if t.phase == phase and t.concepts == size]
             wall = statistics.median(t.wall_s for t in picked)
+            own = statistics.median(t.own_floor_s for t in picked)
             rows.append(
                 {
                     "phase": phase,
@@ -251,40 +292,53 @@ def measure(profile: Profile, root: Path, reps: int, mode: Mode = "embedded") ->
                     "wall_s": round(wall, 3),
                     "queued_s": _median_of([t.queued_s for t in picked]),
                     "job_run_s": _median_of([t.run_s for t in picked]),
-                    "copy_floor_s": round(floor, 3),
-                    "ratio": round(wall / floor, 2),
+                    "copy_floor_s": round(copy_floor_s, 3),
+                    "ratio": round(wall / copy_floor_s, 2),
+                    "own_floor": "variant floor" if mode == "embedded" else "store floor",
+                    "own_floor_s": round(own, 3),
+                    "own_ratio": round(wall / own, 2),
                     "goal": GOALS[size] if phase == "after restart" else None,
                     "steps": _median_steps([t.steps for t in picked]),
                     "walls_s": [round(t.wall_s, 3) for t in picked],
                 }
             )
-    return {"profile": profile.name, "mode": mode, "floors_s": [round(f, 3) for f in floors], "rows": rows}
+    return {
+        "profile": profile.name,
+        "mode": mode,
+        "floors_s": [round(t.copy_floor_s, 3) for t in timings],
+        "own_floors_s": [round(t.own_floor_s, 3) for t in timings],
+        "rows": rows,
+    }
 
 
 def _measure_on(
     deployment: Embedded | Distributed, profile: Profile, model_dir: Path, root: Path, reps: int
-) -> tuple[list[VariantTiming], list[float]]:
-    """Variants of every size, warm then each after a restart, with a copy floor after each."""
+) -> list[VariantTiming]:
+    """Variants of every size, warm then each after a restart, with the floors after each."""
     timings: list[VariantTiming] = []
-    floors: list[float] = []
     server = deployment.start("first")
     names = prepare(server, model_dir, profile)
     alpha = 1.0
     for _ in range(reps):
         for size in VARIANT_SIZES:
             alpha -= 0.001
-            timings.append(time_variant(server, names[:size], alpha, "warm"))
-            floors.append(_copy_floor(model_dir, root))
+            timings.append(_with_floors(time_variant(server, names[:size], alpha, "warm"), deployment, model_dir, root))
     deployment.stop()
     for rep in range(reps):
         for size in VARIANT_SIZES:
             # A fresh service per measurement: each is "the first variant after a restart".
             server = deployment.start(f"restart-{rep}-{size}")
             alpha -= 0.001
-            timings.append(time_variant(server, names[:size], alpha, "after restart"))
+            timing = time_variant(server, names[:size], alpha, "after restart")
             deployment.stop()
-            floors.append(_copy_floor(model_dir, root))
-    return timings, floors
+            timings.append(_with_floors(timing, deployment, model_dir, root))
+    return timings
+
+
+def _with_floors(timing: VariantTiming, deployment: Embedded | Distributed, model_dir: Path, root: Path) -> VariantTiming:
+    timing.copy_floor_s = _copy_floor(model_dir, root)
+    timing.own_floor_s = deployment.own_floor(timing.variant_id)
+    return timing
 
 
 def _copy_floor(model_dir: Path, root: Path) -> float:
@@ -323,19 +377,23 @@ def _median_steps(all_steps: list[dict[str, float]]) -> dict[str, float]:
 
 def table(result: dict[str, Any]) -> str:
     load = result.get("environment", {})
+    first = result["rows"][0]
+    own = first.get("own_floor", "variant floor")
     lines = [
         f"variants through the HTTP API, {result['profile']}, {result.get('mode', 'embedded')} "
-        f"(POST to ready, median; copy floor {result['rows'][0]['copy_floor_s']} s; "
+        f"(POST to ready, median; copy floor {first['copy_floor_s']} s, {own} {first.get('own_floor_s', '?')} s; "
         f"load average {load.get('loadavg_start', '?')} -> {load.get('loadavg_end', '?')})",
-        f"{'phase':<14} {'concepts':>8} {'wall s':>8} {'queued s':>9} {'job s':>7} {'× floor':>8} {'goal':>6}",
+        f"{'phase':<14} {'concepts':>8} {'wall s':>8} {'queued s':>9} {'job s':>7} {'× copy':>7} "
+        f"{'× ' + own.split()[0]:>10} {'goal':>6}",
     ]
     for row in result["rows"]:
         goal = f"≤{row['goal']}" if row["goal"] else ""
         queued = "" if row["queued_s"] is None else f"{row['queued_s']:.3f}"
         run = "" if row["job_run_s"] is None else f"{row['job_run_s']:.3f}"
+        own_ratio = row.get("own_ratio")
         lines.append(
             f"{row['phase']:<14} {row['concepts']:>8} {row['wall_s']:>8.3f} {queued:>9} {run:>7} "
-            f"{row['ratio']:>8.2f} {goal:>6}"
+            f"{row['ratio']:>7.2f} {'' if own_ratio is None else f'{own_ratio:.2f}':>10} {goal:>6}"
         )
         if row["steps"]:
             lines.append("    steps: " + ", ".join(f"{k} {v:.3f}" for k, v in row["steps"].items()))

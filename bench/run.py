@@ -820,6 +820,20 @@ def e2e_rows(result: dict[str, Any]) -> list[Row]:
                 details={k: row[k] for k in ("queued_s", "job_run_s", "steps", "walls_s")},
             )
         )
+        if "own_floor_s" in row:  # the deployment's fair floor: the variant's own bytes (and their upload)
+            rows.append(
+                Row(
+                    result["profile"],
+                    "e2e",
+                    f"API variant ({result.get('mode', 'embedded')}), {row['concepts']} concept(s), {row['phase']}: "
+                    f"POST to ready vs {row['own_floor']}",
+                    row["wall_s"],
+                    row["own_floor_s"],
+                    "s",
+                    f"<= {goal}x" if goal else "info",
+                    limit=goal,
+                )
+            )
     return rows
 
 
