@@ -4,6 +4,49 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, PrivateAttr, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import ValidatorFunctionWrapHandler as _Validate
+
+
+class ProblemDetails(BaseModel):
+    """An RFC 9457 problem as a record: what :meth:`ProblemError.to_problem` gives, what a failed job
+    stores (:attr:`service.jobs.records.JobRecord.error`) and what the API answers as
+    ``application/problem+json``.
+
+    Extension members (``close_matches``, ``jobs``, a budget's figures, ...) are kept as extra fields.
+    It dumps exactly the members it was given, in the order they were given (what the JSON answered and
+    stored before it was a model, byte for byte): a member left out stays out, a member given as null
+    stays null.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    errors: list[dict[str, Any]] | None = None
+    _order: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: Any, handler: _Validate) -> ProblemDetails:
+        problem: ProblemDetails = handler(data)
+        if isinstance(data, dict):
+            problem._order = tuple(data)
+        return problem
+
+    @model_serializer(mode="wrap")
+    def _in_order(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        members: dict[str, Any] = handler(self)
+        given = self.model_fields_set | set(self.model_extra or ())
+        order = self._order or tuple(name for name in members if name in given)
+        return {name: members[name] for name in order if name in members}
+
+    def with_members(self, **members: Any) -> ProblemDetails:
+        """This problem with ``members`` set (a given one replaced where it stands, a new one last)."""
+        return ProblemDetails.model_validate({**self.model_dump(mode="json"), **members})
+
 
 class ProblemError(Exception):
     """Base of every user-facing error.
@@ -32,11 +75,12 @@ class ProblemError(Exception):
     def type(self) -> str:
         return f"https://engram.dev/problems/{self.slug}"
 
-    def to_problem(self) -> dict[str, Any]:
+    def to_problem(self) -> ProblemDetails:
+        """The problem (its extension members first, as the API always answered them)."""
         body: dict[str, Any] = {"type": self.type, "title": self.title, "status": self.status, "detail": self.detail}
         if self.errors:
             body["errors"] = self.errors
-        return {**self.extensions, **body}
+        return ProblemDetails.model_validate({**self.extensions, **body})
 
 
 class InvalidInput(ProblemError):

@@ -178,7 +178,7 @@ def _header_not_utf8(raw: list[tuple[bytes, bytes]]) -> str | None:
 
 async def _refuse_header(name: str, scope: Scope, receive: Receive, send: Send) -> None:
     problem = MalformedHeader(f"the {name} header is not UTF-8 text: send header values as ASCII or UTF-8")
-    body = json.dumps(problem.to_problem()).encode()
+    body = json.dumps(problem.to_problem().model_dump(mode="json")).encode()
     await send(
         {
             "type": "http.response.start",

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from functools import cache
+import threading
 from typing import Any
 
 from celery import Task
-from celery.signals import worker_init, worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 
 from service.config import get_settings
 from service.context import Context
@@ -39,10 +39,36 @@ worker_ready.connect(_announce, weak=False)
 worker_shutdown.connect(_withdraw, weak=False)
 
 
-@cache
+_context: Context | None = None
+_context_lock = threading.Lock()  # the warm-up thread and a first task may both ask
+
+
 def worker_context() -> Context:
     """This worker process's storage, job store and settings (built once, on first use)."""
-    return build_runtime(settings, background=False).ctx
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = build_runtime(settings, background=False).ctx
+        return _context
+
+
+def _warm_pool_process(**_: Any) -> None:
+    """Build a pool process's context as the process starts, not in its first task: the storage
+    client, the Redis connection and a first request to the store (its connection opened) cost the
+    first job after a restart 0.3-0.5 s of "queued" time. On a thread: Celery gives a new pool
+    process a few seconds to report that it is up, and a store that is slow to answer must not
+    cost the process. A failure is only logged: the first task tries again and reports it."""
+
+    def warm() -> None:
+        try:
+            worker_context().storage.ping()
+        except Exception:
+            log.warning("could not prepare this pool process; its first task will try again", exc_info=True)
+
+    threading.Thread(target=warm, name="engram-warm-up", daemon=True).start()
+
+
+worker_process_init.connect(_warm_pool_process, weak=False)
 
 
 def job_task(kind: JobKind) -> Any:

@@ -230,7 +230,9 @@ def _route_path(scope: Scope) -> str:
 
 
 async def _reject(problem: ProblemError, headers: dict[str, str], scope: Scope, receive: Receive, send: Send) -> None:
-    response = JSONResponse(problem.to_problem(), status_code=problem.status, media_type=PROBLEM_JSON, headers=headers)
+    response = JSONResponse(
+        problem.to_problem().model_dump(mode="json"), status_code=problem.status, media_type=PROBLEM_JSON, headers=headers
+    )
     await response(scope, receive, send)
 
 

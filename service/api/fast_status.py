@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
-from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api_schemas import Concept, Job
+from api_schemas import Concept
+from api_schemas.concepts import ConceptModelState as ModelStateView
 from service.concepts.record import read_concept
 from service.concepts.service import concept_fields, ready_state
 from service.context import Context
@@ -78,10 +78,10 @@ class FastStatus:
             return None
         if path.startswith("/jobs/"):
             job = _local_job(ctx, path[len("/jobs/") :])
-            return None if job is None else (JOB_ROUTE, _dump(Job, public_view(job)))
+            return None if job is None else (JOB_ROUTE, public_view(job).model_dump_json().encode())
         if path.startswith("/concepts/"):
             view = _concept_view(ctx, path[len("/concepts/") :])
-            return None if view is None else (CONCEPT_ROUTE, _dump(Concept, view))
+            return None if view is None else (CONCEPT_ROUTE, view.model_dump_json().encode())
         return None
 
 
@@ -94,14 +94,14 @@ def _local_job(ctx: Context, job_id: str) -> JobRecord | None:
         return None
 
 
-def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
+def _concept_view(ctx: Context, name: str) -> Concept | None:
     """The concept's view when its document, its jobs and any published manifests are in memory."""
     key = concept_key(name)
     hit, data = ctx.reads.peek(key)
     if not hit or data is None or data.get("format_version") != FORMAT_VERSION:
         return None  # unknown here (or unreadable): the route reads storage, and answers 404 (or the refusal)
     concept = read_concept(key, data)
-    states = {}
+    states: dict[str, ModelStateView] = {}
     for model_id, entry in concept.models.items():
         job = _local_job(ctx, entry.job_id)
         if job is None:
@@ -111,12 +111,8 @@ def _concept_view(ctx: Context, name: str) -> dict[str, Any] | None:
         if entry.stats and published_hit and published is not None:
             states[model_id] = ready_state(read_statistics_manifest(entry.stats, published), entry.job_id)
         elif job.status in {"queued", "running"}:
-            status = "collecting" if job.status == "running" else "pending"
-            states[model_id] = {"status": status, "tokens": None, "job_id": entry.job_id}
+            status: Literal["collecting", "pending"] = "collecting" if job.status == "running" else "pending"
+            states[model_id] = ModelStateView(status=status, tokens=None, job_id=entry.job_id)
         else:
             return None  # finished: whether it published is a storage read, the route's to make
     return concept_fields(concept, states)  # what the route shows besides the states (registry.concept_view)
-
-
-def _dump(model: type[BaseModel], view: dict[str, Any]) -> bytes:
-    return model.model_validate(view).model_dump_json().encode()

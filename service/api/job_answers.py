@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from api_schemas import Job
 from service.api.lanes import Lanes
 from service.api.problems import PROBLEM_JSON
 from service.context import Context
+from service.errors import ProblemDetails
 from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED, public_view
 
@@ -34,12 +34,13 @@ def unfinished_answer(job: JobRecord, what: str) -> JSONResponse:
     gone since), with the job's ID."""
     if job.status not in FINISHED:
         headers = {"Location": f"/jobs/{job.job_id}", "Retry-After": str(POLL_AFTER_S)}
-        view = Job.model_validate(public_view(job)).model_dump(mode="json")
+        view = public_view(job).model_dump(mode="json")
         return JSONResponse(view, status_code=202, headers=headers)
-    problem = job.error or {
-        "type": "https://engram.dev/problems/job-cancelled",
-        "title": "Job cancelled" if job.status == "cancelled" else "Result gone",
-        "status": 409,
-        "detail": f"the job for {what}, {job.job_id}, was {job.status} without it: ask again to start another",
-    }
-    return JSONResponse({**problem, "job_id": job.job_id}, status_code=problem["status"], media_type=PROBLEM_JSON)
+    problem = job.error or ProblemDetails(
+        type="https://engram.dev/problems/job-cancelled",
+        title="Job cancelled" if job.status == "cancelled" else "Result gone",
+        status=409,
+        detail=f"the job for {what}, {job.job_id}, was {job.status} without it: ask again to start another",
+    )
+    answer = problem.with_members(job_id=job.job_id).model_dump(mode="json")
+    return JSONResponse(answer, status_code=problem.status, media_type=PROBLEM_JSON)

@@ -38,7 +38,7 @@ RETRY_AFTER_S = 5  # a dependency that went away usually comes back within secon
 
 def _unavailable(detail: str) -> JSONResponse:
     """503 with ``Retry-After``, so clients back off instead of hammering a recovering service."""
-    problem = ServiceUnavailable(detail).to_problem()
+    problem = ServiceUnavailable(detail).to_problem().model_dump(mode="json")
     return JSONResponse(problem, status_code=503, media_type=PROBLEM_JSON, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -48,7 +48,9 @@ def install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProblemError)
     async def _problem(_: Request, exc: ProblemError) -> JSONResponse:
         headers = getattr(exc, "headers", None)  # e.g. Retry-After on a 429
-        return JSONResponse(exc.to_problem(), status_code=exc.status, media_type=PROBLEM_JSON, headers=headers)
+        return JSONResponse(
+            exc.to_problem().model_dump(mode="json"), status_code=exc.status, media_type=PROBLEM_JSON, headers=headers
+        )
 
     @app.exception_handler(StorageUnavailable)
     async def _storage(_: Request, exc: StorageUnavailable) -> JSONResponse:
@@ -167,7 +169,9 @@ class BodySizeLimit:
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int, setting: str) -> None:
         response = JSONResponse(
-            PayloadTooLarge(f"the request body exceeds {limit} bytes (the limit, {setting})").to_problem(),
+            PayloadTooLarge(f"the request body exceeds {limit} bytes (the limit, {setting})")
+            .to_problem()
+            .model_dump(mode="json"),
             status_code=413,
             media_type=PROBLEM_JSON,
         )
@@ -228,7 +232,9 @@ class JsonBodyCheck:
 
 
 async def _answer(problem: ProblemError, scope: Scope, receive: Receive, send: Send) -> None:
-    await JSONResponse(problem.to_problem(), status_code=problem.status, media_type=PROBLEM_JSON)(scope, receive, send)
+    await JSONResponse(problem.to_problem().model_dump(mode="json"), status_code=problem.status, media_type=PROBLEM_JSON)(
+        scope, receive, send
+    )
 
 
 def _is_json(scope: Scope) -> bool:

@@ -33,7 +33,7 @@ from service.concepts.image_collection import check_text_records, count_records,
 from service.concepts.record import ConceptRecord
 from service.concepts.service import CHAT_KINDS, find_concept, iter_records
 from service.context import Context
-from service.datasets.refs import resolve_reference
+from service.datasets.refs import StoredReference, resolve_reference
 from service.engine.checkpoint import ModelTooLarge
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
@@ -302,13 +302,18 @@ def _first_row(ctx: Context, payload: CollectPayload) -> int | None:
     """The source row of a dataset reference's first record (``rows.start``), so that a message names
     record ``i`` as the row the user finds in their file (``None``: records posted inline or
     uploaded, named ``record i``)."""
-    reference = payload.dataset
+    reference = _payload_reference(payload)
     if reference is None:
         concept = find_concept(ctx, payload.concept)
         reference = concept.dataset if concept is not None else None
     if reference is None:
         return None
-    return int((reference.get("rows") or {}).get("start", 0))
+    return reference.start
+
+
+def _payload_reference(payload: CollectPayload) -> StoredReference | None:
+    """The dataset reference a collection job resolves (stored in its payload as JSON)."""
+    return None if payload.dataset is None else StoredReference.model_validate(payload.dataset)
 
 
 def _chat_problem(message: str, model_id: str) -> str:
@@ -332,7 +337,7 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
         ProblemError: a bad reference or a limit (the job fails with it; the concept shows it).
         JobFailed: the concept was deleted, or its dataset changed while it was being resolved.
     """
-    name, model_id, reference = payload.concept, payload.model_id, payload.dataset
+    name, model_id, reference = payload.concept, payload.model_id, _payload_reference(payload)
     if reference is None:
         raise JobFailed(f"the collection of concept {name} on model {model_id} has neither a dataset nor a reference")
     concept = _own_concept(ctx, name, model_id, job_id)
@@ -347,12 +352,12 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
         with scratch_dir("dataset") as tmp:
             spooled = resolve_reference(reference, ctx.settings, Path(tmp), check)
             if CollectionSpec.model_validate(payload.settings).template == "chat" and "text" in spooled.kinds:
-                raise InvalidInput(f'{reference["uri"]} holds text records, which template "chat" cannot render')
+                raise InvalidInput(f'{reference.uri} holds text records, which template "chat" cannot render')
             key = dataset_key(spooled.digest)
             if not ctx.storage.exists(key):
                 ctx.storage.put_file(key, spooled.path)
         digest, num_records = spooled.digest, spooled.num_records
-        log.info("dataset %s resolved: %s records, digest %s", reference["uri"], spooled.num_records, digest)
+        log.info("dataset %s resolved: %s records, digest %s", reference.uri, spooled.num_records, digest)
     payload = payload.model_copy(update={"dataset_digest": digest})
     with ctx.lock:
         concept = _own_concept(ctx, name, model_id, job_id)
@@ -361,7 +366,7 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
             concept = concept.resolved(digest, num_records)
         elif concept.dataset_digest != digest:
             raise JobFailed(
-                f"the dataset {reference['uri']} changed while it was being resolved "
+                f"the dataset {reference.uri} changed while it was being resolved "
                 f"(digest {concept.dataset_digest}, then {digest}); post the concept again under another name"
             )
         prefix = CollectionSpec.model_validate(payload.settings).key(payload.model_digest, digest).prefix

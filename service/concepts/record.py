@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from service.datasets.refs import StoredReference
 from service.models.stored import FORMAT_VERSION, check_format
 
 # Keys a concept's document leaves out, rather than writes as null, when they have no value.
@@ -62,7 +63,7 @@ class ConceptRecord(BaseModel):
     dataset_digest: str | None
     models: dict[str, ConceptModelState]
     created_at: str
-    dataset: dict[str, Any] | None = None
+    dataset: StoredReference | None = None
     template: str | None = None
 
     def to_json(self) -> dict[str, Any]:

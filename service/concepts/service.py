@@ -12,15 +12,14 @@ import difflib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
-from pydantic import JsonValue
-
-from api_schemas import Concept
+from api_schemas import Concept, DatasetReferenceView
+from api_schemas.concepts import ConceptModelState as ModelStateView
 from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
 from service.context import Context
 from service.datasets.images import check_record_kinds
-from service.datasets.refs import content_changed, same_reference
+from service.datasets.refs import StoredReference, content_changed, same_reference
 from service.datasets.spool import SpooledDataset, record_line
 from service.engine.layers import unmatched_suffixes
 from service.engine.records import Record
@@ -74,7 +73,7 @@ def submit_concept(
     models: Sequence[str],
     callback_url: str | None = None,
     modules: Sequence[str] | None = None,
-    reference: dict[str, Any] | None = None,
+    reference: StoredReference | None = None,
     template: str | None | Any = KEEP,
 ) -> tuple[Concept, list[JobRecord]]:
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
@@ -115,7 +114,7 @@ def submit_concept(
     if dataset is not None:  # an image record for a text model (or the reverse) is named now, not in its job
         for model_id, manifest in manifests.items():
             check_record_kinds(dataset.first, model_id, manifest.kind)
-    if reference is not None and "messages" in (reference.get("columns") or {}):
+    if reference is not None and "messages" in (reference.columns or {}):
         kinds = frozenset({"messages"})
     chosen_template = None if template is KEEP else template
     if chosen_template == "chat" and "text" in kinds:
@@ -169,7 +168,7 @@ def submit_concept(
 
 
 def _check_same_concept(
-    concept: ConceptRecord, digest: str | None, role: str | None, reference: dict[str, Any] | None, template: Any = KEEP
+    concept: ConceptRecord, digest: str | None, role: str | None, reference: StoredReference | None, template: Any = KEEP
 ) -> None:
     """Posting a concept again is idempotent only with the same records (or the same dataset
     reference, or records equal to what its reference resolved to), role and template (or none given)."""
@@ -177,7 +176,7 @@ def _check_same_concept(
     held = concept.dataset
     if reference is not None:
         if held is None or not same_reference(held, reference):
-            what = f"the dataset reference {held['uri']} ({held})" if held else "inline records"
+            what = f"the dataset reference {held.uri} ({held.model_dump(mode='json')})" if held else "inline records"
             raise Conflict(f"concept {name} exists with {what}; delete it first or use another name")
     elif concept.dataset_digest != digest:
         if concept.dataset_digest is None:
@@ -213,7 +212,7 @@ def _plan_collections(
             settings=CollectionSpec.of(ctx.settings, modules, concept.template, manifest.layout).dump(),
             concept=concept.name,
             # a reference the job resolves first
-            dataset=concept.dataset if concept.dataset_digest is None else None,
+            dataset=concept.dataset.model_dump(mode="json") if concept.dataset and concept.dataset_digest is None else None,
         )
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
         stats = _stats_prefix_for(payload)
@@ -325,19 +324,6 @@ def _cancel_collections(ctx: Context, concept: ConceptRecord) -> None:
             ctx.jobs.update(job.job_id, cancel_requested=True)
 
 
-class _StateKeys(TypedDict):
-    status: str  # ready, collecting, pending or failed
-    tokens: int | None
-    job_id: str
-
-
-class ModelStateView(_StateKeys, total=False):
-    """A concept's collection on one model as its view shows it (``truncation``: once ready, what
-    ``max_length`` did, from the statistics manifest; None in one written before it was reported)."""
-
-    truncation: dict[str, JsonValue] | None
-
-
 def concept_model_state(ctx: Context, entry: ConceptModelState) -> ModelStateView:
     # The job first, then the manifest: a collection publishes its manifest before its job succeeds,
     # so a job read as finished guarantees the manifest is found. The other order could read "no
@@ -348,13 +334,14 @@ def concept_model_state(ctx: Context, entry: ConceptModelState) -> ModelStateVie
     if published is not None:
         return ready_state(published, entry.job_id)
     status = {"running": "collecting", "queued": "pending"}.get(job.status, "failed") if job else "failed"
-    return {"status": status, "tokens": None, "job_id": entry.job_id}
+    return ModelStateView.model_validate({"status": status, "tokens": None, "job_id": entry.job_id})
 
 
 def ready_state(published: StatisticsManifest, job_id: str) -> ModelStateView:
     """A model's state once its statistics are published: their tokens and what ``max_length`` did
     (the manifest's truncation report; ``None`` in a manifest written before there was one)."""
-    return {"status": "ready", "tokens": published.tokens, "job_id": job_id, "truncation": published.truncation}
+    state = {"status": "ready", "tokens": published.tokens, "job_id": job_id, "truncation": published.truncation}
+    return ModelStateView.model_validate(state)
 
 
 def concept_view(ctx: Context, concept: ConceptRecord) -> Concept:
@@ -363,33 +350,28 @@ def concept_view(ctx: Context, concept: ConceptRecord) -> Concept:
     error = None
     if concept.dataset is not None and concept.dataset_digest is None:
         failed = [ctx.jobs.get(e.job_id) for e in concept.models.values()]
-        error = next((j.error["detail"] for j in failed if j and j.error), None)
-    return Concept.model_validate(concept_fields(concept, states, error))
+        error = next((j.error.detail for j in failed if j and j.error), None)
+    return concept_fields(concept, states, error)
 
 
-def concept_fields(concept: ConceptRecord, states: Mapping[str, ModelStateView], error: str | None = None) -> dict[str, Any]:
+def concept_fields(concept: ConceptRecord, states: Mapping[str, ModelStateView], error: str | None = None) -> Concept:
     """A concept's view from its record and its models' states (``error``: why its dataset
-    reference did not resolve, when it did not)."""
-    view: dict[str, Any] = {  # the JSON the API answers (api_schemas.Concept)
-        "name": concept.name,
-        "role": concept.role,
-        "description": concept.description,
-        "num_records": concept.num_records,
-        "dataset_digest": concept.dataset_digest,
-        "template": concept.template,
-        "models": states,
-    }
+    reference did not resolve, when it did not): the contract's :class:`~api_schemas.Concept`."""
+    dataset = None
     reference = concept.dataset
     if reference is not None:
         digest = concept.dataset_digest
         if digest is not None:
             status = "resolved"
-        elif any(s["status"] in {"pending", "collecting"} for s in states.values()):
+        elif any(s.status in {"pending", "collecting"} for s in states.values()):
             status = "pending"
         else:
             status = "failed"
-        view["dataset"] = {**reference, "digest": digest, "status": status, "error": error if status == "failed" else None}
-    return view
+        failed = error if status == "failed" else None
+        shown = {**reference.model_dump(mode="json"), "digest": digest, "status": status, "error": failed}
+        dataset = DatasetReferenceView.model_validate(shown)
+    fields = concept.model_dump(include={"name", "role", "description", "num_records", "dataset_digest", "template"})
+    return Concept.model_validate({**fields, "dataset": dataset, "models": states})
 
 
 # ---------------------------------------------------------------- the concepts an edit is measured against

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from service.config import Settings
 from service.datasets.images import (
@@ -71,6 +73,54 @@ _BATCH_ROWS = 4096
 # Records between cancellation checks: every one, as the job's check is throttled by time
 # (service.concepts.collection.CancelCheck); 10,000 records of 16 MiB are more than a whole dataset.
 _CHECK_EVERY = 1
+
+
+# ---------------------------------------------------------------- the stored reference
+
+
+class ReferenceRows(BaseModel):
+    """A reference's row range as stored: ``start`` always, ``stop`` only when given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int = 0
+    stop: int | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class StoredReference(BaseModel):
+    """A dataset reference as a concept stores it and its collection job reads it
+    (:func:`submitted_reference`): checked, its format resolved, and fingerprinted.
+
+    Dumped in the form references were always stored in: ``{"uri", "format", "columns"?, "rows"?,
+    "fingerprint"}``, absent options left out, and no ``fingerprint`` in one stored before
+    fingerprints existed (read as ``None``: other content than any fingerprinted post).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str
+    format: str
+    columns: dict[str, str] | None = Field(default=None, exclude_if=lambda v: v is None)
+    rows: ReferenceRows | None = Field(default=None, exclude_if=lambda v: v is None)
+    # A Fingerprint, in the order its source gave its keys (a TypedDict would reorder them).
+    fingerprint: dict[str, str | int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_stored(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if FINGERPRINT not in self.model_fields_set:
+            data.pop(FINGERPRINT, None)
+        return data
+
+    @property
+    def start(self) -> int:
+        """The first row kept (0 without a row range)."""
+        return self.rows.start if self.rows is not None else 0
+
+    @property
+    def stop(self) -> int | None:
+        """The row the range stops before (None: the end)."""
+        return self.rows.stop if self.rows is not None else None
 
 
 # ---------------------------------------------------------------- the API side: shape and rules
@@ -166,38 +216,38 @@ def format_of(path: PurePosixPath) -> str | None:
 # ---------------------------------------------------------------- fingerprints: what content a reference names
 
 
-def submitted_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def submitted_reference(raw: dict[str, Any], settings: Settings) -> StoredReference:
     """The reference as a concept stores it: checked (:func:`check_reference`) and fingerprinted
     (:func:`fingerprint_reference`, under ``"fingerprint"``). Network calls: run it off the event loop."""
     reference = check_reference(raw, settings)
     if reference["format"] == IMAGEFOLDER:  # its listing: the files' paths, sizes, mtimes and inodes
-        return {**reference, FINGERPRINT: _folder_print(reference, settings)}
-    return {**reference, FINGERPRINT: fingerprint_reference(reference, settings)}
+        return StoredReference.model_validate({**reference, FINGERPRINT: _folder_print(reference["uri"], settings)})
+    return StoredReference.model_validate({**reference, FINGERPRINT: fingerprint_reference(reference, settings)})
 
 
-def _folder_print(reference: dict[str, Any], settings: Settings) -> Fingerprint:
-    root = file_path(reference["uri"], settings.dataset_root_paths)
+def _folder_print(uri: str, settings: Settings) -> Fingerprint:
+    root = file_path(uri, settings.dataset_root_paths)
     return folder_fingerprint(list_image_folder(root, settings.max_records, settings.max_dataset_bytes))
 
 
-def same_reference(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def same_reference(a: StoredReference, b: StoredReference) -> bool:
     """Whether two stored references name the same place and read it the same way (URI, format,
     columns, rows), whatever their fingerprints say about the content there."""
-    return {k: v for k, v in a.items() if k != FINGERPRINT} == {k: v for k, v in b.items() if k != FINGERPRINT}
+    return (a.uri, a.format, a.columns, a.rows) == (b.uri, b.format, b.columns, b.rows)
 
 
-def content_changed(held: dict[str, Any], posted: dict[str, Any]) -> bool:
+def content_changed(held: StoredReference, posted: StoredReference) -> bool:
     """Whether the same reference now names other content than when ``held`` was posted. A reference
     stored before fingerprints existed has none: it counts as other content (its job may have read
     any version), so posting it again collects what is there now."""
-    return held.get(FINGERPRINT) != posted.get(FINGERPRINT)
+    return held.fingerprint != posted.fingerprint
 
 
 # ---------------------------------------------------------------- the worker side: records
 
 
 def resolve_reference(
-    reference: dict[str, Any], settings: Settings, directory: Path, check: Callable[[], None] | None = None
+    reference: StoredReference, settings: Settings, directory: Path, check: Callable[[], None] | None = None
 ) -> SpooledDataset:
     """Stream a reference's records into ``directory/dataset.jsonl``, normalised as an upload would be.
 
@@ -213,18 +263,17 @@ def resolve_reference(
         PayloadTooLarge: over ``ENGRAM_MAX_RECORDS`` or ``ENGRAM_MAX_DATASET_BYTES``.
         StorageUnavailable: the S3 endpoint is unreachable (the job is retried).
     """
-    check_reference(reference, settings)  # the same rules again, on the worker's settings
-    if reference["format"] == IMAGEFOLDER:
+    check_reference(reference.model_dump(exclude={FINGERPRINT}), settings)  # the same rules again, on the worker's settings
+    if reference.format == IMAGEFOLDER:
         return _resolve_image_folder(reference, settings, directory, check)
     limit = settings.max_dataset_bytes
-    source = open_source(reference["uri"], settings, reference.get(FINGERPRINT))
+    source = open_source(reference.uri, settings, cast(Fingerprint | None, reference.fingerprint))
     try:
         if source.size is not None and source.size > limit:
             raise PayloadTooLarge(
-                f"the dataset {reference['uri']} is {source.size} bytes, over {limit} (the limit, ENGRAM_MAX_DATASET_BYTES)"
+                f"the dataset {reference.uri} is {source.size} bytes, over {limit} (the limit, ENGRAM_MAX_DATASET_BYTES)"
             )
-        rows = reference.get("rows") or {}
-        start, stop = int(rows.get("start", 0)), rows.get("stop")
+        start, stop = reference.start, reference.stop
         spool_file, record_limit = directory / "dataset.jsonl", settings.max_record_bytes
         with DatasetSpool(
             spool_file,
@@ -233,29 +282,28 @@ def resolve_reference(
             max_record_bytes=record_limit,
             max_image_pixels=settings.max_image_pixels,
         ) as spool:
-            if reference["format"] == "parquet":
-                seen = _parquet(source, reference.get("columns"), start, stop, spool, check)
+            if reference.format == "parquet":
+                seen = _parquet(source, reference.columns, start, stop, spool, check)
             else:
-                seen = _jsonl(source, reference.get("columns"), start, stop, spool, limit, check)
+                seen = _jsonl(source, reference.columns, start, stop, spool, limit, check)
             source.verify()  # before anything is published: the records are those of the content posted
             if spool.count == 0 and start > 0:  # "no records" would hide that the file has some
-                raise InvalidInput(f"dataset.rows starts at row {start}, but {reference['uri']} has {seen} rows")
+                raise InvalidInput(f"dataset.rows starts at row {start}, but {reference.uri} has {seen} rows")
             return spool.finish()
     finally:
         source.close()
 
 
 def _resolve_image_folder(
-    reference: dict[str, Any], settings: Settings, directory: Path, check: Callable[[], None] | None
+    reference: StoredReference, settings: Settings, directory: Path, check: Callable[[], None] | None
 ) -> SpooledDataset:
     """An ImageFolder's records spooled as image records labelled by their folders' names, the
     folder's listing checked against the posted fingerprint before and after (as a file's ``fstat``)."""
-    root = file_path(reference["uri"], settings.dataset_root_paths)
-    posted = reference.get(FINGERPRINT)
-    if posted is not None and _folder_print(reference, settings) != posted:
-        raise Conflict(f"the dataset {reference['uri']} changed since it was posted: post the concept again to collect it")
-    rows = reference.get("rows") or {}
-    kept = _Rows(None, int(rows.get("start", 0)), rows.get("stop"), check)
+    root = file_path(reference.uri, settings.dataset_root_paths)
+    posted = reference.fingerprint
+    if posted is not None and _folder_print(reference.uri, settings) != posted:
+        raise Conflict(f"the dataset {reference.uri} changed since it was posted: post the concept again to collect it")
+    kept = _Rows(None, reference.start, reference.stop, check)
     with DatasetSpool(
         directory / "dataset.jsonl",
         settings.max_records,
@@ -268,8 +316,8 @@ def _resolve_image_folder(
                 spool.add(record, where)
             if kept.done:
                 break
-        if posted is not None and _folder_print(reference, settings) != posted:
-            raise Conflict(f"the dataset {reference['uri']} changed while it was read: post the concept again to collect it")
+        if posted is not None and _folder_print(reference.uri, settings) != posted:
+            raise Conflict(f"the dataset {reference.uri} changed while it was read: post the concept again to collect it")
         return spool.finish()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 from safetensors.torch import save_file
 
 from service.engine.errors import EditError
@@ -170,6 +171,67 @@ def adapter_config(
     }
 
 
+class LayerReport(BaseModel):
+    """One layer of an adapter's report (:meth:`service.engine.lora.LayerLora.report`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    kept_rank: int
+    numerical_rank: int
+    relative_error: float
+    stored_relative_error: float
+    kept_energy: float
+    delta_norm: float
+    scale: float
+    bias: bool
+
+
+class ReportTotals(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: int
+    truncated_layers: int
+    relative_error: float
+    max_relative_error: float
+    max_stored_relative_error: float
+    kept_energy: float
+    min_kept_energy: float
+    parameters: int
+    dense_parameters: int
+
+
+class AdapterReport(BaseModel):
+    """A peft adapter's ``lora_report.json`` (:func:`adapter_report`), shown on its variant.
+
+    ``base_model_name_or_path`` and ``revision`` only when the report names the base model (left
+    out of the dump otherwise, as the file always had them).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    lora_target: LoraTarget
+    max_rank: int | None
+    rtol: float
+    r: int
+    dtype: str
+    layers: dict[str, LayerReport]
+    totals: ReportTotals
+    bias: str
+    mergeable: bool
+    notes: list[str]
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.base_model_name_or_path is None:  # no base model named: neither key
+            data.pop("base_model_name_or_path", None)
+            data.pop("revision", None)
+        return data
+
+
 def adapter_report(
     loras: Sequence[LayerLora],
     max_rank: int | None,
@@ -177,7 +239,7 @@ def adapter_report(
     tied: Mapping[str, Sequence[str]],
     lora_target: LoraTarget = "peft",
     base: AdapterBase | None = None,
-) -> dict[str, Any]:
+) -> AdapterReport:
     """Per-layer ranks, errors and kept energy, totals, whether peft can merge the adapter safely, and
     notes on loading it (the merge's obstacles first).
 
@@ -198,7 +260,7 @@ def adapter_report(
     blocking = _merge_notes(loras, tied)
     notes = blocking + _loading_notes(loras, base)
     base_fields = {} if base is None else {"base_model_name_or_path": base.name, "revision": base.revision}
-    return {
+    report = {
         **base_fields,
         "lora_target": lora_target,
         "max_rank": max_rank,
@@ -221,6 +283,7 @@ def adapter_report(
         "mergeable": not blocking,
         "notes": notes,
     }
+    return AdapterReport.model_validate(report)
 
 
 def _merge_notes(loras: Sequence[LayerLora], tied: Mapping[str, Sequence[str]]) -> list[str]:
@@ -259,7 +322,7 @@ def write_adapter(
     on_layer: Callable[[], None] | None = None,
     lora_target: LoraTarget = "peft",
     task_type: str | None = "CAUSAL_LM",
-) -> dict[str, Any]:
+) -> AdapterReport:
     """Write a PEFT adapter directory: config, safetensors weights and ``lora_report.json``.
 
     Layers are factorized as ``loras`` yields them; only their factors are kept until the end.
@@ -295,5 +358,5 @@ def write_adapter(
     save_file(adapter_tensors(kept), str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (target / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(base, kept, lora_target, task_type), indent=2))
     report = adapter_report(kept, max_rank, rtol, tied or {}, lora_target, base)
-    (target / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    (target / REPORT_FILE).write_text(json.dumps(report.model_dump(mode="json"), indent=2))
     return report

@@ -65,6 +65,16 @@ def validate_model_dir(path: Path, files: ModelFiles | None = None) -> dict[str,
     return config
 
 
+def check_model_dir(path: Path) -> None:
+    """Check a directory is a safe Hugging Face checkpoint (:func:`validate_model_dir`, by name): what
+    a registration or an inspection checks before it reads the folder.
+
+    Raises:
+        ModelSourceError: naming the folder's first problem.
+    """
+    validate_model_dir(path)
+
+
 # transformers builds every declared layer, even on the meta device, in time that grows faster than
 # their number: 1024 Llama layers take 2 s, 200 000 held a registration job for hours, its memory
 # growing by gigabytes. The largest published models have under 200 layers.

@@ -36,6 +36,7 @@ from typing import Any
 
 from service.config import Settings
 from service.context import Context
+from service.errors import JobFailed, ProblemDetails
 from service.execution.kinds import KINDS, import_bodies
 from service.jobs.records import JobRecord, UnreadableJobRecord, read_job_record
 from service.jobs.store import JobStore, utc_now, valid_job_id
@@ -311,12 +312,8 @@ class ProcessExecutor:
         reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         log.error("the job process died (%s); starting a new one", reason)
         for job in self.jobs.with_status(("running",)):
-            problem = {
-                "type": "https://engram.dev/problems/job-failed",
-                "title": "Job failed",
-                "status": 500,
-                "detail": f"the job process died while running this job ({reason}; out of memory?)",
-            }
+            died = JobFailed(f"the job process died while running this job ({reason}; out of memory?)")
+            problem = died.to_problem().with_members(status=500)
             self.jobs.update(job.job_id, status="failed", error=problem, finished_at=utc_now())
         self._spawn()
         for job in self.jobs.with_status(("queued",)):
@@ -341,16 +338,12 @@ def _seconds_since(timestamp: str | None) -> float:
     return (datetime.now(timezone.utc) - started).total_seconds()
 
 
-def _overdue_problem(settings: Settings) -> dict[str, Any]:
-    return {
-        "type": "https://engram.dev/problems/job-failed",
-        "title": "Job failed",
-        "status": 422,  # as a JobFailed: the user can act (less work, or a higher limit)
-        "detail": (
-            f"the job ran past {settings.task_hard_limit_s} s (ENGRAM_TASK_HARD_LIMIT_S) and was stopped; "
-            "raise the limit, or submit less work (fewer or shorter records, a smaller model)"
-        ),
-    }
+def _overdue_problem(settings: Settings) -> ProblemDetails:
+    # A JobFailed (422): the user can act (less work, or a higher limit).
+    return JobFailed(
+        f"the job ran past {settings.task_hard_limit_s} s (ENGRAM_TASK_HARD_LIMIT_S) and was stopped; "
+        "raise the limit, or submit less work (fewer or shorter records, a smaller model)"
+    ).to_problem()
 
 
 # ---------------------------------------------------------------- the job process

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from api_schemas.calibration import CalibrationJobResult
 from service.context import Context
 from service.engine.errors import CollectionCancelled
-from service.errors import JobFailed, ProblemError
+from service.errors import JobFailed, ProblemDetails, ProblemError, ServiceUnavailable
 from service.execution.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
@@ -104,7 +104,7 @@ def run_job(
     except Exception as exc:  # the job must end, and the user must read why
         log.error("job %s failed: %s", job_id, traceback.format_exc())
         problem = JobFailed(f"{type(exc).__name__}: {exc}").to_problem()
-        problem.update(status=500, title="Internal error", type="https://engram.dev/problems/internal")
+        problem = problem.with_members(status=500, title="Internal error", type="https://engram.dev/problems/internal")
         _fail(ctx, job_id, problem)
     else:
         ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
@@ -127,13 +127,7 @@ def retry_after(ctx: Context, job_id: str, exc: Exception, retries: int, max_ret
     backing off exponentially (2, 4, 8, ... 60), or ``None`` when it had ``max_retries`` already:
     the job is then failed here, naming the error."""
     if retries >= max_retries:
-        problem = {
-            "type": "https://engram.dev/problems/service-unavailable",
-            "title": "Service unavailable",
-            "status": 503,
-            "detail": f"gave up after {retries} retries: {exc}",
-        }
-        _fail(ctx, job_id, problem)
+        _fail(ctx, job_id, ServiceUnavailable(f"gave up after {retries} retries: {exc}").to_problem())
         return None
     return int(min(60, 2 ** (retries + 1)))
 
@@ -221,5 +215,5 @@ def _cancel_watchdog(ctx: Context, job_id: str, stuck_cancel: Callable[[], None]
         yield
 
 
-def _fail(ctx: Context, job_id: str, problem: dict[str, Any]) -> None:
+def _fail(ctx: Context, job_id: str, problem: ProblemDetails) -> None:
     ctx.jobs.update(job_id, status="failed", error=problem, finished_at=utc_now())

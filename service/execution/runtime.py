@@ -18,7 +18,7 @@ from service.config import Settings
 from service.context import Context
 from service.execution.embedded import ProcessExecutor, SqliteJobStore, live_store_path
 from service.jobs.callbacks import CallbackDispatcher
-from service.jobs.store import RedisJobStore, public_view
+from service.jobs.store import RedisJobStore
 from service.storage.factory import open_storage
 from service.storage.janitor import start_janitor
 from service.universes.retention import expire_unused
@@ -119,7 +119,7 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
 def _deliver_callbacks(runtime: Runtime, lock: Callable[[], Any] | None) -> None:
     """Start this API process's callback dispatcher with the runtime (and stop it with it)."""
     ctx = runtime.ctx
-    dispatcher = CallbackDispatcher(ctx.storage, ctx.settings, ctx.jobs.get, public_view, lock=lock)
+    dispatcher = CallbackDispatcher(ctx.storage, ctx.settings, ctx.jobs.get, lock=lock)
     ctx.jobs.on_finished = dispatcher.wake
     runtime.on_start.append(dispatcher.start)
     runtime.on_stop.insert(0, dispatcher.stop)

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from api_schemas import Job
 from service.config import Settings
 from service.errors import InvalidInput
 from service.jobs.periodic import PeriodicDuty
@@ -44,6 +45,15 @@ from service.storage.keys import FAILED_CALLBACKS, PENDING_CALLBACKS
 log = logging.getLogger("engram.callbacks")
 MAX_BACKOFF_S = 600.0
 EVENT = "job.finished"
+_SUBJECT = ("model_id", "concept", "variant_id")  # what a job is about, from its payload
+
+
+def event_data(job: JobRecord) -> dict[str, Any]:
+    """What a callback carries of a job (its event's ``data``): the fields of the API's
+    :class:`~api_schemas.Job`, as the record stores them (no payload, no internals). The JSON at the
+    edge: the API's view is :func:`service.jobs.store.public_view`, this validated."""
+    stored = job.model_dump(mode="json")
+    return {k: getattr(job.payload, k, None) if k in _SUBJECT else stored.get(k) for k in Job.model_fields}
 
 
 # ---------------------------------------------------------------- what may be called
@@ -219,7 +229,6 @@ class CallbackDispatcher:
         storage: where the outbox and the job records are.
         settings: allowlist, secret, retry policy.
         get_job: reads a job record (the live store, so the freshest state is sent).
-        view: turns a job record into what the API shows (the callback body carries the same).
         lock: a factory of a non-blocking lock shared by every API process (distributed mode), so
             one process delivers at a time; ``None`` in embedded mode.
         transport: the HTTP transport (tests put a failing one in front of the real one).
@@ -230,11 +239,10 @@ class CallbackDispatcher:
         storage: Storage,
         settings: Settings,
         get_job: Callable[[str], JobRecord | None],
-        view: Callable[[JobRecord], dict[str, Any]],
         lock: Callable[[], Any] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.storage, self.settings, self.get_job, self.view = storage, settings, get_job, view
+        self.storage, self.settings, self.get_job = storage, settings, get_job
         self._client = httpx.Client(
             timeout=settings.callback_timeout_s,
             follow_redirects=False,
@@ -346,7 +354,7 @@ class CallbackDispatcher:
             target = _allowed_target(url, self.settings)
         except InvalidInput as exc:  # the allowlist may be widened again by a restart: retried
             return Delivery(False, f"refused: {exc.detail}")
-        body = json.dumps({"type": EVENT, "data": self.view(job)}, sort_keys=True).encode()
+        body = json.dumps({"type": EVENT, "data": event_data(job)}, sort_keys=True).encode()
         timestamp = int(time.time())
         assert self.settings.callback_secret is not None  # Settings refuses hosts without a secret
         headers = {

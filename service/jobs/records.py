@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.errors import ServiceUnavailable
+from service.errors import ProblemDetails, ServiceUnavailable
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -141,16 +141,17 @@ class ProgressCounts(_Frozen):
 
 class JobRecord(_Frozen):
     """One job: what it is (kind, payload), where it stands (status, progress, timestamps as ISO
-    8601 strings), how it ended (``error``: a problem; ``result``: the API's answer, a JSON object),
-    who asked (``owner``: the API key, None for a job's own follow-up work) and who hears of its end
-    (``callbacks``). ``dispatch_epoch``: the Redis incarnation its message was queued in."""
+    8601 strings), how it ended (``error``: the problem, stored as the API answered it; ``result``:
+    the API's answer, a JSON object), who asked (``owner``: the API key, None for a job's own
+    follow-up work) and who hears of its end (``callbacks``). ``dispatch_epoch``: the Redis
+    incarnation its message was queued in."""
 
     format_version: Literal[1] = 1  # FORMAT_VERSION
     job_id: str
     kind: JobKind
     status: JobStatus = "queued"
     progress: ProgressCounts
-    error: dict[str, Any] | None = None
+    error: ProblemDetails | None = None
     result: dict[str, Any] | None = None
     created_at: str
     started_at: str | None = None

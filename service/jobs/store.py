@@ -65,19 +65,13 @@ def new_job(kind: JobKind, payload: AnyPayload, unit: str, callback_urls: list[s
     )
 
 
-_SUBJECT = ("model_id", "concept", "variant_id")  # what a job is about, from its payload
+def public_view(job: JobRecord) -> Job:
+    """The job as the API shows it: the contract's :class:`~api_schemas.Job` (no payload, no
+    internals). A callback carries the same fields as stored (:func:`service.jobs.callbacks.event_data`)."""
+    return Job.model_validate(callbacks.event_data(job))
 
 
-def public_view(job: JobRecord) -> dict[str, Any]:
-    """The job as the API shows it (and as callbacks carry it): no payload, no internals. The JSON
-    object a callback posts; a route answers :func:`job_answer`."""
-    stored = job.model_dump(mode="json")
-    return {k: getattr(job.payload, k, None) if k in _SUBJECT else stored.get(k) for k in Job.model_fields}
-
-
-def job_answer(job: JobRecord) -> Job:
-    """The job as the routes answer it: the contract's :class:`~api_schemas.Job`."""
-    return Job.model_validate(public_view(job))
+job_answer = public_view  # the name the routes answer it by
 
 
 def valid_job_id(job_id: str) -> bool:

@@ -15,7 +15,7 @@ from service.engine.checkpoint import check_tokenizer, combined_digest, file_dig
 from service.engine.image_models import ModelKind
 from service.engine.images import ImageProcessorError, load_image_processor
 from service.engine.layout import ModelLayout
-from service.engine.model_checks import validate_model_dir
+from service.engine.model_checks import check_model_dir
 from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
 from service.errors import Conflict, InvalidInput
 from service.jobs.records import JobRecord, RegisterPayload
@@ -99,7 +99,7 @@ def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, dict[s
             a file changed while it was read.
     """
     try:
-        validate_model_dir(path)  # by name first, as the request did: the first problem named as users expect
+        check_model_dir(path)  # by name first, as the request did: the first problem named as users expect
         with open_model_files(path) as files:
             layout = inspect_model_dir(files)
             check_tokenizer(files)  # one no job could load is refused now, not at every collection

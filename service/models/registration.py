@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from service.context import Context
-from service.engine.model_checks import validate_model_dir
+from service.engine.model_checks import check_model_dir
 from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
 from service.jobs.admission import admit
@@ -77,7 +77,7 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
 def check_source(ctx: Context, source: str) -> None:
     """Refuse (422) what the request can tell is wrong without reading the weights: an unknown
     scheme, a malformed ``s3://``/``hf://`` source, a ``file://`` path that is not a folder inside
-    ``ENGRAM_MODEL_ROOTS`` (links resolved), or a folder :func:`validate_model_dir` refuses (no
+    ``ENGRAM_MODEL_ROOTS`` (links resolved), or a folder :func:`check_model_dir` refuses (no
     config, remote code, pickle weights, a quantized model, a link leading out). The job checks all
     of it again, then the weights."""
     if is_remote(source):
@@ -86,7 +86,7 @@ def check_source(ctx: Context, source: str) -> None:
         return
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     try:  # the folder's side files only (config, tokenizer config, file names): a refused one writes nothing
-        validate_model_dir(path)
+        check_model_dir(path)
     except ModelSourceError as exc:
         raise InvalidInput(str(exc)) from None
 

@@ -58,7 +58,7 @@ from typing import Any, Literal
 
 from api_schemas.universes import UniverseBytes, UniverseKeyUsage, UniverseStatusCounts, UniverseUsage
 from service.context import Context
-from service.errors import Conflict
+from service.errors import Conflict, ProblemDetails
 from service.jobs.admission import job_owner
 from service.jobs.records import UniversePayload, VariantPayload
 from service.jobs.store import FINISHED, utc_now
@@ -103,11 +103,11 @@ class UniverseBudgetExceeded(Conflict):
         super().__init__(detail)
         self.numbers = dict(numbers)
 
-    def to_problem(self) -> dict[str, Any]:
+    def to_problem(self) -> ProblemDetails:
         """The problem with its figures as extension members (RFC 9457 §3.2): ``projected_bytes``,
         ``budget_bytes``, ``held_bytes`` (stored and reserved by the other universes) and
         ``evictable_bytes`` (what evicting every unused one would free)."""
-        return {**super().to_problem(), **self.numbers}
+        return super().to_problem().with_members(**self.numbers)
 
 
 class UniverseShareExceeded(UniverseBudgetExceeded):

@@ -14,7 +14,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
@@ -25,7 +24,7 @@ from service.engine.expert_names import check_adapter_layers
 from service.engine.layers import LayerSpec, select_layers, with_module_strengths
 from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
-from service.engine.lora_files import AdapterBase, adapter_base, write_adapter
+from service.engine.lora_files import AdapterBase, AdapterReport, adapter_base, write_adapter
 from service.engine.model_files import ModelSourceError
 from service.engine.threads import arithmetic_threads, torch_threads
 from service.engrams.manifest import UniverseManifest
@@ -89,7 +88,8 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
         seconds=seconds,
         universe_id=request.universe_id,
         unreached_layers=tuple(built.unreached_layers),
-        lora=built.lora,  # per-layer ranks and errors of a peft adapter, shown on the variant
+        # per-layer ranks and errors of a peft adapter, shown on the variant
+        lora=built.lora.model_dump(mode="json") if built.lora is not None else None,
     )
     with timer.step("manifest"):
         try:
@@ -115,7 +115,7 @@ class BuiltVariant:
     because no concept of the universe reached them."""
 
     scales: dict[str, float]
-    lora: dict[str, Any] | None
+    lora: AdapterReport | None
     universe_built_s: float | None
     unreached_layers: list[str] = field(default_factory=list)
 
@@ -217,7 +217,7 @@ def write_variant(
     base: AdapterBase | None = None,
     *,
     written: Written | None = None,
-) -> dict[str, Any] | None:
+) -> AdapterReport | None:
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     edit_layer = stored_editor(source, reader.layer_weights, scales)
     edited = {name for name, scale in scales.items() if scale != 0.0}

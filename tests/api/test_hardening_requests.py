@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from engram_fixtures.live import LiveServer, start_server, stop_server
 from service.config import Settings
-from service.datasets.refs import resolve_reference
+from service.datasets.refs import StoredReference, resolve_reference
 from service.errors import InvalidInput
 from tests.helpers.api import assert_problem
 from tests.helpers.s3 import SeaweedServer, drop_bucket, new_bucket
@@ -163,7 +163,7 @@ def test_listing_the_stores_own_bucket_stops_the_service() -> None:
 def test_without_an_allowlist_s3_datasets_are_refused(tmp_path: Path) -> None:
     settings = Settings(dataset_roots=str(tmp_path))
     with pytest.raises(InvalidInput, match="ENGRAM_DATASET_BUCKETS: none"):
-        resolve_reference({"uri": "s3://datasets-a/facts.jsonl", "format": "jsonl"}, settings, tmp_path / "out")
+        resolve_reference(StoredReference(uri="s3://datasets-a/facts.jsonl", format="jsonl"), settings, tmp_path / "out")
 
 
 # ---------------------------------------------------------------- files that are not regular files
@@ -200,7 +200,7 @@ def test_the_job_refuses_a_dataset_that_became_no_regular_file_without_blocking(
     path = tmp_path / "facts.jsonl"
     held = _make_special(kind, path)
     settings = Settings(dataset_roots=str(tmp_path))
-    reference = {"uri": f"file://{path}", "format": "jsonl", "fingerprint": {"size": 1, "mtime_ns": 1, "inode": 1}}
+    reference = StoredReference(uri=f"file://{path}", format="jsonl", fingerprint={"size": 1, "mtime_ns": 1, "inode": 1})
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -254,5 +254,6 @@ def test_the_job_opens_without_blocking_even_when_the_look_before_was_raced(
 def test_a_regular_dataset_file_still_reads(tmp_path: Path) -> None:
     (tmp_path / "facts.jsonl").write_text(json.dumps({"text": "a fact"}) + "\n")
     settings = Settings(dataset_roots=str(tmp_path))
-    spooled = resolve_reference({"uri": f"file://{tmp_path / 'facts.jsonl'}", "format": "jsonl"}, settings, tmp_path)
+    reference = StoredReference(uri=f"file://{tmp_path / 'facts.jsonl'}", format="jsonl")
+    spooled = resolve_reference(reference, settings, tmp_path)
     assert spooled.num_records == 1

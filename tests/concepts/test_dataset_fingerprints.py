@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.config import Settings
-from service.datasets.refs import resolve_reference, submitted_reference
-from service.datasets.sources import FINGERPRINT, hub_commit, trim_hf_cache
+from service.datasets.refs import StoredReference, resolve_reference, submitted_reference
+from service.datasets.sources import hub_commit, trim_hf_cache
 from service.datasets.spool import record_line
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput
@@ -68,13 +68,13 @@ def settings(tmp_path: Path, seaweed: SeaweedServer, request: pytest.FixtureRequ
     )
 
 
-def resolve(reference: dict[str, Any], settings: Settings, tmp_path: Path, check: Any = None) -> Any:
+def resolve(reference: StoredReference | dict[str, Any], settings: Settings, tmp_path: Path, check: Any = None) -> Any:
     folder = tmp_path / f"spool-{time.monotonic_ns()}"
     folder.mkdir()
-    return resolve_reference(reference, settings, folder, check)
+    return resolve_reference(StoredReference.model_validate(reference), settings, folder, check)
 
 
-def post(uri: str, settings: Settings) -> dict[str, Any]:
+def post(uri: str, settings: Settings) -> StoredReference:
     """The reference as the API stores it on the concept (checked and fingerprinted)."""
     return submitted_reference({"uri": uri}, settings)
 
@@ -92,26 +92,26 @@ def test_a_file_fingerprint_follows_writes_and_replacements_not_reads(settings: 
     path = tmp_path / "data" / "facts.jsonl"
     path.write_bytes(jsonl(OLD))
     uri = f"file://{path}"
-    first = post(uri, settings)[FINGERPRINT]
+    first = post(uri, settings).fingerprint
     assert set(first) == {"size", "mtime_ns", "inode"}
     resolve(post(uri, settings), settings, tmp_path)  # reading changes nothing
-    assert post(uri, settings)[FINGERPRINT] == first
+    assert post(uri, settings).fingerprint == first
     os.utime(path, ns=(first["mtime_ns"], first["mtime_ns"] + 1_000_000))  # touched: other content, maybe
-    touched = post(uri, settings)[FINGERPRINT]
+    touched = post(uri, settings).fingerprint
     assert touched != first and touched["size"] == first["size"]
     # Replaced by a rename with the same size and mtime (an atomic publish): the inode tells.
     replacement = tmp_path / "data" / "next.jsonl"
     replacement.write_bytes(jsonl(NEW))
     os.utime(replacement, ns=(touched["mtime_ns"], touched["mtime_ns"]))
     os.replace(replacement, path)
-    replaced = post(uri, settings)[FINGERPRINT]
+    replaced = post(uri, settings).fingerprint
     assert replaced["inode"] != touched["inode"] and replaced["size"] == touched["size"]
 
 
 def test_a_missing_file_has_no_fingerprint_and_its_job_says_it_is_missing(settings: Settings, tmp_path: Path) -> None:
     uri = f"file://{tmp_path / 'data' / 'later.jsonl'}"
     reference = post(uri, settings)
-    assert reference[FINGERPRINT] is None
+    assert reference.fingerprint is None
     with pytest.raises(InvalidInput, match="does not exist"):
         resolve(reference, settings, tmp_path)
 
@@ -173,13 +173,13 @@ def test_an_s3_fingerprint_is_the_etag_and_size(settings: Settings, s3_env: Seaw
     client = s3_env.client()
     client.put_object(Bucket=bucket, Key="facts.jsonl", Body=jsonl(OLD))
     uri = f"s3://{bucket}/facts.jsonl"
-    first = post(uri, settings)[FINGERPRINT]
+    first = post(uri, settings).fingerprint
     head = client.head_object(Bucket=bucket, Key="facts.jsonl")
     assert first == {"etag": head["ETag"], "size": len(jsonl(OLD))}  # unversioned: no version to pin
-    assert post(uri, settings)[FINGERPRINT] == first
+    assert post(uri, settings).fingerprint == first
     client.put_object(Bucket=bucket, Key="facts.jsonl", Body=jsonl(NEW))
-    assert post(uri, settings)[FINGERPRINT]["etag"] != first["etag"]
-    assert post(f"s3://{bucket}/missing.jsonl", settings)[FINGERPRINT] is None
+    assert post(uri, settings).fingerprint["etag"] != first["etag"]
+    assert post(f"s3://{bucket}/missing.jsonl", settings).fingerprint is None
 
 
 def test_a_deployment_without_s3_credentials_takes_no_fingerprint_and_its_job_says_why(
@@ -194,7 +194,7 @@ def test_a_deployment_without_s3_credentials_takes_no_fingerprint_and_its_job_sa
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     reference = post(f"s3://{bucket}/facts.jsonl", settings)
-    assert reference[FINGERPRINT] is None
+    assert reference.fingerprint is None
     with pytest.raises(Exception, match="AWS_ACCESS_KEY_ID"):
         resolve_reference(reference, settings, tmp_path / "out")
 
@@ -210,7 +210,7 @@ def test_an_s3_object_replaced_after_it_was_posted_fails_the_job(
     with pytest.raises(Conflict) as exc:
         resolve(reference, settings, tmp_path)
     assert_changed(exc, uri, "after the concept was posted")
-    assert reference[FINGERPRINT]["etag"] in exc.value.detail
+    assert reference.fingerprint["etag"] in exc.value.detail
     assert resolve(post(uri, settings), settings, tmp_path).digest == digest_of(NEW)
 
 
@@ -241,12 +241,12 @@ def test_a_versioned_s3_object_is_read_at_the_version_posted(
     put = client.put_object(Bucket=versioned_bucket, Key="facts.jsonl", Body=jsonl(OLD))
     uri = f"s3://{versioned_bucket}/facts.jsonl"
     reference = post(uri, settings)
-    assert reference[FINGERPRINT]["version_id"] == put["VersionId"]
+    assert reference.fingerprint["version_id"] == put["VersionId"]
     client.put_object(Bucket=versioned_bucket, Key="facts.jsonl", Body=jsonl(NEW))
     # The posted version still exists: the job reads it, not what the key holds now.
     assert resolve(reference, settings, tmp_path).digest == digest_of(OLD)
     newer = post(uri, settings)
-    assert newer[FINGERPRINT]["version_id"] != put["VersionId"]
+    assert newer.fingerprint["version_id"] != put["VersionId"]
     assert resolve(newer, settings, tmp_path).digest == digest_of(NEW)
     client.delete_object(Bucket=versioned_bucket, Key="facts.jsonl", VersionId=put["VersionId"])
     with pytest.raises(InvalidInput, match=f"no version {put['VersionId']}"):
@@ -305,12 +305,12 @@ def test_an_hf_reference_is_read_at_the_commit_posted(settings: Settings, tmp_pa
     uri = "hf://datasets/org/facts/data/facts.jsonl"
     with mock.patch("huggingface_hub.HfApi.dataset_info", side_effect=OSError("no network here")):
         reference = post(uri, settings)
-    assert reference[FINGERPRINT] == {"commit": COMMIT_A}
+    assert reference.fingerprint == {"commit": COMMIT_A}
     hub_repo(cache, "org/facts", {COMMIT_B: jsonl(NEW)}, main=COMMIT_B)  # main moved on since
     assert resolve(reference, settings, tmp_path).digest == digest_of(OLD)
     with mock.patch("huggingface_hub.HfApi.dataset_info", return_value=FakeInfo(COMMIT_B)):
         newer = post(uri, settings)
-    assert newer[FINGERPRINT] == {"commit": COMMIT_B}
+    assert newer.fingerprint == {"commit": COMMIT_B}
     assert resolve(newer, settings, tmp_path).digest == digest_of(NEW)
 
 

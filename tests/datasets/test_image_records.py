@@ -314,7 +314,7 @@ def test_image_folder_reference_spools_labelled_records(tmp_path: Path) -> None:
     raw = {"uri": f"file://{root}", "rows": {"start": 1}}
     assert check_reference(raw, settings) == {"uri": f"file://{root}", "format": "imagefolder", "rows": {"start": 1}}
     reference = submitted_reference(raw, settings)
-    assert reference["fingerprint"]["files"] == 3
+    assert reference.fingerprint is not None and reference.fingerprint["files"] == 3
     spooled = resolve_reference(reference, settings, tmp_path)
     assert spooled.first == {"image": "dataset file zero/0000.png"}  # row 0 (one/0001.png) skipped
     assert [r["label"] for r in _stored(spooled.path)] == ["zero", "zero"]

@@ -89,7 +89,8 @@ class Case:
         target.mkdir()
         loras = layer_loras(self.deltas(layers), max_rank, lora_target=lora_target)
         tied = self.layout.tied_partners
-        return write_adapter(target, "org/tiny", loras, max_rank=max_rank, tied=tied, lora_target=lora_target)
+        report = write_adapter(target, "org/tiny", loras, max_rank=max_rank, tied=tied, lora_target=lora_target)
+        return report.model_dump(mode="json")
 
 
 def qa_records(start: int, stop: int) -> list[Record]:

@@ -44,7 +44,7 @@ def test_a_key_is_admitted_up_to_its_bound_and_refused_past_it(
     admit(ctx, 1)
     with pytest.raises(TooManyJobs) as refused:
         admit(ctx, 2)
-    problem = refused.value.to_problem()
+    problem = refused.value.to_problem().model_dump()
     assert problem["status"] == 429
     assert refused.value.headers == {"Retry-After": str(RETRY_AFTER_S)}
     for mention in ("2 jobs queued or running", "would add 2", "ENGRAM_MAX_QUEUED_JOBS_PER_KEY", "Nothing was submitted"):

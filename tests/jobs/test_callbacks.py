@@ -23,7 +23,7 @@ from engram_fixtures.live import LiveServer, free_port, start_server, stop_serve
 from service.config import Settings
 from service.jobs.callbacks import sign, verify_signature
 from service.jobs.records import JobRecord
-from service.jobs.store import new_job, public_view
+from service.jobs.store import new_job
 from tests.helpers.api import assert_problem, register_model
 from tests.helpers.jobs import payload_for
 
@@ -357,7 +357,7 @@ def test_a_delivery_that_raises_is_retried_then_dead_lettered_and_blocks_nothing
         callback_backoff_s=0.05,
     )
     jobs = {j: finished_job(j) for j in ("a-explodes", "b-delivered")}
-    dispatcher = CallbackDispatcher(storage, settings, jobs.get, public_view, transport=Exploding())
+    dispatcher = CallbackDispatcher(storage, settings, jobs.get, transport=Exploding())
     try:
         enqueue(storage, jobs["a-explodes"], ("http://hooks.example.org/hook",))
         enqueue(storage, finished_job("c-vanished"), (receiver.url,))  # its job record is gone
@@ -394,7 +394,7 @@ def test_slow_receivers_do_not_delay_other_callbacks(tmp_path: Path, receiver: R
     settings = Settings(callback_hosts=f"127.0.0.1:{receiver.port}", callback_secret=SECRET, callback_timeout_s=1.0)
     slow = [f"a-slow-{i}" for i in range(5)]
     jobs = {j: finished_job(j) for j in [*slow, "b-prompt"]}
-    dispatcher = CallbackDispatcher(storage, settings, jobs.get, public_view)
+    dispatcher = CallbackDispatcher(storage, settings, jobs.get)
     try:
         for job_id in slow:
             enqueue(storage, jobs[job_id], (f"http://127.0.0.1:{receiver.port}/slow",))

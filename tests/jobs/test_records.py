@@ -16,7 +16,9 @@ import pytest
 import redis
 from pydantic import ValidationError
 
+from service.api.job_answers import unfinished_answer
 from service.context import Context
+from service.errors import ProblemDetails
 from service.execution.embedded import SqliteJobStore, live_store_path
 from service.execution.kinds import KINDS
 from service.jobs.reconcile import reconcile_once
@@ -104,6 +106,28 @@ def test_the_oldest_records_without_owner_callbacks_or_queue_are_read_with_their
     assert (record.owner, record.callbacks, record.payload_of(VariantPayload).queue) == (None, (), None)
 
 
+def test_a_stored_error_is_a_problem_record_that_stores_and_answers_the_same_bytes() -> None:
+    """A failed job's problem, with extension members before the RFC 9457 ones (a conflict's
+    ``jobs``) and after them (a budget's figures), in the order it was written: read as a
+    :class:`ProblemDetails` and written back byte for byte, and answered with the job's ID."""
+    error = {
+        "jobs": [{"concept": "c", "job_id": "j" * 32, "status": "running", "url": "/jobs/" + "j" * 32}],
+        "type": "https://engram.dev/problems/universe-budget-exceeded",
+        "title": "Universe storage budget exceeded",
+        "status": 409,
+        "detail": "no room",
+        "projected_bytes": 10,
+        "key": None,
+    }
+    old = unversioned_record("map", SAMPLE_PAYLOADS["map"], status="failed", error=error)
+    record = read_job_record(json.loads(json.dumps(old)))
+    assert isinstance(record.error, ProblemDetails) and record.error.status == 409 and record.error.detail == "no room"
+    assert json.dumps(record.model_dump(mode="json")["error"]) == json.dumps(error)
+    answer = unfinished_answer(record, "this map")
+    assert answer.status_code == 409
+    assert answer.body == json.dumps({**error, "job_id": record.job_id}, separators=(",", ":")).encode()
+
+
 def test_an_unversioned_record_in_storage_is_served_and_rewritten_as_version_1_by_its_next_change(ctx: Context) -> None:
     old = unversioned_record("map", SAMPLE_PAYLOADS["map"], dispatch_epoch="x" * 32)
     ctx.storage.put_json(job_key(old["job_id"]), old)
@@ -144,7 +168,7 @@ def test_a_stored_record_that_cannot_be_read_is_refused_naming_the_job(case: str
         read_job_record(stored, job_id)
     assert refused.value.detail.startswith(f"the stored record of job {job_id} cannot be read: ")
     assert why in refused.value.detail
-    assert refused.value.to_problem()["status"] == 503  # as every unreadable stored record
+    assert refused.value.to_problem().status == 503  # as every unreadable stored record
 
 
 def test_each_store_refuses_an_unreadable_record_by_name_and_lists_the_others(

@@ -119,10 +119,11 @@ def test_an_unexpected_error_fails_the_job_as_internal_naming_it(ctx: Context, u
     job_id = submit(ctx)
     run_job(ctx, job_id)
     error = job(ctx, job_id).error
+    assert error is not None
     assert job(ctx, job_id).status == "failed"
-    assert error["status"] == 500 and error["title"] == "Internal error"
-    assert error["type"] == "https://engram.dev/problems/internal"
-    assert "ZeroDivisionError: the body divided by zero" in error["detail"]
+    assert error.status == 500 and error.title == "Internal error"
+    assert error.type == "https://engram.dev/problems/internal"
+    assert "ZeroDivisionError: the body divided by zero" in error.detail
 
 
 @pytest.mark.parametrize("transient", TRANSIENT_ERRORS)
@@ -137,7 +138,7 @@ def test_a_transient_error_fails_the_job_in_embedded_mode(ctx: Context, use_body
     run_job(ctx, job_id)
     failed = job(ctx, job_id)
     assert failed.status == "failed"
-    assert "a service it needs was unavailable: the store is away" in failed.error["detail"]
+    assert "a service it needs was unavailable: the store is away" in failed.error.detail
 
 
 def test_a_transient_error_puts_the_job_back_in_the_queue_for_its_retry(ctx: Context, use_body: Any) -> None:
@@ -166,7 +167,7 @@ def test_retries_back_off_exponentially_up_to_a_minute_then_fail_the_job(ctx: Co
     assert retry_after(ctx, job_id, error, 9, max_retries=9) is None
     failed = job(ctx, job_id)
     assert failed.status == "failed" and not is_open(ctx, job_id)
-    assert failed.error["status"] == 503 and failed.error["detail"] == "gave up after 9 retries: S3 is down"
+    assert failed.error.status == 503 and failed.error.detail == "gave up after 9 retries: S3 is down"
 
 
 def test_a_finished_job_delivered_again_is_left_alone(ctx: Context, use_body: Any) -> None:

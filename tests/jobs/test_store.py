@@ -18,7 +18,9 @@ from pydantic import ValidationError
 from api_schemas import Job
 from engram_fixtures.live import start_redis, stop_redis
 from service.context import Context
+from service.errors import JobFailed
 from service.jobs.admission import job_owner
+from service.jobs.callbacks import event_data
 from service.jobs.store import FINISHED, JobStore, RedisJobStore, new_job, public_view, valid_job_id
 from service.storage.keys import OPEN_JOBS, PENDING_CALLBACKS, job_key
 from tests.helpers.jobs import payload_for
@@ -49,13 +51,14 @@ def test_a_new_job_is_queued_with_nothing_done_and_the_requests_owner() -> None:
 
 def test_the_public_view_shows_the_subject_and_hides_the_payload_and_internals() -> None:
     job = new_job("variant", payload_for("variant", model_id="m", variant_id="v"), unit="layers")
-    view = public_view(job)
+    view = public_view(job).model_dump()
     assert set(view) == set(Job.model_fields)
     assert view["model_id"] == "m" and view["variant_id"] == "v" and view["concept"] is None
     assert "payload" not in view and "owner" not in view and "callbacks" not in view
     # A payload's other fields (here a dataset reference's URI) are not shown either.
     collect = new_job("collect", payload_for("collect", dataset={"uri": "s3://b/hunter2-token.jsonl"}), unit="tokens")
-    assert "hunter2-token" not in json.dumps(public_view(collect))
+    assert "hunter2-token" not in public_view(collect).model_dump_json()
+    assert "hunter2-token" not in json.dumps(event_data(collect)), "nor does a callback carry them"
 
 
 @pytest.mark.parametrize("job_id", ["", "x" * 31, "x" * 33, "../" + "a" * 29, "a" * 31 + "/"])
@@ -87,9 +90,9 @@ def test_an_update_persists_unless_told_not_to(ctx: Context) -> None:
     job_id = ctx.jobs.create(new_job("collect", payload_for("collect"), unit="tokens")).job_id
     ctx.jobs.update(job_id, status="running")
     assert durable(ctx, job_id)["status"] == "running"
-    ctx.jobs.update(job_id, persist=False, error={"detail": "tick"})
+    ctx.jobs.update(job_id, persist=False, error=JobFailed("tick").to_problem())
     assert durable(ctx, job_id)["error"] is None, "a persist=False update stays live"
-    assert ctx.jobs.get(job_id).error == {"detail": "tick"}  # type: ignore[union-attr]
+    assert ctx.jobs.get(job_id).error == JobFailed("tick").to_problem()  # type: ignore[union-attr]
 
 
 def test_updating_a_job_that_does_not_exist_is_a_key_error(ctx: Context) -> None:
@@ -159,7 +162,7 @@ def test_a_job_with_callbacks_writes_its_outbox_once_when_it_ends(ctx: Context) 
     assert woken == [1]
     for key in ctx.storage.list(PENDING_CALLBACKS):  # delivered
         ctx.storage.delete(key)
-    ctx.jobs.update(job_id, status="failed", error={"detail": "again"})
+    ctx.jobs.update(job_id, status="failed", error=JobFailed("again").to_problem())
     assert ctx.storage.list(PENDING_CALLBACKS) == [] and woken == [1], "its marker is gone: no second delivery"
 
 

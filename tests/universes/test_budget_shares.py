@@ -118,7 +118,7 @@ def test_a_key_past_its_share_gets_a_409_naming_the_setting_and_its_usage(world:
         before = stored(world)
         with pytest.raises(UniverseShareExceeded) as refused:
             submit_variant(world.ctx, MODEL, {"a": -1.0}, 1.0, {**OPTIONS, "reference": ["d"]})
-    problem = refused.value.to_problem()
+    problem = refused.value.to_problem().model_dump()
     held = sum(universe_view(world.ctx, u).bytes for u in (first, second))
     assert problem["status"] == 409 and problem["type"].endswith("/universe-key-share-exceeded")
     assert (problem["key"], problem["key_bytes"], problem["share_bytes"]) == ("key-a", held, int(2.5 * size))

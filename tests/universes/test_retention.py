@@ -143,7 +143,7 @@ def test_a_universe_over_the_budget_is_a_409_that_changes_nothing(world: StoreWo
     before = stored(world)
     with pytest.raises(UniverseBudgetExceeded) as refused:
         submit_universe(world.ctx, MODEL, ["a", "c"], None)
-    problem = refused.value.to_problem()
+    problem = refused.value.to_problem().model_dump()
     assert problem["status"] == 409 and problem["type"].endswith("/universe-budget-exceeded")
     assert problem["projected_bytes"] == projected
     assert problem["budget_bytes"] == held_now(world) + projected - 1

@@ -156,7 +156,7 @@ def test_a_model_file_changed_in_place_is_still_caught(world: dict[str, Any], ha
     variant_id = _submit(w, "one/changed")
     done = _run(w)
     assert done.status == "failed", done
-    assert done.error is not None and SHARD in done.error["detail"] and "re-register the model" in done.error["detail"]
+    assert done.error is not None and SHARD in done.error.detail and "re-register the model" in done.error.detail
     assert _keys(w, variant_id) == [f"variants/{variant_id}/request.json"]
     assert hashed == [], "caught by identity, without hashing"
     assert _leftovers(w) == []
@@ -235,6 +235,6 @@ def test_a_failure_leaves_no_partial_artifact_and_no_temporary_file(
         FAILURES[failure](patch)
         done = _run(w)
     assert done.status == "failed", done
-    assert "went away" in (done.error or {}).get("detail", ""), done
+    assert "went away" in (done.error.detail if done.error else ""), done
     assert _keys(w, variant_id) == [f"variants/{variant_id}/request.json"], "no file and no manifest of the variant"
     assert _leftovers(w) == []
