@@ -205,7 +205,7 @@ class AdapterReport(BaseModel):
     """A peft adapter's ``lora_report.json`` (:func:`adapter_report`), shown on its variant.
 
     ``base_model_name_or_path`` and ``revision`` only when the report names the base model (left
-    out of the dump otherwise, as the file always had them).
+    out otherwise, as the file always had them).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
