@@ -262,12 +262,23 @@ def time_variant(server: LiveServer, concepts: list[str], alpha: float, phase: s
             break
         time.sleep(POLL_S)
     wall = time.perf_counter() - started
-    job = api.get(f"/jobs/{variant['job_id']}").json()
+    job = _finished_job(server, variant["job_id"])
     if variant["status"] != "ready":
         raise RuntimeError(f"variant {variant_id} failed: {job}")
     queued, run = _job_split(job)
     steps = (job.get("result") or {}).get("steps") or {}
     return VariantTiming(len(concepts), phase, wall, queued, run, {k: float(v) for k, v in steps.items()}, variant_id)
+
+
+def _finished_job(server: LiveServer, job_id: str) -> dict[str, Any]:
+    """The job once its record says it ended: a variant is ready when its manifest is published,
+    a moment before its job's record (in another process) says ``succeeded``."""
+    deadline = time.monotonic() + 30
+    while True:
+        job: dict[str, Any] = server.client.get(f"/jobs/{job_id}").json()
+        if job.get("finished_at") or time.monotonic() > deadline:
+            return job
+        time.sleep(POLL_S)
 
 
 def measure(profile: Profile, root: Path, reps: int, mode: Mode = "embedded") -> dict[str, Any]:
