@@ -362,8 +362,8 @@ def _build_recommended(
     view = variant_view(ctx, view.variant_id)
     if view.status != "ready":
         job = ctx.jobs.get(view.job_id) if view.job_id else None
-        why = (job.error if job is not None else None) or {}
-        raise JobFailed(f"the recommended variant {view.variant_id} did not build: {why.get('detail', view.status)}")
+        why = job.error.detail if job is not None and job.error is not None else None
+        raise JobFailed(f"the recommended variant {view.variant_id} did not build: {why or view.status}")
     return BuiltVariant(view.variant_id, view.job_id, variant.format)
 
 

@@ -10,7 +10,6 @@ against the digest the writer took of the bytes it wrote (``hashlib`` over the o
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,7 +38,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedServer, s3_b
 
 
 @pytest.fixture
-def uploads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[str]]]:
+def uploads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
     """Keys published by a streamed upload's completion, and by a plain ``put_file``, in this test."""
     seen: dict[str, list[str]] = {"streamed": [], "put_file": []}
     complete, put_file = S3StreamedUpload.complete, S3Storage.put_file
@@ -54,7 +53,7 @@ def uploads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[str]]]:
 
     monkeypatch.setattr(S3StreamedUpload, "complete", spy_complete)
     monkeypatch.setattr(S3Storage, "put_file", spy_put_file)
-    yield seen
+    return seen
 
 
 _alpha = iter(-0.9 + 0.01 * k for k in range(1000))  # a new alpha each time: never a stored variant
