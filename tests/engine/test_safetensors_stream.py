@@ -67,12 +67,9 @@ def test_a_produced_tensor_of_another_shape_is_refused(source: Path, tmp_path: P
         write_streaming(tmp_path / "y.safetensors", planned_wrong_size, {})
 
 
-@pytest.mark.parametrize("kernel", ["copy_file_range", "refused", "short"])
-def test_unchanged_tensors_are_copied_exactly_by_the_kernel_or_by_hand(
-    source: Path, tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Unchanged tensors go through ``os.copy_file_range``; where the kernel refuses (EXDEV on some
-    file systems) or copies only part, the rest is read and written: the same bytes either way."""
+def _kernel_copy_as(kernel: str, monkeypatch: pytest.MonkeyPatch, first_bytes: int) -> list[int]:
+    """Make ``os.copy_file_range`` work (``copy_file_range``), refuse (EXDEV, as across some file
+    systems: ``refused``) or copy ``first_bytes`` then nothing (``short``); the calls' counts."""
     real = os.copy_file_range
     calls: list[int] = []
 
@@ -81,10 +78,20 @@ def test_unchanged_tensors_are_copied_exactly_by_the_kernel_or_by_hand(
 
     def short(src: int, dst: int, count: int, offset_src: int | None = None) -> int:
         calls.append(count)
-        return real(src, dst, min(count, 3), offset_src) if len(calls) == 1 else 0
+        return real(src, dst, min(count, first_bytes), offset_src) if len(calls) == 1 else 0
 
     if kernel != "copy_file_range":
         monkeypatch.setattr(os, "copy_file_range", refused if kernel == "refused" else short)
+    return calls
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "refused", "short"])
+def test_unchanged_tensors_are_copied_exactly_by_the_kernel_or_by_hand(
+    source: Path, tmp_path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unchanged tensors go through ``os.copy_file_range``; where the kernel refuses (EXDEV on some
+    file systems) or copies only part, the rest is read and written: the same bytes either way."""
+    calls = _kernel_copy_as(kernel, monkeypatch, first_bytes=3)
     entries, metadata = read_header(source)
     target = tmp_path / "copy.safetensors"
     write_streaming(target, [Planned(key, entries[key], source) for key in entries], metadata)
@@ -127,18 +134,7 @@ def test_a_large_copied_tensor_is_hashed_from_its_file_exactly_once(
 
     from service.engine.safetensors_stream import HashingSink, WrittenFile
 
-    real = os.copy_file_range
-    calls: list[int] = []
-
-    def refused(*_args: object) -> int:
-        raise OSError(errno.EXDEV, "cross-device")
-
-    def short(src: int, dst: int, count: int, offset_src: int | None = None) -> int:
-        calls.append(count)
-        return real(src, dst, min(count, 4099), offset_src) if len(calls) == 1 else 0
-
-    if kernel != "copy_file_range":
-        monkeypatch.setattr(os, "copy_file_range", refused if kernel == "refused" else short)
+    calls = _kernel_copy_as(kernel, monkeypatch, first_bytes=4099)
     path = tmp_path / "large.safetensors"
     torch.manual_seed(1)
     tensors = {"big": torch.randn(700, 1000), "small": torch.randn(3), "big2": torch.randn(600, 513).to(torch.bfloat16)}
