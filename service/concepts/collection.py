@@ -71,7 +71,7 @@ def run_collection(ctx: Context, job: JobRecord) -> CollectResult:
         payload = _resolve_dataset(ctx, job.job_id, payload)
     dataset_digest = payload.dataset_digest
     assert dataset_digest is not None  # resolved above
-    spec = CollectionSpec.model_validate(payload.settings)
+    spec = CollectionSpec.of_job(payload.settings)
     prefix = spec.key(payload.model_digest, dataset_digest).prefix
     published = stats_manifest(ctx, prefix)
     if published is not None:
@@ -351,7 +351,7 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
 
         with scratch_dir("dataset") as tmp:
             spooled = resolve_reference(reference, ctx.settings, Path(tmp), check)
-            if CollectionSpec.model_validate(payload.settings).template == "chat" and "text" in spooled.kinds:
+            if CollectionSpec.of_job(payload.settings).template == "chat" and "text" in spooled.kinds:
                 raise InvalidInput(f'{reference.uri} holds text records, which template "chat" cannot render')
             key = dataset_key(spooled.digest)
             if not ctx.storage.exists(key):
@@ -369,7 +369,7 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
                 f"the dataset {reference.uri} changed while it was being resolved "
                 f"(digest {concept.dataset_digest}, then {digest}); post the concept again under another name"
             )
-        prefix = CollectionSpec.model_validate(payload.settings).key(payload.model_digest, digest).prefix
+        prefix = CollectionSpec.of_job(payload.settings).key(payload.model_digest, digest).prefix
         concept = concept.with_model(model_id, concept.models[model_id].model_copy(update={"stats": prefix}))
         ctx.storage.put_json(concept_key(name), concept.to_json())
         ctx.reads.forget(concept_key(name))
@@ -415,7 +415,7 @@ def _manifest(stats: LayerStatistics, payload: CollectPayload, seconds: float, r
         lacking=tuple(stats.lacking),
         model_digest=payload.model_digest,
         dataset_digest=payload.dataset_digest,
-        settings=payload.settings,
+        settings=payload.settings.dump(),
         collection_seconds=round(seconds, 3),
         truncation=report,  # what max_length did: a reuse of these statistics reports it too
         created_at=utc_now(),

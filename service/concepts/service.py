@@ -209,7 +209,7 @@ def _plan_collections(
             model_id=model_id,
             model_digest=manifest.digest,
             dataset_digest=concept.dataset_digest,
-            settings=CollectionSpec.of(ctx.settings, modules, concept.template, manifest.layout).dump(),
+            settings=CollectionSpec.of(ctx.settings, modules, concept.template, manifest.layout),
             concept=concept.name,
             # a reference the job resolves first
             dataset=concept.dataset.model_dump(mode="json") if concept.dataset and concept.dataset_digest is None else None,
@@ -255,7 +255,7 @@ def _stats_prefix_for(payload: CollectPayload) -> str | None:
     """Where the collection's statistics go; None while its dataset is a reference not resolved yet."""
     if payload.dataset_digest is None:
         return None
-    return CollectionSpec.model_validate(payload.settings).key(payload.model_digest, payload.dataset_digest).prefix
+    return CollectionSpec.of_job(payload.settings).key(payload.model_digest, payload.dataset_digest).prefix
 
 
 def find_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRecord | None:

@@ -6,9 +6,10 @@ migrates what an older version wrote (records without ``format_version``) and re
 job, a record it cannot read. Every other module gets a :class:`JobRecord`, never the dict.
 
 Each kind's payload (the IDs its body needs) is a model of its own, chosen by the record's kind;
-a body reads it with :meth:`JobRecord.payload_of`. The payloads hold only IDs, digests and stored
-forms: the settings a collection's statistics are keyed by (``CollectionSpec.dump()``) and a dataset
-reference stay JSON here because their models live on floors above this one, which validate them.
+a body reads it with :meth:`JobRecord.payload_of`. The payloads hold only IDs, digests, settings and
+stored forms: a collection's settings are a :class:`CollectionSettings` (the record the statistics
+floor, above this one, turns into a key: ``service.statistics.spec.CollectionSpec`` is a subclass); a
+dataset reference stays JSON here because its model lives on a floor above this one, which validates it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,37 @@ class JobPayload(_Frozen):
     kind: ClassVar[JobKind]
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+class CollectionSettings(_Frozen):
+    """The collect job's configuration: everything that changes a concept's statistics.
+
+    ``None`` means "not part of the key": the default (every module, no template, float64 sums, the
+    model's stored dtype), spelled by absence in the stored form (:meth:`dump`), so that a record
+    stored before a field existed reads the same and every statistics key stays what it was. The
+    statistics floor turns it into a key (``service.statistics.spec.CollectionSpec``, a subclass).
+    """
+
+    max_length: int
+    engine: str
+    # sorted, each suffix once (canonical_modules)
+    modules: tuple[str, ...] | None = Field(default=None, exclude_if=_absent)
+    # digest of the collected layers, when they include a renamed one
+    layers: str | None = Field(default=None, exclude_if=_absent)
+    # "chat": prompt/completion records rendered as one-turn chats
+    template: str | None = Field(default=None, exclude_if=_absent)
+    # the stored sums' dtype, when not float64
+    stats_dtype: str | None = Field(default=None, exclude_if=_absent)
+    # the dtype the model runs in, when not the stored one
+    collect_dtype: str | None = Field(default=None, exclude_if=_absent)
+
+    def dump(self) -> dict[str, Any]:
+        """The stored form: the fields that are set (a job payload's and a statistics manifest's ``settings``)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
 class CollectPayload(JobPayload):
     """A concept's statistics on one model. ``dataset_digest`` is None while the concept's dataset
     is a reference (``dataset``) the job resolves first."""
@@ -42,7 +74,7 @@ class CollectPayload(JobPayload):
     model_id: str
     model_digest: str
     dataset_digest: str | None
-    settings: dict[str, Any]  # CollectionSpec.dump(): validated by service.statistics.spec
+    settings: CollectionSettings  # stored as its dump()
     concept: str
     dataset: dict[str, Any] | None = None  # a DatasetReference's stored form: validated by service.datasets.refs
 

@@ -1,7 +1,9 @@
 """What changes a concept's statistics, as one frozen record: the collection job's configuration and,
 by its digest, the statistics' identity (:class:`service.statistics.key.StatsKey`).
 
-The stored form (a job's ``payload["settings"]``, a statistics manifest's ``settings``) is
+The collect job's configuration is :class:`service.jobs.records.CollectionSettings` (on the jobs'
+floor, below this one); a :class:`CollectionSpec` is that record with what statistics make of it.
+Its stored form (a collect job's ``payload.settings``, a statistics manifest's ``settings``) is
 :meth:`CollectionSpec.dump`: the fields that are set, nothing else, so the digest of every key
 published before this record existed is unchanged (an optional field enters only when it is not
 its default).
@@ -10,35 +12,30 @@ its default).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict
 
 from service.config import Settings
 from service.engine.layers import select_layers
 from service.engine.layout import ModelLayout
+from service.jobs.records import CollectionSettings
 from service.statistics.key import StatsKey
 from service.storage.keys import ENGINE_VERSION, canonical_digest
 
 DEFAULT_STATS_DTYPE = "float64"
 
 
-class CollectionSpec(BaseModel):
-    """Everything that changes a statistic (and so is part of its key).
+class CollectionSpec(CollectionSettings):
+    """Everything that changes a statistic (and so is part of its key): the collect job's
+    configuration (:class:`service.jobs.records.CollectionSettings`, its fields and stored form), as
+    the statistics floor reads it: the spec of a collection, its key, its sums' dtype.
 
     ``None`` means "not part of the key": the default (every module, no template, float64 sums,
     the model's stored dtype), spelled by absence so that keys from before each field stay valid.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_length: int
-    engine: str
-    modules: tuple[str, ...] | None = None  # sorted, each suffix once (canonical_modules)
-    layers: str | None = None  # digest of the collected layers, when they include a renamed one
-    template: str | None = None  # "chat": prompt/completion records rendered as one-turn chats
-    stats_dtype: str | None = None  # the stored sums' dtype, when not float64
-    collect_dtype: str | None = None  # the dtype the model runs in, when not the stored one
+    @classmethod
+    def of_job(cls, settings: CollectionSettings) -> CollectionSpec:
+        """The spec of a collect job's settings (a payload read back holds the base record)."""
+        return settings if isinstance(settings, cls) else cls.model_validate(settings, from_attributes=True)
 
     @classmethod
     def of(
@@ -74,10 +71,6 @@ class CollectionSpec(BaseModel):
             stats_dtype=settings.stats_dtype if settings.stats_dtype != DEFAULT_STATS_DTYPE else None,
             collect_dtype=settings.collect_dtype if settings.collect_dtype != "stored" else None,  # Σ depends on it
         )
-
-    def dump(self) -> dict[str, Any]:
-        """The stored form: the fields that are set (a job payload's and a manifest's ``settings``)."""
-        return self.model_dump(mode="json", exclude_none=True)
 
     def digest(self) -> str:
         """The settings digest of the statistics' key: byte for byte what it was as a dict."""

@@ -12,7 +12,7 @@ SAMPLE_PAYLOADS: dict[JobKind, dict[str, Any]] = {
         "model_id": "m",
         "model_digest": "d" * 64,
         "dataset_digest": "e" * 64,
-        "settings": {"max_length": 64},
+        "settings": {"max_length": 64, "engine": "engram-service/1"},
         "concept": "c",
     },
     "variant": {"variant_id": "v" * 32, "model_id": "m"},
