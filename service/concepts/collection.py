@@ -33,7 +33,7 @@ from service.concepts.image_collection import check_text_records, count_records,
 from service.concepts.record import ConceptRecord
 from service.concepts.service import CHAT_KINDS, find_concept, iter_records
 from service.context import Context
-from service.datasets.refs import StoredReference, resolve_reference
+from service.datasets.refs import resolve_reference
 from service.engine.checkpoint import ModelTooLarge
 from service.engine.collect import LayerStatistics, collect_statistics
 from service.engine.layers import select_layers
@@ -302,18 +302,13 @@ def _first_row(ctx: Context, payload: CollectPayload) -> int | None:
     """The source row of a dataset reference's first record (``rows.start``), so that a message names
     record ``i`` as the row the user finds in their file (``None``: records posted inline or
     uploaded, named ``record i``)."""
-    reference = _payload_reference(payload)
+    reference = payload.dataset
     if reference is None:
         concept = find_concept(ctx, payload.concept)
         reference = concept.dataset if concept is not None else None
     if reference is None:
         return None
     return reference.start
-
-
-def _payload_reference(payload: CollectPayload) -> StoredReference | None:
-    """The dataset reference a collection job resolves (stored in its payload as JSON)."""
-    return None if payload.dataset is None else StoredReference.model_validate(payload.dataset)
 
 
 def _chat_problem(message: str, model_id: str) -> str:
@@ -337,7 +332,7 @@ def _resolve_dataset(ctx: Context, job_id: str, payload: CollectPayload) -> Coll
         ProblemError: a bad reference or a limit (the job fails with it; the concept shows it).
         JobFailed: the concept was deleted, or its dataset changed while it was being resolved.
     """
-    name, model_id, reference = payload.concept, payload.model_id, _payload_reference(payload)
+    name, model_id, reference = payload.concept, payload.model_id, payload.dataset
     if reference is None:
         raise JobFailed(f"the collection of concept {name} on model {model_id} has neither a dataset nor a reference")
     concept = _own_concept(ctx, name, model_id, job_id)

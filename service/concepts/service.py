@@ -212,7 +212,7 @@ def _plan_collections(
             settings=CollectionSpec.of(ctx.settings, modules, concept.template, manifest.layout),
             concept=concept.name,
             # a reference the job resolves first
-            dataset=concept.dataset.model_dump(mode="json") if concept.dataset and concept.dataset_digest is None else None,
+            dataset=concept.dataset if concept.dataset_digest is None else None,
         )
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
         stats = _stats_prefix_for(payload)

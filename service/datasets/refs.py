@@ -41,8 +41,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
-
 from service.config import Settings
 from service.datasets.images import (
     IMAGE_FIELD,
@@ -66,6 +64,9 @@ from service.datasets.sources import (
 from service.datasets.spool import DatasetSpool, JsonlFeed, SpooledDataset
 from service.errors import Conflict, InvalidInput, PayloadTooLarge
 
+# The stored reference is a job record (a collect job's payload carries it); opened here.
+from service.jobs.records import StoredReference
+
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 # A file:// folder of class subfolders of images (service.datasets.images.list_image_folder).
 IMAGEFOLDER = "imagefolder"
@@ -73,54 +74,6 @@ _BATCH_ROWS = 4096
 # Records between cancellation checks: every one, as the job's check is throttled by time
 # (service.concepts.collection.CancelCheck); 10,000 records of 16 MiB are more than a whole dataset.
 _CHECK_EVERY = 1
-
-
-# ---------------------------------------------------------------- the stored reference
-
-
-class ReferenceRows(BaseModel):
-    """A reference's row range as stored: ``start`` always, ``stop`` only when given."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    start: int = 0
-    stop: int | None = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class StoredReference(BaseModel):
-    """A dataset reference as a concept stores it and its collection job reads it
-    (:func:`submitted_reference`): checked, its format resolved, and fingerprinted.
-
-    Dumped in the form references were always stored in: ``{"uri", "format", "columns"?, "rows"?,
-    "fingerprint"}``, absent options left out, and no ``fingerprint`` in one stored before
-    fingerprints existed (read as ``None``: other content than any fingerprinted post).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    uri: str
-    format: str
-    columns: dict[str, str] | None = Field(default=None, exclude_if=lambda v: v is None)
-    rows: ReferenceRows | None = Field(default=None, exclude_if=lambda v: v is None)
-    # A Fingerprint, in the order its source gave its keys (a TypedDict would reorder them).
-    fingerprint: dict[str, str | int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _as_stored(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if FINGERPRINT not in self.model_fields_set:
-            data.pop(FINGERPRINT, None)
-        return data
-
-    @property
-    def start(self) -> int:
-        """The first row kept (0 without a row range)."""
-        return self.rows.start if self.rows is not None else 0
-
-    @property
-    def stop(self) -> int | None:
-        """The row the range stops before (None: the end)."""
-        return self.rows.stop if self.rows is not None else None
 
 
 # ---------------------------------------------------------------- the API side: shape and rules

@@ -6,17 +6,25 @@ migrates what an older version wrote (records without ``format_version``) and re
 job, a record it cannot read. Every other module gets a :class:`JobRecord`, never the dict.
 
 Each kind's payload (the IDs its body needs) is a model of its own, chosen by the record's kind;
-a body reads it with :meth:`JobRecord.payload_of`. The payloads hold only IDs, digests, settings and
-stored forms: a collection's settings are a :class:`CollectionSettings` (the record the statistics
-floor, above this one, turns into a key: ``service.statistics.spec.CollectionSpec`` is a subclass); a
-dataset reference stays JSON here because its model lives on a floor above this one, which validates it.
+a body reads it with :meth:`JobRecord.payload_of`. The payloads hold only IDs, digests and records:
+a collection's settings are a :class:`CollectionSettings` (the record the statistics floor, above
+this one, turns into a key: ``service.statistics.spec.CollectionSpec`` is a subclass), and a dataset
+reference a :class:`StoredReference` (the datasets floor opens it).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from service.errors import ProblemDetails, ServiceUnavailable
 
@@ -66,6 +74,53 @@ class CollectionSettings(_Frozen):
         return self.model_dump(mode="json", exclude_none=True)
 
 
+class ReferenceRows(BaseModel):
+    """A reference's row range as stored: ``start`` always, ``stop`` only when given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int = 0
+    stop: int | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class StoredReference(BaseModel):
+    """A dataset reference as a concept stores it and its collection job reads it
+    (``service.datasets.refs.submitted_reference`` makes it: checked, its format resolved, and
+    fingerprinted). Here, on the job records' floor, because a collect job's payload carries it;
+    :mod:`service.datasets.refs` opens it.
+
+    Dumped in the form references were always stored in: ``{"uri", "format", "columns"?, "rows"?,
+    "fingerprint"}``, absent options left out, and no ``fingerprint`` in one stored before
+    fingerprints existed (read as ``None``: other content than any fingerprinted post).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str
+    format: str
+    columns: dict[str, str] | None = Field(default=None, exclude_if=lambda v: v is None)
+    rows: ReferenceRows | None = Field(default=None, exclude_if=lambda v: v is None)
+    # A Fingerprint, in the order its source gave its keys (a TypedDict would reorder them).
+    fingerprint: dict[str, str | int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_stored(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if "fingerprint" not in self.model_fields_set:
+            data.pop("fingerprint", None)
+        return data
+
+    @property
+    def start(self) -> int:
+        """The first row kept (0 without a row range)."""
+        return self.rows.start if self.rows is not None else 0
+
+    @property
+    def stop(self) -> int | None:
+        """The row the range stops before (None: the end)."""
+        return self.rows.stop if self.rows is not None else None
+
+
 class CollectPayload(JobPayload):
     """A concept's statistics on one model. ``dataset_digest`` is None while the concept's dataset
     is a reference (``dataset``) the job resolves first."""
@@ -76,7 +131,7 @@ class CollectPayload(JobPayload):
     dataset_digest: str | None
     settings: CollectionSettings  # stored as its dump()
     concept: str
-    dataset: dict[str, Any] | None = None  # a DatasetReference's stored form: validated by service.datasets.refs
+    dataset: StoredReference | None = None  # a reference the job resolves first
 
 
 class VariantPayload(JobPayload):

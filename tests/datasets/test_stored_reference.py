@@ -65,3 +65,31 @@ def test_the_same_place_with_another_fingerprint_is_other_content() -> None:
     unprinted = StoredReference.model_validate(STORED_FORMS["no options, stored before fingerprints"])
     assert content_changed(unprinted, held), "a reference stored before fingerprints counts as other content"
     assert not same_reference(held, StoredReference.model_validate(STORED_FORMS["s3, columns and rows"]))
+
+
+@pytest.mark.parametrize("case", sorted(STORED_FORMS))
+def test_a_collect_job_carries_the_reference_as_a_record_and_stores_it_byte_for_byte(case: str) -> None:
+    from service.jobs.records import CollectPayload, read_job_record
+
+    stored = STORED_FORMS[case]
+    payload = {
+        "model_id": "m",
+        "model_digest": "d" * 64,
+        "dataset_digest": None,
+        "settings": {"max_length": 64, "engine": "engram-service/1"},
+        "concept": "c",
+        "dataset": stored,
+    }
+    record = {
+        "format_version": 1,
+        "job_id": "j" * 32,
+        "kind": "collect",
+        "status": "queued",
+        "progress": {"done": 0, "total": 0, "unit": "tokens"},
+        "created_at": "2026-11-28T10:00:00+00:00",
+        "payload": payload,
+    }
+    job = read_job_record(json.loads(json.dumps(record)))
+    reference = job.payload_of(CollectPayload).dataset
+    assert isinstance(reference, StoredReference) and reference.uri == stored["uri"]
+    assert json.dumps(job.model_dump(mode="json")["payload"]["dataset"]) == json.dumps(stored)

@@ -56,7 +56,9 @@ def test_the_public_view_shows_the_subject_and_hides_the_payload_and_internals()
     assert view["model_id"] == "m" and view["variant_id"] == "v" and view["concept"] is None
     assert "payload" not in view and "owner" not in view and "callbacks" not in view
     # A payload's other fields (here a dataset reference's URI) are not shown either.
-    collect = new_job("collect", payload_for("collect", dataset={"uri": "s3://b/hunter2-token.jsonl"}), unit="tokens")
+    collect = new_job(
+        "collect", payload_for("collect", dataset={"uri": "s3://b/hunter2-token.jsonl", "format": "jsonl"}), unit="tokens"
+    )
     assert "hunter2-token" not in public_view(collect).model_dump_json()
     assert "hunter2-token" not in json.dumps(event_data(collect)), "nor does a callback carry them"
 
