@@ -123,7 +123,9 @@ def test_manifest_says_what_was_built(world: dict[str, Any]) -> None:
     assert parts["total"] == parts["groups"] + parts["engrams"] > 0
     assert parts["engrams"] == sum(e["bytes"] for e in manifest["engrams"].values())
     seconds = manifest["seconds"]
-    assert seconds["total"] >= seconds["decomposition"] + seconds["engrams"] - 1e-3
+    # Each of the three figures is rounded to 1 ms on its own: the parts' sum may exceed the total
+    # by up to 1.5 ms (a fresh-clone CI met 0.052 against 0.020 + 0.033).
+    assert seconds["total"] >= seconds["decomposition"] + seconds["engrams"] - 1.5e-3 - 1e-9
     assert {layer["dtype"] for layer in manifest["layers"].values()} == {"F32"}
     # Every group says how it was decomposed and by whom (this process: the job built alone).
     assert {(g["source"], g["worker"].rsplit(":", 1)[1]) for g in manifest["groups"].values()} == {
