@@ -23,7 +23,7 @@ from engram_fixtures.models import make_tiny_llama
 from engram_fixtures.vision import make_tiny_resnet
 from tests.helpers.api import assert_problem
 from tests.helpers.app import InProcessServer, in_process_server
-from tests.helpers.images import digit_record, digits
+from tests.helpers.images import digit_indices, digit_record
 
 pytestmark = pytest.mark.fast
 
@@ -33,15 +33,9 @@ FORGET_DIGIT = 0
 SETS = ("forget", "retain", "test")
 
 
-def _indices(digit: int | None, start: int, count: int, exclude: int | None = None) -> list[int]:
-    labels = digits()[1]
-    chosen = [i for i in range(start, len(labels)) if (digit is None or labels[i] == digit) and labels[i] != exclude]
-    return chosen[:count]
-
-
-FORGET = [digit_record(i) for i in _indices(FORGET_DIGIT, 600, 8)]
-RETAIN = [digit_record(i) for i in _indices(None, 600, 16, exclude=FORGET_DIGIT)]
-TEST = [digit_record(i) for i in _indices(None, 1200, 20)]
+FORGET = [digit_record(i) for i in digit_indices(FORGET_DIGIT, 600, 8)]
+RETAIN = [digit_record(i) for i in digit_indices(None, 600, 16, exclude=FORGET_DIGIT)]
+TEST = [digit_record(i) for i in digit_indices(None, 1200, 20)]
 TEXT = {"prompt": "Q: the capital of France? A:", "completion": " Paris"}
 
 
@@ -60,8 +54,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer
             assert response.status_code in (201, 202), response.text
             if response.status_code == 202:
                 assert wait_for_job(app.client, response.json()["job_id"], 300)["status"] == "succeeded"
-        zeros = [digit_record(i) for i in _indices(FORGET_DIGIT, 0, 20)]
-        others = [digit_record(i) for i in _indices(None, 0, 60, exclude=FORGET_DIGIT)]
+        zeros = [digit_record(i) for i in digit_indices(FORGET_DIGIT, 0, 20)]
+        others = [digit_record(i) for i in digit_indices(None, 0, 60, exclude=FORGET_DIGIT)]
         for name, role, records in (("zero", "target", zeros), ("others", "reference", others)):
             body = {"name": name, "role": role, "models": [RESNET], "records": records}
             assert app.client.post("/concepts", json=body).status_code == 202

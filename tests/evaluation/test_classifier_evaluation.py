@@ -28,7 +28,7 @@ from engram_fixtures.models import make_tiny_llama
 from engram_fixtures.vision import make_tiny_resnet, make_tiny_vit
 from tests.helpers.api import assert_problem, register_model, unchanged
 from tests.helpers.app import InProcessServer, in_process_server
-from tests.helpers.images import b64, digit_image, digit_record, digits, encode, png_bomb
+from tests.helpers.images import b64, digit_image, digit_indices, digit_record, digits, encode, png_bomb
 
 pytestmark = pytest.mark.fast
 
@@ -38,16 +38,9 @@ TOL = 1e-6
 FORGET_DIGIT = 0
 
 
-def _indices(digit: int | None, start: int, count: int, exclude: int | None = None) -> list[int]:
-    """``count`` digit indices from ``start`` on: of ``digit`` (any digit when None, but ``exclude``)."""
-    labels = digits()[1]
-    chosen = [i for i in range(start, len(labels)) if (digit is None or labels[i] == digit) and labels[i] != exclude]
-    return chosen[:count]
-
-
-FORGET = [digit_record(i) for i in _indices(FORGET_DIGIT, 600, 8)]
-RETAIN = [digit_record(i) for i in _indices(None, 600, 16, exclude=FORGET_DIGIT)]
-TEST = [digit_record(i, label=f"class_{int(digits()[1][i])}") for i in _indices(None, 1200, 20)]  # names
+FORGET = [digit_record(i) for i in digit_indices(FORGET_DIGIT, 600, 8)]
+RETAIN = [digit_record(i) for i in digit_indices(None, 600, 16, exclude=FORGET_DIGIT)]
+TEST = [digit_record(i, label=f"class_{int(digits()[1][i])}") for i in digit_indices(None, 1200, 20)]  # names
 TEXT_PROBE = {"prompt": "Q: the capital of France? A:", "completion": " Paris"}
 
 
@@ -87,8 +80,8 @@ def _post_concept(server: InProcessServer, name: str, model: str, role: str, rec
 
 @pytest.fixture(scope="module")
 def variant(server: InProcessServer) -> dict[str, Any]:
-    zeros = [digit_record(i) for i in _indices(FORGET_DIGIT, 0, 20)]
-    others = [digit_record(i) for i in _indices(None, 0, 60, exclude=FORGET_DIGIT)]
+    zeros = [digit_record(i) for i in digit_indices(FORGET_DIGIT, 0, 20)]
+    others = [digit_record(i) for i in digit_indices(None, 0, 60, exclude=FORGET_DIGIT)]
     _post_concept(server, "digit-zero", RESNET, "target", zeros)
     _post_concept(server, "digit-others", RESNET, "reference", others)
     wait_concepts_ready(server.client, ["digit-zero", "digit-others"], RESNET, timeout=300)
@@ -363,13 +356,13 @@ def _vit_outputs(folder: Path, model: Any, probes: list[dict[str, Any]]) -> tupl
 
 
 def test_a_vit_variant_is_evaluated_as_a_hand_computation_says(server: InProcessServer, root: Path, tmp_path: Path) -> None:
-    _post_concept(server, "vit-zero", VIT, "target", [digit_record(i) for i in _indices(FORGET_DIGIT, 0, 20)])
-    _post_concept(server, "vit-others", VIT, "reference", [digit_record(i) for i in _indices(None, 0, 60, exclude=0)])
+    _post_concept(server, "vit-zero", VIT, "target", [digit_record(i) for i in digit_indices(FORGET_DIGIT, 0, 20)])
+    _post_concept(server, "vit-others", VIT, "reference", [digit_record(i) for i in digit_indices(None, 0, 60, exclude=0)])
     wait_concepts_ready(server.client, ["vit-zero", "vit-others"], VIT, timeout=300)
     response = server.client.post(f"/models/{VIT}/unlearn", json={"concepts": ["vit-zero"], "alpha": 1.0})
     assert response.status_code in (200, 202), response.text
     shipped = wait_variant_ready(server.client, response.json()["variant"]["variant_id"], timeout=300)
-    sets = {"forget": FORGET, "retain": RETAIN, "test": [digit_record(i) for i in _indices(None, 1200, 20)]}
+    sets = {"forget": FORGET, "retain": RETAIN, "test": [digit_record(i) for i in digit_indices(None, 1200, 20)]}
     result = _evaluate(server, shipped["variant_id"], {**sets, "retain_model": VIT_RETRAINED})
     folders = {
         "base": root / "models" / "vit",

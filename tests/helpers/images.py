@@ -43,6 +43,13 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def digit_indices(digit: int | None, start: int, count: int, exclude: int | None = None) -> list[int]:
+    """``count`` digit indices from ``start`` on: of ``digit`` (any digit when None, but ``exclude``)."""
+    labels = digits()[1]
+    chosen = [i for i in range(start, len(labels)) if (digit is None or labels[i] == digit) and labels[i] != exclude]
+    return chosen[:count]
+
+
 def digit_record(index: int, fmt: str = "PNG", *, label: int | str | None = None) -> dict[str, object]:
     """An image record of digit ``index`` (its label when ``label`` is None)."""
     chosen = int(digits()[1][index]) if label is None else label
