@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engram_fixtures.demo import make_facts
+from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from engram_fixtures.statistics import publish_concept_statistics
 from service.config import Settings
 from service.context import Context
@@ -68,6 +69,17 @@ class StoreWorld:
             settings=settings, storage=storage, jobs=JobStore(storage), dispatch=self.pending.append, lock=threading.RLock()
         )
         self._models: dict[str, tuple[Any, Any, ModelLayout]] = {}
+
+    def tiny_llama(self, model_id: str, concepts: dict[str, Sequence[Record]], *, hidden: int = 32, seed: int = 0) -> Path:
+        """A random tiny Llama (2 layers, :func:`make_tiny_llama`) registered as ``model_id``, with each
+        concept (name -> records) published on it; its folder."""
+        path = make_tiny_llama(
+            self.root / "models" / model_id.replace("/", "-"), hidden=hidden, layers=2, seed=seed, tokenizer=make_tokenizer()
+        )
+        self.register(model_id, path)
+        for name, records in concepts.items():
+            self.publish(model_id, name, records)
+        return path
 
     def register(self, model_id: str, path: Path) -> dict[str, Any]:
         manifest, _ = register_model(self.ctx, model_id, f"file://{path}")

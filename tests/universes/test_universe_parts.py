@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled, JobProgress, NoProgress
 from service.jobs.store import new_job
@@ -37,10 +36,7 @@ def client(redis_client: redis.Redis) -> redis.Redis:
 def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
     root = tmp_path_factory.mktemp("universe-parts")
     w = StoreWorld(root)
-    path = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=2, tokenizer=make_tokenizer())
-    w.register("p/llama", path)
-    w.publish("p/llama", "a", text_records(0, 30))
-    w.publish("p/llama", "b", text_records(30, 60))
+    w.tiny_llama("p/llama", {"a": text_records(0, 30), "b": text_records(30, 60)}, seed=2)
     return w
 
 

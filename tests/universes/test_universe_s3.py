@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.config import Settings
 from service.context import Context
 from service.engine.stats_io import load_statistics
@@ -35,10 +34,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rows, the others from sums; the universe recorded, not built."""
     root = tmp_path_factory.mktemp("universe-s3")
     w = StoreWorld(root)
-    path = make_tiny_llama(root / "models" / "llama", hidden=64, layers=2, seed=3, tokenizer=make_tokenizer())
-    w.register("s/llama", path)
-    w.publish("s/llama", "one", text_records(2, 3))
-    w.publish("s/llama", "two", text_records(3, 4))
+    w.tiny_llama("s/llama", {"one": text_records(2, 3), "two": text_records(3, 4)}, hidden=64, seed=3)
     view, job = submit_universe(w.ctx, "s/llama", None, None)
     assert job is not None
     return {"world": w, "universe_id": view.universe_id}

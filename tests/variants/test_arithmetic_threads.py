@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.engine import threads
 from service.variants import build
 from service.variants.service import submit_variant
@@ -64,10 +63,7 @@ def test_torch_threads_restores_the_count_when_the_block_raises(two_torch_thread
 def world(tmp_path_factory: pytest.TempPathFactory) -> StoreWorld:
     root = tmp_path_factory.mktemp("threads")
     w = StoreWorld(root)
-    path = make_tiny_llama(root / "models" / "llama", hidden=32, layers=2, seed=0, tokenizer=make_tokenizer())
-    w.register("t/llama", path)
-    w.publish("t/llama", "forget", text_records(0, 30))
-    w.publish("t/llama", "retain", text_records(30, 90))
+    w.tiny_llama("t/llama", {"forget": text_records(0, 30), "retain": text_records(30, 90)})
     return w
 
 

@@ -15,7 +15,6 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from engram_fixtures.models import make_tiny_llama, make_tokenizer
 from service.engine import safetensors_stream
 from service.storage.s3 import S3Storage, S3StreamedUpload
 from service.variants.service import submit_variant
@@ -30,10 +29,7 @@ SHARDS = {"checkpoint": "model.safetensors", "delta": "delta.safetensors"}
 def world(tmp_path_factory: pytest.TempPathFactory, seaweed: SeaweedServer, s3_bucket: str) -> StoreWorld:
     root = tmp_path_factory.mktemp("streamed")
     w = StoreWorld(root, storage=s3_storage(seaweed, s3_bucket))
-    make_tiny_llama(root / "models" / "llama", hidden=384, layers=2, seed=0, tokenizer=make_tokenizer())
-    w.register(MODEL, root / "models" / "llama")
-    w.publish(MODEL, "forget", text_records(0, 30))
-    w.publish(MODEL, "retain", text_records(30, 90))
+    w.tiny_llama(MODEL, {"forget": text_records(0, 30), "retain": text_records(30, 90)}, hidden=384)
     return w
 
 
