@@ -52,9 +52,6 @@ class WrittenFiles(dict[str, WrittenFile]):
         return HashingSink()
 
 
-Written = WrittenFiles
-
-
 def edit_plan(spec: LayerSpec, layout: ModelLayout) -> list[tuple[str, str, str]]:
     """What an edit of ``spec`` writes: ``(key, base key, role)``, role ``weight``, ``partner`` or ``bias``.
 
@@ -157,7 +154,7 @@ def write_checkpoint(
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
     edited: Collection[str],
     on_layer: Callable[[], None] | None = None,
-    written: Written | None = None,
+    written: WrittenFiles | None = None,
 ) -> None:
     """Write a loadable checkpoint directory with the edited layers, streaming tensor by tensor.
 
@@ -185,7 +182,7 @@ def _write_checkpoint(
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
     edited: Collection[str],
     on_layer: Callable[[], None] | None,
-    written: Written | None,
+    written: WrittenFiles | None,
 ) -> None:
     shards = _shard_paths(source)
     entries = _all_entries(shards)
@@ -222,7 +219,7 @@ def _write_checkpoint(
 
 
 def _copy_side_files(
-    source: ModelFiles, target: Path, untied: bool, new_keys: dict[str, str], written: Written | None = None
+    source: ModelFiles, target: Path, untied: bool, new_keys: dict[str, str], written: WrittenFiles | None = None
 ) -> None:
     """Copy the :data:`SIDE_FILES` the source has (only those: never a README or any other file),
     untying the config and adding the new keys to the index when the edit untied a weight."""
@@ -261,7 +258,7 @@ def write_delta(
     edited: Collection[str],
     metadata: dict[str, str],
     on_layer: Callable[[], None] | None = None,
-    written: Written | None = None,
+    written: WrittenFiles | None = None,
 ) -> None:
     """Write only the changed tensors (their new values, under checkpoint keys) to one file,
     streaming layer by layer like :func:`write_checkpoint`.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
-from service.engine.checkpoint_write import Written, write_checkpoint, write_delta
+from service.engine.checkpoint_write import WrittenFiles, write_checkpoint, write_delta
 from service.engine.compose import EngramSource, layer_deltas, layer_scales, normalized_scales
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
@@ -128,7 +128,7 @@ def build_variant_files(
     *,
     job_id: str | None = None,
     timer: StepTimes | None = None,
-    written: Written | None = None,
+    written: WrittenFiles | None = None,
 ) -> BuiltVariant:
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
@@ -216,7 +216,7 @@ def write_variant(
     progress: Progress,
     base: AdapterBase | None = None,
     *,
-    written: Written | None = None,
+    written: WrittenFiles | None = None,
 ) -> AdapterReport | None:
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     edit_layer = stored_editor(source, reader.layer_weights, scales)
