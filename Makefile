@@ -22,7 +22,7 @@ TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_I
 help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
 	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
-	@echo "make test             the whole test suite, as CI runs it (needs redis-server on PATH); prints the 25 slowest"
+	@echo "make test             the whole test suite, as CI runs it (needs redis-server on PATH), in TEST_WORKERS=$(TEST_WORKERS) processes; prints the 25 slowest"
 	@echo "make test-fast        the in-process tier (pytest -m fast: no server, Redis or S3 process); prints the 20 slowest"
 	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (threads: the idle cores; DEMO_ARGS=--threads=N)"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
@@ -34,7 +34,7 @@ help:
 	@echo "make docs             build the documentation site into site/ (mkdocs, offline, --strict: broken links fail)"
 	@echo "make validate-deploy  docker-compose.yml, Dockerfiles and k8s/ checked without Docker or a cluster"
 	@echo "make clean            remove $(VENV)/, .engram/ (the default store) and .pytest_cache/"
-	@echo "settings: HOST=$(HOST) PORT=$(PORT) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL)"
+	@echo "settings: HOST=$(HOST) PORT=$(PORT) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX_URL=$(TORCH_INDEX_URL) TEST_WORKERS=$(TEST_WORKERS)"
 
 install: $(STAMP)
 
@@ -74,9 +74,14 @@ test-deps:
 	  echo "  (any Redis 6 or newer; it is only run by the tests, on free ports, without persistence)" >&2; \
 	  exit 1; }
 
-# Every test, with the slowest 25 named (so that a slow one is seen where it is added).
+# Every test, with the slowest 25 named (so that a slow one is seen where it is added), in TEST_WORKERS
+# processes (pytest-xdist). --dist loadfile: a module runs whole in one process, so its module-scoped
+# servers (Redis, SeaweedFS, a worker) start once; each process has its own session fixtures. Half the
+# suite waits on processes (servers starting, jobs, time limits), so two processes on two cores take
+# about half the time of one. TEST_WORKERS=0: one process, as before.
+TEST_WORKERS ?= 2
 test: test-deps install
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The fast tier: the tests that call the app, the engine and the stores in this process (tests/conftest.py
 # says which), meant to take under 3 minutes on a 2-core machine; `make test` runs them with everything else.

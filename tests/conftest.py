@@ -135,6 +135,9 @@ def _calls_a_starter(function: Any) -> bool:
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly or os.environ.get("ENGRAM_FIXTURE_WARM", "1") == "0":
         return
+    # Under pytest-xdist every worker collects the whole suite: one of them (gw0) warms for all.
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
     _WARMING.extend(warm.start(warm.builders_for(session.items)))
 
 

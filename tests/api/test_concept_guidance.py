@@ -14,14 +14,15 @@ Each request also changes nothing (``unchanged``), and the CLI prints the same g
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engram_fixtures.demo import make_facts
-from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
+from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready, wait_for_job
 from tests.helpers.api import assert_problem, register_model, unchanged
-from tests.helpers.cli import failed, run_cli
+from tests.helpers.cli import failed, run_cli, says
 from tests.helpers.job_process import job_process, paused
 
 MODEL = "guide/tiny"
@@ -29,14 +30,18 @@ FACTS = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=41)]
 
 
 @pytest.fixture(scope="module")
-def server(live_server: LiveServer, tiny_llama_dir: Path) -> LiveServer:
-    """The session's server with ``MODEL`` registered and concept ``guide-forget`` ready on it."""
-    api = live_server.client
-    register_model(api, MODEL, f"file://{tiny_llama_dir}", existing_ok=True)
-    response = api.post("/concepts", json={"name": "guide-forget", "models": [MODEL], "records": FACTS[:6]})
-    assert response.status_code == 202, response.text
-    wait_concepts_ready(api, ["guide-forget"], MODEL)
-    return live_server
+def server(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama_dir: Path) -> Iterator[LiveServer]:
+    """A server of this module's own with ``MODEL`` registered and concept ``guide-forget`` ready on it.
+
+    Its own, not the session's: the close matches of a misspelt name are drawn from every concept the
+    server knows, and the session's server holds whatever the modules run before this one posted."""
+    with running_server(tmp_path_factory.mktemp("concept-guidance"), model_root) as server:
+        api = server.client
+        register_model(api, MODEL, f"file://{tiny_llama_dir}")
+        response = api.post("/concepts", json={"name": "guide-forget", "models": [MODEL], "records": FACTS[:6]})
+        assert response.status_code == 202, response.text
+        wait_concepts_ready(api, ["guide-forget"], MODEL)
+        yield server
 
 
 def test_a_misspelt_concept_names_its_close_matches_and_how_to_list_them(server: LiveServer) -> None:
@@ -52,7 +57,7 @@ def test_a_misspelt_concept_names_its_close_matches_and_how_to_list_them(server:
         assert problem["close_matches"] == {"nothing-like-it": []}  # no close match: none made up
 
     stderr = failed(run_cli(server.base_url, "concepts", "show", "guide-forgte"), "did you mean guide-forget?")
-    assert "engram concepts list" in stderr
+    assert says(stderr, "engram concepts list")
     failed(run_cli(server.base_url, "unlearn", MODEL, "-c", "guide-forgte", "--no-wait"), "did you mean guide-forget?")
 
 
@@ -87,4 +92,4 @@ def test_a_model_outside_the_roots_says_it_is_a_server_setting_and_how_to_fix_it
     assert str(server.model_root.resolve()) in detail  # the roots allowed
     assert "Put the model under" in detail and "operator" in detail  # the two fixes
     stderr = failed(run_cli(server.base_url, "models", "add", "guide/outside", f"file://{outside}"), "server setting")
-    assert "ENGRAM_MODEL_ROOTS" in stderr
+    assert says(stderr, "ENGRAM_MODEL_ROOTS")

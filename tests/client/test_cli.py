@@ -29,7 +29,7 @@ from PIL import Image
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, free_port, start_server, stop_server
 from tests.client.conftest import CLI2_MODEL, ReadyVariant
-from tests.helpers.cli import failed, ok, run_cli, write_jsonl
+from tests.helpers.cli import failed, ok, run_cli, says, write_jsonl
 
 MODEL = "cli/tiny"
 FACTS = make_facts(40, seed=7)
@@ -361,7 +361,7 @@ def test_map_png_is_written_whole_at_the_size_asked(cli2: ReadyVariant, tmp_path
     result = ok(
         run_cli(cli2.url, "map", cli2.model, "-c", "cli2-forget", "--png", target, "--width", "400", "--height", "300")
     )
-    assert f"in {target}: 400×300 px" in result.stderr and result.stdout == ""
+    assert says(result.stderr, f"in {target}: 400×300 px") and result.stdout == ""
     with Image.open(target) as image:
         assert (image.format, image.size) == ("PNG", (400, 300))
     assert os.listdir(target.parent) == ["forget.png"]  # the partial file was renamed, nothing else is left

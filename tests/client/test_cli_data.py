@@ -30,7 +30,7 @@ from engram_client import EngramClient
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer
 from engram_fixtures.models import make_tiny_chat_llama
-from tests.helpers.cli import failed, ok, run_cli, write_jsonl
+from tests.helpers.cli import failed, ok, run_cli, says, write_jsonl
 
 CHAT_MODEL = "cli-data/chat"
 PLAIN_MODEL = "cli-data/plain"
@@ -200,7 +200,7 @@ def test_concepts_add_usage_errors_exit_2(world: World, args: list[str], mention
     assert result.returncode == 2, result
     assert "Traceback" not in result.stderr
     for mention in mentions:
-        assert mention in result.stderr, result.stderr
+        assert says(result.stderr, mention), result.stderr
 
 
 @pytest.fixture(scope="module")

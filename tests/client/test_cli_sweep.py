@@ -28,7 +28,7 @@ from engram_client import EngramClient
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import REPO_ROOT, LiveServer, start_server, stop_server
 from tests.client.conftest import ReadyVariant
-from tests.helpers.cli import failed, ok, run_cli, write_jsonl
+from tests.helpers.cli import failed, ok, run_cli, says, write_jsonl
 
 SWEEP_MODEL = "sweep/tiny"
 _FACTS = make_facts(16, seed=31)
@@ -39,9 +39,8 @@ def usage_error(result: subprocess.CompletedProcess[str], *mentions: str) -> str
     assert result.returncode == 2, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     stderr = result.stderr
     assert "Traceback" not in stderr, stderr
-    flat = " ".join(stderr.replace("│", " ").split())  # the usage box wraps long messages
     for mention in mentions:
-        assert mention in flat, stderr
+        assert says(stderr, mention), stderr
     return stderr
 
 
