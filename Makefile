@@ -76,12 +76,17 @@ test-deps:
 
 # Every test, with the slowest 25 named (so that a slow one is seen where it is added), in TEST_WORKERS
 # processes (pytest-xdist). --dist loadfile: a module runs whole in one process, so its module-scoped
-# servers (Redis, SeaweedFS, a worker) start once; each process has its own session fixtures. Half the
-# suite waits on processes (servers starting, jobs, time limits), so two processes on two cores take
-# about half the time of one. TEST_WORKERS=0: one process, as before.
+# servers (Redis, SeaweedFS, a worker) start once; each process has its own session fixtures. With
+# workers, torch runs one thread per process (OMP_NUM_THREADS=1 unless set; the servers and workers the
+# tests start inherit it): the processes already fill the cores, and OpenMP teams of two on a core the
+# other process needs wait at their barriers. On 2 cores (1,949 tests, 2026-11-28): one process
+# 21 min 14 s, two 14 min 30 s, two with one thread each 13 min 8 s. TEST_WORKERS=0: one process,
+# torch's own thread count.
 TEST_WORKERS ?= 2
+TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1})
+TEST_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: test-deps install
-	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(TEST_PARALLEL) $(PY) -m pytest -q --durations=25 $(TEST_XDIST)
 
 # The fast tier: the tests that call the app, the engine and the stores in this process (tests/conftest.py
 # says which), meant to take under 3 minutes on a 2-core machine; `make test` runs them with everything else.

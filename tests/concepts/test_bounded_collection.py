@@ -32,6 +32,7 @@ from tests.helpers.job_process import job_process, peak_rss_bytes, template_chil
 
 MAX_LENGTH = 64
 TIMEOUT_S = 5
+TEMPLATE_MEMORY_BYTES = 256 << 20  # service.config: template_memory_bytes >= 256 MiB
 LOOPING = (
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -59,6 +60,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "ENGRAM_MAX_JSON_BYTES": str(64 << 20),
         "ENGRAM_MAX_LENGTH": str(MAX_LENGTH),
         "ENGRAM_TEMPLATE_TIMEOUT_S": str(TIMEOUT_S),
+        # The smallest memory bound allowed: the doubling template reaches it after a quarter of the
+        # copying the 1 GiB default takes, well inside TIMEOUT_S on a loaded machine (at the default,
+        # three test processes on two cores took 7.5 s and the time bound tripped first).
+        "ENGRAM_TEMPLATE_MEMORY_BYTES": str(TEMPLATE_MEMORY_BYTES),
         "ENGRAM_MAX_RECORD_BYTES": str(MAX_RECORD_BYTES),
     }
     with running_server(root, models, **env) as live:
