@@ -83,10 +83,13 @@ test-deps:
 # 21 min 14 s, two 14 min 30 s, two with one thread each 13 min 8 s. TEST_WORKERS=0: one process,
 # torch's own thread count.
 TEST_WORKERS ?= 2
-TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1})
-TEST_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+ifeq ($(TEST_WORKERS),0)
+PYTEST := $(PY) -m pytest
+else
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+endif
 test: test-deps install
-	$(TEST_PARALLEL) $(PY) -m pytest -q --durations=25 $(TEST_XDIST)
+	$(PYTEST) -q --durations=25
 
 # The fast tier: the tests that call the app, the engine and the stores in this process (tests/conftest.py
 # says which), meant to take under 3 minutes on a 2-core machine; `make test` runs them with everything else.
