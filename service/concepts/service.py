@@ -337,6 +337,21 @@ def concept_model_state(ctx: Context, entry: ConceptModelState) -> ModelStateVie
     return ModelStateView.model_validate({"status": status, "tokens": None, "job_id": entry.job_id})
 
 
+def _as_its_jobs_left_it(ctx: Context, concept: ConceptRecord) -> ConceptRecord:
+    """The concept as of after what its finished collection jobs wrote into it.
+
+    A view may read a copy up to a second old (the read cache), and a reference's collection job
+    writes into the concept (the resolved digest and its statistics key) before it ends. An entry
+    without a statistics key whose job has finished is such an older copy, or a job that ended before
+    resolving: the copy would show a succeeded collection as failed, then as ready a second later.
+    Storage is read again, after the job (which wrote the concept before it finished).
+    """
+    unkeyed = [entry for entry in concept.models.values() if entry.stats is None]
+    if not any((job := ctx.jobs.get(entry.job_id)) is not None and job.status in FINISHED for entry in unkeyed):
+        return concept
+    return find_concept(ctx, concept.name) or concept  # None: deleted since; the copy at hand is shown
+
+
 def ready_state(published: StatisticsManifest, job_id: str) -> ModelStateView:
     """A model's state once its statistics are published: their tokens and what ``max_length`` did
     (the manifest's truncation report; ``None`` in a manifest written before there was one)."""
@@ -346,6 +361,7 @@ def ready_state(published: StatisticsManifest, job_id: str) -> ModelStateView:
 
 def concept_view(ctx: Context, concept: ConceptRecord) -> Concept:
     """The concept as the routes answer it: the contract's :class:`~api_schemas.Concept`."""
+    concept = _as_its_jobs_left_it(ctx, concept)
     states = {m: concept_model_state(ctx, e) for m, e in concept.models.items()}
     error = None
     if concept.dataset is not None and concept.dataset_digest is None:
