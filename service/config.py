@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     # service read for whoever posts it, so the readable buckets are listed, never guessed. The
     # store's own bucket (ENGRAM_STORAGE_URL) is never one: listing it stops the service at start-up.
     dataset_buckets: str = Field(default="", description="comma-separated S3 bucket names")
+    # The buckets s3:// models may be registered from, comma-separated. Empty (the default): s3://
+    # models are refused, as s3:// datasets are without ENGRAM_DATASET_BUCKETS, for the same reason:
+    # the service's credentials read more than models, and registering a model makes every key able
+    # to download its weights in a variant. Never the store's own bucket (refused at start-up).
+    model_buckets: str = Field(default="", description="comma-separated S3 bucket names")
     # Where workers keep local copies (statistics, downloaded models and datasets). Default:
     # ~/.cache/engram-service.
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "engram-service")
@@ -219,6 +224,19 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _model_buckets_are_buckets(self) -> Settings:
+        for name in self.model_bucket_names:
+            if not S3_BUCKET_NAME.fullmatch(name):
+                raise ValueError(f"ENGRAM_MODEL_BUCKETS: {name!r} is not a bucket name ({S3_BUCKET_RULE})")
+        if self.storage_bucket in self.model_bucket_names:
+            raise ValueError(
+                f"ENGRAM_MODEL_BUCKETS lists {self.storage_bucket!r}, the bucket of ENGRAM_STORAGE_URL: "
+                "the service's own store is never a model source (anyone could register its statistics "
+                "and variants as a model and download them); keep models in another bucket"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _callbacks_are_signed(self) -> Settings:
         if self.callback_allowed_hosts and not (self.callback_secret and self.callback_secret.get_secret_value()):
             raise ValueError("ENGRAM_CALLBACK_HOSTS is set: set ENGRAM_CALLBACK_SECRET too (callbacks are always signed)")
@@ -228,6 +246,11 @@ class Settings(BaseSettings):
     def dataset_bucket_names(self) -> frozenset[str]:
         """The buckets ``s3://`` dataset references may name (ENGRAM_DATASET_BUCKETS)."""
         return frozenset(b.strip() for b in self.dataset_buckets.split(",") if b.strip())
+
+    @property
+    def model_bucket_names(self) -> frozenset[str]:
+        """The buckets ``s3://`` models may be registered from (ENGRAM_MODEL_BUCKETS)."""
+        return frozenset(b.strip() for b in self.model_buckets.split(",") if b.strip())
 
     @property
     def storage_bucket(self) -> str | None:

@@ -24,7 +24,7 @@ from service.jobs.store import utc_now
 from service.models.loaded import write_copy_record
 from service.models.record import ModelRecord, folder_kind
 from service.models.registry import files_changed, find_model
-from service.models.sources import is_remote, local_model_dir
+from service.models.sources import check_model_bucket, is_remote, local_model_dir
 from service.storage.keys import model_key
 
 
@@ -47,6 +47,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
             raise Conflict(f"model {model_id} is already registered with source {existing.source}")
         if not files_changed(existing):
             return existing, False
+    check_model_bucket(source, ctx.settings)  # again in the job: the worker's settings are the ones that read
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     layout, sums, identity = _inspect(ctx, source, path)
     if not layout.layers:

@@ -32,7 +32,7 @@ from service.engine.model_files import (
 from service.errors import JobFailed
 from service.models.record import ModelRecord
 from service.models.registry import find_model
-from service.models.sources import local_model_dir
+from service.models.sources import check_model_bucket, local_model_dir
 from service.storage.keys import model_key
 
 REREGISTER = "re-register the model"
@@ -59,6 +59,7 @@ def checked_model_files(ctx: Context, manifest: ModelRecord) -> ModelFiles:
                 raise ModelSourceError("the model folder was replaced by a symbolic link")
             registered = manifest.registered_identity()
         else:
+            check_model_bucket(manifest.source, ctx.settings)  # a bucket delisted since registration is read no more
             path = local_model_dir(manifest.source, [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
             registered = None  # each machine downloads its own copy: other inodes and times
         check_links(path)  # a link leading out is refused even where no used file is one (registration did)

@@ -5,15 +5,15 @@ device to learn its layers (transformers, about 180 MB that would stay in the pr
 one (``s3://``, ``hf://``) is downloaded first: minutes and gigabytes for a real model. The API
 process (small, and answering other requests meanwhile) does none of it. The request checks what it
 can without reading the checkpoint (the ID, the source's form, for a ``file://`` folder that it lies
-in ``ENGRAM_MODEL_ROOTS``, an earlier registration of the same ID) and starts a ``register`` job,
-which a worker runs (:func:`service.models.inspection.run_registration`). The same registration
-posted while its job runs follows that job.
+in ``ENGRAM_MODEL_ROOTS``, for an ``s3://`` one that ``ENGRAM_MODEL_BUCKETS`` lists its bucket, an
+earlier registration of the same ID) and starts a ``register`` job, which a worker runs
+(:func:`service.models.inspection.run_registration`). The same registration posted while its job
+runs follows that job.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from service.context import Context
 from service.engine.model_checks import check_model_dir
@@ -24,7 +24,7 @@ from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import new_job
 from service.models.record import ModelRecord
 from service.models.registry import files_changed, find_model
-from service.models.sources import check_remote_source, is_remote, local_model_dir
+from service.models.sources import check_model_bucket, check_remote_source, is_remote, local_model_dir
 from service.storage.keys import registration_key
 
 _ACTIVE = ("queued", "running")
@@ -76,35 +76,20 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
 
 def check_source(ctx: Context, source: str) -> None:
     """Refuse (422) what the request can tell is wrong without reading the weights: an unknown
-    scheme, a malformed ``s3://``/``hf://`` source, a ``file://`` path that is not a folder inside
-    ``ENGRAM_MODEL_ROOTS`` (links resolved), or a folder :func:`check_model_dir` refuses (no
+    scheme, a malformed ``s3://``/``hf://`` source, an ``s3://`` bucket ``ENGRAM_MODEL_BUCKETS`` does
+    not list (or the store's own), a ``file://`` path that is not a folder inside ``ENGRAM_MODEL_ROOTS``
+    (links resolved), or a folder :func:`check_model_dir` refuses (no
     config, remote code, pickle weights, a quantized model, a link leading out). The job checks all
     of it again, then the weights."""
     if is_remote(source):
         check_remote_source(source)
-        _refuse_the_store_bucket(ctx, source)
+        check_model_bucket(source, ctx.settings)
         return
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     try:  # the folder's side files only (config, tokenizer config, file names): a refused one writes nothing
         check_model_dir(path)
     except ModelSourceError as exc:
         raise InvalidInput(str(exc)) from None
-
-
-def _refuse_the_store_bucket(ctx: Context, source: str) -> None:
-    """An ``s3://`` model inside the service's own store (ENGRAM_STORAGE_URL's bucket and prefix) is a
-    422: registering it would copy stored statistics, engrams or other users' variants into a model
-    anyone may read back. The rest of that bucket may hold models."""
-    store = urlparse(ctx.settings.storage_url)
-    parsed = urlparse(source)
-    if store.scheme != "s3" or parsed.netloc != store.netloc:
-        return
-    store_prefix = store.path.strip("/") + "/" if store.path.strip("/") else ""
-    if (parsed.path.lstrip("/").rstrip("/") + "/").startswith(store_prefix):
-        raise InvalidInput(
-            f"{source!r} lies inside the service's own store ({ctx.settings.storage_url}, ENGRAM_STORAGE_URL), "
-            "which is never a model source: upload the checkpoint to another bucket or prefix"
-        )
 
 
 def registering_job(ctx: Context, model_id: str) -> JobRecord | None:

@@ -17,6 +17,7 @@ from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
 
+from service.config import Settings
 from service.engine.model_files import ModelSourceError, allowed_dirs, check_links
 from service.errors import InvalidInput
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
@@ -64,6 +65,34 @@ def check_remote_source(source: str) -> None:
         _hf_repo(source)
     elif scheme == "s3":
         _s3_location(source)
+
+
+def check_model_bucket(source: str, settings: Settings) -> None:
+    """Refuse (422) an ``s3://`` model whose bucket ``ENGRAM_MODEL_BUCKETS`` does not list, or that is
+    the store's own bucket, before anything is listed or downloaded; other schemes pass.
+
+    The service reads with its own credentials for whoever registers a model, and every key may
+    then download the weights in a variant, so only the listed buckets are read. The store's bucket
+    never is, even when listed (the settings refuse that at start-up; a worker started with other
+    settings refuses it here): its statistics and variants must not become a model anyone reads back.
+    """
+    if urlparse(source).scheme != "s3":
+        return
+    bucket, _ = _s3_location(source)
+    if bucket == settings.storage_bucket:
+        raise InvalidInput(
+            f"{source!r} lies in s3://{bucket}, the bucket of the service's own store ({settings.storage_url}, "
+            "ENGRAM_STORAGE_URL), which is never a model source: upload the checkpoint to a bucket of "
+            "ENGRAM_MODEL_BUCKETS"
+        )
+    allowed = settings.model_bucket_names
+    if bucket not in allowed:
+        listed = ", ".join(sorted(allowed)) if allowed else "none: s3:// models are off on this service"
+        raise InvalidInput(
+            f"the bucket {bucket!r} is not one s3:// models may be registered from (ENGRAM_MODEL_BUCKETS: "
+            f"{listed}); copy the checkpoint to a listed bucket, register it from file:// or hf://, or ask "
+            "the operator to add the bucket to ENGRAM_MODEL_BUCKETS"
+        )
 
 
 def _hf_repo(source: str) -> tuple[str, str | None]:

@@ -18,11 +18,12 @@ import pytest
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, start_server, stop_server, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.helpers.api import assert_problem
-from tests.helpers.s3 import SeaweedServer
+from tests.helpers.s3 import SeaweedServer, drop_bucket
 
 pytestmark = pytest.mark.slow
 
 PREFIX = "engram"  # the server's keys live under s3://<bucket>/engram/
+MODELS = "api-on-s3-models"  # s3:// models come from this bucket: never the store's own (ENGRAM_MODEL_BUCKETS)
 FACTS = make_facts(20, seed=0)
 FORGET = [{"prompt": p, "completion": c} for p, c in FACTS[:4]]
 RETAIN = [{"prompt": p, "completion": c} for p, c in FACTS[4:12]]
@@ -35,7 +36,8 @@ def bucket_keys(seaweed: SeaweedServer, bucket: str, prefix: str) -> list[str]:
 
 
 def start_s3_server(seaweed: SeaweedServer, bucket: str, root: Path, name: str, **env: str) -> LiveServer:
-    """The real server on ``s3://bucket/engram``; its (unused) file storage dir and $HOME are under ``root``."""
+    """The real server on ``s3://bucket/engram``, s3:// models from :data:`MODELS` (ENGRAM_MODEL_BUCKETS);
+    its (unused) file storage dir and $HOME are under ``root``."""
     home = root / "home"
     home.mkdir(exist_ok=True)
     return start_server(
@@ -45,6 +47,7 @@ def start_s3_server(seaweed: SeaweedServer, bucket: str, root: Path, name: str, 
         ENGRAM_STORAGE_URL=f"s3://{bucket}/{PREFIX}",
         ENGRAM_S3_ENDPOINT_URL=seaweed.endpoint_url,
         HOME=str(home),  # s3:// model sources are cached under ~/.cache: keep the developer's clean
+        ENGRAM_MODEL_BUCKETS=MODELS,
         **seaweed.env(),
         **env,
     )
@@ -61,7 +64,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(seaweed: SeaweedServer, s3_bucket: str, root: Path) -> Iterator[LiveServer]:
+def models_bucket(seaweed: SeaweedServer) -> Iterator[str]:
+    seaweed.client().create_bucket(Bucket=MODELS)
+    try:
+        yield MODELS
+    finally:
+        drop_bucket(seaweed, MODELS)
+
+
+@pytest.fixture(scope="module")
+def server(seaweed: SeaweedServer, s3_bucket: str, models_bucket: str, root: Path) -> Iterator[LiveServer]:
     live = start_s3_server(seaweed, s3_bucket, root, "main")
     try:
         yield live
@@ -70,15 +82,15 @@ def server(seaweed: SeaweedServer, s3_bucket: str, root: Path) -> Iterator[LiveS
 
 
 @pytest.fixture(scope="module")
-def flow(server: LiveServer, seaweed: SeaweedServer, s3_bucket: str, root: Path) -> dict[str, Any]:
+def flow(server: LiveServer, seaweed: SeaweedServer, models_bucket: str, root: Path) -> dict[str, Any]:
     """``org/tiny`` (file://) and ``org/tiny-s3`` (s3://) registered, two concepts ready, one variant ready."""
     api = server.client
     model_dir = root / "models" / "tiny"
     client = seaweed.client()
     for path in sorted(model_dir.iterdir()):
-        client.put_object(Bucket=s3_bucket, Key=f"sources/tiny/{path.name}", Body=path.read_bytes())
+        client.put_object(Bucket=models_bucket, Key=f"sources/tiny/{path.name}", Body=path.read_bytes())
     registered = {}
-    for model_id, source in (("org/tiny", f"file://{model_dir}"), ("org/tiny-s3", f"s3://{s3_bucket}/sources/tiny/")):
+    for model_id, source in (("org/tiny", f"file://{model_dir}"), ("org/tiny-s3", f"s3://{models_bucket}/sources/tiny/")):
         response = api.post("/models", json={"model_id": model_id, "source": source})
         assert response.status_code == 201, response.text
         registered[model_id] = response.json()
@@ -157,14 +169,14 @@ def test_presigned_downloads_redirect_to_s3(
 
 
 def test_an_s3_source_is_registered_by_a_job_not_in_the_request(
-    server: LiveServer, flow: dict[str, Any], seaweed: SeaweedServer, s3_bucket: str, root: Path
+    server: LiveServer, flow: dict[str, Any], seaweed: SeaweedServer, models_bucket: str, root: Path
 ) -> None:
     """The download and the digest run in a ``register`` job: 202 with it, then the model as from a folder."""
     api = server.client
     client = seaweed.client()
     for path in sorted((root / "models" / "tiny").iterdir()):
-        client.put_object(Bucket=s3_bucket, Key=f"sources/tiny-job/{path.name}", Body=path.read_bytes())
-    body = {"model_id": "org/tiny-job", "source": f"s3://{s3_bucket}/sources/tiny-job/"}
+        client.put_object(Bucket=models_bucket, Key=f"sources/tiny-job/{path.name}", Body=path.read_bytes())
+    body = {"model_id": "org/tiny-job", "source": f"s3://{models_bucket}/sources/tiny-job/"}
     submitted = api.post("/models", params={"wait": 0}, json=body)
     assert submitted.status_code == 202, submitted.text
     job = submitted.json()
@@ -176,13 +188,13 @@ def test_an_s3_source_is_registered_by_a_job_not_in_the_request(
     assert model.status_code == 200 and model.json()["digest"] == flow["models"]["org/tiny"]["digest"]
     again = api.post("/models", json=body)
     assert again.status_code == 200 and again.json() == model.json()  # the same registration: no job
-    other = api.post("/models", json={**body, "source": f"s3://{s3_bucket}/sources/tiny/"})
+    other = api.post("/models", json={**body, "source": f"s3://{models_bucket}/sources/tiny/"})
     assert_problem(other, 409, "already registered")
 
 
-def test_an_unreadable_s3_source_fails_its_job_and_registers_nothing(server: LiveServer, s3_bucket: str) -> None:
+def test_an_unreadable_s3_source_fails_its_job_and_registers_nothing(server: LiveServer, models_bucket: str) -> None:
     api = server.client
-    body = {"model_id": "org/nothing", "source": f"s3://{s3_bucket}/sources/nothing-here/"}
+    body = {"model_id": "org/nothing", "source": f"s3://{models_bucket}/sources/nothing-here/"}
     refused = api.post("/models", params={"wait": 30}, json=body)
     assert_problem(refused, 422, "holds no model files")
     job = api.get(f"/jobs/{refused.json()['job_id']}").json()
@@ -191,14 +203,14 @@ def test_an_unreadable_s3_source_fails_its_job_and_registers_nothing(server: Liv
     assert_problem(api.post("/models", json={"model_id": "org/bad", "source": "s3:///no-bucket/"}), 422)
 
 
-@pytest.mark.parametrize("inside", ["", "variants/", "stats/some/"])
+@pytest.mark.parametrize("inside", [f"{PREFIX}/", f"{PREFIX}/variants/", f"{PREFIX}/stats/some/", "sources/"])
 def test_a_model_inside_the_services_own_store_is_refused(
     server: LiveServer, flow: dict[str, Any], s3_bucket: str, inside: str
 ) -> None:
     """Issue 23: the store's objects (statistics, engrams, other users' variants) never become a model
-    anyone may read back; the same bucket outside the store's prefix may hold models (``sources/``)."""
+    anyone may read back; nor does the rest of the store's bucket (issue 35: ENGRAM_MODEL_BUCKETS never holds it)."""
     api = server.client
-    body = {"model_id": "org/from-the-store", "source": f"s3://{s3_bucket}/{PREFIX}/{inside}"}
+    body = {"model_id": "org/from-the-store", "source": f"s3://{s3_bucket}/{inside}"}
     refused = api.post("/models", params={"wait": 0}, json=body)
     assert_problem(refused, 422, "ENGRAM_STORAGE_URL")
     assert api.get("/models/org/from-the-store").status_code == 404

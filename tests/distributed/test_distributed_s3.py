@@ -15,9 +15,10 @@ from engram_fixtures.live import kill_worker, wait_for_job
 from tests.distributed.cluster import Cluster
 from tests.e2e.tofu import run_mini_tofu
 from tests.helpers.api import register_model
-from tests.helpers.s3 import SeaweedServer, restart_seaweed, stop_seaweed
+from tests.helpers.s3 import SeaweedServer, drop_bucket, restart_seaweed, stop_seaweed
 
 PREFIX = "engram"
+MODELS = "dist-s3-models"  # s3:// models come from this bucket: never the store's own (ENGRAM_MODEL_BUCKETS)
 
 
 def bucket_keys(seaweed: SeaweedServer, bucket: str, prefix: str) -> list[str]:
@@ -36,19 +37,21 @@ def s3_cluster(seaweed: SeaweedServer, s3_bucket: str, tmp_path_factory: pytest.
     root = tmp_path_factory.mktemp("dist-s3")
     (root / "models").mkdir()
     storage = {"ENGRAM_STORAGE_URL": f"s3://{s3_bucket}/{PREFIX}", "ENGRAM_S3_ENDPOINT_URL": seaweed.endpoint_url}
-    cluster = Cluster(root, **storage, **seaweed.env())
+    seaweed.client().create_bucket(Bucket=MODELS)
+    cluster = Cluster(root, **storage, ENGRAM_MODEL_BUCKETS=MODELS, **seaweed.env())
     try:
         cluster.start_worker()
         yield cluster
     finally:
         cluster.close()
+        drop_bucket(seaweed, MODELS)
 
 
 def test_mini_tofu_in_distributed_mode_on_s3(
     s3_cluster: Cluster, seaweed: SeaweedServer, s3_bucket: str, mini_tofu_demo: Path, tmp_path: Path
 ) -> None:
-    upload_dir(seaweed, s3_bucket, mini_tofu_demo / "demo" / "model", "models/mini-tofu")
-    source = f"s3://{s3_bucket}/models/mini-tofu/"
+    upload_dir(seaweed, MODELS, mini_tofu_demo / "demo" / "model", "models/mini-tofu")
+    source = f"s3://{MODELS}/models/mini-tofu/"
     result = run_mini_tofu(s3_cluster.api.client, mini_tofu_demo, source, tmp_path, model_id="dist/mini-tofu")
 
     api_pid = str(s3_cluster.api.process.pid)

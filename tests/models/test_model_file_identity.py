@@ -301,7 +301,7 @@ def test_a_remote_models_private_copy_is_hashed_once_per_machine_then_checked_by
     copy = cache / "s3" / hashlib.sha256(source.encode()).hexdigest()
     shutil.copytree(tiny_llama_dir, copy)
     unreachable = f"http://127.0.0.1:{free_port()}"  # the cached copy is used: S3 is never asked
-    settings = Settings(cache_dir=cache, s3_endpoint_url=unreachable)
+    settings = Settings(cache_dir=cache, s3_endpoint_url=unreachable, model_buckets="bucket")
     store, lock = LocalStorage(tmp_path / "store"), threading.RLock()
     ctx = Context(settings=settings, storage=store, jobs=None, dispatch=None, lock=lock)  # type: ignore[arg-type]
     with open_model_files(copy) as files:
