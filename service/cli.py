@@ -124,12 +124,15 @@ def _serve(host: str, port: int) -> int:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.header_limit import header_limited_protocol
     from service.observability import configure_logging
 
     configure_logging()
     if settings.api_keys is None:
         logging.getLogger("engram").warning("ENGRAM_API_KEYS is unset: the API accepts requests without auth")
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
+    # The head of a request is capped in the server's protocol: the app is called only once it is buffered.
+    protocol = header_limited_protocol(settings.max_header_bytes)
+    uvicorn.run(create_app(settings), host=host, port=port, log_config=None, http=protocol)
     return 0
 
 

@@ -135,6 +135,12 @@ class Settings(BaseSettings):
     # cancelled. Every phase checks cancellation within a second, so 10 s only catches what cannot.
     cancel_grace_s: float = Field(default=10.0, gt=0, le=3600)
 
+    # A request's line and headers together, in bytes: past it the server answers 431 and closes the
+    # connection (service/api/header_limit.py), before the head is buffered whole (uvicorn's httptools
+    # parser has no limit of its own). 64 KiB is four times the 16 KiB h11 and Node.js allow and twice
+    # nginx's default header buffers (4 × 8 KiB), so no client that passes a common proxy is refused,
+    # while 1,000 open connections hold at most 64 MB of heads.
+    max_header_bytes: int = Field(default=64 << 10, ge=4096, le=16 << 20)
     # Request limits: a JSON body and a multipart upload.
     max_json_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
