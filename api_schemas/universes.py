@@ -74,7 +74,10 @@ class UniverseStatusCounts(BaseModel):
 
 class UniverseKeyUsage(BaseModel):
     key: str = Field(description="an API key's identity (key- and 12 hex digits of its SHA-256; anonymous without auth)")
-    bytes: int = Field(description="what the universes this key alone used within the retention age hold")
+    bytes: int = Field(
+        description="what this key is charged: the bytes of every universe it used within the retention age, "
+        "a universe several keys used counted in full for each"
+    )
     universes: int
 
 

@@ -26,7 +26,7 @@ rule, :func:`service.universes.retention.expire_unused`: universes nobody uses a
 recently used first) at start-up and every ``ENGRAM_JANITOR_INTERVAL_S`` (0: at start-up only).
 That first pass also states the universe budget in force: a ``file://`` store's budget larger than
 ``ENGRAM_UNIVERSE_VOLUME_FRACTION`` of its volume is capped there, with a warning
-(:func:`service.universes.retention.effective_budget`). Workers do not: one pass per API process
+(:func:`service.universes.holdings.effective_budget`). Workers do not: one pass per API process
 is enough, and each pass holds the registry lock. The pass is handed in, not imported, so that
 storage depends on no domain.
 """

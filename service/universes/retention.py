@@ -26,21 +26,21 @@ it under the same ID, with the same groups and member keys.
 
 Keys. Every use made by a request records which API key made it (``users``: key identity → last
 use; the identity is the key's name or fingerprint from :mod:`service.api.auth`, never the key; every
-caller is one key, ``anonymous``, without auth). A universe whose only user within the retention age
-is one key is *kept alive by that key*; its bytes count against that key's share,
-``ENGRAM_UNIVERSE_KEY_SHARE`` × the budget: a request of that key that would take it past its share
-is a 409 (:class:`UniverseShareExceeded`) naming the setting and the key's usage, whatever room the
-budget has. When another key needs room and evicting unused universes is not enough, the universes
-one other key alone keeps alive are evictable too (not a current universe, not one a job needs), the
-heaviest key's least recently used first, and only from keys that hold more than the requesting key
-will hold once its universe is built: a key can push out a heavier one, never a lighter one. A
-universe used by two keys within the retention age counts against neither and is never evicted
-early.
+caller is one key, ``anonymous``, without auth). Every key that used a universe within the retention
+age keeps it alive and is charged its bytes in full, a universe several keys use included
+(:mod:`service.universes.shares` says why). A request that would take its key's charge past
+``ENGRAM_UNIVERSE_KEY_SHARE`` × the budget is a 409 (:class:`UniverseShareExceeded`) naming the
+setting and the key's charge, whatever room the budget has. When another key needs room and
+evicting unused universes is not enough, the universes only other keys keep alive are evictable too
+(not a current universe, not one a job needs), the most charged key's least recently used first, and
+only from keys charged more than the requesting key will be once its universe is built: a key can
+push out a heavier one, never a lighter one, and using another key's universe never shields it.
 
 Volume. For ``file://`` storage the budget is capped at ``ENGRAM_UNIVERSE_VOLUME_FRACTION`` of the
-store's volume (used + free bytes, :func:`effective_budget`), as the configured budget may exceed the
-disk; the cap is logged once per process (at start-up: the janitor's first pass) and shown by
-``GET /universes/usage``. S3 has no volume: nothing is checked there, and the usage says so.
+store's volume (used + free bytes, :func:`service.universes.holdings.effective_budget`), as the
+configured budget may exceed the disk; the cap is logged once per process (at start-up: the
+janitor's first pass) and shown by ``GET /universes/usage``. S3 has no volume: nothing is checked
+there, and the usage says so.
 
 Usage record: ``universes/<id>/usage.json`` ``{last_used, users, projected, evicted_at,
 evicted_bytes}``, the only mutable part of a universe besides its request's ``job_id``.
@@ -50,44 +50,35 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, Literal
 
 from api_schemas.universes import UniverseBytes, UniverseKeyUsage, UniverseStatusCounts, UniverseUsage
 from service.context import Context
 from service.errors import Conflict, ProblemDetails
 from service.jobs.admission import job_owner
-from service.jobs.records import UniversePayload, VariantPayload
 from service.jobs.store import FINISHED, utc_now
 from service.observability import record_universe_eviction, record_universe_refusal, set_universe_gauges
-from service.storage.keys import (
-    MODEL_UNIVERSES,
-    universe_prefix,
-    universe_request_key,
-    usage_key,
-    variant_request_key,
+from service.storage.keys import MODEL_UNIVERSES, universe_prefix, universe_request_key, usage_key
+from service.universes.holdings import (
+    Budget,
+    StoredUniverse,
+    UniverseStorage,
+    parse_time,
+    read_users,
+    size_words,
+    stored_parts,
+    universe_storage,
 )
-from service.storage.local import LocalStorage
 from service.universes.projection import Projection, project_universe
-from service.universes.records import (
-    current_universe_ids,
-    find_manifest,
-    find_request,
-    find_usage,
-    known_universe_ids,
-    model_universe_ids,
-)
+from service.universes.records import find_manifest, find_request, find_usage, model_universe_ids
+from service.universes.shares import displaceable, key_holdings, share_overrun
 from service.universes.spec import UniverseSpec
 
 log = logging.getLogger("engram.universes")
 
 # A use is written at most this often per universe: a burst of variant requests costs one write.
 _USE_WRITE_INTERVAL_S = 60.0
-
-Status = Literal["ready", "building", "partial", "failed", "evicted"]
 
 
 class UniverseBudgetExceeded(Conflict):
@@ -114,7 +105,7 @@ class UniverseShareExceeded(UniverseBudgetExceeded):
     """A new universe would take the requesting key past ``ENGRAM_UNIVERSE_KEY_SHARE`` of the budget.
 
     A 409 like the budget's (the request is fine; what this key keeps alive conflicts with it), with
-    ``key``, ``key_bytes`` (what the universes it alone keeps alive hold) and ``share_bytes``.
+    ``key``, ``key_bytes`` (its charge: what every universe it keeps alive holds) and ``share_bytes``.
     """
 
     title, slug = "Universe storage share of this API key exceeded", "universe-key-share-exceeded"
@@ -145,10 +136,10 @@ def note_use(
     key = key or job_owner.get()
     usage = find_usage(ctx, universe_id)
     now = datetime.now(timezone.utc)
-    users = _users(usage)
+    users = read_users(usage)
     changed = projected is not None or (rebuilding and usage.get("evicted_at") is not None)
     changed = changed or (key is not None and _stale(users.get(key), now))
-    if not changed and not _stale(_parse_time(usage.get("last_used")), now):
+    if not changed and not _stale(parse_time(usage.get("last_used")), now):
         return
     usage["last_used"] = utc_now()
     if key is not None:
@@ -169,259 +160,9 @@ def _stale(last: datetime | None, now: datetime) -> bool:
     return last is None or (now - last).total_seconds() >= _USE_WRITE_INTERVAL_S
 
 
-def _users(usage: Mapping[str, Any]) -> dict[str, datetime]:
-    """The usage record's ``users`` (key identity → last use) as times; unreadable entries dropped."""
-    found = {str(k): _parse_time(v) for k, v in dict(usage.get("users") or {}).items()}
-    return {k: t for k, t in found.items() if t is not None}
-
-
 def mark_built(ctx: Context, universe_id: str) -> None:
     """The build job's hook at its end (after ``manifest.json``): the universe was just used."""
     note_use(ctx, universe_id, rebuilding=True)
-
-
-# ---------------------------------------------------------------- what is stored
-
-
-@dataclass(frozen=True)
-class StoredUniverse:
-    """One universe's share of storage.
-
-    Attributes:
-        groups, engrams: bytes stored now (from the manifest once ready; the parts stored so far
-            while building or after a failed build; 0 once evicted).
-        reserved: bytes an unfinished build is projected to add beyond what it stored so far.
-        last_used: when it was last used (its request's time for universes without a usage record).
-        current: the current universe of some model.
-        busy: a job not finished yet builds it or reads it.
-        users: the API keys whose requests used it, and when each last did.
-    """
-
-    universe_id: str
-    status: Status
-    groups: int
-    engrams: int
-    reserved: int
-    last_used: datetime
-    current: bool
-    busy: bool
-    users: Mapping[str, datetime] = field(default_factory=dict)
-
-    @property
-    def stored(self) -> int:
-        return self.groups + self.engrams
-
-    @property
-    def held(self) -> int:
-        """What it counts against the budget: stored, plus what a running build will add."""
-        return self.stored + self.reserved
-
-    def evictable(self, now: datetime, retention_s: float) -> bool:
-        """Nobody uses it (see the module docstring) and it holds bytes to free."""
-        idle = (now - self.last_used).total_seconds() >= retention_s
-        return idle and not self.current and not self.busy and self.stored > 0
-
-    def keeper(self, now: datetime, retention_s: float) -> str | None:
-        """The one API key that keeps it alive: the only one that used it within the retention age."""
-        live = [k for k, t in self.users.items() if (now - t).total_seconds() < retention_s]
-        return live[0] if len(live) == 1 else None
-
-    def evictable_for(self, key: str, now: datetime, retention_s: float) -> bool:
-        """Another key alone keeps it alive, and no model or job needs it: it may make room for ``key``."""
-        keeper = self.keeper(now, retention_s)
-        return keeper is not None and keeper != key and not self.current and not self.busy and self.stored > 0
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The universe budget in force.
-
-    Attributes:
-        bytes: what the rule enforces (0: no limit): the configured budget, capped to the volume.
-        configured: ``ENGRAM_UNIVERSE_BYTES_BUDGET``.
-        volume: the bytes of the volume holding a ``file://`` store (used + free); None elsewhere.
-        note: why ``bytes`` differs from ``configured``, or what was not checked (None: nothing to say).
-    """
-
-    bytes: int
-    configured: int
-    volume: int | None = None
-    note: str | None = None
-
-
-_logged: set[tuple[str, int, int]] = set()  # (store, configured, in force) already logged by this process
-
-
-def _log_once(ctx: Context, budget: Budget, level: int, message: str) -> None:
-    """Say what the budget in force is once per process and budget (the janitor's pass at start-up
-    is the first to ask), not on every request."""
-    marker = (repr(ctx.storage), budget.configured, budget.bytes)
-    if marker not in _logged:
-        _logged.add(marker)
-        log.log(level, message)
-
-
-def effective_budget(ctx: Context) -> Budget:
-    """``ENGRAM_UNIVERSE_BYTES_BUDGET``, for ``file://`` storage capped at
-    ``ENGRAM_UNIVERSE_VOLUME_FRACTION`` of the store's volume (used + free bytes, a statfs: cheap
-    enough to read on every request, so a resized volume counts at once). A cap is logged once per
-    process. S3 has no volume: the configured budget is used as it is, and the note says so.
-    """
-    settings = ctx.settings
-    configured = settings.universe_bytes_budget
-    if not isinstance(ctx.storage, LocalStorage):
-        note = "object storage (s3): no volume to check the budget against; ENGRAM_UNIVERSE_BYTES_BUDGET applies as set"
-        budget = Budget(configured, configured, None, note)
-        _log_once(ctx, budget, logging.INFO, note)
-        return budget
-    try:
-        disk = shutil.disk_usage(ctx.storage.root)
-    except OSError as exc:  # the store is away: storage errors say so elsewhere; keep the configured budget
-        return Budget(configured, configured, None, f"the store's volume could not be measured ({exc})")
-    volume = disk.used + disk.free
-    cap = int(volume * settings.universe_volume_fraction)
-    if configured <= 0 or configured <= cap:
-        return Budget(configured, configured, volume)
-    note = (
-        f"ENGRAM_UNIVERSE_BYTES_BUDGET={_size(configured)} exceeds ENGRAM_UNIVERSE_VOLUME_FRACTION="
-        f"{settings.universe_volume_fraction:g} of the volume holding {ctx.storage.root} ({_size(volume)}): "
-        f"the budget in force is {_size(cap)}"
-    )
-    budget = Budget(cap, configured, volume, note)
-    _log_once(ctx, budget, logging.WARNING, f"{note}; lower ENGRAM_UNIVERSE_BYTES_BUDGET, or give the store a larger volume")
-    return budget
-
-
-@dataclass(frozen=True)
-class UniverseStorage:
-    """Every universe's share of storage, and the budget."""
-
-    universes: list[StoredUniverse]
-    budget: int
-    retention_s: float
-    limits: Budget | None = None
-    share: float = 1.0
-
-    def held(self, excluding: str | None = None) -> int:
-        return sum(u.held for u in self.universes if u.universe_id != excluding)
-
-    def evictable(self, now: datetime | None = None, excluding: str | None = None) -> list[StoredUniverse]:
-        """Evictable universes, least recently used first."""
-        moment = now or datetime.now(timezone.utc)
-        found = [u for u in self.universes if u.universe_id != excluding and u.evictable(moment, self.retention_s)]
-        return sorted(found, key=lambda u: (u.last_used, u.universe_id))
-
-    @property
-    def share_bytes(self) -> int:
-        """What the universes one key alone keeps alive may hold (the budget when shares are off)."""
-        return int(self.budget * self.share)
-
-    def by_key(self, now: datetime | None = None, excluding: str | None = None) -> dict[str, list[StoredUniverse]]:
-        """Key identity → the universes holding bytes that it alone keeps alive (least recently used first)."""
-        moment = now or datetime.now(timezone.utc)
-        kept: dict[str, list[StoredUniverse]] = {}
-        for u in sorted(self.universes, key=lambda u: (u.last_used, u.universe_id)):
-            keeper = u.keeper(moment, self.retention_s)
-            if keeper is not None and u.held > 0 and u.universe_id != excluding:  # an evicted one holds nothing
-                kept.setdefault(keeper, []).append(u)
-        return kept
-
-    def key_bytes(self, key: str, now: datetime | None = None, excluding: str | None = None) -> int:
-        """What the universes ``key`` alone keeps alive hold (stored and reserved)."""
-        return sum(u.held for u in self.by_key(now, excluding).get(key, []))
-
-    def summary(self, model_id: str | None = None) -> UniverseUsage:
-        """What ``GET /universes/usage`` shows (``model_id``: the model these universes are of) and
-        ``/metrics`` exports."""
-        groups = sum(u.groups for u in self.universes)
-        engrams = sum(u.engrams for u in self.universes)
-        statuses: dict[str, int] = dict.fromkeys(("ready", "building", "partial", "failed", "evicted"), 0)
-        for u in self.universes:
-            statuses[u.status] += 1
-        limits = self.limits or Budget(self.budget, self.budget)
-        keys = [
-            UniverseKeyUsage(key=key, bytes=sum(u.held for u in kept), universes=len(kept))
-            for key, kept in sorted(self.by_key().items())
-        ]
-        return UniverseUsage(
-            model_id=model_id,
-            budget_bytes=self.budget,
-            configured_budget_bytes=limits.configured,
-            volume_bytes=limits.volume,
-            budget_note=limits.note,
-            retention_s=self.retention_s,
-            key_share=self.share,
-            key_share_bytes=self.share_bytes,
-            bytes=UniverseBytes(groups=groups, engrams=engrams, total=groups + engrams),
-            reserved_bytes=sum(u.reserved for u in self.universes),
-            evictable_bytes=sum(u.stored for u in self.evictable()),
-            universes=UniverseStatusCounts(**statuses),
-            keys=keys,
-        )
-
-
-def universe_storage(ctx: Context, universe_ids: Iterable[str] | None = None) -> UniverseStorage:
-    """What every known universe (or those of ``universe_ids``) holds now, read from storage."""
-    ids = sorted(set(universe_ids) if universe_ids is not None else known_universe_ids(ctx))
-    current = current_universe_ids(ctx)
-    busy = busy_universes(ctx)
-    settings = ctx.settings
-    found = [u for uid in ids if (u := stored_universe(ctx, uid, current=uid in current, busy=uid in busy))]
-    limits = effective_budget(ctx)
-    return UniverseStorage(found, limits.bytes, settings.universe_retention_s, limits, settings.key_share)
-
-
-def stored_universe(ctx: Context, universe_id: str, *, current: bool, busy: bool) -> StoredUniverse | None:
-    """One universe's share of storage (None when it was never requested)."""
-    request = find_request(ctx, universe_id)
-    if request is None:
-        return None
-    usage = find_usage(ctx, universe_id)
-    last_used = _parse_time(usage.get("last_used")) or _parse_time(request.created_at) or datetime.now(timezone.utc)
-    users = _users(usage)
-    manifest = find_manifest(ctx, universe_id)
-    job = ctx.jobs.get(request.job_id) if request.job_id else None
-    building = busy or (job is not None and job.status not in FINISHED)
-    if manifest is not None:
-        g, e = manifest.bytes.groups, manifest.bytes.engrams
-        return StoredUniverse(universe_id, "ready", g, e, 0, last_used, current, building, users)
-    groups, engrams = _stored_parts(ctx, universe_id)
-    if building:
-        projected = int((usage.get("projected") or {}).get("total", 0))
-        reserved = max(0, projected - groups - engrams)
-        return StoredUniverse(universe_id, "building", groups, engrams, reserved, last_used, current, True, users)
-    status: Status = "evicted" if usage.get("evicted_at") and groups + engrams == 0 else "failed"
-    if status == "failed" and ctx.storage.list(universe_prefix(universe_id) + "stages/"):
-        status = "partial"  # the groups requests needed are built; the others wait for a request that needs them
-    return StoredUniverse(universe_id, status, groups, engrams, 0, last_used, current, False, users)
-
-
-def _stored_parts(ctx: Context, universe_id: str) -> tuple[int, int]:
-    """Bytes of the groups and engram files stored so far (a build running, or one that failed)."""
-    prefix = universe_prefix(universe_id)
-    groups = sum(ctx.storage.size(k) for k in ctx.storage.list(prefix + "groups/"))
-    engrams = sum(ctx.storage.size(k) for k in ctx.storage.list(prefix + "engrams/") if k.endswith(".safetensors"))
-    return groups, engrams
-
-
-def busy_universes(ctx: Context) -> set[str]:
-    """Universes that an unfinished job builds or reads: ``universe`` jobs and ``variant`` jobs."""
-    return set(busy_jobs(ctx))
-
-
-def busy_jobs(ctx: Context) -> dict[str, list[str]]:
-    """Universe ID → the unfinished ``universe`` and ``variant`` jobs that build or read it."""
-    busy: dict[str, list[str]] = {}
-    for job in ctx.jobs.active():
-        payload = job.payload
-        uid = None
-        if isinstance(payload, UniversePayload):
-            uid = payload.universe_id
-        elif isinstance(payload, VariantPayload):
-            uid = (ctx.storage.find_json(variant_request_key(payload.variant_id)) or {}).get("universe_id")
-        if uid:
-            busy.setdefault(uid, []).append(job.job_id)
-    return busy
 
 
 # ---------------------------------------------------------------- budget
@@ -429,7 +170,7 @@ def busy_jobs(ctx: Context) -> dict[str, list[str]]:
 
 def make_room(ctx: Context, spec: UniverseSpec, key: str | None = None) -> Projection | None:
     """Check that a new build of ``spec`` fits the budget and ``key``'s share of it, evicting unused
-    universes (and, for ``key``, those one heavier key alone keeps alive) if it must; call under
+    universes (and, for ``key``, those only heavier keys keep alive) if it must; call under
     ``ctx.lock``, before anything of the request is written.
 
     A universe already stored, or being built, needs no room. Evicts only when that makes room.
@@ -472,23 +213,21 @@ def make_room(ctx: Context, spec: UniverseSpec, key: str | None = None) -> Proje
 
 
 def _check_share(spec: UniverseSpec, projection: Projection, storage: UniverseStorage, key: str, now: datetime) -> None:
-    """Refuse a build that would take ``key``'s universes past its share of the budget."""
-    if storage.share >= 1:
-        return
-    mine = storage.key_bytes(key, now, excluding=spec.universe_id)
-    limit = storage.share_bytes
-    if mine + projection.total <= limit:
+    """Refuse a build that would take ``key``'s charge past its share of the budget."""
+    overrun = share_overrun(storage, key, projection.total, now, excluding=spec.universe_id)
+    if overrun is None:
         return
     record_universe_refusal()
-    count = len(storage.by_key(now, excluding=spec.universe_id).get(key, []))
+    mine, limit = overrun.charged, overrun.limit
     detail = (
-        f"universe {spec.universe_id} of model {spec.model_id} would store about {_size(projection.total)}, but the "
-        f"{count} universe(s) that API key {key} alone used within ENGRAM_UNIVERSE_RETENTION_S="
-        f"{storage.retention_s:g}s hold {_size(mine)}, and ENGRAM_UNIVERSE_KEY_SHARE={storage.share:g} of the "
-        f"{_size(storage.budget)} budget lets one key keep {_size(limit)} alive. Nothing was built or changed. Use a "
-        f'universe that exists (GET /models/{spec.model_id}/universes, "universe" on the request), build one of fewer '
-        "concepts, wait until your universes fall out of use, or ask an admin to delete some (DELETE /universes/{id}) "
-        "or to raise ENGRAM_UNIVERSE_KEY_SHARE"
+        f"universe {spec.universe_id} of model {spec.model_id} would store about {size_words(projection.total)}, but "
+        f"the {overrun.universes} universe(s) that API key {key} used within ENGRAM_UNIVERSE_RETENTION_S="
+        f"{storage.retention_s:g}s (built, requested, or a variant requested from them; one that other keys use too "
+        f"counts in full) hold {size_words(mine)}, and ENGRAM_UNIVERSE_KEY_SHARE={storage.share:g} of the "
+        f"{size_words(storage.budget)} budget lets one key keep {size_words(limit)} alive. Nothing was built or "
+        f'changed. Use a universe that exists (GET /models/{spec.model_id}/universes, "universe" on the request), '
+        "build one of fewer concepts, wait until your universes fall out of use, or ask an admin to delete some "
+        "(DELETE /universes/{id}) or to raise ENGRAM_UNIVERSE_KEY_SHARE"
     )
     numbers: dict[str, int | str] = {"key": key, "projected_bytes": projection.total, "budget_bytes": storage.budget}
     raise UniverseShareExceeded(detail, numbers={**numbers, "key_bytes": mine, "share_bytes": limit})
@@ -498,8 +237,7 @@ def _eviction_plan(
     storage: UniverseStorage, uid: str, key: str | None, need: int, projected: int, now: datetime
 ) -> list[StoredUniverse]:
     """What to evict to free ``need`` bytes: unused universes, least recently used first; then, for
-    a request of ``key``, universes one other key alone keeps alive, from the key holding the most,
-    while it holds more than ``key`` will once its universe (``projected`` bytes) is built."""
+    a request of ``key``, universes only other keys keep alive (:func:`service.universes.shares.displaceable`)."""
     chosen: list[StoredUniverse] = []
     freed = 0
     for candidate in storage.evictable(now, excluding=uid):
@@ -509,22 +247,7 @@ def _eviction_plan(
         freed += candidate.held
     if key is None or freed >= need:
         return chosen
-    kept = storage.by_key(now, excluding=uid)
-    totals = {k: sum(u.held for u in found) for k, found in kept.items()}
-    mine = totals.get(key, 0) + projected
-    candidates = {
-        k: [u for u in found if u.evictable_for(key, now, storage.retention_s)] for k, found in kept.items() if k != key
-    }
-    while freed < need:
-        heavy = [k for k, found in candidates.items() if found and totals[k] > mine]
-        if not heavy:
-            break
-        victim = max(heavy, key=lambda k: (totals[k], k))
-        candidate = candidates[victim].pop(0)
-        chosen.append(candidate)
-        freed += candidate.held
-        totals[victim] -= candidate.held
-    return chosen
+    return chosen + displaceable(storage, key, need - freed, projected, now, excluding=uid)
 
 
 def _build_running(ctx: Context, universe_id: str) -> bool:
@@ -541,14 +264,14 @@ def _refusal(spec: UniverseSpec, projection: Projection, storage: UniverseStorag
         if projection.assumed_float64
         else ""
     )
+    sizes = f"factors {size_words(projection.groups)}, engrams {size_words(projection.engrams)}"
     return (
         f"universe {spec.universe_id} of model {spec.model_id} ({len(spec.prefixes)} member(s)) would store about "
-        f"{_size(projection.total)} (factors {_size(projection.groups)}, engrams {_size(projection.engrams)}){assumed}, "
-        f"but {_budget_words(storage)}, {len(others)} other universe(s) hold "
-        f"{_size(held)}, and {_size(in_use)} of that is in use (a model's current universe, a build or a variant job "
-        f"running, or used within ENGRAM_UNIVERSE_RETENTION_S={storage.retention_s:g}s by several API keys or by a key "
-        f"holding no more than yours): evicting every evictable universe would free only {_size(freed)}. Nothing was "
-        "built or changed. Use a universe that exists "
+        f"{size_words(projection.total)} ({sizes}){assumed}, but {_budget_words(storage)}, {len(others)} other "
+        f"universe(s) hold {size_words(held)}, and {size_words(in_use)} of that is in use (a model's current universe, "
+        f"a build or a variant job running, or used within ENGRAM_UNIVERSE_RETENTION_S={storage.retention_s:g}s by "
+        "your key or by keys charged no more than yours): evicting every evictable universe would free only "
+        f"{size_words(freed)}. Nothing was built or changed. Use a universe that exists "
         f'(GET /models/{spec.model_id}/universes, "universe" on the request), build one of fewer concepts, wait until '
         "universes fall out of use, or raise ENGRAM_UNIVERSE_BYTES_BUDGET"
     )
@@ -559,17 +282,10 @@ def _budget_words(storage: UniverseStorage) -> str:
     limits = storage.limits
     if limits is not None and limits.bytes != limits.configured:
         return (
-            f"the universe budget is {_size(storage.budget)} (ENGRAM_UNIVERSE_BYTES_BUDGET capped to "
+            f"the universe budget is {size_words(storage.budget)} (ENGRAM_UNIVERSE_BYTES_BUDGET capped to "
             f"ENGRAM_UNIVERSE_VOLUME_FRACTION of the store's volume)"
         )
-    return f"ENGRAM_UNIVERSE_BYTES_BUDGET is {_size(storage.budget)}"
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"
-    return f"{nbytes} bytes"
+    return f"ENGRAM_UNIVERSE_BYTES_BUDGET is {size_words(storage.budget)}"
 
 
 # ---------------------------------------------------------------- eviction
@@ -587,7 +303,7 @@ def evict_universe(ctx: Context, universe_id: str, *, reason: str) -> int:
     """
     prefix = universe_prefix(universe_id)
     manifest = find_manifest(ctx, universe_id)
-    groups, engrams = _stored_parts(ctx, universe_id)
+    groups, engrams = stored_parts(ctx, universe_id)
     freed = groups + engrams
     ctx.storage.delete(prefix + "manifest.json")
     ctx.reads.forget(prefix + "manifest.json")
@@ -620,7 +336,7 @@ def remove_universe(ctx: Context, universe_id: str) -> int:
         The bytes of factors and engrams it stored.
     """
     prefix = universe_prefix(universe_id)
-    groups, engrams = _stored_parts(ctx, universe_id)
+    groups, engrams = stored_parts(ctx, universe_id)
     request, usage = universe_request_key(universe_id), usage_key(universe_id)
     ctx.storage.delete(prefix + "manifest.json")
     ctx.reads.forget(prefix + "manifest.json")
@@ -666,14 +382,45 @@ def expire_unused(ctx: Context) -> list[str]:
 def storage_summary(ctx: Context, model_id: str | None = None) -> UniverseUsage:
     """``GET /universes/usage``: bytes of every universe (or one model's), the budget, statuses."""
     ids = model_universe_ids(ctx, model_id) if model_id is not None else None
-    return universe_storage(ctx, ids).summary(model_id)
+    return usage_summary(universe_storage(ctx, ids), model_id)
+
+
+def usage_summary(storage: UniverseStorage, model_id: str | None = None) -> UniverseUsage:
+    """What ``GET /universes/usage`` shows (``model_id``: the model these universes are of) and
+    ``/metrics`` exports: bytes, statuses, and each key's charge."""
+    universes = storage.universes
+    groups = sum(u.groups for u in universes)
+    engrams = sum(u.engrams for u in universes)
+    statuses: dict[str, int] = dict.fromkeys(("ready", "building", "partial", "failed", "evicted"), 0)
+    for u in universes:
+        statuses[u.status] += 1
+    limits = storage.limits or Budget(storage.budget, storage.budget)
+    held = key_holdings(storage, datetime.now(timezone.utc))
+    keys = [
+        UniverseKeyUsage(key=key, bytes=sum(u.held for u in kept), universes=len(kept)) for key, kept in sorted(held.items())
+    ]
+    return UniverseUsage(
+        model_id=model_id,
+        budget_bytes=storage.budget,
+        configured_budget_bytes=limits.configured,
+        volume_bytes=limits.volume,
+        budget_note=limits.note,
+        retention_s=storage.retention_s,
+        key_share=storage.share,
+        key_share_bytes=storage.share_bytes,
+        bytes=UniverseBytes(groups=groups, engrams=engrams, total=groups + engrams),
+        reserved_bytes=sum(u.reserved for u in universes),
+        evictable_bytes=sum(u.stored for u in storage.evictable()),
+        universes=UniverseStatusCounts(**statuses),
+        keys=keys,
+    )
 
 
 def refresh_metrics(ctx: Context) -> None:
     """Set the universe gauges from storage (at scrape time: right whichever process built or
     evicted what); a storage error leaves the last values and never hides the other metrics."""
     try:
-        summary = universe_storage(ctx).summary()
+        summary = usage_summary(universe_storage(ctx))
     except Exception as exc:  # /metrics must answer while storage is away
         log.warning("universe metrics not refreshed: %s", exc)
         return
@@ -684,13 +431,3 @@ def refresh_metrics(ctx: Context) -> None:
         budget=summary.budget_bytes,
         statuses=summary.universes.model_dump(),
     )
-
-
-def _parse_time(value: Any) -> datetime | None:
-    if not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(str(value))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)

@@ -51,6 +51,7 @@ from service.storage.keys import (
     universe_request_key,
 )
 from service.universes import retention
+from service.universes.holdings import busy_jobs
 from service.universes.records import (
     CurrentUniverse,
     current_pointer,
@@ -195,7 +196,7 @@ def delete_universe(ctx: Context, universe_id: str) -> int:
         request = find_request(ctx, universe_id)
         if request is None:
             raise NotFound(f"universe {universe_id} does not exist (GET /models/{{id}}/universes lists a model's)")
-        jobs = set(retention.busy_jobs(ctx).get(universe_id, []))
+        jobs = set(busy_jobs(ctx).get(universe_id, []))
         builder = ctx.jobs.get(request.job_id) if request.job_id else None
         if builder is not None and builder.status not in FINISHED:
             jobs.add(builder.job_id)  # a calibration builds the universe it needs too

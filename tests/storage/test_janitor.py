@@ -40,7 +40,7 @@ from service.jobs.store import JobStore
 from service.storage.base import HOST_TAG
 from service.storage.janitor import clean_leftovers
 from service.storage.s3 import S3Storage
-from service.universes.retention import effective_budget
+from service.universes.holdings import effective_budget
 from tests.helpers.s3 import SeaweedServer
 
 DAY_AGO = time.time() - 24 * 3600

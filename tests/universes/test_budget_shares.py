@@ -2,11 +2,12 @@
 distinct concept subsets, everyone else then got 409 for the retention window, no API could delete
 a universe, and the budget was never checked against the disk.
 
-- A key's universes (those only it used within the retention age) may hold at most
+- A key's universes (those it used within the retention age) may hold at most
   ENGRAM_UNIVERSE_KEY_SHARE of the budget: past it, that key gets a 409 naming the setting and its
   usage, and nothing changes.
-- Another key still builds: the universes one heavier key alone keeps alive are evicted for it,
-  least recently used first; a key never pushes out a lighter one, nor a universe two keys use.
+- Another key still builds: the universes only heavier keys keep alive are evicted for it, least
+  recently used first; a key never pushes out a lighter one. A universe two keys use is charged to
+  both (issue 35, finding 8: tests/universes/test_shared_universe_charges.py).
 - ``DELETE /universes/{id}`` (admin): every stored object goes; 409 naming the job while a job
   reads it, 409 naming the model while it is a model's current universe; 403 for read and write keys.
 - For file:// storage the budget in force is capped to ENGRAM_UNIVERSE_VOLUME_FRACTION of the
@@ -151,7 +152,9 @@ def test_another_key_still_builds_once_one_key_filled_its_share(world: StoreWorl
     assert universe_view(world.ctx, theirs).status == "ready"
 
 
-def test_a_universe_two_keys_use_is_never_evicted_for_a_third(world: StoreWorld) -> None:
+def test_a_universe_two_keys_use_is_evicted_for_a_third_only_in_its_turn(world: StoreWorld) -> None:
+    """Issue 35, finding 8 changed this rule: a universe two keys use was never evicted early; now
+    it counts for both keys and goes in its turn, least recently used first."""
     size = pair_bytes(world, [("a", "b"), ("c", "d"), ("a", "e"), ("b", "e")])
     configure(world, universe_bytes_budget=int(3.5 * size), universe_key_share=0.9)
     with as_key("key-a"):
@@ -160,11 +163,13 @@ def test_a_universe_two_keys_use_is_never_evicted_for_a_third(world: StoreWorld)
     with as_key("key-b"):
         submit_variant(world.ctx, MODEL, {"b": -1.0}, 1.0, {**OPTIONS, "universe": shared})
         world.run_pending()
+    charged = {k.key: k.universes for k in retention.storage_summary(world.ctx).keys}
+    assert charged == {"key-a": 3, "key-b": 1}, "the shared universe counts for both keys"
     with as_key("key-c"):
         unlearn(world, "b", "e")
-    assert universe_view(world.ctx, mine).status == "evicted", "A alone kept it, least recently: it made room"
+    assert universe_view(world.ctx, mine).status == "evicted", "A's least recently used universe made room"
     assert universe_view(world.ctx, kept).status == "ready", "only as many as needed"
-    assert universe_view(world.ctx, shared).status == "ready", "two keys use it: it counts for nobody and stays"
+    assert universe_view(world.ctx, shared).status == "ready", "B used it last: it is A's most recently used"
 
 
 def test_without_auth_every_caller_is_one_key_with_the_whole_budget(world: StoreWorld) -> None:

@@ -17,8 +17,8 @@ import redis
 from api_schemas import Variant
 from service.engrams.manifest import GroupNotBuilt, MalformedManifest, read_manifest
 from service.storage.keys import engram_key, group_key, part_key, universe_prefix
+from service.universes import holdings, retention
 from service.universes import parts as parts_module
-from service.universes import retention
 from service.universes.build import ensure_universe, help_build_universe
 from service.universes.parts import UniverseBuild, stage_name
 from service.universes.records import build_target_key, find_manifest, find_stages
@@ -87,7 +87,7 @@ def test_a_q_k_gate_request_builds_only_the_attention_and_mlp_input_groups(world
     assert _progress_groups(w, first) == {"built": needed, "deferred": others}
     view = universe_view(w.ctx, uid)
     assert view.status == "partial" and view.groups.done == len(needed)
-    stored = retention.stored_universe(w.ctx, uid, current=False, busy=False)
+    stored = holdings.stored_universe(w.ctx, uid, current=False, busy=False)
     assert stored is not None and stored.status == "partial" and stored.stored > 0, "counted, and not as failed"
 
 
