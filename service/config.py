@@ -134,6 +134,15 @@ class Settings(BaseSettings):
     # idempotent); a Celery worker ends its pool process and the redelivered message finds the job
     # cancelled. Every phase checks cancellation within a second, so 10 s only catches what cannot.
     cancel_grace_s: float = Field(default=10.0, gt=0, le=3600)
+    # The memory one job process may hold, in bytes: embedded mode's job process, each Celery pool
+    # process (service/execution/memory_budget.py sets its RLIMIT_DATA: heap and private mappings,
+    # what tensors take; not the address space torch and CUDA reserve unused). Past it an allocation
+    # fails and its job fails naming this setting; the process runs the next job. Unset: 80% of the
+    # machine's memory (the container's limit where lower), the rest left to the API, the OS and the
+    # page cache: a fixed default would be too small for an 8B model (~16 GB in bfloat16) on one
+    # machine and no bound on another. 0: no limit. Anything else at least 512 MiB: an idle job
+    # process holds ~400 MB of data with every job body (torch, transformers) imported.
+    job_memory_bytes: int | None = Field(default=None, ge=0)
 
     # A request's line and headers together, in bytes: past it the server answers 431 and closes the
     # connection (service/api/header_limit.py), before the head is buffered whole (uvicorn's httptools
@@ -208,6 +217,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = value.strip().lower()
         return "none" if value in ("", None) else value
+
+    @field_validator("job_memory_bytes")
+    @classmethod
+    def _job_memory_is_enough(cls, value: int | None) -> int | None:
+        if value is not None and 0 < value < 512 << 20:
+            raise ValueError(
+                f"ENGRAM_JOB_MEMORY_BYTES={value} is below 512 MiB, about what a job process holds idle "
+                "(~400 MB with torch and transformers imported); set at least 536870912, or 0 for no limit"
+            )
+        return value
 
     @field_validator("broker_url")
     @classmethod

@@ -12,7 +12,9 @@ outcomes. Object storage stays the durable truth, as in distributed mode (``jobs
 The job process dies with its parent (``PR_SET_PDEATHSIG`` on Linux, plus a watchdog), so a
 ``kill -9`` of the API never leaves an orphan working. If the job process itself dies (out of
 memory, a crash in native code), the API fails the jobs it was running with a problem that says
-so, starts a new one, and hands it the jobs still queued.
+so, starts a new one, and hands it the jobs still queued. The job process limits its own memory
+(``ENGRAM_JOB_MEMORY_BYTES``, :mod:`service.execution.memory_budget`), so a job that needs more
+fails by name and the process lives on; the death of the process names that budget.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from service.config import Settings
 from service.context import Context
 from service.errors import JobFailed, ProblemDetails
 from service.execution.kinds import KINDS, import_bodies
+from service.execution.memory_budget import apply_job_memory_limit, died_problem
 from service.jobs.records import JobRecord, UnreadableJobRecord, read_job_record
 from service.jobs.store import JobStore, utc_now, valid_job_id
 from service.observability import configure_logging
@@ -312,9 +315,7 @@ class ProcessExecutor:
         reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         log.error("the job process died (%s); starting a new one", reason)
         for job in self.jobs.with_status(("running",)):
-            died = JobFailed(f"the job process died while running this job ({reason}; out of memory?)")
-            problem = died.to_problem().with_members(status=500)
-            self.jobs.update(job.job_id, status="failed", error=problem, finished_at=utc_now())
+            self.jobs.update(job.job_id, status="failed", error=died_problem(self.settings, reason), finished_at=utc_now())
         self._spawn()
         for job in self.jobs.with_status(("queued",)):
             self.submit(job)
@@ -353,6 +354,7 @@ def job_process_main(settings: Settings, inbox: Any, events: Any, parent_pid: in
     """The job process: run every job the API hands over, in its kind's lane, until told to stop."""
     _die_with_parent(parent_pid)
     configure_logging()
+    apply_job_memory_limit(settings)  # before any job: past it a job fails by name, this process lives
     storage = open_storage(settings.storage_url, settings.s3_endpoint_url)
     jobs = SqliteJobStore(storage, live_store_path(settings))
     jobs.on_finished = lambda: events.put("finished")  # the API's callback dispatcher delivers

@@ -33,6 +33,7 @@ from service.context import Context
 from service.engine.errors import CollectionCancelled
 from service.errors import JobFailed, ProblemDetails, ProblemError, ServiceUnavailable
 from service.execution.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
+from service.execution.memory_budget import exhausted_memory, out_of_memory_problem, release_freed_memory
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
 from service.jobs.records import JobRecord
@@ -84,6 +85,7 @@ def run_job(
         # A DELETE landed between the read above and this write: the job was answered cancelled.
         ctx.jobs.update(job_id, status="cancelled", finished_at=utc_now())
         return
+    ran_out = False
     try:
         with job_context(job_id), _heartbeat(ctx, job_id), _cancel_watchdog(ctx, job_id, stuck_cancel):
             log.info("%s job started", job.kind)
@@ -102,12 +104,18 @@ def run_job(
     except ProblemError as exc:
         _fail(ctx, job_id, exc.to_problem())
     except Exception as exc:  # the job must end, and the user must read why
-        log.error("job %s failed: %s", job_id, traceback.format_exc())
-        problem = JobFailed(f"{type(exc).__name__}: {exc}").to_problem()
-        problem = problem.with_members(status=500, title="Internal error", type="https://engram.dev/problems/internal")
-        _fail(ctx, job_id, problem)
+        ran_out = exhausted_memory(exc)  # past ENGRAM_JOB_MEMORY_BYTES: the input's cost, named as such
+        log.error("job %s failed: %s", job_id, exc if ran_out else traceback.format_exc())
+        _fail(ctx, job_id, out_of_memory_problem() if ran_out else _internal_problem(exc))
     else:
         ctx.jobs.update(job_id, status="succeeded", result=result, finished_at=utc_now())
+    if ran_out:  # the failed job's objects are unreachable now (its traceback is gone): free them
+        release_freed_memory()
+
+
+def _internal_problem(exc: Exception) -> ProblemDetails:
+    problem = JobFailed(f"{type(exc).__name__}: {exc}").to_problem()
+    return problem.with_members(status=500, title="Internal error", type="https://engram.dev/problems/internal")
 
 
 def stored_result(kind: Kind, name: str, returned: BaseModel | dict[str, Any]) -> dict[str, Any]:
