@@ -4,7 +4,9 @@ The tasks are thin: each runs :func:`service.execution.runner.run_job`, as embed
 does, and takes its name and queue from the job table (:data:`service.execution.kinds.KINDS`).
 Every task sets ``acks_late`` and ``reject_on_worker_lost``, so a worker that dies mid-task leaves
 its message to be redelivered, and the broker's visibility timeout is above the hard time limit,
-so a live task is never handed to a second worker.
+so a live task is never handed to a second worker. A pool process that dies under a job while its
+worker lives on (out of memory, most likely) fails that job instead (:class:`JobRequest`), and each
+pool process limits its own memory (``ENGRAM_JOB_MEMORY_BYTES``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,23 @@ import signal
 import threading
 from typing import Any
 
+import redis
+from billiard.exceptions import WorkerLostError
 from celery import Task
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
+from celery.worker import state as worker_state
+from celery.worker.request import Request
 
 from service.config import get_settings
 from service.context import Context
 from service.execution.kinds import import_bodies
+from service.execution.memory_budget import apply_job_memory_limit, died_problem
 from service.execution.queues import make_celery
 from service.execution.runner import KINDS, TRANSIENT_ERRORS, UNIVERSE_HELPER, retry_after, run_job, run_universe_helper
 from service.execution.runtime import build_runtime
 from service.jobs.presence import worker_presence
-from service.jobs.store import JobKind
+from service.jobs.store import FINISHED, JobKind, RedisJobStore, utc_now
+from service.storage.factory import open_storage
 from service.storage.janitor import worker_janitor
 
 log = logging.getLogger("engram.worker")
@@ -68,12 +76,59 @@ def _warm_pool_process(**_: Any) -> None:
     threading.Thread(target=warm, name="engram-warm-up", daemon=True).start()
 
 
+# Before the pool process runs any task: a job past ENGRAM_JOB_MEMORY_BYTES fails by name, the
+# pool process and the worker live on (set here, not in the main process, which runs no job).
+worker_process_init.connect(lambda **_: apply_job_memory_limit(settings), weak=False)
 worker_process_init.connect(_warm_pool_process, weak=False)
+
+
+class JobRequest(Request):
+    """A job task's request, in the worker's main process: when the pool process running it dies
+    (the kernel's OOM killer, a native library aborting on a failed allocation, a stuck job ended
+    after its cancellation), the job is ended here, before Celery requeues the message: failed,
+    naming the memory budget, or cancelled when that was asked. Without this the redelivered message
+    would run the job again, and an input that kills its process would kill one after another."""
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback wraps it
+        stopping = worker_state.should_stop is not None or worker_state.should_terminate is not None
+        if isinstance(exc, WorkerLostError) and not stopping:  # a worker shutting down redelivers
+            _end_lost_job(self.kwargs.get("job_id"), str(exc))
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+def _end_lost_job(job_id: str | None, reason: str) -> None:
+    """Fail (or, when asked, cancel) a job whose pool process died under it. A store of its own,
+    dropped after: this main process forks the next pool process, which must not share its sockets."""
+    if job_id is None or settings.broker_url is None:
+        return
+    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        jobs = RedisJobStore(open_storage(settings.storage_url, settings.s3_endpoint_url), client, settings.heartbeat_ttl_s)
+        job = jobs.get(job_id)
+        if job is None or job.status in FINISHED:
+            return
+        if job.cancel_requested:
+            jobs.update(job_id, status="cancelled", finished_at=utc_now())
+        else:
+            log.error("job %s: its pool process died (%s)", job_id, reason)
+            jobs.update(job_id, status="failed", error=died_problem(settings, reason), finished_at=utc_now())
+    except Exception:  # Redis or storage away: the redelivered message runs the job again
+        log.warning("could not end job %s after its pool process died", job_id, exc_info=True)
+    finally:
+        client.close()
 
 
 def job_task(kind: JobKind) -> Any:
     """The Celery task of a job kind, named and queued as :data:`KINDS` says."""
-    return app.task(name=KINDS[kind].task, bind=True, queue=KINDS[kind].queue, acks_late=True, reject_on_worker_lost=True)
+    return app.task(
+        name=KINDS[kind].task,
+        bind=True,
+        queue=KINDS[kind].queue,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        Request=JobRequest,
+    )
 
 
 def _run(task: Task, job_id: str) -> None:
