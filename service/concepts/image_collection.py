@@ -2,8 +2,9 @@
 
 The stored dataset holds each image as it was sent (``{"image": base64, "label"?}``,
 :mod:`service.datasets.images`). The job reads it one line at a time, decodes each image under
-``ENGRAM_MAX_IMAGE_PIXELS`` again (the worker's own setting), resolves its label against the model's
-``id2label`` (statistics ignore labels, but a name the model does not know is refused now, naming the
+``ENGRAM_MAX_IMAGE_PIXELS`` again (the worker's own setting; also what the model's resize would
+hold on the way, told from the header before the pixels are decoded), resolves its label against the
+model's ``id2label`` (statistics ignore labels, but a name the model does not know is refused now, naming the
 record, rather than at evaluation), converts the images with the model's own image processor
 (:mod:`service.engine.images`) and feeds them in batches to the same collection hooks text uses
 (:class:`~service.engine.collect.PixelBatch`: every patch token or conv output position counts).
@@ -30,6 +31,7 @@ from service.datasets.images import (
     resolve_label,
 )
 from service.engine.collect import LayerStatistics, PixelBatch, collect_statistics
+from service.engine.image_resize import ResizePath
 from service.engine.images import ImageProcessorError, channels_of, load_image_processor, pixel_batches
 from service.engine.layers import LayerSpec
 from service.errors import InvalidInput
@@ -60,12 +62,16 @@ def check_text_records(path: Path, model_id: str, first_row: int | None) -> None
                 check_record_kinds({"image": where}, model_id, "text")
 
 
-def stored_images(path: Path, id2label: dict[int, str], max_pixels: int, first_row: int | None) -> Iterator[Image.Image]:
+def stored_images(
+    path: Path, id2label: dict[int, str], max_pixels: int, first_row: int | None, resize: ResizePath | None = None
+) -> Iterator[Image.Image]:
     """The decoded images of a stored dataset file, in order, one line at a time.
 
     Args:
         id2label: the model's classes (labels are checked against them, then not used).
         first_row: a dataset reference's first row (records are then named ``dataset row i``).
+        resize: the model's processor resize: an image it would blow past ``max_pixels`` is refused
+            before it is decoded (:func:`service.datasets.images.check_resize_cost`).
 
     Raises:
         InvalidInput: a text record, an image that no longer decodes under ``max_pixels``'s bound
@@ -78,7 +84,7 @@ def stored_images(path: Path, id2label: dict[int, str], max_pixels: int, first_r
             if not is_image_record(raw):
                 raise InvalidInput(f"{where} is a text record; an image model reads image records only")
             resolve_label(raw.get(LABEL_FIELD), id2label, where)
-            yield decode_image(decode_base64(raw[IMAGE_FIELD], where), where, max_pixels)
+            yield decode_image(decode_base64(raw[IMAGE_FIELD], where), where, max_pixels, resize)
 
 
 def image_statistics(
@@ -111,6 +117,6 @@ def image_statistics(
     except ImageProcessorError as exc:
         raise InvalidInput(str(exc)) from None
     id2label = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
-    images = stored_images(dataset, id2label, max_pixels, first_row)
+    images = stored_images(dataset, id2label, max_pixels, first_row, ResizePath.of(processor))
     batches = (PixelBatch(values) for values in pixel_batches(processor, images, batch_size, channels))
     return collect_statistics(model, batches, layers, on_batch=on_batch, should_stop=should_stop)

@@ -2,15 +2,26 @@
 
 An image concept's records carry the encoded file, not pixels: what is stored and hashed is the
 record as sent (:meth:`ImageRecord.to_json`), and the collection job decodes it. Every record is
-decoded once when it arrives too (:func:`decode_image`), so that what the job cannot read is a 4xx
-at submission naming the record, never an error inside the job:
+checked when it arrives (:func:`check_image_file`), so that what the job cannot read is a 4xx at
+submission naming the record, never an error inside the job; and checked without its pixels ever
+being decoded, so that what an image costs the API is its file's bytes, whatever it declares:
 
 - the format is told by the file's first bytes, and only PNG, JPEG and WebP are opened (Pillow has
   plugins for dozens of formats; a record does not get to choose which parser runs);
 - the pixel count is read from the header and bounded (``ENGRAM_MAX_IMAGE_PIXELS``) before anything
   is decoded: a decompression bomb (a few kilobytes that inflate to gigabytes) is a 413;
-- a truncated or corrupt file fails its full decode: a 422 with Pillow's reason;
+- an aspect ratio past :data:`MAX_IMAGE_ASPECT` is a 422 from the header too: a 1 × 39,000,000 strip
+  is within the pixel bound in ~100 KB, but a classifier's resize makes gigabytes of it, and
+  squeezed to the model's square it is no picture of anything;
+- a truncated or corrupt file is a 422 with Pillow's reason: a PNG's chunks are read and their CRCs
+  checked (nothing inflated), a JPEG is decoded at 1/8 scale (1/64 of its pixels held), a WebP's
+  container is parsed when it is opened (at most 16,383 pixels a side; what only its full decode
+  can find fails the collection job, naming the record);
 - an animated file (APNG, animated WebP) is refused: which frame is "the image" is the sender's to say.
+
+Jobs decode (:func:`decode_image`) under the same header checks and, given the model's image
+processor (:class:`~service.engine.image_resize.ResizePath`), refuse before decoding an image
+whose resize would hold more pixels than ``ENGRAM_MAX_IMAGE_PIXELS`` (:func:`check_resize_cost`).
 
 Labels are ignored by statistics and read by evaluation. A label is an integer class id or a name
 in the model's ``id2label``; :func:`resolve_label` turns it into the id, and refuses an unknown name
@@ -40,6 +51,7 @@ from PIL import Image, UnidentifiedImageError
 
 from service.config import Settings
 from service.datasets.sources import Fingerprint
+from service.engine.image_resize import ResizePath
 from service.errors import InvalidInput, PayloadTooLarge
 
 IMAGE_FIELD, LABEL_FIELD = "image", "label"
@@ -60,6 +72,12 @@ _DATA_URI = "data:image/"
 _KNOWN_SHOWN = 8  # labels listed when a name is unknown
 # ENGRAM_MAX_IMAGE_PIXELS's default, for callers not given settings.
 DEFAULT_MAX_IMAGE_PIXELS: int = Settings.model_fields["max_image_pixels"].default
+# The most an image's longer side may be times its shorter. A classifier reads a square-ish crop
+# (224 × 224, 384 × 384): past 100:1 what reaches it is a smear, and the resize that makes it costs
+# more than the image (a shortest-edge resize keeps the ratio: 100:1 at 256 px is 6.5 Mpx, 20 MB of
+# RGB; 1,000:1 took 666 MB, 2026-11-29). Banners (728 × 90, 8:1), panoramas (up to ~12:1) and
+# receipts (~1:10) are far inside it.
+MAX_IMAGE_ASPECT = 100
 
 
 def record_name(where: int | str) -> str:
@@ -108,9 +126,9 @@ class ImageRecord:
         unknown = sorted(set(raw) - {IMAGE_FIELD, LABEL_FIELD})
         if unknown:
             raise InvalidInput(f"{name}: an image record has only 'image' and 'label', got {', '.join(map(repr, unknown))}")
-        label = check_label(raw.get(LABEL_FIELD), name)  # before the decode: the cheap checks first
+        label = check_label(raw.get(LABEL_FIELD), name)  # the cheap checks first
         data = decode_base64(raw[IMAGE_FIELD], name)
-        decode_image(data, name, max_pixels)
+        check_image_file(data, name, max_pixels)
         return cls(data, label)
 
 
@@ -157,8 +175,9 @@ def _foreign(data: bytes) -> str:
     return next((what for magic, what in _REFUSED if data.startswith(magic)), "not an image file Pillow may open here")
 
 
-def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
-    """Decode one PNG, JPEG or WebP file, its size checked before its pixels are.
+def open_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
+    """Open one PNG, JPEG or WebP file from its header alone (nothing decoded) and check what the
+    header says: its pixels, its aspect ratio, a single frame.
 
     Args:
         data: the file's bytes.
@@ -166,10 +185,11 @@ def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
         max_pixels: the most pixels allowed (``ENGRAM_MAX_IMAGE_PIXELS``).
 
     Returns:
-        The decoded image (loaded: its pixels are in memory, the bytes no longer needed).
+        The opened image: its size and mode known, its pixels not read.
 
     Raises:
-        InvalidInput: another format, a corrupt or truncated file, an animated one.
+        InvalidInput: another format, a corrupt header, an aspect past :data:`MAX_IMAGE_ASPECT`, an
+            animated file.
         PayloadTooLarge: more pixels than ``max_pixels`` (a decompression bomb).
     """
     kind = format_of(data)
@@ -188,14 +208,82 @@ def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
     width, height = image.size
     if width * height > max_pixels:
         raise _too_many_pixels(where, (width, height), max_pixels)
+    if max(width, height) > MAX_IMAGE_ASPECT * max(min(width, height), 1):
+        raise InvalidInput(
+            f"{where}: the image is {width}×{height}, its longer side over {MAX_IMAGE_ASPECT} times its shorter "
+            f"(the most an image classifier's resize reads, service.datasets.images.MAX_IMAGE_ASPECT); "
+            "crop it, or cut it into pieces closer to square"
+        )
     frames = int(getattr(image, "n_frames", 1))
     if frames > 1:
         raise InvalidInput(f"{where}: the {kind} image is animated ({frames} frames); send one still image")
+    return image
+
+
+def check_image_file(data: bytes, where: str, max_pixels: int) -> None:
+    """Check a file as :func:`open_image` does, then that it is whole, never holding its pixels: a
+    PNG's chunks and their CRCs are read (nothing inflated), a JPEG is decoded at 1/8 scale, a
+    WebP's container was parsed by the open.
+
+    Raises:
+        InvalidInput, PayloadTooLarge: as :func:`open_image`; a truncated or corrupt file.
+    """
+    image = open_image(data, where, max_pixels)
+    try:
+        if image.format == "PNG":
+            image.verify()
+        elif image.format == "JPEG":
+            width, height = image.size
+            image.draft(None, (-(-width // 8), -(-height // 8)))  # libjpeg's smallest scale: every block read
+            image.load()
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise InvalidInput(f"{where}: the {image.format} image is truncated or corrupt: {exc}") from None
+
+
+def decode_image(data: bytes, where: str, max_pixels: int, resize: ResizePath | None = None) -> Image.Image:
+    """Decode one PNG, JPEG or WebP file, its header checked (:func:`open_image`) and, given the
+    model's resize, what the resize will cost (:func:`check_resize_cost`), before its pixels are.
+
+    Args:
+        data: the file's bytes.
+        where: the record, for messages (``"record 3"``, ``"dataset row 12"``).
+        max_pixels: the most pixels allowed (``ENGRAM_MAX_IMAGE_PIXELS``), in the image and on its
+            way through ``resize``.
+        resize: how the model's image processor resizes (``None``: not checked).
+
+    Returns:
+        The decoded image (loaded: its pixels are in memory, the bytes no longer needed).
+
+    Raises:
+        InvalidInput: as :func:`open_image`; a resize past the bound; a truncated or corrupt file.
+        PayloadTooLarge: more pixels than ``max_pixels`` (a decompression bomb).
+    """
+    image = open_image(data, where, max_pixels)
+    if resize is not None:
+        check_resize_cost(image.size, where, max_pixels, resize)
     try:
         image.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise InvalidInput(f"{where}: the {kind} image is truncated or corrupt: {exc}") from None
+        raise InvalidInput(f"{where}: the {image.format} image is truncated or corrupt: {exc}") from None
     return image
+
+
+def check_resize_cost(size: tuple[int, int], where: str, max_pixels: int, resize: ResizePath) -> None:
+    """Refuse an image whose resize by the model's processor would hold more than ``max_pixels``
+    pixels at once (:meth:`~service.engine.image_resize.ResizePath.path_pixels`).
+
+    Raises:
+        InvalidInput: naming the record, its size, what the processor resizes it to and the setting.
+    """
+    width, height = size
+    cost = resize.path_pixels(width, height)
+    if cost > max_pixels:
+        out_width, out_height = resize.output(width, height)
+        raise InvalidInput(
+            f"{where}: the image is {width}×{height}; the model's image processor resizes it to "
+            f"{out_width}×{out_height}, holding {cost} pixels on the way, more than {max_pixels} (the limit, "
+            "ENGRAM_MAX_IMAGE_PIXELS); crop it closer to square first"
+        )
 
 
 def _too_many_pixels(where: str, size: tuple[int, int] | None, max_pixels: int) -> PayloadTooLarge:

@@ -1,14 +1,15 @@
 """Image probes for an image classifier's evaluation: what is checked when they arrive.
 
-A probe is ``{"image": "<base64 of a PNG, JPEG or WebP file>", "label": <class id or name>}``, decoded
-and bounded as a concept's image records are (:mod:`service.datasets.images`: the format told by its
-first bytes, ``ENGRAM_MAX_IMAGE_PIXELS`` checked before the pixels are decoded). Everything the job
-could refuse is refused here first, naming the probe (``forget[3]``) and the model's kind:
+A probe is ``{"image": "<base64 of a PNG, JPEG or WebP file>", "label": <class id or name>}``, checked
+as a concept's image records are (:func:`service.datasets.images.check_image_file`: the format told by
+its first bytes, ``ENGRAM_MAX_IMAGE_PIXELS`` and the aspect ratio read from the header, the file
+checked whole without its pixels decoded: the API never holds an image). Everything the job could
+refuse is refused here first, naming the probe (``forget[3]``) and the model's kind:
 
 - image probes for a text model, text probes for an image model (the request's schema already
   refuses the two kinds together);
 - a label name the model's ``id2label`` does not have, a class id past its classes;
-- an image that does not decode (422) or has too many pixels (413);
+- an image that is truncated or corrupt, or too far from square (422), or has too many pixels (413);
 - a retain model (the classifier retrained without the forget classes) that is no image classifier,
   or has another number of classes than the base.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from api_schemas.evaluation import CLASSIFIER_SETS
 from service.context import Context
-from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, decode_base64, decode_image, resolve_label
+from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, check_image_file, decode_base64, resolve_label
 from service.engine.model_files import ModelSourceError, read_side_json
 from service.errors import Conflict, InvalidInput, NotFound
 from service.evaluation.retain_model import RetainModelRef
@@ -87,17 +88,18 @@ def classes_of_config(config: Mapping[str, Any]) -> dict[int, str]:
 def check_image_probes(
     probes: Mapping[str, Sequence[Mapping[str, Any]]], classes: Mapping[int, str] | None, max_pixels: int
 ) -> None:
-    """Decode every probe's image under ``max_pixels`` and resolve its label against ``classes``.
+    """Check every probe's image from its file (:func:`~service.datasets.images.check_image_file`,
+    never decoding its pixels) and resolve its label against ``classes``.
 
     Raises:
-        InvalidInput: an image that is no PNG, JPEG or WebP, or does not decode; a label that is no
-            class of the model (naming the probe).
+        InvalidInput: an image that is no PNG, JPEG or WebP, truncated or corrupt, or too far from
+            square; a label that is no class of the model (naming the probe).
         PayloadTooLarge: an image of more than ``max_pixels`` pixels (a decompression bomb).
     """
     for where, probe in named_probes(probes):
         if classes is not None:  # the cheap check first
             resolve_label(probe[LABEL_FIELD], classes, where)
-        decode_image(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels)
+        check_image_file(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels)
 
 
 def retain_classifier(ctx: Context, base: ModelRecord, retain_id: str) -> RetainModelRef:

@@ -47,6 +47,7 @@ from service.context import Context
 from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, decode_base64, decode_image, resolve_label
 from service.engine.classify import Classified, HeadNotFound, classify
 from service.engine.collect import PixelBatch
+from service.engine.image_resize import ResizePath
 from service.engine.images import ImageProcessorError, channels_of, load_image_processor, pixel_batches
 from service.errors import InvalidInput, JobFailed, PayloadTooLarge
 from service.evaluation import classifier_metrics as metrics
@@ -104,11 +105,12 @@ def _class_id(label: int | None) -> int:
     return label
 
 
-def _images(probes: Sequence[ProbeJson], name: str, max_pixels: int) -> Iterator[Any]:
+def _images(probes: Sequence[ProbeJson], name: str, max_pixels: int, resize: ResizePath) -> Iterator[Any]:
+    """The probes' decoded images; one that its resize would blow past ``max_pixels`` refused first."""
     for i, probe in enumerate(probes):
         where = f"{name}[{i}]"
         try:
-            yield decode_image(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels)
+            yield decode_image(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels, resize)
         except (InvalidInput, PayloadTooLarge) as exc:  # the worker's own bound may be lower than the API's
             raise JobFailed(exc.detail) from None
 
@@ -123,7 +125,8 @@ def probe_pixels(
         channels = channels_of(classifier.model.config)
     except ImageProcessorError as exc:
         raise JobFailed(str(exc)) from None
-    for values in pixel_batches(processor, _images(probes, name, max_pixels), batch_size, channels):
+    images = _images(probes, name, max_pixels, ResizePath.of(processor))
+    for values in pixel_batches(processor, images, batch_size, channels):
         yield PixelBatch(values)
 
 
