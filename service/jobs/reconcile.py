@@ -34,10 +34,15 @@ def reconcile_once(jobs: RedisJobStore, dispatch: Callable[[JobRecord], None]) -
         if job.status in FINISHED:
             jobs.update(job_id)  # its last persist failed: persisting now also drops the open marker
         elif job.cancel_requested and job.status == "queued" and reason:
-            jobs.update(job_id, status="cancelled", finished_at=utc_now())
+            jobs.update(job_id, expect=("queued",), status="cancelled", finished_at=utc_now())
         elif reason:
+            # Compare-and-set on the status it was judged in: a job that ended since (its worker was
+            # only slow) keeps its end, and is not dispatched again.
+            requeued = jobs.update(job_id, expect=(job.status,), status="queued")
+            if requeued.status != "queued":
+                continue
             log.warning("re-dispatching job %s: %s", job_id, reason)
-            dispatch(jobs.update(job_id, status="queued"))
+            dispatch(requeued)
             redispatched.append(job_id)
     return redispatched
 

@@ -18,14 +18,17 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime, timezone
 from typing import Any
+
+from redis.exceptions import WatchError
 
 from api_schemas import Job
 from service.jobs import callbacks
 from service.jobs.admission import job_owner
 from service.jobs.records import AnyPayload, JobKind, JobRecord, ProgressCounts, UnreadableJobRecord, read_job_record
+from service.jobs.transitions import FINISHED, next_record
 from service.observability import record_job_state
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
@@ -41,7 +44,6 @@ __all__ = [
     "public_view",
     "utc_now",
 ]
-FINISHED = {"succeeded", "failed", "cancelled"}
 OPEN_SET = "engram:open-jobs"  # Redis: the unfinished jobs' IDs (``:<owner>`` for one owner's)
 log = logging.getLogger("engram.jobs")
 
@@ -82,7 +84,9 @@ class JobStore:
     """Live job records in memory, persisted to storage on every state change.
 
     Records are frozen: a change is a new record (:meth:`JobRecord.updated`) written in place of
-    the old one, under this store's lock."""
+    the old one, under this store's lock, so every change is a compare-and-set: it is decided on the
+    record it replaces. A finished job keeps its outcome (:func:`service.jobs.transitions.next_record`):
+    a late writer (a progress tick, a worker that lost its lease) changes nothing."""
 
     # Whether a live read is a memory or local-file read, cheap enough for the event loop (see
     # service.api.fast_status); False for Redis, a network round trip.
@@ -121,26 +125,43 @@ class JobStore:
         """The live record only (no storage read): None when this store does not hold it."""
         return self._read_live(job_id) if valid_job_id(job_id) else None
 
-    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> JobRecord:
-        """Set fields of a job; ``persist=False`` for frequent progress ticks."""
+    def update(
+        self, job_id: str, *, persist: bool = True, expect: Collection[str] | None = None, **fields: Any
+    ) -> JobRecord:
+        """Set fields of a job, as one compare-and-set on its current record; ``persist=False`` for
+        frequent progress ticks.
+
+        Args:
+            expect: the statuses the job may be in for the change to apply (None: any unfinished
+                one; a finished job only takes new callback URLs, whatever ``expect`` says).
+
+        Returns:
+            The record as it stands now: the changed one, or the current one unchanged when the
+            change was refused (a caller that must know compares its ``status``).
+
+        Raises:
+            KeyError: no such job.
+        """
         with self._lock:
-            job = self._read_live(job_id) or self._load_durable(job_id)
-            if job is None:
+            current = self._read_live(job_id) or self._load_durable(job_id)
+            if current is None:
                 raise KeyError(job_id)
-            if "status" in fields and fields["status"] != job.status:
-                record_job_state(job.kind, fields["status"])
-            job = job.updated(**fields)
+            job = next_record(current, fields, expect)
+            if job is None:
+                return current
             self._write_live(job)
+            _count_state(current, job)
             if persist:
                 self._persist(job)
             return job
 
     def set_progress(self, job_id: str, done: int, total: int | None = None) -> None:
-        counts = {"done": done} if total is None else {"done": done, "total": total}
+        """A progress tick, kept live only (never on a finished job: its count is final)."""
         with self._lock:
             job = self._read_live(job_id)
-            if job is not None:
-                self._write_live(job.updated(progress={**job.progress.model_dump(), **counts}))
+            changed = None if job is None else next_record(job, progress_fields(job, done, total), None)
+            if changed is not None:
+                self._write_live(changed)
 
     def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
         """(jobs not finished in total, those of ``owner``): what admission control bounds.
@@ -200,6 +221,19 @@ class JobStore:
         self.storage.delete(marker)
 
 
+def progress_fields(job: JobRecord, done: int, total: int | None) -> dict[str, Any]:
+    counts = {"done": done} if total is None else {"done": done, "total": total}
+    return {"progress": {**job.progress.model_dump(), **counts}}
+
+
+def _count_state(before: JobRecord, after: JobRecord) -> None:
+    if after.status != before.status:
+        record_job_state(after.kind, after.status)
+
+
+_CAS_TRIES = 1000  # a WATCH retried this often has met a writer per try: something is wrong, say so
+
+
 class RedisJobStore(JobStore):
     """Live records in Redis, shared by every API process and worker.
 
@@ -215,7 +249,7 @@ class RedisJobStore(JobStore):
         self.heartbeat_ttl_s = heartbeat_ttl_s
 
     def _read_live(self, job_id: str) -> JobRecord | None:
-        raw = self.redis.get(f"engram:job:{job_id}")
+        raw = self.redis.get(_live_key(job_id))
         return None if raw is None else read_job_record(json.loads(raw), job_id)
 
     # -- admission counts: a set of unfinished job IDs in total and one per owner. A job leaves them
@@ -233,11 +267,71 @@ class RedisJobStore(JobStore):
             self._forget_open(job)
             raise
 
-    def update(self, job_id: str, *, persist: bool = True, **fields: Any) -> JobRecord:
-        job = super().update(job_id, persist=persist, **fields)
+    def update(
+        self, job_id: str, *, persist: bool = True, expect: Collection[str] | None = None, **fields: Any
+    ) -> JobRecord:
+        """:meth:`JobStore.update` over Redis: the live record is WATCHed, the change decided on it
+        and written in a MULTI that fails when another process wrote it meanwhile (then decided
+        again on the newer record), so no writer overwrites a change it did not see."""
+        current, job = self._compare_and_set(job_id, lambda found: next_record(found, fields, expect), durable=True)
+        if job is None:
+            return current
+        _count_state(current, job)
+        if persist:
+            self._persist(job)
+            self._persist_if_finished_since(job)
         if job.status in FINISHED:
             self._forget_open(job)
         return job
+
+    def set_progress(self, job_id: str, done: int, total: int | None = None) -> None:
+        try:
+            self._compare_and_set(job_id, lambda found: next_record(found, progress_fields(found, done, total), None))
+        except KeyError:
+            return  # not live here: nothing to tick
+
+    def _compare_and_set(
+        self, job_id: str, change: Callable[[JobRecord], JobRecord | None], *, durable: bool = False
+    ) -> tuple[JobRecord, JobRecord | None]:
+        """(the record the change was decided on, the record written: None when ``change`` refused).
+
+        ``durable``: a job Redis does not hold (it restarted) is read from storage and made live.
+
+        Raises:
+            KeyError: no such job (live, or durable with ``durable``).
+        """
+        key = _live_key(job_id)
+        with self.redis.pipeline() as pipe:
+            for _ in range(_CAS_TRIES):
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    current = read_job_record(json.loads(raw), job_id) if raw is not None else None
+                    if current is None and durable:
+                        current = self._load_durable(job_id)
+                    if current is None:
+                        raise KeyError(job_id)
+                    job = change(current)
+                    if job is None:
+                        return current, None
+                    pipe.multi()
+                    pipe.set(key, job.model_dump_json())
+                    pipe.execute()
+                    return current, job
+                except WatchError:
+                    continue  # another writer changed it since the read: decide again on its record
+        raise RuntimeError(f"job {job_id}: its record changed under each of {_CAS_TRIES} tries to update it")
+
+    def _persist_if_finished_since(self, job: JobRecord) -> None:
+        """Storage takes writes in the order they arrive, not the order Redis took them: a writer
+        whose persist of an unfinished record lands after another's persist of the job's end would
+        leave storage saying it runs. Each persist of an unfinished record reads the live one after
+        it, and persists an end found there again (its outbox is written once: the marker is gone)."""
+        if job.status in FINISHED:
+            return
+        latest = self._read_live(job.job_id)
+        if latest is not None and latest.status in FINISHED:
+            self._persist(latest)
 
     def open_counts(self, owner: str, *, exact: bool = False) -> tuple[int, int]:
         mine = OPEN_SET + ":" + owner
@@ -258,7 +352,7 @@ class RedisJobStore(JobStore):
             pipe.execute()
 
     def _write_live(self, job: JobRecord) -> None:
-        self.redis.set(f"engram:job:{job.job_id}", job.model_dump_json())
+        self.redis.set(_live_key(job.job_id), job.model_dump_json())
 
     def _persist(self, job: JobRecord) -> None:
         try:
@@ -275,10 +369,14 @@ class RedisJobStore(JobStore):
 
     def is_live(self, job_id: str) -> bool:
         """Whether Redis still holds this job's record (False after a Redis restart)."""
-        return bool(self.redis.exists(f"engram:job:{job_id}"))
+        return bool(self.redis.exists(_live_key(job_id)))
 
     def epoch(self) -> str:
         """A token naming this Redis incarnation: a restart without persistence changes it, and
         with it every queued message is gone."""
         self.redis.set("engram:epoch", uuid.uuid4().hex, nx=True)
         return self.redis.get("engram:epoch").decode()
+
+
+def _live_key(job_id: str) -> str:
+    return f"engram:job:{job_id}"

@@ -54,5 +54,8 @@ def cancel_job(job_id: str, ctx: ContextDep) -> Job:
     if job.status in FINISHED:
         return job_view(job)
     if job.status == "queued":
-        return job_view(ctx.jobs.update(job_id, cancel_requested=True, status="cancelled", finished_at=utc_now()))
+        # Compare-and-set: a job that started since is cancelled at its next checkpoint instead.
+        job = ctx.jobs.update(job_id, expect=("queued",), cancel_requested=True, status="cancelled", finished_at=utc_now())
+        if job.status in FINISHED:
+            return job_view(job)
     return job_view(ctx.jobs.update(job_id, cancel_requested=True))
