@@ -194,6 +194,12 @@ class Settings(BaseSettings):
     callback_backoff_s: float = Field(default=1.0, gt=0, le=3600, description="first retry delay; doubles up to 10 min")
     # How long one delivery waits for the receiver's answer.
     callback_timeout_s: float = Field(default=10.0, gt=0, le=120)
+    # What a delivery reads of a receiver's answer, in bytes (ENGRAM_CALLBACK_TIMEOUT_S bounds the whole
+    # delivery, connect to last byte read, not each read). The status alone decides the outcome; the
+    # body is read only so that a short answer's connection is kept for the next delivery. 4 KiB holds
+    # any acknowledgement or short error page; a longer body is dropped with its connection, so an
+    # endless one costs one read (64 KiB), not the process's memory.
+    callback_max_response_bytes: int = Field(default=4096, ge=0, le=1 << 20)
     callback_poll_s: float = Field(default=1.0, gt=0, le=300, description="how often pending callbacks are looked for")
     # Deliveries at once. A receiver that never answers holds one for ENGRAM_CALLBACK_TIMEOUT_S and
     # is then on backoff; 8 lets seven such receivers at once leave a lane for everyone else's

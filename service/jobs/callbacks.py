@@ -15,6 +15,13 @@ so a refused URL is a 422 that stores nothing, and again before every delivery, 
 as the HTTP client parses them: a URL that parsers read differently is refused), redirects are never
 followed (a redirect could point anywhere), and every request is signed as Standard Webhooks
 prescribe: ``webhook-signature: v1,<base64 HMAC-SHA256(secret, "<id>.<timestamp>.<body>")>``.
+
+A receiver cannot hold a delivery, or the process's memory: one delivery (connect, request, status,
+headers and what is read of the body) ends within ``ENGRAM_CALLBACK_TIMEOUT_S`` in total
+(:mod:`service.jobs.callback_transport`), headers are bounded by the HTTP client (100 KB), and at most
+``ENGRAM_CALLBACK_MAX_RESPONSE_BYTES`` of the body is read. A receiver that answers 2xx and then
+streams forever has received the event (delivered); any other hostile answer fails its attempt and,
+after ``ENGRAM_CALLBACK_MAX_ATTEMPTS``, is dead-lettered.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import httpx
 from api_schemas import Job
 from service.config import Settings
 from service.errors import InvalidInput
+from service.jobs.callback_transport import DeadlineTransport, deadline
 from service.jobs.periodic import PeriodicDuty
 from service.jobs.records import JobRecord
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
@@ -231,7 +239,8 @@ class CallbackDispatcher:
         get_job: reads a job record (the live store, so the freshest state is sent).
         lock: a factory of a non-blocking lock shared by every API process (distributed mode), so
             one process delivers at a time; ``None`` in embedded mode.
-        transport: the HTTP transport (tests put a failing one in front of the real one).
+        transport: the HTTP transport (tests put a failing one in front of the real one); by
+            default one that keeps every delivery within ENGRAM_CALLBACK_TIMEOUT_S in total.
     """
 
     def __init__(
@@ -246,8 +255,7 @@ class CallbackDispatcher:
         self._client = httpx.Client(
             timeout=settings.callback_timeout_s,
             follow_redirects=False,
-            transport=transport,
-            limits=httpx.Limits(max_connections=settings.callback_concurrency),
+            transport=transport or DeadlineTransport(settings.callback_concurrency),
         )
         self._pool = ThreadPoolExecutor(settings.callback_concurrency, thread_name_prefix="engram-callback")
         self._duty = PeriodicDuty("callbacks", self.deliver_due, settings.callback_poll_s, lock)
@@ -365,9 +373,26 @@ class CallbackDispatcher:
             "user-agent": "engram-service-callbacks/1",
         }
         try:  # the URL the allowlist judged is the one sent
-            response = self._client.post(target.url, content=body, headers=headers)
+            with deadline(self.settings.callback_timeout_s):
+                status = self._send(target.url, body, headers)
         except Exception as exc:  # httpx.HTTPError, and whatever else a transport raises
             return Delivery(False, f"{type(exc).__name__}: {exc}")
-        if 200 <= response.status_code < 300:
+        if 200 <= status < 300:
             return Delivery(True)
-        return Delivery(False, f"HTTP {response.status_code}")
+        return Delivery(False, f"HTTP {status}")
+
+    def _send(self, url: httpx.URL, body: bytes, headers: dict[str, str]) -> int:
+        """POST and return the answer's status, having read at most ENGRAM_CALLBACK_MAX_RESPONSE_BYTES of
+        its body, raw (never decompressed): the status alone decides the outcome (Standard Webhooks:
+        a 2xx acknowledges the event), so the body is read only to let a short answer's connection be
+        reused; a longer one, or one still arriving at the deadline, is dropped with its connection."""
+        with self._client.stream("POST", url, content=body, headers=headers) as response:
+            read = 0
+            try:
+                for chunk in response.iter_raw():
+                    read += len(chunk)
+                    if read > self.settings.callback_max_response_bytes:
+                        break  # closing an unread response closes its connection
+            except httpx.HTTPError as exc:  # the answer was given: its body's fate changes nothing
+                log.info("callback answer from %s not read to its end (%s): %s", url.host, type(exc).__name__, exc)
+            return response.status_code
