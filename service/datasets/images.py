@@ -13,10 +13,11 @@ being decoded, so that what an image costs the API is its file's bytes, whatever
 - an aspect ratio past :data:`MAX_IMAGE_ASPECT` is a 422 from the header too: a 1 × 39,000,000 strip
   is within the pixel bound in ~100 KB, but a classifier's resize makes gigabytes of it, and
   squeezed to the model's square it is no picture of anything;
-- a truncated or corrupt file is a 422 with Pillow's reason: a PNG's chunks are read and their CRCs
-  checked (nothing inflated), a JPEG is decoded at 1/8 scale (1/64 of its pixels held), a WebP's
-  container is parsed when it is opened (at most 16,383 pixels a side; what only its full decode
-  can find fails the collection job, naming the record);
+- a truncated or corrupt file is a 422: a PNG's chunks are read and their CRCs checked (nothing
+  inflated), a JPEG's markers are read (its last scan must end in its end-of-image marker), a
+  WebP's container is parsed when it is opened; what only a full decode finds (a deflate stream
+  broken under a valid CRC, a corrupt JPEG or WebP bitstream) fails the collection job, naming
+  the record;
 - an animated file (APNG, animated WebP) is refused: which frame is "the image" is the sender's to say.
 
 Jobs decode (:func:`decode_image`) under the same header checks and, given the model's image
@@ -211,8 +212,8 @@ def open_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
     if max(width, height) > MAX_IMAGE_ASPECT * max(min(width, height), 1):
         raise InvalidInput(
             f"{where}: the image is {width}×{height}, its longer side over {MAX_IMAGE_ASPECT} times its shorter "
-            f"(the most an image classifier's resize reads, service.datasets.images.MAX_IMAGE_ASPECT); "
-            "crop it, or cut it into pieces closer to square"
+            f"(the bound on an image's aspect ratio, {MAX_IMAGE_ASPECT}:1: a classifier's square input would be a "
+            "smear of it, and resizing it costs more than the image); crop it, or cut it into pieces closer to square"
         )
     frames = int(getattr(image, "n_frames", 1))
     if frames > 1:
@@ -221,9 +222,9 @@ def open_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
 
 
 def check_image_file(data: bytes, where: str, max_pixels: int) -> None:
-    """Check a file as :func:`open_image` does, then that it is whole, never holding its pixels: a
-    PNG's chunks and their CRCs are read (nothing inflated), a JPEG is decoded at 1/8 scale, a
-    WebP's container was parsed by the open.
+    """Check a file as :func:`open_image` does, then that it is whole, never decoding its pixels:
+    a PNG's chunks and their CRCs are read (nothing inflated), a JPEG's markers, a WebP's container
+    (parsed by the open).
 
     Raises:
         InvalidInput, PayloadTooLarge: as :func:`open_image`; a truncated or corrupt file.
@@ -232,12 +233,17 @@ def check_image_file(data: bytes, where: str, max_pixels: int) -> None:
     try:
         if image.format == "PNG":
             image.verify()
-        elif image.format == "JPEG":
-            width, height = image.size
-            image.draft(None, (-(-width // 8), -(-height // 8)))  # libjpeg's smallest scale: every block read
-            image.load()
+        elif image.format == "JPEG" and not _jpeg_ends(data):
+            raise OSError("its last scan has no end-of-image marker after it (a file cut short)")
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise InvalidInput(f"{where}: the {image.format} image is truncated or corrupt: {exc}") from None
+
+
+def _jpeg_ends(data: bytes) -> bool:
+    """Whether a JPEG's end-of-image marker follows its last start-of-scan: scan data never holds
+    a marker (an 0xFF byte in it is stuffed as FF 00), so a file cut inside a scan has none after it
+    (an EXIF thumbnail's own end marker comes before the main image's scans)."""
+    return data.rfind(b"\xff\xd9") > data.rfind(b"\xff\xda") >= 0
 
 
 def decode_image(data: bytes, where: str, max_pixels: int, resize: ResizePath | None = None) -> Image.Image:

@@ -1,8 +1,8 @@
 """What an image costs, checked before it is paid, through a real server (embedded mode, file storage,
 its own job process): issue 35, findings 3 and 6.
 
-- 6: image records posted for a text model are refused (422, naming the record and the model's
-  kind) without their pixels ever being decoded: the API's peak memory does not grow by what the
+- 6: image records posted for a text model, inline or uploaded, are refused (422, naming the
+  record and the model's kind) without their pixels ever being decoded: the API's peak memory does not grow by what the
   images declare. Before, the API decoded every image first: 48 MB of RGB per 4000 × 4000 record.
 - 3: a 1 × N strip (within ``ENGRAM_MAX_IMAGE_PIXELS``, a few kilobytes) is refused from its
   header, naming where it is and its size: posted inline (422 at submission) and in an ImageFolder
@@ -31,7 +31,7 @@ from PIL import Image
 from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for_job
 from engram_fixtures.models import make_tiny_llama
 from engram_fixtures.vision import make_tiny_resnet
-from tests.helpers.api import assert_problem, register_model, unchanged
+from tests.helpers.api import assert_problem, jsonl, register_model, unchanged
 from tests.helpers.images import b64, digit_image, digit_record, encode
 from tests.helpers.job_process import job_process, peak_rss_bytes
 
@@ -93,18 +93,26 @@ def post(api: httpx.Client, name: str, model: str, records: list[dict[str, Any]]
     return api.post("/concepts", json={"name": name, "models": [model], "records": records})
 
 
+def upload(api: httpx.Client, name: str, model: str, records: list[dict[str, Any]]) -> httpx.Response:
+    """The records as a multipart JSONL upload."""
+    files = {"dataset": ("d.jsonl", jsonl(records), "application/x-ndjson")}
+    return api.post("/concepts", data={"name": name, "models": model}, files=files)
+
+
 def test_images_for_a_text_model_are_422_without_being_decoded(server: LiveServer) -> None:
     square = b64(blank_rgb_png(SQUARE, SQUARE))
     assert len(square) < 200_000  # what the request carries: ~1/300 of what it declares
     api_pid = server.process.pid
     post(server.client, "warm", LLAMA, [{"text": "warm the route up"}, digit_record(0)])  # same path, a tiny image
+    upload(server.client, "warm", LLAMA, [{"text": "warm the route up"}, digit_record(0)])
     before = peak_rss_bytes(api_pid)
     with unchanged(server):
-        for attempt in range(3):
-            response = post(server.client, f"squares-{attempt}", LLAMA, [{"image": square}, {"image": square}])
-            assert_problem(response, 422, "record 0 is an image record", f"model {LLAMA} is a text model")
+        for attempt, send in enumerate((post, upload, post, upload)):
+            response = send(server.client, f"squares-{attempt}", LLAMA, [{"image": square}, {"image": square}])
+            named = "record 0" if send is post else "dataset line 1"
+            assert_problem(response, 422, f"{named} is an image record", f"model {LLAMA} is a text model")
     growth = peak_rss_bytes(api_pid) - before
-    print(f"\nAPI peak RSS growth over 3 requests of 2 × {SQUARE}×{SQUARE} images for a text model: {growth / MB:.1f} MB")  # noqa: T201
+    print(f"\nAPI peak RSS growth over 4 requests of 2 × {SQUARE}×{SQUARE} images for a text model: {growth / MB:.1f} MB")  # noqa: T201
     assert growth < API_GROWTH_BOUND, f"the API's peak grew {growth / MB:.0f} MB: it decoded the images"
 
 

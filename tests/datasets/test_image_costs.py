@@ -146,3 +146,16 @@ def test_a_png_whose_data_was_altered_is_refused_by_its_crc() -> None:
     data[-20] ^= 0xFF  # a byte of the IDAT chunk: its CRC no longer matches
     with pytest.raises(InvalidInput, match="record 0: the PNG image is truncated or corrupt"):
         check_image_file(bytes(data), "record 0", MAX_PIXELS)
+
+
+def test_a_jpeg_with_bytes_after_its_end_marker_or_an_exif_thumbnail_is_whole() -> None:
+    image = Image.fromarray(np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3))
+    check_image_file(encode(image, "JPEG") + b"trailing bytes a camera appended", "record 0", MAX_PIXELS)
+    exif = Image.Exif()
+    exif[0x010F] = "a camera"
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", exif=exif.tobytes())
+    data = buffer.getvalue()
+    check_image_file(data, "record 0", MAX_PIXELS)
+    with pytest.raises(InvalidInput, match="record 0: the JPEG image is truncated or corrupt"):
+        check_image_file(data[:-2], "record 0", MAX_PIXELS)
