@@ -114,7 +114,11 @@ def apply_job_memory_limit(settings: Settings) -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    except (ValueError, OSError) as exc:  # a platform without it: the budget is then not enforced, and says so
+        log.warning("could not limit job memory to %d bytes (ENGRAM_JOB_MEMORY_BYTES): %s", limit, exc)
+        return 0
     _applied_bytes = limit
     log.info("job memory limited to %d bytes (ENGRAM_JOB_MEMORY_BYTES, RLIMIT_DATA)", limit)
     return limit
