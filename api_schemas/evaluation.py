@@ -38,7 +38,8 @@ class Probe(Strict):
     image: Annotated[str, Field(min_length=1)] | SkipJsonSchema[None] = Field(
         default=None,
         description="for an image classifier: the base64 of a PNG, JPEG or WebP file (a data:image/...;base64, prefix "
-        "is allowed), at most ENGRAM_MAX_IMAGE_PIXELS pixels; decoded and processed as concept records are",
+        "is allowed), at most ENGRAM_MAX_IMAGE_PIXELS pixels and 100:1 from longer side to shorter; decoded and "
+        "processed as concept records are",
     )
     label: StrictInt | Annotated[StrictStr, Field(max_length=256)] | SkipJsonSchema[None] = Field(
         default=None,

@@ -144,7 +144,7 @@ RECORD_SCHEMA: dict[str, Any] = {
                     "minLength": 1,
                     "description": (
                         "for an image classifier: the base64 of a PNG, JPEG or WebP file (a data:image/...;base64, "
-                        "prefix is allowed), at most ENGRAM_MAX_IMAGE_PIXELS pixels"
+                        "prefix is allowed), at most ENGRAM_MAX_IMAGE_PIXELS pixels and 100:1 from longer side to shorter"
                     ),
                 },
                 "label": {

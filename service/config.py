@@ -165,6 +165,9 @@ class Settings(BaseSettings):
     # decoding, so a decompression bomb (a small PNG of a huge blank canvas) is a 413 naming the
     # record, never a worker's memory. 40 megapixels: well past a 4K photo, and a classifier reads
     # 224² or so. Pillow itself refuses any image over about 179 megapixels whatever this says.
+    # It bounds the model's resize too: a job refuses, before decoding, an image its image processor
+    # would hold more pixels of on the way (a shortest-edge resize keeps the aspect ratio:
+    # service/engine/image_resize.py), naming the record and this setting.
     max_image_pixels: int = Field(default=40_000_000, ge=1024, le=178_956_970)
     # A dataset by reference: the source object's bytes and its stored records' bytes (each).
     max_dataset_bytes: int = Field(default=4 << 30, ge=1024)

@@ -122,7 +122,7 @@ class DatasetSpool:
         named = self.count if where is None else where
         record: Record | ImageRecord
         try:
-            if is_image_record(raw):  # {"image": base64, "label"?}: decoded once here (service.datasets.images)
+            if is_image_record(raw):  # {"image": base64, "label"?}: checked, never decoded (service.datasets.images)
                 record = ImageRecord.from_mapping(raw, named, self.max_image_pixels)
             else:
                 record = Record.from_mapping(raw, named)

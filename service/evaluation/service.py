@@ -91,7 +91,7 @@ def _classifier_probes(
     ctx: Context, model: ModelRecord, probes: dict[str, list[dict[str, Any]]], retain_model: str | None
 ) -> StoredProbes:
     """The stored form of an image classifier's evaluation: its probe sets as sent (every image
-    decoded once and every label resolved here, so the job meets no probe it cannot read) and the
+    checked whole from its file and every label resolved here, so the job meets no probe it cannot read) and the
     resolved retrained model (``classifier.retain_model``; None without one)."""
     check_image_probes(probes, model_classes(model), ctx.settings.max_image_pixels)
     retained = retain_classifier(ctx, model, retain_model) if retain_model is not None else None
