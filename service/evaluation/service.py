@@ -3,7 +3,10 @@
 In distributed mode they go to the ``gpu`` queue like collections, in embedded mode to their own
 lane; the job bodies are :mod:`service.evaluation.run`. Evaluation results are content-addressed
 (``evaluations/<variant, probes digest>.json``): the same probes on the same variant are answered
-from storage.
+from storage. An identical request (evaluation or generation, from any key that may submit one)
+follows the job queued or running for it, or for an evaluation the job that stored its result,
+instead of starting another (:func:`service.jobs.submit.follow_or_start`): admission control
+counts no new work for it.
 
 Image probes (``{"image", "label"}``) go to an image classifier's variant only: every image is
 decoded under ``ENGRAM_MAX_IMAGE_PIXELS`` and every label resolved against the model's classes at
@@ -26,12 +29,18 @@ from service.evaluation.classifier_probes import check_image_probes, check_probe
 from service.evaluation.records import ClassifierOptions, StoredProbes, TofuOptions
 from service.evaluation.retain_model import RetainModelRef
 from service.jobs import callbacks
-from service.jobs.admission import admit
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.store import new_job
+from service.jobs.submit import follow_or_start
 from service.models.record import ModelRecord
 from service.models.registry import check_causal_lm, check_chat_templates, find_model, get_model
-from service.storage.keys import canonical_digest, probes_key
+from service.storage.keys import (
+    canonical_digest,
+    evaluation_key,
+    evaluation_request_key,
+    generation_request_key,
+    probes_key,
+)
 from service.variants.service import find_variant_request, variant_view
 
 SPLITS: tuple[Split, ...] = ("forget", "retain")  # a text evaluation's probe sets
@@ -104,20 +113,20 @@ def _classifier_probes(
 
 
 def _queue(ctx: Context, variant_id: str, stored: StoredProbes, urls: list[str]) -> JobRecord:
-    """Store the probes (content-addressed) and queue the evaluation job that reads them."""
+    """The evaluation's job: the one queued or running for the same probes on the same variant, or
+    the one that stored its result; else a new one, after the probes are stored (content-addressed)."""
     data = stored.to_bytes()
     digest = hashlib.sha256(data).hexdigest()
-    payload = EvaluatePayload(
-        variant_id=variant_id,
-        probes_digest=digest,
-        evaluation_id=canonical_digest({"variant_id": variant_id, "probes": digest})[:32],
+    evaluation_id = canonical_digest({"variant_id": variant_id, "probes": digest})[:32]
+    payload = EvaluatePayload(variant_id=variant_id, probes_digest=digest, evaluation_id=evaluation_id)
+    return follow_or_start(
+        ctx,
+        evaluation_request_key(evaluation_id),
+        lambda: new_job("evaluate", payload, unit="probes", callback_urls=urls),
+        urls,
+        answers=lambda job: job.status == "succeeded" and ctx.storage.exists(evaluation_key(evaluation_id)),
+        prepare=lambda: ctx.storage.put_bytes(probes_key(digest), data),  # before the job: the task reads it
     )
-    with ctx.lock:  # admission counts and the job it admits, together
-        admit(ctx)  # before the probes are stored: a refusal writes nothing
-        ctx.storage.put_bytes(probes_key(digest), data)  # before the job: the task reads it
-        job = ctx.jobs.create(new_job("evaluate", payload, unit="probes", callback_urls=urls))
-    ctx.dispatch(job)
-    return job
 
 
 def _tofu_options(ctx: Context, view: Variant, tofu: Mapping[str, Any]) -> TofuOptions:
@@ -192,11 +201,15 @@ def submit_generation(
     payload = GeneratePayload(
         variant_id=variant_id, prompt=prompt, max_new_tokens=max_new_tokens, models=list(models), messages=messages
     )
-    with ctx.lock:  # admission counts and the job it admits, together
-        admit(ctx)
-        job = ctx.jobs.create(new_job("generate", payload, unit="models", callback_urls=urls))
-    ctx.dispatch(job)
-    return job
+    # Greedy decoding of a content-addressed variant: the same payload gives the same text, so an
+    # identical request follows the job queued or running for it. A finished one is not followed:
+    # no generation result is stored by content (evaluations are), so a later request runs anew.
+    generation_id = canonical_digest(payload.model_dump(mode="json"))[:32]
+
+    def start() -> JobRecord:
+        return new_job("generate", payload, unit="models", callback_urls=urls)
+
+    return follow_or_start(ctx, generation_request_key(generation_id), start, urls)
 
 
 def _check_chat_template(ctx: Context, view: Variant, what: str) -> None:

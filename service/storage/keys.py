@@ -11,7 +11,9 @@
   last, ``usage.json``, ``pairs/<member>+<member>.json`` (engram inner products, on first need);
   ``model-universes/<quoted model id>/``: ``current.json`` and ``known/<id>``
   (:mod:`service.universes.service` says what each holds)
-- ``probes/<sha256>.json`` and ``evaluations/<evaluation id>.json``: evaluation's inputs and results
+- ``probes/<sha256>.json`` and ``evaluations/<evaluation id>.json``: evaluation's inputs and results;
+  ``evaluations/<evaluation id>.request.json`` and ``generations/<generation id>.request.json``: the
+  job last started for an identical request (:func:`service.jobs.submit.follow_or_start`)
 - ``jobs/<job id>.json``, and ``jobs/open/<job id>`` while the job is unfinished
 - ``callbacks/pending/...`` and ``callbacks/failed/...``: the completion callbacks' outbox
 """
@@ -75,6 +77,16 @@ def probes_key(digest: str) -> str:
 
 def evaluation_key(evaluation_id: str) -> str:
     return f"evaluations/{evaluation_id}.json"
+
+
+def evaluation_request_key(evaluation_id: str) -> str:
+    """The job last started for an evaluation: identical requests follow it."""
+    return f"evaluations/{evaluation_id}.request.json"
+
+
+def generation_request_key(generation_id: str) -> str:
+    """The job last started for a generation (``generation_id``: the digest of its payload)."""
+    return f"generations/{generation_id}.request.json"
 
 
 def map_key(map_id: str) -> str:
