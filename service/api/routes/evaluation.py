@@ -54,6 +54,9 @@ async def evaluate(
     ``retain_model`` as ``retrained``) and set the top-1 accuracy, the mean label NLL and the
     confusion row of each forgotten class, the features' DA and NMI, and the variant's ToW and CKA
     to the base and to the retrained model.
+
+    The same probes and options on the same variant, from any key, answer the job queued or running
+    for them, or the finished job whose result is stored: no second job, and no 429 for it.
     """
     # exclude_none: a prompt/completion probe is stored (and digested) as it always was.
     sets = (*evaluation.SPLITS, "test")
@@ -91,7 +94,8 @@ async def generate(
     """Greedy continuation of ``prompt`` by the variant and/or its base: ``result.outputs.{base,variant}.text``.
 
     ``messages`` instead of ``prompt``: the conversation rendered with the model's chat template and
-    its generation prompt is continued."""
+    its generation prompt is continued. An identical request, from any key, answers the job queued or
+    running for it (no second job, and no 429 for it); once that job has finished, it runs again."""
     return await _submit_and_wait(
         ctx,
         lanes,
