@@ -388,6 +388,13 @@ class EvaluationResult(JobResult):
         exclude_if=lambda v: v is None,
         description="image probes: the classifier's metrics (absent for text probes)",
     )
+    truncated_probes: dict[str, int] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="probe set (forget, retain, holdout, a utility set) -> probes whose prompt was cut on the left "
+        "to fit what the model reads (the smaller of its context and ENGRAM_MAX_LENGTH tokens: the last prompt "
+        "tokens kept, the answers whole; an answer longer than that fails the job naming it); absent when none was",
+    )
 
 
 class GeneratedText(JobResult):
@@ -403,3 +410,9 @@ class GenerationResult(JobResult):
     # As sent ({role, content} objects), not ChatMessage: a caller compares them with what it sent.
     messages: list[dict[str, str]] | None = Field(default=None, description="the messages sent, when they were")
     outputs: dict[Scored, GeneratedText]
+    prompt_truncated: bool | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="true when the prompt (or the rendered messages) was cut on the left to fit what the model "
+        "reads (the smaller of its context less max_new_tokens and ENGRAM_MAX_LENGTH tokens); absent otherwise",
+    )

@@ -59,6 +59,12 @@ class Settings(BaseSettings):
     # the batch size is not (padding never changes a statistic).
     max_length: int = Field(default=512, ge=8, le=32768)
     collect_batch_size: int = Field(default=8, ge=1, le=1024)
+    # Padded tokens per forward pass when evaluate and calibrate score probes (batches are cut by
+    # tokens, not probes, so many long probes cost what a few do; a probe longer than this is a
+    # batch alone, and no probe is longer than min(the model's context, max_length) tokens). The
+    # float32 logits of a batch are this × vocabulary × 4 bytes: 2048 is 256 MiB at a 32k
+    # vocabulary, 1 GiB at 128k; 16 probes of 128 tokens, or four of the default 512.
+    eval_batch_tokens: int = Field(default=2048, ge=64, le=1 << 20)
     # How Σ is stored. float64 keeps the sums exactly as accumulated; float32 halves the bytes and
     # moves an edit by up to ~1e-4 relative on ill-conditioned layers (see service/engine/stats_io.py).
     stats_dtype: Literal["float64", "float32"] = "float64"

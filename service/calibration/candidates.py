@@ -8,6 +8,10 @@ checkpoint's dtype), so a candidate's numbers are those of the checkpoint varian
 without writing one: each edited layer's parameters are copied into the loaded model, the probes are
 scored, and the next candidate restores what it does not edit from the checkpoint.
 
+Probes are bounded as evaluate bounds them (:mod:`service.engine.probe_bound`: each prompt cut on the
+left to the smaller of the model's context and ENGRAM_MAX_LENGTH, an answer past it refused naming
+the probe), and scored in batches of at most ENGRAM_EVAL_BATCH_TOKENS padded tokens.
+
 The model is this job's own copy (a shared cached model would be edited under other jobs' feet),
 loaded untied when a tied layer (``lm_head`` tied to ``embed_tokens``) may be edited, as a variant
 unties it.
@@ -28,9 +32,10 @@ from service.calibration.space import arm_layers
 from service.engine.chat import Renderer
 from service.engine.checkpoint import CheckpointReader, load_model, load_tokenizer
 from service.engine.errors import EditError
-from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import BATCH_TOKENS, Probe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout, is_causal_lm
+from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
 from service.engrams.manifest import UniverseManifest
 from service.engrams.store import stored_editor, stored_engrams
 from service.errors import JobFailed
@@ -47,30 +52,34 @@ def parse_probe(raw: Mapping[str, Any]) -> Probe:
     return Probe(raw["prompt"], raw["completion"])
 
 
-def score(model: nn.Module, tokenizer: Any, probes: Mapping[str, Sequence[Probe]]) -> dict[str, dict[str, float]]:
+def score(
+    model: nn.Module, tokenizer: Any, probes: Mapping[str, Sequence[Probe]], batch_tokens: int = BATCH_TOKENS
+) -> dict[str, dict[str, float]]:
     """Mean answer NLL, greedy exact match and count per split (as ``POST /variants/{id}/evaluate`` sums them)."""
     summary = {}
     for split, items in probes.items():
-        nll = answer_nll(model, tokenizer, items, batch_size=BATCH)  # type: ignore[arg-type]
-        em = greedy_exact_match(model, tokenizer, items, batch_size=BATCH)  # type: ignore[arg-type]
+        nll = answer_nll(model, tokenizer, items, batch_size=BATCH, batch_tokens=batch_tokens)  # type: ignore[arg-type]
+        em = greedy_exact_match(model, tokenizer, items, batch_size=BATCH, batch_tokens=batch_tokens)  # type: ignore[arg-type]
         summary[split] = summarize(nll, em)
     return summary
 
 
 def check_probes(
-    tokenizer: Any, probes: Mapping[str, Sequence[Probe]], renderer: Renderer | None = None
+    tokenizer: Any, probes: Mapping[str, Sequence[Probe]], renderer: Renderer | None = None, bound: ProbeBound | None = None
 ) -> dict[str, list[Probe]]:
-    """Each probe with its token IDs, a chat probe rendered once (by ``renderer``: the job's bounded
-    template process), so that no candidate's scoring runs a template. A probe whose prompt or
-    completion tokenizes to nothing, or a template past a bound, is refused by split and index."""
+    """Each probe with its token IDs within ``bound`` (its prompt cut on the left), a chat probe
+    rendered once (by ``renderer``: the job's bounded template process), so that no candidate's
+    scoring runs a template. A probe whose prompt or completion tokenizes to nothing, whose answer
+    passes the bound, or a template past a bound, is refused by split and index."""
     checked: dict[str, list[Probe]] = {}
     for split, items in probes.items():
         checked[split] = []
         for i, probe in enumerate(items):
             try:
-                checked[split].append(encoded(tokenizer, probe, renderer))
+                checked[split].append(encoded(tokenizer, probe, renderer, bound))
             except ValueError as exc:
-                raise JobFailed(f"{split}[{i}]: {exc}") from None
+                number = f" ({split} probe {i + 1})" if isinstance(exc, ProbeTooLong) else ""
+                raise JobFailed(f"{split}[{i}]{number}: {exc}") from None
     return checked
 
 
@@ -228,8 +237,10 @@ class InMemoryCandidates(CandidateWeights):
     ) -> None:
         super().__init__(ctx, model_dir, layout, universe, term_prefixes, device, union)
         self.tokenizer = load_tokenizer(model_dir)
-        self.probes = probes = check_probes(self.tokenizer, probes, renderer)
-        self.base = score(self.base_model(), self.tokenizer, probes)
+        self.bound = probe_bound(self.tokenizer, self.model.config, ctx.settings.max_length)
+        self.batch_tokens = ctx.settings.eval_batch_tokens
+        self.probes = probes = check_probes(self.tokenizer, probes, renderer, self.bound)
+        self.base = score(self.base_model(), self.tokenizer, probes, self.batch_tokens)
 
     def check_loaded(self, model: nn.Module) -> None:
         if not is_causal_lm(model):
@@ -238,7 +249,7 @@ class InMemoryCandidates(CandidateWeights):
     def measure(self, arm: Arm, alpha: float) -> Measured:
         """Swap in the candidate's weights, score the probes, and say how they compare to the base."""
         model = self._apply(arm, alpha)
-        summary = score(model, self.tokenizer, self.probes)
+        summary = score(model, self.tokenizer, self.probes, self.batch_tokens)
         outcome = Outcome(
             ratio(summary["forget"]["mean_nll"], self.base["forget"]["mean_nll"]),
             ratio(summary["retain"]["mean_nll"], self.base["retain"]["mean_nll"]),

@@ -63,9 +63,13 @@ class GoalRun:
         self.held_sets = _tofu_sets(held)
         self.has_held_out = bool(held.forget and held.retain)
         self.renderer = RenderedOnce(renderer)
-        prime(tokenizer, {**self.sets, **{f"held_out {k}": v for k, v in self.held_sets.items()}}, self.renderer)
+        held_names = {f"held_out {k}": k for k in self.held_sets}
+        every = {**self.sets, **{key: self.held_sets[name] for key, name in held_names.items()}}
+        primed = prime(tokenizer, every, self.renderer, candidates.bound)
+        self.sets = {name: primed[name] for name in self.sets}  # with their token IDs, within the probe bound
+        self.held_sets = {name: primed[key] for key, name in held_names.items()}
         held_plain = {"forget": [parse_probe(p) for p in held.forget], "retain": [parse_probe(p) for p in held.retain]}
-        self.held_plain = check_probes(tokenizer, held_plain, self.renderer) if self.has_held_out else {}
+        self.held_plain = check_probes(tokenizer, held_plain, self.renderer, candidates.bound) if self.has_held_out else {}
         self.renderer.inner = None  # the template process ends with the job's block: all is rendered
         model = candidates.model  # at the base weights
         self.base_report = tofu_report(model, tokenizer, self.sets, self.renderer)

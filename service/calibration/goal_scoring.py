@@ -15,30 +15,22 @@ from typing import Any
 
 from service.calibration.candidates import ratio
 from service.engine.chat import RenderedOnce, Renderer
-from service.engine.evaluate import encode_probe
-from service.engine.tofu_scoring import TofuProbe, tofu_statistics, with_answer
-from service.errors import JobFailed
+from service.engine.probe_bound import ProbeBound
+from service.engine.tofu_scoring import TofuProbe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
+from service.evaluation.run import encoded_sets
 
 OWN_SETS = ("forget", "retain", "holdout")  # the rest of a probe-set mapping are utility sets
 BATCH = 16
 
 
-def prime(tokenizer: Any, sets: Mapping[str, Sequence[TofuProbe]], renderer: RenderedOnce) -> None:
-    """Tokenize every answer of every probe once (rendering chat templates into ``renderer``); an
-    answer that cannot be scored fails the job naming it."""
-    for name, items in sets.items():
-        for i, item in enumerate(items):
-            answers = [("", item.probe)]
-            if item.paraphrased_answer is not None:
-                answers.append((".paraphrased_answer", with_answer(item.probe, item.paraphrased_answer)))
-            wrong = item.perturbed_answers or ()
-            answers += [(f".perturbed_answers[{j}]", with_answer(item.probe, w)) for j, w in enumerate(wrong)]
-            for where, probe in answers:
-                try:
-                    encode_probe(tokenizer, probe, renderer)
-                except ValueError as exc:
-                    raise JobFailed(f"{name}[{i}]{where}: {exc}") from None
+def prime(
+    tokenizer: Any, sets: Mapping[str, Sequence[TofuProbe]], renderer: RenderedOnce, bound: ProbeBound | None = None
+) -> dict[str, list[TofuProbe]]:
+    """Every answer of every probe tokenized once, within ``bound`` (evaluate's rule: the prompt cut
+    on the left, an answer past it refused), rendering chat templates into ``renderer``; an answer
+    that cannot be scored fails the job naming it. Returns the sets with their token IDs."""
+    return encoded_sets(tokenizer, {name: list(items) for name, items in sets.items()}, renderer, bound)
 
 
 def tofu_report(model: Any, tokenizer: Any, sets: Mapping[str, Sequence[TofuProbe]], renderer: Renderer) -> tm.ModelReport:

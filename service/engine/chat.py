@@ -288,13 +288,22 @@ def turn_span(
 
 
 def last_turn(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], renderer: Renderer | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    renderer: Renderer | None = None,
+    chars: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """A probe's ``(prompt_ids, answer_ids)``: the conversation before its last assistant message,
     with the generation prompt, and that turn's counted tokens (messages after it are not read).
 
     The whole conversation read is ``messages[:i+1]``, the turn's own "through" render, so two
     renders give both (a ``renderer``: in one request).
+
+    Args:
+        chars: tokenize only the last ``chars`` characters of the prompt (a probe's character budget,
+            :mod:`service.engine.probe_bound`): the earlier messages' contents are cut first, newest
+            kept, and both renders are tokenized from the same offset, so a conversation of any
+            length costs bounded tokenizer memory. ``None``: all of it.
 
     Raises:
         RecordError: no assistant message, or as :func:`turn_span`.
@@ -305,16 +314,67 @@ def last_turn(
     i = turns[-1]
     if i == 0:
         raise RecordError("message 0 is an assistant message; a conversation opens with another role")
-    prompt, through = _prefix_ids(tokenizer, messages[: i + 1], [(i, True), (i + 1, False)], renderer)
+    if chars is None:
+        prompt, through = _prefix_ids(tokenizer, messages[: i + 1], [(i, True), (i + 1, False)], renderer)
+    else:
+        prompt, through = _tail_ids(tokenizer, _context_within(messages[: i + 1], chars), i, renderer, chars)
     start, stop = _span(prompt, through, through, i)
     return through[:start], through[start:stop]
 
 
+def _context_within(messages: Sequence[Message], chars: int) -> tuple[Message, ...]:
+    """``messages`` with the contents before the last message cut, newest kept, to ``chars``
+    characters in all (each keeps at least one): what lies before them is beyond any kept token."""
+    kept = list(messages)
+    left = chars
+    for j in range(len(kept) - 2, -1, -1):
+        message = kept[j]
+        if len(message.content) > left:
+            keep = max(left, 1)
+            kept[j] = Message(message.role, message.content[len(message.content) - keep :], message.name)
+        left = max(0, left - len(message.content))
+    return tuple(kept)
+
+
+def _tail_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], i: int, renderer: Renderer | None, chars: int
+) -> tuple[list[int], list[int]]:
+    """The prompt and through renders of turn ``i``, each tokenized from the same offset: the prompt's
+    last ``chars`` characters (its BOS kept, when the template writes one)."""
+    if not has_chat_template(tokenizer):
+        raise NoChatTemplate("the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+    prompt_text, through_text = (renderer or InProcess()).render(tokenizer, messages, [(i, True), (i + 1, False)])
+    start = max(0, len(prompt_text) - chars)
+    lead = _bos_lead(tokenizer, prompt_text) if start else []
+    return lead + _text_ids(tokenizer, prompt_text[start:]), lead + _text_ids(tokenizer, through_text[start:])
+
+
+def _bos_lead(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """``[bos]`` when ``text`` opens with the BOS token (a render cut on the left keeps it), else nothing."""
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    return [int(bos_id)] if isinstance(bos, str) and bos and bos_id is not None and text.startswith(bos) else []
+
+
 def generation_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], renderer: Renderer | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    renderer: Renderer | None = None,
+    chars: int | None = None,
 ) -> list[int]:
-    """``messages`` rendered with the generation prompt: what a model continues to answer."""
-    return render_ids(tokenizer, messages, add_generation_prompt=True, renderer=renderer)
+    """``messages`` rendered with the generation prompt: what a model continues to answer.
+
+    Args:
+        chars: tokenize only the render's last ``chars`` characters (its BOS kept), the contents cut
+            first, newest kept (as :func:`last_turn`); ``None``: all of it.
+    """
+    if chars is None:
+        return render_ids(tokenizer, messages, add_generation_prompt=True, renderer=renderer)
+    if not has_chat_template(tokenizer):
+        raise NoChatTemplate("the model has no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+    kept = _context_within([*messages, Message("user", "")], chars)[:-1]  # the last message may be cut too
+    (text,) = (renderer or InProcess()).render(tokenizer, kept, [(len(kept), True)])
+    start = max(0, len(text) - chars)
+    return (_bos_lead(tokenizer, text) if start else []) + _text_ids(tokenizer, text[start:])
 
 
 class RenderedOnce:

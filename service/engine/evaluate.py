@@ -15,6 +15,12 @@ prompt, the completion that turn's counted tokens (:func:`service.engine.chat.la
 renders its chat probes once, in its bounded template process (a chat template is a program from the
 model folder: :mod:`service.engine.template_render`), with :func:`encoded`; the scoring functions
 then read the probes' token IDs and never run a template.
+
+Bounds. A probe's sequence holds at most ``bound.tokens`` tokens (the model's context and
+ENGRAM_MAX_LENGTH, :mod:`service.engine.probe_bound`): its prompt is cut on the left, its answer
+refused when it alone passes the bound. Forward passes are batched by padded tokens (rows × the
+longest row, at most ``batch_tokens``, ENGRAM_EVAL_BATCH_TOKENS), not by probes, so that many long
+probes cost what a few do: a batch's float32 logits are ``batch_tokens`` × vocabulary × 4 bytes.
 """
 
 from __future__ import annotations
@@ -28,10 +34,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from service.engine.probe_bound import ProbeBound, check_answer_chars, fit, prompt_tail
+
 if TYPE_CHECKING:  # annotations only
     from service.engine.chat import Renderer
 
-__all__ = ["Probe", "answer_nll", "encode_probe", "encoded", "greedy_exact_match", "greedy_tokens", "summarize"]
+__all__ = [
+    "BATCH_TOKENS",
+    "Probe",
+    "answer_nll",
+    "encode_probe",
+    "encoded",
+    "greedy_exact_match",
+    "greedy_tokens",
+    "probe_tokens",
+    "summarize",
+    "token_batches",
+]
+
+# Padded tokens per forward pass (ENGRAM_EVAL_BATCH_TOKENS's default, for callers without settings):
+# 2048 rows of float32 logits are 256 MiB at a 32k vocabulary, 1 GiB at 128k.
+BATCH_TOKENS = 2048
 
 
 @dataclass
@@ -45,49 +68,101 @@ class Probe:
     messages: Sequence[dict[str, str]] | None = None
     # (prompt_ids, completion_ids) already computed by :func:`encoded` (a chat probe rendered once)
     ids: tuple[list[int], list[int]] | None = None
+    # whether :func:`encoded` cut the prompt to the probe bound (the result counts such probes)
+    cut: bool = False
 
 
-def encoded(tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None) -> Probe:
-    """``probe`` with its token IDs computed (:func:`encode_probe`), so that scoring it again renders
-    nothing: a chat probe's template runs once, by ``renderer`` when given.
+def encoded(
+    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None, bound: ProbeBound | None = None
+) -> Probe:
+    """``probe`` with its token IDs computed (:func:`encode_probe`, within ``bound``), so that scoring
+    it again renders nothing: a chat probe's template runs once, by ``renderer`` when given.
 
     Raises:
         ValueError: as :func:`encode_probe`.
     """
-    return dataclasses.replace(probe, ids=encode_probe(tokenizer, probe, renderer))
+    prompt_ids, answer_ids = probe_tokens(tokenizer, probe, renderer, bound)
+    prompt_ids, answer_ids, cut = fit(tokenizer, prompt_ids, answer_ids, bound)
+    return dataclasses.replace(probe, ids=(prompt_ids, answer_ids), cut=cut)
 
 
 def encode_probe(
-    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None
+    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None, bound: ProbeBound | None = None
 ) -> tuple[list[int], list[int]]:
-    """Tokenize a probe exactly as the collector does.
+    """Tokenize a probe exactly as the collector does, within ``bound`` (its prompt cut on the left).
 
     Args:
         tokenizer: Tokenizer of the model.
         probe: The prompt/completion pair (its ``ids`` when :func:`encoded` computed them).
         renderer: What renders a chat probe's template (default: ``apply_chat_template`` here).
+        bound: The most tokens a probe holds (:func:`service.engine.probe_bound.probe_bound`);
+            ``None``: unbounded.
 
     Returns:
         ``(prompt_ids, completion_ids)``; the model input is their concatenation.
 
     Raises:
         ValueError: If the prompt or the completion tokenizes to nothing (the first
-            completion token must be predicted from at least one prompt token).
+            completion token must be predicted from at least one prompt token), or the
+            completion leaves no room for a prompt token within ``bound`` (ProbeTooLong).
     """
     if probe.ids is not None:
         return probe.ids
+    prompt_ids, answer_ids, _ = fit(tokenizer, *probe_tokens(tokenizer, probe, renderer, bound), bound)
+    return prompt_ids, answer_ids
+
+
+def probe_tokens(
+    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None, bound: ProbeBound | None = None
+) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, answer_ids)`` before the prompt is cut to ``bound.tokens``: the answer whole (refused
+    past the character budget, untokenized), the prompt tokenized from its last ``bound.chars``
+    characters (:mod:`service.engine.probe_bound`).
+
+    Raises:
+        ValueError: as :func:`encode_probe`.
+    """
+    if probe.ids is not None:
+        return probe.ids
+    chars = bound.chars if bound is not None else None
     if probe.messages is not None:
         from service.engine.chat import last_turn
         from service.engine.records import Message
 
-        return last_turn(tokenizer, [Message(m["role"], m["content"]) for m in probe.messages], renderer)
-    p_ids = list(tokenizer(probe.prompt, add_special_tokens=True)["input_ids"])
+        assistant = [m["content"] for m in probe.messages if m["role"] == "assistant"]
+        check_answer_chars(assistant[-1] if assistant else "", bound)
+        return last_turn(tokenizer, [Message(m["role"], m["content"]) for m in probe.messages], renderer, chars)
+    check_answer_chars(probe.completion, bound)
+    p_ids = list(tokenizer(prompt_tail(probe.prompt, bound), add_special_tokens=True)["input_ids"])
     a_ids = list(tokenizer(probe.completion, add_special_tokens=False)["input_ids"])
     if not p_ids:
-        raise ValueError(f"prompt tokenizes to no tokens: {probe.prompt!r}")
+        raise ValueError(f"prompt tokenizes to no tokens: {probe.prompt!r:.200}")
     if not a_ids:
-        raise ValueError(f"completion tokenizes to no tokens: {probe.completion!r}")
+        raise ValueError(f"completion tokenizes to no tokens: {probe.completion!r:.200}")
     return p_ids, a_ids
+
+
+def token_batches(lengths: Sequence[int], batch_tokens: int, batch_size: int | None = None) -> list[range]:
+    """Consecutive groups of sequences whose padded batch (rows × the longest row) holds at most
+    ``batch_tokens`` tokens, and at most ``batch_size`` rows; a longer sequence is a batch alone.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+    if batch_tokens < 1 or (batch_size is not None and batch_size < 1):
+        raise ValueError(f"batch_tokens and batch_size must be >= 1, got {batch_tokens} and {batch_size}")
+    groups: list[range] = []
+    start, widest = 0, 0
+    for i, length in enumerate(lengths):
+        wider = max(widest, length)
+        rows = i - start + 1
+        if i > start and (rows * wider > batch_tokens or (batch_size is not None and rows > batch_size)):
+            groups.append(range(start, i))
+            start, wider = i, length
+        widest = wider
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -167,6 +242,7 @@ def answer_nll(
     tokenizer: PreTrainedTokenizerBase,
     probes: Sequence[Probe],
     batch_size: int = 16,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[float]:
     """Per-probe mean negative log-likelihood of the completion given the prompt.
 
@@ -174,8 +250,9 @@ def answer_nll(
         model: Causal LM (e.g. ``LlamaForCausalLM``); put in eval mode by this call.
         tokenizer: Its tokenizer.
         probes: Prompt/completion pairs.
-        batch_size: Probes per forward pass; results do not depend on it (right
+        batch_size: Most probes per forward pass; results do not depend on it (right
             padding plus an attention mask).
+        batch_tokens: Most padded tokens per forward pass (:func:`token_batches`).
 
     Returns:
         One float per probe, in nats per completion token.
@@ -187,8 +264,8 @@ def answer_nll(
     model.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is untyped in transformers
     results: list[float] = []
     with torch.inference_mode():
-        for start in range(0, len(encoded), batch_size):
-            results.extend(_batch_nll(model, encoded[start : start + batch_size], pad_id))
+        for rows in token_batches([len(p) + len(a) for p, a in encoded], batch_tokens, batch_size):
+            results.extend(_batch_nll(model, encoded[rows.start : rows.stop], pad_id))
     return results
 
 
@@ -230,6 +307,7 @@ def greedy_tokens(
     probes: Sequence[Probe],
     max_new_tokens: int | None = None,
     batch_size: int = 16,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt, as many tokens as its completion has.
 
@@ -241,7 +319,8 @@ def greedy_tokens(
         tokenizer: Its tokenizer.
         probes: Prompt/completion pairs; the completion only sets the length.
         max_new_tokens: Optional cap on the tokens decoded per probe.
-        batch_size: Probes decoded together (results do not depend on it).
+        batch_size: Most probes decoded together (results do not depend on it).
+        batch_tokens: Most tokens of a decoding buffer (rows × its width: :func:`token_batches`).
 
     Returns:
         The decoded token ids per probe.
@@ -254,10 +333,10 @@ def greedy_tokens(
     pad_id = _pad_id(tokenizer)
     model.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is untyped in transformers
     outputs: list[list[int]] = []
+    widths = [len(p) + n for (p, _), n in zip(encoded, n_new, strict=True)]
     with torch.inference_mode():
-        for start in range(0, len(encoded), batch_size):
-            stop = start + batch_size
-            outputs.extend(_greedy_batch(model, encoded[start:stop], n_new[start:stop], pad_id))
+        for rows in token_batches(widths, batch_tokens, batch_size):
+            outputs.extend(_greedy_batch(model, encoded[rows.start : rows.stop], n_new[rows.start : rows.stop], pad_id))
     return outputs
 
 
@@ -267,6 +346,7 @@ def greedy_exact_match(
     probes: Sequence[Probe],
     max_new_tokens: int | None = None,
     batch_size: int = 16,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[bool]:
     """Whether greedy decoding from each prompt reproduces its completion token ids.
 
@@ -279,12 +359,13 @@ def greedy_exact_match(
         probes: Prompt/completion pairs.
         max_new_tokens: Optional cap on decoded tokens; when it is shorter than a
             completion only that many leading tokens are compared.
-        batch_size: Probes decoded together.
+        batch_size: Most probes decoded together.
+        batch_tokens: Most tokens of a decoding buffer (:func:`token_batches`).
 
     Returns:
         One bool per probe.
     """
-    outputs = greedy_tokens(model, tokenizer, probes, max_new_tokens, batch_size)
+    outputs = greedy_tokens(model, tokenizer, probes, max_new_tokens, batch_size, batch_tokens)
     targets = [encode_probe(tokenizer, p)[1] for p in probes]
     return [out == target[: len(out)] for out, target in zip(outputs, targets, strict=True)]
 

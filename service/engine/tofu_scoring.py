@@ -12,6 +12,11 @@ log-probability under the next-token distribution (min-k%++), and whether the ar
 (EM and ES). The log-softmax is taken in float64 over the answer positions only (a few tokens ×
 the vocabulary), whatever the model's dtype. For ROUGE the answer is also generated greedily.
 The aggregation into metrics is :mod:`service.evaluation.tofu_metrics`.
+
+Bounds (:mod:`service.engine.probe_bound`): :func:`encoded_tofu` cuts a probe's prompt once, on the
+left, to leave room for its longest answer within the probe bound, so every answer of a probe is
+scored after the same context; an answer past the bound is refused by its field. Forward passes are
+batched by padded tokens (:func:`service.engine.evaluate.token_batches`).
 """
 
 from __future__ import annotations
@@ -23,9 +28,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from service.engine.evaluate import Probe, _greedy_batch, _model_device, _pad_id, _right_pad, encode_probe
+from service.engine.evaluate import (
+    BATCH_TOKENS,
+    Probe,
+    _greedy_batch,
+    _model_device,
+    _pad_id,
+    _right_pad,
+    encode_probe,
+    probe_tokens,
+    token_batches,
+)
 
 # The private helpers are evaluate's own padding and decoding, reused so both score the same inputs.
+from service.engine.probe_bound import ProbeBound, ProbeTooLong, fit
 from service.engine.tofu_statistics import AnswerTokens, ProbeStatistics
 
 if TYPE_CHECKING:  # annotations only
@@ -34,8 +50,11 @@ if TYPE_CHECKING:  # annotations only
 __all__ = [
     "AnswerTokens",
     "ProbeStatistics",
+    "AnswerRefused",
     "TofuProbe",
     "answer_tokens",
+    "answers_of",
+    "encoded_tofu",
     "tofu_probe",
     "tofu_statistics",
     "with_answer",
@@ -56,6 +75,56 @@ class TofuProbe:
     probe: Probe
     paraphrased_answer: str | None = None
     perturbed_answers: tuple[str, ...] | None = None
+    # every answer's (prompt_ids, answer_ids), in :func:`answers_of`'s order, set by :func:`encoded_tofu`
+    ids: tuple[tuple[list[int], list[int]], ...] | None = None
+    cut: bool = False  # the prompt was cut to the probe bound
+
+
+class AnswerRefused(ValueError):
+    """An answer of a TOFU probe that cannot be scored: ``where`` names its field (``""``: the
+    completion or scored turn, ``".paraphrased_answer"``, ``".perturbed_answers[j]"``), ``error`` says
+    why (a :class:`~service.engine.probe_bound.ProbeTooLong` past the probe bound)."""
+
+    def __init__(self, where: str, error: ValueError) -> None:
+        super().__init__(str(error))
+        self.where, self.error = where, error
+
+
+def answers_of(item: TofuProbe) -> list[tuple[str, Probe]]:
+    """Every answer of ``item`` as a probe, named by its field: the probe itself, its paraphrase,
+    then each perturbed answer (the order :func:`tofu_statistics` scores them in)."""
+    answers = [("", item.probe)]
+    if item.paraphrased_answer is not None:
+        answers.append((".paraphrased_answer", with_answer(item.probe, item.paraphrased_answer)))
+    answers += [(f".perturbed_answers[{j}]", with_answer(item.probe, w)) for j, w in enumerate(item.perturbed_answers or ())]
+    return answers
+
+
+def encoded_tofu(
+    tokenizer: PreTrainedTokenizerBase, item: TofuProbe, renderer: Renderer | None = None, bound: ProbeBound | None = None
+) -> TofuProbe:
+    """``item`` with every answer's token IDs, within ``bound``: its prompt cut once, on the left, to
+    leave room for its longest answer (a chat probe's templates rendered by ``renderer``).
+
+    Raises:
+        AnswerRefused: an answer tokenizes to nothing, or leaves no room for a prompt token (naming
+            its field).
+    """
+    pairs = []
+    for where, probe in answers_of(item):
+        try:
+            pairs.append((where, probe_tokens(tokenizer, probe, renderer, bound)))
+        except ValueError as exc:
+            raise AnswerRefused(where, exc) from None
+    longest_where, (_, longest) = max(pairs, key=lambda pair: len(pair[1][1]))
+    fitted = []
+    for _, (prompt_ids, answer_ids) in pairs:
+        try:
+            fitted.append(fit(tokenizer, prompt_ids, answer_ids, bound, len(longest)))
+        except ProbeTooLong as exc:
+            raise AnswerRefused(longest_where, exc) from None
+    ids = tuple((prompt_ids, answer_ids) for prompt_ids, answer_ids, _ in fitted)
+    return TofuProbe(item.probe, item.paraphrased_answer, item.perturbed_answers, ids, any(cut for *_, cut in fitted))
 
 
 def with_answer(probe: Probe, answer: str) -> Probe:
@@ -68,18 +137,28 @@ def with_answer(probe: Probe, answer: str) -> Probe:
     return Probe(messages=messages[: last + 1])
 
 
+# Answer positions whose float64 log-softmax is taken at once: a few float64 copies of 64 × vocabulary
+# (~64 MiB each at a 128k vocabulary), whatever the answer's length.
+ROWS_AT_ONCE = 64
+
+
 def _token_rows(logits: torch.Tensor, targets: list[int]) -> AnswerTokens:
-    """Statistics of answer tokens from the logits that predict them (``(n, vocab)``)."""
-    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    target = torch.tensor(targets, dtype=torch.long, device=logp.device)
-    token_logp = logp.gather(1, target[:, None])[:, 0]
-    p = logp.exp()
-    mean = (p * logp).sum(-1)
-    var = (p * logp.square()).sum(-1) - mean.square()
-    hits = logp.argmax(-1) == target
-    return AnswerTokens(
-        tuple(token_logp.tolist()), tuple(mean.tolist()), tuple(var.tolist()), tuple(bool(h) for h in hits.tolist())
-    )
+    """Statistics of answer tokens from the logits that predict them (``(n, vocab)``), computed
+    :data:`ROWS_AT_ONCE` positions at a time."""
+    token_logp: list[float] = []
+    means: list[float] = []
+    variances: list[float] = []
+    hits: list[bool] = []
+    for start in range(0, len(targets), ROWS_AT_ONCE):
+        logp = torch.log_softmax(logits[start : start + ROWS_AT_ONCE].to(torch.float64), dim=-1)
+        target = torch.tensor(targets[start : start + ROWS_AT_ONCE], dtype=torch.long, device=logp.device)
+        p = logp.exp()
+        mean = (p * logp).sum(-1)
+        token_logp += logp.gather(1, target[:, None])[:, 0].tolist()
+        means += mean.tolist()
+        variances += ((p * logp.square()).sum(-1) - mean.square()).tolist()
+        hits += [bool(h) for h in (logp.argmax(-1) == target).tolist()]
+    return AnswerTokens(tuple(token_logp), tuple(means), tuple(variances), tuple(hits))
 
 
 def _batch_tokens(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> list[AnswerTokens]:
@@ -91,7 +170,11 @@ def _batch_tokens(model: PreTrainedModel, encoded: Sequence[tuple[list[int], lis
 
 
 def answer_tokens(
-    model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int = 16
+    model: PreTrainedModel,
+    encoded: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+    batch_size: int = 16,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[AnswerTokens]:
     """Teacher-forced statistics of each ``(prompt_ids, answer_ids)``'s answer tokens.
 
@@ -99,15 +182,16 @@ def answer_tokens(
         model: Causal LM; put in eval mode by this call.
         encoded: Token IDs per answer (:func:`service.engine.evaluate.encode_probe`).
         pad_id: Padding id (right padding and a mask: results do not depend on the batching).
-        batch_size: Sequences per forward pass.
+        batch_size: Most sequences per forward pass.
+        batch_tokens: Most padded tokens per forward pass.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     model.eval()  # type: ignore[no-untyped-call]  # PreTrainedModel.eval is untyped in transformers
     rows: list[AnswerTokens] = []
     with torch.inference_mode():
-        for start in range(0, len(encoded), batch_size):
-            rows.extend(_batch_tokens(model, encoded[start : start + batch_size], pad_id))
+        for group in token_batches([len(p) + len(a) for p, a in encoded], batch_tokens, batch_size):
+            rows.extend(_batch_tokens(model, encoded[group.start : group.stop], pad_id))
     return rows
 
 
@@ -117,14 +201,16 @@ def _generations(
     encoded: Sequence[tuple[list[int], list[int]]],
     batch_size: int,
     slack: int,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[str]:
     """Greedy answers (up to the answer's length + ``slack`` tokens), cut at the end
     token and decoded without special tokens, stripped (as OpenUnlearning's ``eval_text_similarity``)."""
     pad_id, eos = _pad_id(tokenizer), tokenizer.eos_token_id
     texts: list[str] = []
+    widths = [len(p) + len(a) + slack for p, a in encoded]
     with torch.inference_mode():
-        for start in range(0, len(encoded), batch_size):
-            chunk = encoded[start : start + batch_size]
+        for group in token_batches(widths, batch_tokens, batch_size):
+            chunk = encoded[group.start : group.stop]
             n_new = [len(a) + slack for _, a in chunk]
             for tokens in _greedy_batch(model, chunk, n_new, pad_id):
                 cut = tokens.index(eos) if eos is not None and eos in tokens else len(tokens)
@@ -141,6 +227,7 @@ def tofu_statistics(
     generation_slack: int = GENERATION_SLACK,
     batch_size: int = 16,
     renderer: Renderer | None = None,
+    batch_tokens: int = BATCH_TOKENS,
 ) -> list[ProbeStatistics]:
     """Per-probe TOFU statistics of ``probes`` under ``model``.
 
@@ -151,8 +238,9 @@ def tofu_statistics(
         generate: Also decode each answer greedily (ROUGE); off, ``generation`` is ``None``.
         generation_slack: Tokens decoded beyond the answer's length (a model that ends its answers
             with the end token stops there anyway).
-        batch_size: Sequences per forward pass.
+        batch_size: Most sequences per forward pass.
         renderer: What renders chat probes' templates (default: in this process).
+        batch_tokens: Most padded tokens per forward pass.
 
     Raises:
         ValueError: an answer tokenizes to nothing (:func:`service.engine.evaluate.encode_probe`).
@@ -161,19 +249,17 @@ def tofu_statistics(
     answers: list[tuple[list[int], list[int]]] = []
     layout: list[tuple[int, int | None, int]] = []  # (answer index, paraphrase index, n perturbed)
     for item in probes:
-        answers.append(encode_probe(tokenizer, item.probe, renderer))
-        main = len(answers) - 1
-        para: int | None = None
-        if item.paraphrased_answer is not None:
-            answers.append(encode_probe(tokenizer, with_answer(item.probe, item.paraphrased_answer), renderer))
-            para = len(answers) - 1
-        for wrong in item.perturbed_answers or ():
-            answers.append(encode_probe(tokenizer, with_answer(item.probe, wrong), renderer))
+        main = len(answers)
+        if item.ids is not None:  # encoded_tofu: within the probe bound
+            answers += item.ids
+        else:
+            answers += [encode_probe(tokenizer, probe, renderer) for _, probe in answers_of(item)]
+        para = main + 1 if item.paraphrased_answer is not None else None
         layout.append((main, para, len(item.perturbed_answers or ())))
-    rows = answer_tokens(model, answers, _pad_id(tokenizer), batch_size)
+    rows = answer_tokens(model, answers, _pad_id(tokenizer), batch_size, batch_tokens)
     mains = [answers[main] for main, _, _ in layout]
     generations: list[str | None] = (
-        list(_generations(model, tokenizer, mains, batch_size, generation_slack)) if generate else []
+        list(_generations(model, tokenizer, mains, batch_size, generation_slack, batch_tokens)) if generate else []
     )
     results = []
     for n, (item, (main, para, n_wrong)) in enumerate(zip(probes, layout, strict=True)):

@@ -9,6 +9,12 @@ are scored by :mod:`service.evaluation.classifier_run`.
 Chat probes and a generation's ``messages`` are rendered by the job's bounded template process
 (:mod:`service.jobs.templates`: ENGRAM_TEMPLATE_TIMEOUT_S / _MEMORY_BYTES / _MAX_CHARS, killed when
 the job is cancelled), each probe once, before any model runs.
+
+Every probe (each TOFU answer too) and a generation's prompt are bounded by what the model reads, the
+smaller of its context and ENGRAM_MAX_LENGTH tokens, before they are tokenized
+(:mod:`service.engine.probe_bound`): a prompt is cut on the left and counted in the result
+(``truncated_probes``, ``prompt_truncated``), an answer past the bound fails the job naming the probe
+and the setting. Forward passes hold at most ENGRAM_EVAL_BATCH_TOKENS padded tokens.
 """
 
 from __future__ import annotations
@@ -37,14 +43,16 @@ from api_schemas.evaluation import (
     TofuReport,
 )
 from service.context import Context
-from service.engine.chat import RenderedOnce, Renderer
+from service.engine.chat import Renderer
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import Probe, answer_nll, encode_probe, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
 from service.engine.model_files import ModelFiles
-from service.engine.tofu_scoring import TofuProbe, tofu_probe, tofu_statistics, with_answer
+from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
+from service.engine.tofu_scoring import AnswerRefused, TofuProbe, encoded_tofu, tofu_probe, tofu_statistics
 from service.errors import JobFailed
 from service.evaluation.classifier_run import evaluate_classifiers
+from service.evaluation.generation import bounded_prompt, prompt_room
 from service.evaluation.records import ProbeJson, StoredProbes, TofuOptions
 from service.evaluation.retain_model import RetainModelRef
 from service.evaluation.service import SPLITS
@@ -167,13 +175,17 @@ def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredPro
     probes: dict[Split, list[Probe]] = {"forget": [_probe(p) for p in raw.forget], "retain": [_probe(p) for p in raw.retain]}
     base, variant, tokenizer = VARIANT_MODELS.get(ctx, variant_id)
     _causal(base)
-    with template_process(ctx, job.job_id) as renderer:  # one render process, ended before scoring
-        probes = _checked_probes(tokenizer, probes, renderer)
+    bound = probe_bound(tokenizer, base.config, ctx.settings.max_length)
+    with template_process(ctx, job.job_id) as renderer:  # one render process, ended before any model runs
+        probes = _checked_probes(tokenizer, probes, renderer, bound)
+        tofu_sets = encoded_sets(tokenizer, _tofu_sets(raw, raw.tofu), renderer, bound) if raw.tofu is not None else {}
     progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()) + _tofu_units(raw))
+    tokens = ctx.settings.eval_batch_tokens
     scores: dict[Scored, dict[Split, tuple[list[float], list[bool]]]] = {
-        "base": _score(model=base, tokenizer=tokenizer, probes=probes, progress=progress),
-        "variant": _score(model=variant, tokenizer=tokenizer, probes=probes, progress=progress),
+        "base": _score(model=base, tokenizer=tokenizer, probes=probes, progress=progress, batch_tokens=tokens),
+        "variant": _score(model=variant, tokenizer=tokenizer, probes=probes, progress=progress, batch_tokens=tokens),
     }
+    cut: dict[str, list[bool]] = {split: [p.cut for p in items] for split, items in probes.items()}
     result = EvaluationResult(
         variant_id=variant_id,
         summary={name: {s: _summary(*per[s]) for s in SPLITS if probes[s]} for name, per in scores.items()},
@@ -189,8 +201,14 @@ def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredPro
         ],
     )
     if raw.tofu is not None:
-        tofu, retain_model = _tofu_result(ctx, job, raw, raw.tofu, base, variant, tokenizer, progress)
+        for name, items in tofu_sets.items():  # a probe counts once, cut for its completion or a longer answer
+            flags = cut.get(name, [False] * len(items))
+            cut[name] = [was or item.cut for was, item in zip(flags, items, strict=True)]
+        tofu, retain_model = _tofu_result(ctx, raw.tofu, tofu_sets, (base, variant, tokenizer), progress)
         result = result.model_copy(update={"tofu": tofu, "retain_model": retain_model})
+    truncated = {name: sum(flags) for name, flags in cut.items() if any(flags)}
+    if truncated:  # set only then: an evaluation that cut nothing keeps its shape
+        result = result.model_copy(update={"truncated_probes": truncated})
     return result
 
 
@@ -213,22 +231,32 @@ def _probe(raw: ProbeJson) -> Probe:
     return Probe(raw["prompt"], raw["completion"])
 
 
-def _checked_probes(tokenizer: Any, probes: dict[Split, list[Probe]], renderer: Renderer) -> dict[Split, list[Probe]]:
-    """Each probe with its token IDs (a chat probe rendered once, by ``renderer``); a probe that
-    cannot be scored, or a template past a bound (naming its setting), fails the job naming it."""
+def _checked_probes(
+    tokenizer: Any, probes: dict[Split, list[Probe]], renderer: Renderer, bound: ProbeBound
+) -> dict[Split, list[Probe]]:
+    """Each probe with its token IDs within ``bound`` (a chat probe rendered once, by ``renderer``);
+    a probe that cannot be scored, or a template past a bound (naming its setting), fails the job
+    naming it."""
     checked: dict[Split, list[Probe]] = {}
     for split, items in probes.items():
         checked[split] = []
         for i, probe in enumerate(items):
             try:
-                checked[split].append(encoded(tokenizer, probe, renderer))
+                checked[split].append(encoded(tokenizer, probe, renderer, bound))
             except ValueError as exc:
-                raise JobFailed(f"{split}[{i}]: {exc}") from None
+                raise JobFailed(f"{_where(split, i, '', exc)}: {exc}") from None
     return checked
 
 
+def _where(name: str, i: int, field: str, exc: Exception) -> str:
+    """How a refused probe is named: ``forget[2].paraphrased_answer``, and for one past the probe
+    bound also its 1-based number (``forget[2] (forget probe 3)``)."""
+    where = f"{name}[{i}]{field}"
+    return f"{where} ({name} probe {i + 1})" if isinstance(exc, ProbeTooLong) else where
+
+
 def _score(
-    model: Any, tokenizer: Any, probes: dict[Split, list[Probe]], progress: Any
+    model: Any, tokenizer: Any, probes: dict[Split, list[Probe]], progress: Any, batch_tokens: int
 ) -> dict[Split, tuple[list[float], list[bool]]]:
     """``split -> (per-probe NLL, per-probe exact match)``, reporting progress every chunk."""
     scores: dict[Split, tuple[list[float], list[bool]]] = {}
@@ -237,8 +265,8 @@ def _score(
         em: list[bool] = []
         for start in range(0, len(items), _CHUNK):
             chunk = items[start : start + _CHUNK]
-            nll += answer_nll(model, tokenizer, chunk, batch_size=_CHUNK)
-            em += greedy_exact_match(model, tokenizer, chunk, batch_size=_CHUNK)
+            nll += answer_nll(model, tokenizer, chunk, batch_size=_CHUNK, batch_tokens=batch_tokens)
+            em += greedy_exact_match(model, tokenizer, chunk, batch_size=_CHUNK, batch_tokens=batch_tokens)
             progress.advance(len(chunk))
         scores[split] = (nll, em)
     return scores
@@ -260,22 +288,20 @@ def _plain(record: ProbeJson) -> dict[str, object]:
     return dict(record)
 
 
-def _prime(tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer) -> None:
-    """Tokenize every answer of every probe once (a chat probe rendered by ``renderer``); an answer
-    that cannot be scored fails the job naming it."""
+def encoded_sets(
+    tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer, bound: ProbeBound | None
+) -> dict[str, list[TofuProbe]]:
+    """Every answer of every probe tokenized once, within ``bound`` (a chat probe rendered by
+    ``renderer``); an answer that cannot be scored fails the job naming it."""
+    encoded: dict[str, list[TofuProbe]] = {}
     for name, items in sets.items():
+        encoded[name] = []
         for i, item in enumerate(items):
-            answers = [("", item.probe)]
-            if item.paraphrased_answer is not None:
-                answers.append((".paraphrased_answer", with_answer(item.probe, item.paraphrased_answer)))
-            answers += [
-                (f".perturbed_answers[{j}]", with_answer(item.probe, w)) for j, w in enumerate(item.perturbed_answers or ())
-            ]
-            for where, probe in answers:
-                try:
-                    encode_probe(tokenizer, probe, renderer)
-                except ValueError as exc:
-                    raise JobFailed(f"{name}[{i}]{where}: {exc}") from None
+            try:
+                encoded[name].append(encoded_tofu(tokenizer, item, renderer, bound))
+            except AnswerRefused as exc:
+                raise JobFailed(f"{_where(name, i, exc.where, exc.error)}: {exc}") from None
+    return encoded
 
 
 def _tofu_units(raw: StoredProbes) -> int:
@@ -287,11 +313,11 @@ def _tofu_units(raw: StoredProbes) -> int:
     return models * sum(len(items) for items in _tofu_sets(raw, options).values())
 
 
-def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], renderer: Renderer, progress: Any) -> ModelReport:
+def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], batch_tokens: int, progress: Any) -> ModelReport:
     """One model's raw TOFU values on every set (the same tokens for every model: the base's tokenizer)."""
     stats = {}
     for name, items in sets.items():
-        stats[name] = tofu_statistics(model, tokenizer, items, batch_size=_CHUNK, renderer=renderer)
+        stats[name] = tofu_statistics(model, tokenizer, items, batch_size=_CHUNK, batch_tokens=batch_tokens)
         progress.advance(len(items))
     utility = {name: items for name, items in stats.items() if name not in ("forget", "retain", "holdout")}
     return model_report(stats["forget"], stats.get("retain"), utility, stats.get("holdout"))
@@ -299,30 +325,24 @@ def _report(model: Any, tokenizer: Any, sets: dict[str, list[TofuProbe]], render
 
 def _tofu_result(
     ctx: Context,
-    job: JobRecord,
-    raw: StoredProbes,
     options: TofuOptions,
-    base: Any,
-    variant: Any,
-    tokenizer: Any,
+    sets: dict[str, list[TofuProbe]],
+    loaded: tuple[Any, Any, Any],
     progress: Any,
 ) -> tuple[dict[TofuModel, TofuReport], str | None]:
-    """The suite per model (``base``, ``variant`` and, given one, ``retain``), each scored against the
-    retain model and the base, and the retain model's id (None without one)."""
-    sets = _tofu_sets(raw, options)
-    renderer = RenderedOnce(None)
-    with template_process(ctx, job.job_id) as process:  # every template rendered before any model runs
-        renderer.inner = process
-        _prime(tokenizer, sets, renderer)
-    renderer.inner = None
+    """The suite per model (``base``, ``variant`` and, given one, ``retain``) on the encoded ``sets``
+    (:func:`encoded_sets`), each scored against the retain model and the base, and the retain model's
+    id (None without one). ``loaded`` is ``(base, variant, tokenizer)``."""
+    base, variant, tokenizer = loaded
+    tokens = ctx.settings.eval_batch_tokens
     reports: dict[TofuModel, ModelReport] = {
-        "base": _report(base, tokenizer, sets, renderer, progress),
-        "variant": _report(variant, tokenizer, sets, renderer, progress),
+        "base": _report(base, tokenizer, sets, tokens, progress),
+        "variant": _report(variant, tokenizer, sets, tokens, progress),
     }
     retain_option = options.retain_model
     if retain_option is not None:
         retain_model = load_retain_model(ctx, retain_option, tokenizer)
-        reports["retain"] = _report(retain_model, tokenizer, sets, renderer, progress)
+        reports["retain"] = _report(retain_model, tokenizer, sets, tokens, progress)
     retain = reports.get("retain")
     wanted = options.metrics
     tofu = {name: _public_report(tofu_scores(report, retain, reports["base"]), wanted) for name, report in reports.items()}
@@ -357,7 +377,8 @@ def _public_report(report: ModelReport, wanted: str | list[str]) -> TofuReport:
 
 
 def run_generation(ctx: Context, job: JobRecord) -> GenerationResult:
-    """Greedy continuation of the prompt by each requested model (stops at EOS)."""
+    """Greedy continuation of the prompt by each requested model (stops at EOS), the prompt cut on the
+    left to what the model reads (:mod:`service.evaluation.generation`)."""
     payload = job.payload_of(GeneratePayload)
     if isinstance(payload.prompt, list):  # submit_generation stores text (or None with messages)
         raise JobFailed("a generation's stored prompt is token IDs; only text (or messages) is answered")
@@ -368,18 +389,21 @@ def run_generation(ctx: Context, job: JobRecord) -> GenerationResult:
     progress = _progress(ctx, job, len(payload.models))
     outputs: dict[Scored, GeneratedText] = {}
     messages = payload.messages
-    prompt: str | list[int] | None = payload.prompt
+    if messages is None and payload.prompt is None:
+        raise JobFailed("a generation needs a prompt or messages")
+    bound = probe_bound(tokenizer, base.config, ctx.settings.max_length)
+    room = prompt_room(bound, base.config, payload.max_new_tokens)
     if messages is not None:
-        from service.engine.chat import generation_prompt
         from service.engine.records import Message, RecordError
 
         try:
             with template_process(ctx, job.job_id) as renderer:
-                prompt = generation_prompt(tokenizer, [Message(m["role"], m["content"]) for m in messages], renderer)
+                turns = [Message(m["role"], m["content"]) for m in messages]
+                prompt, truncated = bounded_prompt(tokenizer, room, bound, messages=turns, renderer=renderer)
         except RecordError as exc:
             raise JobFailed(f"messages: {exc}") from None
-    if prompt is None:
-        raise JobFailed("a generation needs a prompt or messages")
+    else:
+        prompt, truncated = bounded_prompt(tokenizer, room, bound, prompt=payload.prompt)
     for name in payload.models:
         outputs[_scored(name)] = greedy_generate(models[name], tokenizer, prompt, payload.max_new_tokens)
         progress.advance(1)
@@ -387,6 +411,8 @@ def run_generation(ctx: Context, job: JobRecord) -> GenerationResult:
     result = GenerationResult(variant_id=payload.variant_id, prompt=sent, outputs=outputs)
     if messages is not None:
         result = result.model_copy(update={"messages": messages})
+    if truncated:  # set only then: a generation that read its whole prompt keeps its shape
+        result = result.model_copy(update={"prompt_truncated": True})
     return result  # the runner stores the fields it set: messages only when they were sent
 
 

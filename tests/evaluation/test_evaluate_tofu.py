@@ -283,7 +283,7 @@ def test_chat_probes_answers_are_rendered_once_before_scoring(tmp_path: Path) ->
     in its bounded template process before any model runs, and scores from those renders after the
     process ended: the statistics equal those rendered by ``apply_chat_template`` at scoring time."""
     from service.engine.chat import InProcess, RenderedOnce
-    from service.evaluation.run import _prime  # the job's own steps, without a server
+    from service.evaluation.run import encoded_sets  # the job's own steps, without a server
 
     folder = make_tiny_chat_llama(tmp_path / "chat", CHAT_TEMPLATE)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
@@ -294,7 +294,7 @@ def test_chat_probes_answers_are_rendered_once_before_scoring(tmp_path: Path) ->
     }
     sets = {"forget": [tofu_probe(probe)]}
     renderer = RenderedOnce(InProcess())
-    _prime(tokenizer, sets, renderer)
+    encoded_sets(tokenizer, sets, renderer, None)
     renderer.inner = None  # the process has ended: a render not primed would fail the job
     served = tofu_statistics(model, tokenizer, sets["forget"], renderer=renderer)
     assert served == tofu_statistics(model, tokenizer, sets["forget"], renderer=InProcess())
