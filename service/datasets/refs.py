@@ -4,8 +4,8 @@
 the reference (:func:`check_reference`: its scheme and shape, a ``file://`` path inside the allowed
 roots, a row range within ``ENGRAM_MAX_RECORDS``); it never opens it. The collection job resolves it
 (:func:`resolve_reference`): it streams the source, JSONL line by line (inflated first when it is
-gzip-compressed: ``.jsonl.gz``) and Parquet by record batches of a row group at a time, maps
-columns to record fields, and hands each record to the same
+gzip-compressed: ``.jsonl.gz``) and Parquet in batches sized by bytes, its costs checked from its
+metadata first (:mod:`service.datasets.parquet`), maps columns to record fields, and hands each record to the same
 :class:`~service.datasets.spool.DatasetSpool` an upload uses, so the stored ``datasets/<sha256>.jsonl``
 and its digest are exactly those of the same records posted inline. Nothing is published until the
 whole source has been read without a problem.
@@ -42,13 +42,8 @@ from typing import Any, cast
 from urllib.parse import urlparse
 
 from service.config import Settings
-from service.datasets.images import (
-    IMAGE_FIELD,
-    folder_fingerprint,
-    image_column_value,
-    image_folder,
-    list_image_folder,
-)
+from service.datasets.images import folder_fingerprint, image_folder, list_image_folder
+from service.datasets.parquet import Limits, read_parquet
 from service.datasets.sources import (
     FINGERPRINT,
     Fingerprint,
@@ -70,7 +65,6 @@ from service.jobs.records import StoredReference
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 # A file:// folder of class subfolders of images (service.datasets.images.list_image_folder).
 IMAGEFOLDER = "imagefolder"
-_BATCH_ROWS = 4096
 # Records between cancellation checks: every one, as the job's check is throttled by time
 # (service.concepts.collection.CancelCheck); 10,000 records of 16 MiB are more than a whole dataset.
 _CHECK_EVERY = 1
@@ -236,7 +230,8 @@ def resolve_reference(
             max_image_pixels=settings.max_image_pixels,
         ) as spool:
             if reference.format == "parquet":
-                seen = _parquet(source, reference.columns, start, stop, spool, check)
+                limits = Limits(record_bytes=record_limit, dataset_bytes=limit)
+                seen = read_parquet(source, reference.columns, _Rows(None, start, stop, check), spool, limits)
             else:
                 seen = _jsonl(source, reference.columns, start, stop, spool, limit, check)
             source.verify()  # before anything is published: the records are those of the content posted
@@ -340,94 +335,3 @@ def _jsonl(
     except _Stop:
         pass
     return rows.row + 1
-
-
-def _parquet(
-    source: Source,
-    columns: dict[str, str] | None,
-    start: int,
-    stop: int | None,
-    spool: DatasetSpool,
-    check: Callable[[], None] | None,
-) -> int:
-    """Spool the kept rows of a Parquet source; the number of rows read or skipped."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with source.seekable() as handle:
-        try:
-            # pre_buffer (pyarrow's default) reads every selected row group before the first batch:
-            # the whole file in memory. Without it each row group is read when its rows are.
-            parquet = pq.ParquetFile(handle, pre_buffer=False)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise InvalidInput(f"{source.uri} is not a readable Parquet file: {exc}") from None
-        names = parquet.schema_arrow.names
-        mapping = columns or _default_columns(names, source.uri)
-        missing = [c for c in mapping.values() if c not in names]
-        if missing:
-            raise InvalidInput(f"{source.uri} has no column {missing[0]!r} (its columns: {', '.join(names)})")
-        # Row groups wholly before the range are skipped without reading them.
-        first_row, groups = 0, []
-        for index in range(parquet.num_row_groups):
-            count = parquet.metadata.row_group(index).num_rows
-            if first_row + count > start and (stop is None or first_row < stop):
-                groups.append(index)
-            elif not groups:
-                first_row += count
-        rows = _Rows(None, start, stop, check)
-        rows.row = first_row - 1
-        wanted = list(dict.fromkeys(mapping.values()))
-        try:
-            for batch in parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=groups, columns=wanted, use_threads=False):
-                for values in zip(*(batch.column(c).to_pylist() for c in wanted), strict=True):
-                    keep = rows.next_row()
-                    if keep:
-                        row = dict(zip(wanted, values, strict=True))
-                        where = f"dataset row {rows.row}"
-                        spool.add({field: _cell(field, row[column], where) for field, column in mapping.items()}, where)
-                    if rows.done:
-                        return rows.row + 1
-        except UnicodeDecodeError:
-            raise InvalidInput(f"dataset row {rows.row + 1} of {source.uri} holds a string that is not UTF-8") from None
-        except (pa.ArrowException, OSError) as exc:
-            raise InvalidInput(f"{source.uri} could not be read as Parquet at row {rows.row + 1}: {exc}") from None
-    return rows.row + 1
-
-
-# A Parquet file's columns read by name when no dataset.columns is given, the first shape present:
-# an Alpaca export's formatted "text" column (tatsu-lab/alpaca has one) comes after its fields.
-DEFAULT_SHAPES = (
-    (("messages",), ()),
-    (("conversations",), ()),
-    (("prompt", "completion"), ()),
-    (("instruction", "output"), ("input",)),
-    (("text",), ()),
-    (("image",), ("label",)),  # the datasets library's image classification sets (mnist, beans, …)
-)
-
-
-def _default_columns(names: list[str], uri: str) -> dict[str, str]:
-    for required, optional in DEFAULT_SHAPES:
-        if all(name in names for name in required):
-            return {name: name for name in (*required, *optional) if name in names}
-    raise InvalidInput(
-        f"{uri} has no column messages, conversations, prompt+completion, instruction+output, text or image "
-        f"(its columns: {', '.join(names)}): give dataset.columns"
-    )
-
-
-def _cell(field: str, value: Any, where: str) -> Any:
-    """A Parquet cell as the record field it maps to: an image as base64 (from a ``datasets`` Image
-    struct, bytes or a base64 string; :func:`~service.datasets.images.image_column_value`)."""
-    return image_column_value(value, where) if field == IMAGE_FIELD else _plain(value)
-
-
-def _plain(value: Any) -> Any:
-    """A Parquet value as JSON would carry it: a list of structs (messages, ShareGPT turns, content
-    parts) loses the struct fields that are null, at every depth (Arrow gives every struct every
-    field of the column's type: a text part an ``image_url`` of null)."""
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if v is not None}
-    return value

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engram_fixtures.models import make_tokenizer
-from service.datasets.refs import _plain
+from service.datasets.parquet import _plain
 from service.engine.records import Record, RecordError, encode_record
 
 ANSWER = {"role": "assistant", "content": "yes"}
