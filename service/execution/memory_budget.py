@@ -46,7 +46,7 @@ DEFAULT_MEMORY_FRACTION = 0.8
 # What native allocators say when an allocation fails (torch's CPU allocator raises a RuntimeError,
 # C++ code a std::bad_alloc) and glibc's strerror(ENOMEM).
 _EXHAUSTED_MARKS = ("can't allocate memory", "cannot allocate memory", "std::bad_alloc", "not enough memory")
-_NO_LIMIT = (1 << 63) - 1  # what cgroup v1 reports as "no limit" (rounded to pages, still above this)
+_NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded number just under 2**63
 
 # The limit this process set on itself (0: none), so that what a job says is what was enforced.
 _applied_bytes = 0
@@ -73,14 +73,14 @@ def _cgroup_limit() -> int | None:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             if controllers == "":  # v2: one unified hierarchy
-                candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+                root, name = Path("/sys/fs/cgroup"), "memory.max"
             elif "memory" in controllers.split(","):
-                candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+                root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
             else:
                 continue
-            # Inside a container the cgroup's own files are usually mounted at the root.
-            for path_tried in (candidate, candidate.parent.parent / candidate.name, Path("/sys/fs/cgroup") / candidate.name):
-                limit = _read_limit(path_tried)
+            # Inside a container (a cgroup namespace) the process's own cgroup is mounted at the root.
+            for candidate in (root / path.lstrip("/") / name, root / name):
+                limit = _read_limit(candidate)
                 if limit is not None:
                     return limit
     return None

@@ -21,6 +21,7 @@ from engram_fixtures.live import REPO_ROOT
 from service.config import Settings
 from service.execution.memory_budget import (
     DEFAULT_MEMORY_FRACTION,
+    _read_limit,
     exhausted_memory,
     job_memory_limit,
     machine_memory_bytes,
@@ -37,6 +38,17 @@ def test_the_default_budget_is_a_share_of_the_machine_and_zero_is_no_limit() -> 
     assert job_memory_limit(Settings()) == int(machine * DEFAULT_MEMORY_FRACTION)
     assert job_memory_limit(Settings(job_memory_bytes=0)) == 0
     assert job_memory_limit(Settings(job_memory_bytes=BUDGET)) == BUDGET
+
+
+@pytest.mark.parametrize(
+    ("written", "limit"),
+    [("4294967296\n", 4 << 30), ("max\n", None), ("9223372036854771712\n", None), ("", None)],
+    ids=["a limit", "v2 no limit", "v1 no limit", "empty"],
+)
+def test_a_cgroup_limit_file_is_read_as_a_limit_only_when_it_is_one(tmp_path: Path, written: str, limit: int | None) -> None:
+    (tmp_path / "memory.max").write_text(written)
+    assert _read_limit(tmp_path / "memory.max") == limit
+    assert _read_limit(tmp_path / "absent") is None
 
 
 def test_a_budget_below_an_idle_job_process_is_refused_at_start_up() -> None:
