@@ -33,6 +33,7 @@ from service.models.stored import FORMAT_VERSION
 from service.statistics.key import manifest_key
 from service.statistics.manifest import read_statistics_manifest
 from service.storage.keys import concept_key
+from service.storage.stored_json import UnreadableRecord
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEALTHY = json.dumps({"status": "ok"}).encode()
@@ -100,7 +101,10 @@ def _concept_view(ctx: Context, name: str) -> Concept | None:
     hit, data = ctx.reads.peek(key)
     if not hit or data is None or data.get("format_version") != FORMAT_VERSION:
         return None  # unknown here (or unreadable): the route reads storage, and answers 404 (or the refusal)
-    concept = read_concept(key, data)
+    try:
+        concept = read_concept(key, data)
+    except UnreadableRecord:
+        return None  # the route answers its refusal (this middleware, outside the app's handlers, cannot)
     states: dict[str, ModelStateView] = {}
     for model_id, entry in concept.models.items():
         job = _local_job(ctx, entry.job_id)

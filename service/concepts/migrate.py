@@ -18,14 +18,15 @@ from service.errors import first_validation_error
 from service.models.migrate import Migration
 from service.models.stored import FORMAT_VERSION
 from service.storage.keys import CONCEPTS
+from service.storage.stored_json import UnreadableRecord, find_record
 
 
 def migrate_concepts(ctx: Context, *, dry_run: bool = False) -> Migration:
     """Give every concept of an older format the current one; idempotent."""
     done = Migration()
     for key in _concept_keys(ctx):
-        data = ctx.storage.get_json(key)
-        if data.get("format_version") == FORMAT_VERSION:
+        data = done.readable(ctx, key)
+        if data is None or data.get("format_version") == FORMAT_VERSION:
             continue
         try:
             record = _current(data)
@@ -45,8 +46,10 @@ def concepts_of_any_version(ctx: Context) -> list[ConceptRecord]:
     found = []
     for key in _concept_keys(ctx):
         try:
-            found.append(_current(ctx.storage.get_json(key)))
-        except ValidationError:
+            data = find_record(ctx.storage, key)
+            if data is not None:
+                found.append(_current(data))
+        except (ValidationError, UnreadableRecord):
             continue  # refused by migrate_concepts, by name
     return found
 

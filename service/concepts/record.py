@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from service.datasets.refs import StoredReference
+from service.errors import first_validation_error
 from service.models.stored import FORMAT_VERSION, check_format
+from service.storage.stored_json import UnreadableRecord
 
 # Keys a concept's document leaves out, rather than writes as null, when they have no value.
 _ABSENT_WHEN_NONE = ("dataset", "template")
@@ -89,5 +91,10 @@ def read_concept(key: str, data: Mapping[str, Any]) -> ConceptRecord:
 
     Raises:
         UnmigratedRecord: it is of an older format (``engram-service migrate`` rewrites it).
+        UnreadableRecord: its fields do not fit a concept (the first named).
     """
-    return ConceptRecord.model_validate(check_format("concept", key, data))
+    current = check_format("concept", key, data)
+    try:
+        return ConceptRecord.model_validate(current)
+    except ValidationError as exc:
+        raise UnreadableRecord(key, f"not a concept ({first_validation_error(exc)})") from None

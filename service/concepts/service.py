@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from service.models.registry import check_chat_templates, get_model
 from service.statistics.manifest import StatisticsManifest, stats_manifest
 from service.statistics.spec import CollectionSpec, canonical_modules
 from service.storage.keys import CONCEPTS, concept_key, dataset_key
+from service.storage.stored_json import find_record, skip_unreadable
 
 KEEP: Any = object()  # an option left out of a request: an existing concept keeps its own
 
@@ -263,9 +265,10 @@ def find_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRec
 
     Raises:
         UnmigratedRecord: it is stored in an older format (``engram-service migrate``).
+        UnreadableRecord: what is stored under its key is not a concept (named).
     """
     key = concept_key(name)
-    data = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
+    data = ctx.reads.recent_json(key) if recent else find_record(ctx.storage, key)
     return None if data is None else read_concept(key, data)
 
 
@@ -295,12 +298,17 @@ def unknown_concepts(ctx: Context, names: Sequence[str]) -> NotFound:
 
 
 def list_concepts(ctx: Context, *, recent: bool = False) -> list[ConceptRecord]:
-    """Every concept; ``recent``: as of at most a second ago (views only, never a write's input)."""
-    if not recent:
-        return [read_concept(k, ctx.storage.get_json(k)) for k in ctx.storage.list(CONCEPTS) if k.endswith(".json")]
-    keys = [k for k in ctx.reads.recent_listing(CONCEPTS) if k.endswith(".json")]
-    found = ((k, ctx.reads.recent_json(k)) for k in keys)
-    return [read_concept(k, data) for k, data in found if data is not None]
+    """Every readable concept; ``recent``: as of at most a second ago (views only, never a write's
+    input). One that cannot be read is left out with a warning naming it (reading it by name refuses it)."""
+    listing = ctx.reads.recent_listing(CONCEPTS) if recent else ctx.storage.list(CONCEPTS)
+    found = (skip_unreadable(k, partial(_stored_concept, ctx, k, recent)) for k in listing if k.endswith(".json"))
+    return [concept for concept in found if concept is not None]
+
+
+def _stored_concept(ctx: Context, key: str, recent: bool) -> ConceptRecord | None:
+    """The concept under ``key`` (None: deleted since it was listed)."""
+    data = ctx.reads.recent_json(key) if recent else find_record(ctx.storage, key)
+    return None if data is None else read_concept(key, data)
 
 
 def concept_names(ctx: Context) -> list[str]:

@@ -30,8 +30,9 @@ from service.jobs.admission import job_owner
 from service.jobs.records import AnyPayload, JobKind, JobRecord, ProgressCounts, UnreadableJobRecord, read_job_record
 from service.jobs.transitions import FINISHED, next_record
 from service.observability import record_job_state
-from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
+from service.storage.base import Storage, StorageUnavailable
 from service.storage.keys import OPEN_JOBS, job_key
+from service.storage.stored_json import UnreadableRecord, find_record
 
 __all__ = [
     "FINISHED",
@@ -195,17 +196,17 @@ class JobStore:
         try:
             return self.get(job_id)
         except UnreadableJobRecord as exc:
-            log.error("%s", exc.detail)
+            log.error("%s", exc.detail, extra={"record_key": job_key(job_id), "reason": exc.detail})
             return None
 
     def _load_durable(self, job_id: str) -> JobRecord | None:
         """The persisted record. Not written back to the live store: a record missing there is how
         the reconciler learns that Redis lost it (and its queued message with it)."""
         try:
-            stored = self.storage.get_json(job_key(job_id))
-        except (ObjectNotFound, ValueError):
-            return None
-        return read_job_record(stored, job_id)
+            stored = find_record(self.storage, job_key(job_id))
+        except UnreadableRecord as exc:
+            raise UnreadableJobRecord(job_id, exc.why) from None
+        return None if stored is None else read_job_record(stored, job_id)
 
     def _persist(self, job: JobRecord) -> None:
         self.storage.put_json(job_key(job.job_id), job.model_dump(mode="json"))

@@ -14,6 +14,7 @@ from service.engine.model_files import ModelSourceError
 from service.errors import first_validation_error
 from service.models.record import MODEL_FORMAT_VERSION, ModelRecord, folder_kind
 from service.storage.keys import MODELS, model_key
+from service.storage.stored_json import UnreadableRecord, find_record
 
 
 @dataclass
@@ -26,6 +27,15 @@ class Migration:
     def extend(self, other: Migration) -> None:
         self.changed.extend(other.changed)
         self.refused.extend(other.refused)
+
+    def readable(self, ctx: Context, key: str) -> dict[str, Any] | None:
+        """The record under ``key`` as stored, or None: gone since it was listed, or refused here,
+        naming why, when it is not a JSON object (the migration goes on with the others)."""
+        try:
+            return find_record(ctx.storage, key)
+        except UnreadableRecord as exc:
+            self.refused.append((key, f"{exc.why}: restore it from a backup or delete it"))
+            return None
 
 
 def migrate_models(ctx: Context, *, dry_run: bool = False) -> Migration:
@@ -41,8 +51,8 @@ def migrate_models(ctx: Context, *, dry_run: bool = False) -> Migration:
     for key in ctx.storage.list(MODELS):
         if not key.endswith(".json"):
             continue
-        data = ctx.storage.get_json(key)
-        if data.get("format_version") == MODEL_FORMAT_VERSION:
+        data = done.readable(ctx, key)
+        if data is None or data.get("format_version") == MODEL_FORMAT_VERSION:
             continue
         try:
             record = current_registration(data)
@@ -90,8 +100,8 @@ def current_registration(data: Mapping[str, Any]) -> ModelRecord:
 def registration_of_any_version(ctx: Context, model_id: str) -> ModelRecord | None:
     """A registration, migrated or not (what a dry run, which rewrites nothing, reads); None when
     there is none, or it cannot be migrated."""
-    data = ctx.storage.find_json(model_key(model_id))
     try:
+        data = find_record(ctx.storage, model_key(model_id))
         return None if data is None else current_registration(data)
-    except Unmigratable:
+    except (Unmigratable, UnreadableRecord):
         return None

@@ -9,18 +9,22 @@ older ``fingerprint`` is sizes and mtimes only) and the checkpoint's layout (its
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from api_schemas import Model
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
 from service.engine.layers import LayerSpec
 from service.engine.model_files import ModelSourceError, open_model_files, used_files
-from service.errors import InvalidInput, NotFound
+from service.errors import InvalidInput, NotFound, first_validation_error
 from service.models.record import MODEL_FORMAT_VERSION, ModelRecord
 from service.models.stored import check_format
 from service.storage.keys import MODELS, model_key
+from service.storage.stored_json import UnreadableRecord, find_record, skip_unreadable
 
 
 def file_fingerprint(path: Path) -> dict[str, list[int]]:
@@ -57,13 +61,24 @@ def files_changed(manifest: ModelRecord) -> bool:
 
 
 def model_record(key: str, data: dict[str, Any]) -> ModelRecord:
-    """A stored registration, read (refused when it is of an older format: ``engram-service migrate``)."""
-    return ModelRecord.model_validate(check_format("model registration", key, data, MODEL_FORMAT_VERSION))
+    """A stored registration, read (refused when it is of an older format: ``engram-service migrate``,
+    or its fields do not fit: :class:`UnreadableRecord`, naming the first)."""
+    current = check_format("model registration", key, data, MODEL_FORMAT_VERSION)
+    try:
+        return ModelRecord.model_validate(current)
+    except ValidationError as exc:
+        raise UnreadableRecord(key, f"not a model registration ({first_validation_error(exc)})") from None
 
 
 def find_model(ctx: Context, model_id: str) -> ModelRecord | None:
+    """The registration (None: not registered).
+
+    Raises:
+        UnmigratedRecord: it is stored in an older format (``engram-service migrate``).
+        UnreadableRecord: what is stored under its key is not a registration (named).
+    """
     key = model_key(model_id)
-    data = ctx.storage.find_json(key)
+    data = find_record(ctx.storage, key)
     return None if data is None else model_record(key, data)
 
 
@@ -75,7 +90,16 @@ def get_model(ctx: Context, model_id: str) -> ModelRecord:
 
 
 def list_models(ctx: Context) -> list[ModelRecord]:
-    return [model_record(k, ctx.storage.get_json(k)) for k in ctx.storage.list(MODELS) if k.endswith(".json")]
+    """Every readable registration; one that cannot be read is left out with a warning naming it
+    (reading it by ID refuses it)."""
+    found = (skip_unreadable(k, partial(_stored_model, ctx, k)) for k in ctx.storage.list(MODELS) if k.endswith(".json"))
+    return [model for model in found if model is not None]
+
+
+def _stored_model(ctx: Context, key: str) -> ModelRecord | None:
+    """The registration under ``key`` (None: deleted since it was listed)."""
+    data = find_record(ctx.storage, key)
+    return None if data is None else model_record(key, data)
 
 
 def model_view(manifest: ModelRecord) -> dict[str, Any]:

@@ -9,6 +9,10 @@ Two kinds of document are read by every poll:
 
 Only views read through this cache. Anything that decides a write (submitting a concept or a
 variant) reads storage directly, under the registry lock.
+
+Documents are read strictly (:func:`service.storage.stored_json.find_record`): one that is not a
+JSON object raises :class:`~service.storage.stored_json.UnreadableRecord` naming its key, and is
+never cached (each read tries storage again, so a repaired record shows at once).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from service.storage.base import Storage
+from service.storage.stored_json import find_record
 
 DEFAULT_TTL_S = 1.0
 DEFAULT_MAX_ITEMS = 4096
@@ -35,14 +40,14 @@ class ReadCache:
         hit = self._lookup(key)
         if hit is not None:
             return hit[1]
-        value = self.storage.find_json(key)
+        value = find_record(self.storage, key)
         if value is not None:
             self._store(key, value, float("inf"))
         return value
 
     def recent_json(self, key: str) -> dict[str, Any] | None:
         """A mutable document as of at most ``ttl_s`` seconds ago (a miss is cached too)."""
-        return self._recent(key, lambda: self.storage.find_json(key))
+        return self._recent(key, lambda: find_record(self.storage, key))
 
     def recent_listing(self, prefix: str) -> list[str]:
         """``storage.list(prefix)`` as of at most ``ttl_s`` seconds ago."""

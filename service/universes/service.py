@@ -29,6 +29,7 @@ Storage layout:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 from urllib.parse import unquote
 
@@ -50,6 +51,7 @@ from service.storage.keys import (
     universe_prefix,
     universe_request_key,
 )
+from service.storage.stored_json import skip_unreadable
 from service.universes import retention
 from service.universes.holdings import busy_jobs
 from service.universes.records import (
@@ -315,5 +317,7 @@ def list_universes(ctx: Context, model_id: str) -> list[Universe]:
     ids = model_universe_ids(ctx, model_id)
     pointer = current_pointer(ctx, model_id)
     current = pointer.universe_id if pointer else ""
-    views = [universe_view(ctx, uid, current).model_copy(update={"model_id": model_id}) for uid in ids]
+    # One universe whose records cannot be read is left out, logged by name (reading it by ID refuses it).
+    found = (skip_unreadable(universe_request_key(uid), partial(universe_view, ctx, uid, current)) for uid in ids)
+    views = [view.model_copy(update={"model_id": model_id}) for view in found if view is not None]
     return sorted(views, key=lambda v: v.created_at.isoformat() if v.created_at else "")

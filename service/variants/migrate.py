@@ -31,6 +31,7 @@ from service.models.migrate import Migration, migrate_models, registration_of_an
 from service.models.stored import FORMAT_VERSION
 from service.statistics.key import StatsKey
 from service.storage.keys import VARIANTS, universe_request_key
+from service.storage.stored_json import UnreadableRecord, find_record
 from service.universes.records import known_universe_ids
 from service.universes.service import record_universe
 from service.universes.spec import Member, UniverseRequest, UniverseSpec
@@ -71,7 +72,7 @@ def migrate_universes(ctx: Context, *, dry_run: bool = False) -> Migration:
     done = Migration()
     for universe_id in sorted(known_universe_ids(ctx)):  # every requested universe has its marker
         key = universe_request_key(universe_id)
-        data = ctx.storage.find_json(key)
+        data = done.readable(ctx, key)
         if data is None or data.get("format_version") == FORMAT_VERSION:
             continue
         try:
@@ -104,8 +105,8 @@ def migrate_variants(ctx: Context, *, dry_run: bool = False) -> Migration:
     for key in ctx.storage.list(VARIANTS):
         if not key.endswith("/request.json"):
             continue
-        data = ctx.storage.get_json(key)
-        if data.get("format_version") == FORMAT_VERSION:
+        data = done.readable(ctx, key)
+        if data is None or data.get("format_version") == FORMAT_VERSION:
             continue
         try:
             request, what = _migrated_request(ctx, data, dry_run)
@@ -166,7 +167,11 @@ def _universe_of(ctx: Context, data: Mapping[str, Any]) -> UniverseSpec:
         sorted((Member(n, p, StatsKey.parse(p).dataset_digest) for p in prefixes for n in names[p]), key=lambda m: m.name)
     )
     spec = UniverseSpec(model_id, model.digest, members, data.get("rcond"))
-    existing = ctx.storage.find_json(universe_request_key(spec.universe_id))  # migrated or not (a dry run)
+    key = universe_request_key(spec.universe_id)
+    try:
+        existing = find_record(ctx.storage, key)  # migrated or not (a dry run)
+    except UnreadableRecord as exc:
+        raise Unmigratable(f"its universe's request {key} cannot be read ({exc.why})") from None
     return spec if existing is None else _universe_request(existing).spec
 
 

@@ -29,6 +29,7 @@ from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.cover import check_statistics_cover, unreached_by_every
 from service.storage.keys import VARIANTS, variant_manifest_key, variant_request_key
+from service.storage.stored_json import skip_unreadable
 from service.universes.members import EditUniverse, resolve_members
 from service.universes.projection import Projection
 from service.universes.records import current_pointer, find_manifest
@@ -308,12 +309,13 @@ def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
 
 
 def variant_of(ctx: Context, variant_id: str, model_id: str | None) -> Variant | None:
-    """The variant when it exists and is ``model_id``'s (any model's: None), else None."""
+    """The variant when it exists and is ``model_id``'s (any model's: None), else None (and when its
+    records cannot be read: left out of a listing with a warning naming it; reading it by ID refuses it)."""
     try:
-        variant = variant_view(ctx, variant_id)
+        variant = skip_unreadable(variant_request_key(variant_id), lambda: variant_view(ctx, variant_id))
     except NotFound:  # gone since it was listed
         return None
-    return variant if model_id is None or variant.model_id == model_id else None
+    return variant if variant is not None and (model_id is None or variant.model_id == model_id) else None
 
 
 def list_variants(ctx: Context, model_id: str | None = None) -> list[Variant]:

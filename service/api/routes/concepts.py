@@ -20,6 +20,8 @@ from service.datasets.refs import submitted_reference
 from service.datasets.spool import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
 from service.storage.base import scratch_dir
+from service.storage.keys import concept_key
+from service.storage.stored_json import skip_unreadable
 
 router = APIRouter(tags=["concepts"])
 _MAX_INT_DIGITS = 4300  # sys.get_int_max_str_digits() by default: json.loads refuses longer integers
@@ -188,8 +190,11 @@ async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list
         concept = concepts.find_concept(ctx, key[0], recent=True)  # None: deleted since it was listed
         return None if concept is None else concepts.concept_view(ctx, concept)
 
+    def readable_view(key: SortKey) -> Concept | None:  # one unreadable concept is left out, logged by name
+        return skip_unreadable(concept_key(key[0]), lambda: view(key))
+
     keys = await lanes.status(lambda: [(name,) for name in concepts.concept_names(ctx)])
-    return page.answer(*await lanes.status(page.select, keys, view))
+    return page.answer(*await lanes.status(page.select, keys, readable_view))
 
 
 @router.get("/concepts/{name}", response_model=Concept)
