@@ -109,7 +109,8 @@ class ImageRecord:
 
     @classmethod
     def from_mapping(cls, raw: Any, where: int | str, max_pixels: int) -> ImageRecord:
-        """Validate one JSON object as an image record, decoding its image once.
+        """Validate one JSON object as an image record, its file checked without a decode
+        (:func:`check_image_file`).
 
         Args:
             raw: the decoded JSON value.
@@ -118,7 +119,8 @@ class ImageRecord:
 
         Raises:
             InvalidInput: not an object, unknown fields, an ``image`` that is no base64 of a PNG,
-                JPEG or WebP file, a corrupt or truncated file, a label that is no id or name.
+                JPEG or WebP file, a corrupt or truncated file, one too far from square, a label
+                that is no id or name.
             PayloadTooLarge: more pixels than ``max_pixels``.
         """
         name = record_name(where)
