@@ -28,6 +28,21 @@ ROW_OVERHEAD = 8 << 10
 # A page header is a few dozen bytes (a data page's statistics may add a few KB): read this much
 # first, then at most the larger amount; a header longer still is left to Arrow's own limits.
 _HEADER_BYTES, _HEADER_MAX_BYTES = 1 << 10, 64 << 10
+# A dictionary page this small is read and decompressed to find its longest entry, which sizes the
+# batches of its chunk: pyarrow keeps a text column's dictionary near 1 MiB (its limit, checked
+# every 1024 values). A larger one (large values) is bounded by its size, the loosest bound.
+DICTIONARY_READ_BYTES = 8 << 20
+# Parquet's codec names as pyarrow.decompress spells them (None: not compressed; "": not read here:
+# Parquet's LZ4 is Hadoop's framing, which pyarrow.decompress does not read).
+_CODECS = {
+    "UNCOMPRESSED": None,
+    "SNAPPY": "snappy",
+    "GZIP": "gzip",
+    "BROTLI": "brotli",
+    "ZSTD": "zstd",
+    "LZ4_RAW": "lz4_raw",
+    "LZ4": "",
+}
 _DICTIONARY_PAGE = 2  # parquet.thrift PageType.DICTIONARY_PAGE
 _LENGTH_PREFIX = 4  # a PLAIN BYTE_ARRAY value's length, before its bytes (a dictionary page's entries)
 
@@ -124,11 +139,14 @@ def _sizes(column: Any, uri: str, group: int, path: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PageHeader:
-    """What a page header says of its page: its type, its decompressed size, and for a dictionary its entries."""
+    """What a page header says of its page: its type and sizes; a dictionary page's entries and the
+    header's own length (where the page's bytes begin)."""
 
     kind: int
     uncompressed: int
+    compressed: int | None = None
     entries: int | None = None
+    length: int | None = None
 
 
 class _Short(Exception):
@@ -207,18 +225,19 @@ class _Compact:
 
 
 def parse_page_header(data: bytes) -> PageHeader:
-    """A page header's type, decompressed size and dictionary entries (``parquet.thrift`` PageHeader).
+    """A page header's type and sizes, and a dictionary page's entries and header length
+    (``parquet.thrift`` PageHeader; a data page's header is read no further than its sizes).
 
     Raises:
         _Short: ``data`` ends inside the header.
         ValueError: it is no page header.
     """
     reader = _Compact(data)
-    kind = uncompressed = entries = None
+    sizes: dict[int, int] = {}  # type (1), uncompressed (2) and compressed (3) page size
+    entries = None
     for field, wire in reader.fields():
-        if field in (1, 2) and wire == 5:  # type, uncompressed_page_size (i32)
-            value = reader.integer()
-            kind, uncompressed = (value, uncompressed) if field == 1 else (kind, value)
+        if field in (1, 2, 3) and wire == 5:
+            sizes[field] = reader.integer()
         elif field == 7 and wire == 12:  # dictionary_page_header: num_values is its field 1
             for inner, inner_wire in reader.fields():
                 if inner == 1 and inner_wire == 5:
@@ -227,22 +246,47 @@ def parse_page_header(data: bytes) -> PageHeader:
                     reader.skip(inner_wire)
         else:
             reader.skip(wire)
-        if kind is not None and uncompressed is not None and (kind != _DICTIONARY_PAGE or entries is not None):
-            break
-    if kind is None or uncompressed is None or uncompressed < 0:
+        if len(sizes) == 3 and sizes[1] != _DICTIONARY_PAGE:
+            return PageHeader(sizes[1], sizes[2], sizes[3])
+    if len(sizes) < 3 or min(sizes.values()) < 0:
         raise ValueError("no page type or size")
-    return PageHeader(kind, uncompressed, entries)
+    return PageHeader(sizes[1], sizes[2], sizes[3], entries, reader.pos)
 
 
-def first_page(read_at: Callable[[int, int], bytes], column: Any) -> PageHeader | None:
-    """The header of a column chunk's first page, where Arrow starts reading the chunk (the dictionary
-    page's offset when the footer names one before the data); ``None`` when it cannot be read here."""
+def largest_entry(read_at: Callable[[int, int], bytes], column: Any, start: int, header: PageHeader) -> int | None:
+    """The longest value of a small BYTE_ARRAY dictionary page, read and decompressed here (a few
+    KB to :data:`DICTIONARY_READ_BYTES`); ``None`` when it is larger, in a codec read here not, or
+    not PLAIN values (then its size bounds its entries)."""
+    import pyarrow as pa
+
+    codec = _CODECS.get(column.compression, "")
+    small = max(header.uncompressed, header.compressed or 0) <= DICTIONARY_READ_BYTES
+    if header.length is None or header.compressed is None or not small or codec == "":
+        return None
+    data = read_at(start + header.length, header.compressed)
+    try:
+        page = (
+            data if codec is None else pa.decompress(data, decompressed_size=header.uncompressed, codec=codec, asbytes=True)
+        )
+    except (pa.ArrowException, ValueError):
+        return None  # Arrow reads the same bytes and refuses them by its own rules
+    lengths, at = [], 0
+    while at + _LENGTH_PREFIX <= len(page):
+        length = int.from_bytes(page[at : at + _LENGTH_PREFIX], "little")
+        lengths.append(length)
+        at += _LENGTH_PREFIX + length
+    return max(lengths, default=0) if at == len(page) else None
+
+
+def first_page(read_at: Callable[[int, int], bytes], column: Any) -> tuple[int, PageHeader] | None:
+    """Where a column chunk's first page is and its header: where Arrow starts reading the chunk (the
+    dictionary page's offset when the footer names one before the data); ``None`` when it cannot be read here."""
     start = column.data_page_offset
     if column.has_dictionary_page and 0 < column.dictionary_page_offset < start:
         start = column.dictionary_page_offset
     for size in (_HEADER_BYTES, _HEADER_MAX_BYTES):
         try:
-            return parse_page_header(read_at(start, min(size, max(column.total_compressed_size, 1))))
+            return start, parse_page_header(read_at(start, min(size, max(column.total_compressed_size, 1))))
         except _Short:
             continue
         except (ValueError, OSError):
@@ -262,11 +306,12 @@ def check_first_pages(
     checked = []
     for chunk in chunks:
         column = metadata.row_group(chunk.group).column(chunk.index)
-        header = first_page(read_at, column)
+        found = first_page(read_at, column)
         where = f"{uri}: row group {chunk.group}, column {chunk.column!r}"
-        if header is None:
+        if found is None:
             checked.append(chunk)
             continue
+        start, header = found
         if header.uncompressed > chunk.uncompressed:
             raise InvalidInput(
                 f"{where}: its first page decompresses to {header.uncompressed} bytes, more than the "
@@ -284,7 +329,8 @@ def check_first_pages(
                 f"average, so a record of it is more than {limits.record_bytes} bytes (the limit for one record, "
                 "ENGRAM_MAX_RECORD_BYTES); nothing was read: split such records into shorter ones"
             )
-        checked.append(replace(chunk, entry_bound=values))
+        largest = largest_entry(read_at, column, start, header)
+        checked.append(replace(chunk, entry_bound=values if largest is None else largest))
     return checked
 
 

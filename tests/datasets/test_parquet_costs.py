@@ -359,3 +359,25 @@ def test_a_collection_of_the_attack_fails_naming_it_and_stores_nothing(tmp_path:
         assert api.get("/concepts/blobs").json()["dataset"]["error"] == job["error"]["detail"]
         assert grew < JOB_GROWTH_BOUND, grew
         assert stored_datasets(server.storage_dir) == stored  # no dataset, not even a part of one
+
+
+@pytest.mark.parametrize("codec", ["none", "snappy", "gzip", "brotli", "zstd", "lz4"])
+def test_a_small_dictionary_is_read_for_its_longest_entry(data: Path, codec: str) -> None:
+    """A text column's dictionary (pyarrow keeps it near 1 MiB) is read and decompressed, so its
+    longest value, not its size, sizes the batches; a codec read here not (Parquet's LZ4, Hadoop's
+    framing) leaves the size as the bound."""
+    path = data / f"{codec}.parquet"
+    pq.write_table(pa.table({"text": ["a" * i for i in range(1, 200)] * 3}), path, compression=codec)
+    metadata = pq.ParquetFile(path).metadata
+    limits = Limits(record_bytes=16 * MiB, dataset_bytes=1 << 30)
+
+    def read_at(offset: int, size: int) -> bytes:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read(size)
+
+    (chunk,) = check_first_pages(
+        read_at, metadata, check_footer(metadata, ["text"], [0], path.name, limits), path.name, limits
+    )
+    longest = 199 if metadata.row_group(0).column(0).compression != "LZ4" else sum(range(1, 200))
+    assert chunk.entry_bound == longest
