@@ -25,6 +25,7 @@ from service.storage.keys import (
     universe_request_key,
     usage_key,
 )
+from service.storage.stored_json import find_record
 from service.universes.spec import UniverseRequest
 
 
@@ -184,9 +185,13 @@ def read_current_pointer(key: str, data: Mapping[str, Any]) -> CurrentUniverse:
 
 
 def current_pointer(ctx: Context, model_id: str) -> CurrentUniverse | None:
-    """The model's current universe, or None."""
+    """The model's current universe, or None.
+
+    Raises:
+        MalformedPointer, UnreadableRecord: what is stored there is not a pointer (named).
+    """
     key = current_pointer_key(model_id)
-    found = ctx.storage.find_json(key)
+    found = find_record(ctx.storage, key)
     return None if found is None else read_current_pointer(key, found)
 
 

@@ -315,7 +315,8 @@ def universe_submission(
 def list_universes(ctx: Context, model_id: str) -> list[Universe]:
     """Every universe of a model (404 when it is not registered), the current one marked, oldest first."""
     ids = model_universe_ids(ctx, model_id)
-    pointer = current_pointer(ctx, model_id)
+    # A pointer that cannot be read marks none current here (logged by name; a request it decides refuses it).
+    pointer = skip_unreadable(current_pointer_key(model_id), partial(current_pointer, ctx, model_id))
     current = pointer.universe_id if pointer else ""
     # One universe whose records cannot be read is left out, logged by name (reading it by ID refuses it).
     found = (skip_unreadable(universe_request_key(uid), partial(universe_view, ctx, uid, current)) for uid in ids)

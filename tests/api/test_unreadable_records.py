@@ -35,6 +35,7 @@ from service.storage.factory import open_storage
 from service.storage.keys import (
     OPEN_JOBS,
     concept_key,
+    current_pointer_key,
     job_key,
     known_universe_key,
     model_key,
@@ -153,6 +154,23 @@ def test_reading_the_unreadable_record_is_a_503_naming_its_key_and_why(
             assert subject in detail and FORMS[form][1] in detail, f"GET {path}: {detail}"
     finally:
         drop_bad_records(storage, form)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_an_unreadable_current_pointer_marks_no_universe_current_and_is_named(
+    server: InProcessServer, world: dict[str, Any], form: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage, key = world["world"].ctx.storage, current_pointer_key(MODEL)
+    kept = storage.get_bytes(key)
+    storage.put_bytes(key, FORMS[form][0])
+    try:
+        caplog.set_level(logging.WARNING, logger="engram")
+        response = server.client.get(f"/models/{MODEL}/universes")
+        assert response.status_code == 200, response.text[:300]
+        assert [(u["universe_id"], u["current"]) for u in response.json()] == [(world["universe"], False)]
+        assert key in {getattr(r, "record_key", None) for r in caplog.records}
+    finally:
+        storage.put_bytes(key, kept)
 
 
 # ---------------------------------------------------------------- engram-service migrate
