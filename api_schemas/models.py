@@ -68,6 +68,13 @@ class Model(BaseModel):
     digest: str
     architecture: str
     num_parameters: int
+    quantization: str | None = Field(
+        None,
+        description=(
+            "the quantization type (Q4_1, Q8_0, F16...) of the GGUF file the model was registered from, "
+            "dequantized once at registration; null for a safetensors checkpoint"
+        ),
+    )
     layers: list[Layer]
     layers_not_in_checkpoint: list[str] = Field(
         default_factory=list,

@@ -21,6 +21,8 @@ from service.errors import Conflict, InvalidInput
 from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.results import RegisterResult
 from service.jobs.store import utc_now
+from service.models.gguf_convert import gguf_checkpoint
+from service.models.gguf_source import GgufOrigin, gguf_file_of
 from service.models.loaded import write_copy_record
 from service.models.record import ModelRecord, folder_kind
 from service.models.registry import files_changed, find_model
@@ -48,7 +50,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
         if not files_changed(existing):
             return existing, False
     check_model_bucket(source, ctx.settings)  # again in the job: the worker's settings are the ones that read
-    path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
+    path, gguf = _checkpoint_folder(ctx, source)
     layout, sums, identity = _inspect(ctx, source, path)
     if not layout.layers:
         raise InvalidInput("the model has no editable Linear, Conv1D, Conv2d or Conv1d layers in its safetensors weights")
@@ -66,6 +68,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
         num_parameters=layout.num_parameters,
         layout=layout,
         registered_at=utc_now(),
+        gguf=gguf,
     )
     with ctx.lock:
         again = find_model(ctx, model_id)
@@ -73,6 +76,16 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
             return register_model(ctx, model_id, source)
         ctx.storage.put_json(model_key(model_id), manifest.to_json())
     return manifest, True
+
+
+def _checkpoint_folder(ctx: Context, source: str) -> tuple[Path, GgufOrigin | None]:
+    """The checkpoint folder of ``source`` on this machine, and the GGUF file it was dequantized from
+    when the source is one (:mod:`service.models.gguf_source`)."""
+    gguf_file = gguf_file_of(source, ctx.settings.model_root_paths)
+    if gguf_file is not None:
+        folder, origin = gguf_checkpoint(ctx.cache_dir, gguf_file)
+        return folder.resolve(), origin
+    return local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url), None
 
 
 def _kind(path: Path) -> ModelKind:

@@ -30,6 +30,7 @@ from service.engine.model_files import (
     open_model_files,
 )
 from service.errors import JobFailed
+from service.models.gguf_source import check_gguf_unchanged
 from service.models.record import ModelRecord
 from service.models.registry import find_model
 from service.models.sources import check_model_bucket, local_model_dir
@@ -58,6 +59,7 @@ def checked_model_files(ctx: Context, manifest: ModelRecord) -> ModelFiles:
             if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
                 raise ModelSourceError("the model folder was replaced by a symbolic link")
             registered = manifest.registered_identity()
+            check_gguf_unchanged(manifest.gguf)  # the file the folder was dequantized from, by its identity
         else:
             check_model_bucket(manifest.source, ctx.settings)  # a bucket delisted since registration is read no more
             path = local_model_dir(manifest.source, [], ctx.cache_dir, ctx.settings.s3_endpoint_url)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 from service.engine.image_models import PREPROCESSOR_CONFIG, ModelKind, check_preprocessor_config, model_kind
 from service.engine.layout import ModelLayout
 from service.engine.model_files import FileIdentity, ModelSourceError, read_side_json
+from service.models.gguf_source import GgufOrigin
 
 # 1: the first versioned registration; 2: ``kind`` is always recorded (issue 25).
 MODEL_FORMAT_VERSION = 2
@@ -60,6 +61,7 @@ class ModelRecord(BaseModel):
     num_parameters: int
     layout: StoredLayout
     registered_at: str | None = None
+    gguf: GgufOrigin | None = None  # the GGUF file ``path`` was dequantized from (service.models.gguf_source)
 
     @property
     def is_local(self) -> bool:
@@ -76,7 +78,8 @@ class ModelRecord(BaseModel):
         return {name: value for name, value in identity.items() if value is not None}
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        # ``gguf`` only where there is one: a safetensors registration keeps its stored keys
+        return self.model_dump(mode="json", exclude={"gguf"} if self.gguf is None else None)
 
 
 def folder_kind(path: Path) -> ModelKind:

@@ -22,6 +22,7 @@ from service.errors import Conflict, InvalidInput
 from service.jobs.admission import admit
 from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import new_job
+from service.models.gguf_source import gguf_file_of
 from service.models.record import ModelRecord
 from service.models.registry import files_changed, find_model
 from service.models.sources import check_model_bucket, check_remote_source, is_remote, local_model_dir
@@ -85,6 +86,8 @@ def check_source(ctx: Context, source: str) -> None:
         check_remote_source(source)
         check_model_bucket(source, ctx.settings)
         return
+    if gguf_file_of(source, ctx.settings.model_root_paths) is not None:
+        return  # a GGUF file: the register job reads its header and dequantizes it (service.models.gguf_convert)
     path = local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url)
     try:  # the folder's side files only (config, tokenizer config, file names): a refused one writes nothing
         check_model_dir(path)

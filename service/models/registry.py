@@ -21,6 +21,7 @@ from service.engine.chat import folder_has_chat_template
 from service.engine.layers import LayerSpec
 from service.engine.model_files import ModelSourceError, open_model_files, used_files
 from service.errors import InvalidInput, NotFound, first_validation_error
+from service.models.gguf_source import gguf_change
 from service.models.record import MODEL_FORMAT_VERSION, ModelRecord
 from service.models.stored import check_format
 from service.storage.keys import MODELS, model_key
@@ -49,6 +50,8 @@ def files_changed(manifest: ModelRecord) -> bool:
     registered = manifest.registered_identity()
     if registered is None or not manifest.is_local:
         return False
+    if manifest.gguf is not None and gguf_change(manifest.gguf) is not None:
+        return True
     path = Path(manifest.path)
     try:
         if path.resolve() != path:
@@ -112,6 +115,7 @@ def model_view(manifest: ModelRecord) -> dict[str, Any]:
         "layers_not_in_checkpoint": layout.unstored_layers,
         "refused_layers": dict(layout.refused_layers),
         "kind": manifest.kind,
+        "quantization": manifest.gguf.quantization if manifest.gguf is not None else None,
     }
 
 

@@ -68,6 +68,7 @@ def test_the_view_is_the_one_earlier_versions_answered(world: StoreWorld) -> Non
         # added for image models (issue 25): a text model has no refused layer and no kernel
         "refused_layers": {},
         "kind": "text",
+        "quantization": None,  # added for GGUF models (issue 36): a safetensors checkpoint has none
     }
     view = model_view(get_model(world.ctx, MODEL))
     assert view == expected and list(view) == list(expected)
