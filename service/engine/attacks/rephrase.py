@@ -1,0 +1,48 @@
+"""Rephrasing: the same probes asked another way, on the unchanged model.
+
+* :func:`as_chat`: a prompt/completion probe as a conversation, the prompt the user's turn and the
+  completion the assistant's (both stripped of surrounding whitespace, as chat turns are written),
+  scored through the model's chat template; a chat probe is already one.
+* :func:`as_plain`: a chat probe as plain text, the contents of the turns before the scored one,
+  one a line, then the scored turn's content after a space; a prompt/completion probe is already one.
+* :func:`with_answer`: a probe with another answer (TOFU's ``paraphrased_answer``).
+"""
+
+from __future__ import annotations
+
+from service.engine.evaluate import Probe
+
+
+def as_chat(probe: Probe) -> Probe:
+    """``probe`` as a user turn and the assistant's answer (a chat probe unchanged)."""
+    if probe.messages is not None:
+        return Probe(messages=list(probe.messages))
+    user = {"role": "user", "content": probe.prompt.strip()}
+    return Probe(messages=[user, {"role": "assistant", "content": probe.completion.strip()}])
+
+
+def as_plain(probe: Probe) -> Probe:
+    """``probe`` without a template: the turns before the last assistant turn, one a line, and that
+    turn's content as the completion (a prompt/completion probe unchanged).
+
+    Raises:
+        ValueError: a conversation without an assistant turn.
+    """
+    if probe.messages is None:
+        return Probe(probe.prompt, probe.completion)
+    turns = list(probe.messages)
+    last = max((i for i, m in enumerate(turns) if m["role"] == "assistant"), default=None)
+    if last is None or last == 0:
+        raise ValueError("a chat probe needs a turn before its last assistant turn")
+    prompt = "\n".join(m["content"] for m in turns[:last])
+    return Probe(prompt, " " + turns[last]["content"].strip())
+
+
+def with_answer(probe: Probe, answer: str) -> Probe:
+    """``probe`` with ``answer`` as the scored answer (a chat probe: its last assistant turn)."""
+    if probe.messages is None:
+        return Probe(probe.prompt, answer)
+    turns = [dict(m) for m in probe.messages]
+    last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
+    turns[last] = {"role": "assistant", "content": answer}
+    return Probe(messages=turns[: last + 1])
