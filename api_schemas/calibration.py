@@ -430,6 +430,13 @@ class CalibrationResult(BaseModel):
     held_out: HeldOutCheck | None = Field(
         default=None, exclude_if=_absent, description="with held_out_fraction: the recommendation checked on unseen probes"
     )
+    truncated_probes: dict[str, int] | None = Field(
+        default=None,
+        exclude_if=_absent,
+        description="probe set -> probes whose prompt was cut on the left to fit what the model reads (the smaller "
+        "of its context and ENGRAM_MAX_LENGTH tokens; held-out probes count in their set), as evaluate's; absent "
+        "when none was",
+    )
 
 
 class Calibration(BaseModel):

@@ -165,6 +165,9 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
         result = goal.amend(result, found, best)
         if held_out is not None:
             result = result.model_copy(update={"held_out": held_out})
+    truncated = _truncated(goal if isinstance(goal, GoalRun) else candidates)
+    if truncated:  # set only then: a calibration that cut no probe keeps its shape
+        result = result.model_copy(update={"truncated_probes": truncated})
     if best is not None:
         built = _build_recommended(ctx, job.job_id, request, best, run_job)
         result = result.model_copy(update={"recommended": recommendation(result, best, built)})
@@ -181,6 +184,13 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
     ctx.storage.put_json(prefix + "result.json", stored)  # last: the calibration is answered
     ctx.jobs.set_progress(job.job_id, len(found.candidates), len(found.candidates))
     return CalibrationJobResult.model_validate({**stored, "reused": False})
+
+
+def _truncated(scored: GoalRun | InMemoryCandidates | ClassifierCandidates) -> dict[str, int]:
+    """Probe set -> probes whose prompt was cut to the probe bound (text probes; none: empty)."""
+    if isinstance(scored, ClassifierCandidates):
+        return {}
+    return {name: sum(flags) for name, flags in sorted(scored.truncated().items()) if any(flags)}
 
 
 def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:

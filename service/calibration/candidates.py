@@ -246,6 +246,10 @@ class InMemoryCandidates(CandidateWeights):
         if not is_causal_lm(model):
             raise JobFailed(f"calibration needs a causal language model; this one is a {type(model).__name__}")
 
+    def truncated(self) -> dict[str, list[bool]]:
+        """Per split, whether each probe's prompt was cut to the probe bound."""
+        return {split: [probe.cut for probe in items] for split, items in self.probes.items()}
+
     def measure(self, arm: Arm, alpha: float) -> Measured:
         """Swap in the candidate's weights, score the probes, and say how they compare to the base."""
         model = self._apply(arm, alpha)

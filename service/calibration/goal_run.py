@@ -21,7 +21,7 @@ from service.calibration.records import CalibrationProbes, StoredCalibrationResu
 from service.calibration.search import Candidate, SearchResult
 from service.context import Context
 from service.engine.chat import RenderedOnce, Renderer
-from service.engine.tofu_scoring import TofuProbe, tofu_probe
+from service.engine.tofu_scoring import TofuProbe, merged_cuts, tofu_probe
 from service.errors import JobFailed
 from service.evaluation import tofu_metrics as tm
 from service.evaluation.run import load_retain_model
@@ -84,6 +84,15 @@ class GoalRun:
                 self.retain_held_report = tofu_report(retain, tokenizer, self.held_sets, self.renderer)
         self.base_metrics = metrics(self.base_report, self.retain_report, self.base_report, candidates.base, candidates.base)
         self.goal = resolved(spec, self.base_metrics)
+
+    def truncated(self) -> dict[str, list[bool]]:
+        """Per probe set, whether each probe's prompt was cut to the probe bound: the searched probes,
+        then the held-out ones (the holdout facts, used whole by both, once). A probe counts once, cut
+        for its completion or for a longer TOFU answer."""
+        searched = merged_cuts(self.candidates.truncated(), self.sets)
+        held = merged_cuts({split: [p.cut for p in items] for split, items in self.held_plain.items()}, self.held_sets)
+        held.pop("holdout", None)
+        return {name: searched.get(name, []) + held.get(name, []) for name in {*searched, *held}}
 
     def candidate_metrics(self, measured: Measured) -> dict[str, float]:
         """The metrics of the candidate now applied to the model (its NLL summary measured)."""

@@ -21,7 +21,7 @@ batched by padded tokens (:func:`service.engine.evaluate.token_batches`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,7 @@ __all__ = [
     "answer_tokens",
     "answers_of",
     "encoded_tofu",
+    "merged_cuts",
     "tofu_probe",
     "tofu_statistics",
     "with_answer",
@@ -140,6 +141,17 @@ def with_answer(probe: Probe, answer: str) -> Probe:
 # Answer positions whose float64 log-softmax is taken at once: a few float64 copies of 64 × vocabulary
 # (~64 MiB each at a 128k vocabulary), whatever the answer's length.
 ROWS_AT_ONCE = 64
+
+
+def merged_cuts(flags: Mapping[str, list[bool]], sets: Mapping[str, Sequence[TofuProbe]]) -> dict[str, list[bool]]:
+    """Per probe set, whether each probe's prompt was cut: ``flags`` (the plain probes') or'ed with
+    the :func:`encoded_tofu` sets' own cuts, position by position (a probe counts once, cut for its
+    completion or for a longer answer)."""
+    merged = dict(flags)
+    for name, items in sets.items():
+        was = merged.get(name, [False] * len(items))
+        merged[name] = [cut or item.cut for cut, item in zip(was, items, strict=True)]
+    return merged
 
 
 def _token_rows(logits: torch.Tensor, targets: list[int]) -> AnswerTokens:

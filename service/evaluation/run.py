@@ -49,7 +49,14 @@ from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_mat
 from service.engine.layout import is_causal_lm
 from service.engine.model_files import ModelFiles
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
-from service.engine.tofu_scoring import AnswerRefused, TofuProbe, encoded_tofu, tofu_probe, tofu_statistics
+from service.engine.tofu_scoring import (
+    AnswerRefused,
+    TofuProbe,
+    encoded_tofu,
+    merged_cuts,
+    tofu_probe,
+    tofu_statistics,
+)
 from service.errors import JobFailed
 from service.evaluation.classifier_run import evaluate_classifiers
 from service.evaluation.generation import bounded_prompt, prompt_room
@@ -201,9 +208,7 @@ def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredPro
         ],
     )
     if raw.tofu is not None:
-        for name, items in tofu_sets.items():  # a probe counts once, cut for its completion or a longer answer
-            flags = cut.get(name, [False] * len(items))
-            cut[name] = [was or item.cut for was, item in zip(flags, items, strict=True)]
+        cut = merged_cuts(cut, tofu_sets)
         tofu, retain_model = _tofu_result(ctx, raw.tofu, tofu_sets, (base, variant, tokenizer), progress)
         result = result.model_copy(update={"tofu": tofu, "retain_model": retain_model})
     truncated = {name: sum(flags) for name, flags in cut.items() if any(flags)}

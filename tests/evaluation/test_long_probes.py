@@ -11,7 +11,8 @@ the whole probe the allocation fails instead of the machine paying it; its peak 
 What is checked: the evaluation with TOFU's suite finishes, counts the cut probe
 (``truncated_probes``) and stays under the bound; an answer of 19,990 characters (a paraphrased or a
 perturbed one) fails the job naming the probe, its 1-based number and the model's context, before
-any model runs; a generation's 19,990-character prompt is cut (``prompt_truncated``).
+any model runs; a generation's 19,990-character prompt is cut (``prompt_truncated``); a calibration
+with such a probe scores every candidate on its cut tokens and counts it (``truncated_probes``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _measured(server: InProcessServer, path: str, body: dict[str, Any]) -> tuple
     start = peak_rss_bytes(pid)
     response = server.client.post(path, json=body)
     assert response.status_code == 202, response.text
-    job = wait_for_job(server.client, response.json()["job_id"], timeout=300)
+    answer = response.json()
+    job = wait_for_job(server.client, answer["job_id"] if "job_id" in answer else answer["job"]["job_id"], timeout=300)
     return job, peak_rss_bytes(pid) - start
 
 
@@ -161,4 +163,20 @@ def test_a_generation_of_a_19990_character_prompt_reads_its_last_tokens(
     result = job["result"]
     assert result["prompt_truncated"] is True
     assert all(len(out["token_ids"]) <= 8 for out in result["outputs"].values())
+    assert growth < PEAK_BOUND, f"the job's peak grew {growth / 2**20:.0f} MiB"
+
+
+def test_a_calibration_with_a_19990_character_probe_counts_it_and_is_bounded(
+    server: InProcessServer, variant: dict[str, Any]
+) -> None:
+    prompt, answer = FACTS[3]
+    forget = [{"prompt": words(LONG - len(prompt), seed=4) + prompt, "completion": answer}]
+    forget += [{"prompt": p, "completion": c} for p, c in FACTS[4:6]]
+    retain = [{"prompt": p, "completion": c} for p, c in FACTS[6:10]]
+    body = {"concepts": ["lp-forget"], "forget": forget, "retain": retain, "budget": 2, "scalings": ["uniform"]}
+    job, growth = _measured(server, f"/models/{MODEL}/calibrate", body)
+    print(f"\ncalibrate, a {LONG}-character probe: job peak growth {growth / 2**20:.1f} MiB")  # noqa: T201
+    assert job["status"] == "succeeded", job
+    assert job["result"]["truncated_probes"] == {"forget": 1}
+    assert job["result"]["evaluations"] >= 1
     assert growth < PEAK_BOUND, f"the job's peak grew {growth / 2**20:.0f} MiB"
