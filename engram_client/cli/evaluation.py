@@ -131,7 +131,9 @@ def evaluate(
     if job is None or job.result is None:  # --no-wait (_finish_job exits on a succeeded job without a result)
         return
     result = job.result
-    if result.reused:
+    # An identical request is answered by the job that scored it (succeeded when submitted); a stored
+    # result another request left is read as reused.
+    if result.reused or submitted.status == "succeeded":
         stderr.print("answered from storage: the same probes were scored on this variant before")
     emit(ctx, as_json, result, lambda: _render(result))
 
