@@ -7,6 +7,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from api_schemas.calibration_default import (
+    MAX_PERPLEXITY_RATIO_FIELD,
+    MIN_RETAIN_EXACT_MATCH_RATIO_FIELD,
+    PERPLEXITY_ON_FIELD,
+    WARNINGS_FIELD,
+    check_default_objective,
+    check_no_default_bounds,
+)
 from api_schemas.common import MODEL_ID_PATTERN, Strict
 from api_schemas.edit_options import ADAPTER_OPTION_RULES, VLLM_LORA_RANKS
 from api_schemas.evaluation import CLASSIFIER_SETS, Probe, ProbeKind, UtilitySetName, tofu_metric_names
@@ -25,6 +33,7 @@ CALIBRATION_METRICS = (
     "retain_mean_nll",
     "forget_exact_match",
     "retain_exact_match",
+    "perplexity_ratio",
 )
 MetricName = Annotated[str, Field(min_length=1, max_length=64)]
 Bound = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
@@ -129,8 +138,11 @@ class CalibrateRequest(Strict):
         gt=1.0,
         le=1e6,
         allow_inf_nan=False,
-        description="the constraint: the retain probes' mean answer NLL, variant / base, at most this",
+        description="set without an objective: the older search, the strongest forget NLL ratio with the retain "
+        "probes' mean answer NLL, variant / base, at most this (left out: the exact-match default objective)",
     )
+    min_retain_exact_match_ratio: float = MIN_RETAIN_EXACT_MATCH_RATIO_FIELD
+    max_perplexity_ratio: float = MAX_PERPLEXITY_RATIO_FIELD
     budget: int = Field(default=32, ge=1, le=500, description="the most candidates evaluated")
     alpha_min: float = Field(default=0.05, gt=0.0, le=100.0, allow_inf_nan=False, description="the weakest α tried")
     alpha_max: float = Field(default=4.0, gt=0.0, le=100.0, allow_inf_nan=False, description="the strongest α tried")
@@ -166,9 +178,11 @@ class CalibrateRequest(Strict):
     objective: Objective | SkipJsonSchema[None] = Field(
         default=None,
         description="a named score to optimise (a TOFU name, as evaluate reports it, or forget_nll_ratio ...; for image "
-        "probes forget_accuracy, tow ...) under constraints; absent: the strongest forget NLL ratio within "
-        "max_retain_nll_ratio (image probes: the lowest forget_accuracy with retain_accuracy >= 0.9 x the base's, or "
-        "with retain_model the highest tow)",
+        "probes forget_accuracy, tow ...) under constraints; absent: the lowest forget_exact_match with "
+        "retain_exact_match >= min_retain_exact_match_ratio x the base's and perplexity_ratio <= max_perplexity_ratio "
+        "(NLL ratios break ties; with max_retain_nll_ratio set, the strongest forget NLL ratio within it) (image "
+        "probes: the lowest forget_accuracy with retain_accuracy >= 0.9 x the base's, or with retain_model the "
+        "highest tow)",
     )
     constraints: list[MetricConstraint] = Field(
         default_factory=list,
@@ -184,16 +198,19 @@ class CalibrateRequest(Strict):
         default_factory=list, max_length=10000, description="with objective: facts no model saw (the raw MIA AUCs)"
     )
     utility: dict[UtilitySetName, Annotated[list[Probe], Field(min_length=1, max_length=10000)]] = Field(
-        default_factory=dict, max_length=8, description="with objective: named probe sets for model utility, as evaluate"
+        default_factory=dict,
+        max_length=8,
+        description="with objective: named probe sets for model utility, as evaluate; without one, only "
+        "general: plain general text (prompt: its first words, completion: the rest), the perplexity bound's set",
     )
     # Bounds checked by _fraction: as Field(gt=, lt=) on this union they were compared with a null (a
     # TypeError: a 500), and as bounds of the float branch a 422 would name the branch, not the field.
     held_out_fraction: float | SkipJsonSchema[None] = Field(
         default=None,
         json_schema_extra={"exclusiveMinimum": 0.0, "exclusiveMaximum": 1.0},
-        description="with objective (or image probes): this share of the forget, retain, test and utility probes is "
-        "kept out of the search, "
-        "to check the recommended variant against the constraints on probes it was not chosen on",
+        description="with objective (or image probes, or the default objective): this share of the forget, retain, "
+        "test and utility probes is kept out of the search, to check the recommended variant against the constraints "
+        "on probes it was not chosen on (the default objective: 0.2 when left out)",
     )
 
     @field_validator("held_out_fraction")
@@ -275,11 +292,13 @@ class CalibrateRequest(Strict):
         if self.test:
             raise ValueError("test probes are for image classifiers (image + label probes); text probes: forget, retain")
         if self.objective is None:
-            options = ("constraints", "retain_model", "holdout", "utility", "held_out_fraction")
+            options = ("constraints", "retain_model", "holdout")
             given = [name for name in options if getattr(self, name)]
             if given:
                 raise ValueError(f"{', '.join(given)} only serve an objective: add an objective (maximize or minimize)")
+            check_default_objective(self)
             return
+        check_no_default_bounds(self)
         if self.held_out_fraction is not None and (len(self.forget) < 2 or len(self.retain) < 2):
             raise ValueError("held_out_fraction needs two forget and two retain probes (one searched, one held out)")
         reserved = sorted({"forget", "retain", "holdout"} & set(self.utility))
@@ -355,6 +374,11 @@ class HeldOutCheck(BaseModel):
     did not. A test set the choice never saw stays with the user (evaluate the variant on it)."""
 
     probes: dict[str, int] = Field(description="per set, the probes held out")
+    margins: dict[str, float] = Field(
+        default_factory=dict,
+        description="per bound (min_<metric> / max_<metric>), how far inside it the recommended variant is on the "
+        "held-out probes (negative: outside it by that much)",
+    )
     candidate: int | None = Field(default=None, description="the candidate checked and recommended (its index)")
     rejected: list[int] = Field(
         default_factory=list, description="better-ranked candidates that missed a bound on the held-out probes"
@@ -387,6 +411,12 @@ class CalibrationRecommendation(BaseModel):
     variant_job_id: str | None = None
     format: Literal["checkpoint", "delta", "peft"]
     metrics: MetricValues | None = Field(default=None, exclude_if=_absent, description="with an objective: its metrics")
+    forget_exact_match: float | None = Field(
+        default=None, description="share of forget probes still answered exactly (image probes: top-1 accuracy)"
+    )
+    retain_exact_match: float | None = Field(
+        default=None, description="share of retain probes answered exactly (image probes: top-1 accuracy)"
+    )
 
 
 class CalibrationResult(BaseModel):
@@ -430,6 +460,8 @@ class CalibrationResult(BaseModel):
     held_out: HeldOutCheck | None = Field(
         default=None, exclude_if=_absent, description="with held_out_fraction: the recommendation checked on unseen probes"
     )
+    warnings: list[str] = WARNINGS_FIELD
+    perplexity_on: Literal["general", "retain"] | None = PERPLEXITY_ON_FIELD
     truncated_probes: dict[str, int] | None = Field(
         default=None,
         exclude_if=_absent,

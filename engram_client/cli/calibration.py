@@ -79,18 +79,66 @@ def _constraints(values: list[str] | None) -> list[dict[str, Any]] | None:
     return constraints
 
 
-def _utility(values: list[str] | None) -> dict[str, list[dict[str, Any]]] | None:
-    """``name=path.jsonl`` per utility set."""
-    if not values:
+def _utility(values: list[str] | None, general: Path | None = None) -> dict[str, list[dict[str, Any]]] | None:
+    """``name=path.jsonl`` per utility set, and ``--general``'s text as the set ``general``."""
+    if not values and general is None:
         return None
-    sets = {}
-    for value in values:
+    sets = {} if general is None else {"general": general_probes(general)}
+    for value in values or []:
         name, _, path = value.partition("=")
         if not name or not path or not Path(path).is_file():
             why = f"{value!r}: a utility set is name=path.jsonl (an existing file)"
             raise typer.BadParameter(why, param_hint="--utility")
         sets[name] = read_probes(Path(path))
     return sets
+
+
+def general_probes(path: Path) -> list[dict[str, Any]]:
+    """General text for the perplexity bound: a JSONL of probes, or plain text with one paragraph per
+    non-empty line, each made a probe of its first word (prompt) and the rest (completion)."""
+    if path.suffix == ".jsonl":
+        return read_probes(path)
+    probes = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        first, _, rest = line.strip().partition(" ")
+        if not first:
+            continue
+        if not rest.strip():
+            raise typer.BadParameter(f"{path}:{number}: a paragraph needs at least two words", param_hint="--general")
+        probes.append({"prompt": first, "completion": " " + rest.strip()})
+    if not probes:
+        raise typer.BadParameter(f"{path} holds no paragraph", param_hint="--general")
+    return probes
+
+
+# What one candidate costs, the rule the estimate states: one teacher-forced forward pass over every
+# searched probe (forget, retain, general text); the base is scored once, and the held-out check scores
+# at most HELD_OUT_TRIES candidates on the held-out probes (service.calibration.goal_run).
+HELD_OUT_TRIES = 4
+
+
+def cost_estimate(budget: int, probes: int, held_out_fraction: float | None) -> str:
+    """The search's cost before it starts, by the rule above, in forward passes over probes."""
+    held = round(probes * held_out_fraction) if held_out_fraction else 0
+    searched = probes - held
+    passes = (budget + 1) * searched + (HELD_OUT_TRIES + 1) * held
+    return (
+        f"estimated cost: at most {budget} candidates, each one forward pass over {searched} probes, plus the base "
+        f"and up to {HELD_OUT_TRIES} held-out checks over {held}: about {passes} probe passes (the result's "
+        "seconds.per_candidate is the measured cost of one candidate)"
+    )
+
+
+def _render_warnings(result: Any) -> None:
+    """The search's cost, then every warning, loud: what a user should know before shipping."""
+    seconds = result.seconds or {}
+    if seconds:
+        stdout.print(
+            f"search cost: {result.evaluations} candidates in {seconds.get('search', 0):.1f} s "
+            f"({seconds.get('per_candidate', 0):.2f} s each), {seconds.get('total', 0):.1f} s in all"
+        )
+    for warning in result.warnings:
+        stdout.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True)
 
 
 def _render_goal(result: Any) -> None:
@@ -112,8 +160,15 @@ def _render_goal(result: Any) -> None:
     if result.held_out is not None:
         held = result.held_out
         verdict = "meets every bound" if held.feasible else "MISSES a bound"
-        values = ", ".join(f"{b.metric} {held.recommended.get(b.metric)}" for b in held.constraints)
+        named = [metric, *(b.metric for b in held.constraints)]
+        values = ", ".join(f"{n} {_number(held.recommended.get(n))}" for n in dict.fromkeys(named))
         stdout.print(f"held-out probes {held.probes}: the recommended variant {verdict} ({values})")
+        if held.margins:
+            stdout.print("held-out margins: " + ", ".join(f"{n} {v:+.3g}" for n, v in held.margins.items()))
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def _save_front(png: Path, image: bytes, calibration_id: str) -> None:
@@ -137,7 +192,20 @@ def calibrate_command(
         typer.Option(exists=True, dir_okay=False, help="Image probes: JSONL of held-out images of every class (ToW)."),
     ] = None,
     max_retain_nll_ratio: Annotated[
-        float | None, typer.Option(help="The constraint: retain NLL, variant / base, at most this (default 2).")
+        float | None,
+        typer.Option(help="The older NLL-ratio search: retain NLL, variant / base, at most this (instead of exact match)."),
+    ] = None,
+    min_retain_exact_match_ratio: Annotated[
+        float | None, typer.Option(help="Retain exact match at least this times the base's (default 0.9).")
+    ] = None,
+    max_perplexity_ratio: Annotated[
+        float | None, typer.Option(help="Perplexity on general text, variant / base, at most this (default 1.1).")
+    ] = None,
+    general: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True, dir_okay=False, help="General text for the perplexity bound: a paragraph a line, or probes .jsonl."
+        ),
     ] = None,
     budget: Annotated[int | None, typer.Option(help="The most candidates evaluated (default 32).")] = None,
     alpha_min: Annotated[float | None, typer.Option(help="The weakest α tried (default 0.05).")] = None,
@@ -184,6 +252,8 @@ def calibrate_command(
     and the recommended variant built."""
     options = {
         "max_retain_nll_ratio": max_retain_nll_ratio,
+        "min_retain_exact_match_ratio": min_retain_exact_match_ratio,
+        "max_perplexity_ratio": max_perplexity_ratio,
         "budget": budget,
         "alpha_min": alpha_min,
         "alpha_max": alpha_max,
@@ -200,7 +270,7 @@ def calibrate_command(
         "constraints": _constraints(constraint),
         "retain_model": retain_model,
         "held_out_fraction": held_out_fraction,
-        "utility": _utility(utility),
+        "utility": _utility(utility, general),
         "holdout": read_probes(holdout) if holdout is not None else None,
         "test": read_any_probes(test) if test is not None else None,
     }
@@ -212,6 +282,12 @@ def calibrate_command(
             f"calibration {submission.calibration_id}: {len(probes['forget'])} forget and "
             f"{len(probes['retain'])} retain probes"
         )
+        sets: dict[str, list[dict[str, Any]]] = options["utility"] or {}  # type: ignore[assignment]
+        n_probes = len(probes["forget"]) + len(probes["retain"]) + sum(len(v) for v in sets.values())
+        default_goal = maximize is None and minimize is None and max_retain_nll_ratio is None and test is None
+        fraction = held_out_fraction if held_out_fraction is not None else (0.2 if default_goal else None)
+        if job.status != "succeeded":
+            stderr.print(cost_estimate(budget or 32, n_probes, fraction))
         if no_wait and job.status not in {"succeeded", "failed", "cancelled"}:
             stderr.print(f"calibrate job {job.job_id}: {job.status}; engram jobs watch {job.job_id}")
             emit(ctx, as_json, submission, lambda: stdout.print(submission.calibration_id))
@@ -235,5 +311,6 @@ def calibrate_command(
         if any(c.metrics and "forget_accuracy" in c.metrics for c in result.candidates):
             stdout.print("image probes: ×NLL is the label's NLL ratio, exact the top-1 accuracy (as evaluate reports them)")
         _render_goal(result)
+        _render_warnings(result)
 
     emit(ctx, as_json, result, render)

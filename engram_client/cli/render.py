@@ -370,8 +370,12 @@ def render_calibration(result: CalibrationResult) -> None:
     rec = result.recommended
     modules = "every layer" if rec.options.modules is None else ", ".join(rec.options.modules)
     line = Text("recommended: ", style="bold")
+    row = result.candidates[rec.candidate]
     line.append(
-        f"α={rec.options.alpha:.4g} {rec.options.scaling} on {modules}: forget ×{_ratio(rec.forget_nll_ratio)}, "
-        f"retain ×{_ratio(rec.retain_nll_ratio)}; variant {rec.variant_id} ({rec.format})"
+        f"α={rec.options.alpha:.4g} {rec.options.scaling} on {modules}: "
+        f"forget exact {_share(row.forget.exact_match)} (base {_share(base['forget'].exact_match)}) "
+        f"×NLL {_ratio(rec.forget_nll_ratio)}, "
+        f"retain exact {_share(row.retain.exact_match)} (base {_share(base['retain'].exact_match)}) "
+        f"×NLL {_ratio(rec.retain_nll_ratio)}; variant {rec.variant_id} ({rec.format})"
     )
     stdout.print(line, soft_wrap=True)

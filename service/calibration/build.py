@@ -31,10 +31,11 @@ from api_schemas.calibration import (
     CandidateOptions,
     SplitScore,
 )
+from api_schemas.calibration_default import GENERAL_SET
 from service.calibration.candidates import SPLITS, InMemoryCandidates, Measured, parse_probe
 from service.calibration.classifier_goal import ClassifierCandidates, ClassifierGoalRun, is_classifier_goal
 from service.calibration.goal import held_out_split
-from service.calibration.goal_run import GoalRun
+from service.calibration.goal_run import GoalRun, plain_sets
 from service.calibration.goal_search import goal_search, ranked_for_goal, recommend_for_goal
 from service.calibration.plot import default_axes, render_front_png
 from service.calibration.records import CalibrationProbes, StoredCalibrationResult, read_calibration_result, read_record
@@ -52,7 +53,9 @@ from service.calibration.search import (
 from service.calibration.service import calibration_prefix, front_png_url
 from service.calibration.space import arm_layers
 from service.calibration.strengths import measure_strengths
+from service.calibration.warnings import result_warnings
 from service.context import Context
+from service.engine.evaluate import Probe
 from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
@@ -126,7 +129,7 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
                 layout,
                 universe,
                 term_prefixes,
-                {"forget": [parse_probe(p) for p in searched.forget], "retain": [parse_probe(p) for p in searched.retain]},
+                _plain_probes(request, searched),
                 ctx.settings.torch_device,
                 _union(layout, request.search.arms),
                 renderer,
@@ -171,6 +174,10 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
     if best is not None:
         built = _build_recommended(ctx, job.job_id, request, best, run_job)
         result = result.model_copy(update={"recommended": recommendation(result, best, built)})
+    if request.goal is not None and request.goal.kind == "exact_match":
+        general = GENERAL_SET in (searched.utility or {})
+        result = result.model_copy(update={"perplexity_on": "general" if general else "retain"})
+    result = result.model_copy(update={"warnings": result_warnings(result, request.goal)})
     seconds = {
         "total": round(time.monotonic() - started, 3),
         "model_load": round(load_s, 3),
@@ -191,6 +198,14 @@ def _truncated(scored: GoalRun | InMemoryCandidates | ClassifierCandidates) -> d
     if isinstance(scored, ClassifierCandidates):
         return {}
     return {name: sum(flags) for name, flags in sorted(scored.truncated().items()) if any(flags)}
+
+
+def _plain_probes(request: CalibrationRequest, searched: CalibrationProbes) -> dict[str, list[Probe]]:
+    """The probes every candidate is scored on by NLL and exact match: forget and retain, and the
+    general text of the default objective."""
+    if request.goal is not None and request.goal.kind == "exact_match":
+        return plain_sets(searched)
+    return {"forget": [parse_probe(p) for p in searched.forget], "retain": [parse_probe(p) for p in searched.retain]}
 
 
 def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
@@ -326,6 +341,8 @@ def recommendation(result: StoredCalibrationResult, best: Candidate, built: Buil
         variant_job_id=built.variant_job_id,
         format=built.format,
         metrics=row.metrics,
+        forget_exact_match=row.forget.exact_match,
+        retain_exact_match=row.retain.exact_match,
     )
 
 

@@ -29,10 +29,11 @@ from torch import nn
 
 from service.calibration.search import Arm, Outcome
 from service.calibration.space import arm_layers
+from service.calibration.teacher_forced import nll_and_exact_match
 from service.engine.chat import Renderer
 from service.engine.checkpoint import CheckpointReader, load_model, load_tokenizer
 from service.engine.errors import EditError
-from service.engine.evaluate import BATCH_TOKENS, Probe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import BATCH_TOKENS, Probe, encoded, summarize
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout, is_causal_lm
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
@@ -55,11 +56,12 @@ def parse_probe(raw: Mapping[str, Any]) -> Probe:
 def score(
     model: nn.Module, tokenizer: Any, probes: Mapping[str, Sequence[Probe]], batch_tokens: int = BATCH_TOKENS
 ) -> dict[str, dict[str, float]]:
-    """Mean answer NLL, greedy exact match and count per split (as ``POST /variants/{id}/evaluate`` sums them)."""
+    """Mean answer NLL, exact match and count per split (as ``POST /variants/{id}/evaluate`` sums them),
+    from one teacher-forced pass per probe (:mod:`service.calibration.teacher_forced`: the greedy
+    answer's exact match, without generating it)."""
     summary = {}
     for split, items in probes.items():
-        nll = answer_nll(model, tokenizer, items, batch_size=BATCH, batch_tokens=batch_tokens)  # type: ignore[arg-type]
-        em = greedy_exact_match(model, tokenizer, items, batch_size=BATCH, batch_tokens=batch_tokens)  # type: ignore[arg-type]
+        nll, em = nll_and_exact_match(model, tokenizer, items, batch_size=BATCH, batch_tokens=batch_tokens)
         summary[split] = summarize(nll, em)
     return summary
 

@@ -27,6 +27,7 @@ from api_schemas.calibration import (
     DEFAULT_RETAIN_ACCURACY_RATIO,
     CalibrateRequest,
 )
+from api_schemas.calibration_default import DEFAULT_HELD_OUT_FRACTION
 from api_schemas.evaluation import Probe
 from service.calibration.goal_search import Bound, Goal
 from service.engine.tofu_statistics import AnswerTokens, ProbeStatistics
@@ -79,9 +80,10 @@ class GoalSpec(_Frozen):
     retain_model: RetainModelRef | None = None
     held_out_fraction: float | None = None
     utility_sets: tuple[str, ...] = ()
-    # "image": an image classifier's calibration (its metrics, :mod:`service.calibration.classifier_goal`).
-    # Absent for text, so a text goal's stored form (and its calibration's ID) is what it was.
-    kind: Literal["image"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # "image": an image classifier's calibration (its metrics, :mod:`service.calibration.classifier_goal`);
+    # "exact_match": a text calibration's default objective (the calibration's own metrics only, no TOFU
+    # suite). Absent for a text objective, so its stored form (and its calibration's ID) is what it was.
+    kind: Literal["image", "exact_match"] | None = Field(default=None, exclude_if=lambda v: v is None)
 
     def goal(self, base: Mapping[str, float]) -> Goal:
         """The search's goal, its bounds resolved against the base model's metrics."""
@@ -99,7 +101,9 @@ def goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) ->
     if options.kind == "image":
         return classifier_goal_spec(options, retain_model)
     if options.objective is None:
-        return None
+        if "max_retain_nll_ratio" in options.model_fields_set:
+            return None  # the NLL-ratio search, as before objectives
+        return exact_match_goal_spec(options)
     constraints = [ConstraintSpec(**c.model_dump(exclude_none=True)) for c in options.constraints]
     if "max_retain_nll_ratio" in options.model_fields_set:
         constraints.append(ConstraintSpec(metric="retain_nll_ratio", max=options.max_retain_nll_ratio))
@@ -110,6 +114,26 @@ def goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) ->
         retain_model=retain_model,
         held_out_fraction=options.held_out_fraction,
         utility_sets=tuple(options.utility),
+    )
+
+
+def exact_match_goal_spec(options: CalibrateRequest) -> GoalSpec:
+    """A text calibration's default goal: the lowest ``forget_exact_match`` with ``retain_exact_match``
+    ≥ the floor × the base's and ``perplexity_ratio`` ≤ the bound (on ``utility.general``, else on the
+    retain answers), a share of the probes held out to check the choice
+    (:mod:`api_schemas.calibration_default`)."""
+    constraints = (
+        ConstraintSpec(metric="retain_exact_match", min_ratio_to_base=options.min_retain_exact_match_ratio),
+        ConstraintSpec(metric="perplexity_ratio", max=options.max_perplexity_ratio),
+    )
+    fraction = options.held_out_fraction if options.held_out_fraction is not None else DEFAULT_HELD_OUT_FRACTION
+    return GoalSpec(
+        objective="forget_exact_match",
+        sense="minimize",
+        constraints=constraints,
+        held_out_fraction=fraction,
+        utility_sets=tuple(options.utility),
+        kind="exact_match",
     )
 
 

@@ -13,14 +13,16 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from api_schemas.calibration import GoalView, HeldOutCheck, ResolvedConstraint
+from api_schemas.calibration_default import GENERAL_SET
 from service.calibration.candidates import InMemoryCandidates, Measured, check_probes, parse_probe, score
 from service.calibration.goal import GoalSpec
-from service.calibration.goal_scoring import metrics, prime, public, tofu_report
+from service.calibration.goal_scoring import metrics, own_metrics, prime, public, tofu_report
 from service.calibration.goal_search import Goal, violation
 from service.calibration.records import CalibrationProbes, StoredCalibrationResult
 from service.calibration.search import Candidate, SearchResult
 from service.context import Context
 from service.engine.chat import RenderedOnce, Renderer
+from service.engine.evaluate import Probe
 from service.engine.tofu_scoring import TofuProbe, merged_cuts, tofu_probe
 from service.errors import JobFailed
 from service.evaluation import tofu_metrics as tm
@@ -59,9 +61,13 @@ class GoalRun:
     ) -> None:
         self.spec, self.candidates = spec, candidates
         tokenizer = candidates.tokenizer
+        self.has_held_out = bool(held.forget and held.retain)
+        self.tofu = spec.kind != "exact_match"  # the default objective: the calibration's own metrics only
+        if not self.tofu:
+            self._own_metrics_only(held, renderer)
+            return
         self.sets = _tofu_sets(searched)
         self.held_sets = _tofu_sets(held)
-        self.has_held_out = bool(held.forget and held.retain)
         self.renderer = RenderedOnce(renderer)
         held_names = {f"held_out {k}": k for k in self.held_sets}
         every = {**self.sets, **{key: self.held_sets[name] for key, name in held_names.items()}}
@@ -94,25 +100,47 @@ class GoalRun:
         held.pop("holdout", None)
         return {name: searched.get(name, []) + held.get(name, []) for name in {*searched, *held}}
 
+    def _own_metrics_only(self, held: CalibrationProbes, renderer: Renderer) -> None:
+        """The default objective's set-up: no TOFU report, the held-out forget, retain and general
+        probes scored as the searched ones are (:func:`plain_sets`)."""
+        candidates = self.candidates
+        self.sets, self.held_sets = {}, {}
+        self.retain_report = self.retain_held_report = self.base_held_report = None
+        self.held_plain = {}
+        if self.has_held_out:
+            self.held_plain = check_probes(candidates.tokenizer, plain_sets(held), renderer, candidates.bound)
+        self.base_held_summary = score(candidates.base_model(), candidates.tokenizer, self.held_plain)
+        self.base_metrics = own_metrics(candidates.base, candidates.base)
+        self.goal = resolved(self.spec, self.base_metrics)
+
     def candidate_metrics(self, measured: Measured) -> dict[str, float]:
         """The metrics of the candidate now applied to the model (its NLL summary measured)."""
+        if not self.tofu:
+            return own_metrics(measured.summary, self.candidates.base)
         report = tofu_report(self.candidates.model, self.candidates.tokenizer, self.sets, self.renderer)
         return metrics(report, self.retain_report, self.base_report, measured.summary, self.candidates.base)
 
     def check_held_out(self, best: Candidate) -> HeldOutCheck:
         """The recommended candidate on the held-out probes, its bounds resolved with the base's
         values on those probes (a ratio to the base is a ratio to the base on the same probes)."""
-        assert self.base_held_report is not None
         tokenizer = self.candidates.tokenizer
         model = self.candidates.applied(best.arm, best.alpha)
         summary = score(model, tokenizer, self.held_plain)
-        report = tofu_report(model, tokenizer, self.held_sets, self.renderer)
-        held = metrics(report, self.retain_held_report, self.base_held_report, summary, self.base_held_summary)
-        base_summary, base_report = self.base_held_summary, self.base_held_report
-        base = metrics(base_report, self.retain_held_report, base_report, base_summary, base_summary)
+        base_summary = self.base_held_summary
+        if self.tofu:
+            assert self.base_held_report is not None
+            report = tofu_report(model, tokenizer, self.held_sets, self.renderer)
+            held = metrics(report, self.retain_held_report, self.base_held_report, summary, base_summary)
+            base_report = self.base_held_report
+            base = metrics(base_report, self.retain_held_report, base_report, base_summary, base_summary)
+        else:
+            held, base = own_metrics(summary, base_summary), own_metrics(base_summary, base_summary)
         goal = resolved(self.spec, base)
         return HeldOutCheck(
-            probes={name: len(items) for name, items in self.held_sets.items() if name != "holdout"},
+            probes={name: len(items) for name, items in self.held_sets.items() if name != "holdout"}
+            if self.tofu
+            else {name: len(items) for name, items in self.held_plain.items()},
+            margins=margins(goal, held),
             constraints=resolved_bounds(goal, base),
             feasible=violation(goal, held) == 0.0,
             base=public(base),
@@ -189,6 +217,31 @@ def amend_goal_result(
             "note": None if best is not None else _no_feasible_note(goal, found),
         }
     )
+
+
+def plain_sets(raw: CalibrationProbes) -> dict[str, list[Probe]]:
+    """The sets the default objective scores by NLL and exact match: forget, retain and, when the
+    request gave general text, ``general``."""
+    sets = {"forget": [parse_probe(p) for p in raw.forget], "retain": [parse_probe(p) for p in raw.retain]}
+    general = (raw.utility or {}).get(GENERAL_SET)
+    if general:
+        sets[GENERAL_SET] = [parse_probe(p) for p in general]
+    return sets
+
+
+def margins(goal: Goal, values: Mapping[str, float]) -> dict[str, float]:
+    """Per bound (``min_<metric>`` / ``max_<metric>``), how far inside it ``values`` are (negative:
+    outside; a missing or non-finite value: omitted, the check names it infeasible)."""
+    out: dict[str, float] = {}
+    for bound in goal.bounds:
+        value = values.get(bound.metric)
+        if value is None or not math.isfinite(value):
+            continue
+        if bound.min is not None:
+            out[f"min_{bound.metric}"] = round(value - bound.min, 6)
+        if bound.max is not None:
+            out[f"max_{bound.metric}"] = round(bound.max - value, 6)
+    return out
 
 
 def resolved(spec: GoalSpec, base: Mapping[str, float]) -> Goal:

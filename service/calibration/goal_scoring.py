@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from api_schemas.calibration_default import GENERAL_SET
 from service.calibration.candidates import ratio
 from service.engine.chat import RenderedOnce, Renderer
 from service.engine.probe_bound import ProbeBound
@@ -45,13 +46,23 @@ def tofu_report(model: Any, tokenizer: Any, sets: Mapping[str, Sequence[TofuProb
 
 
 def own_metrics(summary: Mapping[str, Mapping[str, float]], base: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """The calibration's own metrics from NLL/EM summaries (per split) and the base model's."""
+    """The calibration's own metrics from NLL/EM summaries (per split) and the base model's;
+    ``perplexity_ratio`` on the ``general`` split when it was scored, else on the retain answers."""
     values: dict[str, float] = {}
     for split in ("forget", "retain"):
         values[f"{split}_nll_ratio"] = ratio(summary[split]["mean_nll"], base[split]["mean_nll"])
         values[f"{split}_mean_nll"] = float(summary[split]["mean_nll"])
         values[f"{split}_exact_match"] = float(summary[split]["exact_match"])
+    text = GENERAL_SET if GENERAL_SET in summary and GENERAL_SET in base else "retain"
+    values["perplexity_ratio"] = perplexity_ratio(summary[text]["mean_nll"], base[text]["mean_nll"])
     return values
+
+
+def perplexity_ratio(edited_nll: float, base_nll: float) -> float:
+    """Perplexity, edited / base: ``exp`` of the mean NLL's change (a non-finite NLL: infinitely worse)."""
+    if not math.isfinite(edited_nll):
+        return math.inf
+    return math.exp(min(edited_nll - base_nll, 700.0))
 
 
 def metrics(

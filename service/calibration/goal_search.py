@@ -71,6 +71,18 @@ Sense = Literal["maximize", "minimize"]
 AGGREGATES = ("overall", "memorization", "utility", "privacy")
 
 
+# An exact-match objective ties often (a share of a few probes): the NLL ratios break them, the forget
+# ratio higher (the edit reaches further past the answers), then the retain ratio and the perplexity lower.
+EXACT_MATCH_TIE_BREAK = (("forget_nll_ratio", 1.0), ("retain_nll_ratio", -1.0), ("perplexity_ratio", -1.0))
+
+
+def signed_tie_break(objective: str) -> tuple[tuple[str, float], ...]:
+    """The metrics that rank candidates tying on ``objective``, each with the sign that makes higher better."""
+    if objective == "forget_exact_match":
+        return EXACT_MATCH_TIE_BREAK
+    return tuple((name, 1.0) for name in tie_break_order(objective))
+
+
 def tie_break_order(objective: str) -> tuple[str, ...]:
     """The metrics that rank candidates tying on ``objective``, first first: the aggregates but the
     objective itself (for ``overall``: memorization, utility, privacy: the part Engram moves first,
@@ -117,8 +129,12 @@ class Goal:
         return value if self.sense == "maximize" or value == -math.inf else -value
 
     def tie_break(self, metrics: Mapping[str, float]) -> tuple[float, ...]:
-        """The :func:`tie_break_order` metrics' values (higher is better; missing or NaN: last)."""
-        return tuple(_value(metrics, name) for name in tie_break_order(self.objective))
+        """The :func:`signed_tie_break` metrics' values, signed so that higher is better (missing or NaN: last)."""
+        values = []
+        for name, sign in signed_tie_break(self.objective):
+            value = _value(metrics, name)
+            values.append(value if value == -math.inf else sign * value)
+        return tuple(values)
 
 
 def _value(metrics: Mapping[str, float], name: str) -> float:

@@ -21,11 +21,14 @@ WIDTH, HEIGHT, DPI = 900, 620, 100
 _MARKERS = {"uniform": "o", "weight_norm": "s"}
 DEFAULT_X, DEFAULT_Y = "retain_nll_ratio", "forget_nll_ratio"
 CLASSIFIER_X, CLASSIFIER_Y = "retain_accuracy", "forget_accuracy"  # an image classifier's calibration
+EXACT_X, EXACT_Y = "retain_exact_match", "forget_exact_match"  # the exact-match objective (text's default)
 _LABELS = {
     "retain_nll_ratio": "retain answer NLL ratio (variant / base): lower keeps more",
     "forget_nll_ratio": "forget answer NLL ratio (variant / base): higher forgets more",
     "retain_accuracy": "retain top-1 accuracy: higher keeps more",
     "forget_accuracy": "forget top-1 accuracy: lower forgets more",
+    "retain_exact_match": "retain exact match (share of answers): higher keeps more",
+    "forget_exact_match": "forget exact match (share of answers): lower forgets more",
 }
 _SPLIT_FIELDS = {"nll_ratio": "nll_ratio", "mean_nll": "mean_nll", "exact_match": "exact_match"}
 
@@ -42,10 +45,15 @@ def candidate_values(candidate: Mapping[str, Any]) -> dict[str, float]:
 
 
 def default_axes(result: Mapping[str, Any]) -> tuple[str, str]:
-    """The axes a result is drawn on by default: the NLL ratios, or for an image classifier's
-    calibration (its candidates carry ``forget_accuracy``) the retain and forget accuracies."""
+    """The axes a result is drawn on by default: the NLL ratios; for an image classifier's
+    calibration (its candidates carry ``forget_accuracy``) the retain and forget accuracies; for the
+    exact-match objective the retain and forget exact match (the ratios are in the legend)."""
     classifier = any("forget_accuracy" in (c.get("metrics") or {}) for c in result["candidates"])
-    return (CLASSIFIER_X, CLASSIFIER_Y) if classifier else (DEFAULT_X, DEFAULT_Y)
+    if classifier:
+        return CLASSIFIER_X, CLASSIFIER_Y
+    if (result.get("objective") or {}).get("metric") == EXACT_Y:
+        return EXACT_X, EXACT_Y
+    return DEFAULT_X, DEFAULT_Y
 
 
 def plottable_metrics(result: Mapping[str, Any]) -> list[str]:
@@ -108,7 +116,7 @@ def front_figure(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEFAULT
             c="gold",
             edgecolors="black",
             zorder=5,
-            label=f"recommended: {_describe(result['recommended']['options'])}",
+            label=f"recommended: {_describe(result['recommended']['options'])}{_headline(result)}",
         )
     ax.set_xlabel(_LABELS.get(x, x))
     ax.set_ylabel(_LABELS.get(y, y))
@@ -164,6 +172,21 @@ def _groups(points: list[tuple[Mapping[str, Any], dict[str, float]]]) -> dict[tu
     for c, v in points:
         groups.setdefault((c["options"]["module_set"], c["options"]["scaling"]), []).append((c, v))
     return groups
+
+
+def _headline(result: Mapping[str, Any]) -> str:
+    """The recommendation's exact match (accuracy) beside its NLL ratios, as the legend shows them."""
+    index = result["recommended"].get("candidate")
+    rows = result["candidates"]
+    if not isinstance(index, int) or not 0 <= index < len(rows):
+        return ""
+    parts = []
+    for split in ("forget", "retain"):
+        scores = rows[index].get(split) or {}
+        em, ratio = scores.get("exact_match"), scores.get("nll_ratio")
+        shown = f"{split} exact {em:.0%}" if isinstance(em, int | float) else f"{split}"
+        parts.append(shown + (f" ×NLL {ratio:.3g}" if isinstance(ratio, int | float) else ""))
+    return "\n" + ", ".join(parts)
 
 
 def _describe(options: Mapping[str, Any]) -> str:

@@ -43,7 +43,7 @@ def stored_probes(options: CalibrateRequest) -> bytes:
     forget, retain = _probe_json(options.forget), _probe_json(options.retain)
     if options.kind == "image":  # an image classifier's: forget, retain and test images (no holdout, no utility)
         return CalibrationProbes(forget=forget, retain=retain, test=_probe_json(options.test)).to_bytes()
-    if options.objective is not None:
+    if options.objective is not None or options.utility:  # the default objective's general text: utility.general
         utility = {name: _probe_json(items) for name, items in options.utility.items()}
         return CalibrationProbes(
             forget=forget, retain=retain, holdout=_probe_json(options.holdout), utility=utility

@@ -133,8 +133,9 @@ def _check_probes(ctx: Context, model: ModelRecord, options: CalibrateRequest) -
 
 def _goal(ctx: Context, model_id: str, options: CalibrateRequest) -> GoalSpec | None:
     """An objective's goal: its retain model found and checked (404/422 as evaluate's), every metric
-    it names measurable on these probes (422 naming what is missing). None without an objective (but
-    for image probes: an image classifier's calibration always has one, its default if none is asked)."""
+    it names measurable on these probes (422 naming what is missing). Without an objective: the
+    exact-match default goal, or None when ``max_retain_nll_ratio`` asks for the NLL-ratio search
+    (image probes: an image classifier's calibration always has one, its default if none is asked)."""
     if options.kind == "image":
         retain = None
         if options.retain_model is not None:  # evaluate's check of a retrained classifier
@@ -142,7 +143,7 @@ def _goal(ctx: Context, model_id: str, options: CalibrateRequest) -> GoalSpec | 
         check_measurable(options, retain is not None)
         return goal_spec(options, retain)
     if options.objective is None:
-        return None
+        return goal_spec(options, None)
     retain = None
     if options.retain_model is not None:
         # evaluate's own check (a registered model or a ready variant, the base's vocabulary)
