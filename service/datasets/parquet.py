@@ -17,8 +17,9 @@ and the setting:
 2. The header of each column chunk's first page, a few bytes read where Arrow starts reading it
    (:func:`first_page`): a dictionary whose entries average more than ``ENGRAM_MAX_RECORD_BYTES``
    (one is over it, and every entry an honest writer stores is some row's value); a first page that
-   decompresses to more than the footer says the whole chunk holds (the footer lies). The
-   dictionary's size bounds what one value of the chunk can expand to.
+   decompresses to more than the footer says the whole chunk holds (the footer lies). A small
+   dictionary (to 8 MiB, pyarrow keeps text's near 1 MiB) is read for its longest entry; a larger
+   one's size bounds what one value of the chunk can expand to.
 3. Batches sized by bytes (:func:`batch_rows`): as many rows as the footer and the dictionary
    headers say decode to about :data:`BATCH_BYTES`, from 1 to :data:`MAX_BATCH_ROWS`.
 4. Each batch's rows measured in Arrow from lengths and offsets, copying nothing

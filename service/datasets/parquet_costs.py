@@ -10,6 +10,7 @@ bytes. Why these checks and what they cannot see: :mod:`service.datasets.parquet
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,6 +33,10 @@ _HEADER_BYTES, _HEADER_MAX_BYTES = 1 << 10, 64 << 10
 # batches of its chunk: pyarrow keeps a text column's dictionary near 1 MiB (its limit, checked
 # every 1024 values). A larger one (large values) is bounded by its size, the loosest bound.
 DICTIONARY_READ_BYTES = 8 << 20
+# Dictionary entries walked per file at most (0.5 to 4 µs each in Python: at most about a second):
+# past them, dictionaries' sizes bound their entries, so a file of many row groups of dictionaries
+# of empty strings costs no more. A 1 MiB dictionary of short strings holds ~100,000 entries.
+DICTIONARY_ENTRIES_READ = 1 << 18
 # Parquet's codec names as pyarrow.decompress spells them (None: not compressed; "": not read here:
 # Parquet's LZ4 is Hadoop's framing, which pyarrow.decompress does not read).
 _CODECS = {
@@ -256,12 +261,12 @@ def parse_page_header(data: bytes) -> PageHeader:
 def largest_entry(read_at: Callable[[int, int], bytes], column: Any, start: int, header: PageHeader) -> int | None:
     """The longest value of a small BYTE_ARRAY dictionary page, read and decompressed here (a few
     KB to :data:`DICTIONARY_READ_BYTES`); ``None`` when it is larger, in a codec read here not, or
-    not PLAIN values (then its size bounds its entries)."""
+    not the PLAIN values its header counts (then its size bounds its entries)."""
     import pyarrow as pa
 
     codec = _CODECS.get(column.compression, "")
     small = max(header.uncompressed, header.compressed or 0) <= DICTIONARY_READ_BYTES
-    if header.length is None or header.compressed is None or not small or codec == "":
+    if header.length is None or header.compressed is None or header.entries is None or not small or codec == "":
         return None
     data = read_at(start + header.length, header.compressed)
     try:
@@ -270,12 +275,13 @@ def largest_entry(read_at: Callable[[int, int], bytes], column: Any, start: int,
         )
     except (pa.ArrowException, ValueError):
         return None  # Arrow reads the same bytes and refuses them by its own rules
-    lengths, at = [], 0
-    while at + _LENGTH_PREFIX <= len(page):
-        length = int.from_bytes(page[at : at + _LENGTH_PREFIX], "little")
-        lengths.append(length)
-        at += _LENGTH_PREFIX + length
-    return max(lengths, default=0) if at == len(page) else None
+    longest, at = 0, 0
+    for _ in range(header.entries):  # the count the caller budgets: a page of more entries is no PLAIN page of them
+        if at + _LENGTH_PREFIX > len(page):
+            return None
+        (length,) = struct.unpack_from("<I", page, at)
+        longest, at = max(longest, length), at + _LENGTH_PREFIX + length
+    return longest if at == len(page) else None
 
 
 def first_page(read_at: Callable[[int, int], bytes], column: Any) -> tuple[int, PageHeader] | None:
@@ -303,7 +309,7 @@ def check_first_pages(
         PayloadTooLarge: a dictionary whose entries average more than ``ENGRAM_MAX_RECORD_BYTES``.
         InvalidInput: a first page larger than the footer says its whole chunk is.
     """
-    checked = []
+    checked, entries_left = [], DICTIONARY_ENTRIES_READ
     for chunk in chunks:
         column = metadata.row_group(chunk.group).column(chunk.index)
         found = first_page(read_at, column)
@@ -329,7 +335,10 @@ def check_first_pages(
                 f"average, so a record of it is more than {limits.record_bytes} bytes (the limit for one record, "
                 "ENGRAM_MAX_RECORD_BYTES); nothing was read: split such records into shorter ones"
             )
-        largest = largest_entry(read_at, column, start, header)
+        largest = None
+        if header.entries is not None and header.entries <= entries_left:
+            largest = largest_entry(read_at, column, start, header)
+            entries_left -= header.entries
         checked.append(replace(chunk, entry_bound=values if largest is None else largest))
     return checked
 

@@ -31,6 +31,7 @@ import pytest
 from engram_fixtures.live import wait_for_job
 from engram_fixtures.models import make_tiny_chat_llama
 from service.config import Settings
+from service.datasets import parquet_costs
 from service.datasets.parquet import row_bytes
 from service.datasets.parquet_costs import BATCH_BYTES, Limits, batch_rows, check_first_pages, check_footer
 from service.datasets.refs import StoredReference, resolve_reference, submitted_reference
@@ -236,6 +237,25 @@ def test_a_small_dictionary_is_read_for_its_longest_entry(data: Path, codec: str
     )
     longest = 199 if metadata.row_group(0).column(0).compression != "LZ4" else sum(range(1, 200))
     assert chunk.entry_bound == longest
+
+
+def test_dictionaries_are_walked_within_a_budget_per_file(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past DICTIONARY_ENTRIES_READ entries a file's later dictionaries are bounded by their sizes:
+    a hostile file of many dictionaries of empty strings costs no more Python time."""
+    path = data / "groups.parquet"
+    pq.write_table(pa.table({"text": [f"row {i % 50}" for i in range(400)]}), path, row_group_size=100)
+    monkeypatch.setattr(parquet_costs, "DICTIONARY_ENTRIES_READ", 120)  # two groups' 50 entries, not a third
+    metadata = pq.ParquetFile(path).metadata
+    limits = Limits(record_bytes=16 * MiB, dataset_bytes=1 << 30)
+
+    def read_at(offset: int, size: int) -> bytes:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read(size)
+
+    chunks = check_first_pages(read_at, metadata, check_footer(metadata, ["text"], [0, 1, 2, 3], "g", limits), "g", limits)
+    bounds = [chunk.entry_bound for chunk in chunks]
+    assert bounds[:2] == [len("row 49")] * 2 and all(bound is not None and bound > 6 for bound in bounds[2:]), bounds
 
 
 # ---------------------------------------------------------------- measured while read
