@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StrictInt, StrictStr, StringConstraints, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from api_schemas.attacks import Attack, check_attacks
 from api_schemas.common import MODEL_ID_PATTERN, Strict, exactly_one_of
 from api_schemas.jobs import JobResult
 from api_schemas.records import CONVERSATION_RULES, ChatMessage, check_conversation
@@ -180,6 +181,11 @@ class EvaluateRequest(Strict):
         max_length=8,
         description="named probe sets the forget set does not touch (TOFU's real authors, world facts): model utility",
     )
+    attacks: Annotated[list[Attack], Field(max_length=8)] = Field(
+        default_factory=list,
+        description="text probes: attacks on the forgetting (api_schemas.attacks), each applied to the variant, the "
+        "base and the retain_model, every metric asked for reported per attack (result.attacks, by attack name)",
+    )
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -201,6 +207,8 @@ class EvaluateRequest(Strict):
             raise ValueError("give at least one forget or retain probe")
         self._one_probe_kind()
         if self.kind == "image":
+            if self.attacks:
+                raise ValueError("attacks (quantize, relearn, rephrase) are for language models' text probes")
             given = [name for name in ("metrics", "holdout", "utility") if getattr(self, name)]
             if given:
                 raise ValueError(
@@ -210,6 +218,7 @@ class EvaluateRequest(Strict):
             return self
         if self.test:
             raise ValueError("test probes are for image classifiers (image + label probes)")
+        check_attacks(self.attacks, self.forget)
         if self.metrics is None:
             given = [name for name in ("retain_model", "holdout", "utility") if getattr(self, name)]
             if given:
@@ -395,6 +404,44 @@ class EvaluationResult(JobResult):
         "to fit what the model reads (the smaller of its context and ENGRAM_MAX_LENGTH tokens: the last prompt "
         "tokens kept, the answers whole; an answer longer than that fails the job naming it); absent when none was",
     )
+    attacks: dict[str, AttackReport] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="attack name (quantize:Q4_1, relearn, rephrase:no_template) -> its scores; with attacks",
+    )
+
+
+class AttackReport(JobResult):
+    """One attack's scores: each model attacked, on the probes the attack scores."""
+
+    attack: dict[str, Any] = Field(description="the attack as requested, with its defaults")
+    summary: dict[TofuModel, dict[Split, ProbeSummary]] = Field(
+        description="per model attacked (base, variant, retain with retain_model) and split: answer NLL and exact match"
+    )
+    unattacked: dict[TofuModel, dict[Split, ProbeSummary]] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="relearn: the models before the attack on the same probes (the rest of the forget set)",
+    )
+    recovered_fraction: float | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="relearn: (attacked variant − variant) / (base − variant) on forget exact match; absent when the "
+        "base answers no more than the variant (left_out says so)",
+    )
+    tofu: dict[TofuModel, TofuReport] | None = Field(
+        default=None, exclude_if=lambda v: v is None, description="with metrics: TOFU's suite on the attacked models"
+    )
+    quantized: dict[str, int] | None = Field(
+        default=None, exclude_if=lambda v: v is None, description="quantize: tensors rounded, per type applied"
+    )
+    kept: dict[str, str] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="quantize: 2-D tensors left unquantized -> why (norms and biases are never quantized)",
+    )
+    left_out: dict[str, str] = Field(default_factory=dict, description="a value not computed -> why")
+    seconds: float = Field(description="what the attack took (applying it and scoring every model)")
 
 
 class GeneratedText(JobResult):

@@ -47,6 +47,9 @@ class StoredProbes(_Stored):
     test: list[ProbeJson] | None = None
     tofu: TofuOptions | None = None
     classifier: ClassifierOptions | None = None
+    # The request's attacks (api_schemas.attacks, dumped with their defaults); set only when some are
+    # asked, so an evaluation without attacks keeps its stored bytes and identity.
+    attacks: list[dict[str, Any]] | None = None
 
     def to_bytes(self) -> bytes:
         """The stored bytes (their sha256 names the evaluation): the fields set, keys sorted."""

@@ -58,6 +58,7 @@ from service.engine.tofu_scoring import (
     tofu_statistics,
 )
 from service.errors import JobFailed
+from service.evaluation.attacks import AttackContext, prepare_attacks, run_attacks
 from service.evaluation.classifier_run import evaluate_classifiers
 from service.evaluation.generation import bounded_prompt, prompt_room
 from service.evaluation.records import ProbeJson, StoredProbes, TofuOptions
@@ -186,7 +187,10 @@ def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredPro
     with template_process(ctx, job.job_id) as renderer:  # one render process, ended before any model runs
         probes = _checked_probes(tokenizer, probes, renderer, bound)
         tofu_sets = encoded_sets(tokenizer, _tofu_sets(raw, raw.tofu), renderer, bound) if raw.tofu is not None else {}
-    progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()) + _tofu_units(raw))
+        attacks = prepare_attacks(raw, tokenizer, probes, tofu_sets, renderer, bound)  # issue 37: none unless asked
+    retain_option = raw.tofu.retain_model if raw.tofu is not None else None
+    attack_units = sum(a.units(3 if retain_option is not None else 2) for a in attacks)
+    progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()) + _tofu_units(raw) + attack_units)
     tokens = ctx.settings.eval_batch_tokens
     scores: dict[Scored, dict[Split, tuple[list[float], list[bool]]]] = {
         "base": _score(model=base, tokenizer=tokenizer, probes=probes, progress=progress, batch_tokens=tokens),
@@ -211,6 +215,13 @@ def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredPro
         cut = merged_cuts(cut, tofu_sets)
         tofu, retain_model = _tofu_result(ctx, raw.tofu, tofu_sets, (base, variant, tokenizer), progress)
         result = result.model_copy(update={"tofu": tofu, "retain_model": retain_model})
+    if attacks:  # each attack on each model, after the unattacked scores (service.evaluation.attacks)
+        models: dict[TofuModel, Any] = {"base": lambda: base, "variant": lambda: variant}
+        if retain_option is not None:
+            models["retain"] = lambda: load_retain_model(ctx, retain_option, tokenizer)
+        metrics = raw.tofu.metrics if raw.tofu is not None else None
+        context = AttackContext(models, tokenizer, metrics, tokens, progress)
+        result = result.model_copy(update={"attacks": run_attacks(attacks, context)})
     truncated = {name: sum(flags) for name, flags in cut.items() if any(flags)}
     if truncated:  # set only then: an evaluation that cut nothing keeps its shape
         result = result.model_copy(update={"truncated_probes": truncated})

@@ -67,6 +67,7 @@ def submit_evaluation(
     callback_url: str | None,
     tofu: Mapping[str, Any] | None = None,
     retain_model: str | None = None,
+    attacks: list[dict[str, Any]] | None = None,
 ) -> JobRecord:
     """Store the probes and queue an evaluation job; returns the job.
 
@@ -88,6 +89,10 @@ def submit_evaluation(
     stored = StoredProbes(forget=probes.get("forget", []), retain=probes.get("retain", []))
     if tofu is not None:
         stored = StoredProbes(forget=stored.forget, retain=stored.retain, tofu=_tofu_options(ctx, view, tofu))
+    if attacks:  # issue 37: stored with the probes, so they are part of the evaluation's identity
+        stored = stored.model_copy(update={"attacks": attacks})
+        if any(a.get("form") == "chat_template" for a in attacks):
+            _check_chat_template(ctx, view, "attack rephrase:chat_template")
     every_probe = [*stored.forget, *stored.retain]
     if stored.tofu is not None:
         every_probe += [*stored.tofu.holdout, *(p for items in stored.tofu.utility.values() for p in items)]

@@ -82,8 +82,11 @@ async def evaluate(
             "holdout": [p.model_dump(exclude_none=True) for p in body.holdout],
             "utility": {name: [p.model_dump(exclude_none=True) for p in items] for name, items in body.utility.items()},
         }
+    attacks = [
+        attack.model_dump(mode="json", exclude_none=True) for attack in body.attacks
+    ]  # with their defaults: the identity
     return await _submit_and_wait(
-        ctx, lanes, wait, response, evaluation.submit_evaluation, variant_id, probes, body.callback_url, tofu
+        ctx, lanes, wait, response, evaluation.submit_evaluation, variant_id, probes, body.callback_url, tofu, None, attacks
     )
 
 

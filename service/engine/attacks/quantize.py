@@ -8,7 +8,9 @@ Two families, both deterministic (no randomness anywhere):
   dimensions (never the norms or biases); the output head, or the token embedding when it is tied to
   the head (``!has_output``), becomes ``Q8_0`` when the file type is ``Q8_0`` or its rows are not a
   multiple of the type's block, and ``Q6_K`` otherwise; an untied token embedding takes the file
-  type. ``gguf`` 0.19.0 has no ``Q6_K`` quantizer, so a head llama.cpp would write as ``Q6_K`` is kept
+  type. A tensor whose rows are not whole blocks (32 values) is kept in float and said (llama.cpp
+  refuses such a file: "Unsupported tensor size encountered"). ``gguf`` 0.19.0 has no ``Q6_K``
+  quantizer, so a head llama.cpp would write as ``Q6_K`` is kept
   in float and the attack says so (``kept``): Q6_K's error is far below Q4's, so the attack is only
   slightly milder than llama.cpp's file. Rows are quantized along the last (input) dimension, as
   ggml's ``ne[0]``; llama.cpp's permutation of q/k rows changes no row's blocks.
@@ -130,8 +132,11 @@ def gguf_plan(model: torch.nn.Module, qtype: str) -> QuantizePlan:
                 plan.rounded[name] = "Q8_0"
             else:
                 plan.kept[name] = NO_Q6_K
-        elif param.shape[-1] % block:
-            plan.kept[name] = f"rows of {param.shape[-1]} values are not a multiple of {qtype}'s block of {block}"
+        elif param.shape[-1] % block:  # llama.cpp refuses the file ("Unsupported tensor size encountered")
+            plan.kept[name] = (
+                f"rows of {param.shape[-1]} values are not a multiple of {qtype}'s block of {block} (llama.cpp refuses "
+                "to write such a tensor as this type): kept in float"
+            )
         else:
             plan.rounded[name] = qtype  # decoder weights, and an untied token embedding (llama.cpp's default)
     if embedding is not None and embedding == head and embedding in plan.kept:

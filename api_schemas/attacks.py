@@ -1,0 +1,141 @@
+"""Attacks an evaluation may run on a variant (issue 37): does the forgetting survive a platform's
+quantization, a few fine-tuning steps on related data, or the same questions asked another way?
+
+Each attack is applied to the variant and, for comparison, to its base model and (with
+``retain_model``) the retain model; every metric the request asks for is reported per attack,
+keyed by the attack's stable name (:func:`attack_name`: ``quantize:Q4_1``, ``relearn``,
+``rephrase:no_template``). The reports are :class:`api_schemas.evaluation.AttackReport`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictInt
+from pydantic.json_schema import SkipJsonSchema
+
+from api_schemas.common import Strict
+
+# The gguf package's (0.19.0) quantizers that llama.cpp users pick for a whole model, and the torch
+# roundings bitsandbytes applies on GPUs (LLM.int8's per-row absmax int8, 4-bit NF4 in blocks of 64).
+GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+TORCH_QUANT_TYPES = ("int8", "nf4")
+QuantType = Literal["Q8_0", "Q4_0", "Q4_1", "int8", "nf4"]
+RephraseForm = Literal["chat_template", "no_template", "paraphrased"]
+
+
+class QuantizeAttack(Strict):
+    """The variant's weights quantized and dequantized (a round trip), then scored."""
+
+    kind: Literal["quantize"]
+    type: QuantType = Field(
+        description="Q8_0, Q4_0, Q4_1: the gguf package's quantizers on the tensors llama.cpp quantizes (every "
+        "2-D weight of the decoder layers; the token embedding and output head as llama.cpp's default for the "
+        "type). int8: per-output-channel absmax int8, nf4: 4-bit NormalFloat in blocks of 64 (what bitsandbytes "
+        "quantizes: every Linear weight except the output head)"
+    )
+
+
+class RelearnAttack(Strict):
+    """A few AdamW steps of full fine-tuning on part of the forget set (or on related texts), then the
+    rest of the forget probes scored."""
+
+    kind: Literal["relearn"]
+    steps: int = Field(default=10, ge=1, le=200, description="optimizer steps, each on the whole training set")
+    lr: float = Field(default=2e-5, gt=0, le=1e-2, description="AdamW's learning rate (betas 0.9/0.999, no weight decay)")
+    seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1, description="torch's seed: the same seed, the same numbers")
+    train_probes: int | SkipJsonSchema[None] = Field(
+        default=None,
+        ge=1,
+        le=10000,
+        description="train on the first train_probes forget probes (their answers) and score the rest; default: "
+        "the first half (rounded down). Not with texts",
+    )
+    texts: (
+        Annotated[list[Annotated[str, Field(min_length=1, max_length=20000)]], Field(min_length=1, max_length=64)]
+        | (SkipJsonSchema[None])
+    ) = Field(default=None, description="related texts to train on (every token) instead; then every forget probe is scored")
+
+
+class ParaphrasedProbe(Strict):
+    """A forget probe asked in other words."""
+
+    prompt: str = Field(min_length=1, max_length=20000)
+    completion: str = Field(min_length=1, max_length=20000)
+
+
+class RephraseAttack(Strict):
+    """The forget and retain probes asked another way, on the unchanged models."""
+
+    kind: Literal["rephrase"]
+    form: RephraseForm = Field(
+        description="chat_template: prompt/completion probes as a user turn and the assistant's answer through the "
+        "model's chat template; no_template: chat probes as plain text (the turns' contents, one a line); "
+        "paraphrased: the probes given here (or, without them, each forget probe with its paraphrased_answer)"
+    )
+    probes: Annotated[list[ParaphrasedProbe], Field(min_length=1, max_length=10000)] | SkipJsonSchema[None] = Field(
+        default=None, description="paraphrased: the forget probes in other words (scored instead of the forget set)"
+    )
+
+
+Attack = Annotated[QuantizeAttack | RelearnAttack | RephraseAttack, Field(discriminator="kind")]
+
+
+def attack_name(attack: QuantizeAttack | RelearnAttack | RephraseAttack) -> str:
+    """The attack's stable key in a result: ``quantize:<type>``, ``relearn``, ``rephrase:<form>``."""
+    if isinstance(attack, QuantizeAttack):
+        return f"quantize:{attack.type}"
+    if isinstance(attack, RephraseAttack):
+        return f"rephrase:{attack.form}"
+    return "relearn"
+
+
+def check_attacks(attacks: Sequence[QuantizeAttack | RelearnAttack | RephraseAttack], forget: Sequence[Any]) -> None:
+    """Refuse attacks that cannot apply to the request's forget probes (text probes: ``prompt``,
+    ``messages``, ``paraphrased_answer`` read by attribute).
+
+    Raises:
+        ValueError: naming the attack and what to change.
+    """
+    names = [attack_name(a) for a in attacks]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"attacks {twice} are named twice: each attack once per request")
+    for attack, name in zip(attacks, names, strict=True):
+        if not forget:
+            raise ValueError(f"attack {name} needs forget probes: attacks measure whether the forgetting holds")
+        if isinstance(attack, RelearnAttack):
+            _check_relearn(attack, len(forget))
+        if isinstance(attack, RephraseAttack):
+            _check_rephrase(attack, forget)
+
+
+def _check_relearn(attack: RelearnAttack, n_forget: int) -> None:
+    if attack.texts is not None:
+        if attack.train_probes is not None:
+            raise ValueError("attack relearn: give train_probes or texts, not both")
+        return
+    train = attack.train_probes if attack.train_probes is not None else n_forget // 2
+    if train < 1 or train >= n_forget:
+        raise ValueError(
+            f"attack relearn trains on {train} of {n_forget} forget probes and scores the rest: it needs at least "
+            "one of each (send 2 or more forget probes, set train_probes below their count, or send texts)"
+        )
+
+
+def _check_rephrase(attack: RephraseAttack, forget: Sequence[Any]) -> None:
+    where = f"attack rephrase:{attack.form}"
+    if attack.probes is not None and attack.form != "paraphrased":
+        raise ValueError(f"{where}: probes are for the paraphrased form only")
+    if attack.form == "chat_template" and not any(getattr(p, "prompt", None) is not None for p in forget):
+        raise ValueError(f"{where}: every forget probe is a chat probe already; send prompt/completion probes")
+    if attack.form == "no_template" and not any(getattr(p, "messages", None) is not None for p in forget):
+        raise ValueError(f"{where}: no forget probe is a chat probe (prompt/completion probes have no template)")
+    if attack.form == "paraphrased" and attack.probes is None:
+        missing = [i for i, p in enumerate(forget) if getattr(p, "paraphrased_answer", None) is None]
+        if missing:
+            raise ValueError(
+                f"{where}: forget probes {missing[:10]} have no paraphrased_answer; give them one, or send the "
+                "paraphrased probes in the attack's probes"
+            )
