@@ -61,6 +61,25 @@ def test_the_written_gguf_loads_and_answers_as_the_checkpoint(
     assert difference <= LOGIT_TOLERANCE[quantization]
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_float32_gguf_is_the_checkpoint_exactly_tied_head_or_not(tmp_path: Path, tied: bool) -> None:
+    """F32 rounds nothing: the loader's model equals the checkpoint's, so the names, the q/k permutation
+    (4 heads) and the head (an edited tied head is stored untied: ``output.weight``) are all right."""
+    from transformers import AutoModelForCausalLM
+
+    from engram_fixtures.models import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path / "tiny", hidden=64, layers=2, tie_word_embeddings=tied)
+    counts = write_gguf(folder, tmp_path / "tiny.gguf", "F32", "tiny")
+    assert counts == {"F32": 2 * 9 + 2 + (0 if tied else 1)}
+    expected = AutoModelForCausalLM.from_pretrained(folder).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    assert loaded.config.tie_word_embeddings is tied
+    tokens = torch.tensor([[1, 5, 9, 22, 3, 140]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, expected(tokens).logits)
+
+
 def test_what_the_writer_cannot_map_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(GgufWriteError, match=r"writes LlamaForCausalLM only; this model is GPT2LMHeadModel"):
         check_gguf_writable({"architectures": ["GPT2LMHeadModel"]}, "F16")
