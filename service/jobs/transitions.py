@@ -47,7 +47,9 @@ def next_record(job: JobRecord, fields: Mapping[str, Any], expect: Collection[st
             name for name in fields if name not in _OPEN_AFTER_THE_END and getattr(changed, name) != getattr(job, name)
         )
         if touched:
-            log.warning(
+            # A progress tick past the end is routine (a body's last count racing its end): not worth a warning.
+            log.log(
+                logging.DEBUG if touched == ["progress"] else logging.WARNING,
                 "job %s %s: a late change of its %s was refused (a finished job keeps its outcome)",
                 job.job_id,
                 job.status,
