@@ -30,7 +30,9 @@ What the checks cannot see, and what bounds it then. Nothing in Arrow reads a fo
 sizes, so a hostile writer may state small ones: a batch is then sized as if its rows were small, up
 to 4096 rows, and Arrow holds their values (never an expanded dictionary's: step 2 reads the true
 dictionary size from the page header) before step 4 refuses the first row over the bound; the same
-holds for one huge value hidden among small ones (the average of step 1 passes). Arrow itself
+holds for one huge value hidden among small ones (the average of step 1 passes), and for one row
+of a list column (a conversation's turns) pointing many times at a large dictionary entry (batches
+count a chunk's values a row on average). Arrow itself
 decompresses one page at a time, each under 2 GiB (it reads page sizes as 32-bit integers; pyarrow
 checks a page's size only every 1024 values written, so honest pages of large values reach about
 1024 of them). Past these, the job's memory limit (``ENGRAM_JOB_MEMORY_BYTES``) is the last line;
