@@ -5,6 +5,7 @@ quantization's error; what the writer cannot map is refused by name."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,9 @@ def test_the_written_gguf_loads_and_answers_as_the_checkpoint(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    started = time.perf_counter()
     counts = write_gguf(real_llm_dir, tmp_path / "model.gguf", quantization, "smollm2-test")
+    seconds = time.perf_counter() - started
     assert counts == {quantization: 30 * 7 + 1, "F32": 30 * 2 + 1}  # matrices and the embedding; norms stay float32
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="model.gguf")
@@ -57,7 +60,8 @@ def test_the_written_gguf_loads_and_answers_as_the_checkpoint(
     expected_answers, expected_logits = reference
     assert answers == expected_answers == dict(KNOWN_FACTS)
     difference = max((a - b).abs().max().item() for a, b in zip(logits, expected_logits, strict=True))
-    print(f"\n{quantization}: {(tmp_path / 'model.gguf').stat().st_size} bytes, max |logit diff| {difference:.3f}")  # noqa: T201
+    size = (tmp_path / "model.gguf").stat().st_size
+    print(f"\n{quantization}: written in {seconds:.1f} s, {size} bytes, max |logit diff| {difference:.3f}")  # noqa: T201
     assert difference <= LOGIT_TOLERANCE[quantization]
 
 
