@@ -15,6 +15,7 @@ from rich import filesize
 
 from api_schemas import Job
 from api_schemas.evaluation import ClassifierEvaluation, EvaluationResult
+from engram_client.cli.attacks import parse_attack, render_attacks
 from engram_client.cli.files import png_size, read_any_probes, read_probes, write_atomically
 from engram_client.cli.options import CallbackOpt, Generator, JsonFlag, NoWait, RcondOpt, ReferenceOpt
 from engram_client.cli.output import emit, fail, job_failed, print_lines, stderr, stdout
@@ -92,6 +93,14 @@ def evaluate(
         list[str] | None,
         typer.Option(help="--metrics: NAME=JSONL, a probe set the forget set does not touch (model utility; repeat)."),
     ] = None,
+    attack: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="an attack on the forgetting, scored per model (repeat): quantize:Q4_1 (Q8_0, Q4_0, int8, nf4), "
+            "relearn (or relearn:steps=10,lr=2e-5,seed=0,train_probes=5), rephrase:chat_template (no_template, "
+            "paraphrased)."
+        ),
+    ] = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
     as_json: JsonFlag = False,
@@ -123,6 +132,7 @@ def evaluate(
             retain_model=retain_model,
             holdout=read_probes(holdout) if holdout else (),
             utility=utility_sets or None,
+            attacks=[parse_attack(text) for text in attack or []],
             callback_url=callback_url,
         )
         counts = " and ".join(f"{len(items)} {split}" for split, items in probes.items() if items) or "no"
@@ -142,6 +152,8 @@ def _render(result: EvaluationResult) -> None:
     """The classifier's tables for image probes, else the text evaluation's."""
     if result.classifier is None:
         render_evaluation(result)
+        if result.attacks:
+            render_attacks(result)
         return
     render_classifier(result.classifier, result.retain_model)
 

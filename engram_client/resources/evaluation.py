@@ -39,6 +39,7 @@ class EvaluationResource(JobsResource):
         retain_model: str | None = None,
         holdout: Sequence[ProbeLike] = (),
         utility: Mapping[str, Sequence[ProbeLike]] | None = None,
+        attacks: Sequence[Mapping[str, Any]] = (),
         callback_url: str | None = None,
         wait_s: float = 0,
         wait: bool = False,
@@ -63,6 +64,9 @@ class EvaluationResource(JobsResource):
                 probes (no metrics needed): the classifier retrained without the forget classes (ToW, CKA).
             holdout: with metrics, facts no model saw (the membership attacks' non-members).
             utility: with metrics, named probe sets the forget set does not touch (model utility).
+            attacks: attacks on the forgetting (:mod:`api_schemas.attacks`), e.g. ``{"kind": "quantize",
+                "type": "Q4_1"}``, ``{"kind": "relearn", "steps": 10}``; the result's ``attacks`` holds each
+                one's scores per model, by name (``quantize:Q4_1``, ``relearn``, ``rephrase:chat_template``).
             callback_url: POSTed the job when it ends (its host must be allowlisted).
             wait_s: let the service hold its answer up to this many seconds (0 to 60) for the job to end.
             wait: then poll until the job ends (``on_progress``, ``poll_s`` and ``timeout`` as in
@@ -88,6 +92,7 @@ class EvaluationResource(JobsResource):
             "retain": _probes(retain, "retain"),
             "test": _probes(test, "test") or None,
             "callback_url": callback_url,
+            "attacks": [dict(attack) for attack in attacks] or None,
         }
         images = any("image" in probe for split in ("forget", "retain") for probe in given[split]) or bool(test)
         if images:  # an image classifier's retrained model needs no metrics
