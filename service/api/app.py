@@ -38,7 +38,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.ctx = runtime.ctx
     app.state.lanes = Lanes(settings.max_waiters)
-    install_problem_handlers(app)
+    install_problem_handlers(app, settings.max_json_values)
     app.add_middleware(FastStatus)  # inside auth: keys and scopes apply to the polls it answers
     install_auth(app, settings)
     app.add_middleware(BodySizeLimit, json_limit=settings.max_json_bytes, upload_limit=settings.max_upload_bytes)

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.json_cost import check_json_values
 from service.errors import InvalidInput, PayloadTooLarge, ProblemError, ServiceUnavailable
 from service.storage.base import StorageUnavailable
 
@@ -42,8 +43,9 @@ def _unavailable(detail: str) -> JSONResponse:
     return JSONResponse(problem, status_code=503, media_type=PROBLEM_JSON, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def install_problem_handlers(app: FastAPI) -> None:
-    app.add_middleware(JsonBodyCheck)  # added first, so innermost: inside auth and the size limit
+def install_problem_handlers(app: FastAPI, max_json_values: int | None = None) -> None:
+    # added first, so innermost: inside auth and the size limit
+    app.add_middleware(JsonBodyCheck, max_values=max_json_values)
 
     @app.exception_handler(ProblemError)
     async def _problem(_: Request, exc: ProblemError) -> JSONResponse:
@@ -193,11 +195,13 @@ class JsonBodyCheck:
     surrogate in any string or key is a 422 that names the field, before any route runs.
 
     Reading the body here also turns a body-size limit hit while it streams into its 413 (routes
-    that let FastAPI read the body would report a 400). Multipart and other bodies pass untouched.
+    that let FastAPI read the body would report a 400), and lets what the body will cost once decoded
+    be checked before anything decodes it: past ``max_values`` JSON values it is a 413
+    (:mod:`service.api.json_cost`). Multipart and other bodies pass untouched.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, max_values: int | None = None) -> None:
+        self.app, self.max_values = app, max_values
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _is_json(scope):
@@ -215,7 +219,10 @@ class JsonBodyCheck:
             await _answer(exc, scope, receive, send)
             return
         body = b"".join(chunks)
-        problem = await _lone_surrogate(body) if _SURROGATE_ESCAPE.search(body) else None
+        del chunks  # the body once in memory, not twice, while the route runs
+        problem = await self._too_many_values(body, scope["path"])
+        if problem is None and _SURROGATE_ESCAPE.search(body):
+            problem = await _lone_surrogate(body)
         if problem is not None:
             await _answer(problem, scope, receive, send)
             return
@@ -229,6 +236,18 @@ class JsonBodyCheck:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _too_many_values(self, body: bytes, path: str) -> ProblemError | None:
+        if self.max_values is None:
+            return None
+        try:
+            if len(body) > _THREAD_ABOVE_BYTES:  # an exact count takes up to ~0.1 s per MiB
+                await anyio.to_thread.run_sync(check_json_values, body, self.max_values, path)
+            else:
+                check_json_values(body, self.max_values, path)
+        except ProblemError as exc:
+            return exc
+        return None
 
 
 async def _answer(problem: ProblemError, scope: Scope, receive: Receive, send: Send) -> None:
