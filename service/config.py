@@ -90,10 +90,10 @@ class Settings(BaseSettings):
     # kept, as is any model's current universe or one a running job builds or reads; any other
     # may be evicted: to make room within the budget, and by the janitor.
     universe_retention_s: float = Field(default=7 * 24 * 3600, ge=0)
-    # The fraction of the (effective) universe budget that the universes one API key alone keeps
-    # alive may hold; a key past it gets a 409 naming this setting, so one key cannot fill the
-    # budget for everyone. Unset: 0.5 with ENGRAM_API_KEYS (two keys can each still build),
-    # 1.0 without (every caller is the same key: a share would only shrink the budget).
+    # The fraction of the (effective) universe budget that the universes one API key used within the
+    # retention window may hold (a universe several keys use counts in full for each of them); a key
+    # past it gets a 409 naming this setting, so one key cannot fill the budget for everyone.
+    # Unset: 0.5 with ENGRAM_API_KEYS (two keys can each still build), 1.0 without (every caller is the same key: a share would only shrink the budget).
     universe_key_share: float | None = Field(default=None, gt=0, le=1)
     # file:// storage: the universe budget is capped at this fraction of the store's volume (its
     # used + free bytes), as the budget's default (256 GiB) exceeds many disks; the store also holds
