@@ -93,7 +93,8 @@ class Settings(BaseSettings):
     # The fraction of the (effective) universe budget that the universes one API key used within the
     # retention window may hold (a universe several keys use counts in full for each of them); a key
     # past it gets a 409 naming this setting, so one key cannot fill the budget for everyone.
-    # Unset: 0.5 with ENGRAM_API_KEYS (two keys can each still build), 1.0 without (every caller is the same key: a share would only shrink the budget).
+    # Unset: 0.5 with ENGRAM_API_KEYS (two keys can each still build), 1.0 without (every caller is
+    # the same key: a share would only shrink the budget).
     universe_key_share: float | None = Field(default=None, gt=0, le=1)
     # file:// storage: the universe budget is capped at this fraction of the store's volume (its
     # used + free bytes), as the budget's default (256 GiB) exceeds many disks; the store also holds
