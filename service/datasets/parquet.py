@@ -169,7 +169,7 @@ def _reader(handle: Any) -> Callable[[int, int], bytes]:
 
 def _groups(metadata: Any, start: int, stop: int | None) -> tuple[list[int], int]:
     """The row groups holding rows of the range, and the index of the first one's first row (row
-    groups wholly before the range are skipped without reading them)."""
+    groups wholly before the range are skipped without reading them; past the end, the rows there are)."""
     first_row, at = 0, 0  # at: the index of the current group's first row
     groups: list[int] = []
     for index in range(metadata.num_row_groups):
@@ -179,7 +179,7 @@ def _groups(metadata: Any, start: int, stop: int | None) -> tuple[list[int], int
                 first_row = at
             groups.append(index)
         at += count
-    return groups, first_row
+    return groups, first_row if groups else at  # past the end: every row was skipped
 
 
 class _Reading:

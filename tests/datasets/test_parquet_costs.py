@@ -313,6 +313,9 @@ def test_every_row_group_of_a_row_range_is_read(data: Path, tmp_path: Path) -> N
     spooled = resolve_reference(reference, settings, tmp_path)
     texts = [json.loads(line)["text"] for line in spooled.path.read_text().splitlines()]
     assert texts == [f"row {i}" for i in range(50, 100)]
+    past = submitted_reference({"uri": f"file://{path}", "rows": {"start": 120}}, settings)
+    with pytest.raises(InvalidInput, match="starts at row 120, but .* has 100 rows"):
+        resolve_reference(past, settings, tmp_path)
 
 
 # ---------------------------------------------------------------- on S3 (SeaweedFS)
