@@ -432,13 +432,15 @@ class AttackReport(JobResult):
     tofu: dict[TofuModel, TofuReport] | None = Field(
         default=None, exclude_if=lambda v: v is None, description="with metrics: TOFU's suite on the attacked models"
     )
-    quantized: dict[str, int] | None = Field(
-        default=None, exclude_if=lambda v: v is None, description="quantize: tensors rounded, per type applied"
-    )
-    kept: dict[str, str] | None = Field(
+    quantized: dict[TofuModel, dict[str, int]] | None = Field(
         default=None,
         exclude_if=lambda v: v is None,
-        description="quantize: 2-D tensors left unquantized -> why (norms and biases are never quantized)",
+        description="quantize: per model, tensors rounded per type applied (a variant saved untied has its own head)",
+    )
+    kept: dict[TofuModel, dict[str, str]] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="quantize: per model, 2-D tensors left unquantized -> why (norms and biases are never quantized)",
     )
     left_out: dict[str, str] = Field(default_factory=dict, description="a value not computed -> why")
     seconds: float = Field(description="what the attack took (applying it and scoring every model)")

@@ -183,8 +183,8 @@ def _run_attack(item: PreparedAttack, context: AttackContext) -> AttackReport:
     summary: dict[TofuModel, dict[Split, ProbeSummary]] = {}
     before: dict[TofuModel, dict[Split, ProbeSummary]] = {}
     reports: dict[TofuModel, ModelReport] = {}
-    plan_counts: dict[str, int] | None = None
-    kept: dict[str, str] | None = None
+    plan_counts: dict[TofuModel, dict[str, int]] = {}
+    kept: dict[TofuModel, dict[str, str]] = {}
     for model_name, load in context.models.items():
         model = load()
         if isinstance(attack, RephraseAttack):
@@ -192,7 +192,7 @@ def _run_attack(item: PreparedAttack, context: AttackContext) -> AttackReport:
         elif isinstance(attack, QuantizeAttack):
             _check_memory(item.name, model, copies=1)
             plan = quantize_plan(model, attack.type)
-            plan_counts, kept = plan.counts(), dict(plan.kept)
+            plan_counts[model_name], kept[model_name] = plan.counts(), dict(plan.kept)
             attacked = standalone_copy(model)
             try:
                 quantize_in_place(attacked, plan)

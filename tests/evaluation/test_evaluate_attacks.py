@@ -22,11 +22,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engram_fixtures.demo import read_probes, tofu_answers
+from engram_fixtures.demo import make_facts, read_probes, tofu_answers
 from engram_fixtures.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
+from service.engine.tofu_scoring import tofu_probe, tofu_statistics
+from service.evaluation import tofu_metrics as tm
 from tests.helpers.api import assert_problem, register_model
 from tests.helpers.app import InProcessServer, in_process_server
-from tests.helpers.attacks import assert_summaries_equal, attack_table, fine_tuned, q4_round_trip, summary
+from tests.helpers.attacks import assert_summaries_equal, attack_table, fine_tuned, int8_linears, q4_round_trip, summary
 
 MODEL = "attacks/demo"
 NLL_TOLERANCE = 1e-4
@@ -99,12 +101,11 @@ def test_quantize_relearn_and_rephrase_scores_equal_an_independent_computation(
     quantized = result["attacks"]["quantize:Q4_1"]
     # 4 layers x 6 linear weights and the untied embedding; down_proj's rows (688 values) are not whole
     # 32-value blocks (llama.cpp refuses them) and the head is Q6_K in llama.cpp: kept, and said
-    assert quantized["quantized"] == {"Q4_1": 4 * 6 + 1}
-    assert sorted(quantized["kept"]) == sorted(
-        ["lm_head.weight"] + [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)]
-    )
-    assert "Q6_K" in quantized["kept"]["lm_head.weight"]
-    assert "688" in quantized["kept"]["model.layers.0.mlp.down_proj.weight"]
+    for name in ("base", "variant"):
+        kept = quantized["kept"][name]
+        assert quantized["quantized"][name] == {"Q4_1": 4 * 6 + 1}
+        assert sorted(kept) == sorted(["lm_head.weight"] + [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)])
+        assert "Q6_K" in kept["lm_head.weight"] and "688" in kept["model.layers.0.mlp.down_proj.weight"]
     relearn = result["attacks"]["relearn"]
     rephrased = result["attacks"]["rephrase:paraphrased"]
     assert relearn["attack"] == {**RELEARN}
@@ -173,3 +174,34 @@ def test_the_same_attack_twice_and_paraphrases_that_are_missing_are_refused(
     unparaphrased = {"forget": bare, "attacks": [{"kind": "rephrase", "form": "paraphrased"}]}
     response = server.client.post(f"/variants/{variant['variant_id']}/evaluate", json=unparaphrased)
     assert_problem(response, 422, "rephrase:paraphrased", "paraphrased_answer")
+
+
+MIA = ["mia_loss", "mia_zlib", "mia_min_k", "mia_min_k_plus_plus"]
+
+
+def test_membership_inference_aucs_after_an_attack_are_the_suites_on_the_attacked_models(
+    server: InProcessServer, variant: dict[str, Any], facts: dict[str, list[dict[str, str]]], tmp_path: Path
+) -> None:
+    known = {w for r in facts["forget"] + facts["retain"] for w in (r["prompt"] + r["completion"]).split()}
+    holdout = [{"prompt": p, "completion": c} for p, c in make_facts(40, seed=7919) if not set(c.split()) & known][:10]
+    body = {**facts, "holdout": holdout, "metrics": MIA, "attacks": [{"kind": "quantize", "type": "int8"}]}
+    _, result = _evaluate(server, variant["variant_id"], body)
+    served = result["attacks"]["quantize:int8"]["tofu"]
+    assert set(served) == {"base", "variant"}
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(server.model_root / "demo")
+    folders = {"base": server.model_root / "demo", "variant": download_variant(server.client, variant, tmp_path / "v")}
+    sets = {"forget": facts["forget"], "retain": facts["retain"], "holdout": holdout}
+    for name, folder in folders.items():
+        attacked = int8_linears(AutoModelForCausalLM.from_pretrained(folder).eval())
+        stats = {
+            s: tofu_statistics(attacked, tokenizer, [tofu_probe(dict(r)) for r in records], batch_size=16)
+            for s, records in sets.items()
+        }
+        expected = tm.model_report(stats["forget"], stats["retain"], {}, stats["holdout"]).values
+        assert set(served[name]["values"]) == set(MIA), served[name]
+        for metric in MIA:
+            assert served[name]["values"][metric] == pytest.approx(expected[metric], abs=1e-6), (name, metric)
+    unattacked = result["tofu"]["variant"]["values"]
+    print({m: (unattacked[m], served["variant"]["values"][m]) for m in MIA})  # noqa: T201 (MIA before/after int8)

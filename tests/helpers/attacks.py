@@ -95,3 +95,15 @@ def attack_table(result: dict[str, Any]) -> str:
     if "relearn" in result["attacks"]:
         lines.append(f"relearn recovered fraction: {result['attacks']['relearn'].get('recovered_fraction')}")
     return "\n".join(lines)
+
+
+def int8_linears(model: Any) -> Any:
+    """A copy of ``model`` whose Linear weights (not the head's) went through per-row absmax int8."""
+    attacked = copy.deepcopy(model)
+    head = attacked.get_output_embeddings()
+    with torch.no_grad():
+        for module in attacked.modules():
+            if isinstance(module, torch.nn.Linear) and module is not head:
+                scale = module.weight.abs().amax(dim=1, keepdim=True) / 127
+                module.weight.copy_(torch.round(module.weight / scale).clamp(-127, 127) * scale)
+    return attacked
