@@ -31,7 +31,7 @@ from api_schemas.calibration import HeldOutCheck
 from api_schemas.evaluation import ClassifierSet
 from service.calibration.candidates import SPLITS, CandidateWeights, Measured, ratio
 from service.calibration.goal import GoalSpec
-from service.calibration.goal_run import amend_goal_result, resolved, resolved_bounds, validated_on_held_out
+from service.calibration.goal_run import amend_goal_result, margins, resolved, resolved_bounds, validated_on_held_out
 from service.calibration.goal_scoring import public
 from service.calibration.goal_search import violation
 from service.calibration.records import CalibrationProbes, StoredCalibrationResult
@@ -260,6 +260,7 @@ class ClassifierGoalRun:
         goal = resolved(self.spec, base)
         return HeldOutCheck(
             probes={name: len(items) for name, items in self.held_sets.items()},
+            margins=margins(goal, held),
             constraints=resolved_bounds(goal, base),
             feasible=violation(goal, held) == 0.0,
             base=_shown(base),

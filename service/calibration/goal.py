@@ -36,6 +36,9 @@ from service.evaluation import tofu_metrics as tm
 from service.evaluation.retain_model import RetainModelRef
 
 SPLIT_SEED = 0  # the held-out split's seed: the same request, the same split
+# Shares of probes (0 to 1) that a floor relative to the base may be put on when the base scores 0 (a
+# model that answers none of the retain probes exactly is still calibrated: its floor is 0).
+SHARES = frozenset({"retain_exact_match", "forget_exact_match", "retain_accuracy", "forget_accuracy", "test_accuracy"})
 
 
 class _Frozen(BaseModel):
@@ -62,7 +65,9 @@ class ConstraintSpec(_Frozen):
         highs = [self.max] if self.max is not None else []
         if self.min_ratio_to_base is not None or self.max_ratio_to_base is not None:
             value = base.get(self.metric)
-            if value is None or not math.isfinite(value) or value <= 0:
+            if value == 0 and self.max_ratio_to_base is None and self.metric in SHARES:
+                value = 0.0  # a share the base scores 0 on: the floor "ratio × 0" is 0, met by every candidate
+            elif value is None or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"a bound relative to the base needs the base's {self.metric} positive; it is {value}")
             if self.min_ratio_to_base is not None:
                 lows.append(self.min_ratio_to_base * value)

@@ -10,7 +10,9 @@ Each warning is one sentence naming what was measured and what to change:
   well be "no change";
 * the recommendation breaks a bound on the held-out probes (every better-ranked candidate did too:
   it is recommended anyway, the broken bound named with its margin);
-* the default objective had too few probes to hold any out: the choice is unchecked.
+* the default objective had too few probes to hold any out: the choice is unchecked;
+* the base answers none of the forget probes exactly (the default objective): exact match cannot
+  show forgetting.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def _forget_kept(result: CalibrationResult, goal: GoalSpec | None) -> list[str]:
     what = "accuracy" if goal is not None and goal.kind == "image" else "exact match"
     found: list[str] = []
     base = result.base["forget"].exact_match
+    if base == 0 and goal is not None and goal.kind == "exact_match":
+        found.append(
+            "the base model answers none of the forget probes exactly: exact match cannot show forgetting, and the "
+            "NLL ratios chose the recommendation; check that the probes are facts the model knows"
+        )
     kept = result.candidates[rec.candidate].forget.exact_match
     if _too_close(kept, base):
         found.append(_kept_sentence("forget probes", what, kept, base))

@@ -8,14 +8,17 @@ scores by is the greedy answer's.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import typer
 from transformers import LlamaForCausalLM
 
 from api_schemas import CalibrateRequest
 from api_schemas.calibration import CalibrationResult, HeldOutCheck
+from engram_client.cli.calibration import cost_estimate, general_probes
 from engram_fixtures.demo import tiny_llama_config, train_tokenizer
 from service.calibration.goal import exact_match_goal_spec, goal_spec
 from service.calibration.goal_run import margins
@@ -216,3 +219,29 @@ def test_teacher_forced_exact_match_is_the_greedy_answer_s_exact_match() -> None
     assert teacher == greedy_exact_match(model, tokenizer, probes)
     assert teacher == [True, False] * len(prompts)
     assert all(math.isfinite(x) for x in nll)
+
+
+def test_the_cli_estimates_the_cost_by_its_stated_rule_and_reads_general_text(tmp_path: Path) -> None:
+    # 40 probes, 20% held out: 32 searched by 12 candidates and the base, 8 held out checked up to 5 times
+    assert "about 456 probe passes" in cost_estimate(12, 40, 0.2)
+    assert "about 520 probe passes" in cost_estimate(12, 40, None)
+    text = tmp_path / "general.txt"
+    text.write_text("The river rose in spring.\n\n  Bread is baked at dawn  \n")
+    assert general_probes(text) == [
+        {"prompt": "The", "completion": " river rose in spring."},
+        {"prompt": "Bread", "completion": " is baked at dawn"},
+    ]
+    text.write_text("Alone\n")
+    with pytest.raises(typer.BadParameter, match="at least two words"):
+        general_probes(text)
+
+
+def test_a_base_that_answers_no_probe_exactly_gets_a_floor_of_zero_and_a_warning() -> None:
+    spec = exact_match_goal_spec(request())
+    goal = spec.goal({**BASE, "retain_exact_match": 0.0, "forget_exact_match": 0.0})  # no JobFailed
+    assert {b.metric: b.min for b in goal.bounds}["retain_exact_match"] == 0.0
+    blind = result([0.05, 1.0], forget_em=0.0, held=held_check(True, 0.0))
+    unknown = blind.base["forget"].model_copy(update={"exact_match": 0.0})
+    blind = blind.model_copy(update={"base": {**blind.base, "forget": unknown}})
+    warned = result_warnings(blind, spec)
+    assert len(warned) == 1 and "answers none of the forget probes exactly" in warned[0]
