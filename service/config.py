@@ -162,11 +162,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
     # The values (array elements and object members) a JSON body may hold, counted from its bytes
     # before it is decoded (service/api/json_cost.py): the byte limit bounds what a body is, this
-    # what it becomes. Decoded and validated, a small value costs the API up to ~150 bytes (an empty
-    # record; 80 an empty probe): 28 MiB of "{}," took it to 1.7 GiB. A million values bound a body
-    # to ~150 MB of objects, and hold 10,000 probes in each of an evaluation's 11 sets at 9 values a
-    # probe; a larger dataset goes as an upload or a reference, read one record at a time.
-    max_json_values: int = Field(default=1_000_000, ge=1024)
+    # what it becomes. Decoded and validated, a value costs the API ~150 to 270 bytes (an empty
+    # record; a text record, spooled): 28 MiB of "{}," took it to 1.7 GiB, and 500,000 text records
+    # (1 million values, 12.8 MiB) grow its peak 265 MiB. Half a million values (~130 MiB) hold an
+    # evaluation's every set at the schema's 10,000 prompt/completion probes (3 values each), or
+    # 250,000 text records; a larger dataset goes as an upload or a reference, read a record at a time.
+    max_json_values: int = Field(default=500_000, ge=1024)
     # Records of one concept, whatever brings them (a JSON body, an upload, a reference).
     max_records: int = Field(default=1_000_000, ge=1)
     # One record's stored bytes, whatever brings it (a JSON body, an upload, a reference): past it a
