@@ -20,6 +20,9 @@ from api_schemas.common import Strict
 # The gguf package's (0.19.0) quantizers that llama.cpp users pick for a whole model, and the torch
 # roundings bitsandbytes applies on GPUs (LLM.int8's per-row absmax int8, 4-bit NF4 in blocks of 64).
 GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Relearning trains on every row at once (one batch a step: the plainest loop, which a test can write
+# again): a "small set", so that its activations stay a small multiple of one evaluation batch.
+MAX_RELEARN_ROWS = 256
 TORCH_QUANT_TYPES = ("int8", "nf4")
 QuantType = Literal["Q8_0", "Q4_0", "Q4_1", "int8", "nf4"]
 RephraseForm = Literal["chat_template", "no_template", "paraphrased"]
@@ -48,9 +51,9 @@ class RelearnAttack(Strict):
     train_probes: int | SkipJsonSchema[None] = Field(
         default=None,
         ge=1,
-        le=10000,
+        le=MAX_RELEARN_ROWS,
         description="train on the first train_probes forget probes (their answers) and score the rest; default: "
-        "the first half (rounded down). Not with texts",
+        f"the first half (rounded down), at most {MAX_RELEARN_ROWS}. Not with texts",
     )
     texts: (
         Annotated[list[Annotated[str, Field(min_length=1, max_length=20000)]], Field(min_length=1, max_length=64)]
@@ -111,12 +114,18 @@ def check_attacks(attacks: Sequence[QuantizeAttack | RelearnAttack | RephraseAtt
             _check_rephrase(attack, forget)
 
 
+def relearn_rows(attack: RelearnAttack, n_forget: int) -> int:
+    """The forget probes relearning trains on: ``train_probes``, else half of them (at most
+    :data:`MAX_RELEARN_ROWS`)."""
+    return attack.train_probes if attack.train_probes is not None else min(n_forget // 2, MAX_RELEARN_ROWS)
+
+
 def _check_relearn(attack: RelearnAttack, n_forget: int) -> None:
     if attack.texts is not None:
         if attack.train_probes is not None:
             raise ValueError("attack relearn: give train_probes or texts, not both")
         return
-    train = attack.train_probes if attack.train_probes is not None else n_forget // 2
+    train = relearn_rows(attack, n_forget)
     if train < 1 or train >= n_forget:
         raise ValueError(
             f"attack relearn trains on {train} of {n_forget} forget probes and scores the rest: it needs at least "

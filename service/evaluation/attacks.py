@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from api_schemas.attacks import Attack, QuantizeAttack, RelearnAttack, RephraseAttack, attack_name
+from api_schemas.attacks import Attack, QuantizeAttack, RelearnAttack, RephraseAttack, attack_name, relearn_rows
 from api_schemas.evaluation import AttackReport, ProbeSummary, Split, TofuModel, TofuReport
 from service.engine.attacks.quantize import quantize_in_place, quantize_plan
 from service.engine.attacks.relearn import TrainRow, probe_row, relearn_bytes, relearned, standalone_copy, text_row
@@ -102,7 +102,7 @@ def _prepare_relearn(
         rows = [text_row(_text_ids(tokenizer, text, bound)) for text in attack.texts]
         trained = 0
     else:
-        trained = attack.train_probes if attack.train_probes is not None else len(forget) // 2
+        trained = relearn_rows(attack, len(forget))
         if not 1 <= trained < len(forget):
             raise JobFailed(f"attack {name} trains on {trained} of {len(forget)} forget probes: it needs one of each")
         rows = [probe_row(*_ids(p)) for p in forget[:trained]]
