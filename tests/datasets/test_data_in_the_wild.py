@@ -352,9 +352,15 @@ def chat_variant(server: LiveServer) -> dict[str, Any]:
 
 
 def turn_nll(model: Any, tokenizer: Any, messages: list[dict[str, str]]) -> float:
-    """Mean NLL of the last assistant turn's counted tokens, from the rule directly."""
+    """Mean NLL of the last assistant turn's counted tokens, from the rule directly: a sequence longer
+    than the model's context (max_position_embeddings) keeps its BOS and the prompt's last tokens."""
     before = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
     whole = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    context = model.config.max_position_embeddings
+    if len(whole) > context:
+        answer, room = whole[len(before) :], context - (len(whole) - len(before))
+        kept = before[:1] + before[len(before) - (room - 1) :] if before[0] == tokenizer.bos_token_id else before[-room:]
+        before, whole = kept, kept + answer
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([whole])).logits[0].float()
     target = torch.tensor(whole[len(before) :])
@@ -378,6 +384,9 @@ def test_evaluate_and_generate_take_messages(
     base = AutoModelForCausalLM.from_pretrained(root / "models" / "chat").eval()
     variant = AutoModelForCausalLM.from_pretrained(download_variant(api, chat_variant, tmp_path / "variant")).eval()
     served = [r for r in job["result"]["records"] if r["split"] == "forget"]
+    context = base.config.max_position_embeddings
+    longer = sum(len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=False)) > context for m in probes)
+    assert job["result"].get("truncated_probes", {}).get("forget", 0) == longer, job["result"].get("truncated_probes")
     for record, messages in zip(served, probes, strict=True):
         for name, model in (("base", base), ("variant", variant)):
             expected = turn_nll(model, tokenizer, messages)
