@@ -46,16 +46,29 @@ BASE_MODEL_RULE: dict[str, Any] = {
     "then": {"required": ["format"], "properties": {"format": {"const": "peft"}}},
 }
 
+# gguf_quantization shapes a format "gguf" variant only.
+GGUF_QUANTIZATION_RULE: dict[str, Any] = {
+    "if": {"required": ["gguf_quantization"], "properties": {"gguf_quantization": {"type": "string"}}},
+    "then": {"required": ["format"], "properties": {"format": {"const": "gguf"}}},
+}
+
 # A folder path or a hub name as peft writes it into adapter_config.json: printable, one line.
 ADAPTER_BASE_MODEL_MAX = 1000
 ADAPTER_BASE_MODEL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+# The GGUF types a variant can be written in (service.engine.gguf_write.GGUF_QUANTIZATIONS): what
+# the gguf package quantizes and llama.cpp and transformers' GGUF loader read.
+GgufQuantization = Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
 
 class EditOptions(Strict):
     # lora_rank and lora_target "vllm" shape a peft adapter only (the service refuses them with
     # another format); with lora_target "vllm", lora_rank is one of VLLM_LORA_RANKS.
     model_config = ConfigDict(
-        json_schema_extra={**ADAPTER_OPTION_RULES, "allOf": [*ADAPTER_OPTION_RULES["allOf"], BASE_MODEL_RULE]}
+        json_schema_extra={
+            **ADAPTER_OPTION_RULES,
+            "allOf": [*ADAPTER_OPTION_RULES["allOf"], BASE_MODEL_RULE, GGUF_QUANTIZATION_RULE],
+        }
     )
 
     scaling: Literal["uniform", "weight_norm"] = "uniform"
@@ -86,7 +99,22 @@ class EditOptions(Strict):
         pattern=r"^[0-9a-f]{32}$",
         description="a universe of this model (GET /models/{id}/universes); default: the model's current universe",
     )
-    format: Literal["checkpoint", "delta", "peft"] = "checkpoint"
+    format: Literal["checkpoint", "delta", "peft", "gguf"] = Field(
+        default="checkpoint",
+        description=(
+            "checkpoint (safetensors folder), delta (the changed tensors), peft (a LoRA adapter) or gguf (one .gguf "
+            "file for llama.cpp and transformers' GGUF loader: a LlamaForCausalLM with a byte-level BPE tokenizer "
+            "only, other models are a 422 naming why)"
+        ),
+    )
+    gguf_quantization: GgufQuantization | None = Field(
+        default=None,
+        description=(
+            'format "gguf": the type its matrices are stored in (vectors, and matrices whose rows do not split '
+            "into whole blocks, stay F32). Default: the model's own type when it was registered from a .gguf of a "
+            "type listed here, else F16"
+        ),
+    )
     lora_rank: int | None = Field(
         default=None,
         ge=1,
@@ -136,6 +164,12 @@ class EditOptions(Strict):
     def _base_model_of_an_adapter(self) -> EditOptions:
         if self.adapter_base_model is not None and self.format != "peft":
             raise ValueError(f'adapter_base_model names the base of format "peft" only, not {self.format!r}')
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_of_a_gguf(self) -> EditOptions:
+        if self.gguf_quantization is not None and self.format != "gguf":
+            raise ValueError(f'gguf_quantization applies to format "gguf" only, not {self.format!r}')
         return self
 
     @model_validator(mode="after")

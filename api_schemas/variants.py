@@ -26,6 +26,7 @@ class Variant(BaseModel):
     lora_target: Literal["peft", "vllm"] | None = Field(
         default=None, description='format "peft": what the adapter is written for (null: "peft")'
     )
+    gguf_quantization: str | None = Field(default=None, description='format "gguf": the type it is written in')
     modules: list[str] | None = None
     layers: list[int] | None = None
     module_strengths: dict[str, float] | None = None

@@ -24,6 +24,7 @@ from engram_client.cli.options import (
     CallbackOpt,
     Force,
     FormatOpt,
+    GgufQuantizationOpt,
     JsonFlag,
     LayerOpt,
     LoraRankOpt,
@@ -63,6 +64,7 @@ class EditFlags:
     strength: StrengthOpt = None
     universe: UniverseOpt = None
     adapter_base_model: AdapterBaseModelOpt = None
+    gguf_quantization: GgufQuantizationOpt = None
     callback_url: CallbackOpt = None
 
     def options(self) -> dict[str, Any]:
@@ -80,6 +82,7 @@ class EditFlags:
             "lora_rank": self.lora_rank,
             "lora_target": self.lora_target.value if self.lora_target else None,
             "adapter_base_model": self.adapter_base_model,
+            "gguf_quantization": self.gguf_quantization.value if self.gguf_quantization else None,
             "callback_url": self.callback_url,
         }
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # mypy cannot see the members of an Enum made at import time;
     Scaling = Enum
     Format = Enum
     LoraTarget = Enum
+    GgufQuantization = Enum
     Role = Enum
     Template = Enum
     DatasetFormat = Enum
@@ -44,6 +45,7 @@ else:
     Scaling = contract_choices(EditOptions, "scaling")
     Format = contract_choices(EditOptions, "format")
     LoraTarget = contract_choices(EditOptions, "lora_target")
+    GgufQuantization = contract_choices(EditOptions, "gguf_quantization")
     Role = contract_choices(ConceptCreate, "role")
     Template = contract_choices(ConceptCreate, "template")
     DatasetFormat = contract_choices(DatasetReference, "format")
@@ -69,7 +71,14 @@ RcondOpt = Annotated[float | None, typer.Option(help="Pseudo-inverse cut: keep e
 ReferenceOpt = Annotated[
     list[str] | None, typer.Option("--reference", help="Reference concept (repeat; default: the model's current universe).")
 ]
-FormatOpt = Annotated[Format | None, typer.Option("--format", help="checkpoint, delta (changed tensors) or peft (LoRA).")]
+FormatOpt = Annotated[
+    Format | None,
+    typer.Option("--format", help="checkpoint, delta (changed tensors), peft (LoRA) or gguf (one .gguf file, Llama only)."),
+]
+GgufQuantizationOpt = Annotated[
+    GgufQuantization | None,
+    typer.Option(help="Format gguf: the type its matrices are written in (default: the model's own .gguf type, else F16)."),
+]
 LoraRankOpt = Annotated[int | None, typer.Option(help="Format peft: the largest LoRA rank.")]
 CallbackOpt = Annotated[str | None, typer.Option(help="URL the service POSTs the job to when it ends.")]
 StrengthOpt = Annotated[

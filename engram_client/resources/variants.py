@@ -32,6 +32,7 @@ class VariantsResource(JobsResource):
         module_strengths: Mapping[str, float] | None = None,
         lora_target: str | None = None,
         adapter_base_model: str | None = None,
+        gguf_quantization: str | None = None,
         universe: str | None = None,
         options: EditOptions | None = None,
     ) -> VariantSubmission:
@@ -39,7 +40,8 @@ class VariantsResource(JobsResource):
 
         Only the options that are set are sent, so the service's defaults apply to the rest.
         ``module_strengths`` maps module-name suffixes to a factor ``s`` on the strength (0 < s ≤ 4);
-        ``lora_target="vllm"`` writes a peft adapter vLLM serves; ``universe`` pins the universe.
+        ``lora_target="vllm"`` writes a peft adapter vLLM serves; ``format="gguf"`` one ``.gguf`` file
+        (``gguf_quantization``: F32, F16, BF16, Q8_0, Q4_0 or Q4_1); ``universe`` pins the universe.
         The options are the fields of :class:`api_schemas.EditOptions`: pass them as keywords, or as
         ``options=EditOptions(...)`` to have them validated before anything is sent (not both for one option).
 
@@ -66,6 +68,7 @@ class VariantsResource(JobsResource):
         module_strengths: Mapping[str, float] | None = None,
         lora_target: str | None = None,
         adapter_base_model: str | None = None,
+        gguf_quantization: str | None = None,
         universe: str | None = None,
         options: EditOptions | None = None,
     ) -> VariantSubmission:

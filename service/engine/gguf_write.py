@@ -27,36 +27,26 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-GGUF_QUANTIZATIONS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-WRITABLE_ARCHITECTURES = ("LlamaForCausalLM",)
+# What can be written is decided in gguf_rules (no torch: the API refuses at submit with the same rules).
+from service.engine.gguf_rules import (
+    GGUF_QUANTIZATIONS,
+    WRITABLE_ARCHITECTURES,
+    GgufWriteError,
+    check_gguf_writable,
+    default_gguf_quantization,
+    tokenizer_refusal,
+)
+
+__all__ = [
+    "GGUF_QUANTIZATIONS",
+    "WRITABLE_ARCHITECTURES",
+    "GgufWriteError",
+    "check_gguf_writable",
+    "default_gguf_quantization",
+    "write_gguf",
+]
+
 _CONTROL, _NORMAL, _USER_DEFINED = 3, 1, 4  # gguf.TokenType values
-
-
-class GgufWriteError(ValueError):
-    """The checkpoint cannot be written as GGUF; the message says why."""
-
-
-def check_gguf_writable(config: dict[str, Any], quantization: str) -> None:
-    """Refuse what :func:`write_gguf` cannot write, before anything is computed.
-
-    Raises:
-        GgufWriteError: naming the architecture or the quantization.
-    """
-    architectures = config.get("architectures") or [config.get("model_type", "unknown")]
-    if list(architectures) != list(WRITABLE_ARCHITECTURES):
-        raise GgufWriteError(
-            f'format "gguf" writes {", ".join(WRITABLE_ARCHITECTURES)} only; this model is '
-            f'{", ".join(map(str, architectures))}: use format "checkpoint" and convert it with llama.cpp'
-        )
-    if quantization not in GGUF_QUANTIZATIONS:
-        raise GgufWriteError(f"gguf quantization {quantization!r} is not one of {', '.join(GGUF_QUANTIZATIONS)}")
-
-
-def default_gguf_quantization(source_quantization: str | None) -> str:
-    """A GGUF variant's quantization when the request names none: its model's own (the GGUF file it
-    was registered from) where this writer writes it, else F16 (half the float32 size, and lossless
-    for a model trained in 16 bits)."""
-    return source_quantization if source_quantization in GGUF_QUANTIZATIONS else "F16"
 
 
 def _permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
@@ -113,12 +103,12 @@ def _add_tokenizer(writer: Any, folder: Path, config: dict[str, Any]) -> None:
         GgufWriteError: there is no ``tokenizer.json``, or it is not a BPE tokenizer.
     """
     path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise GgufWriteError('format "gguf" needs the model\'s tokenizer.json (a fast tokenizer): the folder has none')
-    tokenizer = json.loads(path.read_text())
-    model = tokenizer.get("model") or {}
-    if model.get("type") != "BPE":
-        raise GgufWriteError(f'format "gguf" writes byte-level BPE tokenizers; this one is {model.get("type")!r}')
+    parsed = json.loads(path.read_text()) if path.is_file() else None
+    refusal = tokenizer_refusal(parsed)
+    if refusal is not None:
+        raise GgufWriteError(refusal)
+    tokenizer: dict[str, Any] = parsed or {}  # not None: tokenizer_refusal refused that
+    model = tokenizer["model"]
     vocab: dict[str, int] = dict(model["vocab"])
     special = {entry["content"]: entry["id"] for entry in tokenizer.get("added_tokens", [])}
     vocab.update(special)

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
 from service.engine.checkpoint_write import WrittenFiles, write_checkpoint, write_delta
-from service.engine.compose import EngramSource, layer_deltas, layer_scales, normalized_scales
+from service.engine.compose import EngramSource, LayerEdit, layer_deltas, layer_scales, normalized_scales
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
+from service.engine.gguf_rules import GgufWriteError, check_gguf_writable
 from service.engine.layers import LayerSpec, select_layers, with_module_strengths
 from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
@@ -41,6 +42,7 @@ from service.jobs.results import VariantResult
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
+from service.storage.base import scratch_dir
 from service.storage.keys import variant_manifest_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
@@ -157,6 +159,8 @@ def build_variant_files(
     try:
         if spec.format == "peft":
             check_adapter_layers(layers)  # before the universe is built
+        if spec.format == "gguf":  # refused at submit; checked again for a request stored before a change
+            check_gguf_writable({"architectures": [model.architecture]}, spec.gguf_quantization or "")
         with timer.step("universe"):
             source, universe, built_s = _engram_source(ctx, request, steps, job_id, [s.name for s in layers])
         with timer.step("model_files"):
@@ -169,7 +173,7 @@ def build_variant_files(
         with timer.step("write"):
             base = adapter_base(model.model_id, model.source, spec.adapter_base_model)
             lora = write_variant(out, reader, layout, layers, source, scales, request, steps, base, written=written)
-    except (EditError, ModelSourceError) as exc:
+    except (EditError, ModelSourceError, GgufWriteError) as exc:
         raise JobFailed(str(exc)) from None
     return BuiltVariant(scales, lora, built_s, [layer.name for layer in selected if layer.name in unreached])
 
@@ -225,6 +229,9 @@ def write_variant(
         with torch_threads(arithmetic_threads()):  # memory-bound: see service.engine.threads
             write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance, written=written)
         return None
+    if request.spec.format == "gguf":
+        _write_gguf_variant(out, reader, layout, edit_layer, edited, request, progress)
+        return None
     if request.spec.format == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
         rank, target = request.spec.lora_rank, request.spec.adapter_target
@@ -252,3 +259,30 @@ def write_variant(
             written=written,
         )
     return None
+
+
+GGUF_FILE = "model.gguf"  # a gguf variant's one file
+
+
+def _write_gguf_variant(
+    out: Path,
+    reader: CheckpointReader,
+    layout: ModelLayout,
+    edit_layer: Callable[[LayerSpec], LayerEdit | None],
+    edited: Collection[str],
+    request: VariantRequest,
+    progress: Progress,
+) -> None:
+    """The edited checkpoint, written to a scratch folder of this job, then as one GGUF file in ``out``
+    (hashed when published: the GGUF writer does not hash). The scratch folder goes with the function,
+    whatever happens; a failure leaves ``out`` to the caller, which discards it."""
+    from service.engine.gguf_write import write_gguf  # torch and gguf: jobs only
+
+    quantization = request.spec.gguf_quantization
+    if quantization is None:
+        raise EditError(f"variant {request.variant_id} is format gguf but names no gguf_quantization")
+    with scratch_dir("gguf-variant") as tmp:
+        checkpoint = Path(tmp)
+        with torch_threads(arithmetic_threads()):  # memory-bound: see service.engine.threads
+            write_checkpoint(reader.files, checkpoint, layout, edit_layer, edited, on_layer=progress.advance)
+        write_gguf(checkpoint, out / GGUF_FILE, quantization, request.variant_id)

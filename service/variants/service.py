@@ -7,7 +7,8 @@ stays the same (uploading an unrelated concept changes nothing until the univers
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -16,6 +17,7 @@ from api_schemas import EditOptions, Variant, VariantSubmission
 from service.context import Context
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
+from service.engine.gguf_rules import GgufWriteError, check_gguf_tokenizer, check_gguf_writable, default_gguf_quantization
 from service.engine.layers import select_layers, unmatched_suffixes
 from service.engine.layout import ModelLayout
 from service.engine.lora_rules import rank_cap, vllm_bias_refusal, vllm_biased_layers
@@ -65,7 +67,8 @@ def submit_variant(
     _check_servable(edit)
     _check_adapter_layers(layout, edit)
     _check_adapter_kind(model, edit)
-    spec = VariantSpec.from_options(edit)
+    _check_gguf_writable(model, edit)
+    spec = VariantSpec.from_options(edit, default_gguf_quantization(model.gguf.quantization if model.gguf else None))
     resolved = _resolve(ctx, model, terms, edit)
     # Layers no member reached are written as they are: no bias of theirs moves.
     unreached = unreached_by_every(ctx, [m.stats for m in resolved.spec.members])
@@ -148,6 +151,33 @@ def _check_adapter_kind(model: ModelRecord, options: EditOptions) -> None:
             f'lora_target "vllm": model {model.model_id} is an image classifier, which vLLM does not serve; '
             'use lora_target "peft" (or format "checkpoint")'
         )
+
+
+def _check_gguf_writable(model: ModelRecord, options: EditOptions) -> None:
+    """Format ``gguf``: a 422 naming what the GGUF writer does not map (an architecture other than
+    LlamaForCausalLM: a mixture of experts, an image classifier...; a tokenizer that is not a
+    byte-level BPE ``tokenizer.json``), before anything is written."""
+    if options.format != "gguf":
+        return
+    quantization = options.gguf_quantization or default_gguf_quantization(model.gguf.quantization if model.gguf else None)
+    try:
+        check_gguf_writable({"architectures": [model.architecture]}, quantization)
+        check_gguf_tokenizer(Path(model.path))
+    except GgufWriteError as exc:
+        raise InvalidInput(f"model {model.model_id}: {exc}") from None
+
+
+def refuse_gguf_loading(ctx: Context, variant_ids: Iterable[str | None], what: str) -> None:
+    """A 422 when a variant to be loaded by a job is a ``gguf`` one: the jobs load safetensors
+    checkpoints, deltas and adapters, not GGUF files (the same request's checkpoint variant holds
+    the same edit unquantized). IDs that are not variants (a registered model) pass."""
+    for variant_id in variant_ids:
+        request = find_variant_request(ctx, variant_id) if variant_id else None
+        if request is not None and request.format == "gguf":
+            raise InvalidInput(
+                f'variant {variant_id} is format "gguf", which {what} cannot load: evaluate the checkpoint '
+                'variant of the same request (format "checkpoint"), which holds the same edit unquantized'
+            )
 
 
 def _check_conv_adapters(layout: ModelLayout, options: EditOptions, unreached: Collection[str]) -> None:
@@ -266,6 +296,7 @@ VARIANT_FIELDS = (  # of the stored request, in the view
     "format",
     "lora_rank",
     "lora_target",
+    "gguf_quantization",
     "modules",
     "layers",
     "module_strengths",
@@ -282,7 +313,7 @@ def variant_view(ctx: Context, variant_id: str) -> Variant:
     if request is None:
         raise NotFound(f"variant {variant_id} does not exist")
     stored = request.model_dump(mode="json")
-    fields: dict[str, Any] = {k: stored[k] for k in VARIANT_FIELDS}
+    fields: dict[str, Any] = {k: stored.get(k) for k in VARIANT_FIELDS}  # gguf_quantization: gguf only
     job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:

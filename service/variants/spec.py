@@ -31,7 +31,7 @@ class VariantSpec:
 
     Attributes:
         scaling: ``uniform`` or ``weight_norm`` (W-Norm's per-layer ``f_l``).
-        format: ``checkpoint``, ``delta`` or ``peft``.
+        format: ``checkpoint``, ``delta``, ``peft`` or ``gguf``.
         modules: module-name suffixes in the request's order (None: every editable layer).
         layers: block indices in the request's order (None: every block).
         module_strengths: ``(suffix, s)`` per module type, sorted, without factors of 1 (empty: all
@@ -40,6 +40,8 @@ class VariantSpec:
         lora_target: ``peft``: what loads the adapter; None for the other formats (and for peft
             adapters stored before the option, which are ``peft``).
         adapter_base_model: ``peft``: the base the adapter names (None: the model's default).
+        gguf_quantization: ``gguf``: the GGUF type its matrices are written in, resolved at submit
+            (the request's, else the model's default); None for the other formats.
     """
 
     scaling: str = "uniform"
@@ -50,10 +52,16 @@ class VariantSpec:
     lora_rank: int | None = None
     lora_target: str | None = None
     adapter_base_model: str | None = None
+    gguf_quantization: str | None = None
 
     @classmethod
-    def from_options(cls, options: EditOptions) -> VariantSpec:
-        """The spec of a validated request (its layout checks are the caller's)."""
+    def from_options(cls, options: EditOptions, default_gguf: str | None = None) -> VariantSpec:
+        """The spec of a validated request (its layout checks are the caller's).
+
+        Args:
+            default_gguf: format ``gguf``: the quantization when the request names none (the
+                model's: :func:`service.engine.gguf_write.default_gguf_quantization`).
+        """
         given = options.module_strengths or {}
         return cls(
             scaling=options.scaling,
@@ -64,6 +72,7 @@ class VariantSpec:
             lora_rank=options.lora_rank,
             lora_target=options.lora_target if options.format == "peft" else None,
             adapter_base_model=options.adapter_base_model if options.format == "peft" else None,
+            gguf_quantization=(options.gguf_quantization or default_gguf) if options.format == "gguf" else None,
         )
 
     @property
@@ -101,6 +110,8 @@ class VariantSpec:
             if self.adapter_base_model is not None:  # written into adapter_config.json
                 lora["base_model"] = self.adapter_base_model
             identity["lora"] = lora
+        if self.format == "gguf":  # a format added later: the other formats' identities are as before
+            identity["gguf"] = {"quantization": self.gguf_quantization}
         return identity
 
 
@@ -173,6 +184,7 @@ class VariantRequest(BaseModel):
     job_id: str | None = None
     # absent from requests stored without it, so that they are stored as before
     adapter_base_model: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    gguf_quantization: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @classmethod
     def new(
@@ -204,6 +216,7 @@ class VariantRequest(BaseModel):
             universe_id=universe.universe_id,
             universe_stats=tuple(universe.prefixes),
             adapter_base_model=spec.adapter_base_model,
+            gguf_quantization=spec.gguf_quantization,
         )
 
     @classmethod
@@ -222,6 +235,7 @@ class VariantRequest(BaseModel):
             lora_rank=self.lora_rank,
             lora_target=self.lora_target,
             adapter_base_model=self.adapter_base_model,
+            gguf_quantization=self.gguf_quantization,
         )
 
     def with_job(self, job_id: str) -> VariantRequest:

@@ -52,6 +52,7 @@ FLAGS = {
     "lora_rank": (["--lora-rank", "8"], 8),
     "lora_target": (["--lora-target", "vllm"], "vllm"),
     "adapter_base_model": (["--adapter-base-model", "org/base"], "org/base"),
+    "gguf_quantization": (["--gguf-quantization", "Q8_0"], "Q8_0"),
     "callback_url": (["--callback-url", "http://hook.test/done"], "http://hook.test/done"),
 }
 

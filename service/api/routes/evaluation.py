@@ -13,6 +13,7 @@ from service.api.lanes import Lanes
 from service.context import Context
 from service.evaluation import service as evaluation
 from service.jobs.store import FINISHED, job_answer
+from service.variants.service import refuse_gguf_loading
 
 router = APIRouter(tags=["evaluation"])
 WaitQuery = Annotated[
@@ -58,6 +59,7 @@ async def evaluate(
     The same probes and options on the same variant, from any key, answer the job queued or running
     for them, or the finished job whose result is stored: no second job, and no 429 for it.
     """
+    await run_in_threadpool(refuse_gguf_loading, ctx, [variant_id, body.retain_model], "evaluation")
     # exclude_none: a prompt/completion probe is stored (and digested) as it always was.
     sets = (*evaluation.SPLITS, "test")
     probes = {split: [p.model_dump(exclude_none=True) for p in getattr(body, split)] for split in sets}
@@ -99,6 +101,7 @@ async def generate(
     ``messages`` instead of ``prompt``: the conversation rendered with the model's chat template and
     its generation prompt is continued. An identical request, from any key, answers the job queued or
     running for it (no second job, and no 429 for it); once that job has finished, it runs again."""
+    await run_in_threadpool(refuse_gguf_loading, ctx, [variant_id] if "variant" in body.models else [], "generation")
     return await _submit_and_wait(
         ctx,
         lanes,
