@@ -202,6 +202,9 @@ def test_evaluating_or_generating_with_a_gguf_variant_is_refused_by_name(llama: 
     assert_problem(refused, 422, vid, 'format "gguf"', 'format "checkpoint"', "evaluation")
     refused = llama.client.post(f"/variants/{vid}/generate", json={"prompt": FACTS[0][0], "max_new_tokens": 2})
     assert_problem(refused, 422, vid, 'format "gguf"', "generation")
+    checkpoint = _unlearn(llama, LLAMA)["variant_id"]  # a gguf variant as the retain model: loaded too
+    tofu = {**probes, "metrics": ["forget_truth_ratio"], "retain_model": vid}
+    assert_problem(llama.client.post(f"/variants/{checkpoint}/evaluate", json=tofu), 422, vid, 'format "gguf"')
 
 
 # ---------------------------------------------------------------- the job, on a store world
