@@ -71,9 +71,16 @@ Sense = Literal["maximize", "minimize"]
 AGGREGATES = ("overall", "memorization", "utility", "privacy")
 
 
-# An exact-match objective ties often (a share of a few probes): the NLL ratios break them, the forget
-# ratio higher (the edit reaches further past the answers), then the retain ratio and the perplexity lower.
-EXACT_MATCH_TIE_BREAK = (("forget_nll_ratio", 1.0), ("retain_nll_ratio", -1.0), ("perplexity_ratio", -1.0))
+# An exact-match objective ties often (a share of a few probes). The retain exact match breaks the tie
+# first (of two edits that forget as much, users keep the one that keeps more answers: on SmolLM2 the
+# edit on the retain floor kept 80% of unseen kept facts), then the NLL ratios: the forget ratio higher
+# (the edit reaches further past the answers), the retain ratio and the perplexity lower.
+EXACT_MATCH_TIE_BREAK = (
+    ("retain_exact_match", 1.0),
+    ("forget_nll_ratio", 1.0),
+    ("retain_nll_ratio", -1.0),
+    ("perplexity_ratio", -1.0),
+)
 
 
 def signed_tie_break(objective: str) -> tuple[tuple[str, float], ...]:

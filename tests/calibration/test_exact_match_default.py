@@ -90,7 +90,7 @@ def candidate(i: int, alpha: float, **metrics: float) -> Candidate:
     return Candidate(i, Arm("all", None, None, "uniform"), alpha, outcome, True, "coarse", metrics)
 
 
-def test_ties_on_forget_exact_match_go_to_the_higher_forget_nll_ratio_then_the_lower_retain_ratio() -> None:
+def test_ties_on_forget_exact_match_go_to_the_higher_retain_exact_match_then_the_nll_ratios() -> None:
     goal = exact_match_goal_spec(request()).goal(BASE)
     common = {"retain_exact_match": 1.0, "perplexity_ratio": 1.0}
     rows = [
@@ -98,9 +98,12 @@ def test_ties_on_forget_exact_match_go_to_the_higher_forget_nll_ratio_then_the_l
         candidate(1, 1.0, forget_exact_match=0.0, forget_nll_ratio=3.0, retain_nll_ratio=1.2, **common),
         candidate(2, 2.0, forget_exact_match=0.0, forget_nll_ratio=3.0, retain_nll_ratio=1.1, **common),
         candidate(3, 0.7, forget_exact_match=0.0, forget_nll_ratio=2.0, retain_nll_ratio=1.0, **common),
-    ]
+        candidate(4, 3.0, forget_exact_match=0.0, forget_nll_ratio=9.0, retain_nll_ratio=1.3, perplexity_ratio=1.0,
+                  retain_exact_match=0.9),
+    ]  # fmt: skip
     best = recommend_for_goal(goal, rows)
-    assert best is not None and best.index == 2  # EM 0 beats 0.25 whatever its ratio; then ×3 > ×2; then 1.1 < 1.2
+    # EM 0 beats 0.25 whatever its ratio; then the retain EM (1.0 beats 0.9); then ×3 > ×2; then 1.1 < 1.2
+    assert best is not None and best.index == 2
 
 
 def test_perplexity_is_on_general_text_when_given_else_on_the_retain_answers() -> None:
