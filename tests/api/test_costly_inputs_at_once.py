@@ -18,7 +18,6 @@ key's collection succeeds. The peaks are printed (``-s``).
 from __future__ import annotations
 
 import base64
-import random
 import socket
 import struct
 import threading
@@ -50,6 +49,7 @@ from engram_fixtures.models import make_tokenizer
 from engram_fixtures.vision import make_tiny_resnet
 from tests.helpers.api import register_model
 from tests.helpers.job_process import alive, job_process, peak_rss_bytes
+from tests.helpers.long_text import words
 
 TEXT, IMAGE = "costly/text", "costly/image"
 ATTACKER, VICTIM = "attacker-key-0123456789", "victim-key-0123456789"
@@ -61,15 +61,6 @@ STREAM_BYTES = 512 << 20  # the "endless" callback answer, capped
 HEADER_BYTES = 1 << 20
 SECRET = "costly-callback-secret"
 FACTS = make_facts(24, seed=35)
-WORDS = "the cat sat on a warm mat while Zürich slept and ℵ₀ counted sheep quietly".split()
-
-
-def words(chars: int, seed: int) -> str:
-    rng = random.Random(seed)
-    text = ""
-    while len(text) < chars:
-        text += rng.choice(WORDS) + " "
-    return text[:chars]
 
 
 def strip_png(height: int) -> bytes:

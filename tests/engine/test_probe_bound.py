@@ -9,7 +9,6 @@ it. TOFU's answers share one cut of their prompt. Batches are cut by padded toke
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,24 +20,10 @@ from service.engine.evaluate import Probe, encode_probe, encoded, token_batches
 from service.engine.messages import Message
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
 from service.engine.tofu_scoring import AnswerRefused, TofuProbe, encoded_tofu
+from tests.helpers.long_text import CountingTokenizer, words
 
 CONTEXT = 128  # the tiny Llama's max_position_embeddings
-WORDS = "the cat sat on a warm mat while Zürich slept and ℵ₀ counted sheep quietly".split()
 LONG = 20_000
-
-
-class CountingTokenizer:
-    """The tokenizer, recording the longest text it was asked to tokenize (what it costs in memory)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.longest = inner, 0
-
-    def __call__(self, text: str, **kwargs: Any) -> Any:
-        self.longest = max(self.longest, len(text))
-        return self.inner(text, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +36,6 @@ def tokenizer() -> Any:
 @pytest.fixture
 def bound(tokenizer: Any) -> ProbeBound:
     return probe_bound(tokenizer, SimpleNamespace(max_position_embeddings=CONTEXT), 512)
-
-
-def words(chars: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    text = ""
-    while len(text) < chars:
-        text += rng.choice(WORDS) + " "
-    return text[:chars]
 
 
 def test_the_bound_is_the_smaller_of_the_context_and_max_length(tokenizer: Any) -> None:

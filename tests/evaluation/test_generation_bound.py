@@ -8,7 +8,6 @@ no position for a prompt is refused naming the context.
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,24 +19,10 @@ from service.engine.messages import Message
 from service.engine.probe_bound import probe_bound
 from service.errors import JobFailed
 from service.evaluation.generation import bounded_prompt, prompt_room
+from tests.helpers.long_text import CountingTokenizer, words
 
 CONFIG = SimpleNamespace(max_position_embeddings=128)
 LONG = 19_990
-WORDS = "the cat sat on a warm mat while Zürich slept and ℵ₀ counted sheep quietly".split()
-
-
-class CountingTokenizer:
-    """The tokenizer, recording the longest text it was asked to tokenize."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.longest = inner, 0
-
-    def __call__(self, text: str, **kwargs: Any) -> Any:
-        self.longest = max(self.longest, len(text))
-        return self.inner(text, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +30,6 @@ def tokenizer() -> Any:
     tok = make_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def words(chars: int, seed: int) -> str:
-    rng = random.Random(seed)
-    text = ""
-    while len(text) < chars:
-        text += rng.choice(WORDS) + " "
-    return text[:chars]
 
 
 def test_a_19990_character_prompt_keeps_its_bos_and_last_tokens(tokenizer: Any) -> None:

@@ -18,7 +18,6 @@ with such a probe scores every candidate on its cut tokens and counts it (``trun
 from __future__ import annotations
 
 import os
-import random
 import resource
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from engram_fixtures.models import make_tokenizer
 from tests.helpers.api import register_model
 from tests.helpers.app import InProcessServer, in_process_server
 from tests.helpers.job_process import children, cmdline, peak_rss_bytes
+from tests.helpers.long_text import words
 
 MODEL = "long-probes/wide"
 VOCAB = 8192
@@ -41,15 +41,6 @@ HEADROOM = 768 << 20  # data the job process may add while the test runs (a job 
 PEAK_BOUND = 200 << 20  # the peak resident growth of one request's job (measured: ~20-60 MB bounded)
 FACTS = make_facts(24, seed=5)
 RECORDS = [{"prompt": p, "completion": c} for p, c in FACTS]
-WORDS = "the cat sat on a warm mat while Zürich slept and ℵ₀ counted sheep quietly".split()
-
-
-def words(chars: int, seed: int) -> str:
-    rng = random.Random(seed)
-    text = ""
-    while len(text) < chars:
-        text += rng.choice(WORDS) + " "
-    return text[:chars]
 
 
 def spawned_children() -> set[int]:
