@@ -144,7 +144,10 @@ def evaluate(
     # An identical request is answered by the job that scored it (succeeded when submitted); a stored
     # result another request left is read as reused.
     if result.reused or submitted.status == "succeeded":
-        stderr.print("answered from storage: the same probes were scored on this variant before")
+        stderr.print(
+            f"{job.kind} job {job.job_id} answered from storage (the same probes were scored on this variant "
+            "before): succeeded"
+        )
     emit(ctx, as_json, result, lambda: _render(result))
 
 
