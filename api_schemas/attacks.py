@@ -48,10 +48,9 @@ class RelearnAttack(Strict):
     steps: int = Field(default=10, ge=1, le=200, description="optimizer steps, each on the whole training set")
     lr: float = Field(default=2e-5, gt=0, le=1e-2, description="AdamW's learning rate (betas 0.9/0.999, no weight decay)")
     seed: StrictInt = Field(default=0, ge=0, le=2**31 - 1, description="torch's seed: the same seed, the same numbers")
-    train_probes: int | SkipJsonSchema[None] = Field(
+    # The bounds sit on the int (inside Annotated): on the optional type they would be compared with a null.
+    train_probes: Annotated[int, Field(ge=1, le=MAX_RELEARN_ROWS)] | SkipJsonSchema[None] = Field(
         default=None,
-        ge=1,
-        le=MAX_RELEARN_ROWS,
         description="train on the first train_probes forget probes (their answers) and score the rest; default: "
         f"the first half (rounded down), at most {MAX_RELEARN_ROWS}. Not with texts",
     )
