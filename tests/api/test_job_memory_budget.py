@@ -27,6 +27,7 @@ from tests.helpers.job_process import children, cmdline
 
 BUDGET = 768 << 20
 WIDE, SMALL = "budget/wide-mlp", "budget/tiny"
+_EARLIER_CHILDREN: set[int] = set()  # this pytest process's children before the module's server started
 
 
 def make_wide_mlp_llama(path: Path) -> Path:
@@ -47,6 +48,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer
     models = root / "models"
     make_wide_mlp_llama(models / "wide")
     make_tiny_llama(models / "tiny", hidden=32, layers=2)
+    # Earlier modules in this pytest process may have left job processes of their own servers
+    # (still shutting down): this server's is the one that was not there before it started.
+    _EARLIER_CHILDREN.update(children(os.getpid()))
     with in_process_server(root / "server", models, ENGRAM_JOB_MEMORY_BYTES=str(BUDGET)) as server:
         register_model(server.client, WIDE, f"file://{models / 'wide'}")
         register_model(server.client, SMALL, f"file://{models / 'tiny'}")
@@ -54,9 +58,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer
 
 
 def job_process_pid() -> int:
-    """This test process's embedded job process (the in-process server's spawned child)."""
-    [pid] = [p for p in children(os.getpid()) if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)]
-    return pid
+    """This module's server's embedded job process (the in-process server's spawned child)."""
+    found = [
+        pid
+        for pid in children(os.getpid())
+        if pid not in _EARLIER_CHILDREN and "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)
+    ]
+    assert len(found) == 1, f"expected one job process of this module's server, found {found}"
+    return found[0]
 
 
 def collect(server: InProcessServer, name: str, model: str) -> dict[str, object]:
