@@ -58,7 +58,7 @@ from service.context import Context
 from service.engine.evaluate import Probe
 from service.engine.layout import ModelLayout
 from service.errors import JobFailed
-from service.jobs.progress import CancelOnly, JobCancelled, JobProgress
+from service.jobs.progress import CancelOnly, JobCancelled, ProgressReporter
 from service.jobs.records import CalibratePayload, JobRecord
 from service.jobs.store import FINISHED
 from service.jobs.templates import template_process
@@ -90,7 +90,7 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
         return CalibrationJobResult.model_validate({**stored, "reused": True})
     request = CalibrationRequest.from_json(ctx.storage.get_json(prefix + "request.json"), calibration_id)
     started = time.monotonic()
-    progress = JobProgress(ctx, job.job_id, request.search.budget)
+    progress = ProgressReporter(ctx, job.job_id, request.search.budget)
     universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
     model = get_model(ctx, request.model_id)
     # Layers no member's forward pass ran have zero engrams: no candidate edits them.

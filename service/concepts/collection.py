@@ -42,7 +42,7 @@ from service.engine.records import Batch, Example, RecordError, encode_record, m
 from service.engine.stats_io import save_statistics
 from service.engine.template_render import TemplateProcess
 from service.errors import InvalidInput, JobFailed
-from service.jobs.progress import JobCancelled, JobProgress
+from service.jobs.progress import JobCancelled, ProgressReporter
 from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.results import CollectResult
 from service.jobs.store import utc_now
@@ -123,7 +123,7 @@ def run_collection(ctx: Context, job: JobRecord) -> CollectResult:
             raise JobFailed(survey.nothing_counted())
         if survey.truncated:
             log.warning("collection of %s: %s", payload.concept, survey.report())
-        progress = JobProgress(ctx, job.job_id, survey.tokens)
+        progress = ProgressReporter(ctx, job.job_id, survey.tokens)
         layout = manifest.layout
         # A concept posted with modules collects only those layers' input groups.
         layers = select_layers(layout.layers, spec.module_list)
@@ -155,7 +155,7 @@ def _collect_images(
     with scratch_dir("collect") as tmp:
         path = _local_dataset(ctx, payload.dataset_digest, Path(tmp))
         records = count_records(path)
-        progress = JobProgress(ctx, job_id, records)
+        progress = ProgressReporter(ctx, job_id, records)
         started = time.monotonic()
         stats = image_statistics(
             model,

@@ -65,7 +65,7 @@ from service.evaluation.records import ProbeJson, StoredProbes, TofuOptions
 from service.evaluation.retain_model import RetainModelRef
 from service.evaluation.service import SPLITS
 from service.evaluation.tofu_metrics import ModelReport, model_report, tofu_scores
-from service.jobs.progress import JobProgress
+from service.jobs.progress import ProgressReporter
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.templates import template_process
 from service.models.loaded import MODELS, check_model_unchanged, checked_model_files
@@ -147,7 +147,7 @@ def _causal(model: Any) -> None:
 
 
 def _progress(ctx: Context, job: JobRecord, total: int) -> Any:
-    return JobProgress(ctx, job.job_id, total)
+    return ProgressReporter(ctx, job.job_id, total)
 
 
 # ---------------------------------------------------------------- job bodies

@@ -20,8 +20,11 @@ class Progress(Protocol):
     def advance(self, amount: int = 1) -> None: ...
 
 
-class JobProgress:
-    """Throttled progress reporting plus the cancellation check, shared by every job kind."""
+class ProgressReporter:
+    """Throttled progress reporting plus the cancellation check, shared by every job kind.
+
+    It writes the job record's progress (:class:`api_schemas.jobs.JobProgress`, what the API
+    answers); this is what reports to it, hence another name."""
 
     def __init__(self, ctx: Any, job_id: str, total: int) -> None:
         self.ctx, self.job_id, self.done, self.total = ctx, job_id, 0, total
@@ -51,7 +54,7 @@ class CancelOnly:
     """Checks cancellation at every step without counting: work a job does before what its
     progress counts (a variant building its universe first)."""
 
-    def __init__(self, progress: JobProgress) -> None:
+    def __init__(self, progress: ProgressReporter) -> None:
         self._progress = progress
 
     def advance(self, amount: int = 1) -> None:

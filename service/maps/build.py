@@ -41,7 +41,7 @@ from service.engine.layout import ModelLayout
 from service.engine.stats_io import StatisticsFile
 from service.engrams.store import statistics_algebra
 from service.errors import JobFailed
-from service.jobs.progress import JobProgress, NoProgress, Progress
+from service.jobs.progress import NoProgress, Progress, ProgressReporter
 from service.jobs.records import JobRecord, MapPayload
 from service.jobs.results import MapResult
 from service.maps.conv import conv_breakdown
@@ -82,7 +82,7 @@ def run_map(ctx: Context, job: JobRecord) -> MapResult:
     request = MapRequest.from_json(ctx.storage.get_json(map_request_key(map_id)))
     reused = find_map(ctx, request) is not None
     if not reused:
-        compute_map(ctx, request, lambda total: JobProgress(ctx, job.job_id, total))
+        compute_map(ctx, request, lambda total: ProgressReporter(ctx, job.job_id, total))
     return MapResult(map_id=map_id, model_id=request.model_id, concepts=tuple(request.concepts), reused=reused)
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from service.context import Context
 from service.engrams.manifest import UniverseManifest, merge_stages
-from service.jobs.progress import JobCancelled, JobProgress, NoProgress, Progress
+from service.jobs.progress import JobCancelled, NoProgress, Progress, ProgressReporter
 from service.jobs.records import JobRecord, UniversePayload
 from service.jobs.results import UniverseResult
 from service.jobs.store import FINISHED
@@ -56,7 +56,7 @@ log = logging.getLogger("engram.universes")
 
 def run_universe(ctx: Context, job: JobRecord) -> UniverseResult:
     """The ``universe`` job: build it (or find it built), with idle workers' help where there are any."""
-    progress = JobProgress(ctx, job.job_id, 0)
+    progress = ProgressReporter(ctx, job.job_id, 0)
     universe_id = job.payload_of(UniversePayload).universe_id
     manifest, reused = ensure_universe(ctx, universe_id, progress, job_id=job.job_id)
     return UniverseResult(
@@ -76,7 +76,7 @@ def ensure_universe(
     when given).
 
     Args:
-        progress: told of each step; a :class:`JobProgress` is first given the number of steps.
+        progress: told of each step; a :class:`ProgressReporter` is first given the number of steps.
         job_id: the job building it; given, idle workers are asked to help (``ctx.universe_helpers``,
             distributed mode), and they stop when that job ends or is cancelled; unless it builds the
             whole universe at once, its progress names the groups built for it and those deferred.
@@ -130,7 +130,7 @@ def _build_stage(ctx: Context, build: UniverseBuild, progress: Progress | None, 
     """Compute and publish a stage's parts, then its record (a partial stage's ``stages/<name>.json``)."""
     universe_id = build.universe_id
     steps = progress or NoProgress()
-    if isinstance(steps, JobProgress):
+    if isinstance(steps, ProgressReporter):
         steps.restart(build.total_steps)
     if job_id is not None and build.stage_name:  # what helpers of this job build: this stage, not the rest
         ctx.storage.put_json(build_target_key(universe_id, job_id), {"groups": list(build.stage)})

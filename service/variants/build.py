@@ -36,7 +36,7 @@ from service.engrams.store import (
     stored_engrams,
 )
 from service.errors import JobFailed
-from service.jobs.progress import CancelOnly, JobProgress, NoProgress, Progress, StepTimes
+from service.jobs.progress import CancelOnly, NoProgress, Progress, ProgressReporter, StepTimes
 from service.jobs.records import JobRecord, VariantPayload
 from service.jobs.results import VariantResult
 from service.models.loaded import checked_model_files
@@ -69,7 +69,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
         request = VariantRequest.stored(key, ctx.storage.get_json(key))
         if ctx.storage.exists(variant_manifest_key(variant_id)):
             return VariantResult(variant_id=variant_id, reused=True)
-    progress = JobProgress(ctx, job.job_id, 0)
+    progress = ProgressReporter(ctx, job.job_id, 0)
     started = time.monotonic()
     # Written where the store can take each file by a rename (file://), hashed while written: one pass.
     # On S3 each safetensors file is uploaded while it is written (publishing it completes the upload).
@@ -136,7 +136,7 @@ def build_variant_files(
 
     Args:
         request: the stored variant request (``variants/<id>/request.json``).
-        progress: told of each layer written (a :class:`JobProgress` is given the layer count; the
+        progress: told of each layer written (a :class:`ProgressReporter` is given the layer count; the
             universe build before it only checks for cancellation).
         job_id: the variant job; given, a universe built first asks idle workers to help with it.
         timer: told the seconds of each step (see :func:`run_variant`).
@@ -165,7 +165,7 @@ def build_variant_files(
             source, universe, built_s = _engram_source(ctx, request, steps, job_id, [s.name for s in layers])
         with timer.step("model_files"):
             reader = CheckpointReader(checked_model_files(ctx, model), layout)
-        if isinstance(steps, JobProgress):
+        if isinstance(steps, ProgressReporter):
             steps.restart(len(layers))
         with timer.step("scales"):
             # W-Norm's f_l (or 1) first, then each module type's strength factor
@@ -184,7 +184,7 @@ def _engram_source(
     """The variant's terms as stored engrams of its universe (built now if missing: the input groups
     of ``layers`` only, the rest deferred to the request that needs it)."""
     started = time.monotonic()
-    cancel_only = CancelOnly(progress) if isinstance(progress, JobProgress) else progress
+    cancel_only = CancelOnly(progress) if isinstance(progress, ProgressReporter) else progress
     universe, existed = ensure_universe(ctx, request.universe_id, cancel_only, job_id=job_id, layers=layers)
     built_s = None if existed else round(time.monotonic() - started, 3)
     terms: dict[str, float] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from service.context import Context
-from service.jobs.progress import CancelOnly, JobCancelled, JobProgress, NoProgress
+from service.jobs.progress import CancelOnly, JobCancelled, NoProgress, ProgressReporter
 from service.jobs.store import new_job
 from tests.helpers.jobs import payload_for
 
@@ -26,13 +26,13 @@ def job_id(ctx: Context) -> str:
 
 
 def test_starting_counts_from_zero_towards_the_total_and_persists_it(ctx: Context, job_id: str) -> None:
-    JobProgress(ctx, job_id, total=10)
+    ProgressReporter(ctx, job_id, total=10)
     assert progress_of(ctx, job_id) == {"done": 0, "total": 10, "unit": "tokens"}
     assert ctx.storage.get_json(f"jobs/{job_id}.json")["progress"]["total"] == 10
 
 
 def test_ticks_are_throttled_but_the_last_one_is_always_written(ctx: Context, job_id: str) -> None:
-    progress = JobProgress(ctx, job_id, total=10)
+    progress = ProgressReporter(ctx, job_id, total=10)
     progress.advance()
     assert progress_of(ctx, job_id)["done"] == 1, "the first tick is written"
     progress.advance(3)
@@ -45,7 +45,7 @@ def test_ticks_are_throttled_but_the_last_one_is_always_written(ctx: Context, jo
 def test_a_tick_after_a_second_is_written(ctx: Context, job_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
     monkeypatch.setattr("service.jobs.progress.time.monotonic", lambda: clock[0])
-    progress = JobProgress(ctx, job_id, total=100)
+    progress = ProgressReporter(ctx, job_id, total=100)
     progress.advance()
     clock[0] += 0.5
     progress.advance()
@@ -56,7 +56,7 @@ def test_a_tick_after_a_second_is_written(ctx: Context, job_id: str, monkeypatch
 
 
 def test_every_step_checks_cancellation(ctx: Context, job_id: str) -> None:
-    progress = JobProgress(ctx, job_id, total=10)
+    progress = ProgressReporter(ctx, job_id, total=10)
     progress.advance()
     ctx.jobs.update(job_id, cancel_requested=True)
     assert progress.cancelled()
@@ -65,7 +65,7 @@ def test_every_step_checks_cancellation(ctx: Context, job_id: str) -> None:
 
 
 def test_restart_counts_a_next_phase_from_zero(ctx: Context, job_id: str) -> None:
-    progress = JobProgress(ctx, job_id, total=10)
+    progress = ProgressReporter(ctx, job_id, total=10)
     progress.advance(10)
     progress.restart(4)
     assert (progress.done, progress.total) == (0, 4)
@@ -75,7 +75,7 @@ def test_restart_counts_a_next_phase_from_zero(ctx: Context, job_id: str) -> Non
 
 
 def test_cancel_only_checks_without_counting(ctx: Context, job_id: str) -> None:
-    progress = JobProgress(ctx, job_id, total=10)
+    progress = ProgressReporter(ctx, job_id, total=10)
     check = CancelOnly(progress)
     check.advance(5)
     assert progress.done == 0 and progress_of(ctx, job_id)["done"] == 0

@@ -29,7 +29,7 @@ from service.errors import InvalidInput
 from service.execution import kinds
 from service.execution.runner import TRANSIENT_ERRORS, retry_after, run_job
 from service.jobs.leases import worker_name
-from service.jobs.progress import JobProgress
+from service.jobs.progress import ProgressReporter
 from service.jobs.records import JobRecord
 from service.jobs.store import RedisJobStore, new_job
 from service.storage.base import StorageUnavailable
@@ -210,7 +210,7 @@ def test_cancelling_a_running_job_stops_it_at_its_next_check(ctx: Context, use_b
     started, steps = threading.Event(), []
 
     def body(c: Context, j: dict[str, Any]) -> dict[str, Any]:
-        progress = JobProgress(c, j.job_id, total=1000)
+        progress = ProgressReporter(c, j.job_id, total=1000)
         started.set()
         for _ in range(1000):
             time.sleep(0.01)

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from service.jobs.leases import worker_name
-from service.jobs.progress import JobCancelled, JobProgress, NoProgress
+from service.jobs.progress import JobCancelled, NoProgress, ProgressReporter
 from service.jobs.store import new_job
 from service.storage.keys import part_key
 from service.universes.parts import UniverseBuild
@@ -94,7 +94,7 @@ def test_a_builder_waiting_on_another_stops_when_its_job_is_cancelled(
     held = build.group_order()[0]
     client.set(build.leases.key(f"group:{held}"), "busy:1:alive", px=60_000)  # held, and kept, elsewhere
     job = world.ctx.jobs.create(new_job("universe", payload_for("universe", universe_id=universe_id), unit="steps"))
-    progress = JobProgress(world.ctx, job.job_id, build.total_steps)
+    progress = ProgressReporter(world.ctx, job.job_id, build.total_steps)
     cancel = threading.Timer(1.0, lambda: world.ctx.jobs.update(job.job_id, cancel_requested=True))
     cancel.start()
     started = time.monotonic()
