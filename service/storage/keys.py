@@ -157,3 +157,9 @@ def current_pointer_key(model_id: str) -> str:
 
 def known_universe_key(model_id: str, universe_id: str) -> str:
     return f"{model_universes_prefix(model_id)}known/{universe_id}"
+
+
+def variant_plan_key(variant_id: str) -> str:
+    """``variants/<variant id>/plan.json``: the request resolved at submit, what the variant job runs
+    (:mod:`service.variants.plan`); written before the request, beside it."""
+    return f"{VARIANTS}{variant_id}/plan.json"
