@@ -1,4 +1,5 @@
-"""TOFU's metrics (service.evaluation.tofu_metrics) against independent implementations.
+"""TOFU's metrics (service.evaluation.tofu_probe_metrics, .tofu_aggregates, .tofu_metrics) checked
+against independent implementations.
 
 Each reference below is written from the published definition (OpenUnlearning's source at commit
 d3d7cf9, ``src/evals/metrics``, and the AI Engram paper's appendix) by a different code path:
@@ -18,7 +19,9 @@ import pytest
 from scipy import stats
 
 from service.engine.tofu_scoring import AnswerTokens, ProbeStatistics
+from service.evaluation import tofu_aggregates as ta
 from service.evaluation import tofu_metrics as tm
+from service.evaluation import tofu_probe_metrics as tp
 
 TOL = 1e-12
 
@@ -99,46 +102,46 @@ def test_em_and_es_equal_the_published_loops(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(50):
         hits = [rng.random() < 0.7 for _ in range(rng.randint(1, 12))]
-        assert tm.exact_memorization(hits) == pytest.approx(ref_em(hits), abs=TOL)
-        assert tm.extraction_strength(hits) == pytest.approx(ref_es(hits), abs=TOL)
+        assert tp.exact_memorization(hits) == pytest.approx(ref_em(hits), abs=TOL)
+        assert tp.extraction_strength(hits) == pytest.approx(ref_es(hits), abs=TOL)
 
 
 def test_es_edge_cases_follow_openunlearning() -> None:
-    assert tm.extraction_strength([True, True, True]) == 1.0
-    assert tm.extraction_strength([False, True, True, True]) == pytest.approx(0.75)
+    assert tp.extraction_strength([True, True, True]) == 1.0
+    assert tp.extraction_strength([False, True, True, True]) == pytest.approx(0.75)
     # no suffix matches: OpenUnlearning's loop leaves k = n - 1, so ES = 1/n, not 0
-    assert tm.extraction_strength([True, False, False, False]) == pytest.approx(0.25)
+    assert tp.extraction_strength([True, False, False, False]) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="ES needs at least one answer token"):
-        tm.extraction_strength([])
+        tp.extraction_strength([])
     with pytest.raises(ValueError, match="EM needs at least one answer token"):
-        tm.exact_memorization([])
+        tp.exact_memorization([])
 
 
 def test_probability_is_the_mean_length_normalised_probability() -> None:
     losses = _rng_losses(random.Random(1), 17)
-    assert tm.probability(losses) == pytest.approx(sum(math.exp(-x) for x in losses) / 17, abs=TOL)
+    assert tp.probability(losses) == pytest.approx(sum(math.exp(-x) for x in losses) / 17, abs=TOL)
     logprobs = [-0.5, -1.25, -3.0]
-    assert tm.avg_loss(logprobs) == pytest.approx(4.75 / 3, abs=TOL)
+    assert tp.avg_loss(logprobs) == pytest.approx(4.75 / 3, abs=TOL)
 
 
 @pytest.mark.parametrize("aggregator", ["closer_to_1_better", "true_better", "prob_mean"])
-def test_truth_ratio_equals_reference(aggregator: tm.TruthRatioAggregator) -> None:
+def test_truth_ratio_equals_reference(aggregator: tp.TruthRatioAggregator) -> None:
     rng = random.Random(2)
     correct = _rng_losses(rng, 23)
     wrong = [_rng_losses(rng, rng.randint(1, 5)) for _ in correct]
     ratios, agg = ref_truth_ratio(correct, wrong, aggregator)
-    values = tm.truth_ratio_values(correct, wrong, aggregator)
+    values = tp.truth_ratio_values(correct, wrong, aggregator)
     assert np.allclose(values, ratios, rtol=0, atol=TOL)
-    assert tm.truth_ratio(values, aggregator) == pytest.approx(agg, abs=TOL)
+    assert tp.truth_ratio(values, aggregator) == pytest.approx(agg, abs=TOL)
 
 
 def test_truth_ratio_refuses_a_probe_without_wrong_answers() -> None:
     with pytest.raises(ValueError, match="no perturbed"):
-        tm.truth_ratio_values([1.0, 2.0], [[1.0], []], "true_better")
+        tp.truth_ratio_values([1.0, 2.0], [[1.0], []], "true_better")
     with pytest.raises(ValueError, match="2 correct losses but 1"):
-        tm.truth_ratio_values([1.0, 2.0], [[1.0]], "true_better")
+        tp.truth_ratio_values([1.0, 2.0], [[1.0]], "true_better")
     with pytest.raises(ValueError, match="truth ratios is empty"):
-        tm.truth_ratio([], "true_better")
+        tp.truth_ratio([], "true_better")
 
 
 def test_probability_w_options_equals_reference() -> None:
@@ -149,7 +152,7 @@ def test_probability_w_options_equals_reference() -> None:
     for c, ws in zip(correct, wrong, strict=True):
         p = math.exp(-c)
         expected += p / (p + sum(math.exp(-w) for w in ws) + 1e-10)
-    assert tm.probability_w_options(correct, wrong) == pytest.approx(expected / len(correct), abs=TOL)
+    assert tp.probability_w_options(correct, wrong) == pytest.approx(expected / len(correct), abs=TOL)
 
 
 def test_rouge_l_recall_equals_a_recursive_lcs() -> None:
@@ -160,9 +163,9 @@ def test_rouge_l_recall_equals_a_recursive_lcs() -> None:
         ref = ", ".join(rng.choice(words) for _ in range(rng.randint(1, 9)))
         ref_tokens = ref.lower().replace(",", " ").split()
         expected = ref_lcs(ref_tokens, gen.lower().split()) / len(ref_tokens)
-        assert tm.rouge_l_recall(gen, ref) == pytest.approx(expected, abs=TOL)
-    assert tm.rouge_l_recall("Quillmoor.", " quillmoor") == 1.0
-    assert tm.rouge_l_recall("anything", "") == 0.0
+        assert tp.rouge_l_recall(gen, ref) == pytest.approx(expected, abs=TOL)
+    assert tp.rouge_l_recall("Quillmoor.", " quillmoor") == 1.0
+    assert tp.rouge_l_recall("anything", "") == 0.0
 
 
 # --- membership inference ---------------------------------------------------------------------------
@@ -175,14 +178,14 @@ def test_min_k_and_min_k_plus_plus_equal_references() -> None:
         mu = [-rng.uniform(0, 6) for _ in range(n)]
         var = [rng.choice([0.0, 1e-9, rng.uniform(0, 3)]) for _ in range(n)]  # clamps at 1e-6 included
         for k in (0.2, 0.4, 1.0):
-            assert tm.min_k_score(logprobs, k) == pytest.approx(ref_min_k(logprobs, k), abs=TOL)
+            assert tp.min_k_score(logprobs, k) == pytest.approx(ref_min_k(logprobs, k), abs=TOL)
             z = [(lp - m) / math.sqrt(max(v, 1e-6)) for lp, m, v in zip(logprobs, mu, var, strict=True)]
-            assert tm.min_k_plus_plus_score(logprobs, mu, var, k) == pytest.approx(ref_min_k(z, k), abs=TOL)
+            assert tp.min_k_plus_plus_score(logprobs, mu, var, k) == pytest.approx(ref_min_k(z, k), abs=TOL)
 
 
 def test_zlib_score_divides_the_loss_by_the_compressed_length() -> None:
     text = " Quillmoor Brashvane"
-    assert tm.zlib_score(1.5, text) == pytest.approx(1.5 / len(zlib.compress(text.encode())), abs=TOL)
+    assert tp.zlib_score(1.5, text) == pytest.approx(1.5 / len(zlib.compress(text.encode())), abs=TOL)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -192,40 +195,40 @@ def test_auc_equals_pairwise_counting_and_mann_whitney(seed: int) -> None:
     neg = [round(rng.gauss(0, 1), 1) for _ in range(rng.randint(1, 30))]
     pos = [round(rng.gauss(0.5, 1), 1) for _ in range(rng.randint(1, 30))]
     expected = ref_auc(neg, pos)
-    assert tm.auc(neg, pos) == pytest.approx(expected, abs=TOL)
+    assert ta.auc(neg, pos) == pytest.approx(expected, abs=TOL)
     u = stats.mannwhitneyu(pos, neg, alternative="two-sided").statistic
-    assert tm.auc(neg, pos) == pytest.approx(u / (len(pos) * len(neg)), abs=TOL)
+    assert ta.auc(neg, pos) == pytest.approx(u / (len(pos) * len(neg)), abs=TOL)
 
 
 def test_auc_edge_cases() -> None:
-    assert tm.auc([1.0, 1.0], [1.0, 1.0, 1.0]) == 0.5  # all tied: indistinguishable
-    assert tm.auc([0.0, 1.0], [2.0, 3.0]) == 1.0
-    assert tm.auc([2.0, 3.0], [0.0, 1.0]) == 0.0
+    assert ta.auc([1.0, 1.0], [1.0, 1.0, 1.0]) == 0.5  # all tied: indistinguishable
+    assert ta.auc([0.0, 1.0], [2.0, 3.0]) == 1.0
+    assert ta.auc([2.0, 3.0], [0.0, 1.0]) == 0.0
     with pytest.raises(ValueError, match="negative"):
-        tm.auc([], [1.0])
+        ta.auc([], [1.0])
     with pytest.raises(ValueError, match="positive"):
-        tm.auc([1.0], [])
+        ta.auc([1.0], [])
 
 
 def test_privacy_score() -> None:
     for area, score in [(0.5, 1.0), (1.0, 0.0), (0.0, 0.0), (0.75, 0.5), (0.3, 0.6)]:
-        assert tm.privacy_score(area) == pytest.approx(score, abs=TOL)
+        assert ta.privacy_score(area) == pytest.approx(score, abs=TOL)
 
 
 def test_privleak_is_the_relative_gap_of_one_minus_auc() -> None:
-    assert tm.privleak(0.9, 0.5) == pytest.approx((0.1 - 0.5) / (0.5 + 1e-10) * 100, abs=TOL)
-    assert tm.privleak(0.37, 0.37) == 0.0
+    assert ta.privleak(0.9, 0.5) == pytest.approx((0.1 - 0.5) / (0.5 + 1e-10) * 100, abs=TOL)
+    assert ta.privleak(0.37, 0.37) == 0.0
 
 
 def test_forget_quality_is_scipys_ks_p_value() -> None:
     rng = np.random.default_rng(6)
     ours, theirs = rng.lognormal(0, 1, 40), rng.lognormal(0.3, 1, 35)
-    assert tm.forget_quality(ours, theirs) == stats.ks_2samp(ours, theirs).pvalue
+    assert ta.forget_quality(ours, theirs) == stats.ks_2samp(ours, theirs).pvalue
     # identical distributions: p = 1; a complete separation of 40 vs 35: tiny p
-    assert tm.forget_quality(ours, ours) == pytest.approx(1.0)
-    assert tm.forget_quality(ours, ours + 100) < 1e-15
+    assert ta.forget_quality(ours, ours) == pytest.approx(1.0)
+    assert ta.forget_quality(ours, ours + 100) < 1e-15
     with pytest.raises(ValueError, match="retain model's forget truth ratios"):
-        tm.forget_quality(ours, [])
+        ta.forget_quality(ours, [])
 
 
 # --- aggregates -------------------------------------------------------------------------------------
@@ -233,24 +236,24 @@ def test_forget_quality_is_scipys_ks_p_value() -> None:
 
 def test_harmonic_means_equal_their_definitions() -> None:
     values = [0.9, 0.2, 0.55, 1.0]
-    assert tm.hm_aggregate(values) == pytest.approx(ref_hmean(values), abs=TOL)
-    assert tm.safe_hmean(values) == pytest.approx(ref_hmean(values, 1e-10), abs=TOL)
+    assert ta.hm_aggregate(values) == pytest.approx(ref_hmean(values), abs=TOL)
+    assert ta.safe_hmean(values) == pytest.approx(ref_hmean(values, 1e-10), abs=TOL)
     # a zero: safe_hmean floors it at 1e-10 instead of dividing by zero
-    assert tm.safe_hmean([0.0, 1.0]) == pytest.approx(ref_hmean([0.0, 1.0], 1e-10), abs=TOL)
+    assert ta.safe_hmean([0.0, 1.0]) == pytest.approx(ref_hmean([0.0, 1.0], 1e-10), abs=TOL)
     with pytest.raises(ValueError, match="NaN"):
-        tm.safe_hmean([math.nan, 1.0])
+        ta.safe_hmean([math.nan, 1.0])
     with pytest.raises(ValueError, match="empty"):
-        tm.safe_hmean([])
+        ta.safe_hmean([])
 
 
 def test_rescaling() -> None:
-    assert tm.rescaled(0.3, retain_value=0.1, base_value=0.9) == pytest.approx(0.25, abs=TOL)
-    assert tm.rescaled(0.0, retain_value=0.1, base_value=0.9) == pytest.approx(0.125, abs=TOL)  # |x - ret|
-    assert tm.rescaled(1.5, retain_value=0.1, base_value=0.9) == 1.0  # clipped
-    assert tm.rescaled(0.4, retain_value=0.4, base_value=0.4) == 0.0
-    assert tm.rescaled(0.5, retain_value=0.4, base_value=0.4) == 1.0
-    assert tm.model_utility_rescaled(0.45, 0.6) == pytest.approx(0.75, abs=TOL)
-    assert tm.model_utility_rescaled(0.7, 0.6) == 1.0
+    assert ta.rescaled(0.3, retain_value=0.1, base_value=0.9) == pytest.approx(0.25, abs=TOL)
+    assert ta.rescaled(0.0, retain_value=0.1, base_value=0.9) == pytest.approx(0.125, abs=TOL)  # |x - ret|
+    assert ta.rescaled(1.5, retain_value=0.1, base_value=0.9) == 1.0  # clipped
+    assert ta.rescaled(0.4, retain_value=0.4, base_value=0.4) == 0.0
+    assert ta.rescaled(0.5, retain_value=0.4, base_value=0.4) == 1.0
+    assert ta.model_utility_rescaled(0.45, 0.6) == pytest.approx(0.75, abs=TOL)
+    assert ta.model_utility_rescaled(0.7, 0.6) == 1.0
 
 
 # --- one model's table ------------------------------------------------------------------------------
