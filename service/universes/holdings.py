@@ -134,7 +134,12 @@ def effective_budget(ctx: Context) -> Budget:
         f"the budget in force is {size_words(cap)}"
     )
     budget = Budget(cap, configured, volume, note)
-    _log_once(ctx, budget, logging.WARNING, f"{note}; lower ENGRAM_UNIVERSE_BYTES_BUDGET, or give the store a larger volume")
+    if "universe_bytes_budget" in settings.model_fields_set:  # the operator's own figure: worth a warning
+        _log_once(
+            ctx, budget, logging.WARNING, f"{note}; lower ENGRAM_UNIVERSE_BYTES_BUDGET, or give the store a larger volume"
+        )
+    else:  # the default capped to a small disk is the rule working, not a problem (issue 40: a warning no one set)
+        _log_once(ctx, budget, logging.INFO, f"{note} (the default budget, capped to the volume: nothing to do)")
     return budget
 
 
