@@ -1,7 +1,13 @@
-"""The Context: what request handlers and job bodies share, built once per process by :mod:`service.execution.runtime`."""
+"""The Context: what request handlers and job bodies share, built once per process by :mod:`service.execution.runtime`.
+
+It sits above the job store (it carries one) and below every domain; :mod:`service.jobs` takes what
+it needs of a context as a Protocol and never imports this module, so the import goes one way.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, MutableMapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -17,6 +23,7 @@ from service.storage.read_cache import ReadCache
 
 Dispatch = Callable[[JobRecord], None]  # hands a created job to whatever runs it
 UniverseHelpers = Callable[[str, str, int], None]  # (universe_id, job_id, count)
+RunInline = Callable[["Context", str], None]  # (ctx, job_id): runs a created job in the calling job's process
 
 V = TypeVar("V")
 
@@ -72,6 +79,43 @@ class _OneStore(MutableMapping[Hashable, V]):
         return sum(1 for _ in self)
 
 
+class LoadedCache(Generic[V]):
+    """The last ``capacity`` loaded objects (models, variants) by key, most recently used kept.
+
+    Room is made before a load, not after: a model-sized object is never held beside the
+    ``capacity`` others while the next one loads. One load at a time (the lock is held while
+    ``load`` runs): two jobs asking for the same model load it once.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[Hashable, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_or_load(self, key: Hashable, load: Callable[[], V]) -> V:
+        """The object under ``key``, loaded by ``load`` on first use (or after it was dropped)."""
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            while self._items and len(self._items) >= self.capacity:
+                self._items.popitem(last=False)
+            value = self._items[key] = load()
+            return value
+
+    def resize(self, capacity: int) -> None:
+        """Keep at most ``capacity`` objects from now on (the least recently used dropped now)."""
+        with self._lock:
+            self.capacity = capacity
+            while len(self._items) > capacity:
+                self._items.popitem(last=False)
+
+    def keys(self) -> list[Hashable]:
+        """What is held now, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
+
 @dataclass(frozen=True)
 class ProcessCaches:
     """What a process keeps between requests and jobs, sized once from the settings.
@@ -81,11 +125,16 @@ class ProcessCaches:
         stats_files: open statistics files on this machine (the files, not their contents).
         factors: universes' pseudo-inverse factors for what combines statistics directly (the
             memory-trace maps), within ``ENGRAM_FACTOR_CACHE_BYTES``.
+        models: loaded base models with their tokenizers, by checkpoint digest, placement and
+            dtype (``ENGRAM_MODEL_CACHE_SIZE`` of them): a worker reuses its model between jobs.
+        variants: the last loaded variant (one: a model-sized object each).
     """
 
     stats_headers: StoreCache[Any]
     stats_files: StoreCache[Any]
     factors: StoreCache[Any]
+    models: LoadedCache[Any]
+    variants: LoadedCache[Any]
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ProcessCaches:
@@ -93,6 +142,8 @@ class ProcessCaches:
             stats_headers=StoreCache(STATS_HEADER_ENTRIES, lambda _: 1),
             stats_files=StoreCache(STATS_FILE_ENTRIES, lambda _: 1),
             factors=StoreCache(settings.factor_cache_bytes, lambda factor: int(factor.nbytes)),
+            models=LoadedCache(settings.model_cache_size),
+            variants=LoadedCache(1),
         )
 
 
@@ -110,6 +161,8 @@ class Context:
         universe_helpers: asks idle workers to help build a universe (distributed mode).
         live_workers: ``{queue: workers with a live heartbeat consuming it}`` (distributed mode).
         job_process_warm: whether the job process has imported every job body (embedded mode).
+        run_inline: runs a created job to its end in this process (the runner sets it for the bodies
+            it runs: a calibration runs its recommended variant's job so).
         reads: what status views read: recent documents, not a round trip each.
         shared_caches: another context's caches, to share them (a context copied with
             ``dataclasses.replace`` shares its original's).
@@ -127,6 +180,7 @@ class Context:
     universe_helpers: UniverseHelpers | None = None
     live_workers: Callable[[], dict[str, int]] | None = None
     job_process_warm: Callable[[], bool] | None = None
+    run_inline: RunInline | None = None
     shared_caches: ProcessCaches | None = None
     reads: ReadCache = field(init=False)
     caches: ProcessCaches = field(init=False)

@@ -223,10 +223,10 @@ class ClassifierGoalRun:
         self.goal = resolved(spec, self.base_metrics)
 
     def _load_retrained(self, ctx: Context, spec: GoalSpec) -> None:
-        from service.evaluation.run import VARIANT_MODELS  # the variant loader evaluate uses (as shipped)
+        from service.evaluation.run import loaded_variant  # the variant loader evaluate uses (as shipped)
 
         assert spec.retain_model is not None
-        retrained = load_retrained(ctx, spec.retain_model, VARIANT_MODELS.get)
+        retrained = load_retrained(ctx, spec.retain_model, loaded_variant)
         if len(model_classes(retrained.model)) != len(self.candidates.classes):
             raise JobFailed(f"retain_model {spec.retain_model.id} has another number of classes than the base model")
         # its own image processor reads the images: no cache shared with the candidates' pixels

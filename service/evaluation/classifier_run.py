@@ -53,7 +53,7 @@ from service.errors import InvalidInput, JobFailed, PayloadTooLarge
 from service.evaluation import classifier_metrics as metrics
 from service.evaluation.records import ProbeJson, StoredProbes
 from service.evaluation.retain_model import RetainModelRef
-from service.models.loaded import MODELS
+from service.models.loaded import loaded_model
 from service.models.registry import get_model
 from service.variants.service import find_variant_request
 
@@ -277,7 +277,7 @@ def load_retrained(ctx: Context, option: RetainModelRef, load_variant: VariantLo
     manifest = get_model(ctx, option.id)
     if manifest.digest != option.digest:
         raise JobFailed(f"retain_model {option.id} was registered again since this evaluation was asked for")
-    model, _ = MODELS.get(ctx, manifest, ctx.settings.torch_device)
+    model, _ = loaded_model(ctx, manifest, ctx.settings.torch_device)
     return Classifier(model, Path(manifest.path))
 
 

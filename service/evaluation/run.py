@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,7 @@ from service.engine.chat import Renderer
 from service.engine.checkpoint import load_model
 from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
-from service.engine.model_files import ModelFiles
+from service.engine.model_file_descriptors import ModelFiles
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
 from service.engine.tofu_scoring import (
     AnswerRefused,
@@ -68,7 +66,7 @@ from service.evaluation.tofu_metrics import ModelReport, model_report, tofu_scor
 from service.jobs.progress import ProgressReporter
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.templates import template_process
-from service.models.loaded import MODELS, check_model_unchanged, checked_model_files
+from service.models.loaded import check_model_unchanged, checked_model_files, loaded_model
 from service.models.registry import get_model
 from service.storage.base import scratch_dir
 from service.storage.keys import evaluation_key, probes_key, variant_file_key
@@ -82,31 +80,23 @@ _CHUNK = 16  # probes per progress tick (and per forward batch)
 # ---------------------------------------------------------------- the loaded models
 
 
-class _VariantModels:
-    """The last variant loaded by this process (the base comes from :data:`service.models.loaded.MODELS`)."""
+def loaded_variant(ctx: Context, variant_id: str) -> tuple[Any, Any, Any]:
+    """``(base model, variant model, tokenizer)``, the variant loaded on first use and kept in the
+    context's ``caches.variants`` (one at a time: a model-sized object each; the base in
+    ``caches.models``, :func:`service.models.loaded.loaded_model`)."""
+    request = find_variant_request(ctx, variant_id)
+    manifest = variant_manifest(ctx, variant_id)
+    if request is None or manifest is None:
+        raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
+    model_manifest = get_model(ctx, request.model_id)
+    device = ctx.settings.torch_device
+    base, tokenizer = loaded_model(ctx, model_manifest, device)
 
-    def __init__(self) -> None:
-        self._items: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()
+    def load() -> Any:
+        with checked_model_files(ctx, model_manifest) as base_files:
+            return _load_variant(ctx, variant_id, request, manifest, base_files, device)
 
-    def get(self, ctx: Context, variant_id: str) -> tuple[Any, Any, Any]:
-        """``(base model, variant model, tokenizer)``, loading the variant on first use."""
-        request = find_variant_request(ctx, variant_id)
-        manifest = variant_manifest(ctx, variant_id)
-        if request is None or manifest is None:
-            raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
-        model_manifest = get_model(ctx, request.model_id)
-        device = ctx.settings.torch_device
-        base, tokenizer = MODELS.get(ctx, model_manifest, device)
-        with self._lock:
-            if variant_id not in self._items:
-                self._items.clear()  # one variant at a time: a model-sized object each
-                with checked_model_files(ctx, model_manifest) as base_files:
-                    self._items[variant_id] = _load_variant(ctx, variant_id, request, manifest, base_files, device)
-            return base, self._items[variant_id], tokenizer
-
-
-VARIANT_MODELS = _VariantModels()
+    return base, ctx.caches.variants.get_or_load(variant_id, load), tokenizer
 
 
 def _load_variant(
@@ -162,9 +152,7 @@ def run_evaluation(ctx: Context, job: JobRecord) -> EvaluationResult:
         return EvaluationResult.model_validate({**cached, "reused": True})
     raw = StoredProbes.from_bytes(ctx.storage.get_bytes(probes_key(payload.probes_digest)), payload.probes_digest)
     if raw.classifier is not None:  # image probes on an image classifier's variant
-        result = evaluate_classifiers(
-            ctx, payload.variant_id, raw, VARIANT_MODELS.get, lambda total: _progress(ctx, job, total)
-        )
+        result = evaluate_classifiers(ctx, payload.variant_id, raw, loaded_variant, lambda total: _progress(ctx, job, total))
     else:
         result = _evaluate_text(ctx, job, payload.variant_id, raw)
     _check_base_unchanged(ctx, payload.variant_id)
@@ -181,7 +169,7 @@ def evaluation_json(result: EvaluationResult) -> dict[str, Any]:
 def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredProbes) -> EvaluationResult:
     """Text probes: the base and the variant on every probe, and TOFU's suite when asked for."""
     probes: dict[Split, list[Probe]] = {"forget": [_probe(p) for p in raw.forget], "retain": [_probe(p) for p in raw.retain]}
-    base, variant, tokenizer = VARIANT_MODELS.get(ctx, variant_id)
+    base, variant, tokenizer = loaded_variant(ctx, variant_id)
     _causal(base)
     bound = probe_bound(tokenizer, base.config, ctx.settings.max_length)
     with template_process(ctx, job.job_id) as renderer:  # one render process, ended before any model runs
@@ -369,12 +357,12 @@ def load_retain_model(ctx: Context, option: RetainModelRef, tokenizer: Any) -> A
     """The retain model loaded (a registered model, or a variant as shipped), checked to be a causal
     LM with the base's vocabulary (the request checked it where the API could read the files)."""
     if option.kind == "variant":
-        _, model, retain_tokenizer = VARIANT_MODELS.get(ctx, option.id)
+        _, model, retain_tokenizer = loaded_variant(ctx, option.id)
     else:
         manifest = get_model(ctx, option.id)
         if manifest.digest != option.digest:
             raise JobFailed(f"retain_model {option.id} was registered again since this evaluation was asked for")
-        model, retain_tokenizer = MODELS.get(ctx, manifest, ctx.settings.torch_device)
+        model, retain_tokenizer = loaded_model(ctx, manifest, ctx.settings.torch_device)
     _causal(model)
     if retain_tokenizer is None or retain_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise JobFailed(f"retain_model {option.id} has another tokenizer vocabulary than the base model")
@@ -399,7 +387,7 @@ def run_generation(ctx: Context, job: JobRecord) -> GenerationResult:
     if isinstance(payload.prompt, list):  # submit_generation stores text (or None with messages)
         raise JobFailed("a generation's stored prompt is token IDs; only text (or messages) is answered")
     sent = payload.prompt
-    base, variant, tokenizer = VARIANT_MODELS.get(ctx, payload.variant_id)
+    base, variant, tokenizer = loaded_variant(ctx, payload.variant_id)
     _causal(base)
     models = {"base": base, "variant": variant}
     progress = _progress(ctx, job, len(payload.models))

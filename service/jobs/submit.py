@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.context import Context
 from service.jobs import callbacks
 from service.jobs.admission import admit
+from service.jobs.ports import JobsContext
 from service.jobs.records import JobRecord
 from service.jobs.store import FINISHED
 
 
-def attach_callbacks(ctx: Context, job: JobRecord, urls: list[str]) -> JobRecord:
+def attach_callbacks(ctx: JobsContext, job: JobRecord, urls: list[str]) -> JobRecord:
     """Add callback URLs to an existing job; a job that already ended calls them back at once."""
     new_urls = tuple(u for u in urls if u not in job.callbacks)
     if not new_urls:
@@ -36,7 +36,7 @@ def _never(job: JobRecord) -> bool:
 
 
 def follow_or_start(
-    ctx: Context,
+    ctx: JobsContext,
     request_key: str,
     start: Callable[[], JobRecord],
     urls: list[str],
@@ -74,7 +74,7 @@ def follow_or_start(
     return ctx.jobs.get(job.job_id) or job
 
 
-def _followed(ctx: Context, request_key: str, answers: Callable[[JobRecord], bool]) -> JobRecord | None:
+def _followed(ctx: JobsContext, request_key: str, answers: Callable[[JobRecord], bool]) -> JobRecord | None:
     """The job recorded for the request when it is queued or running, or finished and still answers it."""
     stored = ctx.storage.find_json(request_key)
     job_id = stored.get("job_id") if isinstance(stored, dict) else None

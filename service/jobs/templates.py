@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from service.config import Settings
-from service.context import Context
 from service.engine.template_render import TemplateLimits, TemplateProcess
+from service.jobs.ports import JobsContext
 
 
 def template_limits(settings: Settings) -> TemplateLimits:
     return TemplateLimits(settings.template_max_chars, settings.template_memory_bytes, settings.template_timeout_s)
 
 
-def cancel_requested(ctx: Context, job_id: str) -> Callable[[], bool]:
+def cancel_requested(ctx: JobsContext, job_id: str) -> Callable[[], bool]:
     """Whether the job was asked to stop, read from its record (the renderer polls it only while a
     render is slower than its poll interval, so a normal render reads nothing)."""
 
@@ -31,6 +31,6 @@ def cancel_requested(ctx: Context, job_id: str) -> Callable[[], bool]:
     return asked
 
 
-def template_process(ctx: Context, job_id: str) -> TemplateProcess:
+def template_process(ctx: JobsContext, job_id: str) -> TemplateProcess:
     """The job's renderer (a context manager: its child is killed when the job leaves it)."""
     return TemplateProcess(template_limits(ctx.settings), cancel_requested(ctx, job_id))

@@ -3,7 +3,7 @@
 A job reads a model only through :func:`checked_model_files`: every file the service uses is opened
 once and checked through its descriptor (no link in its path, a regular file, the identity
 recorded at registration), then read only through that descriptor. A worker (or the embedded job
-process) reuses its last loaded model (:data:`MODELS`), after the same check.
+process) reuses its last loaded models (:func:`loaded_model`, kept in its Context), after the same check.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from service.context import Context
 from service.engine.checkpoint import combined_digest, directory_digest, file_digests, load_model, load_tokenizer
-from service.engine.model_files import (
-    FileIdentity,
-    ModelFiles,
-    ModelFilesChanged,
-    ModelSourceError,
-    check_links,
-    open_model_files,
-)
+from service.engine.model_file_descriptors import FileIdentity, ModelFiles, ModelFilesChanged, open_model_files
+from service.engine.model_files import ModelSourceError, check_links
 from service.errors import JobFailed
 from service.models.gguf_source import check_gguf_unchanged
 from service.models.record import ModelRecord
@@ -203,33 +196,25 @@ def _read_record(record: Path) -> CopyRecord | None:
         return None
 
 
-class ModelCache:
-    """A small LRU of loaded models keyed by checkpoint digest (a worker reuses its model)."""
+def loaded_model(
+    ctx: Context, manifest: ModelRecord, device: str, dtype: str | None = None, device_map: str | None = None
+) -> tuple[Any, Any]:
+    """The model (in ``dtype``, default: as stored; on ``device``, or placed by accelerate's
+    ``device_map``) and its tokenizer (``None`` for an image model), loaded on first use and kept in
+    the context's ``caches.models`` (:class:`service.context.ProcessCaches`): a worker reuses it.
 
-    def __init__(self, capacity: int = 1) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
-        self._lock = threading.Lock()
+    Raises:
+        JobFailed: as :func:`checked_model_files`.
+    """
+    placement = f"map:{device_map}" if device_map else device
+    key = f"{manifest.digest}@{placement}/{dtype or 'stored'}"
+    # Checked at every job, loaded or not: a job on changed files fails, as one loading them would.
+    with checked_model_files(ctx, manifest) as files:
 
-    def get(
-        self, ctx: Context, manifest: ModelRecord, device: str, dtype: str | None = None, device_map: str | None = None
-    ) -> tuple[Any, Any]:
-        """The model (in ``dtype``, default: as stored; on ``device``, or placed by accelerate's
-        ``device_map``) and its tokenizer (``None`` for an image model), loaded on first use."""
-        placement = f"map:{device_map}" if device_map else device
-        key = f"{manifest.digest}@{placement}/{dtype or 'stored'}"
-        # Checked at every job, loaded or not: a job on changed files fails, as one loading them would.
-        with checked_model_files(ctx, manifest) as files, self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
+        def load() -> tuple[Any, Any]:
             torch_dtype = getattr(torch, dtype) if dtype else None
             model = load_model(files, device=device, dtype=torch_dtype, device_map=device_map)
-            item = (model, None if manifest.kind == "image" else load_tokenizer(files))  # an image model has none
-            self._items[key] = item
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-            return item
+            return model, None if manifest.kind == "image" else load_tokenizer(files)  # an image model has none
 
-
-MODELS = ModelCache()  # one per process: a worker keeps its last models loaded between jobs
+        loaded: tuple[Any, Any] = ctx.caches.models.get_or_load(key, load)
+        return loaded
