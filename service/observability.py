@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -239,6 +240,22 @@ class _QuietPolls(logging.Filter):
         return not (polled and isinstance(status, int) and status < 400)
 
 
+def _no_progress_bars() -> None:
+    """No tqdm bars between JSON lines (issue 40: "Loading weights" and "Writing model shards" bars ended up
+    inside the JSON logs, where a log shipper reads them as broken lines). The variable reaches the job
+    processes spawned later (huggingface_hub reads it when imported, and transformers follows it); a
+    library this process imported already is told directly."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
 def configure_logging(level: int = logging.INFO, log_format: str | None = None) -> None:
     """Log lines on stderr for the service, uvicorn and Celery alike: one JSON object per line, or
     plain ``time level logger: message`` lines for a person at a terminal.
@@ -252,7 +269,10 @@ def configure_logging(level: int = logging.INFO, log_format: str | None = None) 
 
         log_format = get_settings().log_format
     handler = logging.StreamHandler()
-    handler.setFormatter(_text_formatter() if _writes_text(log_format, handler.stream) else _json_formatter())
+    as_text = _writes_text(log_format, handler.stream)
+    handler.setFormatter(_text_formatter() if as_text else _json_formatter())
+    if not as_text:
+        _no_progress_bars()
     handler.addFilter(_ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
