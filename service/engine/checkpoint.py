@@ -30,20 +30,22 @@ from service.engine.key_renames import renamed_parameters
 from service.engine.layers import LayerSpec, summarize_names
 from service.engine.layout import ModelLayout, is_causal_lm
 from service.engine.model_checks import check_weight_dtypes, validate_model_dir
+from service.engine.model_file_descriptors import (
+    ModelFiles,
+    as_model_files,
+    clean_view,
+    model_files_of,
+    open_model_files,
+    open_without_links,
+)
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
-    ModelFiles,
     ModelSourceError,
     allowed_dirs,
-    as_model_files,
     check_links,
     check_shard_name,
     check_tokenizer_config,
-    clean_view,
-    model_files_of,
     open_file,
-    open_model_files,
-    open_without_links,
     resolve_file,
 )
 from service.engine.safetensors_stream import read_header

@@ -28,7 +28,8 @@ from service.engine.compose import LayerEdit
 from service.engine.expert_keys import fused_tensor_with_edits
 from service.engine.layers import LayerSpec
 from service.engine.layout import ModelLayout
-from service.engine.model_files import INDEX_FILE, SIDE_FILES, ModelFiles, model_files_of, target_file
+from service.engine.model_file_descriptors import ModelFiles, model_files_of
+from service.engine.model_files import INDEX_FILE, SIDE_FILES, target_file
 from service.engine.safetensors_stream import (
     HashingSink,
     Planned,

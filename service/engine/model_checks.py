@@ -14,9 +14,9 @@ from safetensors import safe_open
 
 from service.engine.image_models import PREPROCESSOR_CONFIG, check_preprocessor_config, model_kind
 from service.engine.layers import summarize_names
+from service.engine.model_file_descriptors import ModelFiles
 from service.engine.model_files import (
     PICKLE_SUFFIXES,
-    ModelFiles,
     ModelSourceError,
     check_links,
     check_shard_name,

@@ -21,7 +21,8 @@ from importlib import metadata
 from pathlib import Path
 
 from service.engine.gguf_read import check_gguf_readable, dequantize_gguf, read_gguf_header
-from service.engine.model_files import FileIdentity, ModelSourceError, open_without_links
+from service.engine.model_file_descriptors import FileIdentity, open_without_links
+from service.engine.model_files import ModelSourceError
 from service.errors import InvalidInput
 from service.models.gguf_source import GgufOrigin
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from service.engine.model_files import FileIdentity, ModelSourceError
+from service.engine.model_file_descriptors import FileIdentity
+from service.engine.model_files import ModelSourceError
 from service.errors import InvalidInput
 from service.models.sources import file_uri_path, outside_roots_message
 

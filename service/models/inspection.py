@@ -16,7 +16,8 @@ from service.engine.image_models import ModelKind
 from service.engine.images import ImageProcessorError, load_image_processor
 from service.engine.layout import ModelLayout
 from service.engine.model_checks import check_model_dir
-from service.engine.model_files import FileIdentity, ModelSourceError, open_model_files
+from service.engine.model_file_descriptors import FileIdentity, open_model_files
+from service.engine.model_files import ModelSourceError
 from service.errors import Conflict, InvalidInput
 from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.results import RegisterResult

@@ -16,7 +16,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
 from service.engine.image_models import PREPROCESSOR_CONFIG, ModelKind, check_preprocessor_config, model_kind
 from service.engine.layout import ModelLayout
-from service.engine.model_files import FileIdentity, ModelSourceError, read_side_json
+from service.engine.model_file_descriptors import FileIdentity
+from service.engine.model_files import ModelSourceError, read_side_json
 from service.models.gguf_source import GgufOrigin
 
 # 1: the first versioned registration; 2: ``kind`` is always recorded (issue 25).

@@ -19,7 +19,8 @@ from api_schemas import Model
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
 from service.engine.layers import LayerSpec
-from service.engine.model_files import ModelSourceError, open_model_files, used_files
+from service.engine.model_file_descriptors import open_model_files
+from service.engine.model_files import ModelSourceError, used_files
 from service.errors import InvalidInput, NotFound, first_validation_error
 from service.models.gguf_source import gguf_change
 from service.models.record import MODEL_FORMAT_VERSION, ModelRecord

@@ -31,7 +31,8 @@ from service.config import Settings
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader, combined_digest, file_digests, inspect_model_dir
 from service.engine.layout import ModelLayout
-from service.engine.model_files import ModelFilesChanged, ModelSourceError, open_model_files, open_without_links
+from service.engine.model_file_descriptors import ModelFilesChanged, open_model_files, open_without_links
+from service.engine.model_files import ModelSourceError
 from service.errors import JobFailed
 from service.models import loaded
 from service.models.loaded import checked_model_files, copy_record

@@ -26,7 +26,8 @@ from service.context import Context
 from service.engine.checkpoint import CheckpointReader, directory_digest, inspect_model_dir, load_model, load_tokenizer
 from service.engine.checkpoint_write import write_checkpoint, write_delta
 from service.engine.layout import ModelLayout
-from service.engine.model_files import SIDE_FILES, ModelSourceError, open_model_files, target_file, used_files
+from service.engine.model_file_descriptors import open_model_files
+from service.engine.model_files import SIDE_FILES, ModelSourceError, target_file, used_files
 from service.errors import InvalidInput, JobFailed
 from service.models.loaded import checked_model_files
 from service.models.record import MODEL_FORMAT_VERSION, ModelRecord
