@@ -51,7 +51,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from service.config import Settings
-from service.datasets.sources import Fingerprint
+from service.datasets.fingerprints import Fingerprint
 from service.engine.image_resize import ResizePath
 from service.errors import InvalidInput, PayloadTooLarge
 

@@ -16,7 +16,7 @@ and on the stored records). Each is a problem naming the setting.
 
 Content identity. A URI names a place, not content: the object behind it may be replaced. So the
 API also takes a cheap *fingerprint* of what the reference names now
-(:func:`~service.datasets.sources.fingerprint_reference`: a ``stat``, an S3 ``HEAD`` or the hub
+(:func:`~service.datasets.fingerprints.fingerprint_reference`: a ``stat``, an S3 ``HEAD`` or the hub
 commit the revision resolves to, never the bytes), stored on
 the concept with the reference; the same reference with another fingerprint is other content (a new
 collection). The job reads exactly the fingerprinted content or fails: an ``hf://`` download is
@@ -28,10 +28,11 @@ jobs could read different content). The job still hashes every record it keeps: 
 by that digest, so content that turns out unchanged (a touched file) is never collected twice.
 
 ``hf://`` files are downloaded into ``ENGRAM_CACHE_DIR/hf-datasets``, kept within
-``ENGRAM_HF_DATASETS_CACHE_BYTES`` by :func:`~service.datasets.sources.trim_hf_cache` after each download.
+``ENGRAM_HF_DATASETS_CACHE_BYTES`` by :func:`~service.datasets.hf_cache.trim_hf_cache` after each download.
 
-The sources themselves (URI shapes, fingerprints, pinned reads, the hub cache) are
-:mod:`service.datasets.sources`; this module checks references and turns their bytes into records.
+The sources themselves are :mod:`service.datasets.uris` (URI shapes),
+:mod:`service.datasets.fingerprints`, :mod:`service.datasets.sources` (pinned reads) and
+:mod:`service.datasets.hf_cache`; this module checks references and turns their bytes into records.
 """
 
 from __future__ import annotations
@@ -42,21 +43,12 @@ from typing import Any, cast
 from urllib.parse import urlparse
 
 from service.config import Settings
+from service.datasets.fingerprints import FINGERPRINT, Fingerprint, fingerprint_reference
 from service.datasets.images import folder_fingerprint, image_folder, list_image_folder
 from service.datasets.parquet import Limits, read_parquet
-from service.datasets.sources import (
-    FINGERPRINT,
-    Fingerprint,
-    Source,
-    allowed_s3_key,
-    check_regular_file,
-    file_path,
-    fingerprint_reference,
-    hf_parts,
-    open_source,
-    s3_key,
-)
+from service.datasets.sources import Source, open_source
 from service.datasets.spool import DatasetSpool, JsonlFeed, SpooledDataset
+from service.datasets.uris import allowed_s3_key, check_regular_file, file_path, hf_parts, s3_key
 from service.errors import Conflict, InvalidInput, PayloadTooLarge
 
 # The stored reference is a job record (a collect job's payload carries it); opened here.

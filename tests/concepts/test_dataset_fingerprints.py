@@ -24,8 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from service.config import Settings
+from service.datasets.fingerprints import hub_commit
+from service.datasets.hf_cache import trim_hf_cache
 from service.datasets.refs import StoredReference, resolve_reference, submitted_reference
-from service.datasets.sources import hub_commit, trim_hf_cache
 from service.datasets.spool import record_line
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput
