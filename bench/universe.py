@@ -133,13 +133,14 @@ def build_universe(ctx: Any, names: list[str]) -> dict[str, Any]:
 
 
 def variant_request(ctx: Any, names: list[str], universe_id: str, scaling: str = "uniform") -> dict[str, Any]:
-    """The stored request of an unlearn variant of ``names`` in the universe (submitted, not run)."""
+    """The stored plan of an unlearn variant of ``names`` in the universe (submitted, not run)."""
     from api_schemas import EditOptions
-    from service.variants.service import find_variant_request, submit_variant
+    from service.variants.build import find_variant_plan
+    from service.variants.service import submit_variant
 
     options = EditOptions(scaling=scaling, format="checkpoint", universe=universe_id)
     view, job = submit_variant(ctx, MODEL_ID, dict.fromkeys(names, -1.0), 1.0, options)
-    return {"request": find_variant_request(ctx, view.variant_id), "job": job}
+    return {"request": find_variant_plan(ctx, view.variant_id), "job": job}
 
 
 def float32_storage_effect(ctx: Any, variant_id: str, layout: Any, model_dir: Path, out: Path) -> dict[str, Any]:
@@ -148,15 +149,13 @@ def float32_storage_effect(ctx: Any, variant_id: str, layout: Any, model_dir: Pa
 
     from bench.compose import clear, compose_variant
     from service.statistics.local import local_statistics_file
-    from service.variants.build import build_variant_files
-    from service.variants.service import find_variant_request
+    from service.variants.build import build_variant_files, find_variant_plan
 
-    request = find_variant_request(ctx, variant_id)
-    assert request is not None
+    plan = find_variant_plan(ctx, variant_id)
     (out / "stored").mkdir(parents=True)
-    build_variant_files(ctx, request, out / "stored")
-    terms = [local_statistics_file(ctx, p) for p in request.term_stats.values()]
-    universe = [local_statistics_file(ctx, p) for p in request.universe_stats]
+    build_variant_files(ctx, plan, out / "stored")
+    terms = [local_statistics_file(ctx, p) for p in plan.request.term_stats.values()]
+    universe = [local_statistics_file(ctx, p) for p in plan.request.universe_stats]
     compose_variant(model_dir, layout, terms, universe, out / "float64")
     ours, theirs = (
         load_file(str(out / "stored" / "model.safetensors")),

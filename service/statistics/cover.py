@@ -4,10 +4,10 @@ check that refuses an edit needing a layer some member's statistics lack (their 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from service.context import Context
-from service.engine.layers import select_layers, summarize_names
+from service.engine.layers import LayerSpec, select_layers, summarize_names
 from service.engine.layout import ModelLayout
 from service.errors import Conflict
 from service.statistics.manifest import StatisticsManifest, has_stats_header, stats_header, stats_manifest
@@ -31,8 +31,27 @@ def check_statistics_cover(
     Raises:
         Conflict: naming each concept and the layers it has no statistics for.
     """
+    members = list(members)
     selected = select_layers(layout.layers, modules, layers)
     unreached = unreached_by_every(ctx, [prefix for _, prefix in members])
+    check_cover_of(ctx, layout, members, selected, unreached)
+
+
+def check_cover_of(
+    ctx: Context,
+    layout: ModelLayout,
+    members: Iterable[tuple[str, str]],
+    selected: Sequence[LayerSpec],
+    unreached: Collection[str],
+) -> None:
+    """:func:`check_statistics_cover` of an edit whose layers are already selected (a variant's plan).
+
+    Args:
+        selected: the edit's selected layers; ``unreached``: those no member's statistics reached.
+
+    Raises:
+        Conflict: naming each concept and the layers it has no statistics for.
+    """
     needed = [spec for spec in selected if spec.name not in unreached]
     if selected and not needed:
         raise Conflict(

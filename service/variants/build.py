@@ -22,7 +22,7 @@ from service.engine.compose import EngramSource, LayerEdit, layer_deltas, layer_
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
 from service.engine.gguf_rules import GgufWriteError, check_gguf_writable
-from service.engine.layers import LayerSpec, select_layers, with_module_strengths
+from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout
 from service.engine.lora import layer_loras
 from service.engine.lora_files import AdapterBase, AdapterReport, adapter_base, write_adapter
@@ -41,22 +41,21 @@ from service.jobs.records import JobRecord, VariantPayload
 from service.jobs.results import VariantResult
 from service.models.loaded import checked_model_files
 from service.models.registry import get_model
-from service.statistics.cover import unreached_by_every
 from service.storage.base import scratch_dir
-from service.storage.keys import variant_manifest_key, variant_request_key
+from service.storage.keys import variant_manifest_key, variant_plan_key, variant_request_key
 from service.universes.build import ensure_universe
 from service.universes.retention import note_use
 from service.variants.manifest import VariantManifest
+from service.variants.plan import VariantPlan
 from service.variants.publish import UploadedWhileWritten, discard_variant_files, publish_variant_files
-from service.variants.spec import VariantRequest
 
 
 def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
     """Build a variant by arithmetic on its universe's engrams: no forward pass, no decomposition.
 
     The result's ``steps`` are the seconds of each part (``bench.e2e`` splits what a user waits
-    for with them): ``request`` (the stored request), ``model`` (the registration, the layer
-    selection, which layers the universe reached), ``universe`` (its manifest and engram index;
+    for with them): ``request`` (the stored plan), ``model`` (the registration, checked against the
+    plan's digest), ``universe`` (its manifest and engram index;
     building it when missing), ``model_files`` (the checkpoint's files opened and checked against
     the identity recorded at registration), ``scales``, ``write`` (each layer: ``W`` and the terms'
     engrams read, summed, written, each file hashed as it is written), ``upload`` (the files moved
@@ -65,10 +64,9 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
     timer = StepTimes()
     with timer.step("request"):
         variant_id = job.payload_of(VariantPayload).variant_id
-        key = variant_request_key(variant_id)
-        request = VariantRequest.stored(key, ctx.storage.get_json(key))
         if ctx.storage.exists(variant_manifest_key(variant_id)):
             return VariantResult(variant_id=variant_id, reused=True)
+        plan = find_variant_plan(ctx, variant_id)
     progress = ProgressReporter(ctx, job.job_id, 0)
     started = time.monotonic()
     # Written where the store can take each file by a rename (file://), hashed while written: one pass.
@@ -76,7 +74,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
     with ctx.storage.staging_dir("variant") as tmp:
         written = UploadedWhileWritten(ctx.storage, variant_id)
         try:
-            built = build_variant_files(ctx, request, Path(tmp), progress, job_id=job.job_id, timer=timer, written=written)
+            built = build_variant_files(ctx, plan, Path(tmp), progress, job_id=job.job_id, timer=timer, written=written)
         except BaseException:
             written.abort()
             raise
@@ -88,7 +86,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
         files=files,
         scales=built.scales,
         seconds=seconds,
-        universe_id=request.universe_id,
+        universe_id=plan.universe_id,
         unreached_layers=tuple(built.unreached_layers),
         # per-layer ranks and errors of a peft adapter, shown on the variant
         lora=built.lora.model_dump(mode="json") if built.lora is not None else None,
@@ -99,7 +97,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
         except BaseException:
             discard_variant_files(ctx, variant_id)  # no manifest: nothing may stay under the variant's key
             raise
-        note_use(ctx, request.universe_id)  # a job that queued long must not leave its universe evictable
+        note_use(ctx, plan.universe_id)  # a job that queued long must not leave its universe evictable
     return VariantResult(
         variant_id=variant_id,
         reused=False,
@@ -108,6 +106,26 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
         universe_built_s=built.universe_built_s,
         steps=timer.seconds,
     )
+
+
+def find_variant_plan(ctx: Context, variant_id: str) -> VariantPlan:
+    """The plan the variant's submit stored, as its job runs it.
+
+    Raises:
+        JobFailed: no plan beside a stored request (stored by a service before plans: ``engram-service
+            migrate`` writes it), or no request at all.
+        UnmigratedRecord: a plan of another format.
+    """
+    key = variant_plan_key(variant_id)
+    stored = ctx.storage.find_json(key)
+    if stored is not None:
+        return VariantPlan.stored(key, stored)
+    if ctx.storage.exists(variant_request_key(variant_id)):
+        raise JobFailed(
+            f"variant {variant_id} was requested before variants were planned at submit ({key} is missing): "
+            "run `engram-service migrate` once, or submit the request again"
+        )
+    raise JobFailed(f"variant {variant_id} has no stored request: submit it again")
 
 
 @dataclass(frozen=True)
@@ -124,7 +142,7 @@ class BuiltVariant:
 
 def build_variant_files(
     ctx: Context,
-    request: VariantRequest,
+    plan: VariantPlan,
     out: Path,
     progress: Progress | None = None,
     *,
@@ -135,7 +153,8 @@ def build_variant_files(
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
     Args:
-        request: the stored variant request (``variants/<id>/request.json``).
+        plan: the variant's stored plan (``variants/<id>/plan.json``): its layers, terms and universe
+            as submit resolved them.
         progress: told of each layer written (a :class:`ProgressReporter` is given the layer count; the
             universe build before it only checks for cancellation).
         job_id: the variant job; given, a universe built first asks idle workers to help with it.
@@ -144,17 +163,17 @@ def build_variant_files(
             files are not: their writer does not hash).
 
     Raises:
-        JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result).
+        JobFailed: the edit cannot be computed (a layer without statistics, a non-finite result), or
+            the model was registered again with other weights since the plan was made.
     """
     timer = timer or StepTimes()
     with timer.step("model"):
-        model = get_model(ctx, request.model_id)
+        model = get_model(ctx, plan.model_id)
+        plan.check_model(model)
         layout = model.layout
-        spec = request.spec
-        selected = select_layers(layout.layers, spec.modules, spec.layers)
-        # Layers no member's forward pass ran have zero engrams: written as they are, and named.
-        unreached = unreached_by_every(ctx, request.universe_stats)
-        layers = [layer for layer in selected if layer.name not in unreached]
+        spec = plan.spec
+        # Layers no member's forward pass ran have zero engrams: written as they are (plan.unreached).
+        layers = plan.layers(layout, plan.edited)
     steps = progress or NoProgress()
     try:
         if spec.format == "peft":
@@ -162,7 +181,7 @@ def build_variant_files(
         if spec.format == "gguf":  # refused at submit; checked again for a request stored before a change
             check_gguf_writable({"architectures": [model.architecture]}, spec.gguf_quantization or "")
         with timer.step("universe"):
-            source, universe, built_s = _engram_source(ctx, request, steps, job_id, [s.name for s in layers])
+            source, universe, built_s = _engram_source(ctx, plan, steps, job_id, [s.name for s in layers])
         with timer.step("model_files"):
             reader = CheckpointReader(checked_model_files(ctx, model), layout)
         if isinstance(steps, ProgressReporter):
@@ -172,26 +191,22 @@ def build_variant_files(
             scales = with_module_strengths(variant_scales(layers, source, universe, spec.scaling, reader), spec.strengths)
         with timer.step("write"):
             base = adapter_base(model.model_id, model.source, spec.adapter_base_model)
-            lora = write_variant(out, reader, layout, layers, source, scales, request, steps, base, written=written)
+            lora = write_variant(out, reader, layout, layers, source, scales, plan, steps, base, written=written)
     except (EditError, ModelSourceError, GgufWriteError) as exc:
         raise JobFailed(str(exc)) from None
-    return BuiltVariant(scales, lora, built_s, [layer.name for layer in selected if layer.name in unreached])
+    return BuiltVariant(scales, lora, built_s, list(plan.unreached))
 
 
 def _engram_source(
-    ctx: Context, request: VariantRequest, progress: Progress, job_id: str | None, layers: Sequence[str] | None = None
+    ctx: Context, plan: VariantPlan, progress: Progress, job_id: str | None, layers: Sequence[str] | None = None
 ) -> tuple[EngramSource, UniverseManifest | None, float | None]:
     """The variant's terms as stored engrams of its universe (built now if missing: the input groups
     of ``layers`` only, the rest deferred to the request that needs it)."""
     started = time.monotonic()
     cancel_only = CancelOnly(progress) if isinstance(progress, ProgressReporter) else progress
-    universe, existed = ensure_universe(ctx, request.universe_id, cancel_only, job_id=job_id, layers=layers)
+    universe, existed = ensure_universe(ctx, plan.universe_id, cancel_only, job_id=job_id, layers=layers)
     built_s = None if existed else round(time.monotonic() - started, 3)
-    terms: dict[str, float] = {}
-    for name, coefficient in request.terms.items():
-        prefix = request.term_stats[name]
-        terms[prefix] = terms.get(prefix, 0.0) + coefficient
-    return stored_engrams(ctx, universe, terms), universe, built_s
+    return stored_engrams(ctx, universe, plan.coefficients), universe, built_s
 
 
 def variant_scales(
@@ -216,7 +231,7 @@ def write_variant(
     layers: Sequence[LayerSpec],
     source: EngramSource,
     scales: dict[str, float],
-    request: VariantRequest,
+    plan: VariantPlan,
     progress: Progress,
     base: AdapterBase | None = None,
     *,
@@ -225,20 +240,21 @@ def write_variant(
     """Write the variant's files into ``out``; returns a peft adapter's report, else None."""
     edit_layer = stored_editor(source, reader.layer_weights, scales)
     edited = {name for name, scale in scales.items() if scale != 0.0}
-    if request.spec.format == "checkpoint":
+    spec = plan.spec
+    if spec.format == "checkpoint":
         with torch_threads(arithmetic_threads()):  # memory-bound: see service.engine.threads
             write_checkpoint(reader.files, out, layout, edit_layer, edited, on_layer=progress.advance, written=written)
         return None
-    if request.spec.format == "gguf":
-        _write_gguf_variant(out, reader, layout, edit_layer, edited, request, progress)
+    if spec.format == "gguf":
+        _write_gguf_variant(out, reader, layout, edit_layer, edited, plan, progress)
         return None
-    if request.spec.format == "peft":
+    if spec.format == "peft":
         # Layer by layer: only each layer's low-rank factors outlive its float64 delta.
-        rank, target = request.spec.lora_rank, request.spec.adapter_target
+        rank, target = spec.lora_rank, spec.adapter_target
         loras = layer_loras(layer_deltas(layers, source, reader.layer_weights, scales), rank, lora_target=target)
         return write_adapter(
             out,
-            base or request.model_id,  # the base model peft's config names
+            base or plan.model_id,  # the base model peft's config names
             loras,
             max_rank=rank,
             tied=layout.tied_partners,
@@ -246,7 +262,7 @@ def write_variant(
             lora_target=target,
             task_type=None if layout.causal_lm is False else "CAUSAL_LM",  # an image classifier: peft's base PeftModel
         )
-    metadata = {"variant_id": request.variant_id, "terms": json.dumps(dict(request.terms))}
+    metadata = {"variant_id": plan.variant_id, "terms": json.dumps(dict(plan.request.terms))}
     with torch_threads(arithmetic_threads()):
         write_delta(
             reader.files,
@@ -270,7 +286,7 @@ def _write_gguf_variant(
     layout: ModelLayout,
     edit_layer: Callable[[LayerSpec], LayerEdit | None],
     edited: Collection[str],
-    request: VariantRequest,
+    plan: VariantPlan,
     progress: Progress,
 ) -> None:
     """The edited checkpoint, written to a scratch folder of this job, then as one GGUF file in ``out``
@@ -278,11 +294,11 @@ def _write_gguf_variant(
     whatever happens; a failure leaves ``out`` to the caller, which discards it."""
     from service.engine.gguf_write import write_gguf  # torch and gguf: jobs only
 
-    quantization = request.spec.gguf_quantization
+    quantization = plan.spec.gguf_quantization
     if quantization is None:
-        raise EditError(f"variant {request.variant_id} is format gguf but names no gguf_quantization")
+        raise EditError(f"variant {plan.variant_id} is format gguf but names no gguf_quantization")
     with scratch_dir("gguf-variant") as tmp:
         checkpoint = Path(tmp)
         with torch_threads(arithmetic_threads()):  # memory-bound: see service.engine.threads
             write_checkpoint(reader.files, checkpoint, layout, edit_layer, edited, on_layer=progress.advance)
-        write_gguf(checkpoint, out / GGUF_FILE, quantization, request.variant_id)
+        write_gguf(checkpoint, out / GGUF_FILE, quantization, plan.variant_id)

@@ -14,7 +14,10 @@ What changes:
   (no ``format``: ``checkpoint``; no ``lora_rank``, ``lora_target``, ``module_strengths``: none),
   and a request made before universes were stored gets its universe: the one of its statistics
   and cut, recorded (not built: a variant whose files are stored never needs it; one rebuilt
-  builds it first).
+  builds it first);
+- variant plans: a variant not built whose request has no plan beside it (requested before plans:
+  :mod:`service.variants.plan`) gets the plan its submit would have made, so that its queued job
+  runs; a built variant needs none (its job answers from the manifest).
 """
 
 from __future__ import annotations
@@ -26,15 +29,17 @@ from pydantic import ValidationError
 
 from service.concepts.migrate import concepts_of_any_version, migrate_concepts
 from service.context import Context
-from service.errors import first_validation_error
+from service.errors import NotFound, first_validation_error
 from service.models.migrate import Migration, migrate_models, registration_of_any_version
-from service.models.stored import FORMAT_VERSION
+from service.models.registry import get_model
+from service.models.stored import FORMAT_VERSION, UnmigratedRecord
 from service.statistics.key import StatsKey
-from service.storage.keys import VARIANTS, universe_request_key
+from service.storage.keys import VARIANTS, universe_request_key, variant_manifest_key, variant_plan_key
 from service.storage.stored_json import UnreadableRecord, find_record
-from service.universes.records import known_universe_ids
+from service.universes.records import find_request, known_universe_ids
 from service.universes.service import record_universe
 from service.universes.spec import Member, UniverseRequest, UniverseSpec
+from service.variants.plan import plan_of_stored
 from service.variants.spec import VariantRequest
 
 # What variants stored before each option had (the options' defaults when they were added).
@@ -106,10 +111,14 @@ def migrate_variants(ctx: Context, *, dry_run: bool = False) -> Migration:
         if not key.endswith("/request.json"):
             continue
         data = done.readable(ctx, key)
-        if data is None or data.get("format_version") == FORMAT_VERSION:
+        if data is None:
             continue
         try:
+            if data.get("format_version") == FORMAT_VERSION:
+                _plan_current(ctx, done, key, data, dry_run)
+                continue
             request, what = _migrated_request(ctx, data, dry_run)
+            what += _write_plan(ctx, request, dry_run)  # before the request: a reader of a current one finds it
         except Unmigratable as exc:
             done.refused.append((key, str(exc)))
             continue
@@ -117,6 +126,44 @@ def migrate_variants(ctx: Context, *, dry_run: bool = False) -> Migration:
             ctx.storage.put_json(key, request.model_dump(mode="json"))
         done.changed.append((key, what))
     return done
+
+
+def _plan_current(ctx: Context, done: Migration, key: str, data: Mapping[str, Any], dry_run: bool) -> None:
+    """A current request without its plan (stored before plans) gets it, reported under the plan's key
+    (a malformed one is left to its readers, which refuse it by name)."""
+    try:
+        request = VariantRequest.stored(key, data)
+    except ValidationError:
+        return
+    if ctx.storage.exists(variant_plan_key(request.variant_id)):
+        return
+    what = _write_plan(ctx, request, dry_run)
+    if what:
+        done.changed.append((variant_plan_key(request.variant_id), what.removeprefix("; ")))
+
+
+def _write_plan(ctx: Context, request: VariantRequest, dry_run: bool) -> str:
+    """Store the plan of a variant not built yet (``"; plan written ..."``; ``""`` when built).
+
+    Raises:
+        Unmigratable: its model is not registered, or its universe not recorded.
+    """
+    if ctx.storage.exists(variant_manifest_key(request.variant_id)):
+        return ""
+    if dry_run:  # a dry run records no universe: the plan of a request migrated here cannot be read yet
+        return "; its plan written (the layers, terms and universe its job runs)"
+    try:
+        model = get_model(ctx, request.model_id)
+        universe = find_request(ctx, request.universe_id)
+    except (NotFound, UnmigratedRecord) as exc:  # a registration gone, or one this migration refused
+        why = f"its plan cannot be made ({exc.detail}): fix that and migrate again, or delete the variant"
+        raise Unmigratable(why) from None
+    if universe is None:
+        raise Unmigratable(f"its universe {request.universe_id} is not recorded: submit the request again")
+    members = [(m.name, m.stats) for m in universe.members]
+    plan = plan_of_stored(ctx, model, request, members, universe.spec.model_digest)
+    ctx.storage.put_json(variant_plan_key(request.variant_id), plan.model_dump(mode="json"))
+    return f"; its plan written ({len(plan.edited)} layer(s) edited, {len(plan.unreached)} unreached)"
 
 
 def _migrated_request(ctx: Context, data: Mapping[str, Any], dry_run: bool) -> tuple[VariantRequest, str]:

@@ -1,4 +1,5 @@
-"""Submitting a variant: resolve its universe, name it by content, and build it when it is new; its view.
+"""Submitting a variant: resolve it once into its plan (:mod:`service.variants.plan`), check the plan,
+and build the variant when it is new; its view.
 
 The variant ID is a content hash of everything that determines the weights, the universe's ID
 included, so the same request keeps giving the same variant while the model's current universe
@@ -7,7 +8,7 @@ stays the same (uploading an unrelated concept changes nothing until the univers
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from service.context import Context
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
 from service.engine.gguf_rules import GgufWriteError, check_gguf_tokenizer, check_gguf_writable, default_gguf_quantization
-from service.engine.layers import select_layers, unmatched_suffixes
+from service.engine.layers import LayerSpec, unmatched_suffixes
 from service.engine.layout import ModelLayout
 from service.engine.lora_rules import rank_cap, vllm_bias_refusal, vllm_biased_layers
 from service.errors import InvalidInput, NotFound
@@ -29,15 +30,17 @@ from service.jobs.store import FINISHED, job_answer, new_job
 from service.jobs.submit import attach_callbacks
 from service.models.record import ModelRecord
 from service.models.registry import get_model
-from service.statistics.cover import check_statistics_cover, unreached_by_every
-from service.storage.keys import VARIANTS, variant_manifest_key, variant_request_key
+from service.statistics.cover import check_cover_of
+from service.storage.keys import VARIANTS, variant_manifest_key, variant_plan_key, variant_request_key
 from service.storage.stored_json import skip_unreadable
 from service.universes.members import EditUniverse, resolve_members
 from service.universes.projection import Projection
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import record_universe, set_current
+from service.universes.spec import UniverseSpec
 from service.variants.manifest import VariantManifest, read_variant_manifest
+from service.variants.plan import VariantPlan, plan_variant
 from service.variants.spec import VariantRequest, VariantSpec
 
 
@@ -49,7 +52,7 @@ def coefficients_for_unlearn(concepts: Sequence[str], alpha: float) -> dict[str,
 def submit_variant(
     ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions | Mapping[str, Any]
 ) -> tuple[Variant, JobRecord | None]:
-    """Resolve a compose/unlearn request to a content-addressed variant and build it if new.
+    """Resolve a compose/unlearn request once into its plan, a content-addressed variant, and build it if new.
 
     Args:
         options: the request's edit options (an :class:`EditOptions`, or its fields, validated here).
@@ -59,59 +62,82 @@ def submit_variant(
     """
     edit = edit_options(options)
     urls = callbacks.check_optional_url(edit.callback_url, ctx.settings)
-    _check_lora_rank(edit)
     model = get_model(ctx, model_id)
-    layout = model.layout
-    _check_selection(layout, edit.modules, edit.layers)
-    _check_strengths(layout, edit)
-    _check_servable(edit)
-    _check_adapter_layers(layout, edit)
-    _check_adapter_kind(model, edit)
-    _check_gguf_writable(model, edit)
+    _check_options(model, edit)
     spec = VariantSpec.from_options(edit, default_gguf_quantization(model.gguf.quantization if model.gguf else None))
     resolved = _resolve(ctx, model, terms, edit)
-    # Layers no member reached are written as they are: no bias of theirs moves.
-    unreached = unreached_by_every(ctx, [m.stats for m in resolved.spec.members])
-    _check_conv_adapters(layout, edit, unreached)
-    _check_vllm_biases(layout, edit, unreached)
-
-    def check_cover(universe: EditUniverse) -> None:  # every member has statistics for every selected layer
-        members = [(m.name, m.stats) for m in universe.spec.members]
-        check_statistics_cover(ctx, layout, members, edit.modules, edit.layers)
-
-    check_cover(resolved)  # before anything is written: a refused request fixes no current universe
     with ctx.lock:
         if resolved.becomes_current is not None and current_pointer(ctx, model_id) is not None:
             resolved = _resolve(ctx, model, terms, edit)  # another request fixed the current universe first: use it
-            check_cover(resolved)
-        request = VariantRequest.new(model, terms, alpha, spec, resolved)
-        variant_id = request.variant_id
-        existing = find_variant_request(ctx, variant_id)
-        job = ctx.jobs.get(existing.job_id) if existing is not None and existing.job_id else None
-        answered = existing is not None and (
-            variant_manifest(ctx, variant_id) is not None or (job is not None and job.status not in {"failed", "cancelled"})
-        )
+        # Planned and checked under the lock, once: the universe it names can no longer change under it.
+        plan = plan_variant(ctx, model, terms, alpha, spec, resolved)
+        _check_plan(ctx, model.layout, edit, plan)  # before anything is written: a refused request fixes nothing
+        answered, job = _built_or_building(ctx, plan.variant_id)
         if not answered:  # before anything is written; a variant built or building starts no job and is never refused
             admit(ctx)
-        projected = _room_for(ctx, model, terms, alpha, spec, resolved)  # a 409 here changes nothing
+        # A variant whose job will build its universe must fit ENGRAM_UNIVERSE_BYTES_BUDGET (a 409 here
+        # changes nothing: make_room); a variant already built is served without reading its universe.
+        projected = None if variant_manifest(ctx, plan.variant_id) is not None else make_room(ctx, resolved.spec)
         if resolved.becomes_current is not None:  # the first request without a universe fixes it
             set_current(ctx, resolved.becomes_current)
         if answered:
             if job is not None:  # the same variant again: its build calls this URL back too
                 job = attach_callbacks(ctx, job, urls)
-            note_use(ctx, resolved.spec.universe_id)  # its universe is still asked for: keep it
-            return variant_view(ctx, variant_id), (None if variant_manifest(ctx, variant_id) else job)
-        built = find_manifest(ctx, resolved.spec.universe_id) is not None
-        # Not built: it builds its universe first, far more than a copy, a GPU worker's work.
-        payload = VariantPayload(variant_id=variant_id, model_id=model_id, queue=None if built else "gpu")
-        job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
-        # The universe names the job that builds it: this one, on first need, unless built already.
-        record_universe(ctx, resolved.spec, None if built else job.job_id)
-        note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(variant_request_key(variant_id), request.with_job(job.job_id).model_dump(mode="json"))
-        ctx.reads.forget(variant_request_key(variant_id))
+            note_use(ctx, plan.universe_id)  # its universe is still asked for: keep it
+            return variant_view(ctx, plan.variant_id), (None if variant_manifest(ctx, plan.variant_id) else job)
+        job = _start_build(ctx, plan, resolved.spec, urls, projected)
     ctx.dispatch(job)
-    return variant_view(ctx, variant_id), ctx.jobs.get(job.job_id)
+    return variant_view(ctx, plan.variant_id), ctx.jobs.get(job.job_id)
+
+
+def _built_or_building(ctx: Context, variant_id: str) -> tuple[bool, JobRecord | None]:
+    """Whether the variant is built or its job still runs, and its stored request's job (if any)."""
+    existing = find_variant_request(ctx, variant_id)
+    job = ctx.jobs.get(existing.job_id) if existing is not None and existing.job_id else None
+    answered = existing is not None and (
+        variant_manifest(ctx, variant_id) is not None or (job is not None and job.status not in {"failed", "cancelled"})
+    )
+    return answered, job
+
+
+def _start_build(
+    ctx: Context, plan: VariantPlan, universe: UniverseSpec, urls: list[str], projected: Projection | None
+) -> JobRecord:
+    """Create the variant's job and store its plan, then its request (the variant's view), under the lock."""
+    built = find_manifest(ctx, plan.universe_id) is not None
+    # Not built: it builds its universe first, far more than a copy, a GPU worker's work.
+    payload = VariantPayload(variant_id=plan.variant_id, model_id=plan.model_id, queue=None if built else "gpu")
+    job = ctx.jobs.create(new_job("variant", payload, unit="layers", callback_urls=urls))
+    # The universe names the job that builds it: this one, on first need, unless built already.
+    record_universe(ctx, universe, None if built else job.job_id)
+    note_use(ctx, plan.universe_id, projected=projected, rebuilding=not built)
+    planned = plan.with_job(job.job_id)
+    ctx.storage.put_json(variant_plan_key(plan.variant_id), planned.model_dump(mode="json"))  # what the job runs
+    ctx.storage.put_json(variant_request_key(plan.variant_id), planned.request.model_dump(mode="json"))
+    ctx.reads.forget(variant_request_key(plan.variant_id))
+    return job
+
+
+def _check_options(model: ModelRecord, options: EditOptions) -> None:
+    """The refusals the options and the model's registration decide alone, before the universe is resolved."""
+    _check_lora_rank(options)
+    _check_modules(model.layout, options.modules)
+    _check_servable(options)
+    _check_adapter_kind(model, options)
+    _check_gguf_writable(model, options)
+
+
+def _check_plan(ctx: Context, layout: ModelLayout, options: EditOptions, plan: VariantPlan) -> None:
+    """Every refusal that depends on the layers the plan selected (a 422 or 409 naming what to change)."""
+    selected = plan.layers(layout)
+    if not selected:
+        raise InvalidInput("the modules/layers selection matches no editable layer")
+    _check_strengths(selected, options)
+    _check_adapter_layers(selected, options)
+    edited = plan.layers(layout, plan.edited)  # never-reached layers are written as they are
+    _check_conv_adapters(edited, options)
+    _check_vllm_biases(edited, options)
+    check_cover_of(ctx, layout, plan.universe, selected, plan.unreached)  # every member covers every edited layer
 
 
 def edit_options(options: EditOptions | Mapping[str, Any]) -> EditOptions:
@@ -130,13 +156,13 @@ def _field_error(error: Mapping[str, Any]) -> str:
     return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
-def _check_adapter_layers(layout: ModelLayout, options: EditOptions) -> None:
+def _check_adapter_layers(selected: Sequence[LayerSpec], options: EditOptions) -> None:
     """A peft adapter cannot carry expert layers (slices of fused parameters): a 422 naming them,
     before anything is written (the job checks again, for requests stored before this check)."""
     if options.format != "peft":
         return
     try:
-        check_adapter_layers(select_layers(layout.layers, options.modules, options.layers))
+        check_adapter_layers(selected)
     except EditError as exc:
         raise InvalidInput(str(exc)) from None
 
@@ -180,14 +206,14 @@ def refuse_gguf_loading(ctx: Context, variant_ids: Iterable[str | None], what: s
             )
 
 
-def _check_conv_adapters(layout: ModelLayout, options: EditOptions, unreached: Collection[str]) -> None:
+def _check_conv_adapters(edited: Sequence[LayerSpec], options: EditOptions) -> None:
     """A conv layer a peft adapter cannot carry (:meth:`ConvKernel.adapter_refusal`): a 422 naming it,
-    before any job. ``unreached``: layers no concept of the edit reached, never edited (a
-    vision-language model's vision tower under text concepts)."""
+    before any job. ``edited``: the selected layers some concept of the edit reached (a
+    vision-language model's vision tower under text concepts is not)."""
     if options.format != "peft":
         return
-    for spec in select_layers(layout.layers, options.modules, options.layers):
-        if spec.kernel is None or spec.name in unreached:
+    for spec in edited:
+        if spec.kernel is None:
             continue
         if reason := spec.kernel.adapter_refusal(options.lora_target):
             raise InvalidInput(f'format "peft" cannot carry the conv layer {spec.name}: {reason}')
@@ -207,39 +233,23 @@ def _check_servable(options: EditOptions) -> None:
         raise InvalidInput(str(exc)) from None
 
 
-def _check_vllm_biases(layout: ModelLayout, options: EditOptions, unreached: Collection[str]) -> None:
-    """``lora_target: "vllm"``: the edited layers have no bias (vLLM loads no lora_bias), a 422
-    naming them. ``unreached``: layers no concept of the edit reached, never edited."""
+def _check_vllm_biases(edited: Sequence[LayerSpec], options: EditOptions) -> None:
+    """``lora_target: "vllm"``: the edited layers (those some concept of the edit reached) have no
+    bias (vLLM loads no lora_bias), a 422 naming them."""
     if options.lora_target != "vllm":
         return
-    selected = [s for s in select_layers(layout.layers, options.modules, options.layers) if s.name not in unreached]
-    biased = vllm_biased_layers(selected)
+    biased = vllm_biased_layers(edited)
     if biased:
-        raise InvalidInput(vllm_bias_refusal(biased, selected))
+        raise InvalidInput(vllm_bias_refusal(biased, edited))
 
 
-def _check_strengths(layout: ModelLayout, options: EditOptions) -> None:
+def _check_strengths(selected: Sequence[LayerSpec], options: EditOptions) -> None:
     """Every ``module_strengths`` suffix, a factor of 1 included, matches an edited layer (a 422
     naming those that do not); :meth:`VariantSpec.from_options` then drops the ones."""
     given = options.module_strengths or {}
-    selected = select_layers(layout.layers, options.modules, options.layers)
     missing = unmatched_suffixes(selected, list(given))
     if missing:
         raise InvalidInput(f"module_strengths: suffix(es) match no edited layer: {', '.join(missing)}")
-
-
-def _room_for(
-    ctx: Context,
-    model: ModelRecord,
-    terms: Mapping[str, float],
-    alpha: float | None,
-    spec: VariantSpec,
-    resolved: EditUniverse,
-) -> Projection | None:
-    """A variant whose job will build its universe must fit ENGRAM_UNIVERSE_BYTES_BUDGET (a 409
-    otherwise; :func:`make_room`); a variant already built is served without reading its universe."""
-    variant_id = VariantRequest.new(model, terms, alpha, spec, resolved).variant_id
-    return None if variant_manifest(ctx, variant_id) is not None else make_room(ctx, resolved.spec)
 
 
 def _resolve(ctx: Context, model: ModelRecord, terms: Mapping[str, float], options: EditOptions) -> EditUniverse:
@@ -253,13 +263,12 @@ def _resolve(ctx: Context, model: ModelRecord, terms: Mapping[str, float], optio
     )
 
 
-def _check_selection(layout: ModelLayout, modules: list[str] | None, layers: list[int] | None) -> None:
+def _check_modules(layout: ModelLayout, modules: list[str] | None) -> None:
+    """Every module suffix matches some layer of the model (the selection itself: :func:`_check_plan`)."""
     if modules:
         missing = unmatched_suffixes(layout.layers, modules)
         if missing:
             raise InvalidInput(f"module suffix(es) match no layer: {', '.join(missing)}")
-    if not select_layers(layout.layers, modules, layers):
-        raise InvalidInput("the modules/layers selection matches no editable layer")
 
 
 def _check_lora_rank(options: EditOptions) -> None:
