@@ -169,17 +169,22 @@ start_api() {
     || die "the API is not ready after ${START_TIMEOUT_S}s: $(curl -s "http://$HOST:$PORT/readyz" 2>/dev/null || true) (logs: $STATE/api.log, $STATE/worker.log)"
 }
 
-stop_one() {  # stop_one NAME [group]: SIGTERM (its process group with "group"), SIGKILL after 20 s
-  local pid target
+stop_one() {  # stop_one NAME SIGNAL GRACE_S [group]: SIGNAL (to its process group with "group"), SIGKILL after GRACE_S
+  local pid target waited=0
   pid=$(pid_of "$1")
   [ -n "$pid" ] || return 0
   if kill -0 "$pid" 2>/dev/null; then
     target=$pid
-    [ "${2:-}" = group ] && target=-$pid
-    kill -TERM -- "$target" 2>/dev/null || true
-    for _ in $(seq 80); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-    kill -0 "$pid" 2>/dev/null && kill -KILL -- "$target" 2>/dev/null || true
-    say "stopped $1 (pid $pid)"
+    [ "${4:-}" = group ] && target=-$pid
+    say "stopping $1 (pid $pid: SIG$2, SIGKILL after $3 s)"
+    kill "-$2" -- "$target" 2>/dev/null || true
+    while [ "$waited" -lt $(($3 * 4)) ] && kill -0 "$pid" 2>/dev/null; do sleep 0.25; waited=$((waited + 1)); done
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -KILL -- "$target" 2>/dev/null || true
+      say "stopped $1 (pid $pid) with SIGKILL after $3 s of SIG$2"
+    else
+      say "stopped $1 (pid $pid) in $((waited / 4)) s"
+    fi
   fi
   rm -f "$STATE/$1.pid"
 }
@@ -220,10 +225,12 @@ cmd_status() {
 }
 
 cmd_stop() {
-  stop_one api
-  stop_one worker group
-  stop_one weed
-  stop_one redis
+  stop_one api TERM 20
+  stop_one worker TERM 20 group  # Celery's warm shutdown: a running task finishes (or is re-queued: acks_late)
+  # SeaweedFS's graceful stop waits 10 s (volume server) and 15 s (filer streams) on timers of its own: what it
+  # acknowledged is written already, so it gets 2 s (issue 40: 'stop' waited 29 s, silently, for this one).
+  stop_one weed INT 2
+  stop_one redis TERM 20
   rm -f "$SETTINGS"
 }
 

@@ -118,6 +118,14 @@ def test_the_recipe_serves_a_variant_from_s3_and_stops_everything(setup: dict[st
 
     stopped = _script({k: v for k, v in setup.items() if k != "PORT"}, "stop")
     assert stopped.returncode == 0, stopped.stderr
+    # Each stop is said as it starts and how it ended (issue 40: 29 silent seconds); only SeaweedFS, whose
+    # graceful stop waits on timers of its own, is cut short, after the 2 s the script gives it.
+    for name in pids:
+        assert f"stopping {name} (pid" in stopped.stdout and f"stopped {name} (pid" in stopped.stdout, stopped.stdout
+    assert [line for line in stopped.stdout.splitlines() if "SIGKILL after" in line and "stopped" in line] in (
+        [],
+        [f"local-distributed: stopped weed (pid {pids['weed']}) with SIGKILL after 2 s of SIGINT"],
+    ), stopped.stdout
     for name, pid in pids.items():
         assert not _running(pid), f"{name} (pid {pid}) still runs after stop"
         assert not (state / f"{name}.pid").exists()
