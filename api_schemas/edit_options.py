@@ -6,6 +6,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import Strict
 
@@ -183,7 +184,15 @@ class EditOptions(Strict):
 
 class UnlearnRequest(EditOptions):
     concepts: list[str] = Field(min_length=1, max_length=256)
-    alpha: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    alpha: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] | SkipJsonSchema[None] = Field(
+        default=None,
+        description=(
+            "the strength α in W − α Σ_k f_l W_k⁺. Omitted: the recommendation of the model's last calibration "
+            "of the same concepts in the same universe (with its scaling, modules, layers and module_strengths "
+            "where the request names none, and only when those it names agree), else a conservative 0.25; "
+            "the answer's warnings say which (α = 1 can destroy a pretrained model)"
+        ),
+    )
 
 
 Coefficient = Annotated[

@@ -55,3 +55,10 @@ class Variant(BaseModel):
 class VariantSubmission(BaseModel):
     variant: Variant
     job: Job | None = None
+    warnings: list[str] = Field(
+        default_factory=list,
+        description=(
+            "what the answer should not hide: the α an unlearn without alpha was given and why, and a universe "
+            "with no general-text reference (the edit is less selective), each with its fix"
+        ),
+    )

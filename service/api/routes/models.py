@@ -14,6 +14,8 @@ from service.api.pagination import PAGED_HEADERS, PageDep
 from service.api.routes import variants as variant_routes
 from service.context import Context
 from service.models import registration, registry
+from service.models.record import ModelRecord
+from service.variants import default_alpha
 from service.variants import service as variants
 
 router = APIRouter(tags=["models"])
@@ -49,11 +51,10 @@ async def register_model(
     hashes and inspects it (and downloads an ``s3://`` or ``hf://`` source first): 202 with the job
     when it takes longer than ``wait``."""
     answer = await run_in_threadpool(registration.request_registration, ctx, body.model_id, body.source)
-    if answer.manifest is not None:
+    if isinstance(answer.outcome, ModelRecord):
         response.status_code = 201 if answer.created else 200
-        return registry.model_answer(answer.manifest)
-    assert answer.job is not None  # not registered yet: a job registers it
-    job = await waited(ctx, lanes, answer.job, wait)
+        return registry.model_answer(answer.outcome)
+    job = await waited(ctx, lanes, answer.outcome, wait)
     if job.status != "succeeded":
         return unfinished_answer(job, f"the registration of {body.model_id}")
     manifest = await lanes.status(registry.get_model, ctx, body.model_id)
@@ -72,9 +73,13 @@ async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[M
 
 @router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
 def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Response) -> VariantSubmission:
-    """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists)."""
-    terms = variants.coefficients_for_unlearn(body.concepts, body.alpha)
-    return _submit(ctx, model_id, terms, body.alpha, body, response)
+    """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists). Without
+    ``alpha``: the last calibration's recommendation for these concepts, else a conservative α
+    (``warnings`` says which)."""
+    resolved = default_alpha.resolve_unlearn(ctx, model_id, body)  # before the variant ID: it names the α used
+    terms = variants.coefficients_for_unlearn(body.concepts, resolved.alpha)
+    submission = _submit(ctx, model_id, terms, resolved.alpha, resolved.request, response)
+    return submission.model_copy(update={"warnings": resolved.warnings})
 
 
 @router.post("/models/{model_id:path}/compose", response_model=VariantSubmission, status_code=202)
