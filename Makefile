@@ -17,10 +17,11 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: help install run test test-fast test-deps lint format demo bench api-docs docs distributed distributed-stop validate-deploy clean
+.PHONY: help install install-runtime run test test-fast test-deps lint format demo bench api-docs docs distributed distributed-stop validate-deploy clean
 
 help:
 	@echo "make install          set up $(VENV)/ (torch $(TORCH_VERSION) first, then the project with its dev extras)"
+	@echo "make install-runtime  set up $(VENV)/ to serve only: torch, the service and the client, no test or lint tools"
 	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
 	@echo "make test             the whole test suite, as CI runs it (needs redis-server on PATH), in TEST_WORKERS=$(TEST_WORKERS) processes; prints the 25 slowest"
 	@echo "make test-fast        the in-process tier (pytest -m fast: no server, Redis or S3 process); prints the 20 slowest"
@@ -57,6 +58,20 @@ $(STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproject.toml
 	# The client last: an older engram-service owned the `engram` script, and upgrading it removes it.
 	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./engram_client
 	touch $(STAMP)
+
+# What a machine that only serves needs (issue 40: `make install` always brought the dev tools): torch first,
+# then the service without its dev extras, then the client. Its stamp is its own, so `make install` later
+# still adds the dev extras.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+install-runtime: $(RUNTIME_STAMP)
+
+$(RUNTIME_STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./api_schemas -e .
+	$(QUIET_EDITABLE) $(PY) -m pip install -q -e ./engram_client
+	touch $(RUNTIME_STAMP)
 
 # The demo folder is an allowed model root unless you say otherwise.
 run: install
