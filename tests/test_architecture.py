@@ -6,6 +6,9 @@ functions count too) and checked against:
 - the engine (``service.engine``) is pure: no web, queue, storage or HTTP code, and nothing of the
   service outside the engine;
 - the API (``service.api``) never imports the engine: linear algebra and model loading are jobs;
+- the execution package (``service.execution``: kinds, runner, executors, runtime) imports no
+  domain package (:data:`DOMAINS`): it runs any job through the kind table, which names each body,
+  helper and periodic duty as a string, imported where it runs;
 - nothing under ``service`` imports ``workers`` (the Celery app sits on top), except the process
   entry point ``service.cli`` (``engram-service serve | worker | …`` starts the API or a Celery
   worker), which nothing imports;
@@ -16,7 +19,7 @@ functions count too) and checked against:
 - the client (``service.client`` today, ``engram_client`` once it is its own distribution)
   imports only ``api_schemas``, itself and its own libraries;
 - dependencies point down the layers of :data:`LAYERS` (``api_schemas`` ← ``engine`` ← ``storage``
-  ← the jobs' records ← the domains, one floor each (statistics ← models ← datasets ←
+  ← the jobs' records ← the Context ← the domains, one floor each (statistics ← models ← datasets ←
   concepts ← engrams ← universes ← variants ← evaluation ← maps ← calibration) ← ``execution``
   (kinds, runner, executors, runtime) ← ``api`` / ``workers``): no module imports one of a higher
   layer, and every module has a layer;
@@ -48,6 +51,20 @@ ENGINE_FORBIDDEN = ("fastapi", "starlette", "uvicorn", "celery", "kombu", "redis
 # What the client may import besides the standard library and its own package.
 CLIENT_ALLOWED_THIRD_PARTY = ("httpx", "pydantic", "typer", "rich", "click", "api_schemas")
 CLIENT_PACKAGES = ("service.client", "engram_client")
+# The domain packages, bottom up as in LAYERS: what service.execution never imports.
+DOMAINS = (
+    "service.statistics",
+    "service.models",
+    "service.datasets",
+    "service.concepts",
+    "service.engrams",
+    "service.universes",
+    "service.variants",
+    "service.evaluation",
+    "service.maps",
+    "service.calibration",
+)
+EXECUTION = "service.execution"
 # Process entry points: they start the API or a worker, so they sit above both; nothing imports them.
 ENTRY_POINTS = ("service.cli",)
 # What tests, bench and scripts share (a dev package): it may import the service, never the reverse.
@@ -59,9 +76,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the contract and settings", ("api_schemas", "service", "service.config", "service.errors", "service.observability")),
     ("the engine", ("service.engine",)),
     ("storage", ("service.storage",)),
-    # The jobs' records and duties (store, progress, leases, callbacks, reconcile, presence) and the
-    # Context that carries them: what every domain uses to start, follow and report a job.
-    ("the jobs' records", ("service.jobs", "service.context")),
+    # The jobs' records and duties (store, progress, leases, callbacks, reconcile, presence): what
+    # every domain uses to start, follow and report a job. They take what they need of a context as
+    # a Protocol (service.jobs.ports), so the Context, which carries a job store, sits above them.
+    ("the jobs' records", ("service.jobs",)),
+    ("the Context", ("service.context",)),
     # The domains, one floor each, in the order of the pipeline: a domain imports only those below it.
     # ARCHITECTURE.md drew engrams above universes; the code's cut is the other way (a universe build
     # writes its members' engrams, and the engram files know nothing of universes), so engrams sit below.
@@ -155,6 +174,8 @@ def violations(found: Iterable[Import], modules: set[str]) -> list[str]:
                 broken.append(f"{where} (the engine imports no web, queue, storage or HTTP code)")
             if _within(imp.imported, "service") and not _within(imp.imported, "service.engine"):
                 broken.append(f"{where} (the engine imports nothing of the service outside the engine)")
+        if _within(imp.importer, EXECUTION) and any(_within(imp.imported, domain) for domain in DOMAINS):
+            broken.append(f"{where} (execution names no domain: name the body, helper or duty in service.execution.kinds)")
         if _within(imp.importer, "service.api") and _within(imp.imported, "service.engine"):
             broken.append(f"{where} (the API never imports the engine: that work is a job)")
         if _within(imp.importer, "service") and _within(imp.imported, "workers") and imp.importer not in ENTRY_POINTS:
@@ -361,7 +382,12 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service/storage/base.py": "from ..jobs.store import y\n",
         "service/jobs/__init__.py": "",
         "service/jobs/store.py": "def g():\n    from service.storage.base import x\n",
+        "service/execution/__init__.py": "",
         "service/execution/runner.py": "from service.concepts.collection import run_collection\n",
+        "service/execution/kinds.py": "def body():\n    from service.universes import build\n",
+        "service/execution/queues.py": "from service.jobs.store import y\nfrom service.context import Context\n",
+        "service/jobs/submit.py": "from service.context import Context\n",
+        "service/context.py": "from service.jobs.store import y\n",
         "service/concepts/__init__.py": "",
         "service/concepts/collection.py": "from service.storage.base import x\n",
         "service/concepts/service.py": "def submit():\n    from service.execution.runner import run_job\n",
@@ -387,6 +413,8 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     broken = "\n".join(violations(found, modules))
     for expected in (
         "service.engine.other:2 imports redis (the engine imports no web",
+        "service.execution.runner:1 imports service.concepts.collection (execution names no domain",
+        "service.execution.kinds:2 imports service.universes (execution names no domain",
         "service.engine.other:3 imports service.storage (the engine imports nothing of the service",
         "service.api.routes:1 imports service.engine.pure (the API never imports the engine",
         "service.api.routes:2 imports workers.celery_app (nothing under service imports workers)",
@@ -401,6 +429,7 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     assert "pure:1 imports torch" not in broken and "cli:1 imports typer" not in broken
     assert "cli:2 imports api_schemas" not in broken and "service.cli:1" not in broken
     assert "engram_fixtures.demo:1" not in broken, "the fixtures may import the service"
+    assert "service.execution.queues" not in broken, "execution may import the jobs and the Context"
     upward = "\n".join(upward_imports(found, modules))
     for expected in (
         "service.storage.base:1 imports service.jobs.store (storage -> the jobs' records, a layer above",
@@ -409,6 +438,7 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "service.engine.other:3 imports service.storage (the engine -> storage, a layer above",
         "workers.celery_app:1 imports service.cli (the API and the workers -> the entry point",
         "service.lonely has no layer",
+        "service.jobs.submit:1 imports service.context (the jobs' records -> the Context, a layer above",
         "service.cli:2 imports engram_fixtures (the entry point -> the fixtures of tests, bench and scripts",
     ):
         assert expected in upward, f"missing: {expected}\n{upward}"
@@ -433,7 +463,7 @@ def test_the_api_process_imports_no_job_body_and_no_transformers() -> None:
         "import sys, service.cli, service.api.app\n"
         "bodies = ('service.execution.runner', 'service.concepts.collection', 'service.variants.build',"
         " 'service.universes.build', 'service.evaluation.run', 'service.calibration.build', 'service.maps.build',"
-        " 'service.models.inspection')\n"
+        " 'service.models.inspection', 'service.calibration.job', 'service.universes.helper_job')\n"
         "print(sorted(m for m in sys.modules if m in bodies or m == 'transformers' or m.startswith('transformers.')))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -29,7 +29,7 @@ from service.context import Context
 from service.execution.kinds import import_bodies
 from service.execution.memory_budget import apply_job_memory_limit, died_problem
 from service.execution.queues import make_celery
-from service.execution.runner import KINDS, TRANSIENT_ERRORS, UNIVERSE_HELPER, retry_after, run_job, run_universe_helper
+from service.execution.runner import HELPERS, KINDS, TRANSIENT_ERRORS, retry_after, run_helper, run_job
 from service.execution.runtime import build_runtime
 from service.jobs.presence import worker_presence
 from service.jobs.store import FINISHED, JobKind, RedisJobStore, utc_now
@@ -131,6 +131,12 @@ def job_task(kind: JobKind) -> Any:
     )
 
 
+def helper_task(kind: JobKind) -> Any:
+    """The Celery task of a kind's helper (:data:`HELPERS`), named by the table, on its kind's queue
+    (not a job: whatever a helper leaves undone, its job does itself)."""
+    return app.task(name=HELPERS[kind].task, bind=True, queue=KINDS[kind].queue, acks_late=True, reject_on_worker_lost=True)
+
+
 def _run(task: Task, job_id: str) -> None:
     """Run the job; after a transient error, retry the task with backoff until the runner gives up."""
     ctx = worker_context()
@@ -179,10 +185,10 @@ def register_model(self: Task, *, job_id: str) -> None:
     _run(self, job_id)
 
 
-@app.task(name=UNIVERSE_HELPER[0], bind=True, queue=UNIVERSE_HELPER[1], acks_late=True, reject_on_worker_lost=True)
+@helper_task("universe")
 def help_universe(self: Task, *, universe_id: str, job_id: str) -> None:
     """Decompose input groups (then write members' engrams) of a universe that job ``job_id`` builds."""
-    run_universe_helper(worker_context(), universe_id, job_id)
+    run_helper(worker_context(), "universe", universe_id, job_id)
 
 
 @job_task("evaluate")

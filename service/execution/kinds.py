@@ -3,6 +3,9 @@
 The table names each body by its import path instead of importing it, so the processes that only
 route jobs (the API, which queues them or hands them to its job process) never import a body, nor
 torch and transformers behind it: :func:`service.execution.runner.run_job` imports a body where it runs.
+It is also what keeps ``service.execution`` free of the domains: a body, a kind's helper and a
+periodic duty are named here as strings and imported where they run, so no module of this package
+imports a domain package (``tests/test_architecture.py`` holds it so).
 """
 
 from __future__ import annotations
@@ -19,12 +22,36 @@ from service.jobs.records import JobKind, JobRecord
 from service.jobs.results import RESULTS
 
 # A body reads its payload with job.payload_of(<its kind's payload model>, service.jobs.records.PAYLOADS)
-# and returns its kind's result model (service.jobs.results.RESULTS). The variant body still returns
-# the JSON object, which the runner validates as its kind's model (service/variants/build.py is not
-# this change's to edit).
+# and returns its kind's result model (service.jobs.results.RESULTS); a JSON object is validated as it.
 Body = Callable[[Any, JobRecord], BaseModel | dict[str, Any]]
 Queue = Literal["gpu", "cpu"]
 Lane = Literal["collect", "variant", "inference", "map", "register"]
+
+
+# A helper's body, ``(ctx, subject_id, job_id) -> Any``: its return value is only logged.
+HelperBody = Callable[[Any, str, str], Any]
+
+
+@dataclass(frozen=True)
+class Helper:
+    """Messages that help a running job of a kind with its work: not jobs (no record, and a failure
+    fails nothing: whatever a helper could not do, its job does itself). They run on the kind's queue.
+
+    Attributes:
+        body_path: ``module:function`` of the domain's helper, ``(ctx, subject_id, job_id) -> Any``.
+        task: the Celery task's name (stable: messages in flight name it).
+        subject: the keyword naming what is helped with in a message (stable, as ``task``).
+    """
+
+    body_path: str
+    task: str
+    subject: str
+
+    @property
+    def body(self) -> HelperBody:
+        """The helper function, imported on first use (in the process that runs it)."""
+        helper: HelperBody = _import(self.body_path)
+        return helper
 
 
 @dataclass(frozen=True)
@@ -39,6 +66,7 @@ class Kind:
         lane: embedded mode's thread lane in the job process (one job at a time per lane, so a
             compose never waits behind a long collection, and a quick evaluation neither).
         result: the model of the body's result (:data:`service.jobs.results.RESULTS`).
+        helper: what idle workers may run to help a job of this kind, if anything.
     """
 
     body_path: str
@@ -46,11 +74,13 @@ class Kind:
     task: str
     lane: Lane
     result: type[BaseModel]
+    helper: Helper | None = None
 
     @property
     def body(self) -> Body:
         """The body function, imported on first use (in the process that runs the job)."""
-        return _import(self.body_path)
+        body: Body = _import(self.body_path)
+        return body
 
 
 def import_bodies() -> None:
@@ -62,25 +92,34 @@ def import_bodies() -> None:
     checkpoint copy, also right after a restart)."""
     for kind in KINDS.values():
         _import(kind.body_path)
+        if kind.helper is not None:
+            _import(kind.helper.body_path)
 
 
 @cache
-def _import(path: str) -> Body:
+def _import(path: str) -> Any:
     module, _, name = path.partition(":")
-    body: Body = getattr(importlib.import_module(module), name)
-    return body
+    return getattr(importlib.import_module(module), name)
 
 
 KINDS: dict[JobKind, Kind] = {
     "collect": Kind("service.concepts.collection:run_collection", "gpu", "engram.collect", "collect", RESULTS["collect"]),
     "variant": Kind("service.variants.build:run_variant", "cpu", "engram.build_variant", "variant", RESULTS["variant"]),
     # A universe costs far more than a copy (float64 eigh and W·Σ_k·Σ_U⁺ products): GPU workers take it.
-    "universe": Kind("service.universes.build:run_universe", "gpu", "engram.build_universe", "variant", RESULTS["universe"]),
+    # Its helpers compute parts no one holds yet, claimed by lease (service.universes.build).
+    "universe": Kind(
+        "service.universes.build:run_universe",
+        "gpu",
+        "engram.build_universe",
+        "variant",
+        RESULTS["universe"],
+        Helper("service.universes.helper_job:help_universe", "engram.help_universe", "universe_id"),
+    ),
     "evaluate": Kind("service.evaluation.run:run_evaluation", "gpu", "engram.evaluate", "inference", RESULTS["evaluate"]),
     "generate": Kind("service.evaluation.run:run_generation", "gpu", "engram.generate", "inference", RESULTS["generate"]),
     # It runs the model over probes, candidate after candidate (and its variant's job inline).
     "calibrate": Kind(
-        "service.execution.runner:run_calibration_job", "gpu", "engram.calibrate", "inference", RESULTS["calibrate"]
+        "service.calibration.job:run_calibration_job", "gpu", "engram.calibrate", "inference", RESULTS["calibrate"]
     ),
     # A map loads weights and decomposes Σ_U, as a universe build does; its own lane in embedded
     # mode, so a map waits neither for a collection nor for a variant.
@@ -90,5 +129,15 @@ KINDS: dict[JobKind, Kind] = {
         "service.models.inspection:run_registration", "cpu", "engram.register_model", "register", RESULTS["register"]
     ),
 }
-# A universe build's helpers run where its job runs (service.universes.build: parts claimed by lease).
-UNIVERSE_HELPER: tuple[str, Queue] = ("engram.help_universe", KINDS["universe"].queue)
+# The kinds whose jobs may be helped, with their helpers.
+HELPERS: dict[JobKind, Helper] = {name: kind.helper for name, kind in KINDS.items() if kind.helper is not None}
+
+# What an API process runs every ENGRAM_JANITOR_INTERVAL_S (the janitor's periodic pass), each
+# ``(ctx) -> what it removed``: the universes' retention rule.
+DUTIES: tuple[str, ...] = ("service.universes.retention:expire_unused",)
+Duty = Callable[[Any], list[str]]
+
+
+def duties() -> list[Duty]:
+    """The periodic duties, imported now (by the process that will run them, before its threads start)."""
+    return [_import(path) for path in DUTIES]

@@ -12,8 +12,8 @@ from celery import Celery
 from kombu import Queue
 
 from service.config import Settings
-from service.execution.kinds import KINDS, UNIVERSE_HELPER
-from service.jobs.records import JobRecord, VariantPayload
+from service.execution.kinds import HELPERS, KINDS
+from service.jobs.records import JobKind, JobRecord, VariantPayload
 from service.jobs.store import RedisJobStore
 
 QUEUES = sorted({kind.queue for kind in KINDS.values()})
@@ -40,7 +40,7 @@ def make_celery(settings: Settings) -> Celery:
 
 
 class CelerySender:
-    """Sends jobs, and a universe build's helpers, to the queues."""
+    """Sends jobs, and the helpers of a running job, to the queues."""
 
     def __init__(self, celery: Celery, jobs: RedisJobStore) -> None:
         self.celery, self.jobs = celery, jobs
@@ -53,8 +53,12 @@ class CelerySender:
         self.jobs.update(job.job_id, persist=False, dispatch_epoch=self.jobs.epoch())
         self.celery.send_task(kind.task, kwargs={"job_id": job.job_id}, queue=queue)
 
-    def universe_helpers(self, universe_id: str, job_id: str, count: int) -> None:
-        # Not jobs: messages any idle worker may take; each claims parts by lease (service.universes.build).
-        name, queue = UNIVERSE_HELPER
+    def helpers(self, kind: JobKind, subject_id: str, job_id: str, count: int) -> None:
+        """Ask ``count`` idle workers to help job ``job_id`` of ``kind`` with ``subject_id``.
+
+        Not jobs: messages any idle worker of the kind's queue may take (a universe's helpers claim
+        parts by lease, so two never compute one part)."""
+        helper = HELPERS[kind]
+        kwargs = {helper.subject: subject_id, "job_id": job_id}
         for _ in range(count):
-            self.celery.send_task(name, kwargs={"universe_id": universe_id, "job_id": job_id}, queue=queue)
+            self.celery.send_task(helper.task, kwargs=kwargs, queue=KINDS[kind].queue)

@@ -1,9 +1,7 @@
 """The job runner: the state machine every job goes through, running the body :mod:`service.execution.kinds` names.
 
-A body is a function ``(ctx, job) -> result`` in its domain (``service.concepts.collection``,
-``service.universes.build``, ``service.variants.build``, ``service.evaluation.run``,
-``service.calibration.build``, ``service.maps.build``, ``service.models.inspection``). The
-runner is the same in both modes: embedded mode's job process (:mod:`service.execution.embedded`) and
+A body is a function ``(ctx, job) -> result`` in its domain, named by the table as a string: the
+runner imports no domain. It is the same in both modes: embedded mode's job process (:mod:`service.execution.embedded`) and
 distributed mode's Celery tasks (:mod:`workers.celery_app`) call :func:`run_job`. A body re-reads
 its inputs from storage, checks whether its output already exists (a redelivered job then finishes
 at once), works in a private scratch directory, and publishes content-addressed outputs with the
@@ -12,7 +10,9 @@ manifest last. Nothing half-written is visible.
 The state machine: ``queued`` → ``running`` → ``succeeded`` | ``failed`` | ``cancelled``; a
 transient error (storage or Redis briefly away) puts the job back to ``queued`` for a retry, until
 :func:`retry_after` says it had its tries. While a body runs, a heartbeat tells the reconciler
-(:mod:`service.jobs.reconcile`) its worker is alive.
+(:mod:`service.jobs.reconcile`) its worker is alive. A body may run a job it created inline
+(``ctx.run_inline``, this runner); a kind's helpers (:class:`~service.execution.kinds.Helper`) run
+through :func:`run_helper`.
 """
 
 from __future__ import annotations
@@ -28,29 +28,21 @@ from typing import Any
 import redis.exceptions
 from pydantic import BaseModel
 
-from api_schemas.calibration import CalibrationJobResult
 from service.context import Context
 from service.engine.errors import CollectionCancelled
 from service.errors import JobFailed, ProblemDetails, ProblemError, ServiceUnavailable
-from service.execution.kinds import KINDS, UNIVERSE_HELPER, Kind, Queue
+from service.execution.kinds import HELPERS, KINDS, Kind, Queue
 from service.execution.memory_budget import exhausted_memory, out_of_memory_problem, release_freed_memory
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
-from service.jobs.records import JobRecord
+from service.jobs.records import JobKind
 from service.jobs.store import FINISHED, utc_now
 from service.observability import job_context
 from service.storage.base import StorageUnavailable
 
 log = logging.getLogger("engram.runner")
 
-__all__ = ["KINDS", "UNIVERSE_HELPER", "Kind", "Queue", "run_job", "retry_after", "run_universe_helper", "stored_result"]
-
-
-def run_calibration_job(ctx: Context, job: JobRecord) -> CalibrationJobResult:
-    """A calibration runs its recommended variant's job inline, through this runner."""
-    from service.calibration.build import run_calibration
-
-    return run_calibration(ctx, job, run_job)
+__all__ = ["HELPERS", "KINDS", "Kind", "Queue", "retry_after", "run_helper", "run_job", "stored_result"]
 
 
 # Errors worth a retry: the job's inputs are fine, a service it needs is briefly away.
@@ -75,6 +67,8 @@ def run_job(
             cancellation was asked (stuck where no check runs: native code, a blocking read); a
             Celery worker ends its pool process, and the redelivered message finds the job cancelled.
     """
+    if ctx.run_inline is None:  # what a body runs a job it created with (a calibration's variant)
+        ctx.run_inline = run_job
     job = ctx.jobs.get(job_id)
     if job is None or job.status in FINISHED:
         return
@@ -140,24 +134,23 @@ def retry_after(ctx: Context, job_id: str, exc: Exception, retries: int, max_ret
     return int(min(60, 2 ** (retries + 1)))
 
 
-def run_universe_helper(ctx: Context, universe_id: str, job_id: str) -> None:
-    """Help job ``job_id`` build universe ``universe_id``: compute the parts no one holds, then stop.
+def run_helper(ctx: Context, kind: JobKind, subject_id: str, job_id: str) -> None:
+    """Help job ``job_id`` of ``kind`` with ``subject_id`` (a universe it builds): run the kind's
+    helper (:class:`~service.execution.kinds.Helper`) until it has nothing left to do, then stop.
 
     A helper is not a job: it has no record and its failure fails nothing. Whatever it could not do
-    (it failed, or its worker died and its lease expired) the job computes itself, and a job that
-    ended or was cancelled stops its helpers at their next part or layer.
+    (it failed, or its worker died) its job does itself, and a job that ended or was cancelled
+    stops its helpers at their next check (:class:`JobCancelled`).
     """
-    from service.universes.build import help_build_universe
-
     with job_context(job_id):
         try:
-            done = help_build_universe(ctx, universe_id, job_id)
+            done = HELPERS[kind].body(ctx, subject_id, job_id)
         except JobCancelled:
-            log.info("universe %s: stopped helping, job %s ended", universe_id, job_id)
-        except Exception as exc:  # the job redoes the part; say why here
-            log.warning("universe %s: helper of job %s failed, the job takes over: %s", universe_id, job_id, exc)
+            log.info("%s %s: stopped helping, job %s ended", kind, subject_id, job_id)
+        except Exception as exc:  # the job redoes the work; say why here
+            log.warning("%s %s: helper of job %s failed, the job takes over: %s", kind, subject_id, job_id, exc)
         else:
-            log.info("universe %s: helper of job %s done (%s)", universe_id, job_id, done)
+            log.info("%s %s: helper of job %s done (%s)", kind, subject_id, job_id, done)
 
 
 @contextmanager

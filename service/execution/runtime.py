@@ -12,16 +12,17 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from service.config import Settings
 from service.context import Context
 from service.execution.embedded import ProcessExecutor, SqliteJobStore, live_store_path
+from service.execution.kinds import Duty, duties
 from service.jobs.callbacks import CallbackDispatcher
 from service.jobs.store import RedisJobStore
 from service.storage.factory import open_storage
 from service.storage.janitor import start_janitor
-from service.universes.retention import expire_unused
 
 log = logging.getLogger("engram.runtime")
 
@@ -47,11 +48,11 @@ def build_runtime(settings: Settings, *, background: bool = True) -> Runtime:
     """The runtime of an API process (``background``) or of a worker (no background duties)."""
     runtime = _embedded(settings) if settings.embedded else _distributed(settings, background)
     ctx = runtime.ctx
-    # Crashed processes' leftovers; an API process also applies the universes' retention rule.
-    retention = (lambda: expire_unused(ctx)) if background else None
+    # Crashed processes' leftovers; an API process also runs the periodic duties (the universes' retention rule).
+    periodic = partial(_run_duties, ctx, duties()) if background else None
 
     def janitor() -> None:
-        start_janitor(settings, ctx.storage, retention)
+        start_janitor(settings, ctx.storage, periodic)
 
     runtime.on_start.insert(0, janitor)
     return runtime
@@ -100,7 +101,7 @@ def _distributed(settings: Settings, background: bool) -> Runtime:
         dispatch=sender.dispatch,
         lock=lock,
         broker_ping=client.ping,
-        universe_helpers=sender.universe_helpers,
+        universe_helpers=partial(sender.helpers, "universe"),
         # Celery's Redis transport keeps each queue as a list named after it.
         queue_depths=lambda: {queue: int(client.llen(queue)) for queue in QUEUES},
         live_workers=lambda: live_workers(client, QUEUES),  # /readyz: no consumer, not ready
@@ -123,6 +124,11 @@ def _deliver_callbacks(runtime: Runtime, lock: Callable[[], Any] | None) -> None
     ctx.jobs.on_finished = dispatcher.wake
     runtime.on_start.append(dispatcher.start)
     runtime.on_stop.insert(0, dispatcher.stop)
+
+
+def _run_duties(ctx: Context, steps: list[Duty]) -> list[str]:
+    """One periodic pass: each duty in turn; what they removed (the janitor logs it, and a failure)."""
+    return [removed for step in steps for removed in step(ctx)]
 
 
 def _safely(step: Callable[[], Any]) -> None:

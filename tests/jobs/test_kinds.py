@@ -17,7 +17,7 @@ import redis
 
 from engram_fixtures.live import RedisServer
 from service.config import Settings
-from service.execution.kinds import KINDS, UNIVERSE_HELPER
+from service.execution.kinds import HELPERS, KINDS
 from service.execution.queues import QUEUES, CelerySender, make_celery
 from service.jobs.store import JobKind, RedisJobStore, new_job
 from service.storage.local import LocalStorage
@@ -26,10 +26,10 @@ from tests.helpers.jobs import payload_for
 
 def test_every_kind_has_one_entry_with_its_own_task() -> None:
     assert set(KINDS) == set(get_args(JobKind))
-    tasks = [kind.task for kind in KINDS.values()] + [UNIVERSE_HELPER[0]]
+    tasks = [kind.task for kind in KINDS.values()] + [helper.task for helper in HELPERS.values()]
     assert len(set(tasks)) == len(tasks), "a task name per kind"
     assert {kind.queue for kind in KINDS.values()} == set(QUEUES) == {"gpu", "cpu"}
-    assert UNIVERSE_HELPER[1] == KINDS["universe"].queue, "helpers run where their universe's job runs"
+    assert set(HELPERS) == {"universe"}, "a universe build's helpers are the kind table's"
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -45,7 +45,8 @@ def test_the_worker_registers_a_task_per_kind_on_the_kinds_queue() -> None:
     for kind in KINDS.values():
         assert kind.task in app.tasks, kind
         assert app.tasks[kind.task].queue == kind.queue, kind
-    assert app.tasks[UNIVERSE_HELPER[0]].queue == UNIVERSE_HELPER[1]
+    for name, helper in HELPERS.items():  # helpers run where their kind's job runs
+        assert app.tasks[helper.task].queue == KINDS[name].queue, helper
 
 
 def queued_messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
@@ -84,7 +85,14 @@ def test_a_payload_may_send_its_job_to_another_queue(sender: CelerySender, clien
 
 
 def test_universe_helpers_are_messages_not_jobs(sender: CelerySender, client: redis.Redis) -> None:
-    sender.universe_helpers("u1", "j" * 32, 3)
-    helpers = queued_messages(client, UNIVERSE_HELPER[1])
-    assert helpers == [{"task": UNIVERSE_HELPER[0], "kwargs": {"universe_id": "u1", "job_id": "j" * 32}}] * 3
+    sender.helpers("universe", "u1", "j" * 32, 3)
+    helpers = queued_messages(client, "gpu")
+    assert helpers == [{"task": "engram.help_universe", "kwargs": {"universe_id": "u1", "job_id": "j" * 32}}] * 3
     assert sender.jobs.active() == []
+
+
+@pytest.mark.parametrize("kind", sorted(HELPERS))
+def test_each_helper_is_a_function_of_a_context_a_subject_and_a_job(kind: str) -> None:
+    helper = HELPERS[kind]  # type: ignore[index]
+    assert callable(helper.body)
+    assert list(inspect.signature(helper.body).parameters)[1:] == [helper.subject, "job_id"], helper.body_path
