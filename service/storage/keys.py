@@ -6,6 +6,7 @@
 - ``stats/<model digest>/<dataset digest>/<settings digest>/``: a concept's statistics on a model
   (:mod:`service.statistics.key` spells the prefix and its files: storage knows no statistics format)
 - ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
+- ``variant-plans/<variant id>.json``: the variant's plan, what its job runs
 - ``universes/<universe id>/``: ``request.json``, ``plan.json``, ``groups/<group>.safetensors``,
   ``engrams/<member>.safetensors`` (and ``.json``), ``parts/<kind>-<name>.json``, ``manifest.json``
   last, ``usage.json``, ``pairs/<member>+<member>.json`` (engram inner products, on first need);
@@ -159,7 +160,12 @@ def known_universe_key(model_id: str, universe_id: str) -> str:
     return f"{model_universes_prefix(model_id)}known/{universe_id}"
 
 
+VARIANT_PLANS = "variant-plans/"
+
+
 def variant_plan_key(variant_id: str) -> str:
-    """``variants/<variant id>/plan.json``: the request resolved at submit, what the variant job runs
-    (:mod:`service.variants.plan`); written before the request, beside it."""
-    return f"{VARIANTS}{variant_id}/plan.json"
+    """``variant-plans/<variant id>.json``: the request resolved at submit, what the variant job runs
+    (:mod:`service.variants.plan`); written before the request. Outside ``variants/<id>/``, which
+    holds the request and, once built, the files and manifest: nothing else (a failed build leaves
+    the request alone there)."""
+    return f"{VARIANT_PLANS}{variant_id}.json"

@@ -153,7 +153,7 @@ def build_variant_files(
     """Write a variant's files into ``out`` (an empty directory), building its universe first if needed.
 
     Args:
-        plan: the variant's stored plan (``variants/<id>/plan.json``): its layers, terms and universe
+        plan: the variant's stored plan (``variant-plans/<id>.json``): its layers, terms and universe
             as submit resolved them.
         progress: told of each layer written (a :class:`ProgressReporter` is given the layer count; the
             universe build before it only checks for cancellation).

@@ -3,9 +3,11 @@
 Submit resolves a compose/unlearn request once: its universe, its ID (hashed once, by
 :meth:`VariantRequest.new`), the layers its modules/layers select, those no member's forward pass
 reached, and each statistics prefix with the summed coefficient of the terms it holds. Every check
-on submit reads the plan; the plan is stored beside the request (``variants/<id>/plan.json``) before
-the job is created, and the job runs it as stored: it selects nothing, re-keys no term and reads no
-statistics header. What may change between submit and job is the model's registration: the job
+on submit reads the plan; the plan is stored (``variant-plans/<id>.json``) before the request and
+before the job is dispatched, and the job runs it as stored: it selects nothing, re-keys no term and
+reads no statistics header. It is stored by the variant's ID rather than in the job's payload: a
+job names the variant it builds, and the plan is the variant's (a second request of a failed
+variant writes its plan again, for its new job). What may change between submit and job is the model's registration: the job
 refuses by name a model registered again with other weights (:meth:`VariantPlan.check_model`).
 
 The stored request (``request.json``) stays the variant's view and identity record, the JSON
@@ -43,7 +45,7 @@ class PlanTerm(BaseModel):
 
 
 class VariantPlan(BaseModel):
-    """The frozen, stored plan of one variant (``variants/<id>/plan.json``).
+    """The frozen, stored plan of one variant (``variant-plans/<id>.json``).
 
     Attributes:
         request: the stored request, whose ``variant_id`` is the identity's digest (made once).
