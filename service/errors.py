@@ -60,6 +60,7 @@ class ProblemError(Exception):
     status = 400
     title = "Bad request"
     slug = "bad-request"
+    headers: dict[str, str] | None = None  # HTTP headers its answer carries (Retry-After on a 429)
 
     def __init__(
         self, detail: str, *, errors: list[dict[str, Any]] | None = None, extensions: dict[str, Any] | None = None

@@ -132,7 +132,7 @@ ANONYMOUS = Principal(ANONYMOUS_OWNER, "admin")
 
 def request_principal(request: Request) -> Principal:
     """The principal the middleware admitted this request as; :data:`ANONYMOUS` without auth."""
-    principal = getattr(request.state, "auth", None)
+    principal = getattr(request.state, "auth", None)  # starlette's State raises AttributeError for a name never set
     return principal if isinstance(principal, Principal) else ANONYMOUS
 
 

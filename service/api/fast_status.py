@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import Concept
@@ -74,8 +75,10 @@ class FastStatus:
         path: str = scope["path"]
         if path == "/healthz":
             return HEALTH_ROUTE, _HEALTHY
-        ctx: Context | None = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
-        if ctx is None or not ctx.jobs.reads_are_local:
+        app = scope.get("app")
+        # starlette's State raises AttributeError for a name not set yet (the app sets ctx at start-up)
+        ctx = getattr(app.state, "ctx", None) if isinstance(app, Starlette) else None
+        if not isinstance(ctx, Context) or not ctx.jobs.reads_are_local:
             return None
         if path.startswith("/jobs/"):
             job = _local_job(ctx, path[len("/jobs/") :])

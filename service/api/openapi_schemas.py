@@ -109,6 +109,7 @@ def add_missing_schemas(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
         if not missing:
             return
         for name in sorted(missing):
+            # a module's namespace looked up by a schema name: the name may not be exported
             model = getattr(api_schemas, name, None)
             if not (isinstance(model, type) and issubclass(model, BaseModel)):
                 raise LookupError(f"the OpenAPI document references {SCHEMA_REF}{name}, which no api_schemas model is")

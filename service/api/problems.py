@@ -49,9 +49,8 @@ def install_problem_handlers(app: FastAPI, max_json_values: int | None = None) -
 
     @app.exception_handler(ProblemError)
     async def _problem(_: Request, exc: ProblemError) -> JSONResponse:
-        headers = getattr(exc, "headers", None)  # e.g. Retry-After on a 429
         return JSONResponse(
-            exc.to_problem().model_dump(mode="json"), status_code=exc.status, media_type=PROBLEM_JSON, headers=headers
+            exc.to_problem().model_dump(mode="json"), status_code=exc.status, media_type=PROBLEM_JSON, headers=exc.headers
         )
 
     @app.exception_handler(StorageUnavailable)

@@ -68,11 +68,16 @@ def apply_engrams(
     if not terms:
         raise EditError(f"the edit of layer {spec.name} has no engram")
     new_w = torch.empty((spec.out_features, spec.in_features), dtype=weights.weight.dtype)
-    new_b = torch.empty(spec.out_features, dtype=weights.bias.dtype) if spec.bias and weights.bias is not None else None
+    bias = (
+        (weights.bias, torch.empty(spec.out_features, dtype=weights.bias.dtype))
+        if spec.bias and weights.bias is not None
+        else None
+    )
     if _sums_in_float32(weights, terms):
-        _add_in_float32(spec, weights, terms, new_w, new_b)
+        _add_in_float32(spec, weights, terms, new_w, bias)
     else:
-        _add_in_float64(spec, weights, terms, new_w, new_b)
+        _add_in_float64(spec, weights, terms, new_w, bias)
+    new_b = bias[1] if bias is not None else None
     weight = stored_weight(new_w, spec)
     return LayerEdit(spec, weight, new_b, scale)
 
@@ -82,21 +87,24 @@ def _sums_in_float32(weights: LayerWeights, terms: Sequence[tuple[float, torch.T
     return all(d in _FLOAT32_SUM_DTYPES for d in dtypes) and all(e.dtype in _FLOAT32_SUM_DTYPES for _, e in terms)
 
 
+# A layer's bias pair: (the stored bias, the new bias the sum is written into); None for no bias.
+_BiasPair = tuple[torch.Tensor, torch.Tensor]
+
+
 def _add_in_float64(
     spec: LayerSpec,
     weights: LayerWeights,
     terms: Sequence[tuple[float, torch.Tensor]],
     new_w: torch.Tensor,
-    new_b: torch.Tensor | None,
+    bias: _BiasPair | None,
 ) -> None:
     """``new_w | new_b = [W | b] + Σ c_k E_k``, summed in float64, one cast at the end."""
     w = weight_matrix(weights.weight, spec)
     for first, acc in _row_blocks(spec.out_features, spec.stat_dim, COMPUTE_DTYPE):
         last = first + acc.shape[0]
         acc[:, : spec.in_features].copy_(w[first:last])
-        if new_b is not None:
-            assert weights.bias is not None
-            acc[:, spec.in_features].copy_(weights.bias[first:last])
+        if bias is not None:
+            acc[:, spec.in_features].copy_(bias[0][first:last])
         for coefficient, engram in terms:
             acc.add_(engram[first:last], alpha=coefficient)  # a float32 engram is promoted value by value
         # A NaN or an infinity anywhere makes the block's sum non-finite (a sum of finite weights
@@ -104,8 +112,8 @@ def _add_in_float64(
         if not math.isfinite(float(acc.sum())):
             raise EditError(f"the edit of layer {spec.name} is not finite; try a larger rcond")
         new_w[first:last].copy_(acc[:, : spec.in_features])
-        if new_b is not None:
-            new_b[first:last].copy_(acc[:, spec.in_features])
+        if bias is not None:
+            bias[1][first:last].copy_(acc[:, spec.in_features])
 
 
 def _add_in_float32(
@@ -113,7 +121,7 @@ def _add_in_float32(
     weights: LayerWeights,
     terms: Sequence[tuple[float, torch.Tensor]],
     new_w: torch.Tensor,
-    new_b: torch.Tensor | None,
+    bias: _BiasPair | None,
 ) -> None:
     """``new_w | new_b = [W | b] + Σ c_k E_k`` in float32 (see :func:`apply_engrams`); the bias
     column (one value per output) is summed in float64.
@@ -151,13 +159,13 @@ def _add_in_float32(
             if not to_float32:
                 target.copy_(acc)
         _require_finite(spec, target)
-    if new_b is not None:
-        assert weights.bias is not None
-        bias = weights.bias.to(COMPUTE_DTYPE)
+    if bias is not None:
+        stored_b, new_b = bias
+        summed = stored_b.to(COMPUTE_DTYPE)
         for coefficient, engram in terms:
-            bias.add_(engram[:, cols], alpha=coefficient)
-        _require_finite(spec, bias)
-        new_b.copy_(bias)
+            summed.add_(engram[:, cols], alpha=coefficient)
+        _require_finite(spec, summed)
+        new_b.copy_(summed)
 
 
 def _widen_into(acc: torch.Tensor, values: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ class NoChatTemplate(RecordError):
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    # a transformers tokenizer: older ones and some custom classes have no chat_template attribute
     return bool(getattr(tokenizer, "chat_template", None))
 
 

@@ -127,6 +127,7 @@ def model_class(config: Mapping[str, Any]) -> type[transformers.PreTrainedModel]
     import transformers
 
     for name in config.get("architectures") or []:
+        # a class name from config.json: transformers may not have it (a newer architecture, a typo)
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
@@ -340,6 +341,7 @@ def _load_model(
             kwargs["max_memory"] = max_memory
     with clean_view(files) as view:
         model: nn.Module = cls.from_pretrained(str(view), **kwargs)
+    # set by accelerate only on a model loaded with a device_map
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     if "disk" in devices:
         # Disk-offloaded weights would be read at each forward through the private view, gone now.

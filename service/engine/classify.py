@@ -54,6 +54,7 @@ def classification_head(model: nn.Module) -> nn.Module:
             model with ``num_labels=0`` is refused too: it has no classes to score).
     """
     name = type(model).__name__
+    # a transformers model: only classifiers have the head attribute
     head = getattr(model, HEAD_ATTRIBUTE, None)
     if not isinstance(head, nn.Module):
         raise HeadNotFound(

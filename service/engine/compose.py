@@ -128,8 +128,8 @@ class EngramAlgebra:
         product = self._group_product(spec.name, order, factors)
         if order == "projector":
             return (w_aug @ product).cpu()
-        assert factors.basis is not None  # mixed_basis is an order of the factored form only
-        return ((w_aug @ product) @ factors.basis.mT).cpu()
+        # mixed_basis is an order of the factored form only
+        return ((w_aug @ product) @ factors.factored_basis().mT).cpu()
 
     def _on_device(self, factors: PinvFactors) -> PinvFactors:
         """``factors`` on :attr:`device` (moved once per group: a group's layers come in a row)."""
@@ -148,9 +148,9 @@ class EngramAlgebra:
             if factors.explicit:
                 product = factors.apply_right(self._mixed(layer))  # projector: M·Σ⁺
             else:
-                assert factors.basis is not None
-                mixed_basis = (self._mixed(layer) @ factors.basis) * factors.inverse_eigenvalues
-                product = mixed_basis @ factors.basis.mT if order == "projector" else mixed_basis
+                basis = factors.factored_basis()
+                mixed_basis = (self._mixed(layer) @ basis) * factors.inverse_eigenvalues
+                product = mixed_basis @ basis.mT if order == "projector" else mixed_basis
             self._last_product = (groups, order, product)
         return self._last_product[2]
 

@@ -91,7 +91,8 @@ def _explicit_padding(padding: str | tuple[int, ...], kernel: tuple[int, ...], d
     if padding == "same":
         totals = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
         return tuple((total // 2, total - total // 2) for total in totals)
-    assert not isinstance(padding, str), f"unknown padding {padding!r}"
+    if isinstance(padding, str):
+        raise ValueError(f"unknown convolution padding {padding!r}: torch pads 'valid', 'same' or by sizes")
     return tuple((int(p), int(p)) for p in padding)
 
 

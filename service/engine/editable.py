@@ -89,13 +89,14 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
     Returns:
         The layer's :class:`LayerSpec`.
     """
-    has_bias = getattr(module, "bias", None) is not None
+    has_bias = getattr(module, "bias", None) is not None  # torch's and transformers' modules: a bias attribute or none
     if isinstance(module, nn.Conv1d | nn.Conv2d):
         kernel = conv_kernel(module)
         return LayerSpec(name, kernel.patch_width, int(module.out_channels), has_bias, False, block_index(name), kernel)
     transposed = not isinstance(module, nn.Linear)
     weight = module.weight
-    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"layer {name}: {type(module).__name__}.weight is not a tensor")
     rows, cols = weight.shape
     in_features, out_features = (rows, cols) if transposed else (cols, rows)
     return LayerSpec(name, int(in_features), int(out_features), has_bias, transposed, block_index(name))

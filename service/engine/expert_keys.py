@@ -124,6 +124,7 @@ def _per_expert_keys(model: PreTrainedModel, shapes: Mapping[str, Sequence[int]]
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     meta = model.state_dict()
+    # transformers models: a class attribute some architectures leave unset
     prefix = getattr(model, "base_model_prefix", None)
     found: dict[str, dict[str, str]] = {}
     for key in shapes:
@@ -133,6 +134,7 @@ def _per_expert_keys(model: PreTrainedModel, shapes: Mapping[str, Sequence[int]]
         index = _EXPERT_INDEX.search(key)
         if converter is None or pattern is None or index is None or param not in FUSED:
             continue
+        # transformers' conversion ops: only the concatenating ones have a dim
         ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
         if param == "gate_up_proj" and len(converter.source_patterns) == 2:
             understood = ops == [(MergeModulelist, 0), (Concatenate, 1)]

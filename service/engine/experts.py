@@ -127,6 +127,7 @@ def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:
     experts, double, hidden = (int(n) for n in gate_up.shape)
     if tuple(down.shape) != (experts, hidden, double // 2):
         return None
+    # a transformers experts module: the layout is recognised by its attributes, whichever class it is
     if not callable(getattr(module, "act_fn", None)):
         return None
     if any(not hasattr(module, option) or getattr(module, option) != value for option, value in _DEFAULT_LAYOUT.items()):
@@ -247,6 +248,7 @@ def fused_parameter(module: nn.Module, name: str) -> torch.Tensor:
     param: torch.Tensor = getattr(module, name)
     if param.device.type != "meta":
         return param
+    # accelerate's offload hook, present only on an offloaded module
     weights_map = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
     if weights_map is None:
         raise RuntimeError(f"the experts' {name} is on the meta device and no offload holds its values")

@@ -42,6 +42,7 @@ class ResizePath:
         """The resize settings of a loaded image processor (attributes it lacks: none)."""
         return cls(
             bool(getattr(processor, "do_resize", True)),
+            # transformers image processors: each class has its own subset of these settings
             _size_entries(getattr(processor, "size", None)),
             _positive_float(getattr(processor, "crop_pct", None)),
         )
@@ -91,6 +92,7 @@ def _size_entries(size: Any) -> tuple[tuple[str, int], ...]:
         return (("height", size), ("width", size))
     entries = []
     for key in _KEYS:
+        # transformers' SizeDict: only the keys its processor uses are set
         value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             entries.append((key, value))

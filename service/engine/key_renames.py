@@ -39,6 +39,7 @@ def renamed_parameters(model: PreTrainedModel, shapes: Mapping[str, Sequence[int
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     meta = model.state_dict(keep_vars=True)
+    # transformers models: a class attribute some architectures leave unset
     prefix = getattr(model, "base_model_prefix", None) or None
     found: dict[str, str] = {}
     # Sorted: transformers reads keys in this order, and its grouped renames arm on the first key.

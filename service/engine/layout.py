@@ -86,6 +86,7 @@ def is_causal_lm(model: Any) -> bool:
     """Whether ``model`` predicts the next token of a text it reads: a generating model that is not
     an encoder-decoder. By behaviour, not by class name: GPT-2's ``GPT2LMHeadModel`` is one, and so
     is a vision-language ``…ForConditionalGeneration`` given text alone; BERT's masked LM is not."""
+    # any torch module may come here; only transformers models have config and can_generate
     config = getattr(model, "config", None)
     can_generate = getattr(model, "can_generate", None)
     return bool(callable(can_generate) and can_generate()) and not getattr(config, "is_encoder_decoder", False)

@@ -56,12 +56,22 @@ class PinvFactors:
             return self
         return PinvFactors(self.inverse_eigenvalues.to(device), basis=moved(self.basis), matrix=moved(self.matrix))
 
+    def factored_basis(self) -> torch.Tensor:
+        """The factored form's ``basis`` ([D, k]).
+
+        Raises:
+            ValueError: the factors are the explicit ``[D, D]`` matrix, which keeps no basis (a
+                product order of the factored form was chosen for them).
+        """
+        if self.basis is None:
+            raise ValueError(f"these pseudo-inverse factors (rank {self.rank}) are an explicit matrix: they keep no basis")
+        return self.basis
+
     def apply_right(self, matrix: torch.Tensor) -> torch.Tensor:
         """``matrix · pinv(Σ)``, without forming the inverse when it is factored."""
         if self.matrix is not None:
             return matrix @ self.matrix.to(matrix.device, matrix.dtype)
-        assert self.basis is not None
-        basis = self.basis.to(matrix.device, matrix.dtype)
+        basis = self.factored_basis().to(matrix.device, matrix.dtype)
         inv = self.inverse_eigenvalues.to(matrix.device, matrix.dtype)
         return ((matrix @ basis) * inv) @ basis.mT
 

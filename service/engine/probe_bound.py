@@ -59,6 +59,7 @@ def model_context(config: Any) -> int | None:
     ``None`` when the config does not say."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in CONTEXT_FIELDS:
+        # a transformers config: each architecture names its context length differently
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value > 0:
             return value

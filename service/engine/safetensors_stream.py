@@ -159,12 +159,11 @@ def write_streaming(
             if item.produce is None:
                 _copy_range(item.source, item.like, out, sink)
             else:
-                _write_tensor(item, out, sink)
+                _write_tensor(item, item.produce(), out, sink)
 
 
-def _write_tensor(item: Planned, out: BinaryIO, sink: HashingSink | None) -> None:
-    assert item.produce is not None, "only produced tensors are written from memory"
-    tensor = item.produce()
+def _write_tensor(item: Planned, tensor: torch.Tensor, out: BinaryIO, sink: HashingSink | None) -> None:
+    """The bytes of ``tensor``, the one ``item`` produced, checked against the planned entry."""
     data: np.ndarray[Any, np.dtype[np.uint8]] = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     # numpy's stubs do not declare the buffer protocol (PEP 688) that ndarray implements
     view = memoryview(data)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from service.engine.errors import CollectionCancelled
 from service.engine.messages import Message, RecordError
@@ -130,19 +130,19 @@ class TemplateProcess:
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         child = self._start()
-        assert child.stdin is not None
+        stdin, _ = _pipes(child)
         body = json.dumps(request, ensure_ascii=False).encode("utf-8")
         try:
-            child.stdin.write(HEADER.pack(len(body)) + body)
-            child.stdin.flush()
+            stdin.write(HEADER.pack(len(body)) + body)
+            stdin.flush()
         except (BrokenPipeError, OSError):
             return self._died()
-        return self._read(time.monotonic() + self.limits.timeout_s, "timeout")
+        return self._read(child, time.monotonic() + self.limits.timeout_s, "timeout")
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self._child is not None and self._child.poll() is None:
             return self._child
-        self._child = subprocess.Popen(
+        self._child = child = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -154,14 +154,13 @@ class TemplateProcess:
             stdout=subprocess.PIPE,
             env=_child_env(),
         )
-        self._read(time.monotonic() + _START_TIMEOUT_S, "start")
-        return self._child
+        self._read(child, time.monotonic() + _START_TIMEOUT_S, "start")
+        return child
 
-    def _read(self, deadline: float, waiting_for: str) -> dict[str, Any]:
+    def _read(self, child: subprocess.Popen[bytes], deadline: float, waiting_for: str) -> dict[str, Any]:
         """One frame from the child, polling for cancellation until ``deadline`` (then it is killed)."""
-        child = self._child
-        assert child is not None and child.stdout is not None
-        fd = child.stdout.fileno()
+        _, stdout = _pipes(child)
+        fd = stdout.fileno()
         while not select.select([fd], [], [], _POLL_S)[0]:
             if self.should_stop is not None and self.should_stop():
                 self.close()
@@ -174,10 +173,10 @@ class TemplateProcess:
                     f"the chat template did not render this conversation within {self.limits.timeout_s:g} s "
                     "(ENGRAM_TEMPLATE_TIMEOUT_S)"
                 )
-        header = child.stdout.read(HEADER.size)
+        header = stdout.read(HEADER.size)
         if len(header) < HEADER.size:
             return self._died()
-        reply: dict[str, Any] = json.loads(child.stdout.read(HEADER.unpack(header)[0]))
+        reply: dict[str, Any] = json.loads(stdout.read(HEADER.unpack(header)[0]))
         return reply
 
     def _died(self) -> dict[str, Any]:
@@ -185,6 +184,13 @@ class TemplateProcess:
         self.close()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return {"error": "memory" if code == -9 else "render", "detail": f"the render process died ({how})"}
+
+
+def _pipes(child: subprocess.Popen[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    """The render process's stdin and stdout (it is started with both as pipes)."""
+    if child.stdin is None or child.stdout is None:
+        raise RuntimeError("the chat template process was started without its pipes")
+    return child.stdin, child.stdout
 
 
 def _child_env() -> dict[str, str]:

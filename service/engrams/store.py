@@ -76,7 +76,8 @@ class StoredEngrams:
         for coefficient, engram in self.read(spec):
             term = engram.to(COMPUTE_DTYPE)
             total = term.mul_(coefficient) if total is None else total.add_(term, alpha=coefficient)
-        assert total is not None, "a variant has at least one term"
+        if total is None:
+            raise EditError(f"the edit of layer {spec.name} has no term: a variant has at least one")
         return total
 
     def norm(self, spec: LayerSpec) -> float:

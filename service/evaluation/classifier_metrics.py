@@ -317,19 +317,16 @@ def kmeans(points: npt.ArrayLike, clusters: int, seed: int = 0, restarts: int = 
         ``[n]`` cluster indices.
 
     Raises:
-        ValueError: ``clusters`` not in [1, n].
+        ValueError: ``clusters`` not in [1, n], or ``restarts`` under 1.
     """
     features = _features(points, "k-means' points")
     if not 1 <= clusters <= features.shape[0]:
         raise ValueError(f"k-means needs 1 <= clusters <= {features.shape[0]} points; got {clusters}")
+    if restarts < 1:
+        raise ValueError(f"k-means needs at least one restart; got {restarts}")
     rng = np.random.default_rng(seed)
-    best: tuple[IntArray, float] | None = None
-    for _ in range(restarts):
-        run = _lloyd(features, _plus_plus_centres(features, clusters, rng), max_iter)
-        if best is None or run[1] < best[1]:
-            best = run
-    assert best is not None  # restarts >= 1
-    return best[0]
+    runs = (_lloyd(features, _plus_plus_centres(features, clusters, rng), max_iter) for _ in range(restarts))
+    return min(runs, key=lambda run: run[1])[0]  # the first of equal inertias, as a strict < keeps
 
 
 def feature_nmi(features: npt.ArrayLike, labels: Sequence[int] | npt.ArrayLike, seed: int = 0) -> float:

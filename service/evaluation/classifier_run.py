@@ -79,6 +79,7 @@ class Classifier:
 
 def model_classes(model: Any) -> dict[int, str]:
     """The loaded model's classes (``config.id2label``, ids as ints)."""
+    # a transformers config: a model without labels has no id2label
     return {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
 
 

@@ -137,8 +137,7 @@ class MapAnswer:
     """A map request's answer: the map when it is stored, else the job computing it."""
 
     request: MapRequest
-    data: MapDocument | None
-    job: JobRecord | None
+    outcome: MapDocument | JobRecord
 
 
 def submit_map(
@@ -163,16 +162,16 @@ def submit_map(
     request = map_request(ctx, model_id, concepts, reference, rcond, measure)
     data = find_map(ctx, request)
     if data is not None:
-        return MapAnswer(request, data, None)
+        return MapAnswer(request, data)
     with ctx.lock:
         stored = ctx.storage.find_json(map_request_key(request.map_id))
         job = ctx.jobs.get(stored["job_id"]) if stored and stored.get("job_id") else None
         if job is not None and job.status in {"queued", "running"}:
-            return MapAnswer(request, None, job)
+            return MapAnswer(request, job)
         if job is not None and job.status == "succeeded":  # finished since find_map looked
             data = find_map(ctx, request)
             if data is not None:
-                return MapAnswer(request, data, None)
+                return MapAnswer(request, data)
         if not may_start:
             raise MapNotComputed(request)
         admit(ctx)
@@ -180,7 +179,7 @@ def submit_map(
         job = ctx.jobs.create(new_job("map", payload, unit="layers"))
         ctx.storage.put_json(map_request_key(request.map_id), {**request.to_json(), "job_id": job.job_id})
     ctx.dispatch(job)
-    return MapAnswer(request, None, ctx.jobs.get(job.job_id) or job)
+    return MapAnswer(request, ctx.jobs.get(job.job_id) or job)
 
 
 def job_map(ctx: Context, request: MapRequest, job: JobRecord) -> MapDocument | None:

@@ -36,15 +36,14 @@ class Registration:
     """A registration request's answer: the model's manifest when registered, else the job registering it.
 
     Attributes:
-        manifest: the registration (``None`` while a job downloads the checkpoint).
+        outcome: the registration, or the ``register`` job while it runs (it downloads, hashes
+            and inspects the checkpoint).
         created: this request registered the model, or started the job that registers it
             (``False``: it was registered already, or another request's job is registering it).
-        job: the ``register`` job, while it runs.
     """
 
-    manifest: ModelRecord | None
+    outcome: ModelRecord | JobRecord
     created: bool
-    job: JobRecord | None
 
 
 def request_registration(ctx: Context, model_id: str, source: str) -> Registration:
@@ -56,23 +55,23 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
     """
     existing = _registered(ctx, model_id, source)
     if existing is not None:
-        return Registration(existing, False, None)
+        return Registration(existing, False)
     check_source(ctx, source)
     with ctx.lock:
         existing = _registered(ctx, model_id, source)
         if existing is not None:
-            return Registration(existing, False, None)
+            return Registration(existing, False)
         running = registering_job(ctx, model_id)
         if running is not None:
             running_source = running.payload_of(RegisterPayload).source
             if running_source != source:
                 raise Conflict(f"model {model_id} is being registered with source {running_source}")
-            return Registration(None, False, running)  # another request's job: that one answers 201
+            return Registration(running, False)  # another request's job: that one answers 201
         admit(ctx)
         job = ctx.jobs.create(new_job("register", RegisterPayload(model_id=model_id, source=source), unit="steps"))
         ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job.job_id})
     ctx.dispatch(job)
-    return Registration(None, True, ctx.jobs.get(job.job_id) or job)
+    return Registration(ctx.jobs.get(job.job_id) or job, True)
 
 
 def check_source(ctx: Context, source: str) -> None:

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 # Names every temporary file and folder with its owner, so that service.storage.janitor can tell a live
 # process's from a crashed one's (pids alone are ambiguous where machines share a volume).
@@ -54,6 +54,13 @@ class StreamedUpload(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop what was uploaded; safe to call twice or after :meth:`complete` failed."""
+
+
+@runtime_checkable
+class Presigning(Protocol):
+    """A store that can hand out a URL to GET an object from directly (S3); the local store cannot."""
+
+    def presigned_url(self, key: str, expires_s: int) -> str: ...
 
 
 class Storage(ABC):

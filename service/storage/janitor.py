@@ -132,15 +132,14 @@ class Janitor(threading.Thread):
             return
         interval = self.settings.janitor_interval_s
         while True:
-            self.retention_pass()
+            self.retention_pass(self.periodic)
             if interval <= 0 or self._stopped.wait(interval):
                 return
 
-    def retention_pass(self) -> list[str]:
+    def retention_pass(self, periodic: Pass) -> list[str]:
         """One pass of the retention rule; a failure is logged and the next pass tries again."""
-        assert self.periodic is not None
         try:
-            evicted = self.periodic()
+            evicted = periodic()
         except Exception:
             log.exception("janitor: the universe retention pass failed")
             evicted = []

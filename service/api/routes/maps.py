@@ -22,6 +22,7 @@ from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
 from service.api.lanes import Lanes
 from service.context import Context
+from service.jobs.records import JobRecord
 from service.maps import render
 from service.maps.document import MapDocument
 from service.maps.service import job_map, submit_map
@@ -73,10 +74,9 @@ async def _map_or_job(
     answer = await run_in_threadpool(
         submit_map, ctx, model_id, _split(concepts) or [], _split(reference), rcond, measure, may_start=may_start
     )
-    if answer.data is not None:
-        return answer.data
-    assert answer.job is not None  # a map that is not stored has a job computing it
-    job = await waited(ctx, lanes, answer.job, wait)
+    if not isinstance(answer.outcome, JobRecord):
+        return answer.outcome
+    job = await waited(ctx, lanes, answer.outcome, wait)
     data = await run_in_threadpool(job_map, ctx, answer.request, job)
     return data if data is not None else unfinished_answer(job, "this map")
 

@@ -12,6 +12,7 @@ from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, Page, PageDep, SortKey
 from service.context import Context
 from service.errors import NotFound, ProblemError
+from service.storage.base import Presigning
 from service.storage.keys import variant_file_key
 from service.variants import service as variants
 
@@ -73,11 +74,11 @@ def _file_response(ctx: Context, variant_id: str, path: str, range_header: str |
     if entry is None:  # only listed paths: '..' or absolute paths can never match
         raise NotFound(f"variant {variant_id} has no file {path!r}")
     key, size = variant_file_key(variant_id, path), entry.size
-    presign = getattr(ctx.storage, "presigned_url", None)
-    if with_body and ctx.settings.presign_downloads and presign is not None:
+    storage = ctx.storage
+    if with_body and ctx.settings.presign_downloads and isinstance(storage, Presigning):
         # 307 keeps the method and lets the client resend its Range header to S3, which honours it.
         # (Not for HEAD: a presigned GET URL is signed for GET only; the headers are known here.)
-        return RedirectResponse(presign(key, ctx.settings.presign_expiry_s), status_code=307)
+        return RedirectResponse(storage.presigned_url(key, ctx.settings.presign_expiry_s), status_code=307)
     headers = {"Accept-Ranges": "bytes", "ETag": f'"{entry.sha256}"'}
     start, end, status = 0, size - 1, 200
     selected = _parse_range(range_header, size) if range_header else None
