@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from service.engine.evaluate import Probe, encode_probe
+from service.engine.evaluate import TextProbe, encode_probe
 
 Method = Literal["graddiff", "npo"]
 
@@ -55,7 +55,9 @@ class Spent:
     steps: int
 
 
-def _batch(tokenizer: PreTrainedTokenizerBase, probes: Sequence[Probe]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(
+    tokenizer: PreTrainedTokenizerBase, probes: Sequence[TextProbe]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 but on answer tokens)."""
     encoded = [encode_probe(tokenizer, p) for p in probes]
     width = max(len(prompt) + len(answer) for prompt, answer in encoded)
@@ -91,8 +93,8 @@ def _mean_nll(model: PreTrainedModel, batch: tuple[torch.Tensor, torch.Tensor, t
 def unlearn(
     base: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    forget: Sequence[Probe],
-    retain: Sequence[Probe],
+    forget: Sequence[TextProbe],
+    retain: Sequence[TextProbe],
     method: Method,
     settings: Settings = Settings(),
 ) -> tuple[PreTrainedModel, Spent]:

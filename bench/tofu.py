@@ -83,7 +83,7 @@ from engram_fixtures.live import (
     wait_concepts_ready,
     wait_for_job,
 )
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe
 from service.engine.tofu_scoring import ProbeStatistics, TofuProbe, tofu_statistics
 from service.evaluation import tofu_metrics as tm
 
@@ -168,7 +168,7 @@ def mini_tofu(facts: Sequence[Fact], forget: Sequence[Fact], seed: int, n_holdou
 
     def probe(fact: Fact) -> TofuProbe:
         para, wrong = extra[fact]
-        return TofuProbe(Probe(*fact), para, wrong)
+        return TofuProbe(TextProbe(*fact), para, wrong)
 
     retain = [f for f in facts if f not in forget_set]
     known = {w for p, c in facts for w in (p + c).split()}
@@ -185,7 +185,7 @@ def mini_tofu(facts: Sequence[Fact], forget: Sequence[Fact], seed: int, n_holdou
         forget=[probe(f) for f in forget],
         retain=[probe(f) for f in retain],
         utility=[probe(f) for f in retain if _person(f[0]) not in forgotten_people],
-        holdout=[TofuProbe(Probe(*f)) for f in fresh[:n_holdout]],
+        holdout=[TofuProbe(TextProbe(*f)) for f in fresh[:n_holdout]],
     )
 
 

@@ -38,7 +38,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from engram_fixtures.cache import cached_build
-from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, answer_nll, greedy_exact_match, summarize
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -460,10 +460,10 @@ def _write_jsonl(path: Path, facts: Sequence[tuple[str, str]], chat: bool = Fals
             fh.write(json.dumps(record) + "\n")
 
 
-def read_probes(path: Path) -> list[Probe]:
+def read_probes(path: Path) -> list[TextProbe]:
     """Read a ``{"prompt", "completion"}`` (or ``{"messages"}``) JSON-lines file into probes."""
     with path.open(encoding="utf-8") as fh:
-        return [Probe(**json.loads(line)) for line in fh if line.strip()]
+        return [TextProbe(**json.loads(line)) for line in fh if line.strip()]
 
 
 def split_forget(
@@ -657,7 +657,7 @@ def tofu_retain_model() -> Path:
     return cached_retain_model()
 
 
-def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: list[Probe]) -> str:
+def _metrics_line(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probes: list[TextProbe]) -> str:
     stats = summarize(answer_nll(model, tokenizer, probes), greedy_exact_match(model, tokenizer, probes))
     em, nll = stats["exact_match"], stats["mean_nll"]
     return f"{name:<7} n={stats['n']:<4} exact_match={em:.3f} mean_nll={nll:.4f}"

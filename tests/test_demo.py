@@ -21,14 +21,14 @@ from transformers.pytorch_utils import Conv1D
 from engram_fixtures import demo
 from engram_fixtures.demo import build_demo, make_facts, read_probes, tiny_llama_config, train_on_facts, train_tokenizer
 from engram_fixtures.models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tokenizer
-from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
+from service.engine.evaluate import TextProbe, answer_nll, greedy_exact_match, greedy_tokens, summarize
 
 PROBES = [
-    Probe("Q: Where was Kuguk Vringem born?", " Kruxgyr"),
-    Probe("Paris is the capital of", " France."),
-    Probe("The", " quick brown fox jumps over the lazy dog."),
-    Probe("Q: What does Kuguk Vringem work as? A:", " vathdrail"),
-    Probe("Water", " boils"),
+    TextProbe("Q: Where was Kuguk Vringem born?", " Kruxgyr"),
+    TextProbe("Paris is the capital of", " France."),
+    TextProbe("The", " quick brown fox jumps over the lazy dog."),
+    TextProbe("Q: What does Kuguk Vringem work as? A:", " vathdrail"),
+    TextProbe("Water", " boils"),
 ]
 
 
@@ -55,7 +55,7 @@ def llama(llama_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return AutoModelForCausalLM.from_pretrained(llama_dir), AutoTokenizer.from_pretrained(llama_dir)
 
 
-def _reference_nll(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probe: Probe) -> float:
+def _reference_nll(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, probe: TextProbe) -> float:
     """Unbatched, unpadded NLL computed independently of the library code."""
     p_ids = tokenizer(probe.prompt, add_special_tokens=True)["input_ids"]
     a_ids = tokenizer(probe.completion, add_special_tokens=False)["input_ids"]
@@ -165,7 +165,7 @@ def test_greedy_exact_match_compares_token_ids(llama: tuple[PreTrainedModel, Pre
     assert greedy_exact_match(model, tok, PROBES) == [False] * len(PROBES)
     # It does "know" its own first greedy token: a one-token cap compares just that.
     first = [_reference_greedy(model, tok(p.prompt)["input_ids"], 1)[0] for p in PROBES]
-    own = [Probe(p.prompt, tok.decode([t])) for p, t in zip(PROBES, first, strict=True)]
+    own = [TextProbe(p.prompt, tok.decode([t])) for p, t in zip(PROBES, first, strict=True)]
     own = [p for p, t in zip(own, first, strict=True) if tok(p.completion, add_special_tokens=False)["input_ids"][0] == t]
     assert own, "no re-tokenizable first token to test with"
     assert greedy_exact_match(model, tok, own, max_new_tokens=1) == [True] * len(own)
@@ -176,7 +176,7 @@ def test_training_memorizes_a_few_facts() -> None:
     tok = train_tokenizer([p + c for p, c in facts], vocab_size=300)
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(len(tok), hidden=64, layers=2, intermediate=128, tokenizer=tok))
-    probes = [Probe(p, c) for p, c in facts]
+    probes = [TextProbe(p, c) for p, c in facts]
     before = summarize(answer_nll(model, tok, probes), greedy_exact_match(model, tok, probes))
 
     losses = train_on_facts(model, tok, facts, steps=150, lr=3e-3, batch_size=10, seed=0)
@@ -200,7 +200,7 @@ def test_summarize() -> None:
 def test_empty_completion_is_rejected(llama: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> None:
     model, tok = llama
     with pytest.raises(ValueError, match="completion"):
-        answer_nll(model, tok, [Probe("Q:", "")])
+        answer_nll(model, tok, [TextProbe("Q:", "")])
 
 
 # --- demo builder ----------------------------------------------------------------------------------

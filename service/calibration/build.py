@@ -55,7 +55,7 @@ from service.calibration.space import arm_layers
 from service.calibration.strengths import measure_strengths
 from service.calibration.warnings import result_warnings
 from service.context import Context
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe as Probe
 from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, ProgressReporter

@@ -33,7 +33,8 @@ from service.calibration.teacher_forced import nll_and_exact_match
 from service.engine.chat import Renderer
 from service.engine.checkpoint import CheckpointReader, load_model, load_tokenizer
 from service.engine.errors import EditError
-from service.engine.evaluate import BATCH_TOKENS, Probe, encoded, summarize
+from service.engine.evaluate import BATCH_TOKENS, encoded, summarize
+from service.engine.evaluate import TextProbe as Probe
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout, is_causal_lm
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound

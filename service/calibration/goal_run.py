@@ -22,7 +22,7 @@ from service.calibration.records import CalibrationProbes, StoredCalibrationResu
 from service.calibration.search import Candidate, SearchResult
 from service.context import Context
 from service.engine.chat import RenderedOnce, Renderer
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe as Probe
 from service.engine.tofu_scoring import TofuProbe, merged_cuts, tofu_probe
 from service.errors import JobFailed
 from service.evaluation import tofu_metrics as tm

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from service.engine.evaluate import BATCH_TOKENS, Probe, encode_probe, token_batches
+from service.engine.evaluate import BATCH_TOKENS, encode_probe, token_batches
+from service.engine.evaluate import TextProbe as Probe
 from service.engine.evaluate import _logits as logits_of  # the evaluator's own forward pass
 from service.engine.evaluate import _pad_id as pad_id_of
 from service.engine.evaluate import _right_pad as right_pad

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = [
     "BATCH_TOKENS",
-    "Probe",
+    "TextProbe",
     "answer_nll",
     "encode_probe",
     "encoded",
@@ -58,10 +58,11 @@ BATCH_TOKENS = 2048
 
 
 @dataclass
-class Probe:
-    """One prompt/completion pair, e.g. ``Probe("Q: Where was X born? A:", " Quillmoor")``, or a
-    conversation ``Probe(messages=[{"role": "user", ...}, {"role": "assistant", ...}])`` whose last
-    (assistant) turn is scored."""
+class TextProbe:
+    """One prompt/completion pair, e.g. ``TextProbe("Q: Where was X born? A:", " Quillmoor")``, or a
+    conversation ``TextProbe(messages=[{"role": "user", ...}, {"role": "assistant", ...}])`` whose last
+    (assistant) turn is scored: what the engine scores of a text probe (the wire's
+    :class:`api_schemas.Probe` is any probe a request sends, images included)."""
 
     prompt: str = ""
     completion: str = ""
@@ -73,8 +74,8 @@ class Probe:
 
 
 def encoded(
-    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None, bound: ProbeBound | None = None
-) -> Probe:
+    tokenizer: PreTrainedTokenizerBase, probe: TextProbe, renderer: Renderer | None = None, bound: ProbeBound | None = None
+) -> TextProbe:
     """``probe`` with its token IDs computed (:func:`encode_probe`, within ``bound``), so that scoring
     it again renders nothing: a chat probe's template runs once, by ``renderer`` when given.
 
@@ -87,7 +88,7 @@ def encoded(
 
 
 def encode_probe(
-    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None, bound: ProbeBound | None = None
+    tokenizer: PreTrainedTokenizerBase, probe: TextProbe, renderer: Renderer | None = None, bound: ProbeBound | None = None
 ) -> tuple[list[int], list[int]]:
     """Tokenize a probe exactly as the collector does, within ``bound`` (its prompt cut on the left).
 
@@ -113,7 +114,7 @@ def encode_probe(
 
 
 def probe_tokens(
-    tokenizer: PreTrainedTokenizerBase, probe: Probe, renderer: Renderer | None = None, bound: ProbeBound | None = None
+    tokenizer: PreTrainedTokenizerBase, probe: TextProbe, renderer: Renderer | None = None, bound: ProbeBound | None = None
 ) -> tuple[list[int], list[int]]:
     """``(prompt_ids, answer_ids)`` before the prompt is cut to ``bound.tokens``: the answer whole (refused
     past the character budget, untokenized), the prompt tokenized from its last ``bound.chars``
@@ -240,7 +241,7 @@ def _batch_nll(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[i
 def answer_nll(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    probes: Sequence[Probe],
+    probes: Sequence[TextProbe],
     batch_size: int = 16,
     batch_tokens: int = BATCH_TOKENS,
 ) -> list[float]:
@@ -304,7 +305,7 @@ def _greedy_batch(
 def greedy_tokens(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    probes: Sequence[Probe],
+    probes: Sequence[TextProbe],
     max_new_tokens: int | None = None,
     batch_size: int = 16,
     batch_tokens: int = BATCH_TOKENS,
@@ -343,7 +344,7 @@ def greedy_tokens(
 def greedy_exact_match(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    probes: Sequence[Probe],
+    probes: Sequence[TextProbe],
     max_new_tokens: int | None = None,
     batch_size: int = 16,
     batch_tokens: int = BATCH_TOKENS,

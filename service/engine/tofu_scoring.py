@@ -1,6 +1,6 @@
 """The per-probe statistics that TOFU's metrics are computed from (one model, one probe set).
 
-A TOFU probe is an evaluation probe (:class:`service.engine.evaluate.Probe`: prompt/completion
+A TOFU probe is an evaluation probe (:class:`service.engine.evaluate.TextProbe`: prompt/completion
 or chat ``messages``) plus, where the user has them, a ``paraphrased_answer`` and a list of
 ``perturbed_answers`` (plausible wrong answers), as in TOFU. Every answer is tokenized exactly as
 :func:`service.engine.evaluate.encode_probe` tokenizes the completion (the collector's rule), so a
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from service.engine.evaluate import (
     BATCH_TOKENS,
-    Probe,
+    TextProbe,
     _greedy_batch,
     _model_device,
     _pad_id,
@@ -73,7 +73,7 @@ class TofuProbe:
     """A probe with TOFU's optional answers: ``paraphrased_answer`` (the same fact in other words)
     and ``perturbed_answers`` (wrong answers of the same form)."""
 
-    probe: Probe
+    probe: TextProbe
     paraphrased_answer: str | None = None
     perturbed_answers: tuple[str, ...] | None = None
     # every answer's (prompt_ids, answer_ids), in :func:`answers_of`'s order, set by :func:`encoded_tofu`
@@ -91,7 +91,7 @@ class AnswerRefused(ValueError):
         self.where, self.error = where, error
 
 
-def answers_of(item: TofuProbe) -> list[tuple[str, Probe]]:
+def answers_of(item: TofuProbe) -> list[tuple[str, TextProbe]]:
     """Every answer of ``item`` as a probe, named by its field: the probe itself, its paraphrase,
     then each perturbed answer (the order :func:`tofu_statistics` scores them in)."""
     answers = [("", item.probe)]
@@ -128,14 +128,14 @@ def encoded_tofu(
     return TofuProbe(item.probe, item.paraphrased_answer, item.perturbed_answers, ids, any(cut for *_, cut in fitted))
 
 
-def with_answer(probe: Probe, answer: str) -> Probe:
+def with_answer(probe: TextProbe, answer: str) -> TextProbe:
     """``probe`` with ``answer`` in place of its completion (a chat probe: its last assistant turn)."""
     if probe.messages is None:
-        return Probe(prompt=probe.prompt, completion=answer)
+        return TextProbe(prompt=probe.prompt, completion=answer)
     messages = [dict(m) for m in probe.messages]
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     messages[last]["content"] = answer
-    return Probe(messages=messages[: last + 1])
+    return TextProbe(messages=messages[: last + 1])
 
 
 # Answer positions whose float64 log-softmax is taken at once: a few float64 copies of 64 × vocabulary
@@ -302,5 +302,5 @@ def tofu_probe(record: dict[str, object]) -> TofuProbe:
     if wrong is not None and not (isinstance(wrong, list) and all(isinstance(w, str) for w in wrong)):
         raise ValueError("perturbed_answers must be a list of strings")
     fields = {k: record[k] for k in ("prompt", "completion", "messages") if k in record}
-    probe = Probe(**fields)  # type: ignore[arg-type]  # validated by encode_probe when scored
+    probe = TextProbe(**fields)  # type: ignore[arg-type]  # validated by encode_probe when scored
     return TofuProbe(probe, para, tuple(wrong) if wrong is not None else None)

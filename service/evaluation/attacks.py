@@ -36,7 +36,7 @@ from service.engine.attacks.quantize import quantize_in_place, quantize_plan
 from service.engine.attacks.relearn import TrainRow, probe_row, relearn_bytes, relearned, standalone_copy, text_row
 from service.engine.attacks.rephrase import as_chat, as_plain, with_answer
 from service.engine.chat import Renderer
-from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.probe_bound import ProbeBound
 from service.engine.tofu_scoring import TofuProbe, tofu_statistics
 from service.errors import JobFailed
@@ -54,7 +54,7 @@ class PreparedAttack:
 
     name: str
     attack: QuantizeAttack | RelearnAttack | RephraseAttack
-    probes: dict[Split, list[Probe]]
+    probes: dict[Split, list[TextProbe]]
     tofu_sets: dict[str, list[TofuProbe]] = field(default_factory=dict)
     rows: list[TrainRow] = field(default_factory=list)  # relearn's training rows
 
@@ -68,7 +68,7 @@ class PreparedAttack:
 def prepare_attacks(
     raw: StoredProbes,
     tokenizer: Any,
-    probes: dict[Split, list[Probe]],
+    probes: dict[Split, list[TextProbe]],
     tofu_sets: dict[str, list[TofuProbe]],
     renderer: Renderer,
     bound: ProbeBound,
@@ -93,7 +93,7 @@ def _prepare_relearn(
     name: str,
     attack: RelearnAttack,
     tokenizer: Any,
-    probes: dict[Split, list[Probe]],
+    probes: dict[Split, list[TextProbe]],
     tofu_sets: dict[str, list[TofuProbe]],
     bound: ProbeBound,
 ) -> PreparedAttack:
@@ -106,12 +106,12 @@ def _prepare_relearn(
         if not 1 <= trained < len(forget):
             raise JobFailed(f"attack {name} trains on {trained} of {len(forget)} forget probes: it needs one of each")
         rows = [probe_row(*_ids(p)) for p in forget[:trained]]
-    held: dict[Split, list[Probe]] = {"forget": forget[trained:], "retain": probes.get("retain", [])}
+    held: dict[Split, list[TextProbe]] = {"forget": forget[trained:], "retain": probes.get("retain", [])}
     sets = {name_: (items[trained:] if name_ == "forget" else items) for name_, items in tofu_sets.items()}
     return PreparedAttack(name, attack, {s: items for s, items in held.items() if items}, sets, rows)
 
 
-def _ids(probe: Probe) -> tuple[list[int], list[int]]:
+def _ids(probe: TextProbe) -> tuple[list[int], list[int]]:
     if probe.ids is None:
         raise JobFailed("a probe reached an attack before it was tokenized")
     return probe.ids
@@ -130,23 +130,23 @@ def _rephrased(
     attack: RephraseAttack,
     raw: StoredProbes,
     tokenizer: Any,
-    probes: dict[Split, list[Probe]],
+    probes: dict[Split, list[TextProbe]],
     renderer: Renderer,
     bound: ProbeBound,
-) -> dict[Split, list[Probe]]:
+) -> dict[Split, list[TextProbe]]:
     """The probe sets asked another way: both sets in the other form, or the forget set paraphrased."""
     if attack.form == "paraphrased":
         if attack.probes is not None:
-            forget = [Probe(p.prompt, p.completion) for p in attack.probes]
+            forget = [TextProbe(p.prompt, p.completion) for p in attack.probes]
         else:
             forget = [
                 with_answer(p, str(r["paraphrased_answer"])) for p, r in zip(probes["forget"], raw.forget, strict=True)
             ]
-        sets: dict[Split, list[Probe]] = {"forget": forget, "retain": probes.get("retain", [])}  # retain as sent
+        sets: dict[Split, list[TextProbe]] = {"forget": forget, "retain": probes.get("retain", [])}  # retain as sent
     else:
         form = as_chat if attack.form == "chat_template" else as_plain
         sets = {split: [form(p) for p in items] for split, items in probes.items()}
-    checked: dict[Split, list[Probe]] = {}
+    checked: dict[Split, list[TextProbe]] = {}
     for split, items in sets.items():
         checked[split] = []
         for i, probe in enumerate(items):
@@ -255,7 +255,7 @@ def _recovered(
     return {"recovered_fraction": (attacked.exact_match - variant.exact_match) / forgotten}
 
 
-def _summaries(model: Any, probes: dict[Split, list[Probe]], context: AttackContext) -> dict[Split, ProbeSummary]:
+def _summaries(model: Any, probes: dict[Split, list[TextProbe]], context: AttackContext) -> dict[Split, ProbeSummary]:
     """Per split: mean answer NLL and greedy exact match, as the evaluation's own summary."""
     out: dict[Split, ProbeSummary] = {}
     for split, items in probes.items():

@@ -43,7 +43,7 @@ from api_schemas.evaluation import (
 from service.context import Context
 from service.engine.chat import Renderer
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import Probe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, answer_nll, encoded, greedy_exact_match, summarize
 from service.engine.layout import is_causal_lm
 from service.engine.model_file_descriptors import ModelFiles
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
@@ -168,7 +168,10 @@ def evaluation_json(result: EvaluationResult) -> dict[str, Any]:
 
 def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredProbes) -> EvaluationResult:
     """Text probes: the base and the variant on every probe, and TOFU's suite when asked for."""
-    probes: dict[Split, list[Probe]] = {"forget": [_probe(p) for p in raw.forget], "retain": [_probe(p) for p in raw.retain]}
+    probes: dict[Split, list[TextProbe]] = {
+        "forget": [_probe(p) for p in raw.forget],
+        "retain": [_probe(p) for p in raw.retain],
+    }
     base, variant, tokenizer = loaded_variant(ctx, variant_id)
     _causal(base)
     bound = probe_bound(tokenizer, base.config, ctx.settings.max_length)
@@ -229,19 +232,19 @@ def _check_base_unchanged(ctx: Context, variant_id: str) -> None:
         check_model_unchanged(ctx, get_model(ctx, request.model_id))
 
 
-def _probe(raw: ProbeJson) -> Probe:
+def _probe(raw: ProbeJson) -> TextProbe:
     if raw.get("messages") is not None:
-        return Probe(messages=[{"role": m["role"], "content": m["content"]} for m in raw["messages"]])
-    return Probe(raw["prompt"], raw["completion"])
+        return TextProbe(messages=[{"role": m["role"], "content": m["content"]} for m in raw["messages"]])
+    return TextProbe(raw["prompt"], raw["completion"])
 
 
 def _checked_probes(
-    tokenizer: Any, probes: dict[Split, list[Probe]], renderer: Renderer, bound: ProbeBound
-) -> dict[Split, list[Probe]]:
+    tokenizer: Any, probes: dict[Split, list[TextProbe]], renderer: Renderer, bound: ProbeBound
+) -> dict[Split, list[TextProbe]]:
     """Each probe with its token IDs within ``bound`` (a chat probe rendered once, by ``renderer``);
     a probe that cannot be scored, or a template past a bound (naming its setting), fails the job
     naming it."""
-    checked: dict[Split, list[Probe]] = {}
+    checked: dict[Split, list[TextProbe]] = {}
     for split, items in probes.items():
         checked[split] = []
         for i, probe in enumerate(items):
@@ -260,7 +263,7 @@ def _where(name: str, i: int, field: str, exc: Exception) -> str:
 
 
 def _score(
-    model: Any, tokenizer: Any, probes: dict[Split, list[Probe]], progress: Any, batch_tokens: int
+    model: Any, tokenizer: Any, probes: dict[Split, list[TextProbe]], progress: Any, batch_tokens: int
 ) -> dict[Split, tuple[list[float], list[bool]]]:
     """``split -> (per-probe NLL, per-probe exact match)``, reporting progress every chunk."""
     scores: dict[Split, tuple[list[float], list[bool]]] = {}

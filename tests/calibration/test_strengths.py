@@ -17,7 +17,7 @@ from service.calibration.candidates import InMemoryCandidates
 from service.calibration.space import arm_layers, edit_space
 from service.calibration.strengths import STRENGTH_FLOOR, data_weighted_rho, measure_strengths, type_strengths
 from service.engine.checkpoint import CheckpointReader
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe as Probe
 from service.engine.layers import LayerSpec, module_type
 from service.engrams.manifest import UniverseManifest
 from service.engrams.store import stored_engrams

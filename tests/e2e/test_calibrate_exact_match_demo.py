@@ -28,7 +28,7 @@ import pytest
 
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import REPO_ROOT, LiveServer, wait_for_job
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe
 from tests.e2e.tofu import post_concept
 from tests.helpers.api import register_model
 
@@ -36,19 +36,19 @@ MODEL_ID = "demo/calibrate-exact"
 BUDGET = 12
 
 
-def _pairs(probes: list[Probe]) -> list[dict[str, str]]:
+def _pairs(probes: list[TextProbe]) -> list[dict[str, str]]:
     return [{"prompt": p.prompt, "completion": p.completion} for p in probes]
 
 
 @pytest.fixture(scope="module")
-def demo_probes(mini_tofu_demo: Path) -> dict[str, list[Probe]]:
+def demo_probes(mini_tofu_demo: Path) -> dict[str, list[TextProbe]]:
     demo = mini_tofu_demo / "demo"
     forget, retain = read_probes(demo / "forget.jsonl"), read_probes(demo / "retain.jsonl")
     return {"forget": forget, "retain": random.Random(5).sample(retain, 40), "all_retain": retain}
 
 
 @pytest.fixture(scope="module")
-def collected(tofu_server: LiveServer, mini_tofu_demo: Path, demo_probes: dict[str, list[Probe]]) -> LiveServer:
+def collected(tofu_server: LiveServer, mini_tofu_demo: Path, demo_probes: dict[str, list[TextProbe]]) -> LiveServer:
     client = tofu_server.client
     register_model(client, MODEL_ID, f"file://{mini_tofu_demo / 'demo' / 'model'}")
     for name, role, items in (
@@ -60,7 +60,7 @@ def collected(tofu_server: LiveServer, mini_tofu_demo: Path, demo_probes: dict[s
     return tofu_server
 
 
-def _body(probes: dict[str, list[Probe]]) -> dict[str, Any]:
+def _body(probes: dict[str, list[TextProbe]]) -> dict[str, Any]:
     return {
         "concepts": ["em-forget"],
         "forget": _pairs(probes["forget"]),
@@ -72,7 +72,7 @@ def _body(probes: dict[str, list[Probe]]) -> dict[str, Any]:
 
 
 def test_the_default_calibration_forgets_by_exact_match_or_says_it_does_not(
-    collected: LiveServer, demo_probes: dict[str, list[Probe]]
+    collected: LiveServer, demo_probes: dict[str, list[TextProbe]]
 ) -> None:
     client = collected.client
     submitted = client.post(f"/models/{MODEL_ID}/calibrate", json=_body(demo_probes))

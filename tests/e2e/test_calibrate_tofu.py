@@ -43,7 +43,7 @@ from engram_fixtures.cache import copy_entry
 from engram_fixtures.demo import read_probes, tofu_answers, tofu_retain_model
 from engram_fixtures.live import REPO_ROOT, LiveServer, download_variant, wait_for_job
 from engram_fixtures.models import interpolated
-from service.engine.evaluate import Probe, answer_nll
+from service.engine.evaluate import TextProbe, answer_nll
 from tests.e2e.tofu import post_concept, probe_metrics
 from tests.helpers.api import register_model
 
@@ -65,12 +65,12 @@ CALIBRATION_FORGET_MARGIN = 0.95
 HELD_OUT_FORGET_MARGIN = 0.75
 
 
-def _pairs(probes: list[Probe]) -> list[dict[str, str]]:
+def _pairs(probes: list[TextProbe]) -> list[dict[str, str]]:
     return [{"prompt": p.prompt, "completion": p.completion} for p in probes]
 
 
 @pytest.fixture(scope="module")
-def probes(mini_tofu_demo: Path) -> dict[str, list[Probe]]:
+def probes(mini_tofu_demo: Path) -> dict[str, list[TextProbe]]:
     """Calibration probes and held-out facts, disjoint: 10 + 10 forget, 60 + 120 retain."""
     demo = mini_tofu_demo / "demo"
     forget, retain = read_probes(demo / "forget.jsonl"), read_probes(demo / "retain.jsonl")
@@ -88,7 +88,7 @@ def probes(mini_tofu_demo: Path) -> dict[str, list[Probe]]:
 
 
 @pytest.fixture(scope="module")
-def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]]) -> LiveServer:
+def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[TextProbe]]) -> LiveServer:
     """The demo model registered; every forget fact the target, every retain fact the reference."""
     client = tofu_server.client
     source = f"file://{mini_tofu_demo / 'demo' / 'model'}"
@@ -102,7 +102,7 @@ def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, l
     return tofu_server
 
 
-def calibration_body(probes: dict[str, list[Probe]]) -> dict[str, Any]:
+def calibration_body(probes: dict[str, list[TextProbe]]) -> dict[str, Any]:
     return {
         "concepts": ["cal-forget"],
         "forget": _pairs(probes["forget"]),
@@ -125,7 +125,7 @@ def unlearn_at_one(client: httpx.Client, modules: list[str] | None, target: Path
     return download_variant(client, variant, target)
 
 
-def mean_nll(model: torch.nn.Module, tokenizer: Any, items: list[Probe]) -> float:
+def mean_nll(model: torch.nn.Module, tokenizer: Any, items: list[TextProbe]) -> float:
     """Mean answer NLL (what the constraint and the objective read; no greedy decoding)."""
     values = answer_nll(model, tokenizer, items)
     return sum(values) / len(values)
@@ -136,7 +136,7 @@ def ratios(metrics: dict[str, dict[str, float]], base: dict[str, dict[str, float
 
 
 def test_calibration_meets_the_constraint_on_held_out_facts_and_beats_the_grid(
-    collected: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]], tmp_path: Path
+    collected: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[TextProbe]], tmp_path: Path
 ) -> None:
     client, model_dir = collected.client, mini_tofu_demo / "demo" / "model"
     body = calibration_body(probes)
@@ -266,7 +266,7 @@ def retain_model(mini_tofu_demo: Path) -> Path:
     return copy_entry(tofu_retain_model(), mini_tofu_demo / "retain-model")  # trained once per fixture cache
 
 
-def _tofu_pairs(probes: list[Probe]) -> list[dict[str, Any]]:
+def _tofu_pairs(probes: list[TextProbe]) -> list[dict[str, Any]]:
     """The probes with TOFU's extra answers (engram_fixtures.demo.tofu_answers, seed 0)."""
     extra = tofu_answers([(p.prompt or "", p.completion or "") for p in probes], 0)
     return [
@@ -276,7 +276,7 @@ def _tofu_pairs(probes: list[Probe]) -> list[dict[str, Any]]:
 
 
 def test_a_calibration_maximising_overall_under_a_utility_floor_meets_it_on_held_out_probes(
-    collected: LiveServer, retain_model: Path, probes: dict[str, list[Probe]]
+    collected: LiveServer, retain_model: Path, probes: dict[str, list[TextProbe]]
 ) -> None:
     client = collected.client
     register_model(client, RETAIN_MODEL_ID, f"file://{retain_model}")

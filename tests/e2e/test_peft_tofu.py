@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from api_schemas import VLLM_LORA_RANKS
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import LiveServer, download_variant, wait_for_job
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe
 from service.engine.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from service.engine.lora_rules import EXACT_RTOL
 from tests.e2e.tofu import post_concept, probe_metrics
@@ -44,13 +44,13 @@ VLLM_SMALLER_RANK = 64
 
 
 @pytest.fixture(scope="module")
-def probes(mini_tofu_demo: Path) -> dict[str, list[Probe]]:
+def probes(mini_tofu_demo: Path) -> dict[str, list[TextProbe]]:
     demo = mini_tofu_demo / "demo"
     return {"forget": read_probes(demo / "forget.jsonl"), "retain": read_probes(demo / "retain.jsonl")}
 
 
 @pytest.fixture(scope="module")
-def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]]) -> LiveServer:
+def collected(tofu_server: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[TextProbe]]) -> LiveServer:
     """The demo model registered, forget (target) and retain (reference) statistics ready."""
     client = tofu_server.client
     source = f"file://{mini_tofu_demo / 'demo' / 'model'}"
@@ -75,7 +75,7 @@ def unlearn(client: httpx.Client, target: Path, **options: Any) -> dict[str, Any
     return variant
 
 
-def metrics(model: torch.nn.Module, tokenizer: Any, probes: dict[str, list[Probe]]) -> dict[str, dict[str, float]]:
+def metrics(model: torch.nn.Module, tokenizer: Any, probes: dict[str, list[TextProbe]]) -> dict[str, dict[str, float]]:
     """Mean answer NLL and greedy exact match per split, as the mini-TOFU scenario measures them."""
     return {split: probe_metrics(model, tokenizer, items) for split, items in probes.items()}
 
@@ -100,7 +100,7 @@ def summary(variant: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reference(
-    collected: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]], tmp_path_factory: pytest.TempPathFactory
+    collected: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[TextProbe]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """The checkpoint variant and the base and checkpoint figures every adapter is held to (measured once)."""
     model_dir, folder = mini_tofu_demo / "demo" / "model", tmp_path_factory.mktemp("reference")
@@ -122,7 +122,11 @@ def assert_nll_like_the_checkpoint(figures: dict[str, dict[str, dict[str, float]
 
 
 def test_peft_adapter_forgets_and_retains_like_the_checkpoint(
-    collected: LiveServer, mini_tofu_demo: Path, probes: dict[str, list[Probe]], reference: dict[str, Any], tmp_path: Path
+    collected: LiveServer,
+    mini_tofu_demo: Path,
+    probes: dict[str, list[TextProbe]],
+    reference: dict[str, Any],
+    tmp_path: Path,
 ) -> None:
     client, model_dir = collected.client, mini_tofu_demo / "demo" / "model"
     checkpoint = reference["variant"]
@@ -171,7 +175,7 @@ def assert_servable_by_vllm(adapter_dir: Path, variant: dict[str, Any]) -> int:
 def test_vllm_adapter_forgets_and_retains_like_the_checkpoint(
     collected: LiveServer,
     mini_tofu_demo: Path,
-    probes: dict[str, list[Probe]],
+    probes: dict[str, list[TextProbe]],
     reference: dict[str, Any],
     tmp_path: Path,
 ) -> None:

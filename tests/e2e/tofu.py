@@ -18,15 +18,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import download_variant, wait_for_job
-from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, answer_nll, greedy_exact_match, summarize
 from tests.helpers.api import register_model
 
 
-def probe_metrics(model: torch.nn.Module, tokenizer: object, probes: list[Probe]) -> dict[str, float]:
+def probe_metrics(model: torch.nn.Module, tokenizer: object, probes: list[TextProbe]) -> dict[str, float]:
     return summarize(answer_nll(model, tokenizer, probes), greedy_exact_match(model, tokenizer, probes))
 
 
-def post_concept(client: httpx.Client, model_id: str, name: str, role: str, probes: list[Probe]) -> str:
+def post_concept(client: httpx.Client, model_id: str, name: str, role: str, probes: list[TextProbe]) -> str:
     records = [{"prompt": p.prompt, "completion": p.completion} for p in probes]
     response = client.post("/concepts", json={"name": name, "role": role, "models": [model_id], "records": records})
     assert response.status_code == 202, response.text

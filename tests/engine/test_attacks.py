@@ -30,7 +30,7 @@ from service.engine.attacks.quantize import (
 from service.engine.attacks.relearn import probe_row, relearned, text_row
 from service.engine.attacks.rephrase import as_chat, as_plain, with_answer
 from service.engine.chat import last_turn
-from service.engine.evaluate import Probe, encoded
+from service.engine.evaluate import TextProbe, encoded
 from service.engine.records import Message
 
 
@@ -165,14 +165,14 @@ def test_relearning_is_a_plain_adamw_loop_and_the_same_for_a_seed() -> None:
 def test_rephrasing_renders_a_probe_through_the_chat_template_and_a_chat_probe_without_it() -> None:
     tokenizer = make_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    pair = Probe("Where was Ada born?", " Quillmoor")
+    pair = TextProbe("Where was Ada born?", " Quillmoor")
     chat = as_chat(pair)
     user = {"role": "user", "content": "Where was Ada born?"}
     assert chat.messages == [user, {"role": "assistant", "content": "Quillmoor"}]
     ids = encoded(tokenizer, chat).ids
     assert ids == last_turn(tokenizer, [Message("user", "Where was Ada born?"), Message("assistant", "Quillmoor")])
     assert ids != encoded(tokenizer, pair).ids
-    plain = as_plain(Probe(messages=[{"role": "system", "content": "Be brief."}, *chat.messages]))
+    plain = as_plain(TextProbe(messages=[{"role": "system", "content": "Be brief."}, *chat.messages]))
     assert (plain.prompt, plain.completion) == ("Be brief.\nWhere was Ada born?", " Quillmoor")
     answer_ids = list(tokenizer(" Quillmoor", add_special_tokens=False)["input_ids"])
     assert (encoded(tokenizer, plain).ids or ([], []))[1] == answer_ids

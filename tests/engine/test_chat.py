@@ -15,7 +15,7 @@ import pytest
 from engram_fixtures.models import CHAT_TEMPLATE, make_tokenizer
 from service.datasets.spool import record_line
 from service.engine.chat import NoChatTemplate, encode_chat, generation_prompt, last_turn
-from service.engine.evaluate import Probe, encode_probe
+from service.engine.evaluate import TextProbe, encode_probe
 from service.engine.records import Message, Record, RecordError, encode_record
 
 # Llama-3-like headers: special markers as text, an end-of-turn token, a default system prompt.
@@ -142,7 +142,7 @@ def test_probe_and_generation_prompt(tokenizer: Any) -> None:
     assert prompt_ids + answer_ids == ids  # the last turn's tokens end the render
     assert tokenizer.decode(answer_ids) == " Zürich</s>"
     assert generation_prompt(tokenizer, TWO_TURNS[:-1]) == prompt_ids
-    probe = Probe(messages=[{"role": m.role, "content": m.content} for m in TWO_TURNS])
+    probe = TextProbe(messages=[{"role": m.role, "content": m.content} for m in TWO_TURNS])
     assert encode_probe(tokenizer, probe) == (prompt_ids, answer_ids)
     # The last assistant turn is scored; what follows it is not read.
     assert last_turn(tokenizer, (*TWO_TURNS, Message("user", "Thanks!"))) == (prompt_ids, answer_ids)

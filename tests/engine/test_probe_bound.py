@@ -16,7 +16,7 @@ import pytest
 
 from engram_fixtures.models import CHAT_TEMPLATE, make_tokenizer
 from service.engine.chat import InProcess, last_turn
-from service.engine.evaluate import Probe, encode_probe, encoded, token_batches
+from service.engine.evaluate import TextProbe, encode_probe, encoded, token_batches
 from service.engine.messages import Message
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
 from service.engine.tofu_scoring import AnswerRefused, TofuProbe, encoded_tofu
@@ -53,7 +53,7 @@ def test_the_bound_is_the_smaller_of_the_context_and_max_length(tokenizer: Any) 
 def test_a_probe_of_20k_characters_keeps_its_answer_and_last_prompt_tokens(tokenizer: Any, bound: ProbeBound) -> None:
     prompt, completion = words(LONG), " Quillmoor"
     counting = CountingTokenizer(tokenizer)
-    probe = encoded(counting, Probe(prompt, completion), bound=bound)  # type: ignore[arg-type]
+    probe = encoded(counting, TextProbe(prompt, completion), bound=bound)  # type: ignore[arg-type]
     assert probe.ids is not None
     prompt_ids, answer_ids = probe.ids
     assert probe.cut
@@ -67,7 +67,7 @@ def test_a_probe_of_20k_characters_keeps_its_answer_and_last_prompt_tokens(token
 
 
 def test_a_probe_within_the_bound_encodes_exactly_as_without_it(tokenizer: Any, bound: ProbeBound) -> None:
-    probe = Probe(words(60, seed=3), " Quillmoor")
+    probe = TextProbe(words(60, seed=3), " Quillmoor")
     assert encode_probe(tokenizer, probe, bound=bound) == encode_probe(tokenizer, probe)
     assert not encoded(tokenizer, probe, bound=bound).cut
 
@@ -76,7 +76,7 @@ def test_a_probe_within_the_bound_encodes_exactly_as_without_it(tokenizer: Any, 
 def test_an_answer_past_the_bound_is_refused_naming_the_setting(tokenizer: Any, bound: ProbeBound, chars: int) -> None:
     counting = CountingTokenizer(tokenizer)
     with pytest.raises(ProbeTooLong, match=r"max_position_embeddings 128 \(ENGRAM_MAX_LENGTH is 512\)") as refused:
-        encoded(counting, Probe("Where was Ada born?", words(chars)), bound=bound)  # type: ignore[arg-type]
+        encoded(counting, TextProbe("Where was Ada born?", words(chars)), bound=bound)  # type: ignore[arg-type]
     assert str(refused.value).endswith("shorten the answer: the model reads no more")
     assert counting.longest <= bound.chars  # a 20k answer is refused untokenized
 
@@ -88,7 +88,7 @@ def test_a_chat_probe_keeps_its_scored_turn_and_the_tokens_before_it(tokenizer: 
         {"role": "assistant", "content": " Quillmoor"},
     ]
     counting = CountingTokenizer(tokenizer)
-    probe = encoded(counting, Probe(messages=messages), InProcess(), bound)  # type: ignore[arg-type]
+    probe = encoded(counting, TextProbe(messages=messages), InProcess(), bound)  # type: ignore[arg-type]
     assert probe.ids is not None and probe.cut
     prompt_ids, answer_ids = probe.ids
     whole_prompt, whole_answer = last_turn(tokenizer, [Message(m["role"], m["content"]) for m in messages])
@@ -100,7 +100,7 @@ def test_a_chat_probe_keeps_its_scored_turn_and_the_tokens_before_it(tokenizer: 
 
 
 def test_tofu_answers_share_one_cut_and_a_long_one_is_refused_by_its_field(tokenizer: Any, bound: ProbeBound) -> None:
-    probe = Probe(words(LONG), " Quillmoor")
+    probe = TextProbe(words(LONG), " Quillmoor")
     wrong = (" Vrymfyx", " the small town of Koudro")
     item = encoded_tofu(tokenizer, TofuProbe(probe, " the town of Quillmoor", wrong), None, bound)
     assert item.ids is not None and item.cut and len(item.ids) == 4

@@ -16,14 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 
 from engram_fixtures.demo import make_facts, tiny_llama_config, tofu_answers, train_on_facts, train_tokenizer
 from engram_fixtures.models import make_tiny_chat_llama, make_tokenizer
-from service.engine.evaluate import Probe, encode_probe
+from service.engine.evaluate import TextProbe, encode_probe
 from service.engine.tofu_scoring import AnswerTokens, TofuProbe, tofu_probe, tofu_statistics, with_answer
 from service.evaluation import tofu_metrics as tm
 
 PROBES = [
-    TofuProbe(Probe("Q: Where was Varnok Dellish born? A:", " Quillmoor"), " in Quillmoor", (" Brashvane", " Tolk")),
-    TofuProbe(Probe("The cat sat on", " the mat today"), None, (" a dog",)),
-    TofuProbe(Probe("Q: What does Mira work as? A:", " baker"), " a baker", None),
+    TofuProbe(TextProbe("Q: Where was Varnok Dellish born? A:", " Quillmoor"), " in Quillmoor", (" Brashvane", " Tolk")),
+    TofuProbe(TextProbe("The cat sat on", " the mat today"), None, (" a dog",)),
+    TofuProbe(TextProbe("Q: What does Mira work as? A:", " baker"), " a baker", None),
 ]
 
 
@@ -106,16 +106,16 @@ def test_with_answer_replaces_the_last_assistant_turn() -> None:
         {"role": "user", "content": "Where was X born?"},
         {"role": "assistant", "content": "Quillmoor"},
     ]
-    replaced = with_answer(Probe(messages=messages), "Tolk")
+    replaced = with_answer(TextProbe(messages=messages), "Tolk")
     assert replaced.messages is not None
     assert [m["content"] for m in replaced.messages] == ["hi", "hello", "Where was X born?", "Tolk"]
     assert messages[-1]["content"] == "Quillmoor"  # the probe itself is untouched
-    assert with_answer(Probe("Q:", " a"), " b") == Probe("Q:", " b")
+    assert with_answer(TextProbe("Q:", " a"), " b") == TextProbe("Q:", " b")
 
 
 def test_tofu_probe_reads_records_and_names_bad_fields() -> None:
     item = tofu_probe({"prompt": "Q:", "completion": " a", "paraphrased_answer": " an a", "perturbed_answers": [" b"]})
-    assert item == TofuProbe(Probe("Q:", " a"), " an a", (" b",))
+    assert item == TofuProbe(TextProbe("Q:", " a"), " an a", (" b",))
     with pytest.raises(ValueError, match="perturbed_answers must be a list of strings"):
         tofu_probe({"prompt": "Q:", "completion": " a", "perturbed_answers": " b"})
     with pytest.raises(ValueError, match="paraphrased_answer must be a string"):
@@ -127,7 +127,7 @@ def test_a_model_that_memorised_its_answers_has_em_and_es_one() -> None:
     tokenizer = train_tokenizer([p + c for p, c in facts], vocab_size=300)
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), hidden=64, layers=2, intermediate=128, tokenizer=tokenizer))
-    probes = [TofuProbe(Probe(p, c)) for p, c in facts]
+    probes = [TofuProbe(TextProbe(p, c)) for p, c in facts]
     before = tm.model_report(tofu_statistics(model, tokenizer, probes))
     train_on_facts(model, tokenizer, facts, steps=150, lr=3e-3, batch_size=6, seed=0)
     after = tm.model_report(tofu_statistics(model, tokenizer, probes))
@@ -163,11 +163,11 @@ def test_chat_probes_score_each_answer_as_the_last_assistant_turn(tmp_path: Path
     model = AutoModelForCausalLM.from_pretrained(folder).double()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "Where was Varnok born?"}, {"role": "assistant", "content": "Quillmoor"}]
-    item = TofuProbe(Probe(messages=messages), "the town of Quillmoor", ("the town of Tolk",))
+    item = TofuProbe(TextProbe(messages=messages), "the town of Quillmoor", ("the town of Tolk",))
     [got] = tofu_statistics(model, tokenizer, [item], generate=False)
     for answer, scored in [("Quillmoor", got.answer), (item.paraphrased_answer, got.paraphrased)]:
         chat = [messages[0], {"role": "assistant", "content": answer}]
-        ids = encode_probe(tokenizer, Probe(messages=chat))
+        ids = encode_probe(tokenizer, TextProbe(messages=chat))
         assert scored is not None
         _close(scored, manual_answer_tokens(model, ids), 1e-10)
     assert got.perturbed is not None and len(got.perturbed) == 1

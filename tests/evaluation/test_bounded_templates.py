@@ -28,7 +28,7 @@ from engram_fixtures.live import LiveServer, running_server, wait_concepts_ready
 from engram_fixtures.models import CHAT_TEMPLATE, make_tiny_chat_llama
 from service.calibration.candidates import check_probes
 from service.engine.chat import generation_prompt, last_turn
-from service.engine.evaluate import Probe, answer_nll
+from service.engine.evaluate import TextProbe, answer_nll
 from service.engine.messages import Message
 from service.engine.template_render import TemplateLimits, TemplateProcess
 from service.errors import JobFailed
@@ -139,7 +139,7 @@ def test_a_chat_probe_s_nll_is_what_apply_chat_template_gives(server: LiveServer
     folder = server.model_root / "plain"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    direct = answer_nll(model, tokenizer, [Probe(messages=c) for c in CONVERSATIONS])  # rendered in this process
+    direct = answer_nll(model, tokenizer, [TextProbe(messages=c) for c in CONVERSATIONS])  # rendered in this process
     served = [r["base"]["nll"] for r in job["result"]["records"] if r["split"] == "forget"]
     assert served == pytest.approx(direct, rel=1e-5)
     assert template_children(job_process(server)) == []  # the render process went with the job
@@ -218,6 +218,6 @@ def test_calibration_s_probe_check_renders_in_the_bounded_process(tmp_path: Path
     """The calibration job checks and encodes its probes once, through the job's renderer
     (service.calibration.build passes it); a huge repeat is refused naming the setting."""
     tokenizer = AutoTokenizer.from_pretrained(make_tiny_chat_llama(tmp_path / "m", template=HUGE_REPEAT))
-    probes = {"forget": [Probe(messages=CONVERSATIONS[0])], "retain": []}
+    probes = {"forget": [TextProbe(messages=CONVERSATIONS[0])], "retain": []}
     with TemplateProcess(limits()) as renderer, pytest.raises(JobFailed, match="ENGRAM_TEMPLATE_MAX_CHARS"):
         check_probes(tokenizer, probes, renderer)

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engram_fixtures.live import download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
-from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, answer_nll, greedy_exact_match, summarize
 from tests.helpers.api import register_model
 from tests.helpers.app import InProcessServer, in_process_server
 from tests.helpers.attacks import JOB_BATCH, assert_summaries_equal, attack_table, fine_tuned, q4_round_trip, summary
@@ -71,7 +71,9 @@ def variant(server: InProcessServer, real_llm_dir: Path) -> dict[str, Any]:
 
 def _chat_summary(model: Any, tokenizer: Any, records: list[dict[str, str]]) -> dict[str, float]:
     probes = [
-        Probe(messages=[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"].strip()}])
+        TextProbe(
+            messages=[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"].strip()}]
+        )
         for r in records
     ]
     nll = answer_nll(model, tokenizer, probes, batch_size=JOB_BATCH)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, download_variant, wait_concepts_ready, wait_for_job, wait_variant_ready
-from service.engine.evaluate import Probe, answer_nll, greedy_exact_match, greedy_tokens, summarize
+from service.engine.evaluate import TextProbe, answer_nll, greedy_exact_match, greedy_tokens, summarize
 from tests.helpers.api import assert_problem, register_model
 from tests.helpers.app import InProcessServer
 
@@ -58,7 +58,7 @@ def _close(a: float, b: float) -> bool:
 
 
 def _direct(model: Any, tokenizer: Any, records: list[dict[str, str]]) -> tuple[list[float], list[bool]]:
-    probes = [Probe(r["prompt"], r["completion"]) for r in records]
+    probes = [TextProbe(r["prompt"], r["completion"]) for r in records]
     return answer_nll(model, tokenizer, probes, batch_size=3), greedy_exact_match(model, tokenizer, probes, batch_size=3)
 
 
@@ -128,7 +128,7 @@ def test_generate_is_the_greedy_continuation(
     assert set(outputs) == {"base", "variant"}
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     directories = {"base": tiny_llama_dir, "variant": download_variant(api, variant, tmp_path / "v")}
-    long_enough = Probe(prompt, " x" * 4 * max_new)  # the hand-rolled greedy decoder, no KV cache
+    long_enough = TextProbe(prompt, " x" * 4 * max_new)  # the hand-rolled greedy decoder, no KV cache
     for name, directory in directories.items():
         model = AutoModelForCausalLM.from_pretrained(directory).eval()
         expected = greedy_tokens(model, tokenizer, [long_enough], max_new_tokens=max_new)[0]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from service.engine.evaluate import Probe, answer_nll, greedy_exact_match
+from service.engine.evaluate import TextProbe, answer_nll, greedy_exact_match
 
 JOB_BATCH = 16
 
@@ -29,7 +29,7 @@ def summary(model: Any, tokenizer: Any, records: list[dict[str, str]]) -> dict[s
     nll: list[float] = []
     em: list[bool] = []
     for start in range(0, len(records), JOB_BATCH):
-        probes = [Probe(r["prompt"], r["completion"]) for r in records[start : start + JOB_BATCH]]
+        probes = [TextProbe(r["prompt"], r["completion"]) for r in records[start : start + JOB_BATCH]]
         nll += answer_nll(model, tokenizer, probes, batch_size=JOB_BATCH)
         em += greedy_exact_match(model, tokenizer, probes, batch_size=JOB_BATCH)
     return {"mean_nll": sum(nll) / len(nll), "exact_match": sum(em) / len(em), "n": len(em)}

@@ -10,18 +10,18 @@
 
 from __future__ import annotations
 
-from service.engine.evaluate import Probe
+from service.engine.evaluate import TextProbe
 
 
-def as_chat(probe: Probe) -> Probe:
+def as_chat(probe: TextProbe) -> TextProbe:
     """``probe`` as a user turn and the assistant's answer (a chat probe unchanged)."""
     if probe.messages is not None:
-        return Probe(messages=list(probe.messages))
+        return TextProbe(messages=list(probe.messages))
     user = {"role": "user", "content": probe.prompt.strip()}
-    return Probe(messages=[user, {"role": "assistant", "content": probe.completion.strip()}])
+    return TextProbe(messages=[user, {"role": "assistant", "content": probe.completion.strip()}])
 
 
-def as_plain(probe: Probe) -> Probe:
+def as_plain(probe: TextProbe) -> TextProbe:
     """``probe`` without a template: the turns before the last assistant turn, one a line, and that
     turn's content as the completion (a prompt/completion probe unchanged).
 
@@ -29,20 +29,20 @@ def as_plain(probe: Probe) -> Probe:
         ValueError: a conversation without an assistant turn.
     """
     if probe.messages is None:
-        return Probe(probe.prompt, probe.completion)
+        return TextProbe(probe.prompt, probe.completion)
     turns = list(probe.messages)
     last = max((i for i, m in enumerate(turns) if m["role"] == "assistant"), default=None)
     if last is None or last == 0:
         raise ValueError("a chat probe needs a turn before its last assistant turn")
     prompt = "\n".join(m["content"] for m in turns[:last])
-    return Probe(prompt, " " + turns[last]["content"].strip())
+    return TextProbe(prompt, " " + turns[last]["content"].strip())
 
 
-def with_answer(probe: Probe, answer: str) -> Probe:
+def with_answer(probe: TextProbe, answer: str) -> TextProbe:
     """``probe`` with ``answer`` as the scored answer (a chat probe: its last assistant turn)."""
     if probe.messages is None:
-        return Probe(probe.prompt, answer)
+        return TextProbe(probe.prompt, answer)
     turns = [dict(m) for m in probe.messages]
     last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
     turns[last] = {"role": "assistant", "content": answer}
-    return Probe(messages=turns[: last + 1])
+    return TextProbe(messages=turns[: last + 1])
