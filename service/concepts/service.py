@@ -9,14 +9,13 @@ resolves first) and one collection job per model, each naming the statistics it 
 from __future__ import annotations
 
 import difflib
-import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from api_schemas import Concept, DatasetReferenceView
 from api_schemas.concepts import ConceptModelState as ModelStateView
+from service.concepts.plan import plan_collection
 from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
 from service.context import Context
 from service.datasets.images import check_record_kinds
@@ -33,7 +32,7 @@ from service.jobs.submit import attach_callbacks
 from service.models.record import ModelRecord
 from service.models.registry import check_chat_templates, get_model
 from service.statistics.manifest import StatisticsManifest, stats_manifest
-from service.statistics.spec import CollectionSpec, canonical_modules
+from service.statistics.spec import canonical_modules
 from service.storage.keys import CONCEPTS, concept_key, dataset_key
 from service.storage.stored_json import find_record, skip_unreadable
 
@@ -43,23 +42,6 @@ KEEP: Any = object()  # an option left out of a request: an existing concept kee
 def dataset_bytes(records: Sequence[Record]) -> bytes:
     """The stored bytes of a dataset (what :class:`service.datasets.spool.DatasetSpool` writes, record by record)."""
     return b"".join(record_line(r) for r in records)
-
-
-def load_records(ctx: Context, dataset_digest: str) -> list[Record]:
-    data = ctx.storage.get_bytes(dataset_key(dataset_digest))
-    # bytes.splitlines cuts at \n only here (json.dumps escapes \r): str.splitlines would also cut
-    # inside a record at a raw U+2028, U+0085 or U+001C, which ensure_ascii=False leaves as they are.
-    return [Record.from_mapping(json.loads(line), i) for i, line in enumerate(data.splitlines())]
-
-
-def iter_records(path: Path) -> Iterator[Record]:
-    """The records of a stored dataset file, one line at a time (never the whole file in memory).
-
-    Lines are cut at ``\n`` only, as :func:`load_records` does.
-    """
-    with path.open("rb") as handle:
-        for i, line in enumerate(handle):
-            yield Record.from_mapping(json.loads(line), i)
 
 
 CHAT_KINDS = 'messages records and template "chat"'
@@ -81,92 +63,151 @@ def submit_concept(
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
     Args:
-        role: ``"target"`` or ``"reference"``; ``None`` keeps an existing concept's role (a new
-            concept is a target).
-        dataset: the records, spooled and hashed (:mod:`service.datasets`); published here. ``None``
+        role: ``"target"`` or ``"reference"``; ``None`` keeps an existing concept's (a new one: target).
+        dataset: the records, spooled and hashed (:mod:`service.datasets`), published here; ``None``
             with ``reference``.
-        modules: module suffixes (as ``modules`` on unlearn): collect only those layers' input
-            groups; ``None`` collects every editable layer. A suffix that matches no layer of a
-            listed model is a 422; a model already collecting or collected with other modules, a 409.
-        reference: a dataset reference from :func:`service.datasets.refs.submitted_reference`:
-            nothing is fetched here; each collection job resolves it first (the concept has no
-            dataset digest until then). The same reference with another content fingerprint is a
+        modules: module suffixes (as on unlearn): collect only those layers' input groups (``None``:
+            every editable layer); a model collecting or collected with other modules is a 409.
+        reference: a dataset reference (:func:`service.datasets.refs.submitted_reference`), resolved
+            by each collection job first; the same reference with another content fingerprint is a
             new concept under the same name (the old one's unfinished jobs are cancelled).
-        template: ``"chat"``: prompt/completion records are rendered with the chat template;
-            ``KEEP`` (left out) keeps an existing concept's; another than the stored one is a 409.
+        template: ``"chat"``: prompt/completion records rendered with the chat template; ``KEEP``
+            (left out) keeps an existing concept's; another than the stored one is a 409.
 
     Returns:
         (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
 
     Raises:
         Conflict: the concept exists with other records, another reference, or the other role or template.
-        InvalidInput: messages records or template ``"chat"`` on a model without a chat template;
-            template ``"chat"`` over text records; a record of a kind a listed model does not read (a text
-            record for an image model, an image record for a text model).
+        InvalidInput: a suffix matching no layer of a listed model; messages records or template ``"chat"``
+            on a model without a chat template; template ``"chat"`` over text records; a record of a
+            kind a listed model does not read.
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
-    manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
-    if modules is not None:
-        modules = canonical_modules(modules)
-        for model_id, manifest in manifests.items():
-            missing = unmatched_suffixes(manifest.layout.layers, modules)
-            if missing:
-                raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
-    kinds = dataset.kinds if dataset is not None else frozenset()
-    if dataset is not None:  # an image record for a text model (or the reverse) is named now, not in its job
-        for model_id, manifest in manifests.items():
-            check_record_kinds(dataset.first, model_id, manifest.kind)
-    if reference is not None and "messages" in (reference.columns or {}):
-        kinds = frozenset({"messages"})
-    chosen_template = None if template is KEEP else template
-    if chosen_template == "chat" and "text" in kinds:
-        raise InvalidInput('template "chat" renders prompt/completion records as a chat; the dataset holds text records')
+    manifests, modules = _checked_models(ctx, models, modules)
+    kinds = _checked_kinds(manifests, dataset, reference, None if template is KEEP else template)
     digest = dataset.digest if dataset is not None else None
-    retired = None
     with ctx.lock:
         concept = find_concept(ctx, name)
         if concept is not None:
             _check_same_concept(concept, digest, role, reference, template)
-            chosen_template = concept.template
-            if reference is not None and concept.dataset is not None and content_changed(concept.dataset, reference):
-                # What the reference names changed since it was posted: a new concept over the new
-                # content, as if the old one were deleted first (its role and description kept).
-                retired, concept = concept, None
-                role = role or retired.role
-                description = retired.description if description is None else description
-        # Checked before anything is written: a refused request stores nothing.
-        if "messages" in kinds or chosen_template == "chat":
-            held = concept.models if concept is not None else {}
-            check_chat_templates({m: v for m, v in manifests.items() if m not in held}, CHAT_KINDS)
+            template = concept.template
+        retired = _retired(concept, reference)
+        if retired is not None:  # a new concept over the new content, its role and description kept
+            concept, role = None, role or retired.role
+            description = retired.description if description is None else description
+        _check_chat_templates(kinds, template, concept, manifests)  # before anything is written
         admit(ctx, len(_models_to_collect(ctx, concept, manifests, modules)))
         if concept is None:
-            if dataset is not None:
-                key = dataset_key(dataset.digest)
-                if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
-                    ctx.storage.put_file(key, dataset.path)
-            concept = ConceptRecord(
-                name=name,
-                role=role or "target",
-                description=description,
-                num_records=dataset.num_records if dataset is not None else None,
-                dataset_digest=digest,
-                models={},
-                created_at=utc_now(),
-                dataset=reference,
-                template=chosen_template,
-            )
+            concept = _new_concept(ctx, name, role, description, dataset, reference, None if template is KEEP else template)
         concept, new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
         if retired is not None:
             _cancel_collections(ctx, retired)
         ctx.storage.put_json(concept_key(name), concept.to_json())
         ctx.reads.forget(concept_key(name))
-    # Enqueue only after the records and the concept are saved: the task reads them.
+    return concept_view(ctx, concept), _dispatched(ctx, concept, list(manifests), new_jobs, urls)
+
+
+def _checked_models(
+    ctx: Context, models: Sequence[str], modules: Sequence[str] | None
+) -> tuple[dict[str, ModelRecord], list[str] | None]:
+    """The listed models' records and the module selection in canonical form.
+
+    Raises:
+        InvalidInput: a suffix that matches no layer of a listed model.
+    """
+    manifests = {m: get_model(ctx, m) for m in dict.fromkeys(models)}
+    if modules is None:
+        return manifests, None
+    chosen = canonical_modules(modules)
+    for model_id, manifest in manifests.items():
+        missing = unmatched_suffixes(manifest.layout.layers, chosen)
+        if missing:
+            raise InvalidInput(f"module suffix(es) match no layer of model {model_id}: {', '.join(missing)}")
+    return manifests, chosen
+
+
+def _checked_kinds(
+    manifests: Mapping[str, ModelRecord],
+    dataset: SpooledDataset | None,
+    reference: StoredReference | None,
+    template: str | None,
+) -> frozenset[str]:
+    """The record kinds the dataset holds (a reference mapping ``messages``: messages), checked
+    against every listed model's kind and the template now, not in the job.
+
+    Raises:
+        InvalidInput: an image record for a text model (or the reverse); template ``"chat"`` over text records.
+    """
+    kinds = dataset.kinds if dataset is not None else frozenset()
+    if dataset is not None:
+        for model_id, manifest in manifests.items():
+            check_record_kinds(dataset.first, model_id, manifest.kind)
+    if reference is not None and "messages" in (reference.columns or {}):
+        kinds = frozenset({"messages"})
+    if template == "chat" and "text" in kinds:
+        raise InvalidInput('template "chat" renders prompt/completion records as a chat; the dataset holds text records')
+    return kinds
+
+
+def _check_chat_templates(
+    kinds: frozenset[str], template: Any, concept: ConceptRecord | None, manifests: Mapping[str, ModelRecord]
+) -> None:
+    """Messages records or template ``"chat"`` need a chat template on every model not collected yet.
+
+    Raises:
+        InvalidInput: a listed model without one (naming it).
+    """
+    if "messages" in kinds or template == "chat":
+        held = concept.models if concept is not None else {}
+        check_chat_templates({m: v for m, v in manifests.items() if m not in held}, CHAT_KINDS)
+
+
+def _retired(concept: ConceptRecord | None, reference: StoredReference | None) -> ConceptRecord | None:
+    """The stored concept when what its reference names changed since it was posted: it is replaced
+    as if it were deleted first (its unfinished collections cancelled)."""
+    if concept is None or reference is None or concept.dataset is None:
+        return None
+    return concept if content_changed(concept.dataset, reference) else None
+
+
+def _new_concept(
+    ctx: Context,
+    name: str,
+    role: str | None,
+    description: str | None,
+    dataset: SpooledDataset | None,
+    reference: StoredReference | None,
+    template: str | None,
+) -> ConceptRecord:
+    """A new concept (a target unless ``role`` says otherwise), its records published first."""
+    if dataset is not None:
+        key = dataset_key(dataset.digest)
+        if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
+            ctx.storage.put_file(key, dataset.path)
+    return ConceptRecord(
+        name=name,
+        role=role or "target",
+        description=description,
+        num_records=dataset.num_records if dataset is not None else None,
+        dataset_digest=dataset.digest if dataset is not None else None,
+        models={},
+        created_at=utc_now(),
+        dataset=reference,
+        template=template,
+    )
+
+
+def _dispatched(
+    ctx: Context, concept: ConceptRecord, models: list[str], new_jobs: list[JobRecord], urls: list[str]
+) -> list[JobRecord]:
+    """The listed models' collection jobs, the new ones enqueued (only now: the concept and its records
+    are saved, and the jobs read them), the others calling ``urls`` back too."""
     for job in new_jobs:
         ctx.dispatch(job)
     created = {job.job_id for job in new_jobs}
-    found = [ctx.jobs.get(concept.models[m].job_id) for m in manifests]
-    jobs = [attach_callbacks(ctx, j, urls) if j.job_id not in created else j for j in found if j is not None]
-    return concept_view(ctx, concept), jobs
+    found = [ctx.jobs.get(concept.models[m].job_id) for m in models]
+    return [attach_callbacks(ctx, j, urls) if j.job_id not in created else j for j in found if j is not None]
 
 
 def _check_same_concept(
@@ -207,17 +248,20 @@ def _plan_collections(
     created = []
     for model_id in _models_to_collect(ctx, concept, manifests, modules):
         manifest = manifests[model_id]
+        spec, plan = plan_collection(ctx.settings, manifest.layout, concept, modules)
         payload = CollectPayload(
             model_id=model_id,
             model_digest=manifest.digest,
             dataset_digest=concept.dataset_digest,
-            settings=CollectionSpec.of(ctx.settings, modules, concept.template, manifest.layout),
+            settings=spec,
             concept=concept.name,
             # a reference the job resolves first
             dataset=concept.dataset if concept.dataset_digest is None else None,
+            plan=plan,
         )
         job = ctx.jobs.create(new_job("collect", payload, unit="tokens", callback_urls=callback_urls))
-        stats = _stats_prefix_for(payload)
+        # Where the statistics go; None while the dataset is a reference its job resolves first.
+        stats = spec.key(manifest.digest, concept.dataset_digest).prefix if concept.dataset_digest else None
         state = ConceptModelState(job_id=job.job_id, stats=stats, modules=None if modules is None else tuple(modules))
         concept = concept.with_model(model_id, state)
         created.append(job)
@@ -251,13 +295,6 @@ def _models_to_collect(
                 continue  # already collecting or collected: posting again changes nothing
         needed.append(model_id)
     return needed
-
-
-def _stats_prefix_for(payload: CollectPayload) -> str | None:
-    """Where the collection's statistics go; None while its dataset is a reference not resolved yet."""
-    if payload.dataset_digest is None:
-        return None
-    return CollectionSpec.of_job(payload.settings).key(payload.model_digest, payload.dataset_digest).prefix
 
 
 def find_concept(ctx: Context, name: str, *, recent: bool = False) -> ConceptRecord | None:

@@ -129,10 +129,28 @@ class ImageRecord:
         unknown = sorted(set(raw) - {IMAGE_FIELD, LABEL_FIELD})
         if unknown:
             raise InvalidInput(f"{name}: an image record has only 'image' and 'label', got {', '.join(map(repr, unknown))}")
-        label = check_label(raw.get(LABEL_FIELD), name)  # the cheap checks first
-        data = decode_base64(raw[IMAGE_FIELD], name)
-        check_image_file(data, name, max_pixels)
-        return cls(data, label)
+        record = read_image_record(raw, name)  # the cheap checks first
+        check_image_file(record.data, name, max_pixels)
+        return record
+
+
+def read_image_record(raw: Mapping[str, Any], where: str, classes: Mapping[int, str] | None = None) -> ImageRecord:
+    """One image record's file and label: the one reader of the format, for a stored record and for an
+    evaluation's image probe alike (a posted record is read by :meth:`ImageRecord.from_mapping`,
+    which checks its fields first and its file after).
+
+    Args:
+        raw: the record (``{"image": base64, "label"?}``), its fields already checked.
+        where: the record as messages name it.
+        classes: the model's classes: the label is resolved to its class id, before the image is
+            decoded (the cheap check first); ``None``: the label's type is checked only.
+
+    Raises:
+        InvalidInput: a label the model does not have, an ``image`` that is no base64 (naming ``where``).
+    """
+    label = raw.get(LABEL_FIELD)
+    checked = check_label(label, where) if classes is None else resolve_label(label, classes, where)
+    return ImageRecord(decode_base64(raw.get(IMAGE_FIELD), where), checked)
 
 
 def decode_base64(value: Any, where: str) -> bytes:

@@ -58,7 +58,7 @@ FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": 
 # A file:// folder of class subfolders of images (service.datasets.images.list_image_folder).
 IMAGEFOLDER = "imagefolder"
 # Records between cancellation checks: every one, as the job's check is throttled by time
-# (service.concepts.collection.CancelCheck); 10,000 records of 16 MiB are more than a whole dataset.
+# (service.concepts.collected.CancelCheck); 10,000 records of 16 MiB are more than a whole dataset.
 _CHECK_EVERY = 1
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from api_schemas.evaluation import CLASSIFIER_SETS
 from service.context import Context
-from service.datasets.images import IMAGE_FIELD, LABEL_FIELD, check_image_file, decode_base64, resolve_label
+from service.datasets.images import IMAGE_FIELD, check_image_file, read_image_record
 from service.engine.model_files import ModelSourceError, read_side_json
 from service.errors import Conflict, InvalidInput, NotFound
 from service.evaluation.retain_model import RetainModelRef
@@ -97,9 +97,7 @@ def check_image_probes(
         PayloadTooLarge: an image of more than ``max_pixels`` pixels (a decompression bomb).
     """
     for where, probe in named_probes(probes):
-        if classes is not None:  # the cheap check first
-            resolve_label(probe[LABEL_FIELD], classes, where)
-        check_image_file(decode_base64(probe[IMAGE_FIELD], where), where, max_pixels)
+        check_image_file(read_image_record(probe, where, classes).data, where, max_pixels)
 
 
 def retain_classifier(ctx: Context, base: ModelRecord, retain_id: str) -> RetainModelRef:

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from service.errors import ProblemDetails, ServiceUnavailable
+from service.jobs.collect_plan import CollectionPlan
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -132,6 +133,8 @@ class CollectPayload(JobPayload):
     settings: CollectionSettings  # stored as its dump()
     concept: str
     dataset: StoredReference | None = None  # a reference the job resolves first
+    # What the submission resolved (service.jobs.collect_plan); None in a payload queued before plans
+    plan: CollectionPlan | None = Field(default=None, exclude_if=_absent)
 
 
 class VariantPayload(JobPayload):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from service.config import Settings
-from service.engine.layers import select_layers
+from service.engine.layers import LayerSpec, select_layers
 from service.engine.layout import ModelLayout
 from service.jobs.records import CollectionSettings
 from service.statistics.key import StatsKey
@@ -44,6 +44,7 @@ class CollectionSpec(CollectionSettings):
         modules: Sequence[str] | None = None,
         template: str | None = None,
         layout: ModelLayout | None = None,
+        selected: Sequence[LayerSpec] | None = None,
     ) -> CollectionSpec:
         """The spec of a collection under ``settings``.
 
@@ -56,10 +57,13 @@ class CollectionSpec(CollectionSettings):
                 stored under a renamed key (``renamed_layers``): versions before those were edited
                 collected the same model without it, and a key shared with such statistics would reuse
                 them, short of that layer. Other keys stay as they were.
+            selected: the layers of ``layout`` that ``modules`` select, where the caller selected
+                them already (its plan names them); selected here otherwise.
         """
         layers = None
         if layout is not None and layout.renamed_layers:
-            collected = [spec.name for spec in select_layers(layout.layers, modules)]
+            chosen = select_layers(layout.layers, modules) if selected is None else selected
+            collected = [spec.name for spec in chosen]
             if set(collected) & set(layout.renamed_layers):
                 layers = canonical_digest(collected)
         return cls(

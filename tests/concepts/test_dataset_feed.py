@@ -3,7 +3,7 @@
 :class:`~service.datasets.spool.JsonlFeed` gets an upload's or a reference's bytes in chunks of any size;
 gzip-compressed bytes must give exactly the records of the plain bytes whatever the chunking, with
 no more than :data:`~service.datasets.spool.INFLATE_PIECE` bytes inflated at once. Truncation at
-``max_length`` is counted per record (:class:`~service.concepts.collection.Survey`) for every kind
+``max_length`` is counted per record (:class:`~service.concepts.collected.Survey`) for every kind
 of record, chat included.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from engram_fixtures.models import CHAT_TEMPLATE, make_tokenizer
-from service.concepts.collection import Survey
+from service.concepts.collected import Survey
 from service.datasets.spool import INFLATE_PIECE, DatasetSpool, Gunzip, JsonlFeed, SpooledDataset
 from service.engine.records import Record, encode_record
 from service.errors import InvalidInput, MalformedBody, PayloadTooLarge

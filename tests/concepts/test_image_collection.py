@@ -10,8 +10,9 @@ import torch
 from transformers import ViTForImageClassification
 
 from engram_fixtures.vision import make_tiny_vit
-from service.concepts.image_collection import check_text_records, count_records, image_statistics
+from service.concepts.image_collection import image_statistics
 from service.datasets.spool import spool_records
+from service.datasets.stored import check_text_records, count_records
 from service.engine.collect import PixelBatch, collect_statistics
 from service.engine.editable import editable_layers
 from service.engine.images import load_image_processor, pixel_batches
