@@ -40,6 +40,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -118,6 +119,14 @@ class Report:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
+_STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    """A progress line on stderr (the tables go to stdout at the end)."""
+    print(f"[{time.perf_counter() - _STARTED:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
 # ---------------------------------------------------------------- scoring
 
 
@@ -184,9 +193,11 @@ def setup_service(server: LiveServer, model_dir: Path, data: BenchData) -> dict[
         if wait_for_job(client, job_id, timeout=3600)["status"] != "succeeded":
             raise RuntimeError(f"collection job {job_id} did not succeed")
     timings["collect_s"] = time.perf_counter() - started
+    say(f"registered and collected: {timings}")
     started = time.perf_counter()
     post_and_wait(client, f"/models/{MODEL_ID}/universes", {"concepts": list(CONCEPTS.values())}, 3600)
     timings["universe_s"] = time.perf_counter() - started
+    say(f"universe built in {timings['universe_s']:.0f} s")
     return timings
 
 
@@ -198,6 +209,7 @@ def engram_variant(server: LiveServer, body: dict[str, Any]) -> Built:
     if response.json().get("job"):
         _job(server.client, response)
     seconds = time.perf_counter() - started
+    say(f"variant {body} in {seconds:.0f} s")
     return Built(_variant_folder(server, response.json()["variant"]["variant_id"]), seconds, json.dumps(body))
 
 
@@ -238,7 +250,9 @@ def engram_rows(
         setup = setup_service(server, model_dir, data)
         built = {f"Engram α={alpha:g}": engram_variant(server, {"alpha": alpha}) for alpha in plan.alphas}
         built["Engram W-Norm"] = engram_variant(server, {"alpha": 1.0, "scaling": "weight_norm"})
+        say(f"calibrating (budget {plan.budget})")
         row, calibration = calibrated(server, data, plan)
+        say(f"calibrated: {row}")
         if row is not None:
             built["Engram calibrated"] = row
     except BaseException:
@@ -264,6 +278,7 @@ def baseline_rows(base: PreTrainedModel, tokenizer: Any, data: BenchData, plan: 
         settings = plan.baseline
         note = f"{spent.steps} AdamW steps at lr {settings.lr:g} ({settings.epochs} epochs, batch {settings.batch_size})"
         built[row] = Built(folder, spent.seconds, note)
+        say(f"{row}: {note}, {spent.seconds:.0f} s")
     return built
 
 
@@ -284,6 +299,7 @@ def run(model_dir: Path, data: BenchData, plan: Plan, work: Path, robustness: bo
         for name, entry in built.items():
             if name != "base":
                 rows[name] = score(load(entry.folder), tokenizer, data, rows["base"]["text_nll"])
+                say(f"scored {name}: {rows[name]}")
         report = Report(rows, built, setup, calibration, data.counts(), notes=dict(data.notes))
         if robustness:
             from bench.robustness import attacked_rows
@@ -347,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = copy_entry(real_llm(), work / "models" / "smollm2-135m")
         base = load(model_dir)
         data = real_data(base, AutoTokenizer.from_pretrained(model_dir))
+        say(f"data: {data.counts()}, known {data.notes['known']}")
         del base
         report = run(model_dir, data, plan, work, robustness=args.robustness)
     print(f"SmolLM2-135M-Instruct, {args.threads} threads, {'quick' if args.quick else 'full'} plan: {asdict(plan)}")

@@ -97,9 +97,12 @@ def attacked_rows(
     folders: dict[str, Path], tokenizer: Any, data: BenchData, plan: Plan, base_text_nll: float
 ) -> dict[str, dict[str, float]]:
     """Every chosen row under both attacks, one model in memory at a time; ``relearn:recovered`` per row."""
-    from bench.real import load
+    from bench.real import load, say
 
-    rows = {name: attacked_row(load(folder), tokenizer, data, plan, base_text_nll) for name, folder in folders.items()}
+    rows = {}
+    for name, folder in folders.items():
+        rows[name] = attacked_row(load(folder), tokenizer, data, plan, base_text_nll)
+        say(f"attacked {name}: {rows[name]}")
     base_before = rows["base"]["relearn:before"] if "base" in rows else math.nan
     for row in rows.values():
         forgotten = base_before - row["relearn:before"]
