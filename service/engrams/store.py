@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from service.context import Context
 from service.engine.arithmetic import apply_engrams, combined_norm
-from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, EngramSource, LayerEdit, LayerWeights, layer_editor
+from service.engine.compose import COMPUTE_DTYPE, EngramAlgebra, LayerEdit, LayerWeights
 from service.engine.errors import EditError
 from service.engine.layers import LayerSpec
 from service.engine.stats_io import StatisticsFile
@@ -115,11 +115,9 @@ def stored_engrams(ctx: Context, manifest: UniverseManifest, terms: Mapping[str,
 
 
 def stored_editor(
-    source: EngramSource, load: Callable[[LayerSpec], LayerWeights], scales: Mapping[str, float]
+    source: StoredEngrams, load: Callable[[LayerSpec], LayerWeights], scales: Mapping[str, float]
 ) -> Callable[[LayerSpec], LayerEdit | None]:
     """One layer's edit on demand for the streaming writers (``None`` for a zero scale)."""
-    if not isinstance(source, StoredEngrams):
-        return layer_editor(source, load, scales)
 
     def edit(spec: LayerSpec) -> LayerEdit | None:
         scale = scales[spec.name]

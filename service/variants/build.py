@@ -18,7 +18,7 @@ from pathlib import Path
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
 from service.engine.checkpoint_write import WrittenFiles, write_checkpoint, write_delta
-from service.engine.compose import EngramSource, LayerEdit, layer_deltas, layer_scales, normalized_scales
+from service.engine.compose import LayerEdit, layer_deltas, normalized_scales
 from service.engine.errors import EditError
 from service.engine.expert_names import check_adapter_layers
 from service.engine.gguf_rules import GgufWriteError, check_gguf_writable
@@ -199,7 +199,7 @@ def build_variant_files(
 
 def _engram_source(
     ctx: Context, plan: VariantPlan, progress: Progress, job_id: str | None, layers: Sequence[str] | None = None
-) -> tuple[EngramSource, UniverseManifest | None, float | None]:
+) -> tuple[StoredEngrams, UniverseManifest, float | None]:
     """The variant's terms as stored engrams of its universe (built now if missing: the input groups
     of ``layers`` only, the rest deferred to the request that needs it)."""
     started = time.monotonic()
@@ -211,14 +211,14 @@ def _engram_source(
 
 def variant_scales(
     layers: Sequence[LayerSpec],
-    source: EngramSource,
-    universe: UniverseManifest | None,
+    source: StoredEngrams,
+    universe: UniverseManifest,
     scaling: str,
     reader: CheckpointReader,
 ) -> dict[str, float]:
     """Per-layer ``f_l``: 1 (uniform) or W-Norm's ``ρ_l / max ρ`` over the selection."""
-    if not isinstance(source, StoredEngrams) or universe is None or scaling == "uniform":
-        return layer_scales(layers, source, reader.layer_weights, scaling)  # type: ignore[arg-type]
+    if scaling == "uniform":
+        return {spec.name: 1.0 for spec in layers}
     if scaling != "weight_norm":
         raise EditError(f"unknown scaling {scaling!r}")
     return normalized_scales(relative_norms(layers, source, universe))
@@ -229,7 +229,7 @@ def write_variant(
     reader: CheckpointReader,
     layout: ModelLayout,
     layers: Sequence[LayerSpec],
-    source: EngramSource,
+    source: StoredEngrams,
     scales: dict[str, float],
     plan: VariantPlan,
     progress: Progress,
