@@ -125,6 +125,8 @@ def _build_and_fetch(
     as_json: bool,
 ) -> None:
     """Watch a submitted variant's build (unless it exists already), then download it to ``out``."""
+    for warning in submission.warnings:  # on stderr, loud: stdout stays the variant (or its JSON)
+        stderr.print(f"warning: {warning}", soft_wrap=True)  # its consoles print without markup
     variant = submission.variant
     if no_wait and variant.status != "ready":
         stderr.print(f"variant {variant.variant_id}: {variant.status}")
@@ -151,7 +153,15 @@ def unlearn(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="The model to edit.")],
     concept: Annotated[list[str], typer.Option("--concept", "-c", help="Concept to remove (repeat for several).")],
-    alpha: Annotated[float, typer.Option(help="Strength α in W − α Σ_k f_l W_k⁺.")] = 1.0,
+    alpha: Annotated[
+        float | None,
+        typer.Option(
+            help=(
+                "Strength α in W − α Σ_k f_l W_k⁺. Omitted: the model's last calibration of these concepts, "
+                "else a conservative 0.25 (a warning says which)."
+            )
+        ),
+    ] = None,
     out: OutDir = None,
     force: Force = False,
     edit: EditFlags = EditFlags(),  # noqa: B008  # replaced by its flags (edit_flags)

@@ -19,7 +19,7 @@ class VariantsResource(JobsResource):
         self,
         model_id: str,
         concepts: Sequence[str],
-        alpha: float = 1.0,
+        alpha: float | None = None,
         *,
         scaling: str | None = None,
         modules: Sequence[str] | None = None,
@@ -38,7 +38,9 @@ class VariantsResource(JobsResource):
     ) -> VariantSubmission:
         """Remove concepts: ``W_new = W − α Σ_k f_l s_l W_k⁺``.
 
-        Only the options that are set are sent, so the service's defaults apply to the rest.
+        Only the options that are set are sent, so the service's defaults apply to the rest; without
+        ``alpha`` the service uses the model's last calibration of these concepts, else a conservative
+        α, and the answer's ``warnings`` say which.
         ``module_strengths`` maps module-name suffixes to a factor ``s`` on the strength (0 < s ≤ 4);
         ``lora_target="vllm"`` writes a peft adapter vLLM serves; ``format="gguf"`` one ``.gguf`` file
         (``gguf_quantization``: F32, F16, BF16, Q8_0, Q4_0 or Q4_1); ``universe`` pins the universe.
@@ -48,7 +50,7 @@ class VariantsResource(JobsResource):
         Returns:
             The variant and its build job; ``job`` is ``None`` when the variant already existed (HTTP 200).
         """
-        body: dict[str, Any] = {"concepts": list(concepts), "alpha": alpha}
+        body: dict[str, Any] = {"concepts": list(concepts)} | ({} if alpha is None else {"alpha": alpha})
         body |= edit_options_body(options, edit_keywords(locals()))
         return self._parse(VariantSubmission, self._request("POST", f"/models/{_quote(model_id)}/unlearn", json=body))
 
