@@ -2,7 +2,7 @@
 
 Why the body stays a list: every client written so far (ours, scripts, dashboards) reads these
 routes as a JSON array, and a list that fits one page (the default page holds 100) answers exactly
-as before. The next page is named by headers instead: ``Link: <...>; rel="next"`` (RFC 8288, what
+as an unpaginated list. The next page is named by headers instead: ``Link: <...>; rel="next"`` (RFC 8288, what
 GitHub's and many HTTP clients' pagination follows) and ``X-Next-Cursor`` (the bare cursor, for
 clients that build their own URL); the last page carries neither.
 

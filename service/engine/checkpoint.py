@@ -303,7 +303,7 @@ def load_model(
     """Load a validated checkpoint (safetensors only, no remote code).
 
     transformers sees only the checked files, through their descriptors
-    (:func:`~service.engine.model_files.clean_view`).
+    (:func:`~service.engine.model_file_descriptors.clean_view`).
 
     Args:
         source: the checkpoint directory, or its files opened by a job.
@@ -369,7 +369,7 @@ def load_tokenizer(source: Path | ModelFiles) -> transformers.PreTrainedTokenize
 
 
 # The files transformers builds a tokenizer from: a folder with none of them (weights for variants
-# only) registers without a tokenizer, as before.
+# only) registers without a tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -148,7 +148,7 @@ class UniverseManifest(_Record):
 
     def require_layer(self, layer: str) -> None:
         """Refuse by name a layer whose input group is deferred (a ``KeyError`` for a layer the
-        universe never holds, as before).
+        universe never holds).
 
         Raises:
             GroupNotBuilt: the layer's group is deferred.

@@ -178,7 +178,7 @@ def _evaluate_text(ctx: Context, job: JobRecord, variant_id: str, raw: StoredPro
     with template_process(ctx, job.job_id) as renderer:  # one render process, ended before any model runs
         probes = _checked_probes(tokenizer, probes, renderer, bound)
         tofu_sets = encoded_sets(tokenizer, _tofu_sets(raw, raw.tofu), renderer, bound) if raw.tofu is not None else {}
-        attacks = prepare_attacks(raw, tokenizer, probes, tofu_sets, renderer, bound)  # issue 37: none unless asked
+        attacks = prepare_attacks(raw, tokenizer, probes, tofu_sets, renderer, bound)  # none unless asked
     retain_option = raw.tofu.retain_model if raw.tofu is not None else None
     attack_units = sum(a.units(3 if retain_option is not None else 2) for a in attacks)
     progress = _progress(ctx, job, 2 * sum(len(v) for v in probes.values()) + _tofu_units(raw) + attack_units)

@@ -85,11 +85,11 @@ def submit_evaluation(
     if model.kind == "image":
         return _queue(ctx, variant_id, _classifier_probes(ctx, model, probes, retain_model), urls)
     check_causal_lm(model, "evaluation and generation")
-    # Without metrics the stored JSON (and so the identity) is exactly what it was before metrics.
+    # Only the options asked for are stored: an evaluation without metrics is identified by its probes alone.
     stored = StoredProbes(forget=probes.get("forget", []), retain=probes.get("retain", []))
     if tofu is not None:
         stored = StoredProbes(forget=stored.forget, retain=stored.retain, tofu=_tofu_options(ctx, view, tofu))
-    if attacks:  # issue 37: stored with the probes, so they are part of the evaluation's identity
+    if attacks:  # stored with the probes, so they are part of the evaluation's identity
         stored = stored.model_copy(update={"attacks": attacks})
         if any(a.get("form") == "chat_template" for a in attacks):
             _check_chat_template(ctx, view, "attack rephrase:chat_template")

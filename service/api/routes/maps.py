@@ -44,7 +44,7 @@ MapWaitQuery = Annotated[
         description="when the map is not stored yet, wait up to this many seconds for its job: 200 with the map, else 202",
     ),
 ]
-DEFAULT_WAIT_S = 30.0  # a small model's map takes seconds: most requests get the map, as before
+DEFAULT_WAIT_S = 30.0  # a small model's map takes seconds: most requests get the map itself
 
 _COMPUTING: dict[int | str, dict[str, Any]] = {
     202: {"model": Job, "description": "the map's job is still running: poll the job (Location), then ask again"}
