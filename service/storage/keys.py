@@ -90,6 +90,29 @@ def generation_request_key(generation_id: str) -> str:
     return f"generations/{generation_id}.request.json"
 
 
+CALIBRATIONS = "calibrations/"
+
+
+def calibration_prefix(calibration_id: str) -> str:
+    """Where a calibration's records are: its request, its result and its drawn front."""
+    return f"{CALIBRATIONS}{calibration_id}/"
+
+
+def calibration_request_key(calibration_id: str) -> str:
+    """What a calibration job reads, and the job that answers it."""
+    return f"{calibration_prefix(calibration_id)}request.json"
+
+
+def calibration_result_key(calibration_id: str) -> str:
+    """The calibration's answer: every candidate, the Pareto front, the recommendation (written last)."""
+    return f"{calibration_prefix(calibration_id)}result.json"
+
+
+def calibration_front_key(calibration_id: str) -> str:
+    """The calibration's front, drawn."""
+    return f"{calibration_prefix(calibration_id)}front.png"
+
+
 def map_key(map_id: str) -> str:
     """A computed memory-trace map (``map_id``: the digest of everything that determines it)."""
     return f"maps/{map_id}.json"
