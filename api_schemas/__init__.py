@@ -88,7 +88,6 @@ from api_schemas.records import (
     DatasetReference,
     DatasetReferenceView,
     DatasetRows,
-    RecordIn,
     Role,
 )
 from api_schemas.universes import (
@@ -167,7 +166,6 @@ __all__ = [
     "Problem",
     "RECORD_SCHEMA",
     "Readiness",
-    "RecordIn",
     "Role",
     "SHAREGPT_SPEAKERS",
     "SOURCE_PATTERN",

@@ -31,15 +31,6 @@ def check_conversation(messages: list[ChatMessage]) -> None:
         raise ValueError("the messages have no assistant message (the turn that is scored)")
 
 
-class RecordIn(Strict):
-    """``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages": [{"role", "content"}, …]}``."""
-
-    text: str | None = None
-    prompt: str | None = None
-    completion: str | None = None
-    messages: list[ChatMessage] | None = None
-
-
 _TEXT = {"type": "string", "pattern": NOT_BLANK}
 # Content given as OpenAI's list of parts: only text parts are read (joined in order with "\n").
 _TEXT_PARTS = {
