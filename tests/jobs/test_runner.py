@@ -27,9 +27,9 @@ from service.api.routes.jobs import cancel_job
 from service.context import Context
 from service.errors import InvalidInput
 from service.execution import kinds
-from service.execution.runner import TRANSIENT_ERRORS, retry_after, run_job
+from service.execution.runner import TRANSIENT_ERRORS, retry_after, run_helper, run_job
 from service.jobs.leases import worker_name
-from service.jobs.progress import ProgressReporter
+from service.jobs.progress import JobCancelled, ProgressReporter
 from service.jobs.records import JobRecord
 from service.jobs.store import RedisJobStore, new_job
 from service.storage.base import StorageUnavailable
@@ -309,3 +309,64 @@ def test_a_running_job_sends_heartbeats_in_distributed_mode(redis_ctx: Context, 
 
 def test_the_transient_errors_are_the_ones_a_retry_can_help() -> None:
     assert set(TRANSIENT_ERRORS) == {StorageUnavailable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError}
+
+
+# ---------------------------------------------------------------- a job run inline, a kind's helper
+
+
+def test_a_body_runs_a_job_it_created_inline_through_the_context(ctx: Context, use_body: Any) -> None:
+    """What a calibration does with its recommended variant: the runner hands every body itself as
+    ``ctx.run_inline``, so the inner job goes through the same state machine, in this process."""
+    inner_ids: list[str] = []
+
+    def body(c: Context, j: Any) -> dict[str, Any]:
+        if inner_ids:  # the inner job
+            return {"inner": True}
+        inner_ids.append(submit(c, model_id="inner"))
+        assert c.run_inline is not None
+        c.run_inline(c, inner_ids[0])
+        return {"inner_status": job(c, inner_ids[0]).status}
+
+    use_body(body)
+    outer = submit(ctx, model_id="outer")
+    run_job(ctx, outer)
+    assert job(ctx, outer).result == {"inner_status": "succeeded", "worker": worker_name()}
+    assert job(ctx, inner_ids[0]).result == {"inner": True, "worker": worker_name()}
+
+
+@dataclass(frozen=True)
+class StubHelper:
+    """What the runner reads of a :class:`service.execution.kinds.Helper`: its body."""
+
+    body: Callable[[Any, str, str], Any]
+
+
+@pytest.mark.parametrize(
+    ("raised", "level", "said"),
+    [
+        (RuntimeError("disk full"), "WARNING", "failed, the job takes over: disk full"),
+        (JobCancelled(), "INFO", "stopped helping"),
+    ],
+)
+def test_a_helper_that_fails_or_is_stopped_fails_nothing_and_says_why(
+    ctx: Context, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, raised: Exception, level: str, said: str
+) -> None:
+    def helper(c: Context, subject_id: str, job_id: str) -> None:
+        raise raised
+
+    monkeypatch.setitem(kinds.HELPERS, "universe", StubHelper(helper))
+    job_id = submit(ctx, model_id="m")
+    before = job(ctx, job_id)
+    with caplog.at_level("INFO", logger="engram.runner"):
+        run_helper(ctx, "universe", "u1", job_id)  # raises nothing
+    assert job(ctx, job_id) == before, "a helper is not a job: its record is untouched"
+    said_so = [record for record in caplog.records if said in record.getMessage()]
+    assert [record.levelname for record in said_so] == [level]
+    assert "universe u1" in said_so[0].getMessage() and job_id in said_so[0].getMessage()
+
+
+def test_a_helper_runs_its_kinds_body_with_the_subject_and_the_job(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setitem(kinds.HELPERS, "universe", StubHelper(lambda c, subject, job_id: calls.append((subject, job_id))))
+    run_helper(ctx, "universe", "u1", "j" * 32)
+    assert calls == [("u1", "j" * 32)]
