@@ -50,7 +50,7 @@ from service.calibration.search import (
     recommend,
     search,
 )
-from service.calibration.service import calibration_prefix, front_png_url
+from service.calibration.service import front_png_url
 from service.calibration.space import arm_layers
 from service.calibration.strengths import measure_strengths
 from service.calibration.warnings import result_warnings
@@ -65,6 +65,7 @@ from service.jobs.templates import template_process
 from service.models.loaded import check_model_unchanged, checked_model_files
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
+from service.storage.keys import calibration_front_key, calibration_request_key, calibration_result_key, probes_key
 from service.universes.build import ensure_universe
 from service.variants.service import coefficients_for_unlearn, submit_variant, variant_view
 
@@ -83,12 +84,11 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
             variant's build job inline.
     """
     calibration_id = job.payload_of(CalibratePayload).calibration_id
-    prefix = calibration_prefix(calibration_id)
-    cached = ctx.storage.find_json(prefix + "result.json")
+    cached = ctx.storage.find_json(calibration_result_key(calibration_id))
     if cached is not None:
         stored = read_calibration_result(calibration_id, cached).model_dump(mode="json")
         return CalibrationJobResult.model_validate({**stored, "reused": True})
-    request = CalibrationRequest.from_json(ctx.storage.get_json(prefix + "request.json"), calibration_id)
+    request = CalibrationRequest.from_json(ctx.storage.get_json(calibration_request_key(calibration_id)), calibration_id)
     started = time.monotonic()
     progress = ProgressReporter(ctx, job.job_id, request.search.budget)
     universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
@@ -187,8 +187,8 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
     check_model_unchanged(ctx, model)  # its mapped weights were not rewritten while they were scored
     stored = result.model_copy(update={"seconds": seconds}).model_dump(mode="json")  # the job's one dump
     read_calibration_result(calibration_id, stored)  # it reads back as it is stored: a shape bug fails here
-    ctx.storage.put_bytes(prefix + "front.png", render_front_png(stored, *default_axes(stored)))
-    ctx.storage.put_json(prefix + "result.json", stored)  # last: the calibration is answered
+    ctx.storage.put_bytes(calibration_front_key(calibration_id), render_front_png(stored, *default_axes(stored)))
+    ctx.storage.put_json(calibration_result_key(calibration_id), stored)  # last: the calibration is answered
     ctx.jobs.set_progress(job.job_id, len(found.candidates), len(found.candidates))
     return CalibrationJobResult.model_validate({**stored, "reused": False})
 
@@ -214,8 +214,8 @@ def _union(layout: ModelLayout, arms: Sequence[Arm]) -> list[Any]:
 
 
 def _stored_probes(ctx: Context, calibration_id: str, digest: str) -> CalibrationProbes:
-    data = json.loads(ctx.storage.get_bytes(f"probes/{digest}.json"))
-    return read_record(CalibrationProbes, calibration_id, f"probes/{digest}.json", data)
+    data = json.loads(ctx.storage.get_bytes(probes_key(digest)))
+    return read_record(CalibrationProbes, calibration_id, probes_key(digest), data)
 
 
 def _split(raw: CalibrationProbes, fraction: float | None) -> tuple[CalibrationProbes, CalibrationProbes]:

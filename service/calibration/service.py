@@ -41,14 +41,11 @@ from service.jobs.submit import attach_callbacks
 from service.models.record import ModelRecord
 from service.models.registry import check_causal_lm, check_chat_templates, get_model
 from service.statistics.cover import check_statistics_cover, unreached_by_every
+from service.storage.keys import calibration_front_key, calibration_request_key, calibration_result_key, probes_key
 from service.universes.members import EditUniverse, resolve_members
 from service.universes.records import current_pointer, find_manifest
 from service.universes.retention import make_room, note_use
 from service.universes.service import record_universe, set_current
-
-
-def calibration_prefix(calibration_id: str) -> str:
-    return f"calibrations/{calibration_id}/"
 
 
 def front_png_url(calibration_id: str) -> str:
@@ -106,13 +103,13 @@ def submit_calibration(ctx: Context, model_id: str, options: CalibrateRequest) -
         if existing is not None:
             return calibration_id, attach_callbacks(ctx, existing, urls), existing.status in FINISHED
         projected = make_room(ctx, resolved.spec)  # a 409 here changes nothing
-        ctx.storage.put_bytes(f"probes/{digest}.json", probes)  # before the job: it reads them
+        ctx.storage.put_bytes(probes_key(digest), probes)  # before the job: it reads them
         payload = CalibratePayload(calibration_id=calibration_id, model_id=model_id)
         job = ctx.jobs.create(new_job("calibrate", payload, unit="candidates", callback_urls=urls))
         built = find_manifest(ctx, resolved.spec.universe_id) is not None
         record_universe(ctx, resolved.spec, None if built else job.job_id)  # this job builds it if need be
         note_use(ctx, resolved.spec.universe_id, projected=projected, rebuilding=not built)
-        ctx.storage.put_json(calibration_prefix(calibration_id) + "request.json", request.with_job(job.job_id).to_json())
+        ctx.storage.put_json(calibration_request_key(calibration_id), request.with_job(job.job_id).to_json())
     ctx.dispatch(job)
     return calibration_id, ctx.jobs.get(job.job_id) or job, False
 
@@ -209,7 +206,7 @@ def _answering_job(ctx: Context, calibration_id: str) -> JobRecord | None:
     job = ctx.jobs.get(stored.job_id) if stored and stored.job_id else None
     if job is None or job.status in {"failed", "cancelled"}:
         return None
-    if job.status == "succeeded" and not ctx.storage.exists(calibration_prefix(calibration_id) + "result.json"):
+    if job.status == "succeeded" and not ctx.storage.exists(calibration_result_key(calibration_id)):
         return None
     return job
 
@@ -217,7 +214,7 @@ def _answering_job(ctx: Context, calibration_id: str) -> JobRecord | None:
 def find_request(ctx: Context, calibration_id: str) -> CalibrationRequest | None:
     if not valid_calibration_id(calibration_id):
         return None
-    stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "request.json")
+    stored = ctx.storage.find_json(calibration_request_key(calibration_id))
     return None if stored is None else CalibrationRequest.from_json(stored, calibration_id)
 
 
@@ -226,7 +223,7 @@ def find_request(ctx: Context, calibration_id: str) -> CalibrationRequest | None
 
 def calibration_result(ctx: Context, calibration_id: str) -> StoredCalibrationResult | None:
     """The stored result (``result.json``) as its record; None before."""
-    stored = ctx.storage.find_json(calibration_prefix(calibration_id) + "result.json")
+    stored = ctx.storage.find_json(calibration_result_key(calibration_id))
     return None if stored is None else read_calibration_result(calibration_id, stored)
 
 
@@ -254,7 +251,7 @@ def front_png(ctx: Context, calibration_id: str, x: str | None = None, y: str | 
     and/or ``y`` any two metrics its candidates carry, drawn from its result (422 naming an unknown one)."""
     if find_request(ctx, calibration_id) is None:
         raise NotFound(f"calibration {calibration_id} does not exist")
-    key = calibration_prefix(calibration_id) + "front.png"
+    key = calibration_front_key(calibration_id)
     if not ctx.storage.exists(key):
         raise NotFound(f"calibration {calibration_id} has no front yet (its job has not succeeded)")
     if x is None and y is None:

@@ -34,6 +34,7 @@ from api_schemas.calibration import CandidateOptions
 from service.concepts.service import find_concept
 from service.context import Context
 from service.models.registry import get_model
+from service.storage.keys import CALIBRATIONS, calibration_request_key
 from service.universes.members import EditUniverse, resolve_members
 
 log = logging.getLogger("engram.variants")
@@ -43,7 +44,6 @@ log = logging.getLogger("engram.variants")
 CONSERVATIVE_ALPHA = 0.25
 # The options a calibration's recommendation fixes besides α: the α was chosen for this shape.
 SHAPE_OPTIONS = ("scaling", "modules", "layers", "module_strengths")
-CALIBRATIONS = "calibrations/"
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def _recommendations(ctx: Context) -> Iterator[CalibrationResult]:
 
 def _finished_at(ctx: Context, calibration_id: str) -> str:
     """When the job that answered the calibration finished ('' when that job is gone)."""
-    stored = ctx.storage.find_json(f"{CALIBRATIONS}{calibration_id}/request.json")
+    stored = ctx.storage.find_json(calibration_request_key(calibration_id))
     try:
         job_id = _AnsweringJob.model_validate(stored).job_id
     except ValidationError:
