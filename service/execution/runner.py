@@ -36,7 +36,7 @@ from service.execution.memory_budget import exhausted_memory, out_of_memory_prob
 from service.jobs.leases import worker_name
 from service.jobs.progress import JobCancelled
 from service.jobs.records import JobKind
-from service.jobs.store import FINISHED, utc_now
+from service.jobs.store import FINISHED, RedisJobStore, utc_now
 from service.observability import job_context
 from service.storage.base import StorageUnavailable
 
@@ -169,10 +169,10 @@ def _in_background(name: str, loop: Callable[[threading.Event], None]) -> Iterat
 @contextmanager
 def _heartbeat(ctx: Context, job_id: str) -> Iterator[None]:
     """While the body runs, tell the reconciler this job's worker is alive (distributed mode)."""
-    beat = getattr(ctx.jobs, "heartbeat", None)
-    if beat is None:
+    if not isinstance(ctx.jobs, RedisJobStore):  # embedded mode: the job process is the API's child
         yield
         return
+    beat = ctx.jobs.heartbeat
 
     def loop(stop: threading.Event) -> None:
         while not stop.is_set():
