@@ -31,7 +31,7 @@ from service.variants.plan import PlanTerm, VariantPlan
 from service.variants.service import find_variant_request, submit_variant
 from service.variants.spec import VariantRequest, VariantSpec
 from tests.helpers.store_world import StoreWorld, text_records
-from tests.variants.test_variant_spec import CASES, COMPOSE, MODEL, PINNED, UNLEARN, stats, universe
+from tests.helpers.variant_requests import CASES, COMPOSE, MODEL, PINNED, UNLEARN, stats, universe
 
 MORE_CASES: dict[str, dict[str, Any]] = {
     "gguf": {"format": "gguf"},
