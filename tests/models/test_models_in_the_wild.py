@@ -137,8 +137,9 @@ def _unlearn_encoder_by_default(api: httpx.Client, model_dir: Path, model_id: st
     model = register_model(api, model_id, f"file://{model_dir}", existing_ok=True)
     assert "pooler.dense" in {layer["name"] for layer in model["layers"]}
     _collect(api, model_id, prefix)
-    # Default options: every layer, the pooler included; the universe is every ready concept.
-    variant = _unlearn(api, model_id, {"concepts": [f"{prefix}-t"]})
+    # Default options but alpha (the reference edit is α = 1): every layer, the pooler included; the
+    # universe is every ready concept.
+    variant = _unlearn(api, model_id, {"concepts": [f"{prefix}-t"], "alpha": 1.0})
     assert_pooler_matches(model_dir, download_variant(api, variant, tmp_path / "variant"))
 
 
@@ -256,7 +257,7 @@ def test_mixture_of_experts_unlearns_every_routed_expert(
     ]
     assert not any(name.endswith(".mlp.gate") for name in names), "the router is not an editable layer"
     _collect(api, f"wild/{label}", f"wild-{label}")
-    variant = _unlearn(api, f"wild/{label}", {"concepts": [f"wild-{label}-t"]})
+    variant = _unlearn(api, f"wild/{label}", {"concepts": [f"wild-{label}-t"], "alpha": 1.0})  # the reference's α
     variant_dir = download_variant(api, variant, tmp_path / "variant")
     assert _stored_shapes(variant_dir) == _stored_shapes(model_dir), "the variant keeps the checkpoint's layout"
     assert_experts_match(model_dir, variant_dir, experts)
