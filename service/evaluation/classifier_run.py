@@ -296,22 +296,10 @@ def evaluate_classifiers(
         load_variant: loads a variant as shipped (``(base, variant, tokenizer)``).
         progress_for: makes the job's progress from its total (images × models).
     """
-    request = find_variant_request(ctx, variant_id)
-    if request is None:
-        raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
-    folder = Path(get_model(ctx, request.model_id).path)
-    base, variant, _ = load_variant(ctx, variant_id)
-    classifiers: dict[ClassifierModel, Classifier] = {
-        "base": Classifier(base, folder),
-        "variant": Classifier(variant, folder),
-    }
     option = raw.classifier.retain_model if raw.classifier is not None else None
-    if option is not None:
-        classifiers["retrained"] = load_retrained(ctx, option, load_variant)
-        if len(model_classes(classifiers["retrained"].model)) != len(model_classes(base)):
-            raise JobFailed(f"retain_model {option.id} has another number of classes than the base model")
+    classifiers = _classifiers(ctx, variant_id, option, load_variant)
     sets = probe_sets({"forget": raw.forget, "retain": raw.retain, "test": raw.test})
-    labels = resolved_labels(sets, model_classes(base))
+    labels = resolved_labels(sets, model_classes(classifiers["base"].model))
     progress = progress_for(len(classifiers) * sum(len(p) for p in sets.values()))
     outputs = {
         model: {
@@ -328,6 +316,41 @@ def evaluate_classifiers(
         }
         for model, classifier in classifiers.items()
     }
+    return _classifier_result(variant_id, sets, outputs, labels, option.id if option is not None else None)
+
+
+def _classifiers(
+    ctx: Context, variant_id: str, option: RetainModelRef | None, load_variant: VariantLoader
+) -> dict[ClassifierModel, Classifier]:
+    """The base and the variant as classifiers, and the retrained one when the request named it.
+
+    Raises:
+        JobFailed: the variant is gone or not built, or the retrained model has other classes.
+    """
+    request = find_variant_request(ctx, variant_id)
+    if request is None:
+        raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
+    folder = Path(get_model(ctx, request.model_id).path)
+    base, variant, _ = load_variant(ctx, variant_id)
+    classifiers: dict[ClassifierModel, Classifier] = {
+        "base": Classifier(base, folder),
+        "variant": Classifier(variant, folder),
+    }
+    if option is not None:
+        classifiers["retrained"] = load_retrained(ctx, option, load_variant)
+        if len(model_classes(classifiers["retrained"].model)) != len(model_classes(base)):
+            raise JobFailed(f"retain_model {option.id} has another number of classes than the base model")
+    return classifiers
+
+
+def _classifier_result(
+    variant_id: str,
+    sets: ProbeSets,
+    outputs: Mapping[ClassifierModel, SetOutputs],
+    labels: Mapping[str, list[int]],
+    retain_model: str | None,
+) -> EvaluationResult:
+    """The evaluation result of every model's outputs on every probe set."""
     forgotten = sorted(set(labels.get("forget", [])))
     scored: dict[Scored, dict[ClassifierSet, tuple[list[float], list[bool]]]] = {
         model: {name: per_probe(out) for name, out in outputs[model].items()} for model in ("base", "variant")
@@ -352,5 +375,5 @@ def evaluate_classifiers(
             for i in range(len(sets[name]))
         ],
         classifier=classifier_section(outputs, forgotten),
-        retain_model=option.id if option is not None else None,
+        retain_model=retain_model,
     )
