@@ -73,7 +73,7 @@ def run_collection(ctx: Context, job: JobRecord) -> CollectResult:
             collected = collect_images(ctx, job.job_id, collection, loaded[0], Path(manifest.path), path, layers)
         else:
             collected = collect_texts(ctx, job.job_id, collection, loaded, path, layers, cancelled)
-    check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran (issue 23, 7)
+    check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran
     return _publish(ctx, collection, collected, cancelled)
 
 

@@ -135,14 +135,11 @@ class ImageRecord:
 
 
 def read_image_record(raw: Mapping[str, Any], where: str, classes: Mapping[int, str] | None = None) -> ImageRecord:
-    """One image record's file and label: the one reader of the format, for a stored record and for an
-    evaluation's image probe alike (a posted record is read by :meth:`ImageRecord.from_mapping`,
-    which checks its fields first and its file after).
+    """One image record's file and label (``{"image": base64, "label"?}``, its fields checked): the one
+    reader of the format, for posted and stored records and evaluation's image probes alike.
 
     Args:
-        raw: the record (``{"image": base64, "label"?}``), its fields already checked.
-        where: the record as messages name it.
-        classes: the model's classes: the label is resolved to its class id, before the image is
+        classes: the model's classes: the label is resolved to its class id before the image is
             decoded (the cheap check first); ``None``: the label's type is checked only.
 
     Raises:

@@ -4,9 +4,10 @@ by its digest, the statistics' identity (:class:`service.statistics.key.StatsKey
 The collect job's configuration is :class:`service.jobs.records.CollectionSettings` (on the jobs'
 floor, below this one); a :class:`CollectionSpec` is that record with what statistics make of it.
 Its stored form (a collect job's ``payload.settings``, a statistics manifest's ``settings``) is
-:meth:`CollectionSpec.dump`: the fields that are set, nothing else, so the digest of every key
-published before this record existed is unchanged (an optional field enters only when it is not
-its default).
+:meth:`CollectionSpec.dump`: the fields that are set, nothing else. An optional field enters the
+digest only when it is not its default, so adding a field changes no published key (the digests of
+published keys are pinned in ``tests/statistics/test_collection_spec.py``). A collect job's plan
+(:class:`service.jobs.collect_plan.CollectionPlan`) holds the digest, computed once at submission.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class CollectionSpec(CollectionSettings):
     the statistics floor reads it: the spec of a collection, its key, its sums' dtype.
 
     ``None`` means "not part of the key": the default (every module, no template, float64 sums,
-    the model's stored dtype), spelled by absence so that keys from before each field stay valid.
+    the model's stored dtype), spelled by absence so that a new field leaves every published key as it is.
     """
 
     @classmethod
