@@ -586,3 +586,26 @@ def test_the_checker_catches_a_hand_spelled_statistics_key(tmp_path: Path) -> No
     assert not [line for line in lines if line.startswith(("service.statistics", "service.universes.fine"))], (
         "the owner may spell them, and prose may name them"
     )
+
+
+# ARCHITECTURE.md: "a file over ~400 lines is usually two files, and none is over 500".
+MAX_MODULE_LINES = 500
+
+
+def long_modules(root: Path, package: str = "service", limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``<path>: <n> lines`` for every module of ``package`` under ``root`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > limit:
+            found.append(f"{path.relative_to(root).as_posix()}: {lines} lines")
+    return found
+
+
+def test_no_service_module_is_over_500_lines(tmp_path: Path) -> None:
+    assert long_modules(REPO) == [], "split these modules into cohesive ones"
+    # the checker sees a module one line over the limit, and only that one
+    (tmp_path / "service" / "sub").mkdir(parents=True)
+    (tmp_path / "service" / "sub" / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "service" / "fits.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert long_modules(tmp_path) == [f"service/sub/big.py: {MAX_MODULE_LINES + 1} lines"]
