@@ -4,7 +4,7 @@ Clients poll ``GET /jobs/{id}`` and ``GET /concepts/{name}`` in loops; measured 
 FastAPI's routing, dependency solving and response validation were about three quarters of each
 poll's cost on the event loop. This pure ASGI middleware answers those two (and ``/healthz``)
 itself, but only when everything the answer needs is already in this process's memory or in a
-local file read (:attr:`JobStore.reads_are_local`: the embedded SQLite live store, not Redis);
+local file read (:attr:`service.jobs.store.JobStore.reads_are_local`: the embedded SQLite live store, not Redis);
 otherwise, and for anything else, the request goes on to the routes, which give the same answer
 (``tests/api/test_waiting_and_polling.py`` checks that both agree).
 
@@ -42,7 +42,7 @@ _HEALTHY = json.dumps({"status": "ok"}).encode()
 
 @dataclass(frozen=True)
 class _Route:
-    """What :class:`RequestContext` reads to label the latency metric (``route.path``)."""
+    """What :class:`~service.observability.RequestContext` reads to label the latency metric (``route.path``)."""
 
     path: str
 

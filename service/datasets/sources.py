@@ -44,7 +44,7 @@ class Source:
         yield
 
     def verify(self) -> None:
-        """Raise :class:`Conflict` when what was read may not be what was opened (nothing to check
+        """Raise :class:`~service.errors.Conflict` when what was read may not be what was opened (nothing to check
         where every read was pinned to the opened content)."""
 
     def close(self) -> None:
@@ -214,7 +214,8 @@ def _hf_source(uri: str, settings: Settings, fingerprint: Fingerprint | None = N
 
 def open_source(uri: str, settings: Settings, fingerprint: Fingerprint | None = None) -> Source:
     """The reference opened for reading (nothing read yet), its rules checked again on this machine
-    and its content checked against ``fingerprint`` (as :func:`fingerprint_reference` took it)."""
+    and its content checked against ``fingerprint`` (as
+    :func:`~service.datasets.fingerprints.fingerprint_reference` took it)."""
     scheme = urlparse(uri).scheme.lower()
     if scheme == "file":
         return _LocalSource(uri, file_path(uri, settings.dataset_root_paths, strict=True), fingerprint)

@@ -47,7 +47,7 @@ def apply_engrams(
     rounding, which is the rounding the checkpoint's own dtype makes anyway. One term is a single
     fused ``W + c·E`` (one rounding). This is a third of the memory traffic of summing in float64
     and measured within the exactness bars of tests/engrams and tests/variants. A float64 checkpoint
-    or a float64 engram is summed in float64, as :func:`layer_edits` does.
+    or a float64 engram is summed in float64, as :func:`~service.engine.compose.layer_edits` does.
 
     Args:
         spec: the layer.

@@ -27,7 +27,7 @@ Scaling = Literal["uniform", "weight_norm"]
 
 
 class GroupedStatistics(Protocol):
-    """What the algebra reads of a concept's statistics: :class:`LayerStatistics` (in memory,
+    """What the algebra reads of a concept's statistics: :class:`~service.engine.collect.LayerStatistics` (in memory,
     full or packed sums) or :class:`~service.engine.stats_io.StatisticsFile` (read per group)."""
 
     @property

@@ -330,7 +330,7 @@ def write_adapter(
     Args:
         target: an existing, empty directory.
         model_id: the base model (:func:`adapter_base`; a string: ``base_model_name_or_path``).
-        loras: the layers' factors (from :func:`layer_loras`, with the same ``lora_target``).
+        loras: the layers' factors (from :func:`~service.engine.lora.layer_loras`, with the same ``lora_target``).
         max_rank: the rank cap ``loras`` used, for the report; for vLLM the adapter's rank (``None``:
             the smallest rank vLLM serves that holds every layer's kept directions).
         rtol: the numerical-rank cut ``loras`` used, for the report.

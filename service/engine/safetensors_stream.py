@@ -213,7 +213,7 @@ def _hash_mapped(handle: BinaryIO, entry: TensorEntry, sink: HashingSink) -> boo
 
     The view keeps the mapping alive until the sink's thread has hashed it; the caller then writes
     the same bytes of the same file (a model file rewritten meanwhile fails the build afterwards:
-    :meth:`ModelFiles.check_unchanged`)."""
+    :meth:`~service.engine.model_file_descriptors.ModelFiles.check_unchanged`)."""
     end = entry.start + entry.nbytes
     if entry.nbytes < _MAP_MIN or os.fstat(handle.fileno()).st_size < end:
         return False

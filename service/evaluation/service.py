@@ -75,8 +75,8 @@ def submit_evaluation(
     metrics) is stored with the probes, so it is part of the evaluation's identity: the same probes
     asked for other metrics or against another retain model are scored again, not answered from storage.
 
-    Image probes (an image classifier's variant; ``probes`` may hold a ``test`` set) go to
-    :func:`_submit_classifier`, with ``retain_model`` the retrained classifier.
+    Image probes (an image classifier's variant; ``probes`` may hold a ``test`` set) are checked by
+    :func:`_classifier_probes`, with ``retain_model`` the retrained classifier.
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     view = _ready_view(ctx, variant_id)

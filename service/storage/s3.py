@@ -235,7 +235,7 @@ class S3Storage(Storage):
         return f"S3Storage(s3://{self.bucket}/{self.prefix})"
 
     def _key(self, key: str) -> str:
-        """The full object key of a storage key, validated like :class:`LocalStorage` validates."""
+        """The full object key of a storage key, validated like :class:`~service.storage.local.LocalStorage` validates."""
         parts = key.split("/")
         if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in parts):
             raise ValueError(f"invalid storage key {key!r}")
