@@ -7,6 +7,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from api_schemas.calibration_attacks import (
+    ATTACK_CONSTRAINTS_FIELD,
+    ATTACK_GATE_FIELD,
+    ATTACKED_FIELD,
+    AttackConstraint,
+    AttackGate,
+    check_attack_constraints,
+)
 from api_schemas.calibration_default import (
     MAX_PERPLEXITY_RATIO_FIELD,
     MIN_RETAIN_EXACT_MATCH_RATIO_FIELD,
@@ -213,6 +221,8 @@ class CalibrateRequest(Strict):
         "on probes it was not chosen on (the default objective: 0.2 when left out)",
     )
 
+    attack_constraints: list[AttackConstraint] = ATTACK_CONSTRAINTS_FIELD
+
     @field_validator("held_out_fraction")
     @classmethod
     def _fraction(cls, value: float | None) -> float | None:
@@ -226,6 +236,7 @@ class CalibrateRequest(Strict):
             self._check_classifier_goal()
         else:
             self._check_goal()
+        check_attack_constraints(self)
         if self.alpha_min >= self.alpha_max:
             raise ValueError(f"alpha_min ({self.alpha_min}) must be below alpha_max ({self.alpha_max})")
         if len(set(self.scalings)) != len(self.scalings):
@@ -400,6 +411,7 @@ class CalibrationCandidate(BaseModel):
     feasible: bool = Field(description="it meets the constraint (with an objective: every bound)")
     pareto: bool = Field(description="on the Pareto front: no candidate forgets more without more retain damage")
     stage: Literal["coarse", "fine"] = Field(description="coarse: bracketing the constraint; fine: refining it")
+    attacked: dict[str, MetricValues] | None = ATTACKED_FIELD
 
 
 class CalibrationRecommendation(BaseModel):
@@ -460,6 +472,7 @@ class CalibrationResult(BaseModel):
     held_out: HeldOutCheck | None = Field(
         default=None, exclude_if=_absent, description="with held_out_fraction: the recommendation checked on unseen probes"
     )
+    attack_gate: AttackGate | None = ATTACK_GATE_FIELD
     warnings: list[str] = WARNINGS_FIELD
     perplexity_on: Literal["general", "retain"] | None = PERPLEXITY_ON_FIELD
     truncated_probes: dict[str, int] | None = Field(

@@ -21,12 +21,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api_schemas.attacks import RelearnAttack, relearn_rows
 from api_schemas.calibration import (
     CALIBRATION_METRICS,
     CLASSIFIER_METRICS,
     DEFAULT_RETAIN_ACCURACY_RATIO,
     CalibrateRequest,
 )
+from api_schemas.calibration_attacks import AttackConstraint
 from api_schemas.calibration_default import DEFAULT_HELD_OUT_FRACTION
 from api_schemas.evaluation import Probe
 from service.calibration.goal_search import Bound, Goal
@@ -89,6 +91,9 @@ class GoalSpec(_Frozen):
     # "exact_match": a text calibration's default objective (the calibration's own metrics only, no TOFU
     # suite). Absent for a text objective, so its stored form (and its calibration's ID) is what it was.
     kind: Literal["image", "exact_match"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The attack gate (:mod:`service.calibration.goal_attacks`); absent without one, so the stored form
+    # of a calibration without attack constraints (and its ID) is unchanged.
+    attacks: tuple[AttackConstraint, ...] = Field(default=(), exclude_if=lambda v: not v)
 
     def goal(self, base: Mapping[str, float]) -> Goal:
         """The search's goal, its bounds resolved against the base model's metrics."""
@@ -119,6 +124,7 @@ def goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) ->
         retain_model=retain_model,
         held_out_fraction=options.held_out_fraction,
         utility_sets=tuple(options.utility),
+        attacks=checked_attacks(options, options.held_out_fraction),
     )
 
 
@@ -139,7 +145,35 @@ def exact_match_goal_spec(options: CalibrateRequest) -> GoalSpec:
         held_out_fraction=fraction,
         utility_sets=tuple(options.utility),
         kind="exact_match",
+        attacks=checked_attacks(options, fraction),
     )
+
+
+def checked_attacks(options: CalibrateRequest, fraction: float | None) -> tuple[AttackConstraint, ...]:
+    """The request's attack constraints, refused (422) where the held-out probes cannot check them:
+    forget and retain probes held out, and for relearn on probes one held-out forget probe to train on
+    and one to score."""
+    attacks = tuple(options.attack_constraints)
+    if not attacks:
+        return attacks
+    _, forget = held_out_split(options.forget, fraction)
+    _, retain = held_out_split(options.retain, fraction)
+    if not forget or not retain:
+        raise InvalidInput(
+            "attack_constraints are checked on held-out probes, and these hold none out: send two or more forget "
+            "and retain probes"
+        )
+    for constraint in attacks:
+        attack = constraint.attack
+        if isinstance(attack, RelearnAttack) and attack.texts is None:
+            trained = relearn_rows(attack, len(forget))
+            if not 1 <= trained < len(forget):
+                raise InvalidInput(
+                    f"attack relearn trains on {trained} of the {len(forget)} held-out forget probes and scores the "
+                    "rest: it needs one of each; send more forget probes, raise held_out_fraction, set train_probes "
+                    "below the held-out count, or send texts to train on"
+                )
+    return attacks
 
 
 def classifier_goal_spec(options: CalibrateRequest, retain_model: RetainModelRef | None) -> GoalSpec:

@@ -16,6 +16,7 @@ from api_schemas.calibration import GoalView, HeldOutCheck, ResolvedConstraint
 from api_schemas.calibration_default import GENERAL_SET
 from service.calibration.candidates import InMemoryCandidates, Measured, check_probes, parse_probe, score
 from service.calibration.goal import GoalSpec
+from service.calibration.goal_attacks import AttackGateRun
 from service.calibration.goal_scoring import metrics, own_metrics, prime, public, tofu_report
 from service.calibration.goal_search import Goal, violation
 from service.calibration.records import CalibrationProbes, StoredCalibrationResult
@@ -63,8 +64,11 @@ class GoalRun:
         tokenizer = candidates.tokenizer
         self.has_held_out = bool(held.forget and held.retain)
         self.tofu = spec.kind != "exact_match"  # the default objective: the calibration's own metrics only
+        self.gate: AttackGateRun | None = None
+        self.job_id, self.ctx = job_id, ctx
         if not self.tofu:
             self._own_metrics_only(held, renderer)
+            self._attack_gate()
             return
         self.sets = _tofu_sets(searched)
         self.held_sets = _tofu_sets(held)
@@ -90,6 +94,13 @@ class GoalRun:
                 self.retain_held_report = tofu_report(retain, tokenizer, self.held_sets, self.renderer)
         self.base_metrics = metrics(self.base_report, self.retain_report, self.base_report, candidates.base, candidates.base)
         self.goal = resolved(spec, self.base_metrics)
+        self._attack_gate()
+
+    def _attack_gate(self) -> None:
+        """The attack constraints' gate (none without them), its base values measured now."""
+        if self.spec.attacks:
+            held = {split: self.held_plain.get(split, []) for split in ("forget", "retain")}
+            self.gate = AttackGateRun(self.ctx, self.job_id, self.spec.attacks, self.candidates, held)
 
     def truncated(self) -> dict[str, list[bool]]:
         """Per probe set, whether each probe's prompt was cut to the probe bound: the searched probes,
@@ -147,17 +158,29 @@ class GoalRun:
             recommended=public(held),
         )
 
-    def validated_on_held_out(self, ranked: Sequence[Candidate]) -> tuple[Candidate, HeldOutCheck]:
+    def validated_on_held_out(self, ranked: Sequence[Candidate]) -> tuple[Candidate | None, HeldOutCheck | None]:
         """The best-ranked candidate that meets the bounds on the held-out probes too, and its check
-        (:func:`validated_on_held_out`)."""
-        return validated_on_held_out(ranked, self.check_held_out)
+        (:func:`validated_on_held_out`); with attack constraints, one that meets them too, or none
+        (:func:`gated_on_held_out`)."""
+        if self.gate is None:
+            return validated_on_held_out(ranked, self.check_held_out)
+        return gated_on_held_out(ranked, self.check_held_out, self.gate.passes)
 
     def amend(self, result: StoredCalibrationResult, found: SearchResult, best: Candidate | None) -> StoredCalibrationResult:
-        """The result with the objective's fields (``assemble`` wrote the NLL search's)."""
+        """The result with the objective's fields (``assemble`` wrote the NLL search's) and the attack
+        gate's: each attacked candidate's scores, and the note when every one missed a bound."""
         retain = None
         if self.retain_report is not None:
             retain = public(tm.tofu_scores(self.retain_report, self.retain_report, self.base_report).values)
-        return amend_goal_result(result, found, best, self.spec, self.goal, self.base_metrics, retain)
+        amended = amend_goal_result(result, found, best, self.spec, self.goal, self.base_metrics, retain)
+        if self.gate is None:
+            return amended
+        attacked = self.gate.rows()
+        rows = [row.model_copy(update={"attacked": attacked.get(row.index)}) for row in amended.candidates]
+        update: dict[str, object] = {"candidates": rows, "attack_gate": self.gate.report()}
+        if best is None and attacked:
+            update["note"] = self.gate.note(sum(c.feasible for c in found.candidates))
+        return amended.model_copy(update=update)
 
 
 def validated_on_held_out(
@@ -183,6 +206,31 @@ def validated_on_held_out(
         rejected.append(candidate.index)
     assert first is not None, "validated_on_held_out needs at least one candidate"
     return ranked[0], first.model_copy(update={"candidate": ranked[0].index, "rejected": rejected})
+
+
+def gated_on_held_out(
+    ranked: Sequence[Candidate], check: Callable[[Candidate], HeldOutCheck], passes: Callable[[Candidate], bool]
+) -> tuple[Candidate | None, HeldOutCheck | None]:
+    """:func:`validated_on_held_out` behind the attack gate: of the same :data:`HELD_OUT_TRIES`
+    best-ranked candidates, the first that meets every bound and every attack constraint on the
+    held-out probes; else the first that meets the attack constraints (``feasible: false``, as the
+    ungated check recommends its best); else none (``(None, None)``): a candidate that misses an
+    attack constraint is never recommended. A candidate is attacked only while it could still be
+    recommended (one that misses a held-out bound after a fallback is found is not)."""
+    rejected: list[int] = []
+    fallback: tuple[Candidate, HeldOutCheck] | None = None
+    for candidate in ranked[:HELD_OUT_TRIES]:
+        checked = check(candidate)
+        if (checked.feasible or fallback is None) and passes(candidate):
+            if checked.feasible:
+                return candidate, checked.model_copy(update={"candidate": candidate.index, "rejected": rejected})
+            fallback = fallback or (candidate, checked)
+        rejected.append(candidate.index)
+    if fallback is None:
+        return None, None
+    candidate, checked = fallback
+    others = [index for index in rejected if index != candidate.index]
+    return candidate, checked.model_copy(update={"candidate": candidate.index, "rejected": others})
 
 
 def amend_goal_result(

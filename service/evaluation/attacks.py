@@ -80,7 +80,7 @@ def prepare_attacks(
         attack = _ATTACKS.validate_python(stored)
         name = attack_name(attack)
         if isinstance(attack, RelearnAttack):
-            prepared.append(_prepare_relearn(name, attack, tokenizer, probes, tofu_sets, bound))
+            prepared.append(prepare_relearn(name, attack, tokenizer, probes, tofu_sets, bound))
         elif isinstance(attack, RephraseAttack):
             sets = _rephrased(name, attack, raw, tokenizer, probes, renderer, bound)
             prepared.append(PreparedAttack(name, attack, sets))
@@ -89,7 +89,7 @@ def prepare_attacks(
     return prepared
 
 
-def _prepare_relearn(
+def prepare_relearn(
     name: str,
     attack: RelearnAttack,
     tokenizer: Any,
@@ -187,21 +187,13 @@ def _run_attack(item: PreparedAttack, context: AttackContext) -> AttackReport:
     kept: dict[TofuModel, dict[str, str]] = {}
     for model_name, load in context.models.items():
         model = load()
-        if isinstance(attack, RephraseAttack):
-            attacked = model
-        elif isinstance(attack, QuantizeAttack):
-            _check_memory(item.name, model, copies=1)
+        if isinstance(attack, QuantizeAttack):
             plan = quantize_plan(model, attack.type)
             plan_counts[model_name], kept[model_name] = plan.counts(), dict(plan.kept)
-            attacked = standalone_copy(model)
-            try:
-                quantize_in_place(attacked, plan)
-            except ValueError as exc:
-                raise JobFailed(f"attack {item.name} on the {model_name} model: {exc}") from None
-        else:
-            before[model_name] = _summaries(model, item.probes, context)
-            attacked = _relearned(item, attack, model, model_name, context)
-        summary[model_name] = _summaries(attacked, item.probes, context)
+        if isinstance(attack, RelearnAttack):
+            before[model_name] = summaries(model, item.probes, context)
+        attacked = attacked_copy(item, model, model_name, context)
+        summary[model_name] = summaries(attacked, item.probes, context)
         if context.metrics is not None and item.tofu_sets:
             reports[model_name] = _tofu_report(attacked, item.tofu_sets, context)
         del attacked  # one attacked copy at a time
@@ -219,6 +211,24 @@ def _run_attack(item: PreparedAttack, context: AttackContext) -> AttackReport:
         elif isinstance(attack, RephraseAttack):
             update["left_out"] = {**update.get("left_out", {}), "tofu": _REPHRASE_TOFU}
     return report.model_copy(update=update)
+
+
+def attacked_copy(item: PreparedAttack, model: Any, model_name: str, context: AttackContext) -> Any:
+    """``model`` under the attack: a quantized or relearned copy (``model`` itself untouched), or, for
+    rephrasing (which changes the probes), ``model``; refused naming the attack and the model where it
+    cannot apply or cannot fit in the job's memory."""
+    attack = item.attack
+    if isinstance(attack, RephraseAttack):
+        return model
+    if isinstance(attack, RelearnAttack):
+        return _relearned(item, attack, model, model_name, context)
+    _check_memory(item.name, model, copies=1)
+    attacked = standalone_copy(model)
+    try:
+        quantize_in_place(attacked, quantize_plan(model, attack.type))
+    except ValueError as exc:
+        raise JobFailed(f"attack {item.name} on the {model_name} model: {exc}") from None
+    return attacked
 
 
 def _relearned(item: PreparedAttack, attack: RelearnAttack, model: Any, model_name: str, context: AttackContext) -> Any:
@@ -245,17 +255,25 @@ def _recovered(
     """``recovered_fraction`` = (attacked variant − variant) / (base − variant) on forget exact match,
     or ``left_out`` saying why it is undefined."""
     base, variant, attacked = before["base"]["forget"], before["variant"]["forget"], after["variant"]["forget"]
-    forgotten = base.exact_match - variant.exact_match
+    fraction = recovered_fraction(base.exact_match, variant.exact_match, attacked.exact_match)
+    if isinstance(fraction, str):
+        return {"left_out": {"recovered_fraction": fraction}}
+    return {"recovered_fraction": fraction}
+
+
+def recovered_fraction(base: float, variant: float, attacked: float) -> float | str:
+    """(attacked − variant) / (base − variant), forget exact matches on the same probes; where the
+    variant forgot nothing the base knew, the reason it is undefined."""
+    forgotten = base - variant
     if not forgotten > 0:
-        why = (
-            f"the base answers {base.exact_match:.3f} of these forget probes, the variant "
-            f"{variant.exact_match:.3f}: nothing was forgotten to recover"
+        return (
+            f"the base answers {base:.3f} of these forget probes, the variant {variant:.3f}: nothing was forgotten "
+            "to recover"
         )
-        return {"left_out": {"recovered_fraction": why}}
-    return {"recovered_fraction": (attacked.exact_match - variant.exact_match) / forgotten}
+    return (attacked - variant) / forgotten
 
 
-def _summaries(model: Any, probes: dict[Split, list[TextProbe]], context: AttackContext) -> dict[Split, ProbeSummary]:
+def summaries(model: Any, probes: dict[Split, list[TextProbe]], context: AttackContext) -> dict[Split, ProbeSummary]:
     """Per split: mean answer NLL and greedy exact match, as the evaluation's own summary."""
     out: dict[Split, ProbeSummary] = {}
     for split, items in probes.items():
