@@ -32,6 +32,7 @@ from service.engine.attacks.rephrase import as_chat, as_plain, with_answer
 from service.engine.chat import last_turn
 from service.engine.evaluate import TextProbe, encoded
 from service.engine.records import Message
+from tests.helpers.attacks import fine_tuned_rows
 
 
 def tiny_llama(tied: bool = False, seed: int = 0) -> LlamaForCausalLM:
@@ -127,21 +128,10 @@ ROWS = [probe_row([1, 5, 7], [9, 11]), probe_row([2, 3], [4, 8, 12]), text_row([
 
 
 def plain_fine_tuning(model: LlamaForCausalLM, steps: int, lr: float, seed: int) -> LlamaForCausalLM:
-    """What a customer writes: the rows padded with 0 (labels -100 there and on the prompts), AdamW."""
-    tuned = copy.deepcopy(model)
+    """ROWS as a customer writes them (prompts labelled -100), padded with 0, through the plain AdamW loop."""
     data = [([1, 5, 7, 9, 11], [-100, -100, -100, 9, 11]), ([2, 3, 4, 8, 12], [-100, -100, 4, 8, 12]),
             ([3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8])]  # fmt: skip
-    ids = torch.tensor([row + [0] * (6 - len(row)) for row, _ in data])
-    mask = torch.tensor([[1] * len(row) + [0] * (6 - len(row)) for row, _ in data])
-    labels = torch.tensor([lab + [-100] * (6 - len(lab)) for _, lab in data])
-    torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(tuned.parameters(), lr=lr, weight_decay=0.0)
-    tuned.train()
-    for _ in range(steps):
-        optimizer.zero_grad()
-        tuned(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        optimizer.step()
-    return tuned.eval()
+    return fine_tuned_rows(model, data, pad=0, steps=steps, lr=lr, seed=seed)
 
 
 def test_relearning_is_a_plain_adamw_loop_and_the_same_for_a_seed() -> None:

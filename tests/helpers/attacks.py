@@ -59,8 +59,14 @@ def fine_tuned(model: Any, tokenizer: Any, records: list[dict[str, str]], steps:
         prompt = tokenizer(record["prompt"], add_special_tokens=True)["input_ids"]
         answer = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
         rows.append((prompt + answer, [-100] * len(prompt) + answer))
-    width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return fine_tuned_rows(model, rows, pad, steps, lr, seed)
+
+
+def fine_tuned_rows(model: Any, rows: list[tuple[list[int], list[int]]], pad: int, steps: int, lr: float, seed: int) -> Any:
+    """What a customer writes: a copy of ``model`` after ``steps`` AdamW steps (no weight decay) on every
+    ``(input ids, labels)`` row at once, padded on the right with ``pad`` (labels -100 there)."""
+    width = max(len(ids) for ids, _ in rows)
     ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
