@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from collections import Counter
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -19,9 +22,11 @@ from safetensors import safe_open
 
 from api_schemas import EditOptions
 from engram_fixtures.models import make_tiny_llama, make_tokenizer
+from service.engine.layers import select_layers
 from service.errors import JobFailed
 from service.jobs.records import JobRecord
 from service.models.registry import get_model
+from service.statistics.cover import unreached_by_every
 from service.storage.keys import variant_manifest_key, variant_plan_key, variant_request_key
 from service.universes.members import EditUniverse
 from service.universes.spec import Member, UniverseSpec
@@ -147,6 +152,49 @@ def test_submit_stores_the_plan_its_job_runs_without_selecting_or_reading_statis
     assert manifest.get("unreached_layers", []) == []  # stored only when some layer was not reached
     written = world.ctx.storage.list(f"variants/{variant_id}/files/")
     assert written, "the variant's files are stored"
+
+
+def test_one_request_is_selected_named_and_resolved_once_at_submit_and_never_in_its_job(world: StoreWorld) -> None:
+    """Every call of the selection, the unreached-layer read and the ID's hashing, by the function that
+    made it (a profiler sees calls through any import name). ``statistics_layers`` selects the layers
+    a statistics file holds by the modules it was collected with: the statistics' question, not the edit's."""
+    watched = {
+        select_layers.__code__: "select_layers",
+        unreached_by_every.__code__: "unreached_by_every",
+        VariantRequest.new.__func__.__code__: "VariantRequest.new",  # type: ignore[attr-defined]
+    }
+    calls: dict[str, Counter[str]] = {"submit": Counter(), "job": Counter()}
+    phase = "submit"
+
+    def count(frame: FrameType, event: str, _arg: Any) -> None:
+        if event == "call" and frame.f_code in watched and frame.f_back is not None:
+            calls[phase][f"{watched[frame.f_code]} from {frame.f_back.f_code.co_name}"] += 1
+
+    options = {
+        "format": "peft",
+        "lora_target": "vllm",
+        "lora_rank": 8,
+        "modules": ["q_proj"],
+        "module_strengths": {"q_proj": 0.5},
+    }
+    sys.setprofile(count)
+    try:
+        _, job = submit(world, 0.625, **options)
+        phase = "job"
+        done = finished(world, job)
+    finally:
+        sys.setprofile(None)
+    assert done.status == "succeeded", done.error
+    members = 2  # forget and retain: one statistics file each
+    assert calls["submit"] == Counter(
+        {
+            "select_layers from new": 1,
+            "unreached_by_every from plan_variant": 1,
+            "VariantRequest.new from plan_variant": 1,
+            "select_layers from statistics_layers": members,
+        }
+    )
+    assert calls["job"] == Counter()
 
 
 def test_a_job_whose_model_was_registered_again_with_other_weights_fails_naming_it(world: StoreWorld) -> None:
