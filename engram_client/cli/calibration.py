@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich import filesize
 
+from engram_client.cli.attacks import parse_attack
 from engram_client.cli.files import png_size, read_any_probes, read_probes, write_atomically
 from engram_client.cli.options import (
     CallbackOpt,
@@ -76,6 +77,24 @@ def _constraints(values: list[str] | None) -> list[dict[str, Any]] | None:
         metric, operator, number, relative = match.groups()
         side = "min" if operator == ">=" else "max"
         constraints.append({"metric": metric, f"{side}_ratio_to_base" if relative else side: float(number)})
+    return constraints
+
+
+def _attack_constraints(values: list[str] | None) -> list[dict[str, Any]] | None:
+    """``ATTACK METRIC<=V`` (or ``>=``, a trailing x: times the base's): ``quantize:Q4_1 forget_exact_match<=0.2``,
+    ``relearn:steps=10 recovered_fraction<=0.3`` (the attack as ``engram evaluate --attack`` writes it)."""
+    if not values:
+        return None
+    constraints = []
+    for value in values:
+        attack, _, bound = value.strip().rpartition(" ")
+        if not attack.strip():
+            raise typer.BadParameter(
+                f"{value!r}: an attack constraint is ATTACK METRIC<=V, e.g. 'quantize:Q4_1 forget_exact_match<=0.2'",
+                param_hint="--attack-constraint",
+            )
+        (metric_bound,) = _constraints([bound]) or [{}]
+        constraints.append({"attack": parse_attack(attack), **metric_bound})
     return constraints
 
 
@@ -167,6 +186,23 @@ def _render_goal(result: Any) -> None:
             stdout.print("held-out margins: " + ", ".join(f"{n} {v:+.3g}" for n, v in held.margins.items()))
 
 
+def _render_attack_gate(result: Any) -> None:
+    """With attack constraints: each attacked candidate's scores after each attack, and which passed."""
+    gate = result.attack_gate
+    if gate is None:
+        return
+    bounds = ", ".join(
+        f"{b.attack} {b.metric}{' ≥ ' + format(b.min, '.4g') if b.min is not None else ''}"
+        f"{' ≤ ' + format(b.max, '.4g') if b.max is not None else ''}"
+        for b in gate.constraints
+    )
+    stdout.print(f"attack gate on the held-out probes: {bounds}; candidates attacked {gate.attacked}, passed {gate.passed}")
+    for index in gate.attacked:
+        scores = result.candidates[index].attacked or {}
+        for b in gate.constraints:
+            stdout.print(f"  candidate {index}: {b.attack} {b.metric} {_number(scores.get(b.attack, {}).get(b.metric))}")
+
+
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
@@ -243,6 +279,14 @@ def calibrate_command(
     holdout: Annotated[
         Path | None, typer.Option(exists=True, dir_okay=False, help="With an objective: JSONL of facts no model saw.")
     ] = None,
+    attack_constraint: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--attack-constraint",
+            help="Checked on held-out probes: ATTACK METRIC<=V, e.g. 'quantize:Q4_1 forget_exact_match<=0.2' or "
+            "'relearn recovered_fraction<=0.3' (repeat).",
+        ),
+    ] = None,
     png: Annotated[Path | None, typer.Option(dir_okay=False, help="Write the drawn front here.")] = None,
     callback_url: CallbackOpt = None,
     no_wait: NoWait = False,
@@ -273,6 +317,7 @@ def calibrate_command(
         "utility": _utility(utility, general),
         "holdout": read_probes(holdout) if holdout is not None else None,
         "test": read_any_probes(test) if test is not None else None,
+        "attack_constraints": _attack_constraints(attack_constraint),
     }
     with session(ctx) as client:
         probes = {"forget": read_any_probes(forget), "retain": read_any_probes(retain)}
@@ -311,6 +356,7 @@ def calibrate_command(
         if any(c.metrics and "forget_accuracy" in c.metrics for c in result.candidates):
             stdout.print("image probes: ×NLL is the label's NLL ratio, exact the top-1 accuracy (as evaluate reports them)")
         _render_goal(result)
+        _render_attack_gate(result)
         _render_warnings(result)
 
     emit(ctx, as_json, result, render)
