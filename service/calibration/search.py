@@ -14,7 +14,20 @@ An *arm* is a module set × layer set × scaling (with, for some, per-module-typ
   narrower than ``tol``.
 * The forget NLL ratio rises with ``α`` too, so an arm can never feasibly beat the forget ratio of
   its smallest infeasible ``α``: that is its upper bound. An arm whose bound is at most the best
-  feasible forget ratio found anywhere is pruned (branch and bound): it receives no more evaluations.
+  feasible forget ratio found anywhere (the *incumbent*) is pruned (branch and bound): it receives
+  no more evaluations.
+
+Two safeguards keep the refinement from spending the budget where it cannot win:
+
+* An arm that trails the incumbent is stepped at least as far as where its forget ratio,
+  interpolated linearly in ``log α`` on ``log(forget ratio)``, would reach the incumbent. One
+  evaluation there either finds a better candidate or, infeasible, cuts the arm's bound to about
+  the incumbent, which prunes it. Without it, on mini-TOFU (``tests/e2e/test_calibrate_tofu.py``),
+  an arm bounded by ×64 forget whose crossing forgets ×2.8 took five steps to be pruned, and the
+  budget of 32 ran out two steps short of the best arm's crossing (×26.3 against the grid's ×29.3).
+* Interpolation on a curved retain ratio creeps along one end of the bracket (regula falsi), so
+  the other end, which holds the bound, never moves. After ``k ≥ 2`` fine steps on the same side,
+  the other end's value is divided by ``2^(k-1)`` (the Illinois rule), so that end moves soon.
 
 Arms not yet bracketed are stepped round-robin; once every live arm is bracketed, the budget goes
 to the arm with the highest bound. Both monotonicities are assumptions about the model, not
@@ -165,8 +178,15 @@ class SearchResult:
     stopped: str  # "budget" or "converged"
 
 
-def next_alpha(state: _ArmState, settings: SearchSettings) -> tuple[float, str] | None:
-    """The arm's next strength and its stage, or None when the arm is done."""
+def next_alpha(state: _ArmState, settings: SearchSettings, incumbent: float = -math.inf) -> tuple[float, str] | None:
+    """The arm's next strength and its stage, or None when the arm is done.
+
+    Args:
+        state: the arm and its candidates.
+        settings: the constraint and the strengths.
+        incumbent: the best feasible forget ratio of any arm: a fine step goes at least as far as
+            where this arm's forget ratio would reach it (see the module docstring).
+    """
     if not state.points:
         return min(max(settings.alpha_start, settings.alpha_min), settings.alpha_max), "coarse"
     lo, hi = state.bracket()
@@ -181,15 +201,49 @@ def next_alpha(state: _ArmState, settings: SearchSettings) -> tuple[float, str] 
         return max(settings.alpha_min, hi.alpha / settings.growth), "coarse"
     if hi.alpha / lo.alpha <= 1 + settings.tol:
         return None
-    return _interpolate(lo, hi, settings.limit), "fine"
+    t = max(_crossing(state, lo, hi, settings.limit), _overtaking(lo, hi, incumbent))
+    return _at(lo, hi, t), "fine"
 
 
-def _interpolate(lo: Candidate, hi: Candidate, limit: float) -> float:
-    """Where ``log(retain ratio / limit)`` crosses zero between ``lo`` and ``hi``, linear in ``log α``,
-    kept within the bracket's middle 80% (plain regula falsi can creep along one end for ever)."""
+def _same_side(state: _ArmState) -> int:
+    """How many of the arm's last candidates are fine steps on the same side of the constraint."""
+    run = 0
+    for point in reversed(state.points):
+        if point.stage != "fine" or point.feasible != state.points[-1].feasible:
+            break
+        run += 1
+    return run
+
+
+def _crossing(state: _ArmState, lo: Candidate, hi: Candidate, limit: float) -> float:
+    """Where ``log(retain ratio / limit)`` crosses zero, as a fraction of the bracket in ``log α``.
+
+    The Illinois rule: when the last ``k ≥ 2`` fine steps moved the same end, the other end's value
+    counts ``2^(1-k)`` of itself, so the step reaches past the crossing and that end moves too.
+    """
     g_lo = math.log(max(lo.outcome.retain_ratio, 1e-12) / limit)
     g_hi = math.log(max(hi.outcome.retain_ratio, 1e-12) / limit)
-    t = 0.5 if not (g_hi > g_lo) else g_lo / (g_lo - g_hi)
+    run = _same_side(state)
+    if run >= 2:
+        if state.points[-1].feasible:
+            g_hi /= 2 ** (run - 1)
+        else:
+            g_lo /= 2 ** (run - 1)
+    return g_lo / (g_lo - g_hi) if g_hi > g_lo else 0.5
+
+
+def _overtaking(lo: Candidate, hi: Candidate, incumbent: float) -> float:
+    """Where the arm's forget ratio would reach the incumbent, as a fraction of the bracket in
+    ``log α`` (``log`` of the forget ratio interpolated); 0 where its feasible end already does."""
+    if not 0 < lo.outcome.forget_ratio < incumbent < hi.outcome.forget_ratio:
+        return 0.0
+    f_lo, f_hi = math.log(lo.outcome.forget_ratio), math.log(hi.outcome.forget_ratio)
+    return (math.log(incumbent) - f_lo) / (f_hi - f_lo)
+
+
+def _at(lo: Candidate, hi: Candidate, t: float) -> float:
+    """The strength a fraction ``t`` of the bracket up in ``log α``, kept within its middle 80%: an
+    end is already measured, and a step at it would not shrink the bracket."""
     t = min(max(t, 0.1), 0.9)
     return math.exp(math.log(lo.alpha) + t * (math.log(hi.alpha) - math.log(lo.alpha)))
 
@@ -261,7 +315,7 @@ def _choose(
     for state in states:
         if state.pruned:
             continue
-        step = next_alpha(state, settings)
+        step = next_alpha(state, settings, incumbent)
         if step is None:
             continue
         if state is not best_arm and _upper_bound(state, settings) <= incumbent:
