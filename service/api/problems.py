@@ -19,6 +19,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.json_cost import check_json_values
+from service.api.request_errors import validation_problem
 from service.errors import InvalidInput, PayloadTooLarge, ProblemError, ServiceUnavailable
 from service.storage.base import StorageUnavailable
 
@@ -64,15 +65,11 @@ def install_problem_handlers(app: FastAPI, max_json_values: int | None = None) -
     app.add_exception_handler(kombu.exceptions.OperationalError, _broker)  # sending a task failed
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in exc.errors()
-        ]
-        if any(e["type"] == "json_invalid" for e in errors):
-            return problem_response(400, "Malformed JSON", "the request body is not valid JSON", "malformed-json")
-        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-        return problem_response(422, "Invalid input", detail, "invalid-input", errors=errors)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problem = validation_problem(request, exc)  # the fix named: service/api/request_errors.py
+        return JSONResponse(
+            problem.to_problem().model_dump(mode="json"), status_code=problem.status, media_type=PROBLEM_JSON
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

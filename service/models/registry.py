@@ -8,10 +8,12 @@ older ``fingerprint`` is sizes and mtimes only) and the checkpoint's layout (its
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from pydantic import ValidationError
 
@@ -89,8 +91,18 @@ def find_model(ctx: Context, model_id: str) -> ModelRecord | None:
 def get_model(ctx: Context, model_id: str) -> ModelRecord:
     manifest = find_model(ctx, model_id)
     if manifest is None:
-        raise NotFound(f"model {model_id} is not registered")
+        close = difflib.get_close_matches(model_id, registered_model_ids(ctx), n=3)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise NotFound(
+            f"model {model_id} is not registered{hint}; GET /models lists the registered models",
+            extensions={"close_matches": {model_id: close}} if close else None,
+        )
     return manifest
+
+
+def registered_model_ids(ctx: Context) -> list[str]:
+    """The IDs of every registration, from the keys alone (no record is read)."""
+    return [unquote(key[len(MODELS) : -len(".json")]) for key in ctx.storage.list(MODELS) if key.endswith(".json")]
 
 
 def list_models(ctx: Context) -> list[ModelRecord]:

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from api_schemas import Concept, ConceptCreate, ConceptSubmission
 from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
+from service.api.request_errors import invalid_input
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
 from service.concepts import service as concepts
@@ -174,10 +175,8 @@ def _require_models(form: dict[str, list[str]]) -> None:
 def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
     try:
         return schema.model_validate(fields)
-    except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-        raise InvalidInput(detail, errors=errors) from None
+    except ValidationError as exc:  # the same answers as every other route's body (closest field names)
+        raise invalid_input(exc.errors(), schema) from None
     except RecursionError:  # a JSON body nested just short of json's limit, then deeper for pydantic
         raise MalformedBody("the request body is nested too deeply") from None
 
