@@ -34,10 +34,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from service.engine.model_file_descriptors import ModelFiles
+from typing import Any, Protocol
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -238,7 +235,16 @@ def side_files(folder: Path, dirs: tuple[Path, ...] | None = None) -> dict[str, 
     return {name: resolve_file(folder, name, dirs) for name in SIDE_FILES if present(folder, name)}
 
 
-def check_tokenizer_config(folder: Path, files: ModelFiles | None = None) -> None:
+class OpenedFiles(Protocol):
+    """Side files read through descriptors opened once
+    (:class:`~service.engine.model_file_descriptors.ModelFiles`)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def read_json(self, name: str) -> Any: ...
+
+
+def check_tokenizer_config(folder: Path, files: OpenedFiles | None = None) -> None:
     """Refuse a ``tokenizer_config.json`` whose ``fast_tokenizer_files`` are not plain file names:
     transformers joins them to the folder and opens them (an absolute name would open any file).
     ``files``: read it through these opened files rather than by name.
