@@ -113,20 +113,30 @@ def check_reference(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
     columns = {k: v for k, v in (raw.get("columns") or {}).items() if v is not None}
     if columns:
         reference["columns"] = columns
-    rows = raw.get("rows") or {}
-    start, stop = int(rows.get("start") or 0), rows.get("stop")
-    if stop is not None and int(stop) - start > settings.max_records:
-        raise PayloadTooLarge(
-            f"dataset.rows selects {int(stop) - start} rows, more than {settings.max_records} "
-            "(the limit, ENGRAM_MAX_RECORDS)"
-        )
-    if start or stop is not None:
-        reference["rows"] = {"start": start, **({"stop": int(stop)} if stop is not None else {})}
+    rows = _checked_rows(raw.get("rows") or {}, settings.max_records)
+    if rows is not None:
+        reference["rows"] = rows
     if scheme == "s3":  # last, so a malformed reference hears what is wrong with it first
         allowed_s3_key(uri, settings)
     elif scheme == "file" and fmt != IMAGEFOLDER:
         check_regular_file(Path(path))
     return reference
+
+
+def _checked_rows(rows: dict[str, Any], max_records: int) -> dict[str, int] | None:
+    """A row range in its stored form (``start`` always, ``stop`` when given); ``None``: every row.
+
+    Raises:
+        PayloadTooLarge: a range longer than ``max_records`` (ENGRAM_MAX_RECORDS).
+    """
+    start, stop = int(rows.get("start") or 0), rows.get("stop")
+    if stop is not None and int(stop) - start > max_records:
+        raise PayloadTooLarge(
+            f"dataset.rows selects {int(stop) - start} rows, more than {max_records} (the limit, ENGRAM_MAX_RECORDS)"
+        )
+    if not start and stop is None:
+        return None
+    return {"start": start, **({"stop": int(stop)} if stop is not None else {})}
 
 
 def _check_image_folder(raw: dict[str, Any], uri: str, scheme: str, path: Path) -> None:
