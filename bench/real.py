@@ -84,7 +84,7 @@ class Plan:
     """What a run builds: the α grid, the calibration's budget, the baselines' loop and the attacks."""
 
     alphas: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
-    budget: int = 8  # the calibration's candidates
+    budget: int = 6  # the calibration's candidates
     alpha_max: float = 2.0  # the calibration's strongest α
     # GradDiff/NPO: issue 37's "20 AdamW steps at 2e-5" (with ~30 forget facts in batches of 8: 5 epochs)
     baseline: Settings = Settings(epochs=5, batch_size=8, lr=2e-5)
@@ -228,7 +228,10 @@ def calibrated(server: LiveServer, data: BenchData, plan: Plan) -> tuple[Built |
         "budget": plan.budget,
     }
     started = time.perf_counter()
-    job = _job(server.client, server.client.post(f"/models/{MODEL_ID}/calibrate", json=body))
+    try:
+        job = _job(server.client, server.client.post(f"/models/{MODEL_ID}/calibrate", json=body))
+    except RuntimeError as exc:  # the table keeps its other rows; the failure is said under it
+        return None, {"failed": str(exc)}
     seconds = time.perf_counter() - started
     result: dict[str, Any] = job["result"]
     recommended = result.get("recommended")
@@ -239,26 +242,6 @@ def calibrated(server: LiveServer, data: BenchData, plan: Plan) -> tuple[Built |
     options = recommended["options"]
     note = f"α={options['alpha']:.3g} {options['module_set']}/{options['scaling']}, {result['evaluations']} candidates"
     return Built(_variant_folder(server, recommended["variant_id"]), seconds, note), result
-
-
-def engram_rows(
-    model_dir: Path, data: BenchData, plan: Plan, work: Path
-) -> tuple[dict[str, Built], dict[str, float], dict[str, Any], LiveServer]:
-    """Every Engram row built through a live server (left running: its store holds the variants)."""
-    server = start_server(work / "store", model_dir.parent, work / "server.log")
-    try:
-        setup = setup_service(server, model_dir, data)
-        built = {f"Engram α={alpha:g}": engram_variant(server, {"alpha": alpha}) for alpha in plan.alphas}
-        built["Engram W-Norm"] = engram_variant(server, {"alpha": 1.0, "scaling": "weight_norm"})
-        say(f"calibrating (budget {plan.budget})")
-        row, calibration = calibrated(server, data, plan)
-        say(f"calibrated: {row}")
-        if row is not None:
-            built["Engram calibrated"] = row
-    except BaseException:
-        stop_server(server)
-        raise
-    return built, setup, calibration, server
 
 
 # ---------------------------------------------------------------- gradient baselines
@@ -286,30 +269,47 @@ def baseline_rows(base: PreTrainedModel, tokenizer: Any, data: BenchData, plan: 
 
 
 def run(model_dir: Path, data: BenchData, plan: Plan, work: Path, robustness: bool = False) -> Report:
-    """Build every row, score it, and (``robustness``) attack base, an Engram α, the calibrated
-    variant, GradDiff and NPO (:mod:`bench.robustness`)."""
+    """Build every row and score it as soon as it is built (the Engram rows through a live server,
+    stopped before the attacks: the variants stay in its store), and (``robustness``) attack base,
+    an Engram α, the calibrated variant, GradDiff and NPO (:mod:`bench.robustness`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = load(model_dir)
     built: dict[str, Built] = {"base": Built(model_dir, 0.0, "the pretrained model")}
-    engram, setup, calibration, server = engram_rows(model_dir, data, plan, work)
-    try:
-        built.update(engram)
-        built.update(baseline_rows(base, tokenizer, data, plan, work))
-        rows = {"base": score(base, tokenizer, data, None)}
-        for name, entry in built.items():
-            if name != "base":
-                rows[name] = score(load(entry.folder), tokenizer, data, rows["base"]["text_nll"])
-                say(f"scored {name}: {rows[name]}")
-        report = Report(rows, built, setup, calibration, data.counts(), notes=dict(data.notes))
-        if robustness:
-            from bench.robustness import attacked_rows
+    rows = {"base": score(base, tokenizer, data, None)}
+    say(f"base: {_line(rows['base'])}")
 
-            chosen = ["base", f"Engram α={plan.robust_alpha:g}", "Engram calibrated", "GradDiff", "NPO"]
-            folders = {name: built[name].folder for name in chosen if name in built}
-            report.robustness = attacked_rows(folders, tokenizer, data, plan, base_text_nll=rows["base"]["text_nll"])
+    def add(name: str, entry: Built) -> None:
+        built[name] = entry
+        rows[name] = score(load(entry.folder), tokenizer, data, rows["base"]["text_nll"])
+        say(f"{name} ({entry.seconds:.0f} s): {_line(rows[name])}")
+
+    server = start_server(work / "store", model_dir.parent, work / "server.log")
+    try:
+        setup = setup_service(server, model_dir, data)
+        for alpha in plan.alphas:
+            add(f"Engram α={alpha:g}", engram_variant(server, {"alpha": alpha}))
+        add("Engram W-Norm", engram_variant(server, {"alpha": 1.0, "scaling": "weight_norm"}))
+        for name, entry in baseline_rows(base, tokenizer, data, plan, work).items():
+            add(name, entry)
+        say(f"calibrating (budget {plan.budget})")
+        recommended, calibration = calibrated(server, data, plan)
+        if recommended is not None:
+            add("Engram calibrated", recommended)
     finally:
         stop_server(server)
+    order = [name for name in built if not name.startswith(("GradDiff", "NPO"))] + ["GradDiff", "NPO"]
+    report = Report({n: rows[n] for n in order}, built, setup, calibration, data.counts(), notes=dict(data.notes))
+    if robustness:
+        from bench.robustness import attacked_rows
+
+        chosen = ["base", f"Engram α={plan.robust_alpha:g}", "Engram calibrated", "GradDiff", "NPO"]
+        folders = {name: built[name].folder for name in chosen if name in built}
+        report.robustness = attacked_rows(folders, tokenizer, data, plan, base_text_nll=rows["base"]["text_nll"])
     return report
+
+
+def _line(row: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:.3f}" for key, value in row.items())
 
 
 # ---------------------------------------------------------------- output
@@ -336,6 +336,8 @@ def describe(report: Report, plan: Plan) -> str:
     lines = [f"data: {report.data}", f"known facts: {report.notes.get('known', '-')}", f"Engram setup (s): {setup}"]
     lines += [f"{name}: {entry.note}" for name, entry in report.built.items() if entry.note]
     result = report.calibration
+    if "failed" in result:
+        return "\n".join([*lines, f"calibration failed: {result['failed']}"])
     lines.append(
         f"calibration: {result.get('evaluations')} candidates, stopped {result.get('stopped')}, "
         f"warnings {result.get('warnings')}, held-out margins {(result.get('held_out') or {}).get('margins')}"
@@ -345,12 +347,26 @@ def describe(report: Report, plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _data(model_dir: Path, path: Path | None) -> BenchData:
+    """The run's data: from ``path`` when it exists (a rerun skips drawing it), else drawn (and saved there)."""
+    if path is not None and path.exists():
+        return BenchData(**json.loads(path.read_text()))
+    base = load(model_dir)
+    data = real_data(base, AutoTokenizer.from_pretrained(model_dir))
+    if path is not None:
+        path.write_text(json.dumps(asdict(data), indent=1) + "\n")
+    return data
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.real", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one α, a 2-candidate calibration, 1-epoch baselines")
     parser.add_argument("--robustness", action="store_true", help="also the robustness table (bench.robustness)")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"torch threads (default {THREADS})")
     parser.add_argument("--json", type=Path, default=None, help="write every row's figures here")
+    parser.add_argument(
+        "--data", type=Path, default=None, help="the data's JSON: read when it exists, else drawn and written there"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     plan = QUICK if args.quick else Plan()
