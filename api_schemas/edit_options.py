@@ -194,6 +194,15 @@ class UnlearnRequest(EditOptions):
         ),
     )
 
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _a_number_when_given(cls, value: Any) -> Any:
+        # Absent means "choose for me"; an explicit null is refused as the schema says (a number), so
+        # that no client sends null believing it means something else.
+        if value is None:
+            raise ValueError("alpha must be a number in (0, 100]: omit it to have the service choose one")
+        return value
+
 
 Coefficient = Annotated[
     float,

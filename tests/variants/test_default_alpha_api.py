@@ -133,3 +133,5 @@ def test_a_bad_unlearn_without_alpha_is_refused_by_name_and_changes_nothing(
     with unchanged(live_server):
         assert_problem(api.post(f"/models/{MODEL}/unlearn", json={"concepts": ["da-nope"]}), 404, "da-nope")
         assert_problem(api.post(f"/models/{MODEL}/unlearn", json={"concepts": ["da-plain"], "alpha": 0}), 422, "alpha")
+        null = api.post(f"/models/{MODEL}/unlearn", json={"concepts": ["da-plain"], "alpha": None})
+        assert_problem(null, 422, "alpha", "omit it")
