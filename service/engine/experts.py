@@ -132,6 +132,7 @@ def describe_fused_experts(name: str, module: nn.Module) -> FusedExperts | None:
         return None
     if any(not hasattr(module, option) or getattr(module, option) != value for option, value in _DEFAULT_LAYOUT.items()):
         return None
+    # the class's own gate, when transformers' default one is overridden (an architecture of its own)
     if getattr(type(module), "_apply_gate", None) is not _default_apply_gate():
         return None
     return FusedExperts(name, experts, hidden, double // 2)
