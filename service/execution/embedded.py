@@ -210,6 +210,8 @@ class ProcessExecutor:
 
     def submit(self, job: JobRecord) -> None:
         with self._start_lock:
+            if self._stopping.is_set():  # stored as queued: the next start re-queues it (requeue_interrupted)
+                return
             if self._inbox is None:
                 self._spawn_locked()
             self._inbox.put(_message(job))
@@ -234,6 +236,19 @@ class ProcessExecutor:
             process.join(timeout=5)
         if process.is_alive():
             process.kill()
+            process.join(timeout=5)
+        self._close_queues()
+
+    def _close_queues(self) -> None:
+        """Release the queues' semaphores now (issue 40: every SIGTERM ended with "resource_tracker: There
+        appear to be 6 leaked semaphore objects"): the monitor is stopped first, as it reads the events."""
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=2 * _MONITOR_S + 1)
+        for channel in (self._inbox, self._events):
+            if channel is not None:
+                channel.close()
+                channel.join_thread()
+        self._inbox = self._events = None
 
     def _spawn(self) -> None:
         with self._start_lock:
