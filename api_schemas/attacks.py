@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import Strict
@@ -28,7 +28,40 @@ QuantType = Literal["Q8_0", "Q4_0", "Q4_1", "int8", "nf4"]
 RephraseForm = Literal["chat_template", "no_template", "paraphrased"]
 
 
-class QuantizeAttack(Strict):
+# What an attacked model is measured on: per split greedy exact match and mean answer NLL, and
+# relearn's recovered fraction of what was forgotten (a calibration's attack gate bounds the same).
+AttackMetric = Literal[
+    "forget_exact_match", "retain_exact_match", "forget_mean_nll", "retain_mean_nll", "recovered_fraction"
+]
+_Bound = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
+
+
+class AttackThreshold(Strict):
+    """A bound the variant meets after the attack, on the probes the attack scores."""
+
+    metric: AttackMetric = Field(description="recovered_fraction: relearn only")
+    # The bounds sit on the float (inside _Bound): on the optional type they would be compared with a null.
+    min: _Bound | SkipJsonSchema[None] = Field(default=None, description="the value at least this")
+    max: _Bound | SkipJsonSchema[None] = Field(default=None, description="the value at most this")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> AttackThreshold:
+        if self.min is None and self.max is None:
+            raise ValueError(f"the threshold on {self.metric} has no bound: min or max")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"the threshold on {self.metric} has min {self.min} above max {self.max}")
+        return self
+
+
+class _Thresholded(Strict):
+    thresholds: Annotated[list[AttackThreshold], Field(min_length=1, max_length=8)] | SkipJsonSchema[None] = Field(
+        default=None,
+        description="evaluate: the variant passes this attack when each holds for it after the attack, on the probes "
+        "the attack scores (the report's passed and margins, stored with the evaluation)",
+    )
+
+
+class QuantizeAttack(_Thresholded):
     """The variant's weights quantized and dequantized (a round trip), then scored."""
 
     kind: Literal["quantize"]
@@ -40,7 +73,7 @@ class QuantizeAttack(Strict):
     )
 
 
-class RelearnAttack(Strict):
+class RelearnAttack(_Thresholded):
     """A few AdamW steps of full fine-tuning on part of the forget set (or on related texts), then the
     rest of the forget probes scored."""
 
@@ -67,7 +100,7 @@ class ParaphrasedProbe(Strict):
     completion: str = Field(min_length=1, max_length=20000)
 
 
-class RephraseAttack(Strict):
+class RephraseAttack(_Thresholded):
     """The forget and retain probes asked another way, on the unchanged models."""
 
     kind: Literal["rephrase"]
@@ -107,6 +140,9 @@ def check_attacks(attacks: Sequence[QuantizeAttack | RelearnAttack | RephraseAtt
     for attack, name in zip(attacks, names, strict=True):
         if not forget:
             raise ValueError(f"attack {name} needs forget probes: attacks measure whether the forgetting holds")
+        recovered = any(t.metric == "recovered_fraction" for t in attack.thresholds or [])
+        if recovered and not isinstance(attack, RelearnAttack):
+            raise ValueError(f"attack {name}: recovered_fraction is relearn's; bound forget_exact_match instead")
         if isinstance(attack, RelearnAttack):
             _check_relearn(attack, len(forget))
         if isinstance(attack, RephraseAttack):

@@ -15,20 +15,14 @@ recommended; when none meets every one, the result recommends nothing and its no
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from api_schemas.attacks import Attack, QuantizeAttack, RelearnAttack, RephraseAttack, attack_name
+from api_schemas.attacks import Attack, AttackMetric, QuantizeAttack, RelearnAttack, RephraseAttack, attack_name
 from api_schemas.common import Strict
 
-# What an attacked candidate is measured on, per attack: the held-out forget and retain probes' greedy
-# exact match and mean answer NLL, and relearn's recovered fraction of what was forgotten.
-AttackMetric = Literal[
-    "forget_exact_match", "retain_exact_match", "forget_mean_nll", "retain_mean_nll", "recovered_fraction"
-]
-ATTACK_METRICS: tuple[str, ...] = AttackMetric.__args__  # type: ignore[attr-defined]
 MAX_ATTACK_CONSTRAINTS = 8
 _Bound = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
 _Ratio = Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1e6)]
@@ -58,6 +52,8 @@ class AttackConstraint(Strict):
                 f"{where}: the gate takes quantize and relearn attacks; rephrasing changes the probes, not the "
                 "model: evaluate the recommended variant with the rephrase attack"
             )
+        if self.attack.thresholds is not None:
+            raise ValueError(f"{where}: the attack's thresholds are evaluate's; bound the metric here (min, max)")
         if self.metric == "recovered_fraction" and not isinstance(self.attack, RelearnAttack):
             raise ValueError(f"{where}: recovered_fraction is relearn's; bound forget_exact_match after quantize")
         bounds = (self.min, self.max, self.min_ratio_to_base, self.max_ratio_to_base)

@@ -442,6 +442,18 @@ class AttackReport(JobResult):
         exclude_if=lambda v: v is None,
         description="quantize: per model, 2-D tensors left unquantized -> why (norms and biases are never quantized)",
     )
+    passed: bool | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="with the attack's thresholds: the variant meets every one after the attack (a value that could "
+        "not be measured fails)",
+    )
+    margins: dict[str, float] | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="with thresholds: per bound (min_<metric> / max_<metric>) how far inside it the attacked variant is "
+        "(negative: outside it)",
+    )
     left_out: dict[str, str] = Field(default_factory=dict, description="a value not computed -> why")
     seconds: float = Field(description="what the attack took (applying it and scoring every model)")
 

@@ -30,7 +30,15 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from api_schemas.attacks import Attack, QuantizeAttack, RelearnAttack, RephraseAttack, attack_name, relearn_rows
+from api_schemas.attacks import (
+    Attack,
+    AttackThreshold,
+    QuantizeAttack,
+    RelearnAttack,
+    RephraseAttack,
+    attack_name,
+    relearn_rows,
+)
 from api_schemas.evaluation import AttackReport, ProbeSummary, Split, TofuModel, TofuReport
 from service.engine.attacks.quantize import quantize_in_place, quantize_plan
 from service.engine.attacks.relearn import TrainRow, probe_row, relearn_bytes, relearned, standalone_copy, text_row
@@ -205,6 +213,8 @@ def _run_attack(item: PreparedAttack, context: AttackContext) -> AttackReport:
         update.update(quantized=plan_counts, kept=kept)
     if isinstance(attack, RelearnAttack):
         update.update(unattacked=before, **_recovered(before, summary))
+    if attack.thresholds:
+        update.update(passed_thresholds(attack.thresholds, summary["variant"], update.get("recovered_fraction")))
     if context.metrics is not None:
         if reports:
             update["tofu"] = _public_reports(reports, context.metrics)
@@ -229,6 +239,30 @@ def attacked_copy(item: PreparedAttack, model: Any, model_name: str, context: At
     except ValueError as exc:
         raise JobFailed(f"attack {item.name} on the {model_name} model: {exc}") from None
     return attacked
+
+
+def passed_thresholds(
+    thresholds: list[AttackThreshold], variant: dict[Split, ProbeSummary], recovered: float | None
+) -> dict[str, Any]:
+    """``passed`` (every threshold met by the attacked variant; an unmeasured value fails) and ``margins``
+    (per bound, how far inside it the value is)."""
+    values: dict[str, float] = {"recovered_fraction": recovered if recovered is not None else math.nan}
+    for split, scored in variant.items():
+        values[f"{split}_exact_match"], values[f"{split}_mean_nll"] = scored.exact_match, scored.mean_nll
+    margins: dict[str, float] = {}
+    passed = True
+    for threshold in thresholds:
+        value = values.get(threshold.metric, math.nan)
+        for side, bound in (("min", threshold.min), ("max", threshold.max)):
+            if bound is None:
+                continue
+            if not math.isfinite(value):
+                passed = False
+                continue
+            margin = value - bound if side == "min" else bound - value
+            margins[f"{side}_{threshold.metric}"] = round(margin, 6)
+            passed = passed and margin >= 0
+    return {"passed": passed, "margins": margins}
 
 
 def _relearned(item: PreparedAttack, attack: RelearnAttack, model: Any, model_name: str, context: AttackContext) -> Any:
