@@ -9,7 +9,9 @@ before the domains' records moved onto :class:`service.storage.records.StoredRec
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +20,14 @@ from service.concepts.record import ConceptModelState, ConceptRecord
 from service.engine.layout import ModelLayout
 from service.engrams.manifest import read_manifest
 from service.jobs.collect_plan import CollectionPlan
-from service.jobs.records import PAYLOADS, JobRecord, ProgressCounts
+from service.jobs.records import PAYLOADS, JobKind, JobRecord, ProgressCounts
 from service.models.record import ModelRecord
 from service.statistics.manifest import StatisticsManifest
 from service.universes.records import CurrentUniverse, StoredPlan
 from service.variants.manifest import VariantFile, VariantManifest
 from service.variants.plan import VariantPlan
 from service.variants.spec import EditOptions, VariantRequest, VariantSpec
-from tests.helpers.jobs import SAMPLE_PAYLOADS
+from tests.helpers.jobs import payload_for
 from tests.helpers.variant_requests import MODEL, universe
 from tests.universes.test_manifest import UID, stored_manifest
 
@@ -59,17 +61,17 @@ def concept() -> ConceptRecord:
     )
 
 
-def job(kind: str) -> JobRecord:
+def job(kind: JobKind) -> JobRecord:
     return JobRecord(
         job_id="f" * 32,
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         status="succeeded",
         progress=ProgressCounts(done=2, total=2, unit="steps"),
         result={"answer": [1, 2.5, None]},
         created_at="2026-11-20T10:00:00.000001+00:00",
         started_at="2026-11-20T10:00:01.000001+00:00",
         finished_at="2026-11-20T10:00:02.000001+00:00",
-        payload=PAYLOADS[kind].model_validate(SAMPLE_PAYLOADS[kind]),  # type: ignore[index]
+        payload=payload_for(kind),
         callbacks=("http://hook/",),
         owner="key#1",
     )
@@ -97,11 +99,15 @@ def probes() -> CalibrationProbes:
     return CalibrationProbes(forget=[{"prompt": "a", "completion": "b"}], retain=[{"prompt": "c", "completion": "d"}])
 
 
+def _job_form(kind: JobKind) -> dict[str, Any]:
+    return job(kind).model_dump(mode="json")
+
+
 # name -> the stored form of its fixture record, as each domain writes it
 FORMS: dict[str, Callable[[], dict[str, Any]]] = {
     "model": lambda: model().to_json(),
     "concept": lambda: concept().to_json(),
-    **{f"job-{kind}": (lambda kind=kind: job(kind).model_dump(mode="json")) for kind in sorted(PAYLOADS)},
+    **{f"job-{kind}": partial(_job_form, kind) for kind in sorted(PAYLOADS)},
     "variant-plan": lambda: variant_plan().model_dump(mode="json"),
     "variant-request": lambda: variant_plan().request.model_dump(mode="json"),
     "variant-manifest": lambda: variant_manifest().to_json(),
@@ -118,4 +124,4 @@ if __name__ == "__main__":
     HERE.mkdir(exist_ok=True)
     for name, form in FORMS.items():
         (HERE / f"{name}.json").write_bytes(stored_bytes(form()))
-    print(f"wrote {len(FORMS)} stored records to {HERE}")
+    sys.stdout.write(f"wrote {len(FORMS)} stored records to {HERE}\n")
