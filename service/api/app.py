@@ -7,12 +7,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from service.api.audit import AuditLog
 from service.api.auth import install_auth
 from service.api.fast_status import FastStatus
 from service.api.lanes import Lanes
 from service.api.openapi import install_openapi
 from service.api.problems import BodySizeLimit, install_problem_handlers
-from service.api.routes import calibration, concepts, evaluation, jobs, maps, models, ops, universes, variants
+from service.api.routes import audit, calibration, concepts, evaluation, jobs, maps, models, ops, universes, variants
 from service.config import Settings, get_settings
 from service.execution.runtime import build_runtime
 from service.observability import RequestContext
@@ -42,9 +43,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(FastStatus)  # inside auth: keys and scopes apply to the polls it answers
     install_auth(app, settings)
     app.add_middleware(BodySizeLimit, json_limit=settings.max_json_bytes, upload_limit=settings.max_upload_bytes)
+    # Outside auth and the size limit, inside the request ID: it records their refusals with the ID.
+    app.add_middleware(AuditLog, storage=runtime.ctx.storage, auth_on=settings.api_keys is not None)
     app.add_middleware(RequestContext)  # outermost: every response, even a 401 or 413, gets an ID
     # maps, universes and calibration before models: its {model_id:path} would take their paths.
-    for module in (maps, universes, calibration, models, concepts, jobs, variants, evaluation, ops):
+    for module in (maps, universes, calibration, models, concepts, jobs, variants, evaluation, ops, audit):
         app.include_router(module.router)
     install_openapi(app, settings)
     return app

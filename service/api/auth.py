@@ -209,6 +209,7 @@ class APIKeyAuth:
             challenge = REALM if not authorization else f'{REALM}, error="invalid_token"'
             await _reject(Unauthorized(detail), {"WWW-Authenticate": challenge}, scope, receive, send)
             return
+        scope.setdefault("state", {})["auth"] = principal  # set before a 403 too: the audit log names the key refused
         if RANK[principal.scope] < RANK[needed]:
             problem = Forbidden(
                 f"{scope['method']} {_route_path(scope)} needs the {needed} scope; this key has {principal.scope}"
@@ -216,7 +217,6 @@ class APIKeyAuth:
             challenge = f'{REALM}, error="insufficient_scope", scope="{needed}"'
             await _reject(problem, {"WWW-Authenticate": challenge}, scope, receive, send)
             return
-        scope.setdefault("state", {})["auth"] = principal
         await self.app(scope, receive, send)
 
 

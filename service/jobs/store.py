@@ -31,7 +31,7 @@ from service.jobs.records import AnyPayload, JobKind, JobRecord, ProgressCounts,
 from service.jobs.transitions import FINISHED, next_record
 from service.observability import record_job_state
 from service.storage.base import Storage, StorageUnavailable
-from service.storage.keys import OPEN_JOBS, job_key
+from service.storage.keys import JOBS, OPEN_JOBS, job_key
 from service.storage.stored_json import UnreadableRecord, find_record
 
 __all__ = [
@@ -183,6 +183,14 @@ class JobStore:
     def active(self) -> list[JobRecord]:
         """Jobs not finished yet, oldest first (from the durable markers: every mode, any restart)."""
         return sorted((j for j in self.marked_open() if j.status not in FINISHED), key=lambda j: j.created_at)
+
+    def recorded(self) -> list[JobRecord]:
+        """Every job ever run, finished ones too, from their durable records (``jobs/<id>.json``: storage
+        keeps them for good; a live store prunes finished ones, this reads past that). One read per job:
+        what browsing the history costs, so routes use :meth:`active` when only unfinished jobs are asked."""
+        ids = (key.removeprefix(JOBS).removesuffix(".json") for key in self.storage.list(JOBS))
+        found = (self.readable(job_id) for job_id in ids if valid_job_id(job_id))
+        return [job for job in found if job is not None]
 
     def marked_open(self) -> list[JobRecord]:
         """The records of the open markers (finished ones too: their last persist may have failed)."""

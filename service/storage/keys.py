@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -33,6 +34,7 @@ MODELS = "models/"
 MODEL_UNIVERSES = "model-universes/"
 CONCEPTS = "concepts/"
 VARIANTS = "variants/"
+JOBS = "jobs/"
 OPEN_JOBS = "jobs/open/"
 PENDING_CALLBACKS = "callbacks/pending/"
 FAILED_CALLBACKS = "callbacks/failed/"
@@ -129,7 +131,7 @@ def registration_key(model_id: str) -> str:
 
 
 def job_key(job_id: str) -> str:
-    return f"jobs/{job_id}.json"
+    return f"{JOBS}{job_id}.json"
 
 
 def universe_prefix(universe_id: str) -> str:
@@ -192,3 +194,20 @@ def variant_plan_key(variant_id: str) -> str:
     holds the request and, once built, the files and manifest: nothing else (a failed build leaves
     the request alone there)."""
     return f"{VARIANT_PLANS}{variant_id}.json"
+
+
+AUDIT = "audit/"
+
+
+def audit_key(at: datetime, request_id: str, nonce: str) -> str:
+    """``audit/<date>/<HHMMSS.ffffff>Z-<request id>-<nonce>.json``: one immutable object per audited request.
+
+    ``at`` is in UTC; the time of day is fixed width, so the keys sort as the times do, and the nonce
+    keeps two requests sent with the same ``X-Request-ID`` in the same microsecond apart.
+    ``request_id`` must already be safe in a key (:func:`service.api.audit.key_safe`)."""
+    return f"{AUDIT}{at:%Y-%m-%d}/{at:%H%M%S.%f}Z-{request_id}-{nonce}.json"
+
+
+def audit_day_prefix(date: str) -> str:
+    """The audit objects of one UTC day (``YYYY-MM-DD``)."""
+    return f"{AUDIT}{date}/"

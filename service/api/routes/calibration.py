@@ -10,6 +10,7 @@ from api_schemas import CalibrateRequest, Calibration, CalibrationSubmission
 from service.api.deps import ContextDep, LanesDep
 from service.api.routes.jobs import job_view
 from service.calibration import service as calibration
+from service.calibration.deletion import delete_calibration as delete_calibration_records
 
 router = APIRouter(tags=["calibration"])
 _PNG: dict[int | str, dict[str, Any]] = {
@@ -56,3 +57,20 @@ async def get_front_png(
     candidates carry (with an objective, TOFU's), a 422 naming an unknown one."""
     png = await lanes.status(calibration.front_png, ctx, calibration_id, x, y)
     return Response(png, media_type="image/png")
+
+
+@router.delete(
+    "/calibrations/{calibration_id}",
+    status_code=204,
+    response_class=Response,
+    responses={
+        204: {"description": "deleted: its request, result and front"},
+        404: {"description": "no such calibration: never, or deleted already (a repeated DELETE)"},
+        409: {"description": "its job is queued or running: cancel it first; nothing was deleted"},
+    },
+)
+def delete_calibration(calibration_id: str, ctx: ContextDep) -> Response:
+    """Delete a calibration's records (admin). Its probes, its recommended variant and its job's record
+    stay: others may share the first two, and the job history keeps the third. A second DELETE is a 404."""
+    delete_calibration_records(ctx, calibration_id)
+    return Response(status_code=204)

@@ -1,7 +1,9 @@
-"""Job status, progress and cancellation."""
+"""Job status, progress and cancellation, and the history of every job run."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -10,11 +12,18 @@ from api_schemas import Job
 from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.errors import NotFound
-from service.jobs.records import JobRecord
+from service.jobs.records import JobKind, JobRecord
 from service.jobs.store import FINISHED, job_answer, utc_now
 
 router = APIRouter(tags=["jobs"])
 job_view = job_answer
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+UNFINISHED = ("queued", "running")
+_STATUS = Query(
+    description="only jobs in these states (repeat it); default queued and running. A finished state "
+    "(succeeded, failed, cancelled) browses every job ever run: one storage read per job"
+)
 
 
 def _job(ctx: Any, job_id: str) -> JobRecord:
@@ -29,16 +38,37 @@ async def list_jobs(
     ctx: ContextDep,
     lanes: LanesDep,
     page: PageDep,
-    status: Annotated[list[Literal["queued", "running"]] | None, Query(description="only jobs in these states")] = None,
+    status: Annotated[list[JobStatus] | None, _STATUS] = None,
+    kind: Annotated[list[JobKind] | None, Query(description="only jobs of these kinds (repeat it)")] = None,
+    created_after: Annotated[datetime | None, Query(description="only jobs created at or after this time")] = None,
+    created_before: Annotated[datetime | None, Query(description="only jobs created before this time")] = None,
 ) -> list[Job]:
-    """Jobs not finished yet (queued or running), oldest first (by creation, then ID): what the service
-    is working on, one page (``limit``, ``cursor``)."""
-    wanted = set(status or ("queued", "running"))
+    """Jobs oldest first (by creation, then ID), one page (``limit``, ``cursor``). Without ``status``:
+    those not finished yet (queued or running), what the service is working on. Finished jobs are
+    kept for good in storage (``jobs/<id>.json``), so ``status=succeeded`` (or failed, cancelled)
+    lists the whole history, filtered by ``kind`` and creation time."""
+    wanted = set(status or UNFINISHED)
+    source = ctx.jobs.active if wanted <= set(UNFINISHED) else ctx.jobs.recorded
+    after, before = _utc(created_after), _utc(created_before)
     jobs: dict[SortKey, JobRecord] = {
-        (j.created_at, j.job_id): j for j in await lanes.status(ctx.jobs.active) if j.status in wanted
+        (j.created_at, j.job_id): j
+        for j in await lanes.status(source)
+        if j.status in wanted and _kept(j, kind, after, before)
     }
     items, next_key = page.select(sorted(jobs), lambda key: job_view(jobs[key]))
     return page.answer(items, next_key)
+
+
+def _kept(job: JobRecord, kinds: Collection[str] | None, after: datetime | None, before: datetime | None) -> bool:
+    if kinds and job.kind not in kinds:
+        return False
+    created = datetime.fromisoformat(job.created_at)
+    return (after is None or created >= after) and (before is None or created < before)
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A time without a zone is UTC (every job's ``created_at`` has one)."""
+    return moment if moment is None or moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 @router.get("/jobs/{job_id}", response_model=Job)

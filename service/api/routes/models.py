@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import ComposeRequest, EditOptions, Job, Model, ModelCreate, UnlearnRequest, Variant, VariantSubmission
+from service.api.auth import request_principal
 from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
+from service.api.model_deletion import delete_model as delete_model_and_owned
 from service.api.pagination import PAGED_HEADERS, PageDep
 from service.api.routes import variants as variant_routes
 from service.context import Context
@@ -111,3 +113,23 @@ async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep, page: P
 async def get_model(model_id: str, ctx: ContextDep, lanes: LanesDep) -> Model:
     """One model and its editable layers."""
     return registry.model_answer(await lanes.status(registry.get_model, ctx, model_id))
+
+
+_DELETE_REFUSALS: dict[int | str, dict[str, Any]] = {
+    204: {"description": "deleted (with ?cascade=true, its universes and calibrations too)"},
+    403: {"description": "a write key that did not register the model"},
+    404: {"description": "not registered: never, or deleted already (a repeated DELETE)"},
+    409: {"description": "something still depends on it: `dependents` names each, by kind; nothing was deleted"},
+}
+CascadeQuery = Annotated[
+    bool, Query(description="delete the model's universes and calibrations with it (else they are a 409)")
+]
+
+
+@router.delete("/models/{model_id:path}", status_code=204, response_class=Response, responses=_DELETE_REFUSALS)
+def delete_model(model_id: str, request: Request, ctx: ContextDep, cascade: CascadeQuery = False) -> Response:
+    """Delete a registration and every stored object it owns (admin, or the key that registered it).
+    Refused (409, naming them) while a job, a variant or a concept's statistics need the model, and
+    while it has universes or calibrations unless ``cascade``. A second DELETE is a 404."""
+    delete_model_and_owned(ctx, model_id, request_principal(request), cascade=cascade)
+    return Response(status_code=204)
