@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.common import Strict
+from api_schemas.provenance import VariantMetadataFields
 
 # The values vLLM's --max-lora-rank accepts. vLLM refuses an adapter whose r exceeds the server's
 # max_lora_rank, and loads no lora_B.bias; lora_target "vllm" writes one of these ranks for every layer.
@@ -182,7 +183,7 @@ class EditOptions(Strict):
         return self
 
 
-class UnlearnRequest(EditOptions):
+class UnlearnRequest(EditOptions, VariantMetadataFields):
     concepts: list[str] = Field(min_length=1, max_length=256)
     alpha: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] | SkipJsonSchema[None] = Field(
         default=None,
@@ -210,7 +211,7 @@ Coefficient = Annotated[
 ]
 
 
-class ComposeRequest(EditOptions):
+class ComposeRequest(EditOptions, VariantMetadataFields):
     terms: dict[str, Coefficient] = Field(min_length=1, max_length=256, description="concept -> coefficient")
 
     @field_validator("terms")

@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     # kept, as is any model's current universe or one a running job builds or reads; any other
     # may be evicted: to make room within the budget, and by the janitor.
     universe_retention_s: float = Field(default=7 * 24 * 3600, ge=0)
+    # Ed25519 private key that signs variant receipts (GET /variants/{id}/receipt): a path to a PEM
+    # file, or the PEM itself. Unset: receipts are served unsigned and say so.
+    receipt_signing_key: str | None = None
     # The fraction of the (effective) universe budget that the universes one API key used within the
     # retention window may hold (a universe several keys use counts in full for each of them); a key
     # past it gets a 409 naming this setting, so one key cannot fill the budget for everyone.

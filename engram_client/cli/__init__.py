@@ -18,7 +18,8 @@ This module assembles the command tree, in the order ``engram --help`` lists it;
 - :mod:`~engram_client.cli.options`, :mod:`~engram_client.cli.files`: shared options, local files;
 - one module per command or group: ``models``, ``concepts``, ``edits`` (unlearn, compose),
   ``evaluation`` (evaluate, generate, map), ``calibration``, ``jobs``, ``variants``, ``universes``,
-  ``deltas`` (apply-delta: a delta variant applied to its base folder, locally).
+  ``deltas`` (apply-delta: a delta variant applied to its base folder, locally), ``verify`` (a
+  downloaded variant folder against its receipt, offline).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engram_client.cli.models import models_app
 from engram_client.cli.root import app
 from engram_client.cli.universes import universes_app
 from engram_client.cli.variants import variants_app
+from engram_client.cli.verify import verify_command
 
 app.add_typer(models_app, name="models")
 app.add_typer(concepts_app, name="concepts")
@@ -46,5 +48,6 @@ app.command()(generate)
 app.command("map")(engram_map)
 app.command("calibrate")(calibrate_command)
 app.command("apply-delta")(apply_delta_command)
+app.command("verify")(verify_command)
 
 __all__ = ["app"]

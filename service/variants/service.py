@@ -41,6 +41,7 @@ from service.universes.service import record_universe, set_current
 from service.universes.spec import UniverseSpec
 from service.variants.manifest import VariantManifest, read_variant_manifest
 from service.variants.plan import VariantPlan, plan_variant
+from service.variants.provenance import VariantFilter, check_reverts, find_provenance, metadata_of, record_provenance
 from service.variants.spec import VariantRequest, VariantSpec
 
 
@@ -60,10 +61,20 @@ def submit_variant(
     Returns:
         (variant view, the building job or None when the variant was already there).
     """
+    variant, job, _ = submit_noted(ctx, model_id, terms, alpha, options)
+    return variant, job
+
+
+def submit_noted(
+    ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions | Mapping[str, Any]
+) -> tuple[Variant, JobRecord | None, list[str]]:
+    """:func:`submit_variant`, and its warnings (metadata an earlier identical request already set)."""
+    meta = metadata_of(options)  # never part of the ID: stored beside the variant (service.variants.provenance)
     edit = edit_options(options)
     urls = callbacks.check_optional_url(edit.callback_url, ctx.settings)
     model = get_model(ctx, model_id)
     _check_options(model, edit)
+    check_reverts(ctx, meta, model_id)
     spec = VariantSpec.from_options(edit, default_gguf_quantization(model.gguf.quantization if model.gguf else None))
     resolved = _resolve(ctx, model, terms, edit)
     with ctx.lock:
@@ -80,14 +91,16 @@ def submit_variant(
         projected = None if variant_manifest(ctx, plan.variant_id) is not None else make_room(ctx, resolved.spec)
         if resolved.becomes_current is not None:  # the first request without a universe fixes it
             set_current(ctx, resolved.becomes_current)
+        notes = record_provenance(ctx, plan.variant_id, meta)
         if answered:
             if job is not None:  # the same variant again: its build calls this URL back too
                 job = attach_callbacks(ctx, job, urls)
             note_use(ctx, plan.universe_id)  # its universe is still asked for: keep it
-            return variant_view(ctx, plan.variant_id), (None if variant_manifest(ctx, plan.variant_id) else job)
+            built = variant_manifest(ctx, plan.variant_id) is not None
+            return variant_view(ctx, plan.variant_id), (None if built else job), notes
         job = _start_build(ctx, plan, resolved.spec, urls, projected)
     ctx.dispatch(job)
-    return variant_view(ctx, plan.variant_id), ctx.jobs.get(job.job_id)
+    return variant_view(ctx, plan.variant_id), ctx.jobs.get(job.job_id), notes
 
 
 def _built_or_building(ctx: Context, variant_id: str) -> tuple[bool, JobRecord | None]:
@@ -324,6 +337,9 @@ def variant_view(ctx: Context, variant_id: str) -> Variant:
     stored = request.model_dump(mode="json")
     fields: dict[str, Any] = {k: stored.get(k) for k in VARIANT_FIELDS}  # gguf_quantization: gguf only
     job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
+    provenance = find_provenance(ctx, variant_id)
+    if provenance is not None:
+        fields |= provenance.model_dump(include={"created_at", "created_by", "labels", "reason", "reverts"})
     manifest = variant_manifest(ctx, variant_id)
     if manifest is not None:
         ready = {"status": "ready", "files": manifest.file_views, "lora": manifest.lora}
@@ -336,8 +352,8 @@ def variant_submission(
     ctx: Context, model_id: str, terms: dict[str, float], alpha: float | None, options: EditOptions
 ) -> VariantSubmission:
     """:func:`submit_variant` as the routes answer it: the variant, and its build job when one runs."""
-    variant, job = submit_variant(ctx, model_id, terms, alpha, options)
-    return VariantSubmission(variant=variant, job=job_answer(job) if job else None)
+    variant, job, notes = submit_noted(ctx, model_id, terms, alpha, options)
+    return VariantSubmission(variant=variant, job=job_answer(job) if job else None, warnings=notes)
 
 
 def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
@@ -348,14 +364,17 @@ def variant_ids(ctx: Context, model_id: str | None = None) -> list[str]:
     return sorted({k.split("/")[1] for k in ctx.reads.recent_listing(VARIANTS) if k.endswith("/request.json")})
 
 
-def variant_of(ctx: Context, variant_id: str, model_id: str | None) -> Variant | None:
-    """The variant when it exists and is ``model_id``'s (any model's: None), else None (and when its
-    records cannot be read: left out of a listing with a warning naming it; reading it by ID refuses it)."""
+def variant_of(ctx: Context, variant_id: str, model_id: str | None, narrowed: VariantFilter | None = None) -> Variant | None:
+    """The variant when it exists, is ``model_id``'s (any model's: None) and ``narrowed`` admits it,
+    else None (and when its records cannot be read: left out of a listing with a warning naming it;
+    reading it by ID refuses it)."""
     try:
         variant = skip_unreadable(variant_request_key(variant_id), lambda: variant_view(ctx, variant_id))
     except NotFound:  # gone since it was listed
         return None
-    return variant if variant is not None and (model_id is None or variant.model_id == model_id) else None
+    if variant is None or (model_id is not None and variant.model_id != model_id):
+        return None
+    return variant if narrowed is None or narrowed.admits(variant) else None
 
 
 def list_variants(ctx: Context, model_id: str | None = None) -> list[Variant]:

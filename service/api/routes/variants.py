@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from api_schemas import Variant
+from api_schemas.variants import ReceiptKey, VariantReceipt
+from service.api.auth import request_principal
 from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, Page, PageDep, SortKey
 from service.context import Context
 from service.errors import NotFound, ProblemError
 from service.storage.base import Presigning
 from service.storage.keys import variant_file_key
+from service.variants import deletion, receipt
 from service.variants import service as variants
+from service.variants.provenance import VariantFilter
 
 router = APIRouter(tags=["variants"])
 _RANGE_SPEC = re.compile(r"(\d*)-(\d*)")  # int-range "a-" / "a-b" or suffix-range "-n" (RFC 9110 §14.1.1)
@@ -30,22 +35,70 @@ class RangeNotSatisfiable(ProblemError):
         self.headers = {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"}
 
 
+LabelQuery = Annotated[list[str] | None, Query(description="key:value; repeated: every pair must match")]
+TimeQuery = Annotated[str | None, Query(description="ISO 8601 (UTC when no zone is given)")]
+
+
 @router.get("/variants", response_model=list[Variant], responses=PAGED_HEADERS)
-async def list_variants(ctx: ContextDep, lanes: LanesDep, page: PageDep, model_id: str | None = None) -> list[Variant]:
-    """Variants by ID, or only those of ``?model_id=``: one page (``limit``, ``cursor``)."""
-    return page.answer(*await lanes.status(variants_page, ctx, page, model_id))
+async def list_variants(
+    ctx: ContextDep,
+    lanes: LanesDep,
+    page: PageDep,
+    model_id: str | None = None,
+    concept: Annotated[str | None, Query(description="a concept among the variant's terms")] = None,
+    label: LabelQuery = None,
+    created_after: TimeQuery = None,
+    created_before: TimeQuery = None,
+) -> list[Variant]:
+    """Variants by ID, narrowed by ``model_id``, ``concept``, ``label=key:value`` and creation time
+    (``created_after`` inclusive, ``created_before`` exclusive): one page (``limit``, ``cursor``)."""
+    narrowed = VariantFilter.parse(concept, label or [], created_after, created_before)
+    return page.answer(*await lanes.status(variants_page, ctx, page, model_id, narrowed))
 
 
-def variants_page(ctx: Context, page: Page, model_id: str | None) -> tuple[list[Variant], SortKey | None]:
-    """Only the page's variants (and one more) are read."""
+def variants_page(
+    ctx: Context, page: Page, model_id: str | None, narrowed: VariantFilter | None = None
+) -> tuple[list[Variant], SortKey | None]:
+    """Only the page's variants (and one more, and those the filter leaves out) are read."""
     ids = variants.variant_ids(ctx, model_id)
-    return page.select(((i,) for i in ids), lambda key: variants.variant_of(ctx, key[0], model_id))
+    return page.select(((i,) for i in ids), lambda key: variants.variant_of(ctx, key[0], model_id, narrowed))
 
 
 @router.get("/variants/{variant_id}", response_model=Variant)
 async def get_variant(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> Variant:
     """A variant: its terms, options, status and files."""
     return await lanes.status(variants.variant_view, ctx, variant_id)
+
+
+_DELETE_ANSWERS: dict[int | str, dict[str, Any]] = {
+    204: {"description": "deleted: its files, manifest, plan, request, provenance and evaluations"},
+    403: {"description": "a write key that did not create the variant"},
+    404: {"description": "no such variant: never made, or deleted already (a repeated DELETE)"},
+    409: {"description": "an unfinished job builds or reads it (named); nothing was deleted"},
+}
+
+
+@router.delete("/variants/{variant_id}", status_code=204, response_class=Response, responses=_DELETE_ANSWERS)
+def delete_variant(variant_id: str, request: Request, ctx: ContextDep) -> Response:
+    """Delete a variant and every stored object it owns (admin, or the key that created it); its
+    universe and other variants stay. A second DELETE is a 404."""
+    principal = request_principal(request)
+    deletion.delete_variant(ctx, variant_id, deletion.Deleter(principal.key_id, principal.scope == "admin"))
+    return Response(status_code=204)
+
+
+@router.get("/variants/{variant_id}/receipt", response_model=VariantReceipt)
+async def get_receipt(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> VariantReceipt:
+    """The variant's receipt: its request, concepts' data and statistics, universe, base model, files
+    and evaluations in one record, Ed25519-signed when the operator set ENGRAM_RECEIPT_SIGNING_KEY
+    (check a downloaded folder with ``engram verify``)."""
+    return await lanes.status(receipt.variant_receipt, ctx, variant_id)
+
+
+@router.get("/receipt-key", response_model=ReceiptKey)
+def get_receipt_key(ctx: ContextDep) -> ReceiptKey:
+    """The Ed25519 public key variant receipts are signed with (404 when receipts are unsigned)."""
+    return receipt.receipt_key(ctx)
 
 
 @router.get("/variants/{variant_id}/files/{path:path}", response_class=Response)

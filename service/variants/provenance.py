@@ -1,0 +1,155 @@
+"""Who asked for a variant, when and why: its provenance record (``variants/<id>/provenance.json``).
+
+The variant ID names the edit only (:mod:`service.variants.spec`): two requests of the same edit are
+one variant, whoever asks and why. So the metadata lives beside it, written once by the request that
+created it. An identical later request is answered from storage with the first request's metadata
+(its own labels and reason are not stored: the answer's ``warnings`` say so where the route passes
+them on). A variant stored without a record (made before provenance) shows none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api_schemas import Variant
+from api_schemas.provenance import VariantMetadataFields
+from service.context import Context
+from service.errors import InvalidInput, NotFound
+from service.jobs.admission import ANONYMOUS, job_owner
+from service.models.stored import FORMAT_VERSION, check_format
+from service.storage.keys import VARIANTS
+
+PROVENANCE_FORMAT = FORMAT_VERSION
+
+
+def provenance_key(variant_id: str) -> str:
+    return f"{VARIANTS}{variant_id}/provenance.json"
+
+
+class VariantProvenance(BaseModel):
+    """The stored record. ``created_by``: the key's fingerprint (``key-`` + 12 hex of its sha256),
+    never the key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = PROVENANCE_FORMAT
+    variant_id: str
+    created_at: str
+    created_by: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    reason: str | None = None
+    reverts: str | None = None
+
+    def differs_from(self, meta: VariantMetadataFields) -> bool:
+        """Whether a later request said something else than the stored record."""
+        return (meta.labels or {}) != self.labels or meta.reason != self.reason or meta.reverts != self.reverts
+
+
+def metadata_of(options: object) -> VariantMetadataFields:
+    """The metadata a request carries (none for options without any, e.g. a calibration's variant)."""
+    if isinstance(options, VariantMetadataFields):
+        return VariantMetadataFields(labels=options.labels, reason=options.reason, reverts=options.reverts)
+    return VariantMetadataFields()
+
+
+def check_reverts(ctx: Context, meta: VariantMetadataFields, model_id: str) -> None:
+    """``reverts`` names a variant of the same model (404 / 422 naming the fix, before anything is written)."""
+    if meta.reverts is None:
+        return
+    stored = ctx.storage.find_json(f"{VARIANTS}{meta.reverts}/request.json")
+    if stored is None:
+        raise NotFound(f"reverts: variant {meta.reverts} does not exist: name the variant this request reverts")
+    if stored.get("model_id") != model_id:
+        raise InvalidInput(
+            f"reverts: variant {meta.reverts} is of model {stored.get('model_id')}, not {model_id}: "
+            "a revert is a variant of the same model"
+        )
+
+
+def find_provenance(ctx: Context, variant_id: str) -> VariantProvenance | None:
+    key = provenance_key(variant_id)
+    stored = ctx.storage.find_json(key) if variant_id.isalnum() else None
+    return None if stored is None else VariantProvenance.model_validate(check_format("variant provenance", key, stored))
+
+
+def record_provenance(ctx: Context, variant_id: str, meta: VariantMetadataFields) -> list[str]:
+    """Store the record unless the variant has one (call under ``ctx.lock``).
+
+    Returns:
+        warnings: a note when the variant was created by an earlier request with other metadata.
+    """
+    found = find_provenance(ctx, variant_id)
+    if found is None:
+        record = VariantProvenance(
+            variant_id=variant_id,
+            created_at=now_iso(),
+            created_by=job_owner.get() or ANONYMOUS,
+            labels=dict(meta.labels or {}),
+            reason=meta.reason,
+            reverts=meta.reverts,
+        )
+        ctx.storage.put_json(provenance_key(variant_id), record.model_dump(mode="json"))
+        return []
+    if found.differs_from(meta):
+        return [
+            f"variant {variant_id} was created by an earlier identical request ({found.created_at}, "
+            f"{found.created_by}); its labels, reason and reverts are that request's: this request's were not stored"
+        ]
+    return []
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True)
+class VariantFilter:
+    """What ``GET /variants`` narrows to: a concept among the terms, every label pair, a creation
+    time in ``[created_after, created_before)`` (a variant without a record matches no label or time)."""
+
+    concept: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+
+    @classmethod
+    def parse(
+        cls, concept: str | None, labels: Sequence[str], created_after: str | None, created_before: str | None
+    ) -> VariantFilter:
+        """The filter of the query's values (a 422 naming the parameter and the form it takes)."""
+        pairs = []
+        for label in labels:
+            key, colon, value = label.partition(":")
+            if not colon or not key:
+                raise InvalidInput(f"label={label!r}: write label=key:value (repeat it for several labels)")
+            pairs.append((key, value))
+        after, before = _instant("created_after", created_after), _instant("created_before", created_before)
+        return cls(concept, tuple(pairs), after, before)
+
+    def admits(self, variant: Variant) -> bool:
+        if self.concept is not None and self.concept not in variant.terms:
+            return False
+        if any(variant.labels.get(k) != v for k, v in self.labels):
+            return False
+        if self.created_after is None and self.created_before is None:
+            return True
+        if variant.created_at is None:
+            return False
+        created = datetime.fromisoformat(variant.created_at)
+        after_ok = self.created_after is None or created >= self.created_after
+        return after_ok and (self.created_before is None or created < self.created_before)
+
+
+def _instant(name: str, value: str | None) -> datetime | None:
+    """An ISO 8601 instant (one without a zone is UTC), or a 422 naming the parameter."""
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidInput(f"{name}={value!r} is not an ISO 8601 time (e.g. 2026-11-29T08:00:00Z)") from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
