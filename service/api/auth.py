@@ -22,6 +22,7 @@ checked. That reveals only the configured limit, and no body is read either way.
 Scopes (``admin`` ⊃ ``write`` ⊃ ``read``):
 
 * ``/healthz`` and ``/readyz``: public (load balancers and orchestrators probe them without keys).
+* ``GET /audit``: ``admin`` (the audit log names every key's requests).
 * ``GET``/``HEAD`` of anything else: ``read``. That includes ``/docs``, ``/redoc``,
   ``/openapi.json`` and ``/metrics``: the API description and the counters are not secret
   enough for ``write``, but the contract keeps every route but the probes behind a key
@@ -68,6 +69,7 @@ SCOPES = ("read", "write", "admin")
 RANK = {name: rank for rank, name in enumerate(SCOPES)}
 MIN_KEY_LENGTH = 16
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+ADMIN_READ_PATHS = frozenset({"/audit"})  # who did what: not for every reader
 WRITE_PREFIXES = ("/models", "/concepts", "/variants")
 WRITE_METHODS = frozenset({"POST", "DELETE"})
 READ_METHODS = frozenset({"GET", "HEAD"})
@@ -145,6 +147,8 @@ def required_scope(method: str, path: str) -> str | None:
     """The scope a request needs; None for the public probes."""
     if path in PUBLIC_PATHS:
         return None
+    if path in ADMIN_READ_PATHS:
+        return "admin"
     if method in READ_METHODS:
         return "read"
     if method in WRITE_METHODS and any(path == p or path.startswith(p + "/") for p in WRITE_PREFIXES):
