@@ -41,6 +41,8 @@ def candidate_values(candidate: Mapping[str, Any]) -> dict[str, float]:
         for field, suffix in _SPLIT_FIELDS.items():
             values[f"{split}_{suffix}"] = scores.get(field)
     values.update(candidate.get("metrics") or {})
+    for attack, attacked in (candidate.get("attacked") or {}).items():  # the attack gate's: <attack>.<metric>
+        values.update({f"{attack}.{metric}": value for metric, value in attacked.items()})
     return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
@@ -145,6 +147,9 @@ def _bounds(ax: Axes, result: Mapping[str, Any], x: str, y: str) -> None:
         for side in ("min", "max"):
             if bound.get(side) is not None:
                 limits.append((bound["metric"], f"{side} {bound['metric']}", bound[side]))
+    for bound in (result.get("attack_gate") or {}).get("constraints") or []:
+        name = f"{bound['attack']}.{bound['metric']}"
+        limits += [(name, f"{side} {name}", bound[side]) for side in ("min", "max") if bound.get(side) is not None]
     for metric, label, value in limits:
         if metric == x:
             ax.axvline(value, color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
