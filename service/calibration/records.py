@@ -19,12 +19,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from api_schemas.calibration import CalibrationResult
 from service.errors import ServiceUnavailable, first_validation_error
 from service.evaluation.records import ProbeJson
+from service.storage.records import StoredRecord
 
-
-class StoredRecord(BaseModel):
-    """A stored calibration record: frozen, and a key this version does not know is refused."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+__all__ = ["CalibrationProbes", "MalformedCalibration", "StoredCalibrationResult", "StoredRecord", "read_record"]
 
 
 class CalibrationProbes(StoredRecord):

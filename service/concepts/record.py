@@ -1,29 +1,22 @@
 """A concept (``concepts/<name>.json``) as a frozen record: what was posted, and one collection per model.
 
-Read once through :func:`read_concept` (which accepts the current ``format_version`` only: a concept
-stored by 0.1.0 is refused by name until ``engram-service migrate`` rewrote it,
-:mod:`service.concepts.migrate`); changed only through :meth:`ConceptRecord.with_model` and
-:meth:`ConceptRecord.resolved`, which return a new record; written with :meth:`ConceptRecord.to_json`,
-in the keys concepts always had (plus ``format_version``).
+A :class:`~service.storage.records.StoredRecord`, read once through :func:`read_concept` (which
+accepts the current ``format_version`` only: a concept stored by 0.1.0 is refused by name until
+``engram-service migrate`` rewrote it, :mod:`service.concepts.migrate`); changed only through
+:meth:`ConceptRecord.with_model` and :meth:`ConceptRecord.resolved`, which return a new record;
+written with :meth:`ConceptRecord.to_json`, in the keys concepts always had (plus ``format_version``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Any, ClassVar
 
 from service.datasets.refs import StoredReference
-from service.errors import first_validation_error
-from service.models.stored import FORMAT_VERSION, check_format
-from service.storage.stored_json import UnreadableRecord
-
-# Keys a concept's document leaves out, rather than writes as null, when they have no value.
-_ABSENT_WHEN_NONE = ("dataset", "template")
+from service.storage.records import FORMAT_VERSION, StoredRecord
 
 
-class ConceptModelState(BaseModel):
+class ConceptModelState(StoredRecord):
     """A concept's collection on one model.
 
     Attributes:
@@ -32,20 +25,14 @@ class ConceptModelState(BaseModel):
         modules: the module suffixes it collects (None: every editable layer).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    absent_when_none: ClassVar[frozenset[str]] = frozenset({"modules"})
 
     job_id: str
     stats: str | None = None
     modules: tuple[str, ...] | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        data = self.model_dump(mode="json")
-        if data["modules"] is None:
-            del data["modules"]
-        return data
 
-
-class ConceptRecord(BaseModel):
+class ConceptRecord(StoredRecord):
     """A concept: its name, role, records (by digest) or dataset reference, and its collections.
 
     Attributes:
@@ -55,7 +42,9 @@ class ConceptRecord(BaseModel):
         models: model ID -> its collection.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    record_name: ClassVar[str] = "concept"
+    # Keys a concept's document leaves out, rather than writes as null, when they have no value.
+    absent_when_none: ClassVar[frozenset[str]] = frozenset({"dataset", "template"})
 
     format_version: int = FORMAT_VERSION
     name: str
@@ -70,11 +59,8 @@ class ConceptRecord(BaseModel):
 
     def to_json(self) -> dict[str, Any]:
         """The stored document: the keys concepts always had (no ``dataset``/``template`` when none)."""
-        data = self.model_dump(mode="json")
+        data = super().to_json()
         data["models"] = {model_id: state.to_json() for model_id, state in self.models.items()}
-        for key in _ABSENT_WHEN_NONE:
-            if data[key] is None:
-                del data[key]
         return data
 
     def with_model(self, model_id: str, state: ConceptModelState) -> ConceptRecord:
@@ -93,8 +79,4 @@ def read_concept(key: str, data: Mapping[str, Any]) -> ConceptRecord:
         UnmigratedRecord: it is of an older format (``engram-service migrate`` rewrites it).
         UnreadableRecord: its fields do not fit a concept (the first named).
     """
-    current = check_format("concept", key, data)
-    try:
-        return ConceptRecord.model_validate(current)
-    except ValidationError as exc:
-        raise UnreadableRecord(key, f"not a concept ({first_validation_error(exc)})") from None
+    return ConceptRecord.stored(key, data)

@@ -19,20 +19,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from service.engine.errors import EditError
 from service.errors import ServiceUnavailable, first_validation_error
+from service.storage.records import StoredRecord
 
 # The universe format: the manifest's version, and part of every universe's identity (its ID).
 UNIVERSE_FORMAT = "engram-universe/1"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ManifestMember(_Record):
+class ManifestMember(StoredRecord):
     """A member's statistics, the names it had when the universe was built and its engram file's key."""
 
     names: tuple[str, ...]
@@ -42,7 +39,7 @@ class ManifestMember(_Record):
     tokens: int
 
 
-class ManifestGroup(_Record):
+class ManifestGroup(StoredRecord):
     """An input group's pseudo-inverse factors: their shape, size and who computed them how.
 
     ``source``, ``worker`` and ``seconds`` are absent in a group published before part records were kept.
@@ -58,7 +55,7 @@ class ManifestGroup(_Record):
     seconds: float | None = None
 
 
-class ManifestLayer(_Record):
+class ManifestLayer(StoredRecord):
     """A layer with engrams: its input group, the engrams' dtype and ``‖W_l‖_F`` (W-Norm's denominator)."""
 
     group: str
@@ -66,7 +63,7 @@ class ManifestLayer(_Record):
     weight_norm: float
 
 
-class ManifestEngram(_Record):
+class ManifestEngram(StoredRecord):
     """A member's engram file(s): their size and each layer's ``‖E_k,l[:, :in]‖_F``.
 
     ``files``: engram file name (``engrams/<name>.safetensors``) -> the layers it holds, where the
@@ -79,7 +76,7 @@ class ManifestEngram(_Record):
     files: dict[str, tuple[str, ...]] | None = None
 
 
-class ManifestBytes(_Record):
+class ManifestBytes(StoredRecord):
     groups: int
     engrams: int
     total: int
@@ -97,7 +94,7 @@ class GroupNotBuilt(EditError):
         )
 
 
-class UniverseManifest(_Record):
+class UniverseManifest(StoredRecord):
     """What a built universe holds: members, input groups, layers, engram norms, bytes, build seconds.
 
     ``deferred``: the input groups not built yet. Never stored in ``manifest.json`` (written only when

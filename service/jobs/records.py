@@ -2,8 +2,10 @@
 
 A record is stored (object storage, Redis, the embedded mode's SQLite file) as
 ``record.model_dump(mode="json")`` and read back only through :func:`read_job_record`, which
-migrates what an older version wrote (records without ``format_version``) and refuses, naming the
-job, a record it cannot read. Every other module gets a :class:`JobRecord`, never the dict.
+upgrades what an older version wrote (records without ``format_version``: the step registered with
+the other stored records' in :mod:`service.storage.records`) and refuses, naming the job, a record
+it cannot read. Every other module gets a :class:`JobRecord`, never the dict. The record, its
+payloads and what they hold are :class:`~service.storage.records.StoredRecord` objects.
 
 Each kind's payload (the IDs its body needs) is a model of its own, chosen by the record's kind;
 a body reads it with :meth:`JobRecord.payload_of`. The payloads hold only IDs, digests and records:
@@ -17,8 +19,6 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -28,17 +28,14 @@ from pydantic import (
 
 from service.errors import ProblemDetails, ServiceUnavailable
 from service.jobs.collect_plan import CollectionPlan
+from service.storage.records import StoredRecord, UnmigratedRecord, upgrade_step
 
 JobKind = Literal["collect", "variant", "universe", "evaluate", "generate", "calibrate", "map", "register"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-FORMAT_VERSION = 1  # of the stored record; bump it with a step in read_job_record
+FORMAT_VERSION = 1  # of the stored record; bump it with an upgrade_step from the version before
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class JobPayload(_Frozen):
+class JobPayload(StoredRecord):
     """What a job's body needs, by ID: the base of every kind's payload."""
 
     kind: ClassVar[JobKind]
@@ -48,7 +45,7 @@ def _absent(value: Any) -> bool:
     return value is None
 
 
-class CollectionSettings(_Frozen):
+class CollectionSettings(StoredRecord):
     """The collect job's configuration: everything that changes a concept's statistics.
 
     ``None`` means "not part of the key": the default (every module, no template, float64 sums, the
@@ -75,16 +72,14 @@ class CollectionSettings(_Frozen):
         return self.model_dump(mode="json", exclude_none=True)
 
 
-class ReferenceRows(BaseModel):
+class ReferenceRows(StoredRecord):
     """A reference's row range as stored: ``start`` always, ``stop`` only when given."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     start: int = 0
     stop: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-class StoredReference(BaseModel):
+class StoredReference(StoredRecord):
     """A dataset reference as a concept stores it and its collection job reads it
     (``service.datasets.refs.submitted_reference`` makes it: checked, its format resolved, and
     fingerprinted). Here, on the job records' floor, because a collect job's payload carries it;
@@ -94,8 +89,6 @@ class StoredReference(BaseModel):
     "fingerprint"}``, absent options left out, and no ``fingerprint`` in one stored before
     fingerprints existed (read as ``None``: other content than any fingerprinted post).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     uri: str
     format: str
@@ -214,7 +207,7 @@ AnyPayload = (
 P = TypeVar("P", bound=JobPayload)
 
 
-class GroupsProgress(_Frozen):
+class GroupsProgress(StoredRecord):
     """A job that builds its universe's input groups: those it builds for itself (the groups of the
     layers it edits that were not built yet) and those it leaves for a later request."""
 
@@ -222,19 +215,21 @@ class GroupsProgress(_Frozen):
     deferred: tuple[str, ...] = ()
 
 
-class ProgressCounts(_Frozen):
+class ProgressCounts(StoredRecord):
     done: int = 0
     total: int = 0
     unit: str = "items"
     groups: GroupsProgress | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-class JobRecord(_Frozen):
+class JobRecord(StoredRecord):
     """One job: what it is (kind, payload), where it stands (status, progress, timestamps as ISO
     8601 strings), how it ended (``error``: the problem, stored as the API answered it; ``result``:
     the API's answer, a JSON object), who asked (``owner``: the API key, None for a job's own
     follow-up work) and who hears of its end (``callbacks``). ``dispatch_epoch``: the Redis
     incarnation its message was queued in."""
+
+    record_name: ClassVar[str] = "job record"
 
     format_version: Literal[1] = 1  # FORMAT_VERSION
     job_id: str
@@ -311,11 +306,10 @@ def read_job_record(stored: Any, job_id: str = "?") -> JobRecord:
     if not isinstance(stored, dict):
         raise UnreadableJobRecord(job_id, f"a JSON {type(stored).__name__}, not an object")
     job_id = str(stored.get("job_id", job_id))
-    version = stored.get("format_version")
-    if version is None:  # written before records were versioned (0.1.0 up to this change)
-        stored = _unversioned_to_1(stored)
-    elif version != FORMAT_VERSION:
-        raise UnreadableJobRecord(job_id, f"format_version {version!r}; this version reads {FORMAT_VERSION}")
+    try:
+        stored = JobRecord.upgraded(job_id, stored)
+    except UnmigratedRecord as exc:  # named as the job's: its stores hold no key ``migrate`` rewrites
+        raise UnreadableJobRecord(job_id, f"format_version {exc.found!r}; this version reads {exc.current}") from None
     try:
         return JobRecord.model_validate(stored)
     except ValidationError as exc:
@@ -330,7 +324,9 @@ def _described(exc: ValidationError, prefix: str = "") -> str:
     )
 
 
+@upgrade_step("job record", None)
 def _unversioned_to_1(stored: dict[str, Any]) -> dict[str, Any]:
-    """A record as ``new_job`` wrote it before ``format_version``: the same fields, with
-    ``callbacks`` and ``owner`` absent in the oldest ones (their defaults hold)."""
+    """A record as ``new_job`` wrote it before ``format_version`` (0.1.0 up to d1c47c7): the same
+    fields, with ``callbacks`` and ``owner`` absent in the oldest ones (their defaults hold). Kept:
+    ``engram-service migrate`` does not rewrite job records (Redis, the embedded SQLite file)."""
     return {**stored, "format_version": 1}

@@ -10,15 +10,16 @@ migrate`` (:mod:`service.models.migrate`) records the kind registration gives th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
+from pydantic import BeforeValidator, ConfigDict, PlainSerializer
 
 from service.engine.image_models import PREPROCESSOR_CONFIG, ModelKind, check_preprocessor_config, model_kind
 from service.engine.layout import ModelLayout
 from service.engine.model_file_descriptors import FileIdentity
 from service.engine.model_files import ModelSourceError, read_side_json
 from service.models.gguf_source import GgufOrigin
+from service.storage.records import StoredRecord
 
 # 1: the first versioned registration; 2: ``kind`` is always recorded (issue 25).
 MODEL_FORMAT_VERSION = 2
@@ -32,7 +33,7 @@ def _parse_layout(value: Any) -> ModelLayout:
 StoredLayout = Annotated[ModelLayout, BeforeValidator(_parse_layout), PlainSerializer(lambda layout: layout.to_json())]
 
 
-class ModelRecord(BaseModel):
+class ModelRecord(StoredRecord):
     """A registered checkpoint.
 
     Attributes:
@@ -48,6 +49,10 @@ class ModelRecord(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    record_name: ClassVar[str] = "model registration"
+    # ``gguf`` only where there is one: a safetensors registration keeps its stored keys
+    absent_when_none: ClassVar[frozenset[str]] = frozenset({"gguf"})
 
     format_version: int = MODEL_FORMAT_VERSION
     model_id: str
@@ -77,10 +82,6 @@ class ModelRecord(BaseModel):
         if any(value is None for value in identity.values()):
             return None
         return {name: value for name, value in identity.items() if value is not None}
-
-    def to_json(self) -> dict[str, Any]:
-        # ``gguf`` only where there is one: a safetensors registration keeps its stored keys
-        return self.model_dump(mode="json", exclude={"gguf"} if self.gguf is None else None)
 
 
 def folder_kind(path: Path) -> ModelKind:

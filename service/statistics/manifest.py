@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
+from pydantic import JsonValue, ValidationError
 
 from service.context import Context
 from service.errors import ServiceUnavailable, first_validation_error
 from service.statistics.key import manifest_key, statistics_key
 from service.storage.base import Storage
+from service.storage.records import StoredRecord
 
 
-class StatisticsManifest(BaseModel):
+class StatisticsManifest(StoredRecord):
     """What published statistics hold and how they were collected.
 
     Only ``tokens`` is in every manifest: statistics published by hand (benchmarks, test worlds)
@@ -42,8 +43,6 @@ class StatisticsManifest(BaseModel):
         settings: the collection settings the statistics are keyed by (``CollectionSpec.dump()``).
         truncation: what ``max_length`` did (None: published before it was reported).
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     tokens: int
     groups: int | None = None

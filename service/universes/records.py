@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from service.context import Context
 from service.engrams.manifest import UniverseManifest, read_manifest
@@ -25,6 +25,7 @@ from service.storage.keys import (
     universe_request_key,
     usage_key,
 )
+from service.storage.records import StoredRecord
 from service.storage.stored_json import find_record
 from service.universes.spec import UniverseRequest
 
@@ -104,18 +105,13 @@ def find_usage(ctx: Context, universe_id: str, *, recent: bool = False) -> dict[
     return dict(found or {})
 
 
-class StoredPlan(BaseModel):
+class StoredPlan(StoredRecord):
     """A universe's ``plan.json``, written first by its build: input group -> its layers, and the
     layers in layout order. The universe's view counts its groups while it builds. Its keys are
     those it always had (no ``format_version``: the shape never changed)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     groups: dict[str, tuple[str, ...]]
     layers: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
 
 def read_plan(universe_id: str, data: Mapping[str, Any]) -> StoredPlan:
@@ -139,7 +135,7 @@ def find_plan(ctx: Context, universe_id: str) -> StoredPlan | None:
     return None if found is None else read_plan(universe_id, found)
 
 
-class CurrentUniverse(BaseModel):
+class CurrentUniverse(StoredRecord):
     """A model's current universe (``models/<id>/universes/current.json``): what a request that names
     no universe or reference is resolved against.
 
@@ -151,15 +147,10 @@ class CurrentUniverse(BaseModel):
         since: when it became current (UTC, ISO 8601).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     universe_id: str
     members: dict[str, str]
     rcond: float | None
     since: str
-
-    def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
 
 class MalformedPointer(ServiceUnavailable):

@@ -21,8 +21,7 @@ from service.universes.records import read_current_pointer, read_plan
 from service.variants.manifest import read_variant_manifest
 from service.variants.plan import VariantPlan
 from service.variants.spec import VariantRequest
-from tests.storage.stored_record_fixtures import FORMS, HERE, stored_bytes
-from tests.universes.test_manifest import UID
+from tests.storage.stored_record_fixtures import FORMS, HERE, UID, stored_bytes
 
 
 def _model(data: dict[str, Any]) -> dict[str, Any]:
