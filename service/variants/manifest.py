@@ -15,16 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
+from pydantic import JsonValue, ValidationError
 
 from service.errors import ServiceUnavailable, first_validation_error
+from service.storage.records import StoredRecord
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class VariantFile(_Record):
+class VariantFile(StoredRecord):
     """One file of the variant, as uploaded: its path under the variant, size and SHA-256 (the ETag)."""
 
     path: str
@@ -32,7 +29,7 @@ class VariantFile(_Record):
     sha256: str
 
 
-class VariantManifest(_Record):
+class VariantManifest(StoredRecord):
     """What a built variant holds: its files, each layer's scale ``f_l``, build seconds, its universe.
 
     Attributes:

@@ -18,33 +18,29 @@ service before plans) is given one by ``engram-service migrate`` (:func:`plan_of
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict
+from typing import ClassVar
 
 from service.context import Context
 from service.engine.layers import LayerSpec, select_layers
 from service.engine.layout import ModelLayout
 from service.errors import JobFailed
 from service.models.record import ModelRecord
-from service.models.stored import FORMAT_VERSION, check_format
 from service.statistics.cover import unreached_by_every
+from service.storage.records import FORMAT_VERSION, StoredRecord
 from service.universes.members import EditUniverse
 from service.variants.spec import VariantRequest, VariantSpec
 
 
-class PlanTerm(BaseModel):
+class PlanTerm(StoredRecord):
     """One statistics prefix of the edit and the coefficient its engram is summed with: the sum of
     the coefficients of the terms that name it (two names of one statistics are one engram)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     stats: str
     coefficient: float
     names: tuple[str, ...]
 
 
-class VariantPlan(BaseModel):
+class VariantPlan(StoredRecord):
     """The frozen, stored plan of one variant (``variant-plans/<id>.json``).
 
     Attributes:
@@ -57,7 +53,7 @@ class VariantPlan(BaseModel):
         universe: ``(concept name, statistics prefix)`` of every member of the universe.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    record_name: ClassVar[str] = "variant plan"
 
     format_version: int = FORMAT_VERSION
     request: VariantRequest
@@ -94,11 +90,6 @@ class VariantPlan(BaseModel):
             terms=_summed_terms(request.terms, request.term_stats),
             universe=tuple(sorted(set(universe))),
         )
-
-    @classmethod
-    def stored(cls, key: str, data: Mapping[str, Any]) -> VariantPlan:
-        """A stored plan (refused by name when it is of another format: ``engram-service migrate``)."""
-        return cls.model_validate(check_format("variant plan", key, data))
 
     @property
     def variant_id(self) -> str:
