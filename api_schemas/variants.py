@@ -82,7 +82,9 @@ class VariantReceipt(BaseModel):
             "evaluations run on the variant"
         )
     )
-    digest: str = Field(description="sha256 of the canonical JSON of receipt (sorted keys, no spaces, UTF-8)")
+    digest: str = Field(
+        description="sha256 of the canonical JSON of receipt (sorted keys, no spaces, ASCII with \\u escapes)"
+    )
     signed: bool
     algorithm: Literal["Ed25519"] | None = None
     signature: str | None = Field(default=None, description="base64 Ed25519 signature of the canonical JSON of receipt")

@@ -48,8 +48,9 @@ TEST_IMPORTERS = ("tests", "bench", "scripts", *PACKAGES)
 
 # Third-party roots a pure engine must not reach for.
 ENGINE_FORBIDDEN = ("fastapi", "starlette", "uvicorn", "celery", "kombu", "redis", "boto3", "botocore", "httpx")
-# What the client may import besides the standard library and its own package.
-CLIENT_ALLOWED_THIRD_PARTY = ("httpx", "pydantic", "typer", "rich", "click", "api_schemas")
+# What the client may import besides the standard library and its own package (cryptography: engram verify's
+# Ed25519 signature check).
+CLIENT_ALLOWED_THIRD_PARTY = ("httpx", "pydantic", "typer", "rich", "click", "api_schemas", "cryptography")
 CLIENT_PACKAGES = ("service.client", "engram_client")
 # The domain packages, bottom up as in LAYERS: what service.execution never imports.
 DOMAINS = (

@@ -87,7 +87,13 @@ def delete_variant(variant_id: str, request: Request, ctx: ContextDep) -> Respon
     return Response(status_code=204)
 
 
-@router.get("/variants/{variant_id}/receipt", response_model=VariantReceipt)
+_RECEIPT_ANSWERS: dict[int | str, dict[str, Any]] = {
+    409: {"description": "the variant is not ready (building or failed): only a ready variant has files to vouch for"},
+    503: {"description": "ENGRAM_RECEIPT_SIGNING_KEY is set but is not an unencrypted Ed25519 PEM private key"},
+}
+
+
+@router.get("/variants/{variant_id}/receipt", response_model=VariantReceipt, responses=_RECEIPT_ANSWERS)
 async def get_receipt(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> VariantReceipt:
     """The variant's receipt: its request, concepts' data and statistics, universe, base model, files
     and evaluations in one record, Ed25519-signed when the operator set ENGRAM_RECEIPT_SIGNING_KEY
