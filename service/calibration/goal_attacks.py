@@ -179,7 +179,7 @@ class AttackGateRun:
         """Why nothing is recommended: the attacked candidates all missed an attack bound, the closest named."""
         closest = min(self.scores, key=self._violation)
         missed = [
-            f"{name} {b.metric} {self.scores[closest][name].get(b.metric, math.nan):.4g} ({_bounds(b)})"
+            f"{name} {b.metric} {_shown(self.scores[closest][name].get(b.metric, math.nan))} ({_bounds(b)})"
             for name, b in self.bounds
             if b.violation(self.scores[closest][name].get(b.metric)) > 0
         ]
@@ -199,6 +199,11 @@ def _bounds(bound: Bound) -> str:
         [f"max {bound.max:.4g}"] if bound.max is not None else []
     )
     return ", ".join(parts)
+
+
+def _shown(value: float) -> str:
+    """A value in a note; NaN (relearn's recovered fraction where nothing was forgotten) says so."""
+    return f"{value:.4g}" if math.isfinite(value) else "not measurable (the variant forgot none of these probes)"
 
 
 def _finite(value: float | None) -> float | None:
