@@ -4,7 +4,7 @@ The rules (docs/how-to/auth.md says them to users):
 
 - Who: an admin key, or the write key whose request registered the model (its register job's owner).
 - A 409 naming what depends on it, nothing deleted: a job not finished that names the model; a variant
-  built from it (variants cannot be deleted yet, so a model with variants stays); a concept whose
+  built from it (``DELETE /variants/{id}`` first: a variant is asked for by a key of its own); a concept whose
   statistics were collected on it (``DELETE /concepts/{name}`` first). Its universes and calibrations
   are named too, unless ``?cascade=true``: those exist only for this model, and a model's current
   universe cannot be deleted alone (``DELETE /universes/{id}`` refuses it), so the cascade deletes them
@@ -86,7 +86,7 @@ def _refusal(model_id: str, blocking: dict[str, list[str]], cascade: bool) -> st
     named = "; ".join(f"{kind}: {_names(ids)}" for kind, ids in blocking.items())
     steps = {
         "jobs": "wait for the jobs or cancel them (DELETE /jobs/{id})",
-        "variants": "variants cannot be deleted yet, so a model with variants stays",
+        "variants": "delete those variants (DELETE /variants/{id})",
         "concepts": "delete those concepts (DELETE /concepts/{name})",
         "universes": "add ?cascade=true to delete its universes and calibrations with it",
         "calibrations": "add ?cascade=true to delete its universes and calibrations with it",

@@ -208,7 +208,8 @@ def test_a_request_that_crashes_is_audited_as_500_in_the_store_and_the_log(
 
 
 def test_a_model_still_needed_is_a_409_naming_it_and_cascade_deletes_what_it_owns(world: World) -> None:
-    """A concept collected on the model refuses its deletion, and so does a universe unless cascade=true."""
+    """A variant of the model and a concept collected on it refuse its deletion, and so does a universe
+    unless cascade=true."""
     records = [{"prompt": p, "completion": c} for p, c in make_facts(4, seed=3)]
     posted = world.admin.post("/concepts", json={"name": "facts-theirs", "models": [THEIRS], "records": records})
     assert posted.status_code == 202, posted.text
@@ -220,13 +221,21 @@ def test_a_model_still_needed_is_a_409_naming_it_and_cascade_deletes_what_it_own
     if job:
         assert wait_for_job(world.admin, job["job_id"], timeout=300)["status"] == "succeeded"
     universe_id = universe.json()["universe"]["universe_id"]
+    variant = world.admin.post(f"/models/{THEIRS}/unlearn", json={"concepts": ["facts-theirs"], "alpha": 0.5})
+    assert variant.status_code in (200, 202), variant.text
+    if variant.json().get("job"):
+        assert wait_for_job(world.admin, variant.json()["job"]["job_id"], timeout=300)["status"] == "succeeded"
+    variant_id = variant.json()["variant"]["variant_id"]
 
     before = world.stored()
     refused = world.admin.delete(f"/models/{THEIRS}")
     assert refused.status_code == 409, refused.text
-    assert refused.json()["dependents"] == {"concepts": ["facts-theirs"], "universes": [universe_id]}
+    expected = {"variants": [variant_id], "concepts": ["facts-theirs"], "universes": [universe_id]}
+    assert refused.json()["dependents"] == expected
     assert "DELETE /concepts/{name}" in refused.json()["detail"]
+    assert "DELETE /variants/{id}" in refused.json()["detail"]
     assert world.stored() == before  # nothing deleted
+    assert world.admin.delete(f"/variants/{variant_id}").status_code == 204
     dropped = world.admin.delete("/concepts/facts-theirs")
     assert dropped.status_code in (200, 204), dropped.text
     no_cascade = world.admin.delete(f"/models/{THEIRS}")
