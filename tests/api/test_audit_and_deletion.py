@@ -136,12 +136,18 @@ def test_deleting_a_model_removes_what_it_owned_and_is_audited(world: World) -> 
 
 def test_the_audit_log_holds_no_secret_and_only_admins_read_it(world: World) -> None:
     world.write.post("/models?token=s3cr3t-query-value", json={"model_id": "y", "source": "file:///nowhere"})
+    wrong = {"Authorization": "Bearer not-a-key-at-all"}
+    stranger = world.server.client.post("/concepts", json={"name": "x"}, headers=wrong)
+    assert stranger.status_code == 401
+    [unknown] = _audit(world, status=401)
+    assert (unknown["key"], unknown["path"], unknown["route"]) == (None, "/concepts", None)  # refused before routing
     stored = world.audit_objects()
     assert len(stored) >= 8  # registrations, refusals and deletions of the other tests, and this one
     for raw in stored:
         for key in world.keys.values():
             assert key.encode() not in raw
         assert b"Bearer" not in raw
+        assert b"not-a-key-at-all" not in raw
         assert b"s3cr3t-query-value" not in raw
         entry = json.loads(raw)
         assert entry["key"] is None or entry["key"].startswith("key-")
@@ -252,3 +258,44 @@ def test_a_model_still_needed_is_a_409_naming_it_and_cascade_deletes_what_it_own
     assert world.stored() - before == set()
     assert world.read.get(f"/models/{THEIRS}").status_code == 404
     assert world.read.get(f"/universes/{universe_id}").status_code == 404
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_the_audit_log_appends_and_reads_back_in_order_on_file_and_s3(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Ten requests through the middleware over a real store (a folder, or SeaweedFS with S3 pages of 7
+    keys): ten objects, read back oldest first, each naming its own request; one day's listing the same."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from service.api.audit import AuditLog, audit_keys, read_entry
+    from service.observability import RequestContext
+    from service.storage.base import Storage
+    from service.storage.local import LocalStorage
+
+    storage: Storage
+    if backend == "s3":
+        from tests.helpers.s3 import s3_storage
+
+        storage = s3_storage(request.getfixturevalue("seaweed"), request.getfixturevalue("s3_bucket"))
+    else:
+        storage = LocalStorage(tmp_path)
+
+    async def made(req: Any) -> JSONResponse:
+        return JSONResponse({"thing_id": req.path_params["thing_id"]}, status_code=201)
+
+    app = Starlette(routes=[Route("/things/{thing_id}", made, methods=["POST"])])
+    app.add_middleware(AuditLog, storage=storage, auth_on=False)
+    app.add_middleware(RequestContext)
+    with TestClient(app) as client:
+        ids = [client.post(f"/things/t{i}").headers["x-request-id"] for i in range(10)]
+    entries = [read_entry(storage, key) for key in audit_keys(storage, None, None)]
+    assert [(e.request_id, e.resources, e.status) for e in entries if e] == [
+        (rid, {"thing_id": f"t{i}"}, 201) for i, rid in enumerate(ids)
+    ]
+    first, last = entries[0], entries[-1]
+    assert first is not None and last is not None
+    assert list(audit_keys(storage, first.at, last.at)) == list(audit_keys(storage, None, None))  # by day prefixes
