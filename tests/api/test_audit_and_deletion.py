@@ -142,7 +142,7 @@ def test_the_audit_log_holds_no_secret_and_only_admins_read_it(world: World) -> 
     [unknown] = _audit(world, status=401)
     assert (unknown["key"], unknown["path"], unknown["route"]) == (None, "/concepts", None)  # refused before routing
     stored = world.audit_objects()
-    assert len(stored) >= 8  # registrations, refusals and deletions of the other tests, and this one
+    assert len(stored) >= 4  # the two registrations and this test's two requests, at least
     for raw in stored:
         for key in world.keys.values():
             assert key.encode() not in raw
