@@ -90,6 +90,13 @@ class Settings(BaseSettings):
     # kept, as is any model's current universe or one a running job builds or reads; any other
     # may be evicted: to make room within the budget, and by the janitor.
     universe_retention_s: float = Field(default=7 * 24 * 3600, ge=0)
+    # Ready variants' files together, in bytes; 0 (the default): no bound. Applied after each build
+    # and by the janitor: the least recently downloaded variants are deleted first, never one a job
+    # builds or reads or one downloaded within the last 10 minutes (service/variants/retention.py).
+    variant_bytes_budget: int = Field(default=0, ge=0)
+    # A variant not downloaded (or created) within this many seconds is deleted by the janitor; 0
+    # (the default): kept until deleted. The same request builds it again under the same ID.
+    variant_retention_s: float = Field(default=0, ge=0)
     # Ed25519 private key that signs variant receipts (GET /variants/{id}/receipt): a path to a PEM
     # file, or the PEM itself. Unset: receipts are served unsigned and say so.
     receipt_signing_key: str | None = None

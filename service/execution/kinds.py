@@ -133,8 +133,8 @@ KINDS: dict[JobKind, Kind] = {
 HELPERS: dict[JobKind, Helper] = {name: kind.helper for name, kind in KINDS.items() if kind.helper is not None}
 
 # What an API process runs every ENGRAM_JANITOR_INTERVAL_S (the janitor's periodic pass), each
-# ``(ctx) -> what it removed``: the universes' retention rule.
-DUTIES: tuple[str, ...] = ("service.universes.retention:expire_unused",)
+# ``(ctx) -> what it removed``: the universes' and the variants' retention rules.
+DUTIES: tuple[str, ...] = ("service.universes.retention:expire_unused", "service.variants.retention:expire_variants")
 Duty = Callable[[Any], list[str]]
 
 

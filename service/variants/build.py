@@ -10,6 +10,7 @@ No statistics are read, nothing is decomposed, and no ``O·D²`` product runs on
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ from service.universes.retention import note_use
 from service.variants.manifest import VariantManifest
 from service.variants.plan import VariantPlan
 from service.variants.publish import UploadedWhileWritten, discard_variant_files, publish_variant_files
+from service.variants.retention import expire_variants
+
+log = logging.getLogger("engram.variants")
 
 
 def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
@@ -98,6 +102,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
             discard_variant_files(ctx, variant_id)  # no manifest: nothing may stay under the variant's key
             raise
         note_use(ctx, plan.universe_id)  # a job that queued long must not leave its universe evictable
+    _apply_retention(ctx, variant_id)
     return VariantResult(
         variant_id=variant_id,
         reused=False,
@@ -302,3 +307,12 @@ def _write_gguf_variant(
         with torch_threads(arithmetic_threads()):  # memory-bound: see service.engine.threads
             write_checkpoint(reader.files, checkpoint, layout, edit_layer, edited, on_layer=progress.advance)
         write_gguf(checkpoint, out / GGUF_FILE, quantization, plan.variant_id)
+
+
+def _apply_retention(ctx: Context, variant_id: str) -> None:
+    """ENGRAM_VARIANT_BYTES_BUDGET once the new variant's size is known (never evicting it); a
+    failure is logged, not the build's: the variant is built, and the janitor applies the rule again."""
+    try:
+        expire_variants(ctx, keep=variant_id)
+    except Exception:
+        log.exception("variant %s: applying the variant retention rule failed", variant_id)

@@ -107,9 +107,8 @@ def _built_or_building(ctx: Context, variant_id: str) -> tuple[bool, JobRecord |
     """Whether the variant is built or its job still runs, and its stored request's job (if any)."""
     existing = find_variant_request(ctx, variant_id)
     job = ctx.jobs.get(existing.job_id) if existing is not None and existing.job_id else None
-    answered = existing is not None and (
-        variant_manifest(ctx, variant_id) is not None or (job is not None and job.status not in {"failed", "cancelled"})
-    )
+    building = job is not None and job.status not in {"failed", "cancelled"}
+    answered = existing is not None and (variant_manifest(ctx, variant_id, fresh=True) is not None or building)
     return answered, job
 
 
@@ -302,10 +301,21 @@ def find_variant_request(ctx: Context, variant_id: str, *, recent: bool = False)
     return None if stored is None else VariantRequest.stored(key, stored)
 
 
-def variant_manifest(ctx: Context, variant_id: str) -> VariantManifest | None:
-    """The built variant's manifest (None: unknown, or not ready)."""
-    # Content-addressed and written once, last: cached once found.
-    stored = ctx.reads.immutable_json(variant_manifest_key(variant_id)) if variant_id.isalnum() else None
+def variant_manifest(ctx: Context, variant_id: str, *, fresh: bool = False) -> VariantManifest | None:
+    """The built variant's manifest (None: unknown, or not ready).
+
+    Args:
+        fresh: read storage, not this process's cache: a variant deleted by another process (a
+            DELETE on another API process, the retention rule in a job or the janitor) is gone
+            for a submission at once; views read the request first, cached for a second only.
+    """
+    if not variant_id.isalnum():
+        return None
+    key = variant_manifest_key(variant_id)
+    # Written once, last, and never changed while the variant exists: cached once found.
+    stored = ctx.storage.find_json(key) if fresh else ctx.reads.immutable_json(key)
+    if fresh:
+        ctx.reads.forget(key)
     return None if stored is None else read_variant_manifest(variant_id, stored)
 
 

@@ -17,7 +17,7 @@ from service.context import Context
 from service.errors import NotFound, ProblemError
 from service.storage.base import Presigning
 from service.storage.keys import variant_file_key
-from service.variants import deletion, receipt
+from service.variants import deletion, receipt, retention
 from service.variants import service as variants
 from service.variants.provenance import VariantFilter
 
@@ -126,13 +126,17 @@ def head_file(variant_id: str, path: str, request: Request, ctx: ContextDep) -> 
 
 
 def _file_response(ctx: Context, variant_id: str, path: str, range_header: str | None, *, with_body: bool) -> Response:
-    manifest = variants.variant_manifest(ctx, variant_id)
+    # The request first (cached a second at most): a variant deleted by another process is a 404 here.
+    found = variants.find_variant_request(ctx, variant_id, recent=True) is not None
+    manifest = variants.variant_manifest(ctx, variant_id) if found else None
     if manifest is None:
         raise NotFound(f"variant {variant_id} has no files (unknown or not ready)")
     entry = manifest.file(path)
     if entry is None:  # only listed paths: '..' or absolute paths can never match
         raise NotFound(f"variant {variant_id} has no file {path!r}")
     key, size = variant_file_key(variant_id, path), entry.size
+    if with_body:
+        retention.note_download(ctx, variant_id)  # least recently downloaded goes first (when a bound is set)
     storage = ctx.storage
     if with_body and ctx.settings.presign_downloads and isinstance(storage, Presigning):
         # 307 keeps the method and lets the client resend its Range header to S3, which honours it.
