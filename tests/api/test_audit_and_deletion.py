@@ -9,6 +9,7 @@ keys are searched for in their bytes: a key found there was really written.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -213,6 +214,60 @@ def test_a_request_that_crashes_is_audited_as_500_in_the_store_and_the_log(
     assert logged == [entry]  # the same line for a SIEM
 
 
+def _job_process() -> int:
+    """The in-process server's job process: this process's spawned child."""
+    from tests.helpers.job_process import children, cmdline
+
+    found = [pid for pid in children(os.getpid()) if "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_deleting_a_calibration_removes_its_records_only(world: World) -> None:
+    """A 409 while its job waits (the job process paused), then its records gone and nothing else; the
+    recommended variant it built stays, a variant in its own right."""
+    from tests.helpers.job_process import paused
+
+    facts = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=5)]
+    posted = world.admin.post("/concepts", json={"name": "cal-facts", "models": [THEIRS], "records": facts[:6]})
+    assert posted.status_code == 202, posted.text
+    for job in posted.json()["jobs"]:
+        assert wait_for_job(world.admin, job["job_id"], timeout=300)["status"] == "succeeded"
+    body = {
+        "concepts": ["cal-facts"],
+        "forget": facts[:4],
+        "retain": facts[6:],
+        "max_retain_nll_ratio": 50.0,
+        "module_sets": ["all"],
+        "budget": 2,
+    }
+    with paused(_job_process()):
+        submitted = world.admin.post(f"/models/{THEIRS}/calibrate", json=body)
+        assert submitted.status_code == 202, submitted.text
+        calibration_id, job_id = submitted.json()["calibration_id"], submitted.json()["job"]["job_id"]
+        before = world.stored()
+        busy = world.admin.delete(f"/calibrations/{calibration_id}")
+        assert busy.status_code == 409, busy.text
+        assert job_id in busy.json()["detail"]
+        assert world.stored() == before
+    assert wait_for_job(world.admin, job_id, timeout=600)["status"] == "succeeded"
+    assert world.write.delete(f"/calibrations/{calibration_id}").status_code == 403  # admin only
+
+    before = world.stored()
+    deleted = world.admin.delete(f"/calibrations/{calibration_id}")
+    assert deleted.status_code == 204, deleted.text
+    gone = before - world.stored()
+    assert gone == {k for k in before if k.startswith(f"calibrations/{calibration_id}/")}
+    assert f"calibrations/{calibration_id}/result.json" in gone
+    assert world.stored() - before == set()
+    assert world.read.get(f"/calibrations/{calibration_id}").status_code == 404
+    assert world.admin.delete(f"/calibrations/{calibration_id}").status_code == 404
+    # What it built and left: its recommended variant and the concept, deleted so the next test starts clean.
+    for variant in world.read.get(f"/models/{THEIRS}/variants").json():
+        assert world.admin.delete(f"/variants/{variant['variant_id']}").status_code == 204
+    assert world.admin.delete("/concepts/cal-facts").status_code in (200, 204)
+
+
 def test_a_model_still_needed_is_a_409_naming_it_and_cascade_deletes_what_it_owns(world: World) -> None:
     """A variant of the model and a concept collected on it refuse its deletion, and so does a universe
     unless cascade=true."""
@@ -236,8 +291,11 @@ def test_a_model_still_needed_is_a_409_naming_it_and_cascade_deletes_what_it_own
     before = world.stored()
     refused = world.admin.delete(f"/models/{THEIRS}")
     assert refused.status_code == 409, refused.text
-    expected = {"variants": [variant_id], "concepts": ["facts-theirs"], "universes": [universe_id]}
-    assert refused.json()["dependents"] == expected
+    dependents = refused.json()["dependents"]
+    assert dependents.keys() == {"variants", "concepts", "universes"}, dependents
+    assert (dependents["variants"], dependents["concepts"]) == ([variant_id], ["facts-theirs"])
+    universes = dependents["universes"]  # this test's, and another test's calibration's when it ran first
+    assert universe_id in universes
     assert "DELETE /concepts/{name}" in refused.json()["detail"]
     assert "DELETE /variants/{id}" in refused.json()["detail"]
     assert world.stored() == before  # nothing deleted
@@ -246,11 +304,12 @@ def test_a_model_still_needed_is_a_409_naming_it_and_cascade_deletes_what_it_own
     assert dropped.status_code in (200, 204), dropped.text
     no_cascade = world.admin.delete(f"/models/{THEIRS}")
     assert no_cascade.status_code == 409, no_cascade.text
-    assert no_cascade.json()["dependents"] == {"universes": [universe_id]}
+    assert no_cascade.json()["dependents"] == {"universes": universes}
     assert "cascade=true" in no_cascade.json()["detail"]
 
     before = world.stored()
-    owned = {k for k in before if k.startswith((f"universes/{universe_id}/", "model-universes/acme%2Ftheirs/"))}
+    prefixes = (*(f"universes/{u}/" for u in universes), "model-universes/acme%2Ftheirs/")
+    owned = {k for k in before if k.startswith(prefixes)}
     owned |= {"models/acme%2Ftheirs.json", "registrations/acme%2Ftheirs.json"}
     deleted = world.admin.delete(f"/models/{THEIRS}", params={"cascade": "true"})
     assert deleted.status_code == 204, deleted.text
