@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api_schemas import EditOptions, Variant, VariantSubmission
+from api_schemas.variants import VariantReceipt
 from engram_client.bodies import edit_keywords, edit_options_body
 from engram_client.errors import EngramError, EngramJobError
 from engram_client.resources.jobs import JobsResource, ProgressCallback
@@ -93,6 +94,14 @@ class VariantsResource(JobsResource):
         ``limit``/``cursor`` (see :meth:`_list`)."""
         params = {"model_id": model_id} if model_id is not None else None
         return self._list(Variant, "/variants", params, limit, cursor)
+
+    def variant_receipt(self, variant_id: str) -> VariantReceipt:
+        """A ready variant's receipt (save its JSON and check a downloaded folder with ``engram verify``)."""
+        return self._parse(VariantReceipt, self._request("GET", f"/variants/{_quote(variant_id)}/receipt"))
+
+    def delete_variant(self, variant_id: str) -> None:
+        """Delete a variant and everything it owns (the key that created it, or an admin key)."""
+        self._request("DELETE", f"/variants/{_quote(variant_id)}")
 
     def wait_for_variant(
         self,

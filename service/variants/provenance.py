@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from api_schemas import Variant
 from api_schemas.provenance import VariantMetadataFields
 from service.context import Context
 from service.errors import InvalidInput, NotFound
 from service.jobs.admission import ANONYMOUS, job_owner
-from service.models.stored import FORMAT_VERSION, check_format
 from service.storage.keys import VARIANTS
+from service.storage.records import FORMAT_VERSION, StoredRecord
 
 PROVENANCE_FORMAT = FORMAT_VERSION
 
@@ -30,11 +31,11 @@ def provenance_key(variant_id: str) -> str:
     return f"{VARIANTS}{variant_id}/provenance.json"
 
 
-class VariantProvenance(BaseModel):
+class VariantProvenance(StoredRecord):
     """The stored record. ``created_by``: the key's fingerprint (``key-`` + 12 hex of its sha256),
     never the key."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    record_name: ClassVar[str] = "variant provenance"
 
     format_version: int = PROVENANCE_FORMAT
     variant_id: str
@@ -73,7 +74,7 @@ def check_reverts(ctx: Context, meta: VariantMetadataFields, model_id: str) -> N
 def find_provenance(ctx: Context, variant_id: str) -> VariantProvenance | None:
     key = provenance_key(variant_id)
     stored = ctx.storage.find_json(key) if variant_id.isalnum() else None
-    return None if stored is None else VariantProvenance.model_validate(check_format("variant provenance", key, stored))
+    return None if stored is None else VariantProvenance.stored(key, stored)
 
 
 def record_provenance(ctx: Context, variant_id: str, meta: VariantMetadataFields) -> list[str]:
@@ -92,7 +93,7 @@ def record_provenance(ctx: Context, variant_id: str, meta: VariantMetadataFields
             reason=meta.reason,
             reverts=meta.reverts,
         )
-        ctx.storage.put_json(provenance_key(variant_id), record.model_dump(mode="json"))
+        ctx.storage.put_json(provenance_key(variant_id), record.to_json())
         return []
     if found.differs_from(meta):
         return [
