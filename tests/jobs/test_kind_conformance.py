@@ -162,17 +162,18 @@ def _refuse_map(w: World) -> None:
 class Row:
     submit: Callable[[World, int], JobRecord]
     refuse: Callable[[World], None]
+    refused_names: str  # what the refusal's detail names (the wrong input)
 
 
 MATRIX: dict[JobKind, Row] = {
-    "register": Row(_register, _refuse_register),
-    "collect": Row(_collect, _refuse_collect),
-    "universe": Row(_universe, _refuse_universe),
-    "variant": Row(_variant, _refuse_variant),
-    "evaluate": Row(_evaluate, _refuse_evaluate),
-    "generate": Row(_generate, _refuse_generate),
-    "calibrate": Row(_calibrate, _refuse_calibrate),
-    "map": Row(_map, _refuse_map),
+    "register": Row(_register, _refuse_register, "missing is not a directory"),
+    "collect": Row(_collect, _refuse_collect, "model no/model is not registered"),
+    "universe": Row(_universe, _refuse_universe, "unknown concept: no-such-concept"),
+    "variant": Row(_variant, _refuse_variant, "unknown concept: no-such-concept"),
+    "evaluate": Row(_evaluate, _refuse_evaluate, f"variant {0:032d} does not exist"),
+    "generate": Row(_generate, _refuse_generate, f"variant {0:032d} does not exist"),
+    "calibrate": Row(_calibrate, _refuse_calibrate, "unknown concept: no-such-concept"),
+    "map": Row(_map, _refuse_map, "unknown concept: no-such-concept"),
 }
 KIND_NAMES = sorted(MATRIX)
 
@@ -244,6 +245,6 @@ def test_a_refused_input_changes_nothing(world: World, kind: JobKind) -> None:
     before = stored_state(world.store)
     with pytest.raises(ProblemError) as refused:
         MATRIX[kind].refuse(world)
-    assert 400 <= refused.value.status < 500, refused.value.detail
+    assert 400 <= refused.value.status < 500 and MATRIX[kind].refused_names in refused.value.detail, refused.value.detail
     assert world.store.pending == []
     assert stored_state(world.store) == before
