@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from engram_fixtures.live import LiveServer
-from tests.helpers.walkthrough import REPO, clone_like, run_bash, section_bash_blocks
+from tests.helpers.walkthrough import (
+    REPO,
+    clone_like,
+    pointed_at,
+    run_bash,
+    section_bash_blocks,
+    without_fixture_lines,
+)
 
 SECTION = "## An image classifier"
 pytestmark = pytest.mark.slow
@@ -43,7 +50,10 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_image_example_runs_as_written_and_forgets_the_class(server: LiveServer, clone: Path) -> None:
-    script = f"BASE={server.base_url}\n" + image_block((REPO / "README.md").read_text())
+    readme = (REPO / "README.md").read_text()
+    # "Same server, same BASE, api and wait_for": the five-minute section's first block defines them.
+    helpers = pointed_at(without_fixture_lines(section_bash_blocks(readme, "## Five minutes")[0]), server.base_url)
+    script = helpers + "\n" + image_block(readme)
     done = run_bash(script, clone, OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.report(server.log_tail())
     rows = accuracy_rows(done.stdout)

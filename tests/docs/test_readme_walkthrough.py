@@ -3,12 +3,14 @@
 Every ```bash block of the README's "Five minutes" section runs in one bash process (``set -eo
 pipefail``) from a folder laid out as a fresh clone after ``make demo`` (tests/helpers/walkthrough.py
 says how, and which two lines the fixtures stand for). A stale command, a changed answer shape that
-breaks the README's ``grep``/``python3`` glue, or figures that no longer match the README's table
-fail here.
+breaks the README's ``api``/``wait_for``/``jq`` glue, or figures that no longer match the README's
+table fail here. So does a walk-through that hides a mistake: the same script with the concept
+misspelt, or with a dataset the service refuses, must stop soon and show the service's answer.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,17 @@ def runnable(blocks: list[str], base: str) -> str:
     return pointed_at(without_fixture_lines("\n".join(block.rstrip("\n") for block in blocks)), base)
 
 
+def substituted(script: str, old: str, new: str) -> str:
+    """``script`` with its one ``old`` replaced: the mistake a reader makes when editing the page's commands."""
+    assert script.count(old) == 1, f"the walk-through no longer has one {old!r}"
+    return script.replace(old, new)
+
+
+# Registering, uploading and unlearning again answer what the service has: the failure paths run in
+# seconds after the walk-through, and within this bound alone (a collection of 200 facts included).
+FAILURE_PATH_BOUND_S = 240.0
+
+
 def test_the_walkthrough_runs_as_written_and_gives_the_readmes_figures(server: LiveServer, clone: Path) -> None:
     readme = (REPO / "README.md").read_text()
     done = run_bash(runnable(walkthrough_blocks(readme), server.base_url), clone)
@@ -55,3 +68,32 @@ def test_the_block_extraction_keeps_the_sections_commands_and_drops_make_demo_an
     )
     script = runnable(walkthrough_blocks(readme), "http://x:1")
     assert script == "BASE=http://x:1\ncurl a"
+
+
+def test_a_misspelt_concept_stops_the_walkthrough_with_the_services_did_you_mean(server: LiveServer, clone: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    script = substituted(runnable(walkthrough_blocks(readme), server.base_url), '["forget"]', '["forgte"]')
+    started = time.monotonic()
+    done = run_bash(script, clone, timeout=FAILURE_PATH_BOUND_S)
+    took = time.monotonic() - started
+    assert done.returncode != 0, done.report(server.log_tail())
+    # The service's own problem reaches the reader, not a Python KeyError or an endless loop.
+    assert "forgte" in done.stderr and "did you mean" in done.stderr and "forget" in done.stderr, done.report()
+    assert "Traceback" not in done.stderr and "KeyError" not in done.stderr, done.report()
+    assert evaluation_rows(done.stdout) == {}, "the walk-through went on past the failed unlearn"
+    assert took < FAILURE_PATH_BOUND_S, took
+
+
+def test_a_dataset_the_service_refuses_stops_the_walkthrough_at_the_upload(server: LiveServer, clone: Path) -> None:
+    """A record without its completion, on line 3 of the upload: the 4xx naming it ends the script."""
+    facts = (clone / "demo" / "forget.jsonl").read_text().splitlines()
+    (clone / "demo" / "broken.jsonl").write_text("\n".join([*facts[:2], '{"prompt": "Q: Who?"}', *facts[2:]]) + "\n")
+    readme = (REPO / "README.md").read_text()
+    script = runnable(walkthrough_blocks(readme), server.base_url)
+    script = substituted(script, "-F name=forget", "-F name=broken")
+    script = substituted(script, "dataset=@demo/forget.jsonl", "dataset=@demo/broken.jsonl")
+    done = run_bash(script, clone, timeout=FAILURE_PATH_BOUND_S)
+    assert done.returncode != 0, done.report(server.log_tail())
+    assert "line 3" in done.stderr, done.report()
+    assert "Traceback" not in done.stderr, done.report()
+    assert evaluation_rows(done.stdout) == {}, "the walk-through went on past the refused upload"

@@ -136,6 +136,8 @@ class CurlRequest:
 
 URL = re.compile(r"^(?:\$BASE|\$\{BASE\}|\$ENGRAM_URL|https?://[\w.:-]+)(?P<path>/[^?#]*)")
 DATA_FLAGS = ("-d", "--data", "--data-raw", "--json")
+# The walk-throughs' ``api`` (README, tutorial) is curl that stops on an error answer: its arguments are curl's.
+CURL_COMMANDS = ("curl", "api")
 
 
 def shell_words(code: str) -> list[str]:
@@ -151,11 +153,11 @@ def curl_requests(example: Example) -> Iterator[CurlRequest]:
     ``$PWD`` in a body stands for a folder (the shell would expand it before curl sends it).
     """
     words = shell_words(example.code)
-    starts = [i for i, word in enumerate(words) if word == "curl"]
+    starts = [i for i, word in enumerate(words) if word in CURL_COMMANDS]
     for start in starts:
         args: list[str] = []
         for word in words[start + 1 :]:
-            if word == "curl" or (word and all(c in "();<>|&" for c in word)):
+            if word in CURL_COMMANDS or (word and all(c in "();<>|&" for c in word)):
                 break
             args.append(word)
         url = next((m for m in map(URL.match, args) if m), None)
