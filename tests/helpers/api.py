@@ -76,14 +76,17 @@ def model_with_concepts(
 
 
 def snapshot(server: LiveServer) -> dict[str, Any]:
-    """Everything a request could change: API listings and the files in storage (size, mtime)."""
+    """Everything a request could change: API listings and the files in storage (size, mtime), but
+    the audit log's."""
     wait_idle(server)
     api = server.client
     models = api.get("/models").json()
+    # audit/: every request that could change something is recorded there, refused ones too, by design
+    # (service.api.audit); what a refusal must not change is everything else.
     files = {
-        path.relative_to(server.storage_dir).as_posix(): (path.stat().st_size, path.stat().st_mtime_ns)
+        key: (path.stat().st_size, path.stat().st_mtime_ns)
         for path in server.storage_dir.rglob("*")
-        if path.is_file()
+        if path.is_file() and not (key := path.relative_to(server.storage_dir).as_posix()).startswith("audit/")
     }
     return {
         "models": sorted(models, key=lambda m: m["model_id"]),
