@@ -191,6 +191,40 @@ def test_the_receipt_verifies_offline_and_names_a_changed_file(
     failed(run_cli(UNUSED_URL, "verify", saved, folder, "--public-key", key_file), "signature does not verify")
 
 
+def test_a_revert_names_the_variant_it_reverts_in_its_receipt(world: World, variants: tuple[dict, dict]) -> None:
+    first, _ = variants
+    unknown = world.write.post(f"/models/{MODEL}/compose", json={"terms": {"lc-a": 0.5}, "reverts": "0" * 32})
+    assert unknown.status_code == 404 and "reverts" in unknown.json()["detail"], unknown.text
+    # Adding back what the first variant removed (c = +α on the base): a variant of its own, pointing back.
+    body = {"terms": {"lc-a": 0.5}, "reverts": first["variant_id"], "reason": "erasure request 42 withdrawn"}
+    answer = world.write.post(f"/models/{MODEL}/compose", json=body)
+    assert answer.status_code in (200, 202), answer.text
+    revert = wait_variant_ready(world.write, answer.json()["variant"]["variant_id"], timeout=600)
+    assert revert["reverts"] == first["variant_id"] and revert["variant_id"] != first["variant_id"]
+    receipt = world.read.get(f"/variants/{revert['variant_id']}/receipt").json()["receipt"]
+    assert receipt["reverts"] == first["variant_id"] and receipt["request"]["terms"] == {"lc-a": 0.5}
+    assert world.admin.delete(f"/variants/{revert['variant_id']}").status_code == 204  # an admin deletes any
+
+
+def test_delete_is_refused_while_a_job_reads_the_variant(world: World, variants: tuple[dict, dict]) -> None:
+    from service.jobs.records import EvaluatePayload
+    from service.jobs.store import new_job
+
+    first, _ = variants
+    jobs = world.server.app.state.ctx.jobs
+    # A queued evaluation of the variant, never dispatched: deterministic, unlike racing a real one.
+    payload = EvaluatePayload(variant_id=first["variant_id"], probes_digest="0" * 64, evaluation_id="0" * 32)
+    reader = jobs.create(new_job("evaluate", payload, unit="probes"))
+    before = _store(world)
+    try:
+        refused = world.write.delete(f"/variants/{first['variant_id']}")
+        assert refused.status_code == 409, refused.text
+        assert reader.job_id in refused.json()["detail"] and "evaluate" in refused.json()["detail"]
+        assert {k for k in before ^ _store(world) if not k.startswith(("audit/", "jobs/"))} == set()
+    finally:
+        jobs.update(reader.job_id, status="cancelled")
+
+
 def test_delete_removes_what_the_variant_owned_and_nothing_else(
     world: World, variants: tuple[dict, dict], tmp_path: Path
 ) -> None:
@@ -213,7 +247,7 @@ def test_delete_removes_what_the_variant_owned_and_nothing_else(
 
     assert world.read.get(f"/variants/{victim}").status_code == 404
     assert world.write.delete(f"/variants/{victim}").status_code == 404  # idempotent in effect; says it is gone
-    assert [v["variant_id"] for v in world.read.get("/variants").json()] == [second["variant_id"]]
+    assert victim not in {v["variant_id"] for v in world.read.get("/variants").json()}
     intact = world.read.get(f"/variants/{second['variant_id']}").json()
     assert intact["status"] == "ready"
     received = _download(world.read, intact, tmp_path / "second")
