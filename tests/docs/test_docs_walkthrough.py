@@ -95,5 +95,5 @@ def assert_same_weights(applied: Path, checkpoint: Path) -> None:
 def test_the_pages_blocks_are_found() -> None:
     """The extraction: the tutorial's register and unlearn, the CLI, and the four output recipes."""
     script = shell_script(blocks(SHELL))
-    assert re.search(r"curl -s -X POST \"\$BASE/models", script) and "engram unlearn" in script
+    assert re.search(r"api -X POST \"\$BASE/models", script) and "engram unlearn" in script
     assert len([e for e in blocks(PYTHON) if e.page.name == "outputs.md"]) == 4
