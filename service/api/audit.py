@@ -15,9 +15,10 @@ Where: one small immutable object per request, ``audit/<date>/<time>-<request id
 append-only by construction (nothing here rewrites or deletes an object), works alike on file://
 and s3://, and a crash loses at most the entry of the request it interrupted, never another entry.
 The entry is written before the response's last body chunk is sent, so a client that got its
-answer finds the entry. A store that cannot take it (S3 down) does not fail the request: the entry
-still goes to the ``engram.audit`` logger (each entry is logged as one JSON line, for a SIEM),
-and an error naming the request says it is missing from the store.
+answer finds the entry (the answer waits at most ``_STORE_WAIT_S`` for it). A store that cannot
+take it (S3 down) does not fail the request: the entry still goes to the ``engram.audit`` logger
+(each entry is logged as one JSON line, for a SIEM), and an error naming the request says it is
+missing from the store.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ AUDITED_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_CAPTURED = 64 * 1024  # answers naming IDs are small; a larger body is not read for IDs
 _JSON_TYPES = (b"application/json", b"application/problem+json")
+# How long an answer waits for its entry to be stored: a local put takes well under a millisecond and
+# an S3 PUT tens of them; storage that is down (its client retrying with timeouts) must not hold
+# every write request's answer for as long, so past this the answer goes and the put carries on.
+_STORE_WAIT_S = 2.0
 
 
 def key_safe(request_id: str) -> str:
@@ -110,9 +115,18 @@ class AuditLog:
         log.info("%s", line)
         key = audit_key(arrived, key_safe(entry.request_id), uuid.uuid4().hex[:8])
         try:
-            await anyio.to_thread.run_sync(self.storage.put_bytes, key, line.encode())
+            with anyio.move_on_after(_STORE_WAIT_S) as waited:
+                await anyio.to_thread.run_sync(self.storage.put_bytes, key, line.encode(), abandon_on_cancel=True)
         except Exception as exc:  # the request's answer stands; the log line above still carries it
             log.error("audit entry of request %s not stored (%s): it is only in this log", entry.request_id, exc)
+            return
+        if waited.cancelled_caught:
+            log.error(
+                "audit entry of request %s not stored within %.0f s (storage slow or down): answered without it; "
+                "the write goes on in the background, and this log has the entry",
+                entry.request_id,
+                _STORE_WAIT_S,
+            )
 
 
 def _read_start(answer: _Answer, message: Message) -> None:

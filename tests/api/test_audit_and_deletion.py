@@ -358,3 +358,42 @@ def test_the_audit_log_appends_and_reads_back_in_order_on_file_and_s3(
     first, last = entries[0], entries[-1]
     assert first is not None and last is not None
     assert list(audit_keys(storage, first.at, last.at)) == list(audit_keys(storage, None, None))  # by day prefixes
+
+
+def test_a_stalled_store_does_not_hold_the_answer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A store whose put takes 6 s (S3 retrying): the answer comes after the 2 s the entry is waited
+    for, with an error naming the request; the put finishes in the background and the entry lands."""
+    import time
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from service.api.audit import AuditLog
+    from service.observability import RequestContext
+    from service.storage.local import LocalStorage
+
+    class Stalled(LocalStorage):
+        def put_bytes(self, key: str, data: bytes) -> None:
+            time.sleep(6)
+            super().put_bytes(key, data)
+
+    async def made(_: Any) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/things", made, methods=["POST"])])
+    app.add_middleware(AuditLog, storage=Stalled(tmp_path), auth_on=False)
+    app.add_middleware(RequestContext)
+    with caplog.at_level("INFO", logger="engram.audit"), TestClient(app) as client:
+        started = time.monotonic()
+        answer = client.post("/things")
+        waited = time.monotonic() - started
+        assert answer.status_code == 201
+        assert 2.0 <= waited < 5.0, waited
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and answer.headers["x-request-id"] in errors[0], errors
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.rglob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert len(list((tmp_path / "audit").rglob("*.json"))) == 1
