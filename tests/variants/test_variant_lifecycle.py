@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -164,6 +165,13 @@ def test_the_receipt_verifies_offline_and_names_a_changed_file(
     assert concepts["lc-a"]["statistics_manifest_sha256"] is not None
     assert receipt["universe"]["universe_id"] == first["universe_id"]
     assert receipt["base_model"]["files"] and len(receipt["evaluations"]) == 1
+
+    card = world.read.get(f"/variants/{first['variant_id']}/model-card")
+    assert card.status_code == 200 and card.headers["content-type"].startswith("text/markdown"), card.text
+    _, front, text = card.text.split("---\n", 2)
+    assert yaml.safe_load(front) == {"base_model": MODEL, "tags": ["unlearning", "engram"]}
+    assert concepts["lc-a"]["dataset_sha256"] in text and document["digest"] in text
+    assert "erasure request 42" in text and "| forget |" in text  # the reason and the evaluation's figures
 
     folder = tmp_path / "variant"
     received = _download(world.read, first, folder)

@@ -19,6 +19,7 @@ from service.storage.base import Presigning
 from service.storage.keys import variant_file_key
 from service.variants import deletion, receipt, retention
 from service.variants import service as variants
+from service.variants.model_card import model_card
 from service.variants.provenance import VariantFilter
 
 router = APIRouter(tags=["variants"])
@@ -99,6 +100,21 @@ async def get_receipt(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> Vari
     and evaluations in one record, Ed25519-signed when the operator set ENGRAM_RECEIPT_SIGNING_KEY
     (check a downloaded folder with ``engram verify``)."""
     return await lanes.status(receipt.variant_receipt, ctx, variant_id)
+
+
+@router.get(
+    "/variants/{variant_id}/model-card",
+    response_class=Response,
+    responses={
+        200: {"description": "the card", "content": {"text/markdown": {"schema": {"type": "string"}}}},
+        409: {"description": "the variant is not ready"},
+    },
+)
+async def get_model_card(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> Response:
+    """The variant's model card (``README.md``, Hugging Face convention: front matter with
+    ``base_model`` and ``tags``), made from its receipt: what was removed, how, evaluations, digest."""
+    answer = await lanes.status(receipt.variant_receipt, ctx, variant_id)
+    return Response(model_card(answer), media_type="text/markdown; charset=utf-8")
 
 
 @router.get("/receipt-key", response_model=ReceiptKey)
