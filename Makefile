@@ -25,7 +25,7 @@ help:
 	@echo "make run              serve on http://$(HOST):$(PORT) (embedded mode); HOST=... PORT=... to change"
 	@echo "make test             the whole test suite, as CI runs it (needs redis-server on PATH), in TEST_WORKERS=$(TEST_WORKERS) processes; prints the 25 slowest"
 	@echo "make test-fast        the in-process tier (pytest -m fast: no server, Redis or S3 process); prints the 20 slowest"
-	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (threads: the idle cores; DEMO_ARGS=--threads=N)"
+	@echo "make demo             build the tiny demo model and its forget/retain sets in ./demo (one thread: the tests' model; DEMO_ARGS=--threads=N)"
 	@echo "make distributed      Redis + SeaweedFS S3 + a Celery worker + the API, all local (scripts/local-distributed.sh)"
 	@echo "make distributed-stop stop what make distributed started"
 	@echo "make lint             ruff check, ruff format --check, mypy (what CI runs before the tests)"
@@ -77,10 +77,13 @@ $(RUNTIME_STAMP): pyproject.toml api_schemas/pyproject.toml engram_client/pyproj
 run: install
 	ENGRAM_MODEL_ROOTS="$${ENGRAM_MODEL_ROOTS:-$(CURDIR)/demo}" $(VENV)/bin/engram-service serve --host $(HOST) --port $(PORT)
 
-# The demo picks its torch threads from the idle cores (os.cpu_count() less the load average) and says
-# which; DEMO_ARGS=--threads=N fixes the count (the same count trains the same model on one machine).
+# One torch thread, as the tests' fixture (engram_fixtures.demo.CACHE_THREADS), whatever the load: a
+# step's float sums depend on the thread count, and a count taken from the idle cores trained another
+# model on a busy machine (docs/tutorial.md: two threads gave other figures). The fixture's one
+# thread gives the same bytes with OMP_NUM_THREADS=1 or without (sha256 996b71f5…, 2026-11-29).
+# DEMO_ARGS=--threads=N (the last --threads counts) trains faster, another model.
 demo: install
-	$(PY) -m engram_fixtures.demo --out demo $(DEMO_ARGS)
+	$(PY) -m engram_fixtures.demo --out demo --threads=1 $(DEMO_ARGS)
 
 # The suite starts private redis-server processes (and restarts them, to test a Redis that lost
 # everything), so the binary itself must be on PATH; a Redis answering somewhere is not enough.
