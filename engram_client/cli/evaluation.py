@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -23,6 +25,7 @@ from engram_client.cli.progress import watch
 from engram_client.cli.render import numeric_table, render_evaluation, render_generation, render_map
 from engram_client.cli.root import session
 from engram_client.client import FINISHED, EngramClient
+from engram_client.errors import EngramAPIError
 
 
 class Measure(str, Enum):
@@ -123,18 +126,22 @@ def evaluate(
                 "--retain-model (for text probes), --holdout and --utility serve --metrics", param_hint="--metrics"
             )
         utility_sets = {name: read_probes(path) for name, path in _utility_sets(utility or [])}
-        submitted = client.evaluate(
-            variant,
-            probes["forget"],
-            probes["retain"],
-            test=probes["test"],
-            metrics=chosen,
-            retain_model=retain_model,
-            holdout=read_probes(holdout) if holdout else (),
-            utility=utility_sets or None,
-            attacks=[parse_attack(text) for text in attack or []],
-            callback_url=callback_url,
-        )
+        try:
+            submitted = client.evaluate(
+                variant,
+                probes["forget"],
+                probes["retain"],
+                test=probes["test"],
+                metrics=chosen,
+                retain_model=retain_model,
+                holdout=read_probes(holdout) if holdout else (),
+                utility=utility_sets or None,
+                attacks=[parse_attack(text) for text in attack or []],
+                callback_url=callback_url,
+            )
+        except EngramAPIError as exc:
+            sent = {split: path for split, path in (*files, ("holdout", holdout)) if path is not None}
+            raise EngramAPIError(exc.status, exc.title, named_by_line(exc.detail, sent), exc.problem) from None
         counts = " and ".join(f"{len(items)} {split}" for split, items in probes.items() if items) or "no"
         stderr.print(f"evaluating variant {variant} and its base model on {counts} probes")
         job = _finish_job(ctx, client, submitted, no_wait, as_json)
@@ -149,6 +156,32 @@ def evaluate(
             "before): succeeded"
         )
     emit(ctx, as_json, result, lambda: _render(result))
+
+
+# The service names a probe by its place in the request body, 0-based (``body.forget.3.completion``);
+# the reader knows it by the file's line, 1-based, as the CLI's own checks and concept uploads count.
+_PROBE_PLACE = re.compile(r"\bbody\.(?P<field>[a-z_]+)\.(?P<index>\d+)(?:\.(?P<rest>[\w.-]+))?")
+
+
+def named_by_line(detail: str, files: Mapping[str, Path]) -> str:
+    """``detail`` with each ``body.<field>.<i>[.<rest>]`` of a probe read from ``files[field]`` named as
+    ``<file> line <n>[ (<rest>)]``: the line of the file's ``i``-th record (blank lines hold none)."""
+
+    def by_line(place: re.Match[str]) -> str:
+        path = files.get(place["field"])
+        lines = record_lines(path) if path is not None else []
+        index = int(place["index"])
+        if index >= len(lines):  # not a probe of a file (or not one we sent): the service's words
+            return place[0]
+        return f"{path} line {lines[index]}" + (f" ({place['rest']})" if place["rest"] else "")
+
+    return _PROBE_PLACE.sub(by_line, detail)
+
+
+def record_lines(path: Path) -> list[int]:
+    """The 1-based line of each record of a JSONL file, in order: blank lines are skipped as read_probes skips them."""
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        return [number for number, line in enumerate(lines, 1) if line.strip()]
 
 
 def _render(result: EvaluationResult) -> None:
