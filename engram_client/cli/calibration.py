@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich import filesize
+from rich.text import Text
 
 from engram_client.cli.attacks import parse_attack
 from engram_client.cli.files import png_size, read_any_probes, read_probes, write_atomically
@@ -157,7 +158,8 @@ def _render_warnings(result: Any) -> None:
             f"({seconds.get('per_candidate', 0):.2f} s each), {seconds.get('total', 0):.1f} s in all"
         )
     for warning in result.warnings:
-        stdout.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True)
+        # The consoles print without markup (server text may hold brackets): the style goes on a Text.
+        stdout.print(Text("warning: ", style="bold yellow") + Text(warning), soft_wrap=True)
 
 
 def _render_goal(result: Any) -> None:

@@ -121,5 +121,6 @@ def test_the_default_calibration_forgets_by_exact_match_or_says_it_does_not(
     assert shown.returncode == 0, shown.stderr
     assert "forget exact" in shown.stdout and "search cost:" in shown.stdout, shown.stdout
     assert "held-out margins" in shown.stdout
+    assert "[bold yellow]" not in shown.stdout, shown.stdout  # styled, not printed as a raw markup tag
     for warning in result["warnings"]:
         assert "warning:" in shown.stdout and warning[:40] in " ".join(shown.stdout.split())
