@@ -95,3 +95,22 @@ def test_a_build_over_budget_deletes_the_least_recently_downloaded_never_a_recen
     again = _built(server, "rt-b", 0.5)  # the same request builds it again under the same ID
     assert again["variant_id"] == second["variant_id"]
     assert {f["sha256"] for f in again["files"]} == {f["sha256"] for f in second["files"]}
+
+
+def test_without_a_signing_key_receipts_say_they_are_unsigned(server: InProcessServer) -> None:
+    variant = _built(server, "rt-a", 0.25)
+    answer = server.client.get(f"/variants/{variant['variant_id']}/receipt").json()
+    assert answer["signed"] is False and answer["signature"] is None and "ENGRAM_RECEIPT_SIGNING_KEY" in answer["note"]
+    assert server.client.get("/receipt-key").status_code == 404
+
+
+@pytest.mark.fast
+def test_a_signing_key_that_is_not_an_ed25519_pem_is_refused_by_name(tmp_path: Path) -> None:
+    from service.errors import ServiceUnavailable
+    from service.variants.receipt import signing_key
+
+    (tmp_path / "garbage.pem").write_text("not a key")
+    for configured in (str(tmp_path / "garbage.pem"), str(tmp_path / "absent.pem"), "-----BEGIN PRIVATE KEY-----\nx"):
+        with pytest.raises(ServiceUnavailable, match="ENGRAM_RECEIPT_SIGNING_KEY"):
+            signing_key(configured)
+    assert signing_key(None) is None and signing_key("") is None
