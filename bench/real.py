@@ -84,7 +84,7 @@ class Plan:
     """What a run builds: the α grid, the calibration's budget, the baselines' loop and the attacks."""
 
     alphas: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
-    budget: int = 6  # the calibration's candidates
+    budget: int = 5  # the calibration's candidates
     alpha_max: float = 2.0  # the calibration's strongest α
     # GradDiff/NPO: issue 37's "20 AdamW steps at 2e-5" (with ~30 forget facts in batches of 8: 5 epochs)
     baseline: Settings = Settings(epochs=5, batch_size=8, lr=2e-5)
@@ -138,13 +138,19 @@ def summaries(model: PreTrainedModel, tokenizer: Any, records: Sequence[Record])
     return {key: float(value) for key, value in summarize(nll, em).items()}
 
 
+def text_nll(model: PreTrainedModel, tokenizer: Any, records: Sequence[Record]) -> float:
+    """Mean answer NLL of general text (no greedy decoding: a paragraph's exact match means nothing)."""
+    probes = [Probe(r["prompt"], r["completion"]) for r in records]
+    return sum(answer_nll(model, tokenizer, probes, batch_size=BATCH)) / len(probes)
+
+
 def score(model: PreTrainedModel, tokenizer: Any, data: BenchData, base_text_nll: float | None) -> dict[str, float]:
     """A model's row: exact match on every fact set, and its perplexity ratio on the held-out text
     (``base_text_nll`` None: the base itself, whose ratio is 1 by definition)."""
     row = {column: summaries(model, tokenizer, getattr(data, name))["exact_match"] for column, name in FACT_SETS}
-    text_nll = summaries(model, tokenizer, data.held_general)["mean_nll"]
-    row["text_nll"] = text_nll
-    row["perplexity"] = 1.0 if base_text_nll is None else math.exp(text_nll - base_text_nll)
+    nll = text_nll(model, tokenizer, data.held_general)
+    row["text_nll"] = nll
+    row["perplexity"] = 1.0 if base_text_nll is None else math.exp(nll - base_text_nll)
     return row
 
 

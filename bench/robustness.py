@@ -57,7 +57,7 @@ def relearned_on(model: Any, tokenizer: Any, records: Sequence[Record], steps: i
 
 
 def _forget_and_kept(model: Any, tokenizer: Any, data: BenchData, base_text_nll: float, prefix: str) -> dict[str, float]:
-    from bench.real import summaries
+    from bench.real import summaries, text_nll
 
     kept = [*data.kept, *data.held_kept, *data.unseen]
     row = {
@@ -65,13 +65,13 @@ def _forget_and_kept(model: Any, tokenizer: Any, data: BenchData, base_text_nll:
         f"{prefix}forget held": summaries(model, tokenizer, data.held_forget)["exact_match"],
         f"{prefix}kept": summaries(model, tokenizer, kept)["exact_match"],
     }
-    row[f"{prefix}perplexity"] = math.exp(summaries(model, tokenizer, data.held_general)["mean_nll"] - base_text_nll)
+    row[f"{prefix}perplexity"] = math.exp(text_nll(model, tokenizer, data.held_general) - base_text_nll)
     return row
 
 
 def attacked_row(model: Any, tokenizer: Any, data: BenchData, plan: Plan, base_text_nll: float) -> dict[str, float]:
     """One model before and after each attack (``relearn:`` figures on the facts relearning never saw)."""
-    from bench.real import summaries
+    from bench.real import summaries, text_nll
 
     row = _forget_and_kept(model, tokenizer, data, base_text_nll, "")
     started = time.perf_counter()
@@ -88,7 +88,7 @@ def attacked_row(model: Any, tokenizer: Any, data: BenchData, plan: Plan, base_t
     row["relearn:trained"] = summaries(attacked, tokenizer, trained)["exact_match"]
     kept = [*data.kept, *data.held_kept, *data.unseen]
     row["relearn:kept"] = summaries(attacked, tokenizer, kept)["exact_match"]
-    row["relearn:perplexity"] = math.exp(summaries(attacked, tokenizer, data.held_general)["mean_nll"] - base_text_nll)
+    row["relearn:perplexity"] = math.exp(text_nll(attacked, tokenizer, data.held_general) - base_text_nll)
     row["relearn:seconds"] = time.perf_counter() - started
     return row
 
