@@ -11,8 +11,19 @@ from api_schemas.jobs import Job
 from api_schemas.records import RECORD_SCHEMA, DatasetReference, DatasetReferenceView
 
 
+class SampleRequest(Strict):
+    """A reference corpus the model draws itself: ``count`` texts sampled from its BOS token."""
+
+    count: int = Field(ge=1, description="texts to draw (at most ENGRAM_MAX_RECORDS)")
+    max_new_tokens: int = Field(ge=1, le=32768, description="tokens per text (less than the model's context)")
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="softmax temperature (no top-k, no top-p)")
+    seed: int = Field(default=0, ge=0, le=2**63 - 1, description="the same seed draws the same texts on one machine")
+
+
 class ConceptCreate(Strict):
-    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["records"]}, {"required": ["dataset"]}]})
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["records"]}, {"required": ["dataset"]}, {"required": ["samples"]}]}
+    )
 
     name: str = Field(pattern=CONCEPT_NAME_PATTERN, json_schema_extra={"not": {"enum": [".", ".."]}})
     models: list[str] = Field(min_length=1, max_length=64)
@@ -21,6 +32,14 @@ class ConceptCreate(Strict):
     records: list[dict[str, Any]] | None = Field(default=None, min_length=1, json_schema_extra={"items": RECORD_SCHEMA})
     dataset: DatasetReference | None = Field(
         default=None, description="instead of records: a dataset the worker fetches (JSONL or Parquet)"
+    )
+    samples: SampleRequest | None = Field(
+        default=None,
+        description=(
+            "instead of records or a dataset: texts the one model in `models` draws itself (from its BOS token), "
+            "stored as the concept's dataset; a general-text reference for a universe without one "
+            '(role default "reference")'
+        ),
     )
     template: Literal["chat"] | None = Field(
         default=None,
@@ -53,7 +72,7 @@ class ConceptCreate(Strict):
             raise ValueError("a concept name must not be '.' or '..'")
         return value
 
-    @field_validator("records", "dataset", "template", mode="before")
+    @field_validator("records", "dataset", "samples", "template", mode="before")
     @classmethod
     def _not_null(cls, value: Any) -> Any:
         # Left out is the way to say "none" (a concept posted again keeps its template).
@@ -63,8 +82,17 @@ class ConceptCreate(Strict):
 
     @model_validator(mode="after")
     def _records_or_dataset(self) -> ConceptCreate:
-        if (self.records is None) == (self.dataset is None):
-            raise ValueError("give records or a dataset reference (exactly one of them)")
+        given = [self.records is not None, self.dataset is not None, self.samples is not None]
+        if sum(given) != 1:
+            raise ValueError("give records, a dataset reference or samples (exactly one of them)")
+        if self.samples is not None:
+            if len(set(self.models)) != 1:
+                raise ValueError(
+                    "samples are drawn by one model and belong to it: name one model in models, "
+                    f"not {', '.join(self.models)} (post one concept per model)"
+                )
+            if self.template is not None:
+                raise ValueError("samples are plain texts: leave template out")
         return self
 
 
@@ -115,6 +143,9 @@ class Concept(BaseModel):
     dataset_digest: str | None = Field(description="null while a dataset reference is not resolved yet")
     dataset: DatasetReferenceView | None = Field(default=None, description="the dataset reference, when posted with one")
     template: Literal["chat"] | None = None
+    samples: SampleRequest | None = Field(
+        default=None, description="the texts its one model draws, when posted with samples"
+    )
     models: dict[str, ConceptModelState]
 
 

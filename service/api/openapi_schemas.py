@@ -23,7 +23,7 @@ def concepts_body(doc: dict[str, Any], schemas: dict[str, Any], max_records: int
         return
     create = model_schema(api_schemas.ConceptCreate, schemas)
     # Optional, never null (ConceptCreate refuses an explicit null for each).
-    for name in ("records", "dataset", "template"):
+    for name in ("records", "dataset", "samples", "template"):
         create["properties"][name] = _non_null(create["properties"][name])
     create["properties"]["records"]["maxItems"] = max_records
     create["description"] = (

@@ -27,6 +27,7 @@ from service.concepts.collected import CancelCheck, Collected
 from service.concepts.image_collection import collect_images
 from service.concepts.plan import Collection, read_collection
 from service.concepts.record import ConceptRecord
+from service.concepts.sampled import draw_texts, spool_samples
 from service.concepts.service import find_concept
 from service.concepts.text_collection import collect_texts
 from service.context import Context
@@ -148,6 +149,8 @@ def _resolve_dataset(ctx: Context, job_id: str, collection: Collection) -> Colle
     """
     payload = collection.payload
     name, model_id, reference = payload.concept, payload.model_id, payload.dataset
+    if collection.plan.samples is not None:
+        return _drawn_dataset(ctx, job_id, collection)
     if reference is None:
         raise JobFailed(f"the collection of concept {name} on model {model_id} has neither a dataset nor a reference")
     concept = _own_concept(ctx, name, model_id, job_id)
@@ -159,6 +162,35 @@ def _resolve_dataset(ctx: Context, job_id: str, collection: Collection) -> Colle
         log.info("dataset %s resolved: %s records, digest %s", reference.uri, num_records, digest)
     collection = collection.resolved(digest)
     _record_resolution(ctx, job_id, collection, reference.uri, num_records)
+    return collection
+
+
+def _drawn_dataset(ctx: Context, job_id: str, collection: Collection) -> Collection:
+    """A samples concept's dataset: drawn with the model (:mod:`service.concepts.sampled`; progress:
+    samples drawn of ``count``), published under its digest (unless these texts are stored already)
+    and recorded on the concept; the collection over it."""
+    sampling = collection.plan.samples
+    assert sampling is not None, "only a samples concept's collection draws"
+    concept = _own_concept(ctx, collection.payload.concept, collection.payload.model_id, job_id)
+    digest, num_records = concept.dataset_digest, concept.num_records
+    if digest is None:
+        _, (model, tokenizer) = _loaded_model(ctx, collection)
+        cancelled = CancelCheck(ctx, job_id)
+
+        def drawn(count: int) -> None:
+            ctx.jobs.set_progress(job_id, count, sampling.count)
+            if cancelled():
+                raise JobCancelled()
+
+        texts = draw_texts(model, tokenizer, sampling, ctx.settings.collect_batch_size)
+        with scratch_dir("samples") as tmp:
+            spooled = spool_samples(texts, Path(tmp) / "samples.jsonl", ctx.settings, drawn)
+            if not ctx.storage.exists(dataset_key(spooled.digest)):
+                ctx.storage.put_file(dataset_key(spooled.digest), spooled.path)
+        digest, num_records = spooled.digest, spooled.num_records
+        log.info("samples of %s drawn: %s records, digest %s", collection.payload.concept, num_records, digest)
+    collection = collection.resolved(digest)
+    _record_resolution(ctx, job_id, collection, "samples", num_records)
     return collection
 
 

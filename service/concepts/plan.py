@@ -41,6 +41,7 @@ def plan_collection(
         settings_digest=spec.digest(),
         layers=None if modules is None else tuple(s.name for s in selected),
         first_row=concept.dataset.start if concept.dataset is not None else None,
+        samples=concept.samples if concept.dataset_digest is None else None,  # drawn by the job first
     )
     return spec, plan
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from service.datasets.refs import StoredReference
+from service.jobs.collect_plan import Sampling
 from service.storage.records import FORMAT_VERSION, StoredRecord
 
 
@@ -39,12 +40,14 @@ class ConceptRecord(StoredRecord):
         num_records, dataset_digest: None for a dataset reference no collection job has resolved yet.
         dataset: the dataset reference as posted (None: records posted inline or uploaded).
         template: ``"chat"`` when prompt/completion records are rendered with the chat template.
+        samples: how its one model draws its texts, for a concept posted with ``samples`` (its
+            dataset digest is None until its collection job drew them).
         models: model ID -> its collection.
     """
 
     record_name: ClassVar[str] = "concept"
     # Keys a concept's document leaves out, rather than writes as null, when they have no value.
-    absent_when_none: ClassVar[frozenset[str]] = frozenset({"dataset", "template"})
+    absent_when_none: ClassVar[frozenset[str]] = frozenset({"dataset", "template", "samples"})
 
     format_version: int = FORMAT_VERSION
     name: str
@@ -56,6 +59,7 @@ class ConceptRecord(StoredRecord):
     created_at: str
     dataset: StoredReference | None = None
     template: str | None = None
+    samples: Sampling | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored document: the keys concepts always had (no ``dataset``/``template`` when none)."""

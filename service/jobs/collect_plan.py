@@ -17,6 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field
 PLAN_VERSION = 1  # of the stored plan; a new version gets its upgrade step in read_collection
 
 
+class Sampling(BaseModel):
+    """The texts a concept posted with ``samples`` has its one model draw (``service.concepts.sampled``):
+    ``count`` texts of ``max_new_tokens`` tokens each, from the BOS token, at ``temperature``, seeded."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: int
+    max_new_tokens: int
+    temperature: float
+    seed: int
+
+
 class CollectionPlan(BaseModel):
     """One concept's collection on one model, as its submission resolved it.
 
@@ -28,6 +40,8 @@ class CollectionPlan(BaseModel):
             the payload of a model with tens of thousands of expert layers stays small.
         first_row: the source row of a dataset reference's first record (``None``: records posted
             inline or uploaded, named ``record i``).
+        samples: the texts the job draws with the model first (its dataset), for a concept posted with
+            ``samples`` whose dataset is not drawn yet.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -36,3 +50,4 @@ class CollectionPlan(BaseModel):
     settings_digest: str
     layers: tuple[str, ...] | None = Field(default=None, exclude_if=lambda v: v is None)
     first_row: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    samples: Sampling | None = Field(default=None, exclude_if=lambda v: v is None)

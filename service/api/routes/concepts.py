@@ -20,6 +20,7 @@ from service.concepts import service as concepts
 from service.datasets.refs import submitted_reference
 from service.datasets.spool import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
+from service.jobs.collect_plan import Sampling
 from service.storage.base import scratch_dir
 from service.storage.keys import concept_key
 from service.storage.stored_json import skip_unreadable
@@ -113,6 +114,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> ConceptSubmission
             modules=body.modules,
             reference=reference,
             template=body.template if "template" in body.model_fields_set else concepts.KEEP,
+            samples=Sampling.model_validate(body.samples.model_dump()) if body.samples is not None else None,
         )
     return ConceptSubmission(concept=concept, jobs=[job_view(j) for j in jobs])
 
