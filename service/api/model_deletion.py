@@ -27,9 +27,10 @@ from service.context import Context
 from service.errors import Conflict, Forbidden, NotFound
 from service.models.deletion import model_owner, remove_model
 from service.models.registry import find_model
+from service.storage.keys import VARIANTS
 from service.universes.records import model_universe_ids
 from service.universes.retention import remove_universe
-from service.variants.service import variant_ids, variant_of
+from service.variants.service import find_variant_request
 
 _NAMED = 20  # a 409 names this many of each kind, then counts the rest
 
@@ -52,11 +53,23 @@ class Dependents:
 
 
 def dependents(ctx: Context, model_id: str) -> Dependents:
-    """Every job, variant, concept, universe and calibration that names ``model_id``."""
+    """Every job, variant, concept, universe and calibration that names ``model_id``, read from storage
+    (never a cached view: the answer decides a deletion)."""
     jobs = [j.job_id for j in ctx.jobs.active() if getattr(j.payload, "model_id", None) == model_id]
-    variants = [v for v in variant_ids(ctx) if variant_of(ctx, v, model_id) is not None]
+    variants = [v for v in _variant_ids(ctx) if _request_model(ctx, v) == model_id]
     concepts = [c.name for c in list_concepts(ctx) if model_id in c.models]
     return Dependents(jobs, variants, concepts, model_universe_ids(ctx, model_id), model_calibrations(ctx, model_id))
+
+
+def _variant_ids(ctx: Context) -> list[str]:
+    """Every variant's ID, from a listing of storage itself: this decides a deletion, so no cached
+    listing (``ctx.reads``) may hide a variant made a moment ago."""
+    return sorted({k.split("/")[1] for k in ctx.storage.list(VARIANTS) if k.endswith("/request.json")})
+
+
+def _request_model(ctx: Context, variant_id: str) -> str | None:
+    request = find_variant_request(ctx, variant_id)  # read from storage, not the cache
+    return None if request is None else request.model_id
 
 
 def delete_model(ctx: Context, model_id: str, principal: Principal, *, cascade: bool) -> list[str]:
