@@ -71,9 +71,13 @@ def check_reverts(ctx: Context, meta: VariantMetadataFields, model_id: str) -> N
         )
 
 
-def find_provenance(ctx: Context, variant_id: str) -> VariantProvenance | None:
+def find_provenance(ctx: Context, variant_id: str, *, recent: bool = False) -> VariantProvenance | None:
+    """The stored record (None: a variant made before provenance, or none); ``recent``: as of at most
+    a second ago (views only, never a write's input)."""
+    if not variant_id.isalnum():
+        return None
     key = provenance_key(variant_id)
-    stored = ctx.storage.find_json(key) if variant_id.isalnum() else None
+    stored = ctx.reads.recent_json(key) if recent else ctx.storage.find_json(key)
     return None if stored is None else VariantProvenance.stored(key, stored)
 
 

@@ -347,7 +347,7 @@ def variant_view(ctx: Context, variant_id: str) -> Variant:
     stored = request.model_dump(mode="json")
     fields: dict[str, Any] = {k: stored.get(k) for k in VARIANT_FIELDS}  # gguf_quantization: gguf only
     job = ctx.jobs.get(request.job_id) if request.job_id else None  # before the manifest: see concept_model_state
-    provenance = find_provenance(ctx, variant_id)
+    provenance = find_provenance(ctx, variant_id, recent=True)
     if provenance is not None:
         fields |= provenance.model_dump(include={"created_at", "created_by", "labels", "reason", "reverts"})
     manifest = variant_manifest(ctx, variant_id)
