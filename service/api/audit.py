@@ -110,7 +110,11 @@ class AuditLog:
             await self._record(scope, arrived, started, answer)
 
     async def _record(self, scope: Scope, arrived: datetime, started: float, answer: _Answer) -> None:
-        entry = audit_entry(scope, arrived, answer, (time.perf_counter() - started) * 1000, self.nobody)
+        try:
+            entry = audit_entry(scope, arrived, answer, (time.perf_counter() - started) * 1000, self.nobody)
+        except Exception:  # a request the log cannot describe still gets its answer; the error says which
+            log.exception("no audit entry for %s %s (request %s)", scope["method"], scope.get("path"), REQUEST_ID.get())
+            return
         line = entry.model_dump_json()
         log.info("%s", line)
         key = audit_key(arrived, key_safe(entry.request_id), uuid.uuid4().hex[:8])
