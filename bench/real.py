@@ -353,7 +353,7 @@ def describe(report: Report, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _data(model_dir: Path, path: Path | None) -> BenchData:
+def bench_data(model_dir: Path, path: Path | None) -> BenchData:
     """The run's data: from ``path`` when it exists (a rerun skips drawing it), else drawn (and saved there)."""
     if path is not None and path.exists():
         return BenchData(**json.loads(path.read_text()))
@@ -383,10 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-real-") as scratch:
         work = Path(scratch)
         model_dir = copy_entry(real_llm(), work / "models" / "smollm2-135m")
-        base = load(model_dir)
-        data = real_data(base, AutoTokenizer.from_pretrained(model_dir))
+        data = bench_data(model_dir, args.data)
         say(f"data: {data.counts()}, known {data.notes['known']}")
-        del base
         report = run(model_dir, data, plan, work, robustness=args.robustness)
     print(f"SmolLM2-135M-Instruct, {args.threads} threads, {'quick' if args.quick else 'full'} plan: {asdict(plan)}")
     print(table(report))

@@ -150,9 +150,36 @@ def robustness_table(rows: dict[str, dict[str, float]], plan: Plan) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Without ``--folder``: ``python -m bench.real --robustness``. With ``--folder NAME=PATH`` (and
+    ``--data``, ``--base``): attack checkpoints already built (a run's rows, in another process)."""
+    import argparse
+    import json
+    import sys
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench.real import Plan, bench_data, load, text_nll
     from bench.real import main as real_main
 
-    return real_main([*(argv if argv is not None else __import__("sys").argv[1:]), "--robustness"])
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--folder" not in args:
+        return real_main([*args, "--robustness"])
+    parser = argparse.ArgumentParser(prog="python -m bench.robustness")
+    parser.add_argument("--folder", action="append", required=True, help="NAME=PATH of a row's checkpoint")
+    parser.add_argument("--base", type=Path, required=True, help="the base model's folder (perplexity ratios)")
+    parser.add_argument("--data", type=Path, required=True, help="bench.real's --data file (drawn when missing)")
+    parser.add_argument("--threads", type=int, default=1)
+    parsed = parser.parse_args(args)
+    torch.set_num_threads(parsed.threads)
+    data = bench_data(parsed.base, parsed.data)
+    tokenizer = AutoTokenizer.from_pretrained(parsed.base)
+    base_nll = text_nll(load(parsed.base), tokenizer, data.held_general)
+    folders = {name: Path(path) for name, path in (item.rsplit("=", 1) for item in parsed.folder)}
+    rows = {name: attacked_row(load(folder), tokenizer, data, Plan(), base_nll) for name, folder in folders.items()}
+    print(robustness_table(rows, Plan()))
+    print(json.dumps(rows))
+    return 0
 
 
 if __name__ == "__main__":
