@@ -81,13 +81,20 @@ def find_provenance(ctx: Context, variant_id: str, *, recent: bool = False) -> V
     return None if stored is None else VariantProvenance.stored(key, stored)
 
 
-def record_provenance(ctx: Context, variant_id: str, meta: VariantMetadataFields) -> list[str]:
+def record_provenance(ctx: Context, variant_id: str, meta: VariantMetadataFields, *, create: bool) -> list[str]:
     """Store the record unless the variant has one (call under ``ctx.lock``).
+
+    Args:
+        create: the request builds the variant. False for one answered from storage: a variant made
+            before provenance was recorded gets none, rather than naming a later requester its creator
+            (who could then delete it).
 
     Returns:
         warnings: a note when the variant was created by an earlier request with other metadata.
     """
     found = find_provenance(ctx, variant_id)
+    if found is None and not create:
+        return []
     if found is None:
         record = VariantProvenance(
             variant_id=variant_id,

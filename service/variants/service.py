@@ -91,7 +91,7 @@ def submit_noted(
         projected = None if variant_manifest(ctx, plan.variant_id) is not None else make_room(ctx, resolved.spec)
         if resolved.becomes_current is not None:  # the first request without a universe fixes it
             set_current(ctx, resolved.becomes_current)
-        notes = record_provenance(ctx, plan.variant_id, meta)
+        notes = record_provenance(ctx, plan.variant_id, meta, create=not answered)
         if answered:
             if job is not None:  # the same variant again: its build calls this URL back too
                 job = attach_callbacks(ctx, job, urls)
