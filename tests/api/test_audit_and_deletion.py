@@ -94,6 +94,9 @@ def test_get_jobs_browses_finished_jobs_and_keeps_its_default(world: World) -> N
     assert "X-Next-Cursor" not in second.headers
     unknown = world.read.get("/jobs", params={"status": "done"})
     assert unknown.status_code == 422, unknown.text
+    epoch = world.read.get("/jobs", params={"status": "succeeded", "created_before": "0.5"})  # not a Unix time
+    assert epoch.status_code == 422, epoch.text
+    assert "ISO 8601" in epoch.text
 
 
 def test_deleting_a_model_removes_what_it_owned_and_is_audited(world: World) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
@@ -11,6 +10,7 @@ from api_schemas.audit import AuditEntry
 from service.api.audit import AuditFilter, audit_keys, read_entry
 from service.api.deps import ContextDep, LanesDep
 from service.api.pagination import PAGED_HEADERS, Page, PageDep, SortKey
+from service.api.routes.jobs import IsoTime
 from service.context import Context
 
 router = APIRouter(tags=["operations"])
@@ -25,8 +25,8 @@ async def list_audit(
     method: Annotated[Literal["POST", "PUT", "PATCH", "DELETE"] | None, Query(description="only this method")] = None,
     path_prefix: Annotated[str | None, Query(max_length=1024, description="only paths starting with this")] = None,
     status: Annotated[int | None, Query(ge=100, le=599, description="only this status code")] = None,
-    since: Annotated[datetime | None, Query(description="only requests at or after this time (UTC if no zone)")] = None,
-    until: Annotated[datetime | None, Query(description="only requests before this time")] = None,
+    since: Annotated[IsoTime | None, Query(description="only requests at or after this time (UTC if no zone)")] = None,
+    until: Annotated[IsoTime | None, Query(description="only requests before this time")] = None,
 ) -> list[AuditEntry]:
     """Every state-changing request (POST, PUT, PATCH, DELETE) and its answer, oldest first: one page
     (``limit``, ``cursor``). A bounded time range (``since`` and ``until``) reads only its days."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from pydantic import BeforeValidator
 
 from api_schemas import Job
 from service.api.deps import ContextDep, LanesDep
@@ -20,6 +22,18 @@ job_view = job_answer
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 UNFINISHED = ("queued", "running")
+_ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _iso_time(value: object) -> object:
+    """Refuse what pydantic's lax datetime would read as a Unix time (``0.5``, ``1700000000``): a
+    time is asked for as ISO 8601, and a number is far more often a mistake than an epoch."""
+    if isinstance(value, str) and not _ISO_DATE.match(value):
+        raise ValueError("expected an ISO 8601 time such as 2026-11-29T08:00:00Z (UTC when no zone is given)")
+    return value
+
+
+IsoTime = Annotated[datetime, BeforeValidator(_iso_time)]
 _STATUS = Query(
     description="only jobs in these states (repeat it); default queued and running. A finished state "
     "(succeeded, failed, cancelled) browses every job ever run: one storage read per job"
@@ -40,8 +54,8 @@ async def list_jobs(
     page: PageDep,
     status: Annotated[list[JobStatus] | None, _STATUS] = None,
     kind: Annotated[list[JobKind] | None, Query(description="only jobs of these kinds (repeat it)")] = None,
-    created_after: Annotated[datetime | None, Query(description="only jobs created at or after this time")] = None,
-    created_before: Annotated[datetime | None, Query(description="only jobs created before this time")] = None,
+    created_after: Annotated[IsoTime | None, Query(description="only jobs created at or after this time")] = None,
+    created_before: Annotated[IsoTime | None, Query(description="only jobs created before this time")] = None,
 ) -> list[Job]:
     """Jobs oldest first (by creation, then ID), one page (``limit``, ``cursor``). Without ``status``:
     those not finished yet (queued or running), what the service is working on. Finished jobs are
