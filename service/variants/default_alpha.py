@@ -113,7 +113,9 @@ def reference_warnings(ctx: Context, universe: EditUniverse, removed: Sequence[s
         f"the universe of this edit ({members}) has no general-text reference (no concept with role "
         '"reference" besides the removed ones): the edit is less selective and damages more of what the model '
         'should keep. Add one: POST /concepts with "role": "reference" and ~100 paragraphs of ordinary text '
-        f'the model writes well, then name it in "reference" (or in a new universe: POST /models/{model_id}/universes)'
+        'the model writes well (or let the service draw it from the model: "samples": {"count": 240, '
+        '"max_new_tokens": 128}), then name it in "reference" (or in a new universe: '
+        f"POST /models/{model_id}/universes)"
     ]
 
 
