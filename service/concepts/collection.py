@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from service.concepts.collected import CancelCheck, Collected
+from service.concepts.draw import draw_texts, spool_samples
 from service.concepts.image_collection import collect_images
 from service.concepts.plan import Collection, read_collection
 from service.concepts.record import ConceptRecord
-from service.concepts.sampled import draw_texts, spool_samples
 from service.concepts.service import find_concept
 from service.concepts.text_collection import collect_texts
 from service.context import Context

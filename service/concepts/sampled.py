@@ -18,24 +18,45 @@ empty and a sample's size is what was asked). Decoded without special tokens. De
 seed on one machine (and one batch size); another device or library version may draw other texts.
 
 Memory: one batch's key/value cache at a time; the texts themselves go to a spooled file as drawn.
+
+Here: the request checked at submission (the route, as a dataset reference is) and the concept's
+samples (posted again: only the same samples, on the same model). The drawing:
+:mod:`service.concepts.draw`, in the collection job (:mod:`service.concepts.collection`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-
+from service.concepts.record import ConceptRecord
 from service.config import Settings
-from service.datasets.spool import DatasetSpool, SpooledDataset
+from service.context import Context
 from service.engine.probe_bound import model_context
-from service.errors import InvalidInput, JobFailed
+from service.errors import Conflict, InvalidInput
 from service.jobs.collect_plan import Sampling
 from service.models.record import ModelRecord
+from service.models.registry import get_model
+
+if TYPE_CHECKING:
+    from api_schemas.concepts import SampleRequest
+
+
+def submitted_samples(ctx: Context, models: Sequence[str], samples: SampleRequest | None) -> Sampling | None:
+    """A request's ``samples`` checked against its models (:func:`check_sampling`); ``None``: none given.
+
+    Raises:
+        NotFound: an unknown model.
+        InvalidInput: as :func:`check_sampling`.
+    """
+    if samples is None:
+        return None
+    sampling = Sampling.model_validate(samples.model_dump())
+    check_sampling(ctx.settings, {m: get_model(ctx, m) for m in dict.fromkeys(models)}, sampling)
+    return sampling
 
 
 def check_sampling(settings: Settings, manifests: Mapping[str, ModelRecord], sampling: Sampling) -> None:
@@ -75,50 +96,32 @@ def _context(folder: Path) -> int | None:
     return model_context(SimpleNamespace(**text))
 
 
-def start_token(tokenizer: Any) -> int:
-    """The token every sample starts from: BOS, or EOS for a tokenizer without one (GPT-2's convention).
+def drawn_digest(
+    concept: ConceptRecord, samples: Sampling | None, digest: str | None, manifests: Mapping[str, ModelRecord]
+) -> str | None:
+    """The dataset digest a post of ``concept`` again stands for: for a samples concept posted with
+    the same samples, the digest of the texts its model drew (they are its records); else ``digest``.
 
     Raises:
-        JobFailed: the tokenizer has neither.
+        Conflict: other samples (or records for a samples concept, or samples for a records concept),
+            or a samples concept listed for a model that did not draw it.
     """
-    for token in (tokenizer.bos_token_id, tokenizer.eos_token_id):
-        if token is not None:
-            return int(token)
-    raise JobFailed("the model's tokenizer has neither a BOS nor an EOS token to start samples from")
+    if samples is None and concept.samples is None:
+        return digest
+    if samples != concept.samples:
+        held = f"samples {concept.samples.model_dump()}" if concept.samples is not None else "records"
+        raise Conflict(f"concept {concept.name} exists with {held}; delete it first or use another name")
+    others = [m for m in manifests if m not in concept.models]
+    if others:
+        raise Conflict(
+            f"concept {concept.name} holds samples drawn by model {', '.join(concept.models)}, which belong to it: "
+            f"post another samples concept for {', '.join(others)}"
+        )
+    return concept.dataset_digest
 
 
-def draw_texts(model: Any, tokenizer: Any, sampling: Sampling, batch_size: int) -> Iterator[str]:
-    """The ``sampling.count`` texts the model draws, batch by batch (see the module's docstring)."""
-    device = next(model.parameters()).device
-    start = start_token(tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.inference_mode():
-        torch.manual_seed(sampling.seed)
-        for begin in range(0, sampling.count, batch_size):
-            ids = torch.full((min(batch_size, sampling.count - begin), 1), start, dtype=torch.long, device=device)
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=sampling.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=sampling.max_new_tokens,
-                min_new_tokens=sampling.max_new_tokens,
-                pad_token_id=pad,
-            )
-            for row in out[:, 1:].tolist():
-                text = tokenizer.decode(row, skip_special_tokens=True)
-                # Only special tokens drawn: kept as they read, so that every sample is a record.
-                yield text if text.strip() else tokenizer.decode(row)
-
-
-def spool_samples(texts: Iterator[str], path: Path, settings: Settings, on_drawn: Callable[[int], None]) -> SpooledDataset:
-    """The drawn texts spooled as ``{"text"}`` records to ``path`` (hashed as an upload is), ``on_drawn``
-    told the number drawn after each one (it raises to stop)."""
-    with DatasetSpool(path, settings.max_records, max_record_bytes=settings.max_record_bytes) as spool:
-        for drawn, text in enumerate(texts, start=1):
-            spool.add({"text": text})
-            on_drawn(drawn)
-        return spool.finish()
+def as_sampled(concept: ConceptRecord, samples: Sampling | None, role: str | None) -> ConceptRecord:
+    """A new concept with its ``samples`` (a reference unless ``role`` was given); unchanged without."""
+    if samples is None:
+        return concept
+    return concept.model_copy(update={"samples": samples, "role": role or "reference"})

@@ -17,7 +17,7 @@ from api_schemas import Concept, DatasetReferenceView
 from api_schemas.concepts import ConceptModelState as ModelStateView
 from service.concepts.plan import plan_collection
 from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
-from service.concepts.sampled import check_sampling
+from service.concepts.sampled import Sampling, as_sampled, drawn_digest
 from service.context import Context
 from service.datasets.images import check_record_kinds
 from service.datasets.refs import StoredReference, content_changed, same_reference
@@ -27,7 +27,6 @@ from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
-from service.jobs.collect_plan import Sampling
 from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
@@ -61,7 +60,7 @@ def submit_concept(
     modules: Sequence[str] | None = None,
     reference: StoredReference | None = None,
     template: str | None | Any = KEEP,
-    samples: Sampling | None = None,
+    samples: Sampling | None = None,  # texts the one model draws (service.concepts.sampled.submitted_samples)
 ) -> tuple[Concept, list[JobRecord]]:
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
@@ -76,8 +75,6 @@ def submit_concept(
             new concept under the same name (the old one's unfinished jobs are cancelled).
         template: ``"chat"``: prompt/completion records rendered with the chat template; ``KEEP``
             (left out) keeps an existing concept's; another than the stored one is a 409.
-        samples: instead of records: texts the one listed model draws in the collection job
-            (:mod:`service.concepts.sampled`); a new such concept is a ``reference`` unless ``role`` says.
 
     Returns:
         (concept view, the collection jobs of the listed models; each calls ``callback_url`` back).
@@ -90,15 +87,12 @@ def submit_concept(
     """
     urls = callbacks.check_optional_url(callback_url, ctx.settings)
     manifests, modules = _checked_models(ctx, models, modules)
-    if samples is not None:
-        check_sampling(ctx.settings, manifests, samples)
     kinds = _checked_kinds(manifests, dataset, reference, None if template is KEEP else template)
     digest = dataset.digest if dataset is not None else None
     with ctx.lock:
         concept = find_concept(ctx, name)
         if concept is not None:
-            _check_same_concept(concept, digest, role, reference, template, samples)
-            _check_drawn_by(concept, manifests)
+            _check_same_concept(concept, drawn_digest(concept, samples, digest, manifests), role, reference, template)
             template = concept.template
         retired = _retired(concept, reference)
         if retired is not None:  # a new concept over the new content, its role and description kept
@@ -107,9 +101,8 @@ def submit_concept(
         _check_chat_templates(kinds, template, concept, manifests)  # before anything is written
         admit(ctx, len(_models_to_collect(ctx, concept, manifests, modules)))
         if concept is None:
-            role = role or ("reference" if samples is not None else None)  # a drawn corpus is a reference
             concept = _new_concept(ctx, name, role, description, dataset, reference, None if template is KEEP else template)
-            concept = concept.model_copy(update={"samples": samples})
+            concept = as_sampled(concept, samples, role)
         concept, new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
         if retired is not None:
             _cancel_collections(ctx, retired)
@@ -221,21 +214,13 @@ def _dispatched(
 
 
 def _check_same_concept(
-    concept: ConceptRecord,
-    digest: str | None,
-    role: str | None,
-    reference: StoredReference | None,
-    template: Any = KEEP,
-    samples: Sampling | None = None,
+    concept: ConceptRecord, digest: str | None, role: str | None, reference: StoredReference | None, template: Any = KEEP
 ) -> None:
     """Posting a concept again is idempotent only with the same records (or the same dataset
-    reference, or records equal to what its reference resolved to; or the same samples on the same
-    model), role and template (or none given)."""
+    reference, or records equal to what its reference resolved to), role and template (or none given)."""
     name = concept.name
     held = concept.dataset
-    if samples is not None or concept.samples is not None:
-        _check_same_samples(concept, samples)
-    elif reference is not None:
+    if reference is not None:
         if held is None or not same_reference(held, reference):
             what = f"the dataset reference {held.uri} ({held.model_dump(mode='json')})" if held else "inline records"
             raise Conflict(f"concept {name} exists with {what}; delete it first or use another name")
@@ -252,35 +237,6 @@ def _check_same_concept(
         raise Conflict(
             f"concept {name} exists with template {concept.template!r}, not {template!r}; "
             "delete it first to change it, or omit template"
-        )
-
-
-def _check_same_samples(concept: ConceptRecord, samples: Sampling | None) -> None:
-    """A samples concept is posted again only with the same samples (the texts its model drew).
-
-    Raises:
-        Conflict: other samples, records or a reference for a samples concept, or the reverse.
-    """
-    if samples == concept.samples:
-        return
-    held = f"samples {concept.samples.model_dump()}" if concept.samples is not None else "records"
-    raise Conflict(f"concept {concept.name} exists with {held}; delete it first or use another name")
-
-
-def _check_drawn_by(concept: ConceptRecord, manifests: Mapping[str, ModelRecord]) -> None:
-    """A samples concept is collected only on the model that drew it.
-
-    Raises:
-        Conflict: another model listed (named).
-    """
-    if concept.samples is None:
-        return
-    others = [m for m in manifests if m not in concept.models]
-    if others:
-        drawn_by = ", ".join(concept.models)
-        raise Conflict(
-            f"concept {concept.name} holds samples drawn by model {drawn_by}, which belong to it: "
-            f"post another samples concept for {', '.join(others)}"
         )
 
 
@@ -478,9 +434,7 @@ def concept_fields(concept: ConceptRecord, states: Mapping[str, ModelStateView],
         failed = error if status == "failed" else None
         shown = {**reference.model_dump(mode="json"), "digest": digest, "status": status, "error": failed}
         dataset = DatasetReferenceView.model_validate(shown)
-    fields = concept.model_dump(
-        include={"name", "role", "description", "num_records", "dataset_digest", "template", "samples"}
-    )
+    fields = concept.model_dump(exclude={"format_version", "created_at", "models", "dataset"})
     return Concept.model_validate({**fields, "dataset": dataset, "models": states})
 
 

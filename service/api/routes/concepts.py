@@ -17,10 +17,10 @@ from service.api.request_errors import invalid_input
 from service.api.routes.jobs import job_view
 from service.api.uploads import read_upload
 from service.concepts import service as concepts
+from service.concepts.sampled import submitted_samples
 from service.datasets.refs import submitted_reference
 from service.datasets.spool import SpooledDataset, spool_records
 from service.errors import InvalidInput, MalformedBody, ProblemError
-from service.jobs.collect_plan import Sampling
 from service.storage.base import scratch_dir
 from service.storage.keys import concept_key
 from service.storage.stored_json import skip_unreadable
@@ -99,6 +99,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> ConceptSubmission
             raise UnsupportedMediaType("send application/json or multipart/form-data with a JSONL 'dataset' part")
         # A reference is only checked (scheme, shape, roots, row range) and fingerprinted (a stat, a
         # HEAD or the hub's commit: what content it names now, never its bytes); the job fetches it.
+        samples = await run_in_threadpool(submitted_samples, ctx, body.models, body.samples)
         reference = None
         if body.dataset is not None:
             reference = await run_in_threadpool(submitted_reference, body.dataset.model_dump(), settings)
@@ -114,7 +115,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> ConceptSubmission
             modules=body.modules,
             reference=reference,
             template=body.template if "template" in body.model_fields_set else concepts.KEEP,
-            samples=Sampling.model_validate(body.samples.model_dump()) if body.samples is not None else None,
+            samples=samples,
         )
     return ConceptSubmission(concept=concept, jobs=[job_view(j) for j in jobs])
 
