@@ -139,6 +139,12 @@ def _check_options(model: ModelRecord, options: EditOptions) -> None:
     _check_gguf_writable(model, options)
 
 
+def check_options_first(ctx: Context, model_id: str, options: EditOptions) -> None:
+    """What a submission refuses on the options and the model alone, for a route that resolves concepts
+    before submitting (an unlearn without alpha): the same refusal comes first, whatever the concepts."""
+    _check_options(get_model(ctx, model_id), options)
+
+
 def _check_plan(ctx: Context, layout: ModelLayout, options: EditOptions, plan: VariantPlan) -> None:
     """Every refusal that depends on the layers the plan selected (a 422 or 409 naming what to change)."""
     selected = plan.layers(layout)

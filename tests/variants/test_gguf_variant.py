@@ -235,6 +235,7 @@ def test_a_failed_gguf_write_leaves_no_partial_variant(tmp_path: Path, monkeypat
     assert done.status == "failed" and "injected: the disk is full" in str(done.error), done
     assert variant_view(world.ctx, view.variant_id).status == "failed"
     stored = sorted(p.name for p in (tmp_path / "world" / "store" / "variants" / view.variant_id).rglob("*") if p.is_file())
-    assert stored == ["request.json"], stored
+    # what was asked (the request and its provenance: who, when, labels) is kept; nothing of the variant
+    assert stored == ["provenance.json", "request.json"], stored
     assert seen and not seen[0].exists()  # the scratch checkpoint went with the job
     assert list(scratch.iterdir()) == []

@@ -78,10 +78,11 @@ def unlearn(model_id: str, body: UnlearnRequest, ctx: ContextDep, response: Resp
     """Remove concepts: ``W_new = W − α Σ_k f_l W_k⁺`` (202 building, 200 when it exists). Without
     ``alpha``: the last calibration's recommendation for these concepts, else a conservative α
     (``warnings`` says which)."""
+    variants.check_options_first(ctx, model_id, body)  # a refusal of the options before any concept lookup
     resolved = default_alpha.resolve_unlearn(ctx, model_id, body)  # before the variant ID: it names the α used
     terms = variants.coefficients_for_unlearn(body.concepts, resolved.alpha)
     submission = _submit(ctx, model_id, terms, resolved.alpha, resolved.request, response)
-    return submission.model_copy(update={"warnings": resolved.warnings})
+    return submission.model_copy(update={"warnings": [*resolved.warnings, *submission.warnings]})
 
 
 @router.post("/models/{model_id:path}/compose", response_model=VariantSubmission, status_code=202)
