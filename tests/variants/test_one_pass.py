@@ -148,6 +148,10 @@ def _rewrite_in_place_keeping_size_and_mtime(shard: Path) -> None:
     assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
 
 
+# What was asked, kept when a build fails: the request and its provenance (who, when, labels); nothing of the variant.
+ASKED = ("provenance.json", "request.json")
+
+
 def test_a_model_file_changed_in_place_is_still_caught(world: dict[str, Any], hashed: list[tuple[str, int]]) -> None:
     w: StoreWorld = world["world"]
     _submit(w, "one/changed")
@@ -157,7 +161,7 @@ def test_a_model_file_changed_in_place_is_still_caught(world: dict[str, Any], ha
     done = _run(w)
     assert done.status == "failed", done
     assert done.error is not None and SHARD in done.error.detail and "re-register the model" in done.error.detail
-    assert _keys(w, variant_id) == [f"variants/{variant_id}/request.json"]
+    assert _keys(w, variant_id) == [f"variants/{variant_id}/{name}" for name in ASKED]
     assert hashed == [], "caught by identity, without hashing"
     assert _leftovers(w) == []
 
@@ -236,5 +240,5 @@ def test_a_failure_leaves_no_partial_artifact_and_no_temporary_file(
         done = _run(w)
     assert done.status == "failed", done
     assert "went away" in (done.error.detail if done.error else ""), done
-    assert _keys(w, variant_id) == [f"variants/{variant_id}/request.json"], "no file and no manifest of the variant"
+    assert _keys(w, variant_id) == [f"variants/{variant_id}/{name}" for name in ASKED], "no file and no manifest of the variant"
     assert _leftovers(w) == []
