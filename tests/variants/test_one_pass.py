@@ -240,5 +240,6 @@ def test_a_failure_leaves_no_partial_artifact_and_no_temporary_file(
         done = _run(w)
     assert done.status == "failed", done
     assert "went away" in (done.error.detail if done.error else ""), done
-    assert _keys(w, variant_id) == [f"variants/{variant_id}/{name}" for name in ASKED], "no file and no manifest of the variant"
+    kept = [f"variants/{variant_id}/{name}" for name in ASKED]
+    assert _keys(w, variant_id) == kept, "no file and no manifest of the variant"
     assert _leftovers(w) == []
