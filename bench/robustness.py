@@ -71,13 +71,14 @@ def _forget_and_kept(model: Any, tokenizer: Any, data: BenchData, base_text_nll:
 
 def attacked_row(model: Any, tokenizer: Any, data: BenchData, plan: Plan, base_text_nll: float) -> dict[str, float]:
     """One model before and after each attack (``relearn:`` figures on the facts relearning never saw)."""
-    from bench.real import summaries, text_nll
+    from bench.real import say, summaries, text_nll
 
     row = _forget_and_kept(model, tokenizer, data, base_text_nll, "")
     started = time.perf_counter()
     attacked = quantized(model, plan.quantization)
     row.update(_forget_and_kept(attacked, tokenizer, data, base_text_nll, f"{plan.quantization}:"))
     row[f"{plan.quantization}:seconds"] = time.perf_counter() - started
+    say(f"{plan.quantization}: {row}")
     del attacked
     half = len(data.forget) // 2
     trained, untrained = data.forget[:half], [*data.forget[half:], *data.held_forget]
@@ -141,7 +142,7 @@ def robustness_table(rows: dict[str, dict[str, float]], plan: Plan) -> str:
             _pct(r[f"{q}:kept"]),
             f"×{r[f'{q}:perplexity']:.3f}",
             f"{_pct(r['relearn:before'])} → {_pct(r['relearn:after'])}",
-            _pct(r["relearn:recovered"]),
+            _pct(r.get("relearn:recovered", math.nan)),
             _pct(r["relearn:kept"]),
             f"×{r['relearn:perplexity']:.3f}",
         ]
@@ -176,7 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(parsed.base)
     base_nll = text_nll(load(parsed.base), tokenizer, data.held_general)
     folders = {name: Path(path) for name, path in (item.rsplit("=", 1) for item in parsed.folder)}
-    rows = {name: attacked_row(load(folder), tokenizer, data, Plan(), base_nll) for name, folder in folders.items()}
+    rows = {}
+    for name, folder in folders.items():
+        rows[name] = attacked_row(load(folder), tokenizer, data, Plan(), base_nll)
+        print(json.dumps({name: rows[name]}), flush=True)
     print(robustness_table(rows, Plan()))
     print(json.dumps(rows))
     return 0
