@@ -36,6 +36,7 @@ from urllib.parse import unquote
 from api_schemas import Universe, UniverseSubmission
 from service.concepts.service import default_reference, ready_statistics
 from service.context import Context
+from service.engrams.manifest import UniverseManifest
 from service.errors import Conflict, NotFound
 from service.jobs import callbacks
 from service.jobs.admission import admit
@@ -260,48 +261,40 @@ def universe_view(ctx: Context, universe_id: str, current: str | None = None) ->
         "projected_bytes": (usage.get("projected") or {}).get("total"),
         "evicted_at": None,
     }
+    return Universe.model_validate({**view, **_state_fields(ctx, universe_id, manifest, job, usage)})
+
+
+def _state_fields(
+    ctx: Context, universe_id: str, manifest: UniverseManifest | None, job: JobRecord | None, usage: dict[str, Any]
+) -> dict[str, Any]:
+    """Status, groups, bytes and build seconds: from the manifest (ready), the usage record (evicted),
+    or the stored groups and stages (building, partial, failed)."""
     if manifest is not None:
         groups = len(manifest.groups)
-        return Universe.model_validate(
-            {
-                **view,
-                "status": "ready",
-                "groups": {"done": groups, "total": groups},
-                "bytes": manifest.bytes.total,
-                "bytes_detail": manifest.bytes.model_dump(),
-                "build_seconds": dict(manifest.seconds),
-            }
-        )
+        return {
+            "status": "ready",
+            "groups": {"done": groups, "total": groups},
+            "bytes": manifest.bytes.total,
+            "bytes_detail": manifest.bytes.model_dump(),
+            "build_seconds": dict(manifest.seconds),
+        }
     building = job is not None and job.status not in FINISHED
+    unbuilt = {"bytes": None, "bytes_detail": None, "build_seconds": None}
     if not building and usage.get("evicted_at"):
-        return Universe.model_validate(
-            {
-                **view,
-                "status": "evicted",
-                "groups": {"done": 0, "total": None},
-                "bytes": 0,
-                "bytes_detail": None,
-                "build_seconds": None,
-                "evicted_at": usage["evicted_at"],
-            }
-        )
+        return {
+            **unbuilt,
+            "status": "evicted",
+            "groups": {"done": 0, "total": None},
+            "bytes": 0,
+            "evicted_at": usage["evicted_at"],
+        }
     plan = find_plan(ctx, universe_id)
     done = len(ctx.storage.list(universe_prefix(universe_id) + "groups/"))
-    total = len(plan.groups) if plan else None
     # Stages stored and no build running: the groups earlier requests needed are built, the others
     # wait for a request that needs them (service.universes.build); not a failure.
     partial = not building and bool(ctx.storage.list(universe_prefix(universe_id) + "stages/"))
     status = "building" if building else "partial" if partial else "failed"
-    return Universe.model_validate(
-        {
-            **view,
-            "status": status,
-            "groups": {"done": done, "total": total},
-            "bytes": None,
-            "bytes_detail": None,
-            "build_seconds": None,
-        }
-    )
+    return {**unbuilt, "status": status, "groups": {"done": done, "total": len(plan.groups) if plan else None}}
 
 
 def universe_submission(
