@@ -610,3 +610,40 @@ def test_no_service_module_is_over_500_lines(tmp_path: Path) -> None:
     (tmp_path / "service" / "sub" / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     (tmp_path / "service" / "fits.py").write_text("x = 1\n" * MAX_MODULE_LINES)
     assert long_modules(tmp_path) == [f"service/sub/big.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+# ARCHITECTURE.md: "none over 60 without a comment saying why" (a ``# long:`` comment in the
+# function, or on the line above it).
+MAX_FUNCTION_LINES = 60
+LONG_MARK = "# long:"
+
+
+def long_functions(root: Path, package: str = "service", limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``<path>:<line> <name> (<n> lines)`` for every function of ``package`` longer than ``limit``
+    lines (its ``def`` through its last line) with no ``# long:`` comment saying why."""
+    found = []
+    for path in sorted((root / package).rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.end_lineno is None:
+                continue
+            length = node.end_lineno - node.lineno + 1
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            said = any(LONG_MARK in line for line in lines[max(0, first - 2) : node.end_lineno])
+            if length > limit and not said:
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_service_function_is_over_60_lines_without_saying_why(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    source = (
+        f"def fits():\n{body}\n\ndef over():\n{body}    return 0\n\n"
+        f"# long: one table, read top to bottom\ndef said():\n{body}    return 0\n"
+    )
+    (tmp_path / "service").mkdir()
+    (tmp_path / "service" / "m.py").write_text(source)
+    over = source.splitlines().index("def over():") + 1
+    # only the function one line over the limit that says nothing is found
+    assert long_functions(tmp_path) == [f"service/m.py:{over} over ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_functions(REPO) == [], "shorten these functions, or say why with a '# long:' comment"

@@ -43,7 +43,6 @@ from service.calibration.request import CalibrationRequest, Format
 from service.calibration.search import (
     Arm,
     Candidate,
-    Outcome,
     SearchResult,
     SearchSettings,
     pareto_front,
@@ -57,12 +56,14 @@ from service.calibration.warnings import result_warnings
 from service.context import Context
 from service.engine.evaluate import TextProbe as Probe
 from service.engine.layout import ModelLayout
+from service.engrams.manifest import UniverseManifest
 from service.errors import JobFailed
 from service.jobs.progress import CancelOnly, JobCancelled, ProgressReporter
 from service.jobs.records import CalibratePayload, JobRecord
 from service.jobs.store import FINISHED
 from service.jobs.templates import template_process
 from service.models.loaded import check_model_unchanged, checked_model_files
+from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.statistics.cover import unreached_by_every
 from service.storage.keys import calibration_front_key, calibration_request_key, calibration_result_key, probes_key
@@ -77,10 +78,11 @@ _WAIT_POLL_S = 0.5
 
 
 def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> CalibrationJobResult:
-    """Answer a stored calibration request (see the module docstring).
+    """Answer a stored calibration request (see the module docstring): load the scorers, search,
+    validate and build the recommendation, then store the result (last: the calibration is answered).
 
     Args:
-        run_job: the job runner (:func:`service.tasks.run_job`), which runs the recommended
+        run_job: the job runner (:func:`service.execution.runner.run_job`), which runs the recommended
             variant's build job inline.
     """
     calibration_id = job.payload_of(CalibratePayload).calibration_id
@@ -91,76 +93,155 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
     request = CalibrationRequest.from_json(ctx.storage.get_json(calibration_request_key(calibration_id)), calibration_id)
     started = time.monotonic()
     progress = ProgressReporter(ctx, job.job_id, request.search.budget)
+    scoring = _prepare(ctx, job, request, calibration_id, progress)
+    searched_at = time.monotonic()
+    found, best, measured = _search(ctx, request, scoring, progress)
+    search_s = time.monotonic() - searched_at
+    result = _answer(ctx, job, request, scoring, found, best, measured, run_job)
+    seconds = {
+        "total": round(time.monotonic() - started, 3),
+        "model_load": round(scoring.load_s, 3),
+        "search": round(search_s, 3),
+        "per_candidate": round(search_s / max(1, len(found.candidates)), 4),
+    }
+    check_model_unchanged(ctx, scoring.model)  # its mapped weights were not rewritten while they were scored
+    stored = result.model_copy(update={"seconds": seconds}).model_dump(mode="json")  # the job's one dump
+    read_calibration_result(calibration_id, stored)  # it reads back as it is stored: a shape bug fails here
+    ctx.storage.put_bytes(calibration_front_key(calibration_id), render_front_png(stored, *default_axes(stored)))
+    ctx.storage.put_json(calibration_result_key(calibration_id), stored)  # last: the calibration is answered
+    ctx.jobs.set_progress(job.job_id, len(found.candidates), len(found.candidates))
+    return CalibrationJobResult.model_validate({**stored, "reused": False})
+
+
+@dataclass
+class _Scoring:
+    """What a calibration scores candidates with, loaded once: the model, its universe, the layers
+    any member reached, the in-memory scorer and, with an objective, the goal's run."""
+
+    model: ModelRecord
+    universe: UniverseManifest
+    layout: ModelLayout
+    candidates: InMemoryCandidates | ClassifierCandidates
+    goal: GoalRun | ClassifierGoalRun | None
+    searched: CalibrationProbes
+    load_s: float
+
+
+def _prepare(
+    ctx: Context, job: JobRecord, request: CalibrationRequest, calibration_id: str, progress: ProgressReporter
+) -> _Scoring:
     universe, _ = ensure_universe(ctx, request.universe_id, CancelOnly(progress))
     model = get_model(ctx, request.model_id)
     # Layers no member's forward pass ran have zero engrams: no candidate edits them.
     unreached = unreached_by_every(ctx, universe.member_prefixes)
-    full = model.layout
-    layout = dataclasses.replace(full, layers=[spec for spec in full.layers if spec.name not in unreached])
-    term_prefixes = request.term_prefixes
+    layout = dataclasses.replace(model.layout, layers=[s for s in model.layout.layers if s.name not in unreached])
     loaded = time.monotonic()
     raw = _stored_probes(ctx, calibration_id, request.probes_digest)
-    fraction = request.goal.held_out_fraction if request.goal is not None else None
-    searched, held = _split(raw, fraction)
-    candidates: InMemoryCandidates | ClassifierCandidates
-    goal: GoalRun | ClassifierGoalRun | None = None
+    searched, held = _split(raw, request.goal.held_out_fraction if request.goal is not None else None)
     if is_classifier_goal(request.goal):  # an image classifier: labelled images, its own metrics
-        assert request.goal is not None
-        candidates = ClassifierCandidates(
+        classifier = _classifier_scorer(ctx, model, layout, universe, request, searched)
+        goal: GoalRun | ClassifierGoalRun | None = ClassifierGoalRun(ctx, _goal_of(request), classifier, held)
+        candidates: InMemoryCandidates | ClassifierCandidates = classifier
+    else:
+        candidates, goal = _text_scorers(ctx, job, model, layout, universe, request, searched, held)
+    return _Scoring(model, universe, layout, candidates, goal, searched, time.monotonic() - loaded)
+
+
+def _goal_of(request: CalibrationRequest) -> Any:
+    if request.goal is None:  # is_classifier_goal said it has one
+        raise JobFailed("a classifier calibration without its objective")
+    return request.goal
+
+
+def _classifier_scorer(
+    ctx: Context,
+    model: ModelRecord,
+    layout: ModelLayout,
+    universe: UniverseManifest,
+    request: CalibrationRequest,
+    searched: CalibrationProbes,
+) -> ClassifierCandidates:
+    return ClassifierCandidates(
+        ctx,
+        checked_model_files(ctx, model),
+        Path(model.path),
+        layout,
+        universe,
+        request.term_prefixes,
+        ctx.settings.torch_device,
+        _union(layout, request.search.arms),
+        searched,
+        batch_size=ctx.settings.collect_batch_size,
+        max_pixels=ctx.settings.max_image_pixels,
+    )
+
+
+def _text_scorers(
+    ctx: Context,
+    job: JobRecord,
+    model: ModelRecord,
+    layout: ModelLayout,
+    universe: UniverseManifest,
+    request: CalibrationRequest,
+    searched: CalibrationProbes,
+    held: CalibrationProbes,
+) -> tuple[InMemoryCandidates, GoalRun | None]:
+    # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
+    with template_process(ctx, job.job_id) as renderer:
+        candidates = InMemoryCandidates(
             ctx,
             checked_model_files(ctx, model),
-            Path(model.path),
             layout,
             universe,
-            term_prefixes,
+            request.term_prefixes,
+            _plain_probes(request, searched),
             ctx.settings.torch_device,
             _union(layout, request.search.arms),
-            searched,
-            batch_size=ctx.settings.collect_batch_size,
-            max_pixels=ctx.settings.max_image_pixels,
+            renderer,
         )
-        goal = ClassifierGoalRun(ctx, request.goal, candidates, held)
-    else:
-        # chat probes are rendered once, here, by the job's bounded template process (killed on cancel)
-        with template_process(ctx, job.job_id) as renderer:
-            candidates = InMemoryCandidates(
-                ctx,
-                checked_model_files(ctx, model),
-                layout,
-                universe,
-                term_prefixes,
-                _plain_probes(request, searched),
-                ctx.settings.torch_device,
-                _union(layout, request.search.arms),
-                renderer,
-            )
-            if request.goal is not None:
-                goal = GoalRun(ctx, job.job_id, request.goal, candidates, searched, held, renderer)
-    load_s = time.monotonic() - loaded
-    # the data_weighted arms' strengths: from the universe's engrams and statistics, no forward pass
-    arms = measure_strengths(ctx, universe, term_prefixes, layout, candidates.reader, request.search.arms)
+        if request.goal is None:
+            return candidates, None
+        return candidates, GoalRun(ctx, job.job_id, request.goal, candidates, searched, held, renderer)
+
+
+def _search(
+    ctx: Context, request: CalibrationRequest, scoring: _Scoring, progress: ProgressReporter
+) -> tuple[SearchResult, Candidate | None, dict[tuple[Arm, float], Measured]]:
+    """The search over the request's arms (the data_weighted arms' strengths measured first, from the
+    universe's engrams and statistics, no forward pass), and its best candidate before validation."""
+    candidates, goal = scoring.candidates, scoring.goal
+    arms = measure_strengths(
+        ctx, scoring.universe, request.term_prefixes, scoring.layout, candidates.reader, request.search.arms
+    )
     measured: dict[tuple[Arm, float], Measured] = {}
 
-    def evaluate(arm: Arm, alpha: float) -> Outcome:
+    def scored(arm: Arm, alpha: float) -> Measured:
         measured[(arm, alpha)] = candidates.measure(arm, alpha)
         progress.advance(1)
-        return measured[(arm, alpha)].outcome
+        return measured[(arm, alpha)]
 
-    def evaluate_metrics(arm: Arm, alpha: float) -> dict[str, float]:
-        assert goal is not None
-        measured[(arm, alpha)] = candidates.measure(arm, alpha)
-        progress.advance(1)
-        return goal.candidate_metrics(measured[(arm, alpha)])
-
-    searched_at = time.monotonic()
     if goal is None:
-        found = search(arms, evaluate, request.search.settings())
-        best = recommend(found.candidates)
-    else:
-        found = goal_search(arms, evaluate_metrics, goal.goal, request.search.goal_settings())
-        best = recommend_for_goal(goal.goal, found.candidates)
-    search_s = time.monotonic() - searched_at
-    result = assemble(request, candidates.base, found, measured)
+        found = search(arms, lambda arm, alpha: scored(arm, alpha).outcome, request.search.settings())
+        return found, recommend(found.candidates), measured
+    settings = request.search.goal_settings()
+    found = goal_search(arms, lambda arm, alpha: goal.candidate_metrics(scored(arm, alpha)), goal.goal, settings)
+    return found, recommend_for_goal(goal.goal, found.candidates), measured
+
+
+def _answer(
+    ctx: Context,
+    job: JobRecord,
+    request: CalibrationRequest,
+    scoring: _Scoring,
+    found: SearchResult,
+    best: Candidate | None,
+    measured: dict[tuple[Arm, float], Measured],
+    run_job: RunJob,
+) -> StoredCalibrationResult:
+    """The result: the candidates, the goal's held-out check, the probes cut, the built recommendation
+    and the warnings."""
+    goal = scoring.goal
+    result = assemble(request, scoring.candidates.base, found, measured)
     if goal is not None:
         held_out = None
         if best is not None and goal.has_held_out:
@@ -168,29 +249,16 @@ def run_calibration(ctx: Context, job: JobRecord, run_job: RunJob) -> Calibratio
         result = goal.amend(result, found, best)
         if held_out is not None:
             result = result.model_copy(update={"held_out": held_out})
-    truncated = _truncated(goal if isinstance(goal, GoalRun) else candidates)
+    truncated = _truncated(goal if isinstance(goal, GoalRun) else scoring.candidates)
     if truncated:  # set only then: a calibration that cut no probe keeps its shape
         result = result.model_copy(update={"truncated_probes": truncated})
     if best is not None:
         built = _build_recommended(ctx, job.job_id, request, best, run_job)
         result = result.model_copy(update={"recommended": recommendation(result, best, built)})
     if request.goal is not None and request.goal.kind == "exact_match":
-        general = GENERAL_SET in (searched.utility or {})
+        general = GENERAL_SET in (scoring.searched.utility or {})
         result = result.model_copy(update={"perplexity_on": "general" if general else "retain"})
-    result = result.model_copy(update={"warnings": result_warnings(result, request.goal)})
-    seconds = {
-        "total": round(time.monotonic() - started, 3),
-        "model_load": round(load_s, 3),
-        "search": round(search_s, 3),
-        "per_candidate": round(search_s / max(1, len(found.candidates)), 4),
-    }
-    check_model_unchanged(ctx, model)  # its mapped weights were not rewritten while they were scored
-    stored = result.model_copy(update={"seconds": seconds}).model_dump(mode="json")  # the job's one dump
-    read_calibration_result(calibration_id, stored)  # it reads back as it is stored: a shape bug fails here
-    ctx.storage.put_bytes(calibration_front_key(calibration_id), render_front_png(stored, *default_axes(stored)))
-    ctx.storage.put_json(calibration_result_key(calibration_id), stored)  # last: the calibration is answered
-    ctx.jobs.set_progress(job.job_id, len(found.candidates), len(found.candidates))
-    return CalibrationJobResult.model_validate({**stored, "reused": False})
+    return result.model_copy(update={"warnings": result_warnings(result, request.goal)})
 
 
 def _truncated(scored: GoalRun | InMemoryCandidates | ClassifierCandidates) -> dict[str, int]:
