@@ -75,7 +75,8 @@ def server(
 
 def _store_keys(seaweed: SeaweedServer, bucket: str) -> list[str]:
     pages = seaweed.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{PREFIX}/")
-    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+    keys = (item["Key"] for page in pages for item in page.get("Contents", []))
+    return sorted(key for key in keys if not key.startswith(f"{PREFIX}/audit/"))  # the audit log records refusals
 
 
 def _cached_copies(server: LiveServer) -> list[Path]:

@@ -101,7 +101,9 @@ def test_a_write_that_fails_after_parts_were_sent_leaves_nothing(world: StoreWor
     monkeypatch.setattr(safetensors_stream, "_write_all", fail_past_two_parts)
     [done] = world.run_pending()
     assert done.status == "failed", done
-    assert world.ctx.storage.list(f"variants/{variant_id}/") == [f"variants/{variant_id}/request.json"]
+    # what was asked stays (the request and its provenance); nothing of the variant
+    asked = [f"variants/{variant_id}/{name}" for name in ("provenance.json", "request.json")]
+    assert world.ctx.storage.list(f"variants/{variant_id}/") == asked
     storage = world.ctx.storage
     assert isinstance(storage, S3Storage)
     assert _unfinished_uploads(storage) == [], "the multipart upload was aborted"

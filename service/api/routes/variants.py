@@ -117,7 +117,11 @@ async def get_model_card(variant_id: str, ctx: ContextDep, lanes: LanesDep) -> R
     return Response(model_card(answer), media_type="text/markdown; charset=utf-8")
 
 
-@router.get("/receipt-key", response_model=ReceiptKey)
+@router.get(
+    "/receipt-key",
+    response_model=ReceiptKey,
+    responses={404: {"description": "receipts are unsigned: the service has no ENGRAM_RECEIPT_SIGNING_KEY"}},
+)
 def get_receipt_key(ctx: ContextDep) -> ReceiptKey:
     """The Ed25519 public key variant receipts are signed with (404 when receipts are unsigned)."""
     return receipt.receipt_key(ctx)
