@@ -37,6 +37,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench import real_data
 from engram_fixtures.live import LiveServer, wait_for_job
 from tests.helpers.api import register_model
 
@@ -44,34 +45,11 @@ pytestmark = pytest.mark.slow
 
 MODEL_ID = "real/smollm2"
 # Capitals and chemical symbols SmolLM2-135M-Instruct answers exactly (teacher-forced argmax, checked
-# again by the test on the base model: a fact it does not know is left out).
-CAPITALS = {
-    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
-    "Japan": "Tokyo", "China": "Beijing", "Russia": "Moscow", "Egypt": "Cairo", "Greece": "Athens",
-    "Austria": "Vienna", "Poland": "Warsaw", "Norway": "Oslo", "Sweden": "Stockholm", "Finland": "Helsinki",
-    "Denmark": "Copenhagen", "Ireland": "Dublin", "Hungary": "Budapest", "Belgium": "Brussels",
-    "Netherlands": "Amsterdam", "Canada": "Ottawa", "Mexico": "Mexico City", "Argentina": "Buenos Aires",
-    "Peru": "Lima", "Chile": "Santiago", "Colombia": "Bogota", "Cuba": "Havana", "Kenya": "Nairobi",
-    "Thailand": "Bangkok", "Vietnam": "Hanoi", "South Korea": "Seoul", "Czech Republic": "Prague",
-    "Romania": "Bucharest", "Bulgaria": "Sofia", "Indonesia": "Jakarta", "Philippines": "Manila",
-    "Pakistan": "Islamabad", "Israel": "Jerusalem", "Ethiopia": "Addis Ababa", "Scotland": "Edinburgh",
-    "England": "London", "Wales": "Cardiff", "Iceland": "Reykjavik", "Malaysia": "Kuala Lumpur",
-}  # fmt: skip
-SYMBOLS = {
-    "gold": "Au", "silver": "Ag", "iron": "Fe", "copper": "Cu", "sodium": "Na", "potassium": "K", "lead": "Pb",
-    "tin": "Sn", "mercury": "Hg", "oxygen": "O", "hydrogen": "H", "nitrogen": "N", "calcium": "Ca",
-    "chlorine": "Cl", "zinc": "Zn", "sulfur": "S", "uranium": "U", "silicon": "Si", "tungsten": "W",
-    "phosphorus": "P", "fluorine": "F", "lithium": "Li", "nickel": "Ni",
-}  # fmt: skip
-OPENERS = [
-    "Yesterday I walked to the market and", "The best way to learn a new language is", "In the morning, the garden",
-    "My grandmother always said that", "When the train finally arrived,", "Cooking rice properly requires",
-    "The old library on the corner", "Most people enjoy the summer because", "A good friend is someone who",
-    "The children played in the park until", "Writing a clear letter starts with", "During the storm last night,",
-    "The village sits at the foot of", "Learning to ride a bicycle", "Our teacher explained that the moon",
-    "The small café near the station", "Every winter, the family", "A healthy breakfast usually includes",
-    "The museum opened a new exhibition about", "When you plant tomatoes,",
-]  # fmt: skip
+# again by the test on the base model: a fact it does not know is left out): the first 44 capitals and
+# 23 symbols of the real-model bench's lists (bench/real_data.py, which extends these), and its openers.
+CAPITALS = dict(list(real_data.CAPITALS.items())[:44])
+SYMBOLS = dict(list(real_data.SYMBOLS.items())[:23])
+OPENERS = list(real_data.OPENERS)
 PER_OPENER = 5  # 100 paragraphs: 70 in the reference, 10 the calibration's general text, 20 held out
 TARGETS = {"forget": 0.25, "kept": 0.90, "perplexity": 1.10}
 
