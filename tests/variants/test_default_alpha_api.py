@@ -17,7 +17,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
-from tests.helpers.api import assert_problem, unchanged
+from tests.helpers.api import assert_problem, register_model, unchanged
 
 MODEL = "default-alpha/tiny"
 FACTS = make_facts(40, seed=13)
@@ -37,10 +37,7 @@ def probes(start: int, stop: int) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def api(live_server: LiveServer, tiny_llama_dir: Path) -> httpx.Client:
     client = live_server.client
-    response = client.post("/models", json={"model_id": MODEL, "source": f"file://{tiny_llama_dir}"})
-    assert response.status_code in (200, 201, 202), response.text
-    if response.status_code == 202:  # the register job ran past the request's wait (under load)
-        assert wait_for_job(client, response.json()["job_id"], timeout=300)["status"] == "succeeded"
+    register_model(client, MODEL, f"file://{tiny_llama_dir}", existing_ok=True)
     for name, (role, (start, stop)) in CONCEPTS.items():
         body = {"name": name, "role": role, "models": [MODEL], "records": probes(start, stop)}
         response = client.post("/concepts", json=body)
