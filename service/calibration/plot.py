@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from service.calibration.plot_scales import AxisScale, choose_scale, feasible_rows, front_steps
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -75,11 +77,12 @@ def render_front_png(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEF
 
 def front_figure(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEFAULT_Y) -> Figure:
     """``y`` against ``x`` for every candidate (colour: module set, marker: scaling), the Pareto
-    front as a line (on the default axes), the bounds on either metric as dashed lines, the
-    recommendation starred.
+    front as a line (on the two metrics it was taken on), the bounds on either metric as dashed
+    lines, the recommendation starred.
 
-    An NLL-ratio axis is logarithmic: the ratios run from about 1 (the acceptable candidates, retain
-    ratio just above 1) to many times that, and a linear axis squeezes the acceptable ones into a sliver.
+    Each axis's scale is chosen by the data (:mod:`service.calibration.plot_scales`): an NLL ratio is
+    logarithmic, a share crowded near 0 or 1 (an image classifier's accuracies) is logit, so that the
+    feasible candidates are not squeezed into a sliver next to the ones an α too strong destroyed.
     """
     import matplotlib
 
@@ -88,44 +91,37 @@ def front_figure(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEFAULT
 
     figure = Figure(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI, layout="constrained")
     ax = figure.subplots()
-    log = {axis: name.endswith("_nll_ratio") for axis, name in (("x", x), ("y", y))}
     points = [(c, candidate_values(c)) for c in result["candidates"]]
-    points = [(c, v) for c, v in points if _drawable(v, x, log["x"]) and _drawable(v, y, log["y"])]
+    points = [(c, v) for c, v in points if _drawable(v, x, x.endswith("_nll_ratio"))]
+    points = [(c, v) for c, v in points if _drawable(v, y, y.endswith("_nll_ratio"))]
+    feasible = feasible_rows(result, [v for _, v in points])
+    scales = {
+        axis: choose_scale(name, [v[name] for _, v in points], [v[name] for v in feasible])
+        for axis, name in (("x", x), ("y", y))
+    }
+    sx, sy = scales["x"].place, scales["y"].place
     sets = list(dict.fromkeys(c["options"]["module_set"] for c in result["candidates"]))
     colours = {name: f"C{i % 10}" for i, name in enumerate(sets)}
     for (module_set, scaling), group in _groups(points).items():
         ax.scatter(
-            [v[x] for _, v in group],
-            [v[y] for _, v in group],
+            [sx(v[x]) for _, v in group],
+            [sy(v[y]) for _, v in group],
             c=colours[module_set],
             marker=_MARKERS.get(scaling, "o"),
             alpha=0.75,
             label=f"{module_set} / {scaling}",
         )
-    if (x, y) == (DEFAULT_X, DEFAULT_Y) and result.get("objective") is None:
-        front = sorted(((c, v) for c, v in points if c["pareto"]), key=lambda item: item[1][x])
-        if front:
-            xs, ys = [v[x] for _, v in front], [v[y] for _, v in front]
-            ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto front")
-    _bounds(ax, result, x, y)
-    star = _recommended_point(result, x, y)
-    if star is not None:
-        ax.scatter(
-            [star[0]],
-            [star[1]],
-            marker="*",
-            s=320,
-            c="gold",
-            edgecolors="black",
-            zorder=5,
-            label=f"recommended: {_describe(result['recommended']['options'])}{_headline(result)}",
-        )
-    ax.set_xlabel(_LABELS.get(x, x))
-    ax.set_ylabel(_LABELS.get(y, y))
-    if log["x"]:
-        ax.set_xscale("log")  # ratios: ×1.02 and ×10 both readable (only positive ratios are drawn)
-    if log["y"]:
-        ax.set_yscale("log")
+    steps = front_steps(result, x, y)
+    front = sorted(((c, v) for c, v in points if c.get("pareto")), key=lambda item: item[1][x])
+    if steps is not None and front:
+        xs, ys = [sx(v[x]) for _, v in front], [sy(v[y]) for _, v in front]
+        ax.step(xs, ys, where=steps, color="black", linewidth=1, label="Pareto front")
+    _bounds(ax, result, x, y, scales)
+    _star(ax, result, x, y, scales)
+    ax.set_xlabel(_LABELS.get(x, x) + scales["x"].note())
+    ax.set_ylabel(_LABELS.get(y, y) + scales["y"].note())
+    ax.set_xscale(scales["x"].scale)  # log: only positive values are drawn; logit: 0 and 1 placed inside
+    ax.set_yscale(scales["y"].scale)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     concepts = ", ".join(result["concepts"])
@@ -133,11 +129,28 @@ def front_figure(result: Mapping[str, Any], x: str = DEFAULT_X, y: str = DEFAULT
     return figure
 
 
+def _star(ax: Axes, result: Mapping[str, Any], x: str, y: str, scales: Mapping[str, AxisScale]) -> None:
+    """The recommendation, starred, its options and scores in the legend."""
+    star = _recommended_point(result, x, y)
+    if star is None:
+        return
+    ax.scatter(
+        [scales["x"].place(star[0])],
+        [scales["y"].place(star[1])],
+        marker="*",
+        s=320,
+        c="gold",
+        edgecolors="black",
+        zorder=5,
+        label=f"recommended: {_describe(result['recommended']['options'])}{_headline(result)}",
+    )
+
+
 def _drawable(values: Mapping[str, float], name: str, log: bool) -> bool:
     return name in values and (values[name] > 0 or not log)
 
 
-def _bounds(ax: Axes, result: Mapping[str, Any], x: str, y: str) -> None:
+def _bounds(ax: Axes, result: Mapping[str, Any], x: str, y: str, scales: Mapping[str, AxisScale]) -> None:
     """The constraint's lines: the NLL search's retain limit, or an objective's bounds on x or y."""
     limits: list[tuple[str, str, float]] = []
     old = (result.get("constraint") or {}).get("max_retain_nll_ratio")
@@ -152,9 +165,9 @@ def _bounds(ax: Axes, result: Mapping[str, Any], x: str, y: str) -> None:
         limits += [(name, f"{side} {name}", bound[side]) for side in ("min", "max") if bound.get(side) is not None]
     for metric, label, value in limits:
         if metric == x:
-            ax.axvline(value, color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
+            ax.axvline(scales["x"].place(value), color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
         if metric == y:
-            ax.axhline(value, color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
+            ax.axhline(scales["y"].place(value), color="red", linestyle="--", linewidth=1, label=f"{label} {value:.4g}")
 
 
 def _recommended_point(result: Mapping[str, Any], x: str, y: str) -> tuple[float, float] | None:
