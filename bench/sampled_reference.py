@@ -20,10 +20,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
-from bench.real import MODEL_ID, _data, _job, _variant_folder, load, say, score
+from bench.real import MODEL_ID, _job, _variant_folder, bench_data, load, say, score
 from engram_fixtures.live import post_and_wait, start_server, stop_server, wait_for_job
 from engram_fixtures.real_llm import real_llm
 
@@ -38,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=None)
     args = parser.parse_args(argv)
     model_dir = real_llm()
-    data = _data(model_dir, args.data)
+    data = bench_data(model_dir, args.data)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = score(load(model_dir), tokenizer, data, None)
     rows = {"base": base}
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = server.client
             post_and_wait(client, "/models", {"model_id": MODEL_ID, "source": f"file://{model_dir}"}, 1800)
             samples = {"count": args.count, "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "seed": 0}
-            bodies = [
+            bodies: list[dict[str, Any]] = [
                 {"name": TARGET, "role": "target", "records": data.forget},
                 {"name": KEPT, "role": "reference", "records": data.kept},
                 {"name": SELF, "samples": samples},
