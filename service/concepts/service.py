@@ -15,11 +15,11 @@ from typing import Any
 
 from api_schemas import Concept, DatasetReferenceView
 from api_schemas.concepts import ConceptModelState as ModelStateView
+from service.concepts.image_labels import check_records_for
 from service.concepts.plan import plan_collection
 from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
 from service.concepts.sampled import Sampling, as_sampled, drawn_digest
 from service.context import Context
-from service.datasets.images import check_record_kinds
 from service.datasets.refs import StoredReference, content_changed, same_reference
 from service.datasets.spool import SpooledDataset, record_line
 from service.engine.layers import unmatched_suffixes
@@ -140,12 +140,12 @@ def _checked_kinds(
     against every listed model's kind and the template now, not in the job.
 
     Raises:
-        InvalidInput: an image record for a text model (or the reverse); template ``"chat"`` over text records.
+        InvalidInput: a record of the kind a model does not read, or a label it lacks; template ``"chat"`` over text.
     """
     kinds = dataset.kinds if dataset is not None else frozenset()
     if dataset is not None:
         for model_id, manifest in manifests.items():
-            check_record_kinds(dataset.first, model_id, manifest.kind)
+            check_records_for(dataset, model_id, manifest)  # the kind; an image model's labels
     if reference is not None and "messages" in (reference.columns or {}):
         kinds = frozenset({"messages"})
     if template == "chat" and "text" in kinds:

@@ -61,6 +61,9 @@ class SpooledDataset:
     size: int = 0  # its stored bytes
     # kind -> the first record of that kind, named as messages name it ("record 3", "dataset row 7")
     first: Mapping[str, str] = field(default_factory=dict)
+    # each image label it holds -> the first record with it, named as ``first`` names them: the
+    # submission checks them against each image model's classes (a job would fail on the first)
+    labels: Mapping[int | str, str] = field(default_factory=dict)
 
 
 class DatasetSpool:
@@ -90,6 +93,7 @@ class DatasetSpool:
         self.path, self.max_records = path, max_records
         self.max_image_pixels = max_image_pixels
         self.first: dict[str, str] = {}
+        self.labels: dict[int | str, str] = {}
         self.max_bytes, self.limit_name = max_bytes, limit_name
         self.max_record_bytes = max_record_bytes
         self.count = 0
@@ -137,6 +141,8 @@ class DatasetSpool:
         self._sha.update(line)
         self._file.write(line)
         self.first.setdefault(record.kind, record_name(named))
+        if isinstance(record, ImageRecord) and record.label is not None:
+            self.labels.setdefault(record.label, record_name(named))
         self.count += 1
         self.kinds.add(record.kind)
 
@@ -145,7 +151,8 @@ class DatasetSpool:
         self._file.close()
         if self.count == 0:
             raise InvalidInput("the dataset has no records")
-        return SpooledDataset(self.path, self._sha.hexdigest(), self.count, frozenset(self.kinds), self.size, self.first)
+        kinds = frozenset(self.kinds)
+        return SpooledDataset(self.path, self._sha.hexdigest(), self.count, kinds, self.size, self.first, self.labels)
 
 
 def record_too_large(where: str, size: int, limit: int, *, at_least: bool = False) -> PayloadTooLarge:

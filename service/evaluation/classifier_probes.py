@@ -19,15 +19,14 @@ The module is torch-free: the API process reads the model's ``config.json``, nev
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from api_schemas.evaluation import CLASSIFIER_SETS
 from service.context import Context
 from service.datasets.images import IMAGE_FIELD, check_image_file, read_image_record
-from service.engine.model_files import ModelSourceError, read_side_json
 from service.errors import Conflict, InvalidInput, NotFound
 from service.evaluation.retain_model import RetainModelRef
+from service.models.classes import model_classes
 from service.models.record import ModelRecord
 from service.models.registry import find_model, get_model
 from service.variants.service import find_variant_request, variant_view
@@ -63,26 +62,6 @@ def check_probe_kinds(probes: Mapping[str, Sequence[Mapping[str, Any]]], model: 
                 f"({model.architecture}): its probes are prompt + completion or messages; image probes are for "
                 "image classifiers"
             )
-
-
-def model_classes(model: ModelRecord) -> dict[int, str] | None:
-    """The model's classes (``config.json``'s ``id2label``, ids as ints), or None when this process
-    cannot read its folder (a remote registration's copy lives with the workers: the job checks)."""
-    try:
-        config = read_side_json(Path(model.path), "config.json")
-    except (ModelSourceError, OSError):
-        return None
-    return classes_of_config(config)
-
-
-def classes_of_config(config: Mapping[str, Any]) -> dict[int, str]:
-    """``id2label`` with int ids; transformers' default (``num_labels`` classes ``LABEL_i``, 2 when
-    unset) when the config has none."""
-    labels = config.get("id2label")
-    if isinstance(labels, dict) and labels:
-        return {int(k): str(v) for k, v in labels.items()}
-    count = int(config.get("num_labels") or 2)
-    return {i: f"LABEL_{i}" for i in range(count)}
 
 
 def check_image_probes(

@@ -65,7 +65,7 @@ def post(api: httpx.Client, name: str, model: str, records: list[dict[str, Any]]
 
 
 def test_text_record_for_an_image_model_is_422_naming_it(server: LiveServer) -> None:
-    records = [digit_record(0), digit_record(1), {"text": "the digit zero"}]
+    records: list[dict[str, Any]] = [digit_record(0), digit_record(1), {"text": "the digit zero"}]
     with unchanged(server):
         response = post(server.client, "zero-mixed", VIT, records)
         assert_problem(response, 422, "record 2 is a text record", f"model {VIT} is an image model")
@@ -90,6 +90,24 @@ def test_an_image_concept_for_both_kinds_names_the_text_model(server: LiveServer
             "/concepts", json={"name": "zero-both", "models": [VIT, LLAMA], "records": [digit_record(0, "JPEG")]}
         )
         assert_problem(response, 422, "record 0 is an image record", f"model {LLAMA} is a text model")
+
+
+def test_a_label_the_classifier_lacks_is_422_naming_the_record_and_its_classes(server: LiveServer) -> None:
+    # the tiny ViT has 10 classes, class_0 … class_9: "zero" and 99 are neither a name nor an id of it
+    # (before, the concept was accepted and its collection job failed on the label)
+    with unchanged(server):
+        named = post(server.client, "zero-named", VIT, [digit_record(0, label="class_0"), digit_record(0, label="zero")])
+        assert_problem(named, 422, "record 1: 'label' 'zero' is no class name of model images/vit", "'class_0'")
+        numbered = post(server.client, "zero-numbered", VIT, [digit_record(0, label=99)])
+        assert_problem(numbered, 422, "record 0: 'label' 99 is no class of model images/vit (ids 0 to 9)")
+
+
+def test_an_uploaded_label_the_classifier_lacks_is_422_naming_the_line(server: LiveServer) -> None:
+    lines = [digit_record(0, label=0), digit_record(1, label="class_1"), digit_record(2, label=10)]
+    files = {"dataset": ("digits.jsonl", jsonl(lines), "application/jsonl")}
+    with unchanged(server):
+        response = server.client.post("/concepts", data={"name": "digits-upload", "models": VIT}, files=files)
+        assert_problem(response, 422, "dataset line 3: 'label' 10 is no class of model images/vit (ids 0 to 9)")
 
 
 def test_decompression_bomb_is_413_naming_the_record(server: LiveServer) -> None:
