@@ -72,7 +72,7 @@ from api_schemas.evaluation import (
     ProbeScore,
     ProbeSummary,
 )
-from api_schemas.health import Health, Readiness
+from api_schemas.health import Health, Identity, Readiness
 from api_schemas.job_kinds import JOB_MODELS, CalibrateJob, EvaluateJob, GenerateJob
 from api_schemas.jobs import Job, JobProgress, JobResult
 from api_schemas.maps import ConceptMap, EngramMap, MapLayer, MapLeftOut
@@ -143,6 +143,7 @@ __all__ = [
     "GeneratedText",
     "GenerationResult",
     "Health",
+    "Identity",
     "JOB_MODELS",
     "Job",
     "JobProgress",

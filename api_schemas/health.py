@@ -1,4 +1,4 @@
-"""Liveness and readiness: ``GET /healthz`` and ``GET /readyz``."""
+"""Liveness, readiness and the caller's identity: ``GET /healthz``, ``GET /readyz``, ``GET /whoami``."""
 
 from __future__ import annotations
 
@@ -31,4 +31,19 @@ class Readiness(DictReadable):
             "embedded mode: `starting` while the job process imports the job bodies (a job submitted "
             "meanwhile waits in the queue), then `ready` (absent in distributed mode)"
         ),
+    )
+
+
+class Identity(DictReadable):
+    """Who the service takes the caller for: what a client (or the console) may offer its user."""
+
+    auth: bool = Field(description="whether the service checks API keys (ENGRAM_API_KEYS is set)")
+    key: str | None = Field(
+        default=None,
+        description="the key's fingerprint (`key-` and 12 hex digits of its SHA-256), as the audit log and "
+        "records name it; null without auth",
+    )
+    scope: Literal["read", "write", "admin"] = Field(
+        description="what the key may do: `read` may GET; `write` may also POST/DELETE models, concepts and "
+        "variants; `admin` everything. Without auth every caller is `admin`"
     )

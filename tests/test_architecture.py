@@ -98,7 +98,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The kind -> body table, the state machine, the executors (embedded, Celery) and a process's
     # wiring: they run any job, so they sit above every body.
     ("execution", ("service.execution",)),
-    ("the API and the workers", ("service.api", "workers")),
+    ("the API and the workers", ("service.api", "service.console", "workers")),  # the console serves static files
     ("the entry point", ("service.cli",)),
     ("the fixtures of tests, bench and scripts", (FIXTURES,)),
 )

@@ -15,6 +15,7 @@ from service.api.openapi import install_openapi
 from service.api.problems import BodySizeLimit, install_problem_handlers
 from service.api.routes import audit, calibration, concepts, evaluation, jobs, maps, models, ops, universes, variants
 from service.config import Settings, get_settings
+from service.console.mount import install_console
 from service.execution.runtime import build_runtime
 from service.observability import RequestContext
 
@@ -50,4 +51,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (maps, universes, calibration, models, concepts, jobs, variants, evaluation, ops, audit):
         app.include_router(module.router)
     install_openapi(app, settings)
+    install_console(app)
     return app

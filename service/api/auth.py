@@ -22,6 +22,9 @@ checked. That reveals only the configured limit, and no body is read either way.
 Scopes (``admin`` ⊃ ``write`` ⊃ ``read``):
 
 * ``/healthz`` and ``/readyz``: public (load balancers and orchestrators probe them without keys).
+* ``/ui`` and below: public. The console's shell (HTML, CSS, JavaScript shipped in the package) holds
+  no data: a browser cannot send a bearer key with a page load, so the page asks for the key and every
+  request its script makes carries it, under the same scopes as any client's (service/console).
 * ``GET /audit``: ``admin`` (the audit log names every key's requests).
 * ``GET``/``HEAD`` of anything else: ``read``. That includes ``/docs``, ``/redoc``,
   ``/openapi.json`` and ``/metrics``: the API description and the counters are not secret
@@ -69,6 +72,7 @@ SCOPES = ("read", "write", "admin")
 RANK = {name: rank for rank, name in enumerate(SCOPES)}
 MIN_KEY_LENGTH = 16
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+CONSOLE_PATH = "/ui"  # the console's static shell: public, it holds no data (module docstring)
 ADMIN_READ_PATHS = frozenset({"/audit"})  # who did what: not for every reader
 WRITE_PREFIXES = ("/models", "/concepts", "/variants")
 WRITE_METHODS = frozenset({"POST", "DELETE"})
@@ -145,7 +149,7 @@ def may_start_work(principal: Principal) -> bool:
 
 def required_scope(method: str, path: str) -> str | None:
     """The scope a request needs; None for the public probes."""
-    if path in PUBLIC_PATHS:
+    if path in PUBLIC_PATHS or (method in READ_METHODS and _is_console(path)):
         return None
     if path in ADMIN_READ_PATHS:
         return "admin"
@@ -154,6 +158,10 @@ def required_scope(method: str, path: str) -> str | None:
     if method in WRITE_METHODS and any(path == p or path.startswith(p + "/") for p in WRITE_PREFIXES):
         return "write"
     return "admin"
+
+
+def _is_console(path: str) -> bool:
+    return path == CONSOLE_PATH or path.startswith(CONSOLE_PATH + "/")
 
 
 def key_identity(key: str) -> str:

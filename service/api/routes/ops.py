@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from api_schemas import Health, Readiness
+from api_schemas import Health, Identity, Readiness
+from service.api.auth import request_principal
 from service.api.deps import ContextDep, LanesDep
 from service.context import Context
 from service.errors import ServiceUnavailable
@@ -21,6 +22,14 @@ router = APIRouter(tags=["operations"])
 async def healthz() -> dict[str, str]:
     """The process is up (answered on the event loop: busy threads cannot delay it)."""
     return {"status": "ok"}
+
+
+@router.get("/whoami", response_model=Identity)
+def whoami(request: Request, ctx: ContextDep) -> Identity:
+    """The caller's key fingerprint and scope, so a client (the console) offers only what the key may do."""
+    principal = request_principal(request)
+    auth = ctx.settings.api_keys is not None
+    return Identity.model_validate({"auth": auth, "key": principal.key_id if auth else None, "scope": principal.scope})
 
 
 @router.get("/readyz", response_model=Readiness, response_model_exclude_none=True)
