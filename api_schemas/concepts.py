@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from api_schemas.common import CONCEPT_NAME_PATTERN, Strict
 from api_schemas.jobs import Job
+from api_schemas.provenance import CreationMetadata, MetadataFields
 from api_schemas.records import RECORD_SCHEMA, DatasetReference, DatasetReferenceView
 
 
@@ -20,7 +21,7 @@ class SampleRequest(Strict):
     seed: int = Field(default=0, ge=0, le=2**63 - 1, description="the same seed draws the same texts on one machine")
 
 
-class ConceptCreate(Strict):
+class ConceptCreate(Strict, MetadataFields):
     model_config = ConfigDict(
         json_schema_extra={"oneOf": [{"required": ["records"]}, {"required": ["dataset"]}, {"required": ["samples"]}]}
     )
@@ -135,7 +136,7 @@ class ConceptModelState(BaseModel):
     )
 
 
-class Concept(BaseModel):
+class Concept(CreationMetadata):
     name: str
     role: Literal["target", "reference"]
     description: str | None = None

@@ -9,9 +9,10 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from api_schemas.common import MODEL_ID_PATTERN, SOURCE_PATTERN, Strict
+from api_schemas.provenance import CreationMetadata, MetadataFields
 
 
-class ModelCreate(Strict):
+class ModelCreate(Strict, MetadataFields):
     model_id: str = Field(pattern=MODEL_ID_PATTERN, max_length=200, examples=["demo/tiny-llama"])
     source: str = Field(
         max_length=2000,
@@ -62,7 +63,7 @@ class Layer(BaseModel):
     )
 
 
-class Model(BaseModel):
+class Model(CreationMetadata):
     model_id: str
     source: str
     digest: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -97,6 +98,9 @@ class Settings(BaseSettings):
     # A variant not downloaded (or created) within this many seconds is deleted by the janitor; 0
     # (the default): kept until deleted. The same request builds it again under the same ID.
     variant_retention_s: float = Field(default=0, ge=0)
+    # Audit entries older than this many days are deleted by the janitor (service/storage/audit_retention.py);
+    # 0 (the default): the audit log is kept for good. Days, as audit policies are stated (90, 365).
+    audit_retention_days: float = Field(default=0, ge=0)
     # Ed25519 private key that signs variant receipts (GET /variants/{id}/receipt): a path to a PEM
     # file, or the PEM itself. Unset: receipts are served unsigned and say so.
     receipt_signing_key: str | None = None
@@ -234,6 +238,20 @@ class Settings(BaseSettings):
     # callbacks, at the cost of 8 idle threads, and stays far below any receiver's connection limit.
     callback_concurrency: int = Field(default=8, ge=1, le=64)
 
+    # MLflow tracking (docs/how-to/callbacks.md): set to a tracking server's URI (http://mlflow:5000),
+    # each variant built and each evaluation is logged as a run there by the worker that ran it, with
+    # its options, metrics, receipt and model card; unset (the default): nothing is logged. Needs the
+    # optional extra engram-service[mlflow]. A run that cannot be logged never fails its job: the job's
+    # result says so in `tracking`, and the worker logs a WARNING.
+    mlflow_tracking_uri: str | None = None
+    # The MLflow experiment the runs go to (created on first use).
+    mlflow_experiment: str = Field(default="engram-service", min_length=1, max_length=500)
+    # How long one request to the tracking server may take before the run is given up (two retries).
+    mlflow_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    # The URL clients reach this API at (https://engram.example.com): tracked runs link to the
+    # variant, its receipt, model card and jobs there. Unset: the links are paths (/variants/<id>).
+    public_url: str | None = None
+
     @field_validator("storage_url")
     @classmethod
     def _storage_scheme(cls, value: str) -> str:
@@ -268,6 +286,28 @@ class Settings(BaseSettings):
         if value and urlparse(value).scheme not in {"redis", "rediss"}:
             raise ValueError(f"ENGRAM_BROKER_URL must be redis://host:port/db, got {value!r}")
         return value or None
+
+    @field_validator("mlflow_tracking_uri", "public_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # An empty ENGRAM_MLFLOW_TRACKING_URI= (docker-compose's ${...:-}) means unset.
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url_is_http(cls, value: str | None) -> str | None:
+        if value is not None and urlparse(value).scheme not in {"http", "https"}:
+            raise ValueError(f"ENGRAM_PUBLIC_URL must be an http:// or https:// URL, got {value!r}")
+        return value.rstrip("/") if value is not None else None
+
+    @model_validator(mode="after")
+    def _mlflow_is_installed(self) -> Settings:
+        if self.mlflow_tracking_uri and importlib.util.find_spec("mlflow") is None:
+            raise ValueError(
+                "ENGRAM_MLFLOW_TRACKING_URI is set but the MLflow client is not installed: "
+                "pip install 'engram-service[mlflow]', or unset ENGRAM_MLFLOW_TRACKING_URI"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dataset_buckets_are_buckets(self) -> Settings:

@@ -74,7 +74,10 @@ FIXTURES = "engram_fixtures"
 # layer and of the layers below, never above. A name covers its package; the longest name that
 # covers a module decides its layer, and the bare ``service`` package is itself only.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("the contract and settings", ("api_schemas", "service", "service.config", "service.errors", "service.observability")),
+    (
+        "the contract and settings",
+        ("api_schemas", "service", "service.config", "service.errors", "service.metadata", "service.observability"),
+    ),
     ("the engine", ("service.engine",)),
     ("storage", ("service.storage",)),
     # The jobs' records and duties (store, progress, leases, callbacks, reconcile, presence): what

@@ -12,8 +12,10 @@ a crash) and the request ID they are logged with; a FastAPI dependency would mis
 
 Where: one small immutable object per request, ``audit/<date>/<time>-<request id>-<nonce>.json``
 (:func:`service.storage.keys.audit_key`), written with the storage's atomic put. The log is
-append-only by construction (nothing here rewrites or deletes an object), works alike on file://
-and s3://, and a crash loses at most the entry of the request it interrupted, never another entry.
+append-only by construction (nothing here rewrites or deletes an object; only the retention rule,
+``ENGRAM_AUDIT_RETENTION_DAYS``, off by default, deletes entries past their age:
+:mod:`service.storage.audit_retention`), works alike on file:// and s3://, and a crash loses at
+most the entry of the request it interrupted, never another entry.
 The entry is written before the response's last body chunk is sent, so a client that got its
 answer finds the entry (the answer waits at most ``_STORE_WAIT_S`` for it). A store that cannot
 take it (S3 down) does not fail the request: the entry still goes to the ``engram.audit`` logger

@@ -43,11 +43,15 @@ class ConceptRecord(StoredRecord):
         samples: how its one model draws its texts, for a concept posted with ``samples`` (its
             dataset digest is None until its collection job drew them).
         models: model ID -> its collection.
+        created_by, labels, reason: the key (fingerprint) whose request created it and what that
+            request said about it; absent from a concept stored before they were recorded (None).
     """
 
     record_name: ClassVar[str] = "concept"
     # Keys a concept's document leaves out, rather than writes as null, when they have no value.
-    absent_when_none: ClassVar[frozenset[str]] = frozenset({"dataset", "template", "samples"})
+    absent_when_none: ClassVar[frozenset[str]] = frozenset(
+        {"dataset", "template", "samples", "created_by", "labels", "reason"}
+    )
 
     format_version: int = FORMAT_VERSION
     name: str
@@ -60,6 +64,9 @@ class ConceptRecord(StoredRecord):
     dataset: StoredReference | None = None
     template: str | None = None
     samples: Sampling | None = None
+    created_by: str | None = None
+    labels: dict[str, str] | None = None
+    reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored document: the keys concepts always had (no ``dataset``/``template`` when none)."""

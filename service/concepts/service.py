@@ -15,6 +15,7 @@ from typing import Any
 
 from api_schemas import Concept, DatasetReferenceView
 from api_schemas.concepts import ConceptModelState as ModelStateView
+from api_schemas.provenance import MetadataFields
 from service.concepts.image_labels import check_records_for
 from service.concepts.plan import plan_collection
 from service.concepts.record import ConceptModelState, ConceptRecord, read_concept
@@ -26,7 +27,7 @@ from service.engine.layers import unmatched_suffixes
 from service.engine.records import Record
 from service.errors import Conflict, InvalidInput, NotFound
 from service.jobs import callbacks
-from service.jobs.admission import admit
+from service.jobs.admission import ANONYMOUS, admit, job_owner
 from service.jobs.records import CollectPayload, JobRecord
 from service.jobs.store import FINISHED, new_job, utc_now
 from service.jobs.submit import attach_callbacks
@@ -48,7 +49,7 @@ def dataset_bytes(records: Sequence[Record]) -> bytes:
 CHAT_KINDS = 'messages records and template "chat"'
 
 
-def submit_concept(  # long: 37 lines are its signature and the docstring of every argument; the body is 24
+def submit_concept(  # long: 38 lines are its signature and the docstring of every argument; the body is 25
     ctx: Context,
     *,
     name: str,
@@ -61,6 +62,7 @@ def submit_concept(  # long: 37 lines are its signature and the docstring of eve
     reference: StoredReference | None = None,
     template: str | None | Any = KEEP,
     samples: Sampling | None = None,  # texts the one model draws (service.concepts.sampled.submitted_samples)
+    meta: MetadataFields | None = None,  # labels and reason: kept by the request that creates the concept
 ) -> tuple[Concept, list[JobRecord]]:
     """Store a concept's records (or its dataset reference) and start one collection per model that lacks one.
 
@@ -101,7 +103,8 @@ def submit_concept(  # long: 37 lines are its signature and the docstring of eve
         _check_chat_templates(kinds, template, concept, manifests)  # before anything is written
         admit(ctx, len(_models_to_collect(ctx, concept, manifests, modules)))
         if concept is None:
-            concept = _new_concept(ctx, name, role, description, dataset, reference, None if template is KEEP else template)
+            chosen = None if template is KEEP else template
+            concept = _new_concept(ctx, name, role, description, dataset, reference, chosen, meta)
             concept = as_sampled(concept, samples, role)
         concept, new_jobs = _plan_collections(ctx, concept, manifests, urls, modules)
         if retired is not None:
@@ -182,8 +185,10 @@ def _new_concept(
     dataset: SpooledDataset | None,
     reference: StoredReference | None,
     template: str | None,
+    meta: MetadataFields | None,
 ) -> ConceptRecord:
-    """A new concept (a target unless ``role`` says otherwise), its records published first."""
+    """A new concept (a target unless ``role`` says otherwise), its records published first; its
+    creator, labels and reason recorded."""
     if dataset is not None:
         key = dataset_key(dataset.digest)
         if not ctx.storage.exists(key):  # content-addressed: another concept may hold the same records
@@ -198,6 +203,9 @@ def _new_concept(
         created_at=utc_now(),
         dataset=reference,
         template=template,
+        created_by=job_owner.get() or ANONYMOUS,
+        labels=dict(meta.labels) if meta is not None and meta.labels else None,
+        reason=meta.reason if meta is not None else None,
     )
 
 
@@ -357,14 +365,6 @@ def concept_names(ctx: Context) -> list[str]:
     return sorted(k.removeprefix(CONCEPTS).removesuffix(".json") for k in keys if k.endswith(".json"))
 
 
-def delete_concept(ctx: Context, name: str) -> None:
-    """Forget a concept. Its statistics stay cached (content-addressed, maybe shared)."""
-    with ctx.lock:
-        _cancel_collections(ctx, get_concept(ctx, name))
-        ctx.storage.delete(concept_key(name))
-        ctx.reads.forget(concept_key(name))
-
-
 def _cancel_collections(ctx: Context, concept: ConceptRecord) -> None:
     for entry in concept.models.values():
         job = ctx.jobs.get(entry.job_id)
@@ -434,8 +434,8 @@ def concept_fields(concept: ConceptRecord, states: Mapping[str, ModelStateView],
         failed = error if status == "failed" else None
         shown = {**reference.model_dump(mode="json"), "digest": digest, "status": status, "error": failed}
         dataset = DatasetReferenceView.model_validate(shown)
-    fields = concept.model_dump(exclude={"format_version", "created_at", "models", "dataset"})
-    return Concept.model_validate({**fields, "dataset": dataset, "models": states})
+    fields = concept.model_dump(exclude={"format_version", "models", "dataset", "labels"})
+    return Concept.model_validate({**fields, "labels": concept.labels or {}, "dataset": dataset, "models": states})
 
 
 # ---------------------------------------------------------------- the concepts an edit is measured against

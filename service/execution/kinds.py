@@ -133,8 +133,12 @@ KINDS: dict[JobKind, Kind] = {
 HELPERS: dict[JobKind, Helper] = {name: kind.helper for name, kind in KINDS.items() if kind.helper is not None}
 
 # What an API process runs every ENGRAM_JANITOR_INTERVAL_S (the janitor's periodic pass), each
-# ``(ctx) -> what it removed``: the universes' and the variants' retention rules.
-DUTIES: tuple[str, ...] = ("service.universes.retention:expire_unused", "service.variants.retention:expire_variants")
+# ``(ctx) -> what it removed``: the universes', the variants' and the audit log's retention rules.
+DUTIES: tuple[str, ...] = (
+    "service.universes.retention:expire_unused",
+    "service.variants.retention:expire_variants",
+    "service.storage.audit_retention:expire_audit",
+)
 Duty = Callable[[Any], list[str]]
 
 

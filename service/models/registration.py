@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from api_schemas.provenance import MetadataFields
 from service.context import Context
 from service.engine.model_checks import check_model_dir
 from service.engine.model_files import ModelSourceError
@@ -23,6 +24,7 @@ from service.jobs.admission import admit
 from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.store import new_job
 from service.models.gguf_source import gguf_file_of
+from service.models.provenance import registration_request
 from service.models.record import ModelRecord
 from service.models.registry import files_changed, find_model
 from service.models.sources import check_model_bucket, check_remote_source, is_remote, local_model_dir
@@ -46,8 +48,10 @@ class Registration:
     created: bool
 
 
-def request_registration(ctx: Context, model_id: str, source: str) -> Registration:
+def request_registration(ctx: Context, model_id: str, source: str, meta: MetadataFields | None = None) -> Registration:
     """The registration when it exists; else start (or follow) the job that registers the model.
+    ``meta``: the request's labels and reason, kept when this request starts the job
+    (:mod:`service.models.provenance`).
 
     Raises:
         Conflict: the ID is registered, or being registered, with another source.
@@ -69,7 +73,7 @@ def request_registration(ctx: Context, model_id: str, source: str) -> Registrati
             return Registration(running, False)  # another request's job: that one answers 201
         admit(ctx)
         job = ctx.jobs.create(new_job("register", RegisterPayload(model_id=model_id, source=source), unit="steps"))
-        ctx.storage.put_json(registration_key(model_id), {"model_id": model_id, "source": source, "job_id": job.job_id})
+        ctx.storage.put_json(registration_key(model_id), registration_request(model_id, source, job.job_id, meta))
     ctx.dispatch(job)
     return Registration(ctx.jobs.get(job.job_id) or job, True)
 

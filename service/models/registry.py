@@ -18,6 +18,7 @@ from urllib.parse import unquote
 from pydantic import ValidationError
 
 from api_schemas import Model
+from api_schemas.provenance import CreationMetadata
 from service.context import Context
 from service.engine.chat import folder_has_chat_template
 from service.engine.layers import LayerSpec
@@ -53,9 +54,12 @@ def files_changed(manifest: ModelRecord) -> bool:
     registered = manifest.registered_identity()
     if registered is None or not manifest.is_local:
         return False
-    if manifest.gguf is not None and gguf_change(manifest.gguf) is not None:
-        return True
     path = Path(manifest.path)
+    if manifest.gguf is not None:
+        if gguf_change(manifest.gguf) is not None:
+            return True
+        if not path.is_dir():  # dequantized in a worker's cache, not this machine's: the file decides
+            return False
     try:
         if path.resolve() != path:
             return True
@@ -132,9 +136,11 @@ def model_view(manifest: ModelRecord) -> dict[str, Any]:
     }
 
 
-def model_answer(manifest: ModelRecord) -> Model:
-    """The model as the routes answer it: the contract's :class:`~api_schemas.Model`."""
-    return Model.model_validate(model_view(manifest))
+def model_answer(manifest: ModelRecord, metadata: CreationMetadata | None = None) -> Model:
+    """The model as the routes answer it: the contract's :class:`~api_schemas.Model`, with who
+    registered it, when and why (:func:`service.models.provenance.model_metadata`) when given."""
+    shown = metadata.model_dump() if metadata is not None else {}
+    return Model.model_validate({**model_view(manifest), **shown})
 
 
 def _layer_view(spec: LayerSpec) -> dict[str, Any]:

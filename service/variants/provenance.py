@@ -21,6 +21,7 @@ from api_schemas.provenance import VariantMetadataFields
 from service.context import Context
 from service.errors import InvalidInput, NotFound
 from service.jobs.admission import ANONYMOUS, job_owner
+from service.metadata import MetadataFilter
 from service.storage.keys import VARIANTS
 from service.storage.records import FORMAT_VERSION, StoredRecord
 
@@ -120,48 +121,25 @@ def now_iso() -> str:
 
 @dataclass(frozen=True)
 class VariantFilter:
-    """What ``GET /variants`` narrows to: a concept among the terms, every label pair, a creation
-    time in ``[created_after, created_before)`` (a variant without a record matches no label or time)."""
+    """What ``GET /variants`` narrows to: a concept among the terms, and the creation metadata
+    (:class:`service.metadata.MetadataFilter`: labels, creator, time)."""
 
     concept: str | None = None
-    labels: tuple[tuple[str, str], ...] = ()
-    created_after: datetime | None = None
-    created_before: datetime | None = None
+    meta: MetadataFilter = MetadataFilter()
 
     @classmethod
     def parse(
-        cls, concept: str | None, labels: Sequence[str], created_after: str | None, created_before: str | None
+        cls,
+        concept: str | None,
+        labels: Sequence[str],
+        created_after: str | None,
+        created_before: str | None,
+        created_by: str | None = None,
     ) -> VariantFilter:
         """The filter of the query's values (a 422 naming the parameter and the form it takes)."""
-        pairs = []
-        for label in labels:
-            key, colon, value = label.partition(":")
-            if not colon or not key:
-                raise InvalidInput(f"label={label!r}: write label=key:value (repeat it for several labels)")
-            pairs.append((key, value))
-        after, before = _instant("created_after", created_after), _instant("created_before", created_before)
-        return cls(concept, tuple(pairs), after, before)
+        return cls(concept, MetadataFilter.parse(labels, created_by, created_after, created_before))
 
     def admits(self, variant: Variant) -> bool:
         if self.concept is not None and self.concept not in variant.terms:
             return False
-        if any(variant.labels.get(k) != v for k, v in self.labels):
-            return False
-        if self.created_after is None and self.created_before is None:
-            return True
-        if variant.created_at is None:
-            return False
-        created = datetime.fromisoformat(variant.created_at)
-        after_ok = self.created_after is None or created >= self.created_after
-        return after_ok and (self.created_before is None or created < self.created_before)
-
-
-def _instant(name: str, value: str | None) -> datetime | None:
-    """An ISO 8601 instant (one without a zone is UTC), or a 422 naming the parameter."""
-    if value is None:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise InvalidInput(f"{name}={value!r} is not an ISO 8601 time (e.g. 2026-11-29T08:00:00Z)") from None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+        return self.meta.admits(variant)

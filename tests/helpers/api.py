@@ -38,7 +38,13 @@ def assert_problem(response: httpx.Response, status: int, *mentions: str) -> dic
 
 
 def register_model(
-    client: httpx.Client, model_id: str, source: str, *, existing_ok: bool = False, timeout: float = 600
+    client: httpx.Client,
+    model_id: str,
+    source: str,
+    *,
+    existing_ok: bool = False,
+    timeout: float = 600,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``POST /models`` and wait for the registration; the model as ``GET /models/{id}`` then shows it.
 
@@ -46,9 +52,9 @@ def register_model(
     the job when it did not (a loaded machine: every test server shares two cores); both are a
     registration started by this request, and a 202's job must succeed. ``existing_ok``: 200 (the
     identical registration was there) passes too. For a test of which of them is answered, post
-    and assert the status yourself.
+    and assert the status yourself. ``fields``: more of the request's body (``labels``, ``reason``).
     """
-    response = client.post("/models", json={"model_id": model_id, "source": source})
+    response = client.post("/models", json={"model_id": model_id, "source": source, **(fields or {})})
     accepted = (200, 201, 202) if existing_ok else (201, 202)
     assert response.status_code in accepted, response.text
     if response.status_code == 202:  # the register job ran past the request's wait

@@ -43,6 +43,13 @@ def job_process(server: LiveServer, timeout: float = 60.0) -> int:
         time.sleep(0.1)
 
 
+def own_job_process() -> int:
+    """The job process of an in-process server (``tests.helpers.app``): this process's spawned child."""
+    found = [pid for pid in children(os.getpid()) if "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def peak_rss_bytes(pid: int) -> int:
     """The process's peak resident set (``VmHWM``) so far."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

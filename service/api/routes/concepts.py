@@ -11,7 +11,10 @@ from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import Concept, ConceptCreate, ConceptSubmission
+from service.api import concept_deletion
+from service.api.auth import request_principal
 from service.api.deps import ContextDep, LanesDep
+from service.api.metadata_query import MetadataDep
 from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.api.request_errors import invalid_input
 from service.api.routes.jobs import job_view
@@ -39,6 +42,8 @@ _MULTIPART_SCHEMA = {
         "callback_url": {"type": "string", "description": "POSTed each collection job when it ends"},
         "modules": {"type": "string", "description": "module-name suffixes to collect, repeated or comma-separated"},
         "template": {"type": "string", "enum": ["chat"], "description": "prompt/completion records as one-turn chats"},
+        "labels": {"type": "string", "description": 'a JSON object of key/value strings, e.g. {"ticket": "T-42"}'},
+        "reason": {"type": "string", "description": "why the concept is made (a deletion request, a ticket)"},
         "dataset": {"type": "string", "format": "binary", "description": "JSONL, one record per line"},
     },
 }
@@ -116,6 +121,7 @@ async def create_concept(request: Request, ctx: ContextDep) -> ConceptSubmission
             reference=reference,
             template=body.template if "template" in body.model_fields_set else concepts.KEEP,
             samples=samples,
+            meta=body,
         )
     return ConceptSubmission(concept=concept, jobs=[job_view(j) for j in jobs])
 
@@ -156,12 +162,23 @@ def _form_fields(form: dict[str, list[str]]) -> dict[str, Any]:
     _require_models(form)
     models = [m.strip() for value in form.get("models", []) for m in value.split(",") if m.strip()]
     fields: dict[str, Any] = {"name": form["name"][-1] if "name" in form else None, "models": models}
-    for optional in ("role", "description", "callback_url", "template"):
+    for optional in ("role", "description", "callback_url", "template", "reason"):
         if optional in form:
             fields[optional] = form[optional][-1]
+    if "labels" in form:
+        fields["labels"] = _form_labels(form["labels"][-1])
     if "modules" in form:
         fields["modules"] = [m.strip() for value in form["modules"] for m in value.split(",") if m.strip()]
     return fields
+
+
+def _form_labels(text: str) -> Any:
+    """The ``labels`` form field: a JSON object (its keys and values are checked as in a JSON body)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        detail = 'the multipart field labels is not JSON: send a JSON object, e.g. -F \'labels={"ticket": "T-42"}\''
+        raise InvalidInput(detail, errors=[{"loc": ["labels"], "msg": detail, "type": "json_invalid"}]) from None
 
 
 def _require_models(form: dict[str, list[str]]) -> None:
@@ -185,12 +202,15 @@ def _validate(schema: type[ConceptCreate], fields: Any) -> ConceptCreate:
 
 
 @router.get("/concepts", response_model=list[Concept], responses=PAGED_HEADERS)
-async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[Concept]:
-    """Concepts by name, with their per-model collection status: one page (``limit``, ``cursor``)."""
+async def list_concepts(ctx: ContextDep, lanes: LanesDep, page: PageDep, meta: MetadataDep) -> list[Concept]:
+    """Concepts by name, with their per-model collection status, narrowed by ``label=key:value``,
+    ``created_by`` and creation time (``created_after`` inclusive, ``created_before`` exclusive): one
+    page (``limit``, ``cursor``)."""
 
     def view(key: SortKey) -> Concept | None:
         concept = concepts.find_concept(ctx, key[0], recent=True)  # None: deleted since it was listed
-        return None if concept is None else concepts.concept_view(ctx, concept)
+        shown = None if concept is None else concepts.concept_view(ctx, concept)
+        return shown if shown is not None and meta.admits(shown) else None
 
     def readable_view(key: SortKey) -> Concept | None:  # one unreadable concept is left out, logged by name
         return skip_unreadable(concept_key(key[0]), lambda: view(key))
@@ -205,8 +225,35 @@ async def get_concept(name: str, ctx: ContextDep, lanes: LanesDep) -> Concept:
     return await lanes.status(lambda: concepts.concept_view(ctx, concepts.get_concept(ctx, name, recent=True)))
 
 
-@router.delete("/concepts/{name}", status_code=204, response_class=Response)
-def delete_concept(name: str, ctx: ContextDep) -> Response:
-    """Delete a concept (cached statistics and built variants stay)."""
-    concepts.delete_concept(ctx, name)
+_DELETE_ANSWERS: dict[int | str, dict[str, Any]] = {
+    204: {"description": "deleted: its record, its statistics and its dataset (those no other concept names)"},
+    403: {"description": "a write key that did not create the concept"},
+    404: {"description": "no such concept: never posted, or deleted already (a repeated DELETE)"},
+    409: {"description": "a job or a stored variant still needs it: `dependents` names each, by kind; nothing was deleted"},
+}
+
+
+@router.delete("/concepts/{name}", status_code=204, response_class=Response, responses=_DELETE_ANSWERS)
+def delete_concept(name: str, request: Request, ctx: ContextDep) -> Response:
+    """Delete a concept and every stored object it owns (admin, or the key that created it): its
+    record, its statistics and its dataset, unless another concept names the same ones. Refused (409,
+    naming them) while a job collects it or reads it, and while a stored variant's universe includes
+    it. A second DELETE is a 404."""
+    concept_deletion.delete_concept(ctx, name, request_principal(request))
+    return Response(status_code=204)
+
+
+_STATISTICS_ANSWERS: dict[int | str, dict[str, Any]] = {
+    **_DELETE_ANSWERS,
+    204: {"description": "deleted: its statistics (on model_id, or every model) and its collections there"},
+    404: {"description": "no such concept, or it has no collection on model_id"},
+}
+
+
+@router.delete("/concepts/{name}/statistics", status_code=204, response_class=Response, responses=_STATISTICS_ANSWERS)
+def delete_statistics(name: str, request: Request, ctx: ContextDep, model_id: str | None = None) -> Response:
+    """Delete a concept's statistics (the per-layer covariances: what it weighs) on ``model_id``, or
+    on every model, and its collections there; the concept and its dataset stay (posting it again
+    with those models collects them anew). The same rules as deleting the concept."""
+    concept_deletion.delete_statistics(ctx, name, request_principal(request), model_id)
     return Response(status_code=204)

@@ -11,11 +11,13 @@ from api_schemas import ComposeRequest, EditOptions, Job, Model, ModelCreate, Un
 from service.api.auth import request_principal
 from service.api.deps import ContextDep, LanesDep
 from service.api.job_answers import unfinished_answer, waited
+from service.api.metadata_query import MetadataDep
 from service.api.model_deletion import delete_model as delete_model_and_owned
-from service.api.pagination import PAGED_HEADERS, PageDep
+from service.api.pagination import PAGED_HEADERS, PageDep, SortKey
 from service.api.routes import variants as variant_routes
 from service.context import Context
 from service.models import registration, registry
+from service.models.provenance import model_metadata
 from service.models.record import ModelRecord
 from service.variants import default_alpha
 from service.variants import service as variants
@@ -52,25 +54,35 @@ async def register_model(
     """Register a checkpoint (201), or return the identical registration (200). A ``register`` job
     hashes and inspects it (and downloads an ``s3://`` or ``hf://`` source first): 202 with the job
     when it takes longer than ``wait``."""
-    answer = await run_in_threadpool(registration.request_registration, ctx, body.model_id, body.source)
+    answer = await run_in_threadpool(registration.request_registration, ctx, body.model_id, body.source, body)
     if isinstance(answer.outcome, ModelRecord):
         response.status_code = 201 if answer.created else 200
-        return registry.model_answer(answer.outcome)
+        return await lanes.status(model_answer, ctx, answer.outcome)
     job = await waited(ctx, lanes, answer.outcome, wait)
     if job.status != "succeeded":
         return unfinished_answer(job, f"the registration of {body.model_id}")
     manifest = await lanes.status(registry.get_model, ctx, body.model_id)
     # 201 for the request that started the job; one that followed it answers 200, as for a registration done
     response.status_code = 201 if answer.created and (job.result or {}).get("created", True) else 200
-    return registry.model_answer(manifest)
+    return await lanes.status(model_answer, ctx, manifest)
+
+
+def model_answer(ctx: Context, manifest: ModelRecord) -> Model:
+    """The model with who registered it, when and why."""
+    return registry.model_answer(manifest, model_metadata(ctx, manifest))
 
 
 @router.get("/models", response_model=list[Model], responses=PAGED_HEADERS)
-async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep) -> list[Model]:
-    """Registered models by ID: one page (``limit``, ``cursor``)."""
+async def list_models(ctx: ContextDep, lanes: LanesDep, page: PageDep, meta: MetadataDep) -> list[Model]:
+    """Registered models by ID, narrowed by ``label=key:value``, ``created_by`` and creation time
+    (``created_after`` inclusive, ``created_before`` exclusive): one page (``limit``, ``cursor``)."""
     found = {m.model_id: m for m in await lanes.status(registry.list_models, ctx)}
-    items, next_key = page.select(((i,) for i in sorted(found)), lambda key: registry.model_answer(found[key[0]]))
-    return page.answer(items, next_key)
+
+    def view(key: SortKey) -> Model | None:
+        shown = model_answer(ctx, found[key[0]])
+        return shown if meta.admits(shown) else None
+
+    return page.answer(*await lanes.status(page.select, [(i,) for i in sorted(found)], view))
 
 
 @router.post("/models/{model_id:path}/unlearn", response_model=VariantSubmission, status_code=202)
@@ -113,7 +125,7 @@ async def list_variants(model_id: str, ctx: ContextDep, lanes: LanesDep, page: P
 @router.get("/models/{model_id:path}", response_model=Model)
 async def get_model(model_id: str, ctx: ContextDep, lanes: LanesDep) -> Model:
     """One model and its editable layers."""
-    return registry.model_answer(await lanes.status(registry.get_model, ctx, model_id))
+    return await lanes.status(lambda: model_answer(ctx, registry.get_model(ctx, model_id)))
 
 
 _DELETE_REFUSALS: dict[int | str, dict[str, Any]] = {

@@ -12,6 +12,7 @@ from api_schemas import Variant
 from api_schemas.variants import ReceiptKey, VariantReceipt
 from service.api.auth import request_principal
 from service.api.deps import ContextDep, LanesDep
+from service.api.metadata_query import MetadataDep
 from service.api.pagination import PAGED_HEADERS, Page, PageDep, SortKey
 from service.context import Context
 from service.errors import NotFound, ProblemError
@@ -36,24 +37,18 @@ class RangeNotSatisfiable(ProblemError):
         self.headers = {"Content-Range": f"bytes */{size}", "Accept-Ranges": "bytes"}
 
 
-LabelQuery = Annotated[list[str] | None, Query(description="key:value; repeated: every pair must match")]
-TimeQuery = Annotated[str | None, Query(description="ISO 8601 (UTC when no zone is given)")]
-
-
 @router.get("/variants", response_model=list[Variant], responses=PAGED_HEADERS)
 async def list_variants(
     ctx: ContextDep,
     lanes: LanesDep,
     page: PageDep,
+    meta: MetadataDep,
     model_id: str | None = None,
     concept: Annotated[str | None, Query(description="a concept among the variant's terms")] = None,
-    label: LabelQuery = None,
-    created_after: TimeQuery = None,
-    created_before: TimeQuery = None,
 ) -> list[Variant]:
-    """Variants by ID, narrowed by ``model_id``, ``concept``, ``label=key:value`` and creation time
-    (``created_after`` inclusive, ``created_before`` exclusive): one page (``limit``, ``cursor``)."""
-    narrowed = VariantFilter.parse(concept, label or [], created_after, created_before)
+    """Variants by ID, narrowed by ``model_id``, ``concept``, ``label=key:value``, ``created_by`` and
+    creation time (``created_after`` inclusive, ``created_before`` exclusive): one page (``limit``, ``cursor``)."""
+    narrowed = VariantFilter(concept, meta)
     return page.answer(*await lanes.status(variants_page, ctx, page, model_id, narrowed))
 
 
