@@ -15,7 +15,7 @@ import pytest
 
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job
-from tests.helpers.api import assert_problem, unchanged
+from tests.helpers.api import READ_CACHE_S, assert_problem, unchanged
 
 MODEL = "cal/tiny"
 FACTS = make_facts(40, seed=11)
@@ -179,3 +179,43 @@ def test_a_data_weighted_calibration_shows_the_maps_strengths_and_builds_them_in
         assert scored.json()["result"]["summary"]["variant"][split]["mean_nll"] == pytest.approx(
             chosen[split]["mean_nll"], rel=1e-5
         )
+
+
+def test_the_calibrations_list_pages_filters_by_model_and_shows_each_recommendations_headline(
+    api: httpx.Client,
+) -> None:
+    """``GET /calibrations``: each calibration once across pages, the model filter (404 for an unknown
+    model), and, once done, the count of candidates and the recommendation's headline as the full
+    result gives it."""
+    request = body(module_sets=["all"], scalings=["uniform"], max_retain_nll_ratio=1e4, budget=2)
+    submitted = api.post(f"/models/{MODEL}/calibrate", json=request)
+    assert submitted.status_code in (200, 202), submitted.text
+    calibration_id = submitted.json()["calibration_id"]
+    assert wait_for_job(api, submitted.json()["job"]["job_id"], timeout=300)["status"] == "succeeded"
+    time.sleep(READ_CACHE_S)  # the listing is served as of at most a second ago
+
+    listed = api.get("/calibrations", params={"model_id": MODEL})
+    assert listed.status_code == 200, listed.text
+    entries = {c["calibration_id"]: c for c in listed.json()}
+    assert all(c["model_id"] == MODEL for c in entries.values())
+    entry, full = entries[calibration_id], api.get(f"/calibrations/{calibration_id}").json()
+    assert entry["status"] == "succeeded" and entry["concepts"] == ["cal-forget"]
+    assert entry["job_id"] == submitted.json()["job"]["job_id"] and entry["created_at"]
+    assert entry["universe_id"] == full["universe_id"]
+    assert entry["candidates"] == full["result"]["evaluations"] == len(full["result"]["candidates"])
+    recommended = full["result"]["recommended"]
+    assert recommended is not None, full["result"]["note"]  # a bound of 1e4 admits every candidate
+    headline = {k: recommended[k] for k in entry["recommended"]}
+    assert entry["recommended"] == headline and headline["variant_id"] == recommended["variant_id"]
+
+    paged, cursor = [], None
+    while True:
+        page = api.get("/calibrations", params={"limit": 1, **({"cursor": cursor} if cursor else {})})
+        assert page.status_code == 200 and len(page.json()) <= 1, page.text
+        paged += [c["calibration_id"] for c in page.json()]
+        cursor = page.headers.get("X-Next-Cursor")
+        if cursor is None:
+            break
+    assert paged == sorted(set(paged)) and set(entries) <= set(paged)
+    assert_problem(api.get("/calibrations", params={"model_id": "no/such-model"}), 404, "no/such-model")
+    assert_problem(api.get("/calibrations", params={"cursor": "nonsense"}), 400, "cursor")

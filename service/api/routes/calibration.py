@@ -7,10 +7,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response
 
 from api_schemas import CalibrateRequest, Calibration, CalibrationSubmission
+from api_schemas.calibration_list import CalibrationSummary
 from service.api.deps import ContextDep, LanesDep
+from service.api.pagination import PAGED_HEADERS, Page, PageDep, SortKey
 from service.api.routes.jobs import job_view
+from service.calibration import listing
 from service.calibration import service as calibration
 from service.calibration.deletion import delete_calibration as delete_calibration_records
+from service.context import Context
 
 router = APIRouter(tags=["calibration"])
 _PNG: dict[int | str, dict[str, Any]] = {
@@ -33,6 +37,25 @@ def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: 
     calibration_id, job, finished = calibration.submit_calibration(ctx, model_id, body)
     response.status_code = 200 if finished else 202
     return CalibrationSubmission(calibration_id=calibration_id, job=job_view(job))
+
+
+@router.get("/calibrations", response_model=list[CalibrationSummary], responses=PAGED_HEADERS)
+async def list_calibrations(
+    ctx: ContextDep,
+    lanes: LanesDep,
+    page: PageDep,
+    model_id: Annotated[str | None, Query(max_length=256, description="only this model's (404: not registered)")] = None,
+) -> list[CalibrationSummary]:
+    """Calibrations by ID, each with its model, concepts, status and creation time and, once it
+    succeeded, its candidates' count and its recommendation's headline (options, NLL ratios, exact
+    match, variant): one page (``limit``, ``cursor``). The whole result is ``GET /calibrations/{id}``."""
+    return page.answer(*await lanes.status(_calibrations_page, ctx, page, model_id))
+
+
+def _calibrations_page(ctx: Context, page: Page, model_id: str | None) -> tuple[list[CalibrationSummary], SortKey | None]:
+    """Only the page's calibrations (and one more, and those of other models) are read."""
+    ids = listing.calibration_ids(ctx, model_id)
+    return page.select(((i,) for i in ids), lambda key: listing.calibration_summary(ctx, key[0], model_id))
 
 
 @router.get("/calibrations/{calibration_id}", response_model=Calibration)
