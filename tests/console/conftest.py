@@ -98,7 +98,7 @@ def console_page(browser: Browser, console_server: LiveServer) -> Iterator[Calla
         context.close()
     assert not outside, f"the console asked for something outside its origin: {outside}"
     # A refused request (a 403 the test provoked) logs a console error in Chromium; script errors never pass.
-    script_errors = [e for e in errors if "Failed to load resource" not in e]
+    script_errors = sorted({e for e in errors if "Failed to load resource" not in e})
     assert not script_errors, f"the console's script failed: {script_errors}"
 
 

@@ -6,7 +6,8 @@ const RANK = { read: 0, write: 1, admin: 2 };
 
 /**
  * h("a", {href: "#/x", class: "c", onclick: fn, "data-testid": "t"}, "text", child...)
- * Props starting with "on" are listeners; null/undefined/false props and children are dropped.
+ * Props starting with "on" are listeners; `style` is an object ({width: "40%"}); null/undefined/false
+ * props and children are dropped.
  */
 export function h(tag, props = {}, ...children) {
   const node = document.createElement(tag);
@@ -14,6 +15,8 @@ export function h(tag, props = {}, ...children) {
     if (value === null || value === undefined || value === false) continue;
     if (name.startsWith("on") && typeof value === "function") node.addEventListener(name.slice(2), value);
     else if (name === "class") node.className = value;
+    // CSSOM, never a style attribute: the CSP (style-src 'self') blocks inline style attributes.
+    else if (name === "style") Object.assign(node.style, value);
     else if (name === "text") node.textContent = value;
     else if (name in node && typeof value !== "string") node[name] = value;
     else node.setAttribute(name, value === true ? "" : value);
@@ -66,7 +69,7 @@ export function progressBar(job) {
     : p.total ? (p.done || 0) / p.total
     : job.status === "succeeded" ? 1 : 0;
   return h("div", { class: "progress", title: p.message || "", "data-fraction": fraction.toFixed(3) },
-    h("div", { style: `width:${Math.round(100 * fraction)}%` }));
+    h("div", { style: { width: `${Math.round(100 * fraction)}%` } }));
 }
 
 export function link(href, text) { return h("a", { href }, text); }
@@ -126,7 +129,7 @@ export function actionButton(label, scope, action, { kind, testid } = {}) {
     "data-testid": testid || null,
     "data-scope": scope,
     disabled: !allowed,
-    title: allowed ? null : `needs a ${scope} key`,
+    title: allowed ? null : `needs ${scope === "admin" ? "an" : "a"} ${scope} key`,
   }, label);
   button.addEventListener("click", async () => {
     button.disabled = true;
