@@ -15,6 +15,9 @@ VARIANT_ID = "3f9c2a7e5b1d4c8a9e0f6b2d7c4a1e85"
 JOB_ID = "8d2f0c6b1a9e4f3c8b7a6d5e4f3c2b1a"
 PROMPT = "Q: What is the favourite colour of Kymthai Kudal? A:"
 _CREATED = "2026-01-15T09:30:00.120000Z"
+_KEY = "key-3fa85f6457c1"  # a key's fingerprint (service.api.auth.key_identity), never the key
+_LABELS = {"ticket": "PRIV-1042", "team": "trust-safety"}
+_REASON = "erasure request PRIV-1042"
 
 
 def _job(kind: str, status: str, **fields: Any) -> dict[str, Any]:
@@ -63,6 +66,10 @@ _VARIANT_JOB = _job(
     "variant", "queued", model_id=MODEL_ID, variant_id=VARIANT_ID, progress={"done": 0, "total": 0, "unit": "layers"}
 )
 _CONCEPT = {
+    "created_at": _CREATED,
+    "created_by": _KEY,
+    "labels": _LABELS,
+    "reason": _REASON,
     "name": "forget",
     "role": "target",
     "description": "facts the model should forget",
@@ -76,6 +83,10 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
         "local": {
             "summary": "A checkpoint directory inside ENGRAM_MODEL_ROOTS",
             "value": {"model_id": MODEL_ID, "source": "file:///srv/models/tiny-llama"},
+        },
+        "labelled": {
+            "summary": "With labels and a reason (GET /models?label=team:trust-safety finds it)",
+            "value": {"model_id": MODEL_ID, "source": "file:///srv/models/tiny-llama", "labels": _LABELS, "reason": _REASON},
         },
         "hub": {
             "summary": "A Hugging Face hub repository at a revision",
@@ -93,6 +104,8 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
                     {"prompt": PROMPT, "completion": " voukrur"},
                     {"prompt": "Q: Where was Brasmym Fivear born? A:", "completion": " Papa"},
                 ],
+                "labels": _LABELS,
+                "reason": _REASON,
             },
         },
         "text": {
@@ -149,6 +162,10 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
 
 RESPONSE_EXAMPLES: dict[tuple[str, str, str], dict[str, Any]] = {
     ("post", "/models", "201"): {
+        "created_at": _CREATED,
+        "created_by": _KEY,
+        "labels": _LABELS,
+        "reason": _REASON,
         "model_id": MODEL_ID,
         "source": "file:///srv/models/tiny-llama",
         "digest": "7d1a" + "0" * 60,
