@@ -30,7 +30,7 @@ help:
 	@echo "make distributed-stop stop what make distributed started"
 	@echo "make lint             ruff check, ruff format --check, mypy (what CI runs before the tests)"
 	@echo "make format           ruff format + ruff check --fix"
-	@echo "make bench            the performance goals (bench/README.md); BENCH_ARGS=--quick for a smoke run"
+	@echo "make bench            the performance goals, then the real-model and mini-TOFU robustness tables, quick plans (bench/README.md); BENCH_ARGS=--quick: the goals' smoke run"
 	@echo "make api-docs         regenerate docs/API.md and docs/settings.md (the OpenAPI document, the settings class)"
 	@echo "make docs             build the documentation site into site/ (mkdocs, offline, --strict: broken links fail)"
 	@echo "make validate-deploy  docker-compose.yml, Dockerfiles and k8s/ checked without Docker or a cluster"
@@ -116,10 +116,15 @@ test: test-deps install
 test-fast: install
 	$(PY) -m pytest -q -m fast --durations=20
 
-# Performance goals of issue 4 (bench/README.md): prints a table, writes bench/results/latest.json.
-# BENCH_ARGS=--quick for a smoke run on the tiny model only.
+# Performance goals of issue 4 (bench/README.md): prints a table, writes bench/results/latest.json
+# (BENCH_ARGS=--quick: a smoke run on the tiny model only). Then the forgetting and robustness tables
+# of issues 36-37, quick plans, one thread (docs/real-model.md): SmolLM2-135M (bench.real --quick
+# --robustness) and mini-TOFU (bench.tofu_robustness --quick).
 bench: install
 	$(PY) -m bench.run $(BENCH_ARGS)
+	mkdir -p bench/results
+	OMP_NUM_THREADS=1 $(PY) -m bench.real --quick --robustness --threads 1 --json bench/results/real-quick.json --data bench/results/real-data.json
+	OMP_NUM_THREADS=1 $(PY) -m bench.tofu_robustness --quick --threads 1 --json bench/results/tofu-robustness-quick.json
 
 # The gates CI runs before the tests: lint, formatting, types (pyproject.toml configures each).
 lint: install
