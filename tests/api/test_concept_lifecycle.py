@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from engram_fixtures.demo import make_facts
 from engram_fixtures.live import wait_concepts_ready, wait_for_job
 from service.api.auth import key_identity
+from service.observability import _json_formatter
 from service.storage.keys import audit_key
 from tests.helpers.api import assert_problem, jsonl, register_model
 from tests.helpers.app import InProcessServer, another_client, in_process_server
@@ -354,6 +355,11 @@ def test_every_audit_entry_is_one_log_line_and_no_secret_is_in_either(world: Wor
     mine = [e for e in entries if e["request_id"] in {line["request_id"] for line in logged}]
     assert len(logged) == len(mine) >= 3  # each entry once in the log: the POST, the DELETE, the 401
     assert sorted(json.dumps(e, sort_keys=True) for e in mine) == sorted(json.dumps(e, sort_keys=True) for e in logged)
+    formatter = _json_formatter()  # what ENGRAM_LOG_FORMAT=json writes: one JSON object per line
+    for record in (r for r in world.lines.records[start:] if r.name == "engram.audit"):
+        line = formatter.format(record)
+        assert "\n" not in line
+        assert json.loads(json.loads(line)["message"]) == json.loads(record.getMessage())
     deletion = next(e for e in logged if e["method"] == "DELETE")
     assert (deletion["key"], deletion["status"], deletion["route"]) == (world.who("write"), 204, "/concepts/{name}")
 
