@@ -9,7 +9,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.attacks import Attack, check_attacks
 from api_schemas.common import MODEL_ID_PATTERN, Strict, exactly_one_of
-from api_schemas.jobs import JobResult
+from api_schemas.jobs import JobResult, TrackingRun
 from api_schemas.records import CONVERSATION_RULES, ChatMessage, check_conversation
 
 IMAGE_PROBE_FIELDS = ("image", "label")
@@ -408,6 +408,12 @@ class EvaluationResult(JobResult):
         default=None,
         exclude_if=lambda v: v is None,
         description="attack name (quantize:Q4_1, relearn, rephrase:no_template) -> its scores; with attacks",
+    )
+    tracking: TrackingRun | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="with ENGRAM_MLFLOW_TRACKING_URI: the evaluation's MLflow run, or why it could not be logged "
+        "(the evaluation is kept either way); absent when answered from storage",
     )
 
 

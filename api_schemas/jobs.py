@@ -27,6 +27,21 @@ class JobProgress(BaseModel):
     )
 
 
+class TrackingRun(BaseModel):
+    """Where a job's outcome was logged in the experiment tracker (``ENGRAM_MLFLOW_TRACKING_URI``): a
+    variant's build or an evaluation, as an MLflow run. Present only when tracking is enabled."""
+
+    tracker: Literal["mlflow"] = "mlflow"
+    logged: bool = Field(description="the run was logged; false: warning says what failed (the job's own work is kept)")
+    run_id: str | None = Field(default=None, description="the MLflow run")
+    experiment_id: str | None = Field(default=None, description="the MLflow experiment (ENGRAM_MLFLOW_EXPERIMENT)")
+    url: str | None = Field(default=None, description="the run in the MLflow UI")
+    parent_run_id: str | None = Field(
+        default=None, description="an evaluation: the run of its variant, which it is nested under"
+    )
+    warning: str | None = Field(default=None, description="logged false: what failed and what to do")
+
+
 class JobResult(DictReadable):
     """A finished job's result as the model of its kind (:mod:`api_schemas.job_kinds` names them); it reads
     as the JSON object it is too (:class:`~api_schemas.common.DictReadable`). A field the service adds later

@@ -63,6 +63,7 @@ from service.evaluation.records import ProbeJson, StoredProbes, TofuOptions
 from service.evaluation.retain_model import RetainModelRef
 from service.evaluation.service import SPLITS
 from service.evaluation.tofu_metrics import ModelReport, model_report, tofu_scores
+from service.evaluation.tracking import track_evaluation
 from service.jobs.progress import ProgressReporter
 from service.jobs.records import EvaluatePayload, GeneratePayload, JobRecord
 from service.jobs.templates import template_process
@@ -156,8 +157,11 @@ def run_evaluation(ctx: Context, job: JobRecord) -> EvaluationResult:
     else:
         result = _evaluate_text(ctx, job, payload.variant_id, raw)
     _check_base_unchanged(ctx, payload.variant_id)
-    ctx.storage.put_json(key, evaluation_json(result))
-    return result  # the runner stores it as evaluation_json does: the fields the job set
+    stored = evaluation_json(result)
+    ctx.storage.put_json(key, stored)
+    tracked = track_evaluation(ctx, payload.evaluation_id, job.job_id, stored)  # after: a tracker never costs the result
+    # the runner stores it as evaluation_json does: the fields the job set
+    return result if tracked is None else result.model_copy(update={"tracking": tracked})
 
 
 def evaluation_json(result: EvaluationResult) -> dict[str, Any]:

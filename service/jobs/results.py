@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from api_schemas.calibration import CalibrationJobResult
 from api_schemas.evaluation import EvaluationResult, GenerationResult
+from api_schemas.jobs import TrackingRun
 from service.jobs.records import JobKind
 
 
@@ -60,7 +61,8 @@ class CollectResult(_Result):
 
 class VariantResult(_Result):
     """A ``variant`` job: the variant, and on a build its layers, seconds, the seconds its universe
-    took when the job built it first (None: it was built already) and each step's seconds."""
+    took when the job built it first (None: it was built already) and each step's seconds; with
+    ENGRAM_MLFLOW_TRACKING_URI, its MLflow run (or why it could not be logged)."""
 
     variant_id: str
     reused: bool
@@ -68,6 +70,7 @@ class VariantResult(_Result):
     seconds: float | None = None
     universe_built_s: float | None = None
     steps: dict[str, float] | None = None
+    tracking: TrackingRun | None = None
 
 
 class UniverseResult(_Result):

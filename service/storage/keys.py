@@ -6,6 +6,7 @@
 - ``stats/<model digest>/<dataset digest>/<settings digest>/``: a concept's statistics on a model
   (:mod:`service.statistics.key` spells the prefix and its files: storage knows no statistics format)
 - ``variants/<variant id>/request.json`` at submission, ``files/...``, ``manifest.json`` last
+  (then ``tracking.json``: its MLflow run, when tracking is on and the run was logged)
 - ``variant-plans/<variant id>.json``: the variant's plan, what its job runs
 - ``universes/<universe id>/``: ``request.json``, ``plan.json``, ``groups/<group>.safetensors``,
   ``engrams/<member>.safetensors`` (and ``.json``), ``parts/<kind>-<name>.json``, ``manifest.json``
@@ -67,6 +68,11 @@ def variant_manifest_key(variant_id: str) -> str:
 
 def variant_file_key(variant_id: str, path: str) -> str:
     return f"{variant_files_prefix(variant_id)}{path}"
+
+
+def variant_tracking_key(variant_id: str) -> str:
+    """Where the variant's MLflow run is recorded once logged (an evaluation's run is nested under it)."""
+    return f"{VARIANTS}{variant_id}/tracking.json"
 
 
 def variant_files_prefix(variant_id: str) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api_schemas.jobs import TrackingRun
 from service.context import Context
 from service.engine.checkpoint import CheckpointReader
 from service.engine.checkpoint_write import WrittenFiles, write_checkpoint, write_delta
@@ -50,6 +51,7 @@ from service.variants.manifest import VariantManifest
 from service.variants.plan import VariantPlan
 from service.variants.publish import UploadedWhileWritten, discard_variant_files, publish_variant_files
 from service.variants.retention import expire_variants
+from service.variants.tracking import track_variant
 
 log = logging.getLogger("engram.variants")
 
@@ -69,7 +71,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
     with timer.step("request"):
         variant_id = job.payload_of(VariantPayload).variant_id
         if ctx.storage.exists(variant_manifest_key(variant_id)):
-            return VariantResult(variant_id=variant_id, reused=True)
+            return _tracked(VariantResult(variant_id=variant_id, reused=True), track_variant(ctx, variant_id))
         plan = find_variant_plan(ctx, variant_id)
     progress = ProgressReporter(ctx, job.job_id, 0)
     started = time.monotonic()
@@ -103,7 +105,7 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
             raise
         note_use(ctx, plan.universe_id)  # a job that queued long must not leave its universe evictable
     _apply_retention(ctx, variant_id)
-    return VariantResult(
+    result = VariantResult(
         variant_id=variant_id,
         reused=False,
         layers=len(built.scales),
@@ -111,6 +113,12 @@ def run_variant(ctx: Context, job: JobRecord) -> VariantResult:
         universe_built_s=built.universe_built_s,
         steps=timer.seconds,
     )
+    # Once the variant exists: a tracker that fails costs a warning in the result, never the variant.
+    return _tracked(result, track_variant(ctx, variant_id, {"build_seconds": seconds, "layers": float(len(built.scales))}))
+
+
+def _tracked(result: VariantResult, tracked: TrackingRun | None) -> VariantResult:
+    return result if tracked is None else result.model_copy(update={"tracking": tracked})
 
 
 def find_variant_plan(ctx: Context, variant_id: str) -> VariantPlan:
