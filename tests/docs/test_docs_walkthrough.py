@@ -80,8 +80,11 @@ def test_the_python_blocks_run_in_the_walkthroughs_folder(walked: Ran, server: L
     )
     assert done.returncode == 0, done.report(server.log_tail())
     assert done.stdout.count("--- ") == len(python), done.stdout
+    # Every file the pages write goes into demo/, beside the demo: the checkout's root holds what a clone has.
+    assert sorted(path.name for path in clone.iterdir()) == [".venv", "demo"]
+    demo = clone / "demo"
     # The delta recipe says its folder holds the checkpoint variant's weights: it does.
-    assert_same_weights(clone / "forgot-from-delta" / "model.safetensors", clone / "forgot" / "model.safetensors")
+    assert_same_weights(demo / "forgot-from-delta" / "model.safetensors", demo / "forgot" / "model.safetensors")
 
 
 def assert_same_weights(applied: Path, checkpoint: Path) -> None:
