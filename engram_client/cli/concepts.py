@@ -202,8 +202,21 @@ def concepts_show(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> N
 
 
 @concepts_app.command("delete")
-def concepts_delete(ctx: typer.Context, name: str) -> None:
-    """Delete a concept (its statistics and the variants built from it stay)."""
+def concepts_delete(
+    ctx: typer.Context,
+    name: str,
+    statistics_only: Annotated[
+        bool, typer.Option("--statistics-only", help="Delete only its statistics (the concept and its records stay).")
+    ] = False,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="With --statistics-only: on this model only.")] = None,
+) -> None:
+    """Delete a concept with its statistics and records (those no other concept shares), or only its statistics."""
+    if model is not None and not statistics_only:
+        raise typer.BadParameter("--model goes with --statistics-only (a concept is deleted on every model)")
     with session(ctx) as client:
-        client.delete_concept(name)
-    stderr.print(f"deleted concept {name}")
+        if statistics_only:
+            client.delete_statistics(name, model)
+        else:
+            client.delete_concept(name)
+    what = f"the statistics of concept {name}" + (f" on {model}" if model else "") if statistics_only else f"concept {name}"
+    stderr.print(f"deleted {what}")

@@ -77,5 +77,11 @@ class ConceptsResource(Transport):
         return self._parse(Concept, self._request("GET", f"/concepts/{_quote(name)}"))
 
     def delete_concept(self, name: str) -> None:
-        """Delete a concept (its cached statistics and the variants built from it stay)."""
+        """Delete a concept with its statistics and dataset (those no other concept names); a 409
+        names what still needs it (a job, the variants whose universe includes it)."""
         self._request("DELETE", f"/concepts/{_quote(name)}")
+
+    def delete_statistics(self, name: str, model_id: str | None = None) -> None:
+        """Delete a concept's statistics on ``model_id`` (every model: None); the concept stays."""
+        params = {"model_id": model_id} if model_id is not None else None
+        self._request("DELETE", f"/concepts/{_quote(name)}/statistics", params=params)

@@ -144,6 +144,10 @@ def test_failed_collection_exits_1_with_its_problem(flow: Flow) -> None:
     job_id = variant_json(flow.url, "concepts", "show", "cli-truncated")["models"][MODEL]["job_id"]
     assert f"collect job {job_id} " in stderr
     failed(run_cli(flow.url, "jobs", "watch", job_id), f"collect job {job_id} failed", "no record has a token")
+    # Only its statistics (none: the collection failed) and its collection on MODEL go; the concept stays.
+    assert run_cli(flow.url, "concepts", "delete", "cli-truncated", "-m", MODEL).returncode == 2  # needs --statistics-only
+    ok(run_cli(flow.url, "concepts", "delete", "cli-truncated", "--statistics-only", "-m", MODEL))
+    assert variant_json(flow.url, "concepts", "show", "cli-truncated")["models"] == {}
     ok(run_cli(flow.url, "concepts", "delete", "cli-truncated"))
     failed(run_cli(flow.url, "concepts", "show", "cli-truncated"), "Not found (404)")
 
