@@ -88,6 +88,7 @@ function addForm(models, afterChange, page) {
   };
   return section("Add a concept",
     h("p", { class: "muted" }, "A JSONL file, one record per line: {\"text\"}, {\"prompt\", \"completion\"}, {\"messages\"} or {\"image\", \"label\"}."),
+    models.length ? null : h("p", { class: "warning" }, "No model is registered yet: register one on the Models page first."),
     h("div", { class: "toolbar" }, field("name", f.name), field("models", f.models), field("dataset (JSONL)", f.dataset), field("role", f.role)),
     h("div", { class: "toolbar" }, field("template", f.template), field("description", f.description), field("labels", f.labels), field("reason", f.reason),
       actionButton("Add concept", "write", submit, { testid: "concept-submit" })),

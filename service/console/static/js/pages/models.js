@@ -6,7 +6,9 @@ import { actionButton, badge, confirmed, fill, fmtBytes, fmtNum, fmtTime, h, kv,
 import { drawMap, jobLine, labelTags, modelPath, pagedTable, parseLabels, refusal, stateCell } from "./mc_common.js";
 import { unlearnForm } from "./models_unlearn.js";
 
-const REGISTER_WAIT_S = 2; // a small checkpoint registers within it (201); else the job's progress shows
+// No wait: the register job's progress shows at once (hashing a large checkpoint takes minutes), and
+// a small one's job ends within a poll or two.
+const REGISTER_WAIT_S = 0;
 
 export function modelHref(modelId) { return `#/models/${encodeURIComponent(modelId)}`; }
 
