@@ -6,7 +6,8 @@ per candidate (the API's count), lets the axes change, shows a hovered candidate
 against the API's to the shown 4 decimals), and builds a clicked candidate with one unlearn request
 whose variant carries that candidate's options. The audit log (admin) lists that request under the
 write key's fingerprint and never a key. A read key sees the front but its Build button is disabled,
-and neither the audit link nor GET /audit is open to it. The "New calibration" form starts one too.
+and neither the audit link nor GET /audit is open to it. The "New calibration" form starts one, whose
+page follows it live until its front shows; an admin deletes it there.
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def test_the_front_plots_every_candidate_shows_scores_on_hover_and_builds_a_clic
     expect(_points(page)).to_have_count(len(result["candidates"]))  # every ratio is positive: log axes drop none
     page.get_by_test_id("plot-log-x").uncheck()
     expect(_points(page)).to_have_count(len(result["candidates"]))
+    expect(page.get_by_test_id("plot-front")).to_have_count(1 if len(result["pareto_front"]) > 1 else 0)
+    feasible = sum(c["feasible"] for c in result["candidates"])
+    expect(page.locator("[data-testid=front] circle[data-kind=feasible]")).to_have_count(feasible)
 
     index = _uncovered_candidate(page, skip=result["recommended"]["candidate"])
     candidate = result["candidates"][index]
@@ -232,8 +236,16 @@ def test_the_new_calibration_form_starts_one_and_its_page_follows_it(
     calibration_id = page.url.rsplit("/", 1)[1]
     assert calibration_id != calibration["calibration_id"]
     expect(page.get_by_test_id("front")).to_be_visible(timeout=JOB_TIMEOUT_MS)  # the live page redrew when it finished
+    expect(page.get_by_test_id("delete-calibration")).to_be_disabled()  # deleting is an admin's
     expect(page.locator("main .toolbar .badge").first).to_have_text("succeeded")
     started = console_server.client.get(f"/calibrations/{calibration_id}").json()
     assert started["status"] == "succeeded" and started["concepts"] == ["cal-forget"]
     assert started["result"]["arms"] == ["mlp/uniform"] and started["result"]["budget"] == 2
     expect(_points(page)).to_have_count(len(started["result"]["candidates"]))
+
+    admin = console_page("admin", f"#/calibrations/{calibration_id}")
+    admin.on("dialog", lambda dialog: dialog.accept())
+    admin.get_by_test_id("delete-calibration").click()
+    expect(admin).to_have_url(re.compile(r"#/calibrations$"))
+    assert console_server.client.get(f"/calibrations/{calibration_id}").status_code == 404
+    expect(admin.get_by_test_id("calibrations").locator(f"tr[data-id='{calibration_id}']")).to_have_count(0)
