@@ -15,7 +15,7 @@ from api_schemas.records import RECORD_SCHEMA, DatasetReference, DatasetReferenc
 class SampleRequest(Strict):
     """A reference corpus the model draws itself: ``count`` texts sampled from its BOS token."""
 
-    count: int = Field(ge=1, description="texts to draw (at most ENGRAM_MAX_RECORDS)")
+    count: int = Field(ge=1, description="texts to draw (at most ENGRAM_MAX_SAMPLES and ENGRAM_MAX_RECORDS)")
     max_new_tokens: int = Field(ge=1, le=32768, description="tokens per text (less than the model's context)")
     temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="softmax temperature (no top-k, no top-p)")
     seed: int = Field(default=0, ge=0, le=2**63 - 1, description="the same seed draws the same texts on one machine")

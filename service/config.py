@@ -184,6 +184,11 @@ class Settings(BaseSettings):
     max_json_values: int = Field(default=500_000, ge=1024)
     # Records of one concept, whatever brings them (a JSON body, an upload, a reference).
     max_records: int = Field(default=1_000_000, ge=1)
+    # Texts a self-sampled reference concept (POST /concepts with "samples") may ask the model to
+    # draw. Each is a generate() of max_new_tokens tokens in the collection job, so unlike posted
+    # records a small request buys a long job (count × max_new_tokens decoding steps): 5,000 is
+    # 20× the 240 texts issue 36's reference used on the real model. Past it: a 422 naming it.
+    max_samples: int = Field(default=5_000, ge=1)
     # One record's stored bytes, whatever brings it (a JSON body, an upload, a reference): past it a
     # 413 names this setting. Collection cuts every text to a character budget before tokenizing
     # (service/engine/record_budget.py), so a long record costs no tokenizer memory; this bound is

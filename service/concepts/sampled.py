@@ -63,8 +63,8 @@ def check_sampling(settings: Settings, manifests: Mapping[str, ModelRecord], sam
     """A samples request checked at submission: one text model, ``count`` and ``max_new_tokens`` in bounds.
 
     Raises:
-        InvalidInput: several models, an image model, more samples than ENGRAM_MAX_RECORDS, or more
-            tokens than the model's context leaves after its BOS token.
+        InvalidInput: several models, an image model, more samples than ENGRAM_MAX_SAMPLES or
+            ENGRAM_MAX_RECORDS, or more tokens than the model's context leaves after its BOS token.
     """
     if len(manifests) != 1:
         raise InvalidInput(
@@ -74,6 +74,11 @@ def check_sampling(settings: Settings, manifests: Mapping[str, ModelRecord], sam
     ((model_id, manifest),) = manifests.items()
     if manifest.kind != "text":
         raise InvalidInput(f"model {model_id} is an image classifier: only a language model draws samples")
+    if sampling.count > settings.max_samples:
+        raise InvalidInput(
+            f"samples.count {sampling.count} is more than ENGRAM_MAX_SAMPLES ({settings.max_samples}), the most texts "
+            "this server draws for one concept: ask for fewer, or ask the operator to raise ENGRAM_MAX_SAMPLES"
+        )
     if sampling.count > settings.max_records:
         raise InvalidInput(
             f"samples.count {sampling.count} is more than ENGRAM_MAX_RECORDS ({settings.max_records}): ask for fewer"

@@ -135,6 +135,7 @@ def test_an_unlearn_with_the_samples_as_reference_builds_a_variant(
         ({"models": [MODEL], "samples": {**SAMPLES, "max_new_tokens": 128}}, 422, ["at most 127"]),
         ({"models": [MODEL], "samples": SAMPLES, "records": [{"text": "a"}]}, 422, ["exactly one"]),
         ({"models": [MODEL], "samples": {**SAMPLES, "count": 0}}, 422, ["count"]),
+        ({"models": [MODEL], "samples": {**SAMPLES, "count": 5_001}}, 422, ["ENGRAM_MAX_SAMPLES (5000)", "5001"]),
     ],
 )
 def test_bad_samples_are_refused_by_name(
