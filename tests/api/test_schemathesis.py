@@ -162,7 +162,7 @@ def config(target: Target) -> str:
         "",
         "[[operations]]",  # a cursor is opaque: one the service did not give is a 400, whatever its shape
         'include-name = ["GET /concepts", "GET /models", "GET /jobs", "GET /variants", '
-        '"GET /models/{model_id}/variants", "GET /models/{model_id}/universes", "GET /audit"]',
+        '"GET /models/{model_id}/variants", "GET /models/{model_id}/universes", "GET /audit", "GET /calibrations"]',
         f"checks.positive_data_acceptance.expected-statuses = {json.dumps([*refused, '400'])}",
     ]
     return "\n".join(lines) + "\n"

@@ -39,7 +39,13 @@ def calibrate(model_id: str, body: CalibrateRequest, ctx: ContextDep, response: 
     return CalibrationSubmission(calibration_id=calibration_id, job=job_view(job))
 
 
-@router.get("/calibrations", response_model=list[CalibrationSummary], responses=PAGED_HEADERS)
+_LIST_ANSWERS: dict[int | str, dict[str, Any]] = {
+    **PAGED_HEADERS,
+    404: {"description": "`model_id` names a model that is not registered"},
+}
+
+
+@router.get("/calibrations", response_model=list[CalibrationSummary], responses=_LIST_ANSWERS)
 async def list_calibrations(
     ctx: ContextDep,
     lanes: LanesDep,
