@@ -3,7 +3,7 @@
 // and its deletion. Every action is one documented request (POST /models, POST .../unlearn, DELETE).
 import { all, followJob, get, request } from "../api.js";
 import { actionButton, badge, confirmed, fill, fmtBytes, fmtNum, fmtTime, h, kv, link, problemBox, section, table } from "../ui.js";
-import { drawMap, jobLine, labelTags, modelPath, pagedTable, parseLabels, refusal, stateCell } from "./mc_common.js";
+import { collecting, drawMap, jobLine, labelTags, modelPath, pagedTable, parseLabels, refusal, stateCell } from "./mc_common.js";
 import { unlearnForm } from "./models_unlearn.js";
 
 // No wait: the register job's progress shows at once (hashing a large checkpoint takes minutes), and
@@ -183,32 +183,44 @@ function readySet(concepts, modelId) {
   return concepts.filter((c) => c.models[modelId] && c.models[modelId].status === "ready");
 }
 
-// long: the page's layout reads best in one place; each card is built by its own function above.
+/** The model's concepts (those collected on it), redrawn only when they changed; the ready ones feed the forms. */
+function conceptsCard(id, forms) {
+  const node = h("div", {}, h("p", { class: "muted" }, "Loading…"));
+  let shown = null;
+  let readyNames = null;
+  const refresh = async () => {
+    const mine = (await all("/concepts")).filter((c) => c.models[id]);
+    const text = JSON.stringify(mine);
+    if (text !== shown) { shown = text; fill(node, conceptsTable(id, mine)); }
+    const ready = readySet(mine, id);
+    const names = ready.map((c) => c.name).join("\n");
+    if (names !== readyNames) { readyNames = names; forms.forEach((form) => form.setConcepts(ready)); }
+    return mine.some(collecting);
+  };
+  return { node: section("Concepts", node), refresh };
+}
+
 async function modelDetail(view, { id }, _query, page) {
   const model = await get(`/models/${modelPath(id)}`);
-  const concepts = h("div", {}, h("p", { class: "muted" }, "Loading…"));
   const universes = universesCard(id);
   const map = mapCard(id, page);
   const unlearn = unlearnForm(id, page);
-  const variants = pagedTable(`/models/${modelPath(id)}/variants`, {}, VARIANT_COLUMNS, { testid: "model-variants", rowId: (v) => v.variant_id, empty: "No variant of this model yet.", limit: 25 });
-  let readyNames = null;
-  let shown = null; // the concepts last drawn: a poll that finds them unchanged leaves the table alone
-  const refreshConcepts = async () => {
-    const mine = (await all("/concepts")).filter((c) => c.models[id]);
-    const text = JSON.stringify(mine);
-    if (text !== shown) { shown = text; fill(concepts, conceptsTable(id, mine)); }
-    const ready = readySet(mine, id);
-    const names = ready.map((c) => c.name).join("\n");
-    if (names !== readyNames) { readyNames = names; map.setConcepts(ready); unlearn.setConcepts(ready); }
-    return mine;
-  };
+  const concepts = conceptsCard(id, [map, unlearn]);
+  let building = false;
+  const variants = pagedTable(`/models/${modelPath(id)}/variants`, {}, VARIANT_COLUMNS, {
+    testid: "model-variants", rowId: (v) => v.variant_id, empty: "No variant of this model yet.", limit: 25,
+    onItems: (items) => { building = items.some((v) => v.status === "building"); },
+  });
   fill(view, h("div", { class: "page-head" }, h("h1", {}, `Model ${id}`), deleteBox(id)),
-    h("div", { class: "grid2" }, section("Identity", identity(model)), section("Concepts", concepts)),
+    h("div", { class: "grid2" }, section("Identity", identity(model)), concepts.node),
     unlearn.node, map.node, universes.node, section("Variants", variants.node), layersCard(model));
-  await Promise.all([refreshConcepts(), universes.load(), variants.reload()]);
-  // Collections and builds under way change what the page shows: refresh until the user leaves.
+  let collectingNow = (await Promise.all([concepts.refresh(), universes.load(), variants.reload()]))[0];
+  // While collections or builds are under way, what they change is read again until the user leaves.
   page.every(3000, async () => {
-    try { await Promise.all([refreshConcepts(), variants.reload()]); } catch { /* the next tick tries again */ }
+    try {
+      if (collectingNow) collectingNow = await concepts.refresh();
+      if (building) { await variants.reload(); await universes.load(); }
+    } catch { /* the next tick tries again */ }
   });
 }
 
