@@ -88,13 +88,18 @@ class Plan:
     alpha_max: float = 2.0  # the calibration's strongest α
     # GradDiff/NPO: issue 37's "20 AdamW steps at 2e-5" (with ~30 forget facts in batches of 8: 5 epochs)
     baseline: Settings = Settings(epochs=5, batch_size=8, lr=2e-5)
-    robust_alpha: float = 0.25  # the grid point the robustness table attacks
     relearn_steps: int = 10  # the relearn attack (issue 37's: 10 AdamW steps at 2e-5, seed 0)
     relearn_lr: float = 2e-5
     quantization: str = "Q4_1"  # the real model's own published type
+    # The gated calibration's attack_constraints (issue 37's two examples), checked on held-out probes
+    gate: tuple[dict[str, Any], ...] = (
+        {"attack": {"kind": "quantize", "type": "Q4_1"}, "metric": "forget_exact_match", "max": 0.2},
+        {"attack": {"kind": "relearn", "steps": 10, "lr": 2e-5}, "metric": "recovered_fraction", "max": 0.3},
+    )
 
 
-QUICK = Plan(alphas=(0.25,), budget=2, baseline=Settings(epochs=1, batch_size=8, lr=2e-5), relearn_steps=2)
+QUICK = Plan(alphas=(0.25,), budget=2)  # the grid, the calibrations' budget cut; the baselines and attacks as the full plan's
+CALIBRATED, GATED = "Engram calibrated", "Engram calibrated, gated"
 
 
 @dataclass
@@ -219,9 +224,10 @@ def engram_variant(server: LiveServer, body: dict[str, Any]) -> Built:
     return Built(_variant_folder(server, response.json()["variant"]["variant_id"]), seconds, json.dumps(body))
 
 
-def calibrated(server: LiveServer, data: BenchData, plan: Plan) -> tuple[Built | None, dict[str, Any]]:
-    """The default-objective calibration (issue 36's acceptance request), its recommended variant."""
-    body = {
+def calibrated(server: LiveServer, data: BenchData, plan: Plan, gated: bool = False) -> tuple[Built | None, dict[str, Any]]:
+    """The default-objective calibration (issue 36's acceptance request), its recommended variant;
+    ``gated``: the same request with ``plan.gate`` as its ``attack_constraints`` (issue 37's gate)."""
+    body: dict[str, Any] = {
         "concepts": [CONCEPTS["target"]],
         "reference": list(CONCEPTS.values()),
         "forget": data.forget,
@@ -233,6 +239,8 @@ def calibrated(server: LiveServer, data: BenchData, plan: Plan) -> tuple[Built |
         "alpha_max": plan.alpha_max,
         "budget": plan.budget,
     }
+    if gated:
+        body["attack_constraints"] = list(plan.gate)
     started = time.perf_counter()
     try:
         job = _job(server.client, server.client.post(f"/models/{MODEL_ID}/calibrate", json=body))
@@ -300,15 +308,20 @@ def run(model_dir: Path, data: BenchData, plan: Plan, work: Path, robustness: bo
         say(f"calibrating (budget {plan.budget})")
         recommended, calibration = calibrated(server, data, plan)
         if recommended is not None:
-            add("Engram calibrated", recommended)
+            add(CALIBRATED, recommended)
+        say("calibrating under the attack gate")
+        gated, gate_result = calibrated(server, data, plan, gated=True)
+        if gated is not None:
+            add(GATED, gated)
     finally:
         stop_server(server)
     order = [name for name in built if not name.startswith(("GradDiff", "NPO"))] + ["GradDiff", "NPO"]
-    report = Report({n: rows[n] for n in order}, built, setup, calibration, data.counts(), notes=dict(data.notes))
+    notes = {**data.notes, "gated calibration": gate_result}
+    report = Report({n: rows[n] for n in order}, built, setup, calibration, data.counts(), notes=notes)
     if robustness:
         from bench.robustness import attacked_rows
 
-        chosen = ["base", f"Engram α={plan.robust_alpha:g}", "Engram calibrated", "GradDiff", "NPO"]
+        chosen = ["base", *[f"Engram α={a:g}" for a in plan.alphas], CALIBRATED, GATED, "GradDiff", "NPO"]
         folders = {name: built[name].folder for name in chosen if name in built}
         report.robustness = attacked_rows(folders, tokenizer, data, plan, base_text_nll=rows["base"]["text_nll"])
     return report
@@ -337,20 +350,31 @@ def table(report: Report) -> str:
 
 
 def describe(report: Report, plan: Plan) -> str:
-    """The lines under the table: data sizes, setup timings, how each row was built, the calibration."""
+    """The lines under the table: data sizes, setup timings, how each row was built, the calibrations."""
     setup = ", ".join(f"{k} {v:.1f}" for k, v in report.setup.items())
     lines = [f"data: {report.data}", f"known facts: {report.notes.get('known', '-')}", f"Engram setup (s): {setup}"]
     lines += [f"{name}: {entry.note}" for name, entry in report.built.items() if entry.note]
-    result = report.calibration
-    if "failed" in result:
-        return "\n".join([*lines, f"calibration failed: {result['failed']}"])
-    lines.append(
-        f"calibration: {result.get('evaluations')} candidates, stopped {result.get('stopped')}, "
-        f"warnings {result.get('warnings')}, held-out margins {(result.get('held_out') or {}).get('margins')}"
-    )
-    if result.get("recommended") is None:
-        lines.append(f"calibration recommended nothing: {result.get('note')}")
+    lines += _calibration_lines("calibration", report.calibration)
+    gate = report.notes.get("gated calibration")
+    if gate is not None:
+        lines.append(f"gate (attack_constraints): {json.dumps(list(plan.gate))}")
+        lines += _calibration_lines("gated calibration", gate)
     return "\n".join(lines)
+
+
+def _calibration_lines(label: str, result: dict[str, Any]) -> list[str]:
+    if "failed" in result:
+        return [f"{label} failed: {result['failed']}"]
+    lines = [
+        f"{label}: {result.get('evaluations')} candidates, stopped {result.get('stopped')}, "
+        f"warnings {result.get('warnings')}, held-out margins {(result.get('held_out') or {}).get('margins')}"
+    ]
+    gate = result.get("attack_gate")
+    if gate is not None:
+        lines.append(f"{label}: attacked candidates {gate.get('attacked')}, passed {gate.get('passed')}")
+    if result.get("recommended") is None:
+        lines.append(f"{label} recommended nothing: {result.get('note')}")
+    return lines
 
 
 def bench_data(model_dir: Path, path: Path | None) -> BenchData:

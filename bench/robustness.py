@@ -15,6 +15,13 @@ run):
   answer tokens learned) on the first half of the forget facts in the concept; scored on the other
   half and on the held-out forget facts, which relearning never saw. ``recovered`` is the share of
   what was forgotten on those facts that came back: ``(after − before) / (base − before)``.
+* **rephrase** (chat template): the service's ``as_chat`` (:mod:`service.engine.attacks.rephrase`, what
+  ``{"kind": "rephrase", "form": "chat_template"}`` scores): every fact asked as a user turn and
+  answered as the assistant's, through the model's chat template, on the unchanged model. A tokenizer
+  without a chat template (the tests' tiny model) leaves the column out ("-").
+
+The rows: base, every Engram α of the plan's grid, the calibrated variant, the calibrated variant
+under the attack gate (``attack_constraints``: the plan's ``gate``) and GradDiff and NPO.
 
 Scoring is :mod:`bench.real`'s (the evaluation job's functions); perplexity ratios are to the
 unattacked base on the held-out paragraphs. The evaluation job runs the same attacks on base and
@@ -33,8 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 from service.engine.attacks.quantize import quantize_in_place, quantize_plan
 from service.engine.attacks.relearn import probe_row, relearned, standalone_copy
+from service.engine.attacks.rephrase import as_chat
+from service.engine.chat import has_chat_template
 from service.engine.evaluate import TextProbe as Probe
-from service.engine.evaluate import encode_probe
+from service.engine.evaluate import encode_probe, greedy_exact_match
 
 if TYPE_CHECKING:
     from bench.real import Plan
@@ -69,6 +78,20 @@ def _forget_and_kept(model: Any, tokenizer: Any, data: BenchData, base_text_nll:
     return row
 
 
+def rephrased(model: Any, tokenizer: Any, data: BenchData) -> dict[str, float]:
+    """Exact match with every fact asked through the chat template (``as_chat``); NaN without one."""
+    sets = {"chat:forget data": data.forget, "chat:forget held": data.held_forget}
+    sets["chat:kept"] = [*data.kept, *data.held_kept, *data.unseen]
+    if not has_chat_template(tokenizer):
+        return dict.fromkeys(sets, math.nan)
+    row = {}
+    for column, records in sets.items():
+        probes = [as_chat(Probe(r["prompt"], r["completion"])) for r in records]
+        hits = greedy_exact_match(model, tokenizer, probes, batch_size=16)
+        row[column] = sum(hits) / len(hits)
+    return row
+
+
 def attacked_row(model: Any, tokenizer: Any, data: BenchData, plan: Plan, base_text_nll: float) -> dict[str, float]:
     """One model before and after each attack (``relearn:`` figures on the facts relearning never saw)."""
     from bench.real import say, summaries, text_nll
@@ -91,6 +114,8 @@ def attacked_row(model: Any, tokenizer: Any, data: BenchData, plan: Plan, base_t
     row["relearn:kept"] = summaries(attacked, tokenizer, kept)["exact_match"]
     row["relearn:perplexity"] = math.exp(text_nll(attacked, tokenizer, data.held_general) - base_text_nll)
     row["relearn:seconds"] = time.perf_counter() - started
+    del attacked
+    row.update(rephrased(model, tokenizer, data))
     return row
 
 
@@ -115,39 +140,78 @@ def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.0%}"
 
 
+def _table(head: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([*out, *("| " + " | ".join(cells) + " |" for cells in lines)])
+
+
 def robustness_table(rows: dict[str, dict[str, float]], plan: Plan) -> str:
-    """The robustness table as Markdown: forget exact match (in data / held out), kept and perplexity,
-    before and after each attack."""
+    """The robustness tables as Markdown, one per attack: forget exact match (in data / held out), kept
+    and perplexity, before and after it."""
     q = plan.quantization
-    head = [
-        "model",
-        "forget data / held",
-        "kept",
-        "perplexity",
-        f"{q}: forget data / held",
-        f"{q}: kept",
-        f"{q}: perplexity",
-        f"relearn {plan.relearn_steps} steps: forget unseen by it, before → after",
-        "recovered",
-        "relearn: kept",
-        "relearn: perplexity",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in rows.items():
-        cells = [
+    quantized = [
+        [
+            name,
             f"{_pct(r['forget data'])} / {_pct(r['forget held'])}",
             _pct(r["kept"]),
             f"×{r['perplexity']:.3f}",
             f"{_pct(r[f'{q}:forget data'])} / {_pct(r[f'{q}:forget held'])}",
             _pct(r[f"{q}:kept"]),
             f"×{r[f'{q}:perplexity']:.3f}",
+        ]
+        for name, r in rows.items()
+    ]
+    relearn = [
+        [
+            name,
             f"{_pct(r['relearn:before'])} → {_pct(r['relearn:after'])}",
             _pct(r.get("relearn:recovered", math.nan)),
+            _pct(r["relearn:trained"]),
             _pct(r["relearn:kept"]),
             f"×{r['relearn:perplexity']:.3f}",
         ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for name, r in rows.items()
+    ]
+    chat = [
+        [
+            name,
+            f"{_pct(r['forget data'])} / {_pct(r['forget held'])}",
+            f"{_pct(r.get('chat:forget data', math.nan))} / {_pct(r.get('chat:forget held', math.nan))}",
+            _pct(r["kept"]),
+            _pct(r.get("chat:kept", math.nan)),
+        ]
+        for name, r in rows.items()
+    ]
+    return "\n\n".join(
+        [
+            _table(
+                [
+                    "model",
+                    "forget data / held",
+                    "kept",
+                    "perplexity",
+                    f"{q}: forget data / held",
+                    f"{q}: kept",
+                    f"{q}: perplexity",
+                ],
+                quantized,
+            ),
+            _table(
+                [
+                    "model",
+                    f"relearn {plan.relearn_steps} steps: forget unseen by it, before → after",
+                    "recovered",
+                    "relearn: the facts trained on",
+                    "relearn: kept",
+                    "relearn: perplexity",
+                ],
+                relearn,
+            ),
+            _table(
+                ["model", "forget data / held", "chat template: forget data / held", "kept", "chat template: kept"], chat
+            ),
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ attacks.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.real import QUICK, Report, run, table
+from bench.real import CALIBRATED, GATED, QUICK, Report, run, table
 from bench.real_data import BenchData, Record, Sizes, split_data
 from bench.robustness import robustness_table
 from tests.helpers.attacks import fine_tuned, q4_round_trip
@@ -58,9 +59,12 @@ def report(demo: tuple[Path, BenchData], tmp_path_factory: pytest.TempPathFactor
 
 def test_every_row_is_built_scored_and_printed(report: Report) -> None:
     assert "failed" not in report.calibration, report.calibration
+    assert "failed" not in report.notes["gated calibration"], report.notes["gated calibration"]
     expected = {"base", "Engram α=0.25", "Engram W-Norm", "GradDiff", "NPO"}
-    # the calibration's row is there when it recommends a variant (on the demo it may find none feasible)
-    assert expected <= set(report.rows) <= expected | {"Engram calibrated"}
+    # a calibration's row is there when it recommends a variant (on the demo it may find none feasible)
+    assert expected <= set(report.rows) <= expected | {CALIBRATED, GATED}
+    gate = report.notes["gated calibration"]["attack_gate"]  # the gate ran: its attacks are the plan's
+    assert [c["attack"] for c in gate["constraints"]] == ["quantize:Q4_1", "relearn"]
     assert report.rows["base"]["perplexity"] == 1.0
     rendered = table(report)
     for name in report.rows:
@@ -94,4 +98,7 @@ def test_the_base_under_attack_equals_an_independent_round_trip_and_loop(
     tuned = fine_tuned(base, tokenizer, data.forget[:half], steps=QUICK.relearn_steps, lr=QUICK.relearn_lr, seed=0)
     assert attacked["relearn:after"] == _exact(tuned, tokenizer, [*data.forget[half:], *data.held_forget])
     rendered = robustness_table(report.robustness, QUICK)
-    assert all(f"| {name} |" in rendered for name in report.robustness)
+    assert set(report.robustness) == {"base", "Engram α=0.25", "GradDiff", "NPO"} | ({CALIBRATED, GATED} & set(report.rows))
+    assert all(rendered.count(f"| {name} |") == 3 for name in report.robustness)  # the Q4_1, relearn, rephrase tables
+    # the demo's tokenizer has no chat template: the rephrase columns say so ("-"), they are not guessed
+    assert all(math.isnan(row["chat:forget data"]) for row in report.robustness.values())
