@@ -64,7 +64,7 @@ def install_console(app: FastAPI) -> None:
 
     @app.get(CONSOLE_URL, include_in_schema=False)
     def console_redirect() -> RedirectResponse:
-        return RedirectResponse(CONSOLE_URL + "/")
+        return RedirectResponse("ui/")  # relative: right under a proxy's path prefix too
 
     @app.get(CONSOLE_URL + "/", include_in_schema=False)
     def console_page() -> FileResponse:

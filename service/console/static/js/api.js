@@ -35,8 +35,11 @@ export class ApiError extends Error {
 let onUnauthorized = () => {};
 export function whenUnauthorized(callback) { onUnauthorized = callback; }
 
+// The API's root: where /ui/ is served, so a proxy that mounts the service under a prefix works too.
+const API_ROOT = window.location.pathname.replace(/\/ui\/.*$/, "");
+
 export function url(path, query) {
-  const target = new URL(path, window.location.origin);
+  const target = new URL(API_ROOT + path, window.location.origin);
   for (const [name, value] of Object.entries(query || {})) {
     if (value === undefined || value === null || value === "") continue;
     for (const item of Array.isArray(value) ? value : [value]) target.searchParams.append(name, String(item));
