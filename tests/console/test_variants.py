@@ -93,6 +93,9 @@ def test_the_list_filters_by_the_routes_parameters_and_pages(
     _filtered(page, label="team:nlp, sweep:a", model_id=MODEL, concept="cv-forget")
     expect(_rows(page)).to_have_count(1)
     expect(_rows(page).first).to_have_attribute("data-id", built.strong["variant_id"])
+    _filtered(page, created_by=built.mild["created_by"])  # the admin key's
+    expect(_rows(page)).to_have_count(1)
+    expect(_rows(page).first).to_have_attribute("data-id", built.mild["variant_id"])
     _filtered(page, concept="cv-retain")  # a concept no variant edits
     expect(page.get_by_test_id("variants-empty")).to_be_visible()
     # Creation time: the browser's zone is the machine's; the field is local time, sent as ISO 8601.
@@ -133,7 +136,7 @@ def _cells_equal_the_result(scope: Locator, result: dict[str, Any]) -> int:
 
 
 def test_evaluate_from_the_form_shows_the_jobs_figures(
-    built: Built, console_page: Callable[..., Page], console_server: LiveServer, screenshot_dir: Path
+    built: Built, console_page: Callable[..., Page], console_server: LiveServer, screenshot_dir: Path, tmp_path: Path
 ) -> None:
     variant_id = built.strong["variant_id"]
     page = console_page("write", f"#/variants/{variant_id}")
@@ -142,6 +145,15 @@ def test_evaluate_from_the_form_shows_the_jobs_figures(
     expect(page.get_by_test_id("variant-provenance")).to_contain_text("ticket 41: forget the demo facts")
     expect(page.get_by_test_id("variant-provenance")).to_contain_text(built.strong["created_by"])
     expect(page.get_by_test_id("stored-evaluations")).to_have_attribute("data-count", "0")
+    # A file that is not JSONL is refused in the browser, naming its line; nothing is sent.
+    page.get_by_test_id("evaluate").click()
+    expect(page.get_by_test_id("eval-output")).to_contain_text("choose a forget or a retain probe file")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "Q: a? A:", "completion": " b"}\nnot json\n')
+    page.get_by_test_id("probes-forget").set_input_files(str(tmp_path / "broken.jsonl"))
+    page.get_by_test_id("evaluate").click()
+    expect(page.get_by_test_id("eval-output")).to_contain_text("forget file broken.jsonl line 2: not JSON")
+    every_state = ["queued", "running", "succeeded", "failed", "cancelled"]
+    assert console_server.client.get("/jobs", params={"kind": "evaluate", "status": every_state}).json() == []
     page.get_by_test_id("probes-forget").set_input_files(str(built.demo / "forget.jsonl"))
     page.get_by_test_id("probes-retain").set_input_files(str(built.demo / "retain.jsonl"))
     page.get_by_test_id("attack-quantize").check()

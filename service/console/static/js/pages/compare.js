@@ -57,12 +57,13 @@ function rows(columns) {
   optionRows(ok[0] ? ok[0].variant : {}).forEach(([label], i) => add("options", label, (c) => optionRows(c.variant)[i][1]));
   provenanceRows(ok[0] ? ok[0].variant : {}).forEach(([label], i) => add("provenance", label, (c) => provenanceRows(c.variant)[i][1]));
   const figures = columns.map((c) => evaluationFigures(c.receipt));
-  const keys = [...new Set(figures.flatMap((f) => [...f.keys()]))].sort();
+  const keys = [...new Set(figures.flatMap((f) => [...f.keys()]))]; // first seen first: a set's figures stay together
   keys.forEach((key) => add("evaluations", key, (c) => figures[columns.indexOf(c)].get(key) ?? null, (v) => v ?? "—"));
   if (!keys.length) add("evaluations", "stored evaluations", () => null, () => "none");
   add("receipt", "receipt digest", (c) => (c.receipt ? c.receipt.digest : null), (v, c) => h("code", { title: v || c.why || "" }, v ? `${v.slice(0, 16)}…` : "—"));
   add("receipt", "signed", (c) => (c.receipt ? c.receipt.signed : null), (v) => (v === null ? "—" : v ? "yes" : "no"));
-  return out;
+  // An option or provenance field no variant has (lora rank on checkpoints) is noise here.
+  return out.filter((row) => !["options", "provenance"].includes(row.group) || row.values.some((v) => v !== null && v !== "null"));
 }
 
 function differs(values) {
