@@ -61,6 +61,10 @@ HIDDEN_BOUND = 10 * BLOB
 CHILD = r"""
 import json, pathlib, sys
 import pyarrow.parquet  # imported before the baseline: the reader's own code is not what is measured
+try:  # pyarrow imports pandas on first use where it is installed (mlflow brings it in dev): library code too (~60 MB)
+    import pandas
+except ImportError:
+    pass
 from service.config import Settings
 from service.datasets.refs import StoredReference, resolve_reference
 
