@@ -3,9 +3,10 @@
 Every ```bash block of the README's "Five minutes" section runs in one bash process (``set -eo
 pipefail``) from a folder laid out as a fresh clone after ``make demo`` (tests/helpers/walkthrough.py
 says how, and which two lines the fixtures stand for). A stale command, a changed answer shape that
-breaks the README's ``api``/``wait_for``/``jq`` glue, or figures that no longer match the README's
-table fail here. So does a walk-through that hides a mistake: the same script with the concept
-misspelt, or with a dataset the service refuses, must stop soon and show the service's answer.
+breaks the README's ``api``/``wait_for``/``jq`` glue, or figures further from the README's table
+than the spread between CPUs (read from it: tests/helpers/readme_figures.py) fail here. So does a
+walk-through that hides a mistake: the same script with the concept misspelt, or with a dataset the
+service refuses, must stop soon and show the service's answer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engram_fixtures.live import LiveServer
+from tests.helpers.readme_figures import ALPHA_1, BASE_ROW, TOLERANCE_POINTS, assert_near, readme_figures
 from tests.helpers.walkthrough import (
     REPO,
     evaluation_rows,
@@ -54,11 +56,23 @@ def test_the_walkthrough_runs_as_written_and_gives_the_readmes_figures(server: L
     assert done.returncode == 0, done.report(server.log_tail())
     rows = evaluation_rows(done.stdout)
     assert set(rows) == {"forget", "retain"}, done.stdout
-    # The README's table: α=1 forgets every fact (0%) and keeps about 41% of the retained ones.
+    # The README's table, read from the README: its base row and its α=1 row (the walk-through's request).
+    figures = readme_figures(readme)
     assert rows["forget"]["probes"] == 20 and rows["retain"]["probes"] == 180
-    assert rows["forget"]["base exact"] == 100.0 and rows["retain"]["base exact"] == 100.0
-    assert rows["forget"]["variant exact"] <= 5.0, rows
-    assert 20.0 <= rows["retain"]["variant exact"] <= 60.0, rows
+    for column, row in (("base exact", BASE_ROW), ("variant exact", ALPHA_1)):
+        for index, split in enumerate(("forget", "retain")):
+            assert_near(rows[split][column], figures[row][index], f"{split} {column} ({row})")
+
+
+def test_the_figures_table_is_read_and_a_wrong_figure_fails() -> None:
+    figures = readme_figures()
+    assert figures[BASE_ROW] == (100.0, 100.0)
+    forget, retain = figures[ALPHA_1]
+    assert_near(retain + TOLERANCE_POINTS - 0.01, retain, "within the tolerance")
+    with pytest.raises(AssertionError, match="the README says"):
+        assert_near(retain + TOLERANCE_POINTS + 1.0, retain, "past the CPUs' spread")
+    with pytest.raises(AssertionError, match="lost a row"):
+        readme_figures("## The figures to expect\n| base model | 100% | 100% |\n")
 
 
 def test_the_block_extraction_keeps_the_sections_commands_and_drops_make_demo_and_run() -> None:
