@@ -1,7 +1,7 @@
 // Variants: the list (GET /variants with its own filters, paged by X-Next-Cursor), one variant's detail
 // (variant_detail.js) and several side by side (compare.js). Filters live in the hash's query, so a
 // filtered list is a link.
-import { all, page as listPage } from "../api.js";
+import { all, get, page as listPage } from "../api.js";
 import { badge, fill, fmtTime, h, link, problemBox, table } from "../ui.js";
 import { compareRoute } from "./compare.js";
 import { variantDetail } from "./variant_detail.js";
@@ -78,7 +78,7 @@ function variantsTable(items, selected, onSelect) {
   ], items, { testid: "variants", rowId: (v) => v.variant_id, empty: "No variants match." });
 }
 
-async function variantList(view, _params, query) {
+async function variantList(view, _params, query, page) {
   const limit = Math.max(1, Math.min(1000, Number(query.limit) || PAGE_SIZE));
   const [models, concepts] = await Promise.all([choices("/models", "model_id"), choices("/concepts", "name")]);
   const items = [];
@@ -105,10 +105,18 @@ async function variantList(view, _params, query) {
       fill(more, problemBox(error));
     }
   };
+  // A variant still building is read again until it is ready or failed: its status stays live.
+  const refreshBuilding = async () => {
+    const building = items.filter((v) => v.status === "building");
+    if (!building.length) return;
+    for (const v of building) Object.assign(v, await get(`/variants/${encodeURIComponent(v.variant_id)}`));
+    fill(body, variantsTable(items, selected, onSelect));
+  };
   fill(view, h("h1", {}, "Variants"), filterForm(query, models, concepts),
     h("section", { class: "card" }, h("div", { class: "toolbar" }, compare,
       h("span", { class: "muted" }, "tick two or more to see them side by side")), body, h("div", { class: "toolbar more" }, more)));
   await load();
+  page.every(2000, () => refreshBuilding().catch(() => {}));
 }
 
 export const routes = { variants: variantList, "variants/:id": variantDetail, compare: compareRoute };
