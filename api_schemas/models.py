@@ -16,7 +16,11 @@ class ModelCreate(Strict, MetadataFields):
     model_id: str = Field(pattern=MODEL_ID_PATTERN, max_length=200, examples=["demo/tiny-llama"])
     source: str = Field(
         max_length=2000,
-        description="file:///abs/dir (inside ENGRAM_MODEL_ROOTS), s3://bucket/prefix/ or hf://org/name[@rev]",
+        description=(
+            "file:///abs/dir (inside ENGRAM_MODEL_ROOTS), s3://bucket/prefix/ or hf://org/name[@rev]; a GGUF model "
+            "as file:///abs/model.gguf, s3://bucket/key.gguf or hf://org/name/file.gguf[@rev], or a folder, prefix or "
+            "repo holding one .gguf and no config.json (dequantized once at registration)"
+        ),
         # The pattern is published in the schema but checked by _known_scheme: pydantic's own refusal
         # quotes the regular expression, which tells a caller nothing about what to send.
         json_schema_extra={"pattern": SOURCE_PATTERN},

@@ -37,7 +37,8 @@ class GgufHeader:
     Attributes:
         architecture: ``general.architecture`` (``llama``, ``qwen2``...).
         quantization: the file's quantization type (``Q4_1``, ``Q8_0``, ``F16``...): ``general.file_type``
-            without its ``MOSTLY_`` prefix, else the most common type among its tensors.
+            without its ``MOSTLY_`` (or ``ALL_``: ``ALL_F32`` is ``F32``, the name the writer takes) prefix,
+            else the most common type among its tensors.
         tensor_types: every tensor type the file holds, with how many tensors have it.
     """
 
@@ -64,7 +65,9 @@ def read_gguf_header(path: Path) -> GgufHeader:
     tensor_types = dict(Counter(tensor.tensor_type.name for tensor in reader.tensors))
     file_type = reader.fields.get("general.file_type")
     try:
-        quantization = LlamaFileType(int(file_type.contents())).name.removeprefix("MOSTLY_") if file_type else ""
+        quantization = (
+            LlamaFileType(int(file_type.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_") if file_type else ""
+        )
     except ValueError:
         quantization = ""
     if not quantization and tensor_types:

@@ -81,6 +81,25 @@ def gguf_checkpoint(cache_dir: Path, path: Path) -> tuple[Path, GgufOrigin]:
     return target, origin
 
 
+def registered_gguf_folder(cache_dir: Path, path: Path, origin: GgufOrigin) -> Path:
+    """This machine's checkpoint folder of a registered GGUF model, whose file is at ``path`` here:
+    the one built already, else dequantized now (a worker other than the one that registered it).
+
+    Raises:
+        ModelSourceError: the file at ``path`` is not the registered content, or cannot be read.
+    """
+    target = cache_dir / "gguf" / _folder_name(origin.sha256)
+    if target.is_dir():
+        return target
+    try:
+        folder, found = gguf_checkpoint(cache_dir, path)
+    except InvalidInput as exc:
+        raise ModelSourceError(str(exc)) from None
+    if found.sha256 != origin.sha256:
+        raise ModelSourceError(f"{path.name} has other content than the GGUF file registered")
+    return folder
+
+
 def _build(path: Path, root: Path, target: Path) -> None:
     """Dequantize ``path`` into a fresh folder beside ``target`` and rename it to ``target``."""
     root.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,10 @@
-"""GGUF models: which ``file://`` sources are a GGUF file, and the file a registration came from.
+"""GGUF models: which sources are a GGUF file, and the file a registration came from.
 
-A ``file://`` source is a GGUF model when it names a ``.gguf`` file, or a folder without
-``config.json`` that holds exactly one ``.gguf`` file (a folder with ``config.json`` is a
-safetensors checkpoint, whatever else lies in it). The ``register`` job reads the file into a plain
+A source is a GGUF model when it names a ``.gguf`` file, or a folder without ``config.json`` that
+holds exactly one ``.gguf`` file (a folder with ``config.json`` is a safetensors checkpoint,
+whatever else lies in it): a ``file://`` path inside ``ENGRAM_MODEL_ROOTS``, an ``s3://`` key or
+prefix, an ``hf://org/name/<file>.gguf`` or a hub repo holding one (the remote ones downloaded
+first, by :mod:`service.models.sources`). The ``register`` job reads the file into a plain
 checkpoint folder in ``ENGRAM_CACHE_DIR`` (:mod:`service.models.gguf_convert`), which the
 registration's ``path`` names and every job reads as any checkpoint; the registration also records
 the GGUF file itself (:class:`GgufOrigin`: its path, SHA-256, identity and quantization type), so a
@@ -57,23 +59,47 @@ def gguf_file_of(source: str, model_roots: list[Path]) -> Path | None:
     if not source.startswith("file://"):
         return None
     path = Path(file_uri_path(source, "file:// source")).resolve()
-    if path.is_file() and path.suffix == GGUF_SUFFIX:
-        found = path
+    found = gguf_file_in(path)
+    if found is None:
+        return None
+    if not _within(found, model_roots):
+        raise InvalidInput(outside_roots_message(found, model_roots))
+    return found
+
+
+def gguf_file_in(path: Path, inside: Path | None = None) -> Path | None:
+    """The GGUF file at ``path`` (links resolved): ``path`` itself when it is named ``*.gguf``, or
+    the one ``.gguf`` of a folder without ``config.json``; None when ``path`` is not a GGUF model.
+
+    A remote source's download (:func:`service.models.sources.local_model_dir`) is read by the same
+    rule, with ``inside`` its cache: a hub file is a link to the repo's ``blobs/``, named by its
+    hash, so the suffix is read from the name before the link is resolved.
+
+    Raises:
+        InvalidInput: the folder holds several ``.gguf`` files, the file resolves outside
+            ``inside``, or it is not a regular file.
+    """
+    if path.suffix == GGUF_SUFFIX and path.is_file():
+        found = path.resolve()
     elif path.is_dir() and not (path / "config.json").exists():
         candidates = sorted(p for p in path.iterdir() if p.suffix == GGUF_SUFFIX)
         if not candidates:
             return None
         if len(candidates) > 1:
             names = ", ".join(p.name for p in candidates)
-            raise InvalidInput(f"{path} holds several GGUF files ({names}): register one of them by its file:// path")
+            raise InvalidInput(f"{path} holds several GGUF files ({names}): register one of them by its own path")
         found = candidates[0].resolve()
     else:
         return None
-    if not any(found.parent == root or root in found.parents for root in model_roots):
-        raise InvalidInput(outside_roots_message(found, model_roots))
+    if inside is not None and not _within(found, [inside.resolve()]):
+        raise InvalidInput(f"{found.name} resolves outside the download directory, which is refused")
     if not found.is_file():
         raise InvalidInput(f"{found} is not a regular file")
     return found
+
+
+def _within(path: Path, roots: list[Path]) -> bool:
+    return any(path.parent == root or root in path.parents for root in roots)
 
 
 def gguf_change(origin: GgufOrigin) -> str | None:

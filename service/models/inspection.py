@@ -23,7 +23,7 @@ from service.jobs.records import JobRecord, RegisterPayload
 from service.jobs.results import RegisterResult
 from service.jobs.store import utc_now
 from service.models.gguf_convert import gguf_checkpoint
-from service.models.gguf_source import GgufOrigin, gguf_file_of
+from service.models.gguf_source import GgufOrigin, gguf_file_in, gguf_file_of
 from service.models.loaded import write_copy_record
 from service.models.record import ModelRecord, folder_kind
 from service.models.registry import files_changed, find_model
@@ -52,7 +52,7 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
             return existing, False
     check_model_bucket(source, ctx.settings)  # again in the job: the worker's settings are the ones that read
     path, gguf = _checkpoint_folder(ctx, source)
-    layout, sums, identity = _inspect(ctx, source, path)
+    layout, sums, identity = _inspect(ctx, path, private_copy=is_remote(source) or gguf is not None)
     if not layout.layers:
         raise InvalidInput("the model has no editable Linear, Conv1D, Conv2d or Conv1d layers in its safetensors weights")
     manifest = ModelRecord(
@@ -81,12 +81,17 @@ def register_model(ctx: Context, model_id: str, source: str) -> tuple[ModelRecor
 
 def _checkpoint_folder(ctx: Context, source: str) -> tuple[Path, GgufOrigin | None]:
     """The checkpoint folder of ``source`` on this machine, and the GGUF file it was dequantized from
-    when the source is one (:mod:`service.models.gguf_source`)."""
-    gguf_file = gguf_file_of(source, ctx.settings.model_root_paths)
+    when the source is one (:mod:`service.models.gguf_source`; a remote one is downloaded first)."""
+    settings = ctx.settings
+    if is_remote(source):
+        fetched = local_model_dir(source, [], ctx.cache_dir, settings.s3_endpoint_url)
+        gguf_file = gguf_file_in(fetched, inside=ctx.cache_dir)
+    else:
+        gguf_file = gguf_file_of(source, settings.model_root_paths)
     if gguf_file is not None:
         folder, origin = gguf_checkpoint(ctx.cache_dir, gguf_file)
         return folder.resolve(), origin
-    return local_model_dir(source, ctx.settings.model_root_paths, ctx.cache_dir, ctx.settings.s3_endpoint_url), None
+    return fetched if is_remote(source) else local_model_dir(source, settings.model_root_paths, ctx.cache_dir), None
 
 
 def _kind(path: Path) -> ModelKind:
@@ -104,9 +109,10 @@ def _kind(path: Path) -> ModelKind:
     return kind
 
 
-def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, dict[str, str], dict[str, FileIdentity]]:
+def _inspect(ctx: Context, path: Path, private_copy: bool) -> tuple[ModelLayout, dict[str, str], dict[str, FileIdentity]]:
     """The folder's layout, its files' digests and identities, every file opened once and read through
-    its descriptor: the identity recorded is that of the bytes hashed and inspected.
+    its descriptor: the identity recorded is that of the bytes hashed and inspected. ``private_copy``:
+    the folder is this machine's own (a download, a dequantized GGUF), recorded as checked here.
 
     Raises:
         InvalidInput: the folder breaks a rule (a link leading out of it, a shard name that is not a
@@ -120,7 +126,7 @@ def _inspect(ctx: Context, source: str, path: Path) -> tuple[ModelLayout, dict[s
             check_tokenizer(files)  # one no job could load is refused now, not at every collection
             sums = file_digests(files)
             files.check_unchanged()  # nothing rewritten in place while it was read
-            if is_remote(source):  # this machine's copy is verified: its jobs need not hash it again
+            if private_copy:  # this machine's copy is verified: its jobs need not hash it again
                 write_copy_record(ctx, files, combined_digest(sums))
             return layout, sums, files.identity()
     except ModelSourceError as exc:

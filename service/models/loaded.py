@@ -23,7 +23,8 @@ from service.engine.checkpoint import combined_digest, directory_digest, file_di
 from service.engine.model_file_descriptors import FileIdentity, ModelFiles, ModelFilesChanged, open_model_files
 from service.engine.model_files import ModelSourceError, check_links
 from service.errors import JobFailed
-from service.models.gguf_source import check_gguf_unchanged
+from service.models.gguf_convert import registered_gguf_folder
+from service.models.gguf_source import GgufOrigin, check_gguf_unchanged, gguf_file_in
 from service.models.record import ModelRecord
 from service.models.registry import find_model
 from service.models.sources import check_model_bucket, local_model_dir
@@ -45,14 +46,15 @@ def checked_model_files(ctx: Context, manifest: ModelRecord) -> ModelFiles:
     """
     model_id = manifest.model_id
     try:
-        if manifest.is_local:
+        if manifest.gguf is not None:
+            path, registered = _gguf_folder(ctx, manifest, manifest.gguf)
+        elif manifest.is_local:
             path = Path(manifest.path)
             if not path.is_dir():
                 raise ModelSourceError(f"the model folder {path} is gone")
             if path.resolve() != path:  # registered resolved: the folder, or a folder above it, became a link
                 raise ModelSourceError("the model folder was replaced by a symbolic link")
             registered = manifest.registered_identity()
-            check_gguf_unchanged(manifest.gguf)  # the file the folder was dequantized from, by its identity
         else:
             check_model_bucket(manifest.source, ctx.settings)  # a bucket delisted since registration is read no more
             path = local_model_dir(manifest.source, [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
@@ -67,6 +69,31 @@ def checked_model_files(ctx: Context, manifest: ModelRecord) -> ModelFiles:
         return files
     except ModelSourceError as exc:
         raise JobFailed(f"the files of model {model_id} changed since registration: {exc}; {REREGISTER}") from None
+
+
+def _gguf_folder(ctx: Context, manifest: ModelRecord, origin: GgufOrigin) -> tuple[Path, None]:
+    """The dequantized folder of a GGUF registration on this machine; its files are checked as a
+    remote model's private copy is (``None``: by this machine's copy record, else by content once:
+    :func:`_check_files`), since the folder is the service's own, rebuilt where it is missing.
+
+    The machine that registered the model reads the folder it built (its copy record written then);
+    any other (a worker with its own ``ENGRAM_CACHE_DIR``), or one whose folder was removed,
+    dequantizes the same file once into its cache (a ``file://`` file where the model roots are
+    shared, a remote one downloaded again) and checks the result against the registration.
+    """
+    if manifest.is_local:
+        check_gguf_unchanged(origin)  # the file the folder was dequantized from, by its identity
+    else:
+        check_model_bucket(manifest.source, ctx.settings)  # a bucket delisted since registration is read no more
+    folder = Path(manifest.path)
+    if folder.is_dir() and folder.is_relative_to(ctx.cache_dir.resolve()):
+        return folder, None
+    if manifest.is_local:
+        file = Path(origin.file)
+    else:
+        fetched = local_model_dir(manifest.source, [], ctx.cache_dir, ctx.settings.s3_endpoint_url)
+        file = gguf_file_in(fetched, inside=ctx.cache_dir) or fetched
+    return registered_gguf_folder(ctx.cache_dir, file, origin), None
 
 
 def check_model_unchanged(ctx: Context, manifest: ModelRecord) -> None:

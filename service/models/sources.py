@@ -23,6 +23,11 @@ from service.errors import InvalidInput
 from service.storage.base import ObjectNotFound, Storage, StorageUnavailable
 
 HF_PATTERN = re.compile(r"^hf://([A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)?)(?:@([A-Za-z0-9._/-]+))?$")
+# hf://org/name/<path>.gguf[@revision]: one GGUF file of a repo (GGUF repos hold one file per quantization)
+HF_FILE_PATTERN = re.compile(
+    r"^hf://([A-Za-z0-9._-]+/[A-Za-z0-9._-]+)/((?:[A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+\.gguf)(?:@([A-Za-z0-9._/-]+))?$"
+)
+GGUF_SUFFIX = ".gguf"
 # Only what a variant needs: weights, configs, tokenizer. Pickle files are never fetched.
 HF_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 # Refused even where an allowed pattern matches (``tokenizer.bin``): loading them would run pickle.
@@ -30,10 +35,13 @@ PICKLE_DENY = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt"]
 
 
 def local_model_dir(source: str, model_roots: list[Path], cache_dir: Path, s3_endpoint_url: str | None = None) -> Path:
-    """The local directory holding the checkpoint named by ``source``.
+    """The local directory holding the checkpoint named by ``source`` (a remote GGUF model: the
+    folder holding its ``.gguf``, or for ``hf://org/name/<file>.gguf`` the file itself; which file
+    is read by :func:`service.models.gguf_source.gguf_file_in`).
 
     Args:
-        source: ``file:///abs/dir``, ``s3://bucket/prefix/`` or ``hf://org/name[@revision]``.
+        source: ``file:///abs/dir``, ``s3://bucket/prefix/`` (or ``…/<file>.gguf``),
+            ``hf://org/name[@revision]`` or ``hf://org/name/<file>.gguf[@revision]``.
         model_roots: the directories ``file://`` sources must lie in.
         cache_dir: where downloaded checkpoints are kept (``s3/`` and ``hf/`` below it).
         s3_endpoint_url: the S3-compatible endpoint for ``s3://`` sources (``None``: AWS).
@@ -95,12 +103,17 @@ def check_model_bucket(source: str, settings: Settings) -> None:
         )
 
 
-def _hf_repo(source: str) -> tuple[str, str | None]:
-    """``hf://org/name[@revision]`` -> (repo, revision); a 422 for anything else."""
+def _hf_repo(source: str) -> tuple[str, str | None, str | None]:
+    """``hf://org/name[/<file>.gguf][@revision]`` -> (repo, file or None, revision); a 422 for anything else."""
+    file_match = HF_FILE_PATTERN.match(source)
+    if file_match is not None:
+        return file_match.group(1), file_match.group(2), file_match.group(3)
     match = HF_PATTERN.match(source)
     if match is None:
-        raise InvalidInput(f"hf:// source must be hf://org/name[@revision], got {source!r}")
-    return match.group(1), match.group(2)
+        raise InvalidInput(
+            f"hf:// source must be hf://org/name[@revision] or hf://org/name/<file>.gguf[@revision], got {source!r}"
+        )
+    return match.group(1), None, match.group(2)
 
 
 def _s3_location(source: str) -> tuple[str, str]:
@@ -170,14 +183,43 @@ def _checked_download(path: Path, cache: Path, source: str) -> Path:
 
 
 def _hf_source(source: str, cache_dir: Path) -> Path:
-    repo_id, revision = _hf_repo(source)
+    repo_id, filename, revision = _hf_repo(source)
+    hub = str(cache_dir / "hf")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import hf_hub_download, snapshot_download
 
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=HF_ALLOW, cache_dir=str(cache_dir / "hf"))
+        if filename is not None:  # one GGUF file of the repo, linked from its snapshot into blobs/
+            path = Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=hub))
+            if not _within(path.resolve(), [(cache_dir / "hf").resolve()]):
+                raise InvalidInput(f"the download of {source} is outside the cache directory")
+            return path
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HF_ALLOW, cache_dir=hub))
+        if not (path / "config.json").exists():  # no checkpoint: a repo of one GGUF file?
+            _hf_fetch_gguf(repo_id, revision, hub)
+    except InvalidInput:
+        raise
     except Exception as exc:  # the hub client raises many types (offline, 404, gated)
         raise InvalidInput(f"cannot fetch {repo_id} from the Hugging Face hub: {exc}") from None
-    return _checked_download(Path(path), cache_dir / "hf", source)
+    return _checked_download(path, cache_dir / "hf", source)
+
+
+def _hf_fetch_gguf(repo_id: str, revision: str | None, hub: str) -> None:
+    """Download the one ``.gguf`` of a hub repo into its snapshot; several are a 422 naming them (a
+    GGUF repo holds one file per quantization: a source names the one it means). Offline, the
+    snapshot is what the cache holds: the listing is skipped."""
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if HF_HUB_OFFLINE:
+        return
+    files = [name for name in HfApi().list_repo_files(repo_id, revision=revision) if name.endswith(GGUF_SUFFIX)]
+    if len(files) > 1:
+        raise InvalidInput(
+            f"hf://{repo_id} holds several GGUF files ({', '.join(sorted(files))}) and no config.json: "
+            f"register one of them as hf://{repo_id}/<file>.gguf"
+        )
+    if files:
+        hf_hub_download(repo_id, files[0], revision=revision, cache_dir=hub)
 
 
 def _wanted(relative: str) -> bool:
@@ -205,16 +247,19 @@ def _s3_source(source: str, cache_dir: Path, endpoint_url: str | None) -> Path:
     from service.storage.s3 import BucketNotFound, S3Storage, make_s3_client
 
     bucket, prefix = _s3_location(source)
-    normalised = f"s3://{bucket}/{prefix}"
+    gguf_key = prefix.rstrip("/") if prefix.rstrip("/").endswith(GGUF_SUFFIX) else None
+    if gguf_key is not None:  # one GGUF file: downloaded alone, into a folder of its own
+        prefix = gguf_key.rpartition("/")[0] + "/" if "/" in gguf_key else ""
+    normalised = f"s3://{bucket}/{gguf_key}" if gguf_key is not None else f"s3://{bucket}/{prefix}"
     root = cache_dir / "s3"
     target = root / hashlib.sha256(normalised.encode()).hexdigest()
     if target.is_dir():
         return _checked_download(target, root, normalised)
     store = S3Storage(make_s3_client(endpoint_url), bucket, prefix)
     try:
-        keys = [k for k in store.list("") if _safe_relative(k) and _wanted(k)]
+        keys = [gguf_key.rpartition("/")[2]] if gguf_key is not None else _s3_model_keys(store.list(""), normalised)
         if not keys:
-            raise InvalidInput(f"{normalised} holds no model files (config, safetensors weights, tokenizer)")
+            raise InvalidInput(f"{normalised} holds no model files (config, safetensors weights, tokenizer, or one GGUF)")
         root.mkdir(parents=True, exist_ok=True)
         return _checked_download(_publish_download(store, keys, root, target), root, normalised)
     except (BucketNotFound, ObjectNotFound) as exc:  # a typo in the source, not an outage
@@ -223,6 +268,21 @@ def _s3_source(source: str, cache_dir: Path, endpoint_url: str | None) -> Path:
         raise  # the endpoint is down or failing: a 503, worth a retry
     except RuntimeError as exc:  # access denied and the other 4xx answers
         raise InvalidInput(f"cannot read {normalised}: {exc}") from None
+
+
+def _s3_model_keys(listed: list[str], normalised: str) -> list[str]:
+    """The keys of a prefix to download: the checkpoint's files; where there is no ``config.json``,
+    the one ``.gguf`` beside them (several: a 422 naming them, as a local folder of several is)."""
+    keys = [k for k in listed if _safe_relative(k) and _wanted(k)]
+    if "config.json" in keys:
+        return keys
+    ggufs = sorted(k for k in listed if "/" not in k and _safe_relative(k) and k.endswith(GGUF_SUFFIX))
+    if len(ggufs) > 1:
+        raise InvalidInput(
+            f"{normalised} holds several GGUF files ({', '.join(ggufs)}) and no config.json: register one of "
+            f"them as {normalised}<file>.gguf"
+        )
+    return keys + ggufs
 
 
 def _publish_download(store: Storage, keys: list[str], root: Path, target: Path) -> Path:

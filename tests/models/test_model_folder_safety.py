@@ -36,6 +36,7 @@ from service.models.sources import local_model_dir
 from service.storage.keys import model_key
 from service.storage.local import LocalStorage
 from tests.helpers.api import register_model
+from tests.helpers.hub import hub_snapshot
 
 SECRET = b"ENGRAM_API_KEYS=read-key-0123456789abcdef\nAWS_SECRET_ACCESS_KEY=hunter2-hunter2\n"
 INDEX = "model.safetensors.index.json"
@@ -415,23 +416,6 @@ def test_a_registration_made_before_the_allowlist_still_checks(folder: Path, job
 
 
 # ---------------------------------------------------------------- hub snapshots, s3 copies
-
-
-def hub_snapshot(cache: Path, source: Path, repo: str = "models--org--tiny") -> Path:
-    """A Hugging Face hub cache repo holding ``source`` the way the hub lays it out (links into blobs/)."""
-    rev = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / repo
-    snapshot = root / "snapshots" / rev
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / "main").write_text(rev)
-    for file in source.iterdir():
-        data = file.read_bytes()
-        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
-    return snapshot
 
 
 def test_a_hub_snapshot_in_the_roots_registers_and_writes_real_files(
