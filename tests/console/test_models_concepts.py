@@ -1,6 +1,7 @@
 """The models and concepts pages: the README's walk-through from the console (register the demo
 model, add the forget and retain concepts by uploading their JSONL files, watch both collections
-reach ready, unlearn ``forget`` at alpha 1 from the model's page), every figure the pages show read
+reach ready, unlearn ``forget`` at alpha 1 from the model's page, evaluate the variant on both sets
+from its page), every figure the pages show read
 against the API's own answer, and a read key that sees these pages with every action disabled."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from playwright.sync_api import FilePayload, Page, expect
 
-from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_variant_ready
+from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
 from tests.console.conftest import screenshot
 from tests.helpers.api import register_model
 
@@ -122,6 +123,23 @@ def unlearn_from_the_form(page: Page, server: LiveServer) -> str:
     return variant_id
 
 
+def evaluate_from_the_variant_page(page: Page, server: LiveServer, variant_id: str) -> None:
+    """The README's last step, from the variant's page: score it against the base on both sets."""
+    expect(page.get_by_test_id("variant-status")).to_have_attribute("data-status", "ready", timeout=JOB_MS)
+    page.get_by_test_id("probes-forget").set_input_files(str(demo(server) / "forget.jsonl"))
+    page.get_by_test_id("probes-retain").set_input_files(str(demo(server) / "retain.jsonl"))
+    page.get_by_test_id("evaluate").click()
+    result_box = page.get_by_test_id("eval-result")
+    expect(result_box).to_be_visible(timeout=JOB_MS)
+    job = wait_for_job(server.client, str(page.get_by_test_id("eval-job").get_attribute("data-job-id")))
+    assert job["status"] == "succeeded" and job["variant_id"] == variant_id, job
+    scores = job["result"]["summary"]["variant"]
+    for name in CONCEPTS:  # the page shows the job's own figures
+        shown = f"{100 * scores[name]['exact_match']:.1f}%"
+        expect(result_box.locator(f"[data-testid=eval-summary] tr[data-id={name}]")).to_contain_text(shown)
+    assert scores["forget"]["exact_match"] == 0.0, scores  # the README's table: alpha 1 forgets every fact
+
+
 def test_the_readme_walkthrough_from_the_console(
     console_page: Callable[..., Page], console_server: LiveServer, screenshot_dir: Path
 ) -> None:
@@ -152,6 +170,7 @@ def test_the_readme_walkthrough_from_the_console(
             "ready", timeout=PAGE_MS
         )
     variant_id = unlearn_from_the_form(page, console_server)
+    evaluate_from_the_variant_page(page, console_server, variant_id)
 
     page.goto(f"{console_server.base_url}/ui/{MODEL_HASH}")
     expect(page.locator(f'[data-testid=model-variants] tr[data-id="{variant_id}"] .badge')).to_have_text(
