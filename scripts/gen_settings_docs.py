@@ -40,7 +40,8 @@ with a message naming the variable. Byte sizes are plain integers (`68719476736`
 
 
 def comments_above(source: str) -> dict[str, str]:
-    """Each ``Settings`` field's comment: the comment lines right above it, else its group's heading."""
+    """Each ``Settings`` field's comment: the comment lines right above it, else the nearest comment above
+    it in its group (fields without a blank line between them)."""
     lines = source.splitlines()
     tree = ast.parse(source)
     settings = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Settings")
@@ -56,9 +57,9 @@ def comments_above(source: str) -> dict[str, str]:
             row -= 1
         starts_group = row < 0 or not lines[row].strip()  # a blank line above: a new group
         if block:
-            found[node.target.id] = " ".join(block)
-            if starts_group:
-                group_heading = found[node.target.id]
+            # A commented field heads what follows it up to the next comment or blank line: "Request
+            # limits: a JSON body and a multipart upload." above the first of two fields covers both.
+            found[node.target.id] = group_heading = " ".join(block)
         elif starts_group:
             group_heading = ""
         else:
