@@ -80,9 +80,9 @@ run: install
 # One torch thread, as the tests' fixture (engram_fixtures.demo.CACHE_THREADS), whatever the load: a
 # step's float sums depend on the thread count, and a count taken from the idle cores trained another
 # model on a busy machine (docs/tutorial.md: two threads gave other figures). The fixture's one
-# thread gives the same bytes with OMP_NUM_THREADS=1 or without (sha256 996b71f5…, 2026-11-29).
-# Another CPU trains other bytes even on one thread (its vector kernels order the sums: an AVX-512 EPYC
-# and the same held to AVX2 gave other models, docs/tutorial.md says by how much).
+# thread gives the same bytes with OMP_NUM_THREADS=1 or without, on a given CPU (the bytes differ by CPU:
+# its vector kernels order the sums; an AVX-512 EPYC and the same held to AVX2 gave other models,
+# docs/tutorial.md says by how much).
 # DEMO_ARGS=--threads=N (the last --threads counts) trains faster, another model.
 demo: install
 	$(PY) -m engram_fixtures.demo --out demo --threads=1 $(DEMO_ARGS)
