@@ -84,19 +84,6 @@ export async function modelCard(variantId) {
   return (await request("GET", `/variants/${encodeURIComponent(variantId)}/model-card`, { as: "text" })).data;
 }
 
-/**
- * A progress bar whose width is set through the CSSOM: the CSP (style-src 'self') refuses a style
- * attribute, so ui.progressBar's `style="width:…"` would be blocked.
- */
-export function liveBar(job) {
-  const p = job.progress || {};
-  const fraction = typeof p.fraction === "number" ? p.fraction
-    : p.total ? (p.done || 0) / p.total : job.status === "succeeded" ? 1 : 0;
-  const inner = h("div", {});
-  inner.style.width = `${Math.round(100 * fraction)}%`;
-  return h("div", { class: "progress", title: p.message || "", "data-fraction": fraction.toFixed(3) }, inner);
-}
-
 // ---------------------------------------------------------------- evaluations
 
 /** A number cell carrying its raw value and where in the result it came from (tests compare both). */

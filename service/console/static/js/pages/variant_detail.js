@@ -2,9 +2,9 @@
 // stored for it (read from its receipt), evaluate jobs running on it, the receipt and model card, an
 // Evaluate form (variant_evaluate.js) and Delete.
 import { ApiError, all, del, followJob, get } from "../api.js";
-import { actionButton, badge, confirmed, fill, h, kv, link, problemBox, section, toast } from "../ui.js";
+import { actionButton, badge, confirmed, fill, h, kv, link, problemBox, progressBar, section, toast } from "../ui.js";
 import {
-  downloadJson, evaluationBlock, filesTable, liveBar, modelCard, optionRows, provenanceRows, receiptOf, showValue, variantHref,
+  downloadJson, evaluationBlock, filesTable, modelCard, optionRows, provenanceRows, receiptOf, showValue, variantHref,
 } from "./variant_common.js";
 import { evaluateForm } from "./variant_evaluate.js";
 
@@ -15,7 +15,7 @@ function pairs(rows) {
 function statusLine(variant, job) {
   return h("div", { class: "toolbar", "data-testid": "variant-status", "data-status": variant.status },
     badge(variant.status),
-    job && variant.status === "building" ? [liveBar(job), h("span", { class: "muted" }, `${job.progress.done}/${job.progress.total} ${job.progress.unit}`)] : null,
+    job && variant.status === "building" ? [progressBar(job), h("span", { class: "muted" }, `${job.progress.done}/${job.progress.total} ${job.progress.unit}`)] : null,
     variant.job_id ? h("span", { class: "muted" }, "build job ", link(`#/jobs/${encodeURIComponent(variant.job_id)}`, variant.job_id)) : null);
 }
 
@@ -66,7 +66,7 @@ function runningEvaluations(variantId, onFinished) {
     const jobs = (await all("/jobs", { kind: "evaluate" }, 500)).filter((j) => j.variant_id === variantId);
     if (jobs.length < seen) onFinished();
     seen = jobs.length;
-    fill(box, jobs.length ? jobs.map((j) => h("div", { class: "toolbar" }, badge(j.status), liveBar(j),
+    fill(box, jobs.length ? jobs.map((j) => h("div", { class: "toolbar" }, badge(j.status), progressBar(j),
       link(`#/jobs/${encodeURIComponent(j.job_id)}`, `evaluate job ${j.job_id}`))) : null);
   };
   return { box, refresh };

@@ -2,8 +2,8 @@
 // POST /variants/{id}/evaluate (EvaluateRequest in api_schemas/evaluation.py), then the job followed
 // live and its result shown with the same tables as the stored evaluations.
 import { ApiError, followJob, request } from "../api.js";
-import { actionButton, badge, fill, h, link, problemBox } from "../ui.js";
-import { evaluationBlock, liveBar } from "./variant_common.js";
+import { actionButton, badge, fill, h, link, problemBox, progressBar } from "../ui.js";
+import { evaluationBlock } from "./variant_common.js";
 
 /**
  * The probes of a JSONL file (one JSON object a line; a JSON array is taken too). Throws an Error
@@ -54,7 +54,7 @@ async function buildRequest(form) {
 
 function jobLine(job) {
   return h("div", { class: "toolbar", "data-testid": "eval-job", "data-job-id": job.job_id, "data-status": job.status },
-    badge(job.status), liveBar(job), h("span", { class: "muted" }, `${job.progress.done}/${job.progress.total} ${job.progress.unit}`),
+    badge(job.status), progressBar(job), h("span", { class: "muted" }, `${job.progress.done}/${job.progress.total} ${job.progress.unit}`),
     link(`#/jobs/${encodeURIComponent(job.job_id)}`, `job ${job.job_id}`));
 }
 
