@@ -200,6 +200,8 @@ def _hf_source(source: str, cache_dir: Path) -> Path:
         raise
     except Exception as exc:  # the hub client raises many types (offline, 404, gated)
         raise InvalidInput(f"cannot fetch {repo_id} from the Hugging Face hub: {exc}") from None
+    if not path.is_dir():  # nothing the allow-list takes, and no single GGUF either
+        raise InvalidInput(f"{source} holds no model files (config, safetensors weights, tokenizer, or one GGUF)")
     return _checked_download(path, cache_dir / "hf", source)
 
 
