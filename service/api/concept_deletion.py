@@ -133,7 +133,7 @@ def dependents(ctx: Context, concept: ConceptRecord, models: Collection[str] | N
     """The unfinished jobs, stored variants and universes that need the concept (``models``: its
     statistics on those models), read from storage itself (the answer decides a deletion)."""
     universes = _universes_with(ctx, concept.name, models)
-    needed = {uid: _variants_of(ctx, uid) for uid in universes}
+    needed = _variants_of(ctx, universes)
     needing = sorted({v for found in needed.values() for v in found})
     tokens = set(universes) | set(_own_prefixes(ctx, concept, models))
     jobs = _jobs_needing(ctx, concept, models, tokens)
@@ -152,10 +152,18 @@ def _universes_with(ctx: Context, name: str, models: Collection[str] | None) -> 
     return found
 
 
-def _variants_of(ctx: Context, universe_id: str) -> list[str]:
-    """The stored variants whose request (and so plan) is of ``universe_id``."""
-    ids = {k.split("/")[1] for k in ctx.storage.list(VARIANTS) if k.endswith("/request.json")}
-    return sorted(v for v in ids if (ctx.storage.find_json(variant_request_key(v)) or {}).get("universe_id") == universe_id)
+def _variants_of(ctx: Context, universes: Collection[str]) -> dict[str, list[str]]:
+    """The stored variants whose request (and so plan) is of one of ``universes``, by universe; each
+    variant's request read once, from storage itself."""
+    found: dict[str, list[str]] = {uid: [] for uid in universes}
+    if not universes:
+        return found
+    ids = sorted({k.split("/")[1] for k in ctx.storage.list(VARIANTS) if k.endswith("/request.json")})
+    for variant_id in ids:
+        universe_id = (ctx.storage.find_json(variant_request_key(variant_id)) or {}).get("universe_id")
+        if universe_id in found:
+            found[universe_id].append(variant_id)
+    return found
 
 
 def _jobs_needing(ctx: Context, concept: ConceptRecord, models: Collection[str] | None, tokens: set[str]) -> list[JobRecord]:
