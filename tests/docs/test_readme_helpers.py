@@ -93,7 +93,8 @@ def test_a_wait_that_never_ends_stops_at_the_deadline_with_the_last_answer(answe
     took = time.monotonic() - started
     assert done.returncode != 0 and "went on" not in done.stdout, done.report()
     assert "not ready after" in done.stderr and '"status":"collecting"' in done.stderr, done.report()
-    assert 2.5 <= took < 15, took
+    # bash's $SECONDS counts whole seconds, so a 3 s deadline may end 2 s after the loop starts.
+    assert 1.5 <= took < 15, took
 
 
 def test_an_error_answer_stops_api_and_shows_it(answers: str, tmp_path: Path) -> None:
