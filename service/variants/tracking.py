@@ -7,9 +7,10 @@ artifacts: its receipt (``receipt.json``, as ``GET /variants/{id}/receipt`` serv
 ``engram verify`` reads it) and its model card (``README.md``). Never the checkpoint: the run points
 to the service that holds it.
 
-Logged once: the run's record (``variants/<id>/tracking.json``, deleted with the variant) is written
-after the run is logged, so a redelivered job or a later evaluation finds it and logs no second run,
-and an evaluation whose variant's run could not be logged logs it first, to be nested under it.
+Logged once per tracking server and experiment: the run's record (``variants/<id>/tracking.json``,
+deleted with the variant, naming both) is written after the run is logged, so a redelivered job or a
+later evaluation finds it and logs no second run, and an evaluation whose variant's run could not be
+logged (or was logged to another server) logs it first, to be nested under it.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ def track_variant(ctx: Context, variant_id: str, metrics: dict[str, float] | Non
     """
     if not tracking_enabled(ctx.settings):
         return None
+    # Where the run went: a record of another tracking server or experiment (the settings changed) is not this one's.
+    where = {"tracking_uri": ctx.settings.mlflow_tracking_uri, "experiment": ctx.settings.mlflow_experiment}
     stored = ctx.storage.find_json(variant_tracking_key(variant_id))
-    if stored is not None:
+    if stored is not None and all(stored.get(k) == v for k, v in where.items()):
         return TrackingRun.model_validate(stored)
     tracked = log_run(ctx.settings, f"variant {variant_id}", lambda: variant_run(ctx, variant_id, metrics or {}))
     if tracked is not None and tracked.logged:
         try:
-            ctx.storage.put_json(variant_tracking_key(variant_id), tracked.model_dump(mode="json"))
+            ctx.storage.put_json(variant_tracking_key(variant_id), {**tracked.model_dump(mode="json"), **where})
         except StorageUnavailable:  # the run exists; only its record is missing: a later evaluation runs unnested
             log.warning("variant %s: MLflow run %s logged, but its record could not be stored", variant_id, tracked.run_id)
     return tracked

@@ -196,4 +196,8 @@ def test_with_the_tracking_server_down_a_variant_is_still_built_and_says_why_it_
         assert response.status_code == 200 and len(response.content) == entry["size"]
     assert not (world.server.storage_dir / "variants" / variant["variant_id"] / "tracking.json").exists()
     # The first variant's record stays: a later evaluation of it would still be nested under its run.
-    assert (world.server.storage_dir / "variants" / tracked["variant"]["variant_id"] / "tracking.json").exists()
+    record = json.loads(
+        (world.server.storage_dir / "variants" / tracked["variant"]["variant_id"] / "tracking.json").read_text()
+    )
+    assert record["run_id"] == tracked["job"]["result"]["tracking"]["run_id"]
+    assert (record["tracking_uri"], record["experiment"]) == (world.mlflow.url, EXPERIMENT)
