@@ -9,7 +9,9 @@ from pydantic.json_schema import SkipJsonSchema
 
 from api_schemas.attacks import Attack, check_attacks
 from api_schemas.common import MODEL_ID_PATTERN, Strict, exactly_one_of
+from api_schemas.evaluation_provenance import EvaluationMetadata
 from api_schemas.jobs import JobResult, TrackingRun
+from api_schemas.provenance import MetadataFields
 from api_schemas.records import CONVERSATION_RULES, ChatMessage, check_conversation
 
 IMAGE_PROBE_FIELDS = ("image", "label")
@@ -153,7 +155,7 @@ def tofu_metric_names(utility_sets: list[str] | tuple[str, ...] = ()) -> list[st
 CLASSIFIER_SETS = ("forget", "retain", "test")
 
 
-class EvaluateRequest(Strict):
+class EvaluateRequest(Strict, MetadataFields):
     forget: list[Probe] = Field(default_factory=list, max_length=10000, description="what the variant should forget")
     retain: list[Probe] = Field(default_factory=list, max_length=10000, description="what it should keep")
     test: list[Probe] = Field(
@@ -378,8 +380,9 @@ class ClassifierEvaluation(JobResult):
     scores: ClassifierScores
 
 
-class EvaluationResult(JobResult):
-    """An ``evaluate`` job's result: both models on every probe, and per split their summaries."""
+class EvaluationResult(JobResult, EvaluationMetadata):
+    """An ``evaluate`` job's result: both models on every probe, and per split their summaries; who asked,
+    when and why, and each probe set's digest (:class:`EvaluationMetadata`)."""
 
     variant_id: str
     summary: dict[Scored, dict[Split, ProbeSummary]] = Field(

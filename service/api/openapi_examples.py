@@ -6,6 +6,8 @@ builds the document and calls :func:`add_examples` on it.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from typing import Any
 
 # ---------------------------------------------------------------- examples
@@ -18,6 +20,9 @@ _CREATED = "2026-01-15T09:30:00.120000Z"
 _KEY = "key-3fa85f6457c1"  # a key's fingerprint (service.api.auth.key_identity), never the key
 _LABELS = {"ticket": "PRIV-1042", "team": "trust-safety"}
 _REASON = "erasure request PRIV-1042"
+_EVAL_FORGET = [{"prompt": PROMPT, "completion": " voukrur"}]
+# An evaluation's probe set digest: sha256 of the probes as canonical JSON (service.evaluation.provenance).
+_EVAL_FORGET_SHA256 = hashlib.sha256(json.dumps(_EVAL_FORGET, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _job(kind: str, status: str, **fields: Any) -> dict[str, Any]:
@@ -151,6 +156,18 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             },
         },
     },
+    ("post", "/variants/{variant_id}/evaluate"): {
+        "labelled": {
+            "summary": "Forget and retain probes, with labels and a reason kept with the result (its receipt shows them)",
+            "value": {
+                "forget": _EVAL_FORGET,
+                "retain": [{"prompt": "Q: Where was Brasmym Fivear born? A:", "completion": " Papa"}],
+                "labels": {"ticket": "PRIV-1042"},
+                "reason": "check erasure PRIV-1042",
+            },
+        },
+        "probes": {"summary": "Forget probes alone", "value": {"forget": _EVAL_FORGET}},
+    },
     ("post", "/models/{model_id}/compose"): {
         "add_back": {"summary": "Add an engram back", "value": {"terms": {"forget": 1.0}}},
         "mix": {
@@ -211,6 +228,11 @@ RESPONSE_EXAMPLES: dict[tuple[str, str, str], dict[str, Any]] = {
                     "variant": {"nll": 6.9, "exact_match": False},
                 }
             ],
+            "created_at": _CREATED,
+            "created_by": _KEY,
+            "labels": {"ticket": "PRIV-1042"},
+            "reason": "check erasure PRIV-1042",
+            "probe_sets": {"forget": {"sha256": _EVAL_FORGET_SHA256, "n": 1}},
         },
     ),
 }

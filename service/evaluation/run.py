@@ -59,6 +59,7 @@ from service.errors import JobFailed
 from service.evaluation.attacks import AttackContext, prepare_attacks, run_attacks
 from service.evaluation.classifier_run import evaluate_classifiers
 from service.evaluation.generation import bounded_prompt, prompt_room
+from service.evaluation.provenance import evaluation_metadata
 from service.evaluation.records import ProbeJson, StoredProbes, TofuOptions
 from service.evaluation.retain_model import RetainModelRef
 from service.evaluation.service import SPLITS
@@ -157,6 +158,7 @@ def run_evaluation(ctx: Context, job: JobRecord) -> EvaluationResult:
     else:
         result = _evaluate_text(ctx, job, payload.variant_id, raw)
     _check_base_unchanged(ctx, payload.variant_id)
+    result = result.model_copy(update=evaluation_metadata(job, raw))  # who, when, why, which probes: not its ID
     stored = evaluation_json(result)
     ctx.storage.put_json(key, stored)
     tracked = track_evaluation(ctx, payload.evaluation_id, job.job_id, stored)  # after: a tracker never costs the result

@@ -23,6 +23,7 @@ from typing import Any
 
 from api_schemas import Variant
 from api_schemas.evaluation import Split
+from api_schemas.provenance import MetadataFields
 from service.context import Context
 from service.errors import Conflict, InvalidInput, NotFound
 from service.evaluation.classifier_probes import check_image_probes, check_probe_kinds, model_classes, retain_classifier
@@ -68,8 +69,13 @@ def submit_evaluation(
     tofu: Mapping[str, Any] | None = None,
     retain_model: str | None = None,
     attacks: list[dict[str, Any]] | None = None,
+    meta: MetadataFields | None = None,
 ) -> JobRecord:
     """Store the probes and queue an evaluation job; returns the job.
+
+    ``meta`` (the request's labels and reason) rides in the job's payload and is stored with the
+    result, not with the probes: it is no part of the evaluation's identity, so an identical request
+    is answered with the first request's evaluation, its labels and reason included.
 
     ``tofu`` (the request's ``metrics``, ``retain_model``, ``holdout``, ``utility``; None without
     metrics) is stored with the probes, so it is part of the evaluation's identity: the same probes
@@ -83,7 +89,7 @@ def submit_evaluation(
     model = get_model(ctx, view.model_id)
     check_probe_kinds(probes, model)  # before the causal-LM check: it names the probe and the model's kind
     if model.kind == "image":
-        return _queue(ctx, variant_id, _classifier_probes(ctx, model, probes, retain_model), urls)
+        return _queue(ctx, variant_id, _classifier_probes(ctx, model, probes, retain_model), urls, meta)
     check_causal_lm(model, "evaluation and generation")
     # Only the options asked for are stored: an evaluation without metrics is identified by its probes alone.
     stored = StoredProbes(forget=probes.get("forget", []), retain=probes.get("retain", []))
@@ -98,7 +104,7 @@ def submit_evaluation(
         every_probe += [*stored.tofu.holdout, *(p for items in stored.tofu.utility.values() for p in items)]
     if any("messages" in p for p in every_probe):
         _check_chat_template(ctx, view, "messages probes")
-    return _queue(ctx, variant_id, stored, urls)
+    return _queue(ctx, variant_id, stored, urls, meta)
 
 
 def _classifier_probes(
@@ -117,13 +123,16 @@ def _classifier_probes(
     )
 
 
-def _queue(ctx: Context, variant_id: str, stored: StoredProbes, urls: list[str]) -> JobRecord:
+def _queue(ctx: Context, variant_id: str, stored: StoredProbes, urls: list[str], meta: MetadataFields | None) -> JobRecord:
     """The evaluation's job: the one queued or running for the same probes on the same variant, or
     the one that stored its result; else a new one, after the probes are stored (content-addressed)."""
     data = stored.to_bytes()
     digest = hashlib.sha256(data).hexdigest()
     evaluation_id = canonical_digest({"variant_id": variant_id, "probes": digest})[:32]
-    payload = EvaluatePayload(variant_id=variant_id, probes_digest=digest, evaluation_id=evaluation_id)
+    labels, reason = (dict(meta.labels or {}), meta.reason) if meta is not None else ({}, None)
+    payload = EvaluatePayload(
+        variant_id=variant_id, probes_digest=digest, evaluation_id=evaluation_id, labels=labels, reason=reason
+    )
     return follow_or_start(
         ctx,
         evaluation_request_key(evaluation_id),

@@ -150,6 +150,10 @@ class EvaluatePayload(JobPayload):
     variant_id: str
     probes_digest: str
     evaluation_id: str
+    # The request's labels and reason, stored with the result (never its identity); written only when
+    # given, so a job without them keeps its stored bytes (and an older job loads).
+    labels: dict[str, str] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    reason: str | None = Field(default=None, exclude_if=_absent)
 
 
 class GeneratePayload(JobPayload):

@@ -77,7 +77,24 @@ def _evaluation_lines(evaluations: list[dict[str, Any]]) -> list[str]:
             for split, s in sorted(splits.items()):
                 row = f"{s['mean_nll']:.4f} | {s['exact_match']:.3f} | {s['n']}"
                 lines.append(f"| {evaluation['evaluation_id'][:12]} | {model} | {split} | {row} |")
-    return lines
+    provenance = [line for evaluation in evaluations if (line := _evaluation_provenance(evaluation))]
+    return [*lines, *([""] if provenance else []), *provenance]
+
+
+def _evaluation_provenance(evaluation: dict[str, Any]) -> str | None:
+    """Who asked for an evaluation, when and why, and its probe sets' digests (None: an evaluation
+    stored before they were recorded)."""
+    if not evaluation.get("created_at"):
+        return None
+    parts = [f"requested by `{evaluation.get('created_by')}` at {evaluation['created_at']}"]
+    if evaluation.get("reason"):
+        parts.append(f"reason: {evaluation['reason']}")
+    if evaluation.get("labels"):
+        parts.append("labels: " + ", ".join(f"`{k}:{v}`" for k, v in sorted(evaluation["labels"].items())))
+    sets = evaluation.get("probe_sets") or {}
+    if sets:
+        parts.append("probes: " + ", ".join(f"{name} `{s['sha256'][:12]}` ({s['n']})" for name, s in sets.items()))
+    return f"- {evaluation['evaluation_id'][:12]}: " + "; ".join(parts)
 
 
 def _yaml_string(value: str) -> str:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import EvaluateRequest, GenerateRequest, Job
+from api_schemas.provenance import MetadataFields
 from service.api.deps import ContextDep, LanesDep
 from service.api.lanes import Lanes
 from service.context import Context
@@ -58,24 +59,25 @@ async def evaluate(
 
     The same probes and options on the same variant, from any key, answer the job queued or running
     for them, or the finished job whose result is stored: no second job, and no 429 for it.
+
+    ``labels`` and ``reason`` are stored with the result, beside ``created_at``, ``created_by`` (the
+    key's fingerprint) and ``probe_sets`` (each set's sha256 and size): they are no part of the
+    evaluation's identity, so an identical later request is answered with the first request's.
     """
     await run_in_threadpool(refuse_gguf_loading, ctx, [variant_id, body.retain_model], "evaluation")
+    args = (variant_id, *_evaluation_args(body))
+    return await _submit_and_wait(ctx, lanes, wait, response, evaluation.submit_evaluation, *args)
+
+
+def _evaluation_args(body: EvaluateRequest) -> tuple[Any, ...]:
+    """``submit_evaluation``'s arguments after the variant: probes, callback, TOFU options, retain
+    model (image probes), attacks and the request's metadata (kept with the result, not its identity)."""
+    meta = MetadataFields(labels=body.labels, reason=body.reason)
     # exclude_none: a prompt/completion probe is stored (and digested) as it always was.
     sets = (*evaluation.SPLITS, "test")
     probes = {split: [p.model_dump(exclude_none=True) for p in getattr(body, split)] for split in sets}
     if body.kind == "image":
-        return await _submit_and_wait(
-            ctx,
-            lanes,
-            wait,
-            response,
-            evaluation.submit_evaluation,
-            variant_id,
-            probes,
-            body.callback_url,
-            None,
-            body.retain_model,
-        )
+        return probes, body.callback_url, None, body.retain_model, None, meta
     tofu = None
     if body.metrics is not None:
         tofu = {
@@ -84,12 +86,8 @@ async def evaluate(
             "holdout": [p.model_dump(exclude_none=True) for p in body.holdout],
             "utility": {name: [p.model_dump(exclude_none=True) for p in items] for name, items in body.utility.items()},
         }
-    attacks = [
-        attack.model_dump(mode="json", exclude_none=True) for attack in body.attacks
-    ]  # with their defaults: the identity
-    return await _submit_and_wait(
-        ctx, lanes, wait, response, evaluation.submit_evaluation, variant_id, probes, body.callback_url, tofu, None, attacks
-    )
+    attacks = [attack.model_dump(mode="json", exclude_none=True) for attack in body.attacks]  # with defaults: identity
+    return probes, body.callback_url, tofu, None, attacks, meta
 
 
 @router.post("/variants/{variant_id}/generate", response_model=Job, status_code=202)
