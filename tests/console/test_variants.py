@@ -24,6 +24,7 @@ from playwright.sync_api import Locator, Page, expect
 
 from engram_fixtures.demo import read_probes
 from engram_fixtures.live import LiveServer, wait_concepts_ready, wait_for_job, wait_variant_ready
+from service.api.auth import key_identity
 from tests.console.conftest import KEYS, screenshot
 from tests.helpers.api import register_model
 
@@ -158,6 +159,7 @@ def test_evaluate_from_the_form_shows_the_jobs_figures(
     page.get_by_test_id("probes-retain").set_input_files(str(built.demo / "retain.jsonl"))
     page.get_by_test_id("attack-quantize").check()
     page.get_by_test_id("attack-bound").fill("0.5")
+    page.get_by_test_id("eval-reason").fill("nightly check of ticket 41")
     page.get_by_test_id("evaluate").click()
 
     result_box = page.get_by_test_id("eval-result")
@@ -178,6 +180,13 @@ def test_evaluate_from_the_form_shows_the_jobs_figures(
     stored = page.get_by_test_id("stored-evaluations")
     expect(stored).to_have_attribute("data-count", "1", timeout=UI_TIMEOUT_MS)
     _cells_equal_the_result(stored, result)
+    # When, who (the write key's fingerprint, never the key) and why, as the service stored them.
+    assert result["created_by"] == key_identity(KEYS["write"]) and result["reason"] == "nightly check of ticket 41"
+    shown = stored.get_by_test_id("evaluation-provenance")
+    expect(shown).to_have_attribute("data-created-at", result["created_at"])
+    expect(shown).to_have_attribute("data-created-by", result["created_by"])
+    expect(shown).to_contain_text("reason: nightly check of ticket 41")
+    expect(shown).not_to_contain_text(KEYS["write"])
     screenshot(page, screenshot_dir, "variant-detail")
 
 
@@ -240,8 +249,9 @@ def test_two_variants_side_by_side(
     expect(row("concepts")).to_have_attribute("data-differs", "false")
     expect(row("terms")).to_have_attribute("data-differs", "true")  # the coefficients are −α
     expect(row("reason")).to_have_attribute("data-differs", "true")
-    forget_n = len(body["forget"])
-    key = f"forget {forget_n} / retain {len(body['retain'])} probes · forget exact match"
+    # Lined up by the probe sets' digests (sha256 of the probes as canonical JSON, computed here) and sizes.
+    sets = " / ".join(f"{s} {len(body[s])} #{_sha256(body[s])[:12]}" for s in ("forget", "retain"))
+    key = f"{sets} probes · forget exact match"
     expect(row(key).locator(f"td[data-variant='{mild}']")).to_have_text(
         f"{100 * mild_result['summary']['variant']['forget']['exact_match']:.1f}%"
     )
@@ -251,6 +261,10 @@ def test_two_variants_side_by_side(
         expect(row("receipt digest").locator(f"td[data-variant='{variant_id}'] code")).to_have_attribute("title", digest)
     expect(table.locator("[data-testid=download-file]")).to_have_count(2)
     screenshot(page, screenshot_dir, "variants-compare")
+
+
+def _sha256(probes: list[dict[str, str]]) -> str:
+    return hashlib.sha256(json.dumps(probes, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def test_a_read_key_sees_everything_but_cannot_act(built: Built, console_page: Callable[..., Page]) -> None:

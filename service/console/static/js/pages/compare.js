@@ -2,9 +2,10 @@
 // evaluation summaries (stored evaluations from each receipt), the receipt's digest and a download.
 // A row whose values differ between the variants is highlighted.
 //
-// Stored evaluations name neither their probes nor their time, so evaluations of different variants
-// are lined up by their sets' sizes and attacks (variant_common.evaluationSignature): the same probe
-// files give the same row.
+// Evaluations of different variants are lined up by their probe sets' digests and sizes
+// (variant_common.evaluationSignature; receipt evaluations' probe_sets): the same probe files give the
+// same row, whoever scored them and when. An evaluation stored before probe sets were recorded is
+// lined up by its sets' sizes alone (a row of its own).
 import { get } from "../api.js";
 import { badge, fill, fmtNum, fmtPct, h, problemBox } from "../ui.js";
 import {

@@ -138,10 +138,35 @@ function passedBadge(passed, name) {
   return h("span", { class: `badge ${passed ? "ok" : "failed"}`, "data-passed": String(passed), "data-attack": name }, passed ? "passed" : "failed");
 }
 
-/** What tells evaluations apart when their probes are not named: the sets' sizes and the attacks. */
+/**
+ * What lines evaluations up (the compare page's rows): each probe set's digest and size
+ * ("forget 40 #1a2b3c4d5e6f / retain 40 #…": the same probes give the same text, whoever scored them),
+ * or, for an evaluation stored before its probe sets were recorded, the sets' sizes alone.
+ */
 export function evaluationSignature(evaluation) {
+  const sets = evaluation.probe_sets;
+  if (sets && Object.keys(sets).length) {
+    const names = [...SPLITS.filter((s) => sets[s]), ...Object.keys(sets).filter((s) => !SPLITS.includes(s))];
+    return names.map((name) => `${name} ${sets[name].n} #${sets[name].sha256.slice(0, 12)}`).join(" / ") + " probes";
+  }
   const sizes = SPLITS.map((s) => (((evaluation.summary || {}).variant || {})[s] || {}).n).map((n, i) => (n ? `${SPLITS[i]} ${n}` : null));
   return sizes.filter(Boolean).join(" / ") + " probes";
+}
+
+/** When, by whom and why an evaluation was asked for (an evaluation stored before this was recorded says so). */
+export function evaluationProvenance(evaluation) {
+  if (!evaluation.created_at) {
+    return h("p", { class: "muted", "data-testid": "evaluation-provenance", "data-recorded": "false" },
+      "stored before who, when and which probes were recorded (lined up by set sizes)");
+  }
+  const labels = labelsText(evaluation.labels);
+  return h("p", {
+    class: "muted", "data-testid": "evaluation-provenance", "data-recorded": "true",
+    "data-created-at": evaluation.created_at, "data-created-by": evaluation.created_by || "", "data-reason": evaluation.reason || "",
+  },
+  `requested ${fmtTime(evaluation.created_at)} by `, h("code", {}, evaluation.created_by || "—"),
+  evaluation.reason ? ` · reason: ${evaluation.reason}` : "", labels ? ` · labels: ${labels}` : "",
+  ` · probes: ${evaluationSignature(evaluation)}`);
 }
 
 /** One evaluation's figures: its summary, its attacks (when any ran), TOFU's values (when asked). */
@@ -150,6 +175,7 @@ export function evaluationBlock(evaluation, title) {
   const passed = attacks.filter((a) => evaluation.attacks[a].passed === true);
   return h("div", { class: "evaluation", "data-testid": "evaluation", "data-evaluation": evaluation.evaluation_id || "" },
     h("h3", {}, title || `Evaluation on ${evaluationSignature(evaluation)}`),
+    evaluationProvenance(evaluation),
     summaryTable(evaluation),
     attacks.length ? [
       h("p", { class: "muted", "data-testid": "attacks-passed" }, `attacks: ${attacks.join(", ")}; passed: ${passed.length ? passed.join(", ") : "none"}`),

@@ -49,7 +49,8 @@ async function buildRequest(form) {
   const retain = await readFileInput(form.elements.retain, "retain");
   if (!forget.length && !retain.length) throw new Error("choose a forget or a retain probe file (JSONL: one {\"prompt\", \"completion\"} a line)");
   const attacks = chosenAttacks(form);
-  return { forget, retain, ...(attacks.length ? { attacks } : {}) };
+  const reason = form.elements.reason.value.trim(); // stored with the evaluation (who and when: the service's)
+  return { forget, retain, ...(attacks.length ? { attacks } : {}), ...(reason ? { reason } : {}) };
 }
 
 function jobLine(job) {
@@ -67,6 +68,8 @@ function fields() {
       tick("quantize", "quantize Q4_1"), tick("relearn", "relearn (10 steps on half the forget set)"),
       h("label", {}, "pass when the attacked forget exact match is at most",
         h("input", { type: "number", name: "max_forget_em", min: "0", max: "1", step: "0.01", placeholder: "no bound", "data-testid": "attack-bound" }))),
+    h("label", {}, "reason (optional, kept with the evaluation)",
+      h("input", { type: "text", name: "reason", maxlength: "2000", placeholder: "why it is run", "data-testid": "eval-reason" })),
   ];
 }
 
