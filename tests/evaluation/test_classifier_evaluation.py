@@ -13,6 +13,8 @@ answer keeps its shape.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +231,10 @@ def test_classifier_evaluation_equals_a_hand_computation(
         assert _close(scores["cka_to_base"][set_name], _hand_cka(variant_features, hand["base"][set_name][1]))
         assert _close(scores["cka_to_retrained"][set_name], _hand_cka(variant_features, hand["retrained"][set_name][1]))
     assert scores["left_out"] == {}
+    # issue 39: each image probe set's sha256 (of its probes as canonical JSON, computed here) and size
+    canonical = {name: json.dumps(probes, sort_keys=True, separators=(",", ":")).encode() for name, probes in sets.items()}
+    expected = {name: {"sha256": hashlib.sha256(data).hexdigest(), "n": len(sets[name])} for name, data in canonical.items()}
+    assert result["probe_sets"] == expected
     # the same probes on the same variant: answered from storage, the same numbers
     again = _evaluate(server, variant["variant_id"], body)
     assert again == result, "issue 35, finding 9: answered by the job that stored the result"
@@ -248,7 +254,9 @@ def test_without_a_retrained_model_tow_is_left_out_naming_why(server: InProcessS
 
 def test_a_text_evaluation_keeps_its_shape(server: InProcessServer, text_variant: dict[str, Any]) -> None:
     result = _evaluate(server, text_variant["variant_id"], {"forget": [TEXT_PROBE], "retain": [TEXT_PROBE]})
-    assert set(result) == {"variant_id", "summary", "records", "worker", "_progress"}  # no classifier section
+    # no classifier section; who asked, when and on which probes (issue 39; no labels or reason given: none stored)
+    recorded = {"created_at", "created_by", "labels", "probe_sets"}
+    assert set(result) == {"variant_id", "summary", "records", "worker", "_progress", *recorded}
     assert set(result["summary"]["base"]) == {"forget", "retain"}
     assert set(result["summary"]["base"]["forget"]) == {"mean_nll", "exact_match", "n"}
     assert set(result["records"][0]) == {"split", "index", "base", "variant"}
