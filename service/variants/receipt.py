@@ -4,7 +4,8 @@ The record (``GET /variants/{id}/receipt``) names the request (concepts, coeffic
 when, reason, labels, the variant it reverts), each concept's dataset sha256 and the digest of its
 statistics' manifest on the model, the universe, the base model's files and identity, every output
 file's sha256 (from the variant's manifest) and the evaluations stored for it (with any attack
-reports; per-probe records are left out: they are the probes' content). It is made from storage on
+reports, and who asked for each, when, why and on which probe sets' digests; per-probe records are
+left out: they are the probes' content). It is made from storage on
 each request, so it grows with each evaluation; nothing in it is a time of reading, so the same
 stored state gives the same bytes, hence the same digest and signature.
 
