@@ -1,12 +1,14 @@
-"""The README's five-minute walk-through, run as written against a live server.
+"""The README's tiny-demo walk-through ("A known answer key"), run as written against a live server.
 
-Every ```bash block of the README's "Five minutes" section runs in one bash process (``set -eo
-pipefail``) from a folder laid out as a fresh clone after ``make demo`` (tests/helpers/walkthrough.py
-says how, and which two lines the fixtures stand for). A stale command, a changed answer shape that
-breaks the README's ``api``/``wait_for``/``jq`` glue, or figures further from the README's table
-than the spread between CPUs (read from it: tests/helpers/readme_figures.py) fail here. So does a
-walk-through that hides a mistake: the same script with the concept misspelt, or with a dataset the
-service refuses, must stop soon and show the service's answer.
+The README's ``BASE``, ``api`` and ``wait_for`` (the first walk-through's first block: the real
+model's, tests/docs/test_readme_real_walkthrough.py) and every ```bash block of the "A known answer
+key" section run in one bash process (``set -eo pipefail``) from a folder laid out as a fresh clone
+after ``make demo`` (tests/helpers/walkthrough.py says how, and which lines the fixtures stand for).
+A stale command, a changed answer shape that breaks the README's ``api``/``wait_for``/``jq`` glue,
+or figures further from the README's table than the spread between CPUs (read from it:
+tests/helpers/readme_figures.py) fail here. So does a walk-through that hides a mistake: the same
+script with the concept misspelt, or with a dataset the service refuses, must stop soon and show
+the service's answer.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from tests.helpers.readme_figures import ALPHA_1, BASE_ROW, TOLERANCE_POINTS, as
 from tests.helpers.walkthrough import (
     REPO,
     evaluation_rows,
-    pointed_at,
+    readme_helpers,
     run_bash,
     section_bash_blocks,
     without_fixture_lines,
 )
 
-SECTION = "## Five minutes"
+SECTION = "## A known answer key"
 pytestmark = pytest.mark.slow
 
 
@@ -35,8 +37,10 @@ def walkthrough_blocks(readme: str) -> list[str]:
     return section_bash_blocks(readme, SECTION)
 
 
-def runnable(blocks: list[str], base: str) -> str:
-    return pointed_at(without_fixture_lines("\n".join(block.rstrip("\n") for block in blocks)), base)
+def walkthrough(readme: str, base: str) -> str:
+    """The README's helpers, then the section's blocks ("same server, same BASE, api and wait_for")."""
+    section = without_fixture_lines("\n".join(block.rstrip("\n") for block in walkthrough_blocks(readme)))
+    return readme_helpers(readme, base) + "\n" + section
 
 
 def substituted(script: str, old: str, new: str) -> str:
@@ -52,7 +56,7 @@ FAILURE_PATH_BOUND_S = 240.0
 
 def test_the_walkthrough_runs_as_written_and_gives_the_readmes_figures(server: LiveServer, clone: Path) -> None:
     readme = (REPO / "README.md").read_text()
-    done = run_bash(runnable(walkthrough_blocks(readme), server.base_url), clone)
+    done = run_bash(walkthrough(readme, server.base_url), clone)
     assert done.returncode == 0, done.report(server.log_tail())
     rows = evaluation_rows(done.stdout)
     assert set(rows) == {"forget", "retain"}, done.stdout
@@ -77,16 +81,16 @@ def test_the_figures_table_is_read_and_a_wrong_figure_fails() -> None:
 
 def test_the_block_extraction_keeps_the_sections_commands_and_drops_make_demo_and_run() -> None:
     readme = (
-        "intro\n## Five minutes\n```bash\nmake demo\nBASE=http://127.0.0.1:8000\ncurl a\n```\n"
-        "text\n## Next\n```bash\ncurl b\n```\n"
+        "intro\n## Five minutes\n```bash\nmake real-demo\nmake run\nBASE=http://127.0.0.1:8000\napi() {}\n```\n"
+        "## A known answer key\n```bash\nmake demo\ncurl a\n```\ntext\n## Next\n```bash\ncurl b\n```\n"
     )
-    script = runnable(walkthrough_blocks(readme), "http://x:1")
-    assert script == "BASE=http://x:1\ncurl a"
+    script = walkthrough(readme, "http://x:1")
+    assert script == "BASE=http://x:1\napi() {}\ncurl a"
 
 
 def test_a_misspelt_concept_stops_the_walkthrough_with_the_services_did_you_mean(server: LiveServer, clone: Path) -> None:
     readme = (REPO / "README.md").read_text()
-    script = substituted(runnable(walkthrough_blocks(readme), server.base_url), '["forget"]', '["forgte"]')
+    script = substituted(walkthrough(readme, server.base_url), '["forget"]', '["forgte"]')
     started = time.monotonic()
     done = run_bash(script, clone, timeout=FAILURE_PATH_BOUND_S)
     took = time.monotonic() - started
@@ -103,7 +107,7 @@ def test_a_dataset_the_service_refuses_stops_the_walkthrough_at_the_upload(serve
     facts = (clone / "demo" / "forget.jsonl").read_text().splitlines()
     (clone / "demo" / "broken.jsonl").write_text("\n".join([*facts[:2], '{"prompt": "Q: Who?"}', *facts[2:]]) + "\n")
     readme = (REPO / "README.md").read_text()
-    script = runnable(walkthrough_blocks(readme), server.base_url)
+    script = walkthrough(readme, server.base_url)
     script = substituted(script, "-F name=forget", "-F name=broken")
     script = substituted(script, "dataset=@demo/forget.jsonl", "dataset=@demo/broken.jsonl")
     done = run_bash(script, clone, timeout=FAILURE_PATH_BOUND_S)

@@ -1,9 +1,11 @@
-"""The figures the README's "The figures to expect" table states, read from the README itself, and
-how far a measured figure may be from them.
+"""The figures the README's tables state, read from the README itself, and how far a measured figure
+may be from them: the tiny demo's "The figures to expect" table (:func:`readme_figures`) and the real
+model's, in the first walk-through (:func:`real_model_figures`).
 
-A test compares what the demo gives with these (tests/docs/test_readme_walkthrough.py,
-tests/e2e/test_demo_figures.py), so editing the table without measuring, or a change that moves
-the demo's figures, fails there rather than passing inside a band of forty points.
+A test compares what the demos give with these (tests/docs/test_readme_walkthrough.py,
+tests/docs/test_readme_real_walkthrough.py, tests/e2e/test_demo_figures.py), so editing a table
+without measuring, or a change that moves the figures, fails there rather than passing inside a
+band of forty points.
 """
 
 from __future__ import annotations
@@ -52,4 +54,44 @@ def assert_near(measured: float, stated: float, what: str) -> None:
     """A measured exact match (percent) within :data:`TOLERANCE_POINTS` of the README's."""
     assert abs(measured - stated) <= TOLERANCE_POINTS, (
         f"{what}: measured {measured:.1f}%, the README says {stated:g}% (± {TOLERANCE_POINTS} points)"
+    )
+
+
+REAL_SECTION = "## Five minutes"
+REAL_ROWS = ("capitals (to forget)", "chemical symbols (to keep)")
+# How many probes of a set a measured exact match may be from the README's (in points: this many
+# times 100 / the set's size). The reference concept is text the model samples, which another CPU or
+# library version draws differently, and the universe's float sums differ by CPU. The README's
+# walk-through (64 samples of 48 tokens) left 2 of the 26 capitals in the concept answered on this
+# machine (2026-11-29); with 100 samples of 64 tokens it left 5, the symbols the same (13 of 14, 9 of
+# 11), every held-out capital forgotten in both: three probes is the spread another draw gave.
+REAL_TOLERANCE_PROBES = 3
+
+
+def real_model_figures(readme: str | None = None) -> dict[str, tuple[float, float]]:
+    """The first walk-through's table: ``REAL_ROWS`` -> (in the concepts, held out) exact match in percent.
+
+    Raises:
+        AssertionError: the section has no such table, or a row that is not ``| facts | N% | N% |``.
+    """
+    text = (REPO / "README.md").read_text() if readme is None else readme
+    start = text.index(REAL_SECTION)
+    end = text.find("\n## ", start + len(REAL_SECTION))
+    rows: dict[str, tuple[float, float]] = {}
+    for line in text[start : end if end != -1 else len(text)].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and len(cells) == 3 and cells[0] in REAL_ROWS:
+            figures = [re.fullmatch(r"(\d+(?:\.\d+)?)%", cell) for cell in cells[1:]]
+            assert all(figures), f"a row of the README's real-model figures is not 'N% | N%': {line!r}"
+            rows[cells[0]] = (float(figures[0][1]), float(figures[1][1]))  # type: ignore[index]
+    assert set(rows) == set(REAL_ROWS), f"the README's real-model figures lost a row: {sorted(rows)}"
+    return rows
+
+
+def assert_within_probes(measured: float, stated: float, probes: int, what: str) -> None:
+    """A measured exact match (percent, over ``probes`` probes) within :data:`REAL_TOLERANCE_PROBES` of the README's."""
+    bound = REAL_TOLERANCE_PROBES * 100.0 / probes
+    assert abs(measured - stated) <= bound + 1e-9, (
+        f"{what}: measured {measured:.1f}%, the README says {stated:g}% "
+        f"(± {REAL_TOLERANCE_PROBES} of {probes} probes: {bound:.1f} points)"
     )

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_BY_THE_FIXTURE = ("make demo", "make run")
+RUN_BY_THE_FIXTURE = ("make demo", "make real-demo", "make run")
+# The README's first walk-through: its first block defines BASE, api and wait_for for every later one.
+README_FIRST_SECTION = "## Five minutes"
 DEFAULT_BASE = "BASE=http://127.0.0.1:8000"
 
 
@@ -68,6 +70,12 @@ def pointed_at(script: str, base_url: str) -> str:
 
 def without_fixture_lines(script: str) -> str:
     return "\n".join(line for line in script.splitlines() if not line.lstrip().startswith(RUN_BY_THE_FIXTURE))
+
+
+def readme_helpers(readme: str, base_url: str) -> str:
+    """The README's ``BASE``, ``api`` and ``wait_for`` (its first walk-through's first block, less the
+    lines the fixtures stand for), pointed at ``base_url``: what "same server, same BASE" sections run first."""
+    return pointed_at(without_fixture_lines(section_bash_blocks(readme, README_FIRST_SECTION)[0]), base_url)
 
 
 def _without_engram_settings() -> dict[str, str]:
