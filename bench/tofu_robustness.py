@@ -60,7 +60,6 @@ from service.evaluation.attacks import (
     AttackContext,
     PreparedAttack,
     prepare_relearn,
-    recovered_fraction,
     run_attacks,
     summaries,
 )
@@ -137,48 +136,29 @@ def prepared_attacks(tokenizer: Any, model: Any, setup: TofuSetup, plan: Plan) -
 def tofu_rows(
     variants: dict[str, Any], base: Any, retain: Any, tokenizer: Any, setup: TofuSetup, plan: Plan
 ) -> dict[str, dict[str, float]]:
-    """Each model's TOFU figures: unattacked (against the retain and base models) and after each attack.
-
-    The attacks are the evaluation job's :func:`run_attacks`, given every row as one more model beside
-    the base and the retain model (the job attacks base, variant and retain; here each model is attacked
-    once, not once per row): an attacked model is scored against the attacked retain model and base.
-    Relearn's recovered fraction is the job's :func:`recovered_fraction` of each row's figures."""
+    """Each model's TOFU figures: unattacked (against the retain and base models) and after each attack,
+    by the evaluation job's :func:`run_attacks` with the base, the retain model and the row as its
+    three models (an attacked model scored against the attacked retain model and base, as the job)."""
     reports = {name: model_report(m, tokenizer, setup.sets) for name, m in (("base", base), ("retain", retain))}
-    # the job's names: the first row other than the base is its "variant" (relearn's own recovered
-    # fraction reads that name), the others keep theirs
-    first = next((name for name in variants if variants[name] is not base), None)
-    key = {name: "base" if variants[name] is base else ("variant" if name == first else name) for name in variants}
-    models = {"base": base, "retain": retain, **{key[name]: model for name, model in variants.items()}}
-    context = AttackContext(
-        {name: (lambda m=m: m) for name, m in models.items()},  # type: ignore[misc]
-        tokenizer,
-        "tofu",
-        batch_tokens=1 << 14,
-        progress=_NoProgress(),
-    )
     prepared = prepared_attacks(tokenizer, base, setup, plan)
     rows: dict[str, dict[str, float]] = {}
     for name, model in variants.items():
+        models = {"base": lambda: base, "retain": lambda: retain, "variant": lambda m=model: m}  # type: ignore[misc]
+        context = AttackContext(models, tokenizer, "tofu", batch_tokens=1 << 14, progress=_NoProgress())  # type: ignore[arg-type]
         scored = tofu_scores(model_report(model, tokenizer, setup.sets), reports["retain"], reports["base"]).values
         row = {key: float(scored.get(key, math.nan)) for key in TOFU_METRICS}
         unattacked = summaries(model, prepared[0].probes, context)  # every forget and retain fact, as sent
         row["forget_exact_match"], row["retain_exact_match"] = (unattacked[s].exact_match for s in ("forget", "retain"))
-        rows[name] = row
-    for attack, report in run_attacks(prepared, context).items():
-        prefix = attack.split(":")[0]
-        for name, row in rows.items():
-            at = key[name]
-            row[f"{prefix}:forget_exact_match"] = report.summary[at]["forget"].exact_match  # type: ignore[index]
-            row[f"{prefix}:retain_exact_match"] = report.summary[at]["retain"].exact_match  # type: ignore[index]
-            values = report.tofu[at].values if report.tofu else {}  # type: ignore[index]
+        for attack, report in run_attacks(prepared, context).items():
+            prefix = attack.split(":")[0]
+            row[f"{prefix}:forget_exact_match"] = report.summary["variant"]["forget"].exact_match
+            row[f"{prefix}:retain_exact_match"] = report.summary["variant"]["retain"].exact_match
+            values = report.tofu["variant"].values if report.tofu else {}
             row.update({f"{prefix}:{key}": _float(values.get(key)) for key in TOFU_METRICS})
-            if report.unattacked is not None:
-                fraction = recovered_fraction(
-                    report.unattacked["base"]["forget"].exact_match,
-                    report.unattacked[at]["forget"].exact_match,  # type: ignore[index]
-                    row[f"{prefix}:forget_exact_match"],
-                )
-                row[f"{prefix}:recovered_fraction"] = fraction if isinstance(fraction, float) else math.nan
+            if isinstance(report.attack.get("steps"), int):  # relearn: NaN where nothing was forgotten
+                row[f"{prefix}:recovered_fraction"] = _float(report.recovered_fraction)
+        rows[name] = row
+        print(f"[tofu] {name}: {row}", file=sys.stderr, flush=True)
     return rows
 
 
