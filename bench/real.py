@@ -1,8 +1,8 @@
 """Unlearning on a real pretrained LLM: Engram (an α grid, W-Norm, calibrated) against GradDiff and NPO.
 
     python -m bench.real                      # SmolLM2-135M-Instruct, the whole table (~15-25 min on 2 cores)
-    python -m bench.real --robustness         # also the robustness table (bench.robustness: Q4_1, relearning)
-    python -m bench.real --quick              # one α, a 2-candidate calibration, 1-epoch baselines: a smoke run
+    python -m bench.real --robustness         # also the robustness tables (bench.robustness: Q4_1, relearn, rephrase)
+    python -m bench.real --quick              # one α, calibrations of budget 2 (baselines, attacks as the full plan)
     python -m bench.real --json out.json      # also every row's figures, the data counts and the calibration
 
 The model is :func:`engram_fixtures.real_llm.real_llm` (SmolLM2-135M-Instruct, converted once from the
@@ -17,7 +17,9 @@ three concepts collected, their universe built (``POST /models/{id}/universes``)
 ``POST /models/{id}/unlearn`` at each α of the grid (uniform scaling), at α=1 with
 ``"scaling": "weight_norm"`` (W-Norm), and ``POST /models/{id}/calibrate`` with the default
 objective (the lowest forget exact match with the retain exact match ≥ 0.9 × the base's and the
-perplexity on ``utility.general`` bounded), whose recommended variant is the calibrated row. The
+perplexity on ``utility.general`` bounded), whose recommended variant is the calibrated row; the
+same request with the plan's ``gate`` as ``attack_constraints`` gives the gated row (or, when no
+candidate meets the gate, none, and its note under the table). The
 variants are read from the server's store. GradDiff and NPO are :mod:`bench.gradient_baselines`'
 loops on the same forget facts, with the kept concept's facts as their retain set.
 
@@ -98,7 +100,8 @@ class Plan:
     )
 
 
-QUICK = Plan(alphas=(0.25,), budget=2)  # the grid, the calibrations' budget cut; the baselines and attacks as the full plan's
+# the grid and the calibrations' budget cut; the baselines and attacks as the full plan's (fewer measure nothing)
+QUICK = Plan(alphas=(0.25,), budget=2)
 CALIBRATED, GATED = "Engram calibrated", "Engram calibrated, gated"
 
 
