@@ -34,6 +34,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from service.api.auth import Principal
+from service.api.dependents import still_needed
 from service.concepts.record import ConceptRecord
 from service.concepts.service import get_concept, list_concepts
 from service.context import Context
@@ -49,8 +50,6 @@ from service.storage.keys import (
     variant_request_key,
 )
 from service.universes.records import find_request, known_universe_ids
-
-_NAMED = 20  # a 409 names this many of each kind, then counts the rest
 
 
 @dataclass
@@ -228,17 +227,12 @@ def _delete(ctx: Context, keys: list[str]) -> None:
         ctx.reads.forget(key)
 
 
+_STEPS = {
+    "jobs": "wait for the jobs or cancel them (DELETE /jobs/{id})",
+    "variants": "delete those variants (DELETE /variants/{id}): their universes include it",
+    "universes": "delete those variants (DELETE /variants/{id}): their universes include it",
+}
+
+
 def _refusal(name: str, blocking: dict[str, list[str]]) -> str:
-    named = "; ".join(f"{kind}: {_names(ids)}" for kind, ids in blocking.items())
-    steps = {
-        "jobs": "wait for the jobs or cancel them (DELETE /jobs/{id})",
-        "variants": "delete those variants (DELETE /variants/{id}): their universes include it",
-        "universes": "delete those variants (DELETE /variants/{id}): their universes include it",
-    }
-    advice = "; ".join(dict.fromkeys(steps[kind] for kind in blocking))
-    return f"concept {name} is still needed ({named}): nothing was deleted. To delete it: {advice}"
-
-
-def _names(ids: list[str]) -> str:
-    more = len(ids) - _NAMED
-    return ", ".join(ids[:_NAMED]) + (f" and {more} more" if more > 0 else "")
+    return still_needed(f"concept {name}", blocking, _STEPS)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.api.auth import Principal
+from service.api.dependents import still_needed
 from service.calibration.deletion import model_calibrations, remove_calibration
 from service.concepts.service import list_concepts
 from service.context import Context
@@ -31,8 +32,6 @@ from service.storage.keys import VARIANTS
 from service.universes.records import model_universe_ids
 from service.universes.retention import remove_universe
 from service.variants.service import find_variant_request
-
-_NAMED = 20  # a 409 names this many of each kind, then counts the rest
 
 
 @dataclass
@@ -88,26 +87,21 @@ def delete_model(ctx: Context, model_id: str, principal: Principal, *, cascade: 
         found = dependents(ctx, model_id)
         blocking = found.blocking(cascade)
         if blocking:
-            raise Conflict(_refusal(model_id, blocking, cascade), extensions={"dependents": blocking})
+            raise Conflict(_refusal(model_id, blocking), extensions={"dependents": blocking})
         deleted = [key for cid in found.calibrations for key in remove_calibration(ctx, cid)] if cascade else []
         for universe_id in found.universes if cascade else ():
             remove_universe(ctx, universe_id)
         return deleted + remove_model(ctx, model_id)
 
 
-def _refusal(model_id: str, blocking: dict[str, list[str]], cascade: bool) -> str:
-    named = "; ".join(f"{kind}: {_names(ids)}" for kind, ids in blocking.items())
-    steps = {
-        "jobs": "wait for the jobs or cancel them (DELETE /jobs/{id})",
-        "variants": "delete those variants (DELETE /variants/{id})",
-        "concepts": "delete those concepts (DELETE /concepts/{name})",
-        "universes": "add ?cascade=true to delete its universes and calibrations with it",
-        "calibrations": "add ?cascade=true to delete its universes and calibrations with it",
-    }
-    advice = "; ".join(dict.fromkeys(steps[kind] for kind in blocking))
-    return f"model {model_id} is still needed ({named}): nothing was deleted. To delete it: {advice}"
+_STEPS = {
+    "jobs": "wait for the jobs or cancel them (DELETE /jobs/{id})",
+    "variants": "delete those variants (DELETE /variants/{id})",
+    "concepts": "delete those concepts (DELETE /concepts/{name})",
+    "universes": "add ?cascade=true to delete its universes and calibrations with it",
+    "calibrations": "add ?cascade=true to delete its universes and calibrations with it",
+}
 
 
-def _names(ids: list[str]) -> str:
-    more = len(ids) - _NAMED
-    return ", ".join(ids[:_NAMED]) + (f" and {more} more" if more > 0 else "")
+def _refusal(model_id: str, blocking: dict[str, list[str]]) -> str:
+    return still_needed(f"model {model_id}", blocking, _STEPS)
