@@ -26,26 +26,35 @@ ALPHA_1 = '"alpha": 1.0'  # the walk-through's own request
 TOLERANCE_POINTS = 10.0
 
 
+def _percent_rows(section: str, readme: str | None) -> dict[str, tuple[float, float]]:
+    """The ``| label | N% | N% |`` rows of ``section``'s table (up to the next ``## ``): label (backticks
+    dropped) -> the two percentages. The header and separator rows are passed over.
+
+    Raises:
+        AssertionError: the README has no such section, or a row whose cells are not percentages.
+    """
+    text = (REPO / "README.md").read_text() if readme is None else readme
+    start = text.index(section)
+    end = text.find("\n## ", start + len(section))
+    rows: dict[str, tuple[float, float]] = {}
+    for line in text[start : end if end != -1 else len(text)].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.lstrip().startswith("|") or len(cells) != 3 or not cells[1].endswith("%"):
+            continue  # prose, the header row, the separator
+        figures = [re.fullmatch(r"(\d+(?:\.\d+)?)%", cell) for cell in cells[1:]]
+        assert all(figures), f"a row of the README's figures in {section!r} is not 'N% | N%': {line!r}"
+        rows[cells[0].strip("`")] = (float(figures[0][1]), float(figures[1][1]))  # type: ignore[index]
+    return rows
+
+
 def readme_figures(readme: str | None = None) -> dict[str, tuple[float, float]]:
-    """The table's rows: the ``unlearn`` body as its first cell shows it (backticks dropped;
+    """The tiny demo's table: the ``unlearn`` body as its first cell shows it (backticks dropped;
     ``"base model"``) -> (forget, retain) exact match in percent.
 
     Raises:
         AssertionError: the README has no such section, or a row that is not ``| body | N% | N% |``.
     """
-    text = (REPO / "README.md").read_text() if readme is None else readme
-    start = text.index(FIGURES_SECTION)
-    end = text.find("\n## ", start + len(FIGURES_SECTION))
-    rows: dict[str, tuple[float, float]] = {}
-    for line in text[start : end if end != -1 else len(text)].splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or not line.lstrip().startswith("|") or set(cells[1]) <= {"-"}:
-            continue
-        if not cells[1].endswith("%"):
-            continue  # the header row
-        figures = [re.fullmatch(r"(\d+(?:\.\d+)?)%", cell) for cell in cells[1:]]
-        assert all(figures), f"a row of the README's figures is not 'N% | N%': {line!r}"
-        rows[cells[0].strip("`")] = (float(figures[0][1]), float(figures[1][1]))  # type: ignore[index]
+    rows = _percent_rows(FIGURES_SECTION, readme)
     assert BASE_ROW in rows and ALPHA_1 in rows, f"the README's figures lost a row: {sorted(rows)}"
     return rows
 
@@ -74,16 +83,7 @@ def real_model_figures(readme: str | None = None) -> dict[str, tuple[float, floa
     Raises:
         AssertionError: the section has no such table, or a row that is not ``| facts | N% | N% |``.
     """
-    text = (REPO / "README.md").read_text() if readme is None else readme
-    start = text.index(REAL_SECTION)
-    end = text.find("\n## ", start + len(REAL_SECTION))
-    rows: dict[str, tuple[float, float]] = {}
-    for line in text[start : end if end != -1 else len(text)].splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.lstrip().startswith("|") and len(cells) == 3 and cells[0] in REAL_ROWS:
-            figures = [re.fullmatch(r"(\d+(?:\.\d+)?)%", cell) for cell in cells[1:]]
-            assert all(figures), f"a row of the README's real-model figures is not 'N% | N%': {line!r}"
-            rows[cells[0]] = (float(figures[0][1]), float(figures[1][1]))  # type: ignore[index]
+    rows = {label: figures for label, figures in _percent_rows(REAL_SECTION, readme).items() if label in REAL_ROWS}
     assert set(rows) == set(REAL_ROWS), f"the README's real-model figures lost a row: {sorted(rows)}"
     return rows
 
