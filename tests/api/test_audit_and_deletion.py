@@ -9,7 +9,6 @@ keys are searched for in their bytes: a key found there was really written.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -217,19 +216,10 @@ def test_a_request_that_crashes_is_audited_as_500_in_the_store_and_the_log(
     assert logged == [entry]  # the same line for a SIEM
 
 
-def _job_process() -> int:
-    """The in-process server's job process: this process's spawned child."""
-    from tests.helpers.job_process import children, cmdline
-
-    found = [pid for pid in children(os.getpid()) if "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)]
-    assert len(found) == 1, found
-    return found[0]
-
-
 def test_deleting_a_calibration_removes_its_records_only(world: World) -> None:
     """A 409 while its job waits (the job process paused), then its records gone and nothing else; the
     recommended variant it built stays, a variant in its own right."""
-    from tests.helpers.job_process import paused
+    from tests.helpers.job_process import own_job_process, paused
 
     facts = [{"prompt": p, "completion": c} for p, c in make_facts(12, seed=5)]
     posted = world.admin.post("/concepts", json={"name": "cal-facts", "models": [THEIRS], "records": facts[:6]})
@@ -244,7 +234,7 @@ def test_deleting_a_calibration_removes_its_records_only(world: World) -> None:
         "module_sets": ["all"],
         "budget": 2,
     }
-    with paused(_job_process()):
+    with paused(own_job_process(world.server)):
         submitted = world.admin.post(f"/models/{THEIRS}/calibrate", json=body)
         assert submitted.status_code == 202, submitted.text
         calibration_id, job_id = submitted.json()["calibration_id"], submitted.json()["job"]["job_id"]

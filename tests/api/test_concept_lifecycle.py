@@ -328,7 +328,7 @@ def test_deleting_only_statistics_keeps_the_concept_and_posting_again_collects_t
 def test_a_collection_in_progress_is_a_409_naming_its_job(world: World) -> None:
     write = world.clients["write"]
     facts = [{"prompt": p, "completion": c} for p, c in make_facts(4, seed=14)]
-    with paused(own_job_process()):
+    with paused(own_job_process(world.server)):
         posted = write.post("/concepts", json={"name": "busy", "models": [M], "records": facts})
         assert posted.status_code == 202, posted.text
         job_id = posted.json()["jobs"][0]["job_id"]

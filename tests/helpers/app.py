@@ -32,6 +32,7 @@ from fastapi.testclient import TestClient
 from engram_fixtures.live import LiveServer, server_env
 from service.api.app import create_app
 from service.config import Settings
+from tests.helpers.proc import children
 
 BASE_URL = "http://testserver"  # TestClient's host: what the app sees as its own URL
 
@@ -46,6 +47,9 @@ class InProcessServer:
     model_root: Path
     settings: Settings
     app: FastAPI
+    # This process's children before the app started: the job process it spawns is the one child not
+    # among them (an earlier module's server may still be stopping its own; tests.helpers.job_process).
+    children_before: frozenset[int] = frozenset()
 
 
 def in_process_settings(storage_dir: Path, model_root: Path, cache_dir: Path, **env: str) -> Settings:
@@ -74,10 +78,11 @@ def in_process_server(root: Path, model_root: Path, **env: str) -> Iterator[InPr
     storage_dir.mkdir(parents=True, exist_ok=True)
     settings = in_process_settings(storage_dir, model_root, root / "cache", **env)
     app = create_app(settings)
+    before = frozenset(children(os.getpid()))
     # A 500 is answered as uvicorn answers it, not raised into the test: the assertion names it.
     with TestClient(app, base_url=BASE_URL, raise_server_exceptions=False) as client:
         client.timeout = 60.0
-        yield InProcessServer(BASE_URL, client, storage_dir, model_root, settings, app)
+        yield InProcessServer(BASE_URL, client, storage_dir, model_root, settings, app, before)
 
 
 def another_client(server: InProcessServer | LiveServer, headers: dict[str, str]) -> httpx.Client:

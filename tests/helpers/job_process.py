@@ -10,24 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from engram_fixtures.live import LiveServer
+from tests.helpers.app import InProcessServer
+from tests.helpers.proc import children, cmdline
 
-
-def children(pid: int) -> list[int]:
-    """The processes ``pid`` started (every thread's children)."""
-    found: list[int] = []
-    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            found += [int(p) for p in listing.read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+__all__ = ["alive", "children", "cmdline", "job_process", "own_job_process", "paused", "peak_rss_bytes"]
 
 
 def job_process(server: LiveServer, timeout: float = 60.0) -> int:
@@ -43,11 +29,22 @@ def job_process(server: LiveServer, timeout: float = 60.0) -> int:
         time.sleep(0.1)
 
 
-def own_job_process() -> int:
-    """The job process of an in-process server (``tests.helpers.app``): this process's spawned child."""
-    found = [pid for pid in children(os.getpid()) if "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)]
-    assert len(found) == 1, found
-    return found[0]
+def own_job_process(server: InProcessServer, timeout: float = 60.0) -> int:
+    """The job process an in-process server (``tests.helpers.app``) spawned: the child of this process
+    that was not there before the server started. An earlier module's server may still be stopping its
+    own job process in the same xdist worker, so "this process's only spawned child" is not enough."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [
+            pid
+            for pid in children(os.getpid())
+            if pid not in server.children_before and "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)
+        ]
+        if len(found) == 1:
+            return found[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"expected one job process started by the server, found {found}")
+        time.sleep(0.1)
 
 
 def peak_rss_bytes(pid: int) -> int:
