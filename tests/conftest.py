@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -277,3 +278,14 @@ def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedSe
     for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
     return seaweed
+
+
+@pytest.fixture(autouse=True)
+def engram_loggers_enabled() -> None:
+    """The service's loggers emit in every test. A library that configures logging with
+    ``logging.config.dictConfig`` (whose ``disable_existing_loggers`` defaults to True) disables every
+    logger that exists by then, ``engram.audit`` included, for the rest of the xdist worker's life: a
+    later test that reads the audit log's lines found none (CI, test_concept_lifecycle)."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if (name == "engram" or name.startswith("engram.")) and isinstance(logger, logging.Logger):
+            logger.disabled = False
