@@ -29,7 +29,6 @@ from torch import nn
 
 from service.calibration.search import Arm, Outcome
 from service.calibration.space import arm_layers
-from service.calibration.teacher_forced import nll_and_exact_match
 from service.engine.chat import Renderer
 from service.engine.checkpoint import CheckpointReader, load_model, load_tokenizer
 from service.engine.errors import EditError
@@ -38,6 +37,7 @@ from service.engine.evaluate import TextProbe as Probe
 from service.engine.layers import LayerSpec, with_module_strengths
 from service.engine.layout import ModelLayout, is_causal_lm
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
+from service.engine.teacher_forced import nll_and_exact_match
 from service.engrams.manifest import UniverseManifest
 from service.engrams.store import stored_editor, stored_engrams
 from service.errors import JobFailed

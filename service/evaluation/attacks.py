@@ -44,8 +44,9 @@ from service.engine.attacks.quantize import quantize_in_place, quantize_plan
 from service.engine.attacks.relearn import TrainRow, probe_row, relearn_bytes, relearned, standalone_copy, text_row
 from service.engine.attacks.rephrase import as_chat, as_plain, with_answer
 from service.engine.chat import Renderer
-from service.engine.evaluate import TextProbe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, encoded, summarize
 from service.engine.probe_bound import ProbeBound
+from service.engine.teacher_forced import nll_and_exact_match
 from service.engine.tofu_scoring import TofuProbe, tofu_statistics
 from service.errors import JobFailed
 from service.evaluation.records import StoredProbes
@@ -316,8 +317,12 @@ def summaries(model: Any, probes: dict[Split, list[TextProbe]], context: AttackC
         for start in range(0, len(items), _CHUNK):
             chunk = items[start : start + _CHUNK]
             tokens = context.batch_tokens
-            nll += answer_nll(model, context.tokenizer, chunk, batch_size=_CHUNK, batch_tokens=tokens)
-            em += greedy_exact_match(model, context.tokenizer, chunk, batch_size=_CHUNK, batch_tokens=tokens)
+            # one teacher-forced pass gives both (service.engine.teacher_forced), as evaluate's own summary
+            chunk_nll, chunk_em = nll_and_exact_match(
+                model, context.tokenizer, chunk, batch_size=_CHUNK, batch_tokens=tokens
+            )
+            nll += chunk_nll
+            em += chunk_em
             context.progress.advance(len(chunk))
         values = summarize(nll, em)
         out[split] = ProbeSummary(mean_nll=values["mean_nll"], exact_match=values["exact_match"], n=int(values["n"]))

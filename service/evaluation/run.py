@@ -43,10 +43,11 @@ from api_schemas.evaluation import (
 from service.context import Context
 from service.engine.chat import Renderer
 from service.engine.checkpoint import load_model
-from service.engine.evaluate import TextProbe, answer_nll, encoded, greedy_exact_match, summarize
+from service.engine.evaluate import TextProbe, encoded, summarize
 from service.engine.layout import is_causal_lm
 from service.engine.model_file_descriptors import ModelFiles
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
+from service.engine.teacher_forced import nll_and_exact_match
 from service.engine.tofu_scoring import (
     AnswerRefused,
     TofuProbe,
@@ -278,8 +279,10 @@ def _score(
         em: list[bool] = []
         for start in range(0, len(items), _CHUNK):
             chunk = items[start : start + _CHUNK]
-            nll += answer_nll(model, tokenizer, chunk, batch_size=_CHUNK, batch_tokens=batch_tokens)
-            em += greedy_exact_match(model, tokenizer, chunk, batch_size=_CHUNK, batch_tokens=batch_tokens)
+            # one teacher-forced pass gives both: the greedy answer's exact match without generating it
+            chunk_nll, chunk_em = nll_and_exact_match(model, tokenizer, chunk, batch_size=_CHUNK, batch_tokens=batch_tokens)
+            nll += chunk_nll
+            em += chunk_em
             progress.advance(len(chunk))
         scores[split] = (nll, em)
     return scores

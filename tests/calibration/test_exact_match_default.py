@@ -25,10 +25,10 @@ from service.calibration.goal_run import margins
 from service.calibration.goal_scoring import own_metrics
 from service.calibration.goal_search import GoalSettings, goal_search, recommend_for_goal
 from service.calibration.search import Arm, Candidate, Outcome
-from service.calibration.teacher_forced import nll_and_exact_match
 from service.calibration.warnings import result_warnings
 from service.engine.evaluate import TextProbe as Probe
 from service.engine.evaluate import greedy_exact_match, greedy_tokens
+from service.engine.teacher_forced import nll_and_exact_match
 
 PAIR = {"prompt": "Q: a? A:", "completion": " b"}
 BASE = {"forget_exact_match": 1.0, "retain_exact_match": 1.0, "perplexity_ratio": 1.0}
