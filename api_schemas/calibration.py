@@ -19,6 +19,8 @@ from api_schemas.calibration_default import (
     MAX_PERPLEXITY_RATIO_FIELD,
     MIN_RETAIN_EXACT_MATCH_RATIO_FIELD,
     PERPLEXITY_ON_FIELD,
+    RETAIN_PROBES_IN_REFERENCE_FIELD,
+    TRUNCATED_PROBES_FIELD,
     WARNINGS_FIELD,
     check_default_objective,
     check_no_default_bounds,
@@ -475,13 +477,8 @@ class CalibrationResult(BaseModel):
     attack_gate: AttackGate | None = ATTACK_GATE_FIELD
     warnings: list[str] = WARNINGS_FIELD
     perplexity_on: Literal["general", "retain"] | None = PERPLEXITY_ON_FIELD
-    truncated_probes: dict[str, int] | None = Field(
-        default=None,
-        exclude_if=_absent,
-        description="probe set -> probes whose prompt was cut on the left to fit what the model reads (the smaller "
-        "of its context and ENGRAM_MAX_LENGTH tokens; held-out probes count in their set), as evaluate's; absent "
-        "when none was",
-    )
+    truncated_probes: dict[str, int] | None = TRUNCATED_PROBES_FIELD
+    retain_probes_in_reference: dict[str, int] | None = RETAIN_PROBES_IN_REFERENCE_FIELD
 
 
 class Calibration(BaseModel):

@@ -47,7 +47,20 @@ WARNINGS_FIELD: Any = Field(
     default_factory=list,
     description="what the user should know before shipping the recommendation: forget exact match (accuracy) left "
     f"above {WARN_FORGET_SHARE} x the base's, a search that never went past the smallest alpha, a bound broken on "
-    "the held-out probes, no held-out check",
+    "the held-out probes, no held-out check, retain probes that are the universe's own records",
+)
+RETAIN_PROBES_IN_REFERENCE_FIELD: Any = Field(
+    default=None,
+    exclude_if=lambda v: v is None,
+    description="text probes: reference concept -> the retain probes that are its records (the edit is built to spare "
+    "them, so a retain floor measured on them is optimistic; a warning says so); absent when no retain probe is one",
+)
+TRUNCATED_PROBES_FIELD: Any = Field(
+    default=None,
+    exclude_if=lambda v: v is None,
+    description="probe set -> probes whose prompt was cut on the left to fit what the model reads (the smaller "
+    "of its context and ENGRAM_MAX_LENGTH tokens; held-out probes count in their set), as evaluate's; absent "
+    "when none was",
 )
 PERPLEXITY_ON_FIELD: Any = Field(
     default=None,

@@ -37,6 +37,7 @@ from service.calibration.classifier_goal import ClassifierCandidates, Classifier
 from service.calibration.goal import held_out_split
 from service.calibration.goal_run import GoalRun, plain_sets
 from service.calibration.goal_search import goal_search, ranked_for_goal, recommend_for_goal
+from service.calibration.overlap import held_warning, retain_probes_held
 from service.calibration.plot import default_axes, render_front_png
 from service.calibration.records import CalibrationProbes, StoredCalibrationResult, read_calibration_result, read_record
 from service.calibration.request import CalibrationRequest, Format
@@ -125,6 +126,9 @@ class _Scoring:
     goal: GoalRun | ClassifierGoalRun | None
     searched: CalibrationProbes
     load_s: float
+    # per reference concept, the retain probes that are its records (:mod:`service.calibration.overlap`)
+    retain_held: dict[str, int] = dataclasses.field(default_factory=dict)
+    retain_total: int = 0
 
 
 def _prepare(
@@ -144,7 +148,9 @@ def _prepare(
         candidates: InMemoryCandidates | ClassifierCandidates = classifier
     else:
         candidates, goal = _text_scorers(ctx, job, model, layout, universe, request, searched, held)
-    return _Scoring(model, universe, layout, candidates, goal, searched, time.monotonic() - loaded)
+    retain_held = {} if is_classifier_goal(request.goal) else retain_probes_held(ctx, request.reference, raw.retain)
+    load_s = time.monotonic() - loaded
+    return _Scoring(model, universe, layout, candidates, goal, searched, load_s, retain_held, len(raw.retain))
 
 
 def _goal_of(request: CalibrationRequest) -> Any:
@@ -258,7 +264,10 @@ def _answer(
     if request.goal is not None and request.goal.kind == "exact_match":
         general = GENERAL_SET in (scoring.searched.utility or {})
         result = result.model_copy(update={"perplexity_on": "general" if general else "retain"})
-    return result.model_copy(update={"warnings": result_warnings(result, request.goal)})
+    if scoring.retain_held:  # set only then: a calibration whose retain probes no concept holds keeps its shape
+        result = result.model_copy(update={"retain_probes_in_reference": scoring.retain_held})
+    warnings = result_warnings(result, request.goal) + held_warning(scoring.retain_held, scoring.retain_total)
+    return result.model_copy(update={"warnings": warnings})
 
 
 def _truncated(scored: GoalRun | InMemoryCandidates | ClassifierCandidates) -> dict[str, int]:

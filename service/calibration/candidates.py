@@ -58,7 +58,7 @@ def score(
     model: nn.Module, tokenizer: Any, probes: Mapping[str, Sequence[Probe]], batch_tokens: int = BATCH_TOKENS
 ) -> dict[str, dict[str, float]]:
     """Mean answer NLL, exact match and count per split (as ``POST /variants/{id}/evaluate`` sums them),
-    from one teacher-forced pass per probe (:mod:`service.calibration.teacher_forced`: the greedy
+    from one teacher-forced pass per probe (:mod:`service.engine.teacher_forced`: the greedy
     answer's exact match, without generating it)."""
     summary = {}
     for split, items in probes.items():

@@ -99,6 +99,9 @@ def test_the_default_calibration_forgets_by_exact_match_or_says_it_does_not(
     assert forget_em <= 0.5 * base_forget or warned, result["warnings"]
     assert held_forget <= 0.5 * held["base"]["forget_exact_match"] or any("held-out forget" in w for w in warned)
     assert result["evaluations"] <= BUDGET and result["seconds"]["search"] > 0
+    # the retain probes are the reference's own records, which the edit is built to spare: said, counted
+    assert result["retain_probes_in_reference"] == {"em-retain": 40}
+    assert any("all retain probes are records of the universe's concepts (em-retain (40))" in w for w in result["warnings"])
     print(  # noqa: T201 - the figures, with -s
         f"\ndefault calibration of the tiny demo: α={rec['options']['alpha']:.3g} {rec['options']['module_set']}; "
         f"forget exact {forget_em:.0%} (base {base_forget:.0%}, held out {held_forget:.0%}), "
