@@ -49,11 +49,13 @@ from service.engine.classify import Classified, HeadNotFound, classify
 from service.engine.collect import PixelBatch
 from service.engine.image_resize import ResizePath
 from service.engine.images import ImageProcessorError, channels_of, load_image_processor, pixel_batches
+from service.engine.model_file_descriptors import clean_view
 from service.errors import InvalidInput, JobFailed, PayloadTooLarge
 from service.evaluation import classifier_metrics as metrics
 from service.evaluation.records import ProbeJson, StoredProbes
 from service.evaluation.retain_model import RetainModelRef
-from service.models.loaded import loaded_model
+from service.models.loaded import checked_model_files, loaded_model
+from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.variants.service import find_variant_request
 
@@ -71,10 +73,17 @@ NMI_MAX_WORK = 2_000_000_000
 
 @dataclass(frozen=True)
 class Classifier:
-    """A loaded classifier and the folder whose image processor reads its images."""
+    """A loaded classifier and the folder whose image processor reads its images.
+
+    Attributes:
+        folder: the model's folder on this machine (a job's: the folder of its checked files).
+        processor: that image processor, when it was read already (a job reads it through the
+            model's checked files: :func:`checked_processor`); ``None``: read from ``folder``.
+    """
 
     model: Any
     folder: Path
+    processor: Any = None
 
 
 def model_classes(model: Any) -> dict[int, str]:
@@ -122,7 +131,7 @@ def probe_pixels(
     """The probes' pixels in batches, read by the classifier's own image processor (decoded lazily:
     one batch held at a time). An image that does not decode, a processor that cannot be read: JobFailed."""
     try:
-        processor = load_image_processor(classifier.folder)
+        processor = classifier.processor if classifier.processor is not None else load_image_processor(classifier.folder)
         channels = channels_of(classifier.model.config)
     except ImageProcessorError as exc:
         raise JobFailed(str(exc)) from None
@@ -266,6 +275,25 @@ def classifier_section(outputs: Mapping[ClassifierModel, SetOutputs], forgotten:
 # ---------------------------------------------------------------- the job
 
 
+def checked_processor(ctx: Context, manifest: ModelRecord) -> tuple[Path, Any]:
+    """The folder of a registered model's checked files on this machine and the image processor
+    read from them (through their descriptors, :func:`~service.engine.model_file_descriptors.clean_view`).
+
+    Never ``manifest.path``: that is the folder on the machine that registered the model, which a
+    worker (its own ``ENGRAM_CACHE_DIR``) may not have; the checked files are a ``file://`` model's
+    folder, a remote model's private copy in this machine's cache, a GGUF registration's
+    dequantized folder (:func:`service.models.loaded.checked_model_files`).
+
+    Raises:
+        JobFailed: the files are not the registered ones, or the image processor cannot be read.
+    """
+    with checked_model_files(ctx, manifest) as files, clean_view(files) as view:
+        try:
+            return files.folder, load_image_processor(view)
+        except ImageProcessorError as exc:  # named by the model's folder, not the private view's
+            raise JobFailed(str(exc).replace(str(view), str(files.folder))) from None
+
+
 def load_retrained(ctx: Context, option: RetainModelRef, load_variant: VariantLoader) -> Classifier:
     """The retrained classifier named by the stored ``retain_model`` option (a registered model, or a
     variant as shipped), with the folder of the image processor it reads images with."""
@@ -274,12 +302,12 @@ def load_retrained(ctx: Context, option: RetainModelRef, load_variant: VariantLo
         if request is None:
             raise JobFailed(f"retain_model {option.id} was deleted since this evaluation was asked for")
         _, model, _ = load_variant(ctx, option.id)
-        return Classifier(model, Path(get_model(ctx, request.model_id).path))
+        return Classifier(model, *checked_processor(ctx, get_model(ctx, request.model_id)))
     manifest = get_model(ctx, option.id)
     if manifest.digest != option.digest:
         raise JobFailed(f"retain_model {option.id} was registered again since this evaluation was asked for")
     model, _ = loaded_model(ctx, manifest, ctx.settings.torch_device)
-    return Classifier(model, Path(manifest.path))
+    return Classifier(model, *checked_processor(ctx, manifest))
 
 
 def evaluate_classifiers(
@@ -330,11 +358,12 @@ def _classifiers(
     request = find_variant_request(ctx, variant_id)
     if request is None:
         raise JobFailed(f"variant {variant_id} is not ready (deleted, or still building)")
-    folder = Path(get_model(ctx, request.model_id).path)
+    manifest = get_model(ctx, request.model_id)
     base, variant, _ = load_variant(ctx, variant_id)
+    folder, processor = checked_processor(ctx, manifest)  # one image processor: the variant's is its base's
     classifiers: dict[ClassifierModel, Classifier] = {
-        "base": Classifier(base, folder),
-        "variant": Classifier(variant, folder),
+        "base": Classifier(base, folder, processor),
+        "variant": Classifier(variant, folder, processor),
     }
     if option is not None:
         classifiers["retrained"] = load_retrained(ctx, option, load_variant)
