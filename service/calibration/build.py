@@ -20,7 +20,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, cast
 
 from api_schemas import EditOptions
@@ -167,10 +166,11 @@ def _classifier_scorer(
     request: CalibrationRequest,
     searched: CalibrationProbes,
 ) -> ClassifierCandidates:
+    files = checked_model_files(ctx, model)
     return ClassifierCandidates(
         ctx,
-        checked_model_files(ctx, model),
-        Path(model.path),
+        files,
+        files.folder,  # this machine's checked folder (a worker's copy of a remote model), never model.path
         layout,
         universe,
         request.term_prefixes,

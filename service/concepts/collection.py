@@ -41,7 +41,7 @@ from service.jobs.progress import JobCancelled
 from service.jobs.records import CollectPayload, JobRecord, StoredReference
 from service.jobs.results import CollectResult
 from service.jobs.store import utc_now
-from service.models.loaded import check_model_unchanged, loaded_model
+from service.models.loaded import check_model_unchanged, checked_model_files, loaded_model
 from service.models.record import ModelRecord
 from service.models.registry import get_model
 from service.observability import record_collection
@@ -71,7 +71,9 @@ def run_collection(ctx: Context, job: JobRecord) -> CollectResult:
         path = local_dataset(ctx.storage, collection.key.dataset_digest, Path(tmp))
         layers = collection.layers(manifest.layout)
         if manifest.kind == "image":  # pixel batches, not tokens
-            collected = collect_images(ctx, job.job_id, collection, loaded[0], Path(manifest.path), path, layers)
+            with checked_model_files(ctx, manifest) as files:  # this machine's folder, never manifest.path
+                folder = files.folder
+            collected = collect_images(ctx, job.job_id, collection, loaded[0], folder, path, layers)
         else:
             collected = collect_texts(ctx, job.job_id, collection, loaded, path, layers, cancelled)
     check_model_unchanged(ctx, manifest)  # the mapped weights were not rewritten while they ran
