@@ -18,6 +18,7 @@ forgotten. Splits are drawn with fixed seeds, so a run is reproducible on one ma
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,31 @@ OPPOSITES = {
     "high": "low", "strong": "weak", "early": "late", "rich": "poor", "full": "empty", "love": "hate",
     "good": "bad", "top": "bottom", "north": "south", "east": "west", "win": "lose", "push": "pull",
     "true": "false", "thick": "thin", "inside": "outside", "old": "new", "first": "last", "asleep": "awake",
+}  # fmt: skip
+# More of each fact kind, for the acceptance test of issue 36 (tests/e2e/test_real_llm_calibration.py),
+# which needs enough facts the model knows with confidence to hold three sets of each out; the bench's
+# own lists above stay as they are (its tables and the README's figures are measured on them).
+MORE_CAPITALS = {
+    "Nigeria": "Abuja", "Ghana": "Accra", "Morocco": "Rabat", "Algeria": "Algiers", "Tunisia": "Tunis",
+    "Saudi Arabia": "Riyadh", "Syria": "Damascus", "Lebanon": "Beirut", "Jordan": "Amman", "Afghanistan": "Kabul",
+    "Nepal": "Kathmandu", "Bangladesh": "Dhaka", "Sri Lanka": "Colombo", "Mongolia": "Ulaanbaatar",
+    "Serbia": "Belgrade", "Croatia": "Zagreb", "Slovakia": "Bratislava", "Slovenia": "Ljubljana",
+    "Estonia": "Tallinn", "Latvia": "Riga", "Lithuania": "Vilnius", "Belarus": "Minsk", "New Zealand": "Wellington",
+    "Uruguay": "Montevideo", "Paraguay": "Asuncion", "Bolivia": "La Paz", "Ecuador": "Quito", "Jamaica": "Kingston",
+    "Qatar": "Doha", "Uganda": "Kampala", "Zimbabwe": "Harare", "Senegal": "Dakar", "Sudan": "Khartoum",
+    "Libya": "Tripoli", "Cyprus": "Nicosia", "Albania": "Tirana", "Armenia": "Yerevan", "Georgia": "Tbilisi",
+    "Taiwan": "Taipei", "North Korea": "Pyongyang", "Singapore": "Singapore", "Luxembourg": "Luxembourg",
+    "Monaco": "Monaco",
+}  # fmt: skip
+MORE_SYMBOLS = {
+    "bromine": "Br", "iodine": "I", "manganese": "Mn", "chromium": "Cr", "titanium": "Ti", "boron": "B",
+    "barium": "Ba", "radium": "Ra", "plutonium": "Pu", "krypton": "Kr", "xenon": "Xe", "radon": "Rn",
+    "arsenic": "As", "bismuth": "Bi", "antimony": "Sb", "cadmium": "Cd", "selenium": "Se", "beryllium": "Be",
+    "gallium": "Ga", "germanium": "Ge", "strontium": "Sr", "cesium": "Cs", "thorium": "Th", "vanadium": "V",
+    "osmium": "Os", "iridium": "Ir", "palladium": "Pd", "rhodium": "Rh", "scandium": "Sc", "zirconium": "Zr",
+    "molybdenum": "Mo", "ruthenium": "Ru", "indium": "In", "tellurium": "Te", "tantalum": "Ta", "polonium": "Po",
+    "neptunium": "Np", "francium": "Fr", "rubidium": "Rb", "americium": "Am", "curium": "Cm",
+    "einsteinium": "Es", "europium": "Eu",
 }  # fmt: skip
 OPENERS = [
     "Yesterday I walked to the market and", "The best way to learn a new language is", "In the morning, the garden",
@@ -113,6 +139,26 @@ def known(model: Any, tokenizer: Any, records: Sequence[Record]) -> list[Record]
         with torch.inference_mode():
             logits = model(torch.tensor([prompt + answer])).logits[0]
         if answer and logits[len(prompt) - 1 : -1].argmax(-1).tolist() == answer:
+            kept.append(record)
+    return kept
+
+
+def confidently_known(model: Any, tokenizer: Any, records: Sequence[Record], min_probability: float = 0.5) -> list[Record]:
+    """The records :func:`known` keeps whose answer tokens the model also gives at least
+    ``min_probability`` each on average (the geometric mean of their teacher-forced probabilities:
+    ``exp(-mean NLL)``, the per-token measure perplexity is; a long answer is not penalised for its length).
+
+    A fact the model answers by a hair (tellurium's " Te" at 9% on SmolLM2, ahead of every other
+    token but far from sure) flips under any change to the weights, an edit of another kind of fact
+    or a quantization alike: as a kept fact it measures that noise, not the edit.
+    """
+    kept = []
+    for record in known(model, tokenizer, records):
+        prompt, answer = encode_probe(tokenizer, Probe(record["prompt"], record["completion"]))
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+        log_p = torch.log_softmax(logits.double(), dim=-1).gather(1, torch.tensor(answer).unsqueeze(1)).mean()
+        if float(log_p) >= math.log(min_probability):
             kept.append(record)
     return kept
 
