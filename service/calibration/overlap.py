@@ -27,6 +27,7 @@ from service.context import Context
 from service.datasets.images import IMAGE_FIELD
 from service.datasets.stored import local_dataset
 from service.engine.records import Record
+from service.storage.base import ObjectNotFound
 
 END_PUNCTUATION = " .!?;:"
 
@@ -83,7 +84,10 @@ def retain_probes_held(ctx: Context, concepts: Sequence[str], retain: Sequence[M
         if concept is None or concept.dataset_digest is None:
             continue
         with tempfile.TemporaryDirectory(prefix="engram-overlap-") as scratch:
-            path = local_dataset(ctx.storage, concept.dataset_digest, Path(scratch))
+            try:
+                path = local_dataset(ctx.storage, concept.dataset_digest, Path(scratch))
+            except ObjectNotFound:
+                continue
             found = {key for key in _record_keys(path) if key in wanted}
         count = sum(wanted[key] for key in found)
         if count:
