@@ -665,6 +665,10 @@ def test_delete_concept(world: World) -> None:
     response = post_concept(world.api, "short-lived", FORGET, [MODEL_B])
     assert response.status_code == 202, response.text
     wait_concepts_ready(world.api, ["short-lived"], MODEL_B)
+    # the concept reads ready once its statistics are published, a moment before its collect job's record
+    # is finished; a delete in that moment is a 409 naming the running job
+    for job in response.json()["jobs"]:
+        assert wait_for_job(world.api, job["job_id"])["status"] == "succeeded"
     deleted = world.api.delete("/concepts/short-lived")
     assert deleted.status_code == 204, deleted.text
     assert deleted.content == b""
