@@ -77,6 +77,14 @@ def sentences(records: Sequence[Record]) -> list[Record]:
     return [{"text": f"{r['prompt']}{r['completion']}."} for r in records]
 
 
+def register(server: LiveServer, model_dir: Path) -> None:
+    """``POST /models`` of the scratch copy, waited for."""
+    response = server.client.post("/models", json={"model_id": MODEL_ID, "source": f"file://{model_dir}"})
+    assert response.status_code in (201, 202), response.text
+    if response.status_code == 202:
+        assert wait_for_job(server.client, response.json()["job_id"], timeout=3600)["status"] == "succeeded"
+
+
 def post_concept(server: LiveServer, name: str, role: str, records: list[Record]) -> None:
     client = server.client
     response = client.post("/concepts", json={"name": name, "role": role, "models": [MODEL_ID], "records": records})
@@ -145,10 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"data: { {name: len(items) for name, items in data.items()} }", flush=True)
         server = start_server(work / "store", model_dir.parent, work / "server.log")
         try:
-            response = server.client.post("/models", json={"model_id": MODEL_ID, "source": f"file://{model_dir}"})
-            assert response.status_code in (201, 202), response.text
-            if response.status_code == 202:
-                assert wait_for_job(server.client, response.json()["job_id"], timeout=3600)["status"] == "succeeded"
+            register(server, model_dir)
             post_concept(server, "paragraphs", "reference", data["reference_text"])
             post_concept(server, "pairs-capitals", "target", data["forget"])
             post_concept(server, "pairs-symbols", "reference", data["kept"])
