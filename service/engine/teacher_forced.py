@@ -12,7 +12,7 @@ included). The NLL is computed as :func:`service.engine.evaluate.answer_nll` com
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,4 +45,20 @@ def nll_and_exact_match(
                 target = torch.tensor(a_ids, dtype=torch.long, device=pred.device)
                 nll.append(float(torch.nn.functional.cross_entropy(pred, target, reduction="mean")))
                 match.append(bool(torch.equal(pred.argmax(dim=-1), target)))
+    return nll, match
+
+
+def scored_in_chunks(
+    model: Any, tokenizer: Any, probes: Sequence[Probe], chunk: int, batch_tokens: int, advance: Callable[[int], None]
+) -> tuple[list[float], list[bool]]:
+    """:func:`nll_and_exact_match` of ``probes`` ``chunk`` at a time, calling ``advance(n)`` after each
+    chunk (a job's progress): what ``evaluate`` and its attacks' summaries score a split with."""
+    nll: list[float] = []
+    match: list[bool] = []
+    for start in range(0, len(probes), chunk):
+        part = probes[start : start + chunk]
+        part_nll, part_match = nll_and_exact_match(model, tokenizer, part, batch_size=chunk, batch_tokens=batch_tokens)
+        nll += part_nll
+        match += part_match
+        advance(len(part))
     return nll, match

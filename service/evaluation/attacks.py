@@ -46,7 +46,7 @@ from service.engine.attacks.rephrase import as_chat, as_plain, with_answer
 from service.engine.chat import Renderer
 from service.engine.evaluate import TextProbe, encoded, summarize
 from service.engine.probe_bound import ProbeBound
-from service.engine.teacher_forced import nll_and_exact_match
+from service.engine.teacher_forced import scored_in_chunks
 from service.engine.tofu_scoring import TofuProbe, tofu_statistics
 from service.errors import JobFailed
 from service.evaluation.records import StoredProbes
@@ -312,18 +312,7 @@ def summaries(model: Any, probes: dict[Split, list[TextProbe]], context: AttackC
     """Per split: mean answer NLL and greedy exact match, as the evaluation's own summary."""
     out: dict[Split, ProbeSummary] = {}
     for split, items in probes.items():
-        nll: list[float] = []
-        em: list[bool] = []
-        for start in range(0, len(items), _CHUNK):
-            chunk = items[start : start + _CHUNK]
-            tokens = context.batch_tokens
-            # one teacher-forced pass gives both (service.engine.teacher_forced), as evaluate's own summary
-            chunk_nll, chunk_em = nll_and_exact_match(
-                model, context.tokenizer, chunk, batch_size=_CHUNK, batch_tokens=tokens
-            )
-            nll += chunk_nll
-            em += chunk_em
-            context.progress.advance(len(chunk))
+        nll, em = scored_in_chunks(model, context.tokenizer, items, _CHUNK, context.batch_tokens, context.progress.advance)
         values = summarize(nll, em)
         out[split] = ProbeSummary(mean_nll=values["mean_nll"], exact_match=values["exact_match"], n=int(values["n"]))
     return out

@@ -47,7 +47,7 @@ from service.engine.evaluate import TextProbe, encoded, summarize
 from service.engine.layout import is_causal_lm
 from service.engine.model_file_descriptors import ModelFiles
 from service.engine.probe_bound import ProbeBound, ProbeTooLong, probe_bound
-from service.engine.teacher_forced import nll_and_exact_match
+from service.engine.teacher_forced import scored_in_chunks
 from service.engine.tofu_scoring import (
     AnswerRefused,
     TofuProbe,
@@ -275,15 +275,8 @@ def _score(
     """``split -> (per-probe NLL, per-probe exact match)``, reporting progress every chunk."""
     scores: dict[Split, tuple[list[float], list[bool]]] = {}
     for split, items in probes.items():
-        nll: list[float] = []
-        em: list[bool] = []
-        for start in range(0, len(items), _CHUNK):
-            chunk = items[start : start + _CHUNK]
-            # one teacher-forced pass gives both: the greedy answer's exact match without generating it
-            chunk_nll, chunk_em = nll_and_exact_match(model, tokenizer, chunk, batch_size=_CHUNK, batch_tokens=batch_tokens)
-            nll += chunk_nll
-            em += chunk_em
-            progress.advance(len(chunk))
+        # one teacher-forced pass per chunk gives both: the greedy answer's exact match without generating it
+        nll, em = scored_in_chunks(model, tokenizer, items, _CHUNK, batch_tokens, progress.advance)
         scores[split] = (nll, em)
     return scores
 
