@@ -29,7 +29,8 @@ import math
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,26 @@ def register(server: LiveServer, model_dir: Path) -> None:
     assert response.status_code in (201, 202), response.text
     if response.status_code == 202:
         assert wait_for_job(server.client, response.json()["job_id"], timeout=3600)["status"] == "succeeded"
+
+
+@contextmanager
+def scratch_service(facts: str, prefix: str) -> Iterator[tuple[LiveServer, dict[str, list[Record]]]]:
+    """A scratch copy of the real model, :func:`layout_data` of it (printed as counts) and a live
+    server with the model registered; everything under a temporary folder, removed after."""
+    from engram_fixtures.cache import copy_entry
+    from engram_fixtures.real_llm import real_llm
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        work = Path(scratch)
+        model_dir = copy_entry(real_llm(), work / "models" / "smollm2-135m")
+        data = layout_data(model_dir, facts)
+        print(f"data: { {name: len(items) for name, items in data.items()} }", flush=True)
+        server = start_server(work / "store", model_dir.parent, work / "server.log")
+        try:
+            register(server, model_dir)
+            yield server, data
+        finally:
+            stop_server(server)
 
 
 def post_concept(server: LiveServer, name: str, role: str, records: list[Record]) -> None:
@@ -142,31 +163,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from engram_fixtures.cache import copy_entry
-    from engram_fixtures.real_llm import real_llm
-
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-real-layout-") as scratch:
-        work = Path(scratch)
-        model_dir = copy_entry(real_llm(), work / "models" / "smollm2-135m")
-        data = layout_data(model_dir, args.facts)
-        print(f"data: { {name: len(items) for name, items in data.items()} }", flush=True)
-        server = start_server(work / "store", model_dir.parent, work / "server.log")
-        try:
-            register(server, model_dir)
-            post_concept(server, "paragraphs", "reference", data["reference_text"])
-            post_concept(server, "pairs-capitals", "target", data["forget"])
-            post_concept(server, "pairs-symbols", "reference", data["kept"])
-            post_concept(server, "sentences-capitals", "target", sentences(data["forget"]))
-            post_concept(server, "sentences-symbols", "reference", sentences(data["kept"]))
-            tables: dict[tuple[str, str, float], tuple[float, ...]] = {}
-            for layout in LAYOUTS:
-                for modules in MODULE_SETS:
-                    for alpha in ALPHAS:
-                        tables[layout, modules, alpha] = measured(server, layout, modules, alpha, data)
-                        print(f"{layout} {modules} α {alpha:g}: {tables[layout, modules, alpha]}", flush=True)
-        finally:
-            stop_server(server)
+    with scratch_service(args.facts, "bench-real-layout-") as (server, data):
+        post_concept(server, "paragraphs", "reference", data["reference_text"])
+        post_concept(server, "pairs-capitals", "target", data["forget"])
+        post_concept(server, "pairs-symbols", "reference", data["kept"])
+        post_concept(server, "sentences-capitals", "target", sentences(data["forget"]))
+        post_concept(server, "sentences-symbols", "reference", sentences(data["kept"]))
+        tables: dict[tuple[str, str, float], tuple[float, ...]] = {}
+        for layout in LAYOUTS:
+            for modules in MODULE_SETS:
+                for alpha in ALPHAS:
+                    tables[layout, modules, alpha] = measured(server, layout, modules, alpha, data)
+                    print(f"{layout} {modules} α {alpha:g}: {tables[layout, modules, alpha]}", flush=True)
     print(f"\n{time.monotonic() - started:.0f} s. Held out: capitals answered / symbols kept / perplexity ×")
     print("| α | " + " | ".join(f"{layout}, {modules}" for layout in LAYOUTS for modules in MODULE_SETS) + " |")
     print("|---" * (1 + len(LAYOUTS) * len(MODULE_SETS)) + "|")

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from bench.real_data import Record
-from bench.real_layout import MODEL_ID, evaluated, layout_data, post_concept, register
-from engram_fixtures.live import LiveServer, start_server, stop_server, wait_for_job
+from bench.real_layout import MODEL_ID, evaluated, post_concept, scratch_service
+from engram_fixtures.live import LiveServer, wait_for_job
 
 SAMPLE_TOKENS = 128
 
@@ -78,41 +76,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.5, 1.0])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from engram_fixtures.cache import copy_entry
-    from engram_fixtures.real_llm import real_llm
-
     started = time.monotonic()
     rows: dict[str, list[str]] = {"none": []}
-    drawn: dict[str, float] = {}
     table: dict[tuple[str, float], tuple[float, ...]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-real-samples-") as scratch:
-        work = Path(scratch)
-        model_dir = copy_entry(real_llm(), work / "models" / "smollm2-135m")
-        data = layout_data(model_dir, "known")
-        print(f"data: { {name: len(items) for name, items in data.items()} }", flush=True)
-        server = start_server(work / "store", model_dir.parent, work / "server.log")
-        try:
-            register(server, model_dir)
-            post_concept(server, "capitals", "target", data["forget"])
-            post_concept(server, "symbols", "reference", data["kept"])
-            post_concept(server, "paragraphs", "reference", data["reference_text"])
-            # the cheap rows first, then each draw's row as soon as it is drawn: every line printed is a result
-            rows["paragraphs"] = ["paragraphs"]
-            counts = sorted(args.counts)  # the smallest at both temperatures first: the larger draws cost most
-            draws = [(counts[0], 1.0), (counts[0], args.cool)] + [(count, 1.0) for count in counts[1:]]
-            for count, temperature in [(0, 0.0), *draws]:
-                row = "none" if count == 0 else f"samples {count} @ T {temperature:g}"
-                if count:
-                    name = f"samples-{count}-t{temperature:g}".replace(".", "_")
-                    drawn[row] = sampled_concept(server, name, count, temperature)
-                    rows[row] = [name]
-                    print(f"{row}: drawn and collected in {drawn[row]:.0f} s", flush=True)
-                for scored_row in [row, "paragraphs"] if count == 0 else [row]:
-                    for alpha in args.alphas:
-                        table[scored_row, alpha] = scored(server, rows[scored_row], alpha, data)
-                        print(f"{scored_row} α {alpha:g}: {table[scored_row, alpha]}", flush=True)
-        finally:
-            stop_server(server)
+    with scratch_service("known", "bench-real-samples-") as (server, data):
+        post_concept(server, "capitals", "target", data["forget"])
+        post_concept(server, "symbols", "reference", data["kept"])
+        post_concept(server, "paragraphs", "reference", data["reference_text"])
+        # the cheap rows first, then each draw's row as soon as it is drawn: every line printed is a result
+        rows["paragraphs"] = ["paragraphs"]
+        counts = sorted(args.counts)  # the smallest at both temperatures first: the larger draws cost most
+        draws = [(counts[0], 1.0), (counts[0], args.cool)] + [(count, 1.0) for count in counts[1:]]
+        for count, temperature in [(0, 0.0), *draws]:
+            row = "none" if count == 0 else f"samples {count} @ T {temperature:g}"
+            if count:
+                name = f"samples-{count}-t{temperature:g}".replace(".", "_")
+                seconds = sampled_concept(server, name, count, temperature)
+                rows[row] = [name]
+                print(f"{row}: drawn and collected in {seconds:.0f} s", flush=True)
+            for scored_row in [row, "paragraphs"] if count == 0 else [row]:
+                for alpha in args.alphas:
+                    table[scored_row, alpha] = scored(server, rows[scored_row], alpha, data)
+                    print(f"{scored_row} α {alpha:g}: {table[scored_row, alpha]}", flush=True)
     print(f"\n{time.monotonic() - started:.0f} s. Held out: capitals answered / symbols kept / perplexity ×")
     print("| general-text reference | " + " | ".join(f"α {alpha:g}" for alpha in args.alphas) + " |")
     print("|---" * (1 + len(args.alphas)) + "|")
