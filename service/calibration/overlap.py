@@ -24,7 +24,6 @@ from typing import Any
 
 from service.concepts.service import find_concept
 from service.context import Context
-from service.datasets.images import IMAGE_FIELD
 from service.datasets.stored import local_dataset
 from service.engine.records import Record
 from service.storage.base import ObjectNotFound
@@ -56,12 +55,10 @@ def record_key(record: Record) -> str:
 
 
 def _record_keys(path: Path) -> Iterable[str]:
+    """Each record's text key (a text model's concept holds text records only: image ones are refused)."""
     with path.open("rb") as handle:
         for i, line in enumerate(handle):
-            raw = json.loads(line)
-            if isinstance(raw, dict) and IMAGE_FIELD in raw:
-                continue  # an image record is no text a probe can be
-            yield record_key(Record.from_mapping(raw, i))
+            yield record_key(Record.from_mapping(json.loads(line), i))
 
 
 def retain_probes_held(ctx: Context, concepts: Sequence[str], retain: Sequence[Mapping[str, Any]]) -> dict[str, int]:
