@@ -68,8 +68,10 @@ def layout_data(model_dir: Path, facts: str = "confident") -> dict[str, list[Rec
         "forget": capitals[:n_forget],
         "held_forget": capitals[n_forget:],
         "kept": symbols[:n_ref],
+        "retain": symbols[n_ref : n_ref + n_retain],  # in no concept: a calibration's retain probes
         "held_kept": symbols[n_ref + n_retain :],
         "reference_text": paragraphs[:150],
+        "general": paragraphs[150:160],  # a calibration's utility.general
         "held_general": paragraphs[160:],
     }
 

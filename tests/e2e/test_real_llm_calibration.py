@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -44,49 +43,27 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench import real_data
+from bench.real_layout import layout_data, sentences
 from engram_fixtures.live import LiveServer, wait_for_job
 from tests.helpers.api import register_model
 
 pytestmark = pytest.mark.slow
 
 MODEL_ID = "real/smollm2"
-CAPITALS = {**real_data.CAPITALS, **real_data.MORE_CAPITALS}
-SYMBOLS = {**real_data.SYMBOLS, **real_data.MORE_SYMBOLS}
-PARAGRAPHS = real_data.Sizes(per_opener=9)  # 180: 150 in the reference, 10 the calibration's, 20 held out
 TARGETS = {"forget": 0.25, "kept": 0.90, "perplexity": 1.10}
 Record = dict[str, str]
 
 
-def sentences(probes: list[Record]) -> list[dict[str, str]]:
-    """Fact probes as the sentences a concept states ("The capital of France is Paris.")."""
-    return [{"text": f"{p['prompt']}{p['completion']}."} for p in probes]
-
-
 @pytest.fixture(scope="module")
 def data(real_llm_dir: Path) -> dict[str, list[Record]]:
+    """:func:`bench.real_layout.layout_data`'s splits (the bench's layout tables are of this data)."""
     torch.set_num_threads(2)
-    tokenizer = AutoTokenizer.from_pretrained(real_llm_dir)
-    model = AutoModelForCausalLM.from_pretrained(real_llm_dir, dtype=torch.float32).eval()
-    capitals = real_data.confidently_known(model, tokenizer, real_data.fact_records(CAPITALS, "The capital of {} is"))
-    symbols = real_data.confidently_known(model, tokenizer, real_data.fact_records(SYMBOLS, "The chemical symbol of {} is"))
-    assert len(capitals) >= 20 and len(symbols) >= 28, (len(capitals), len(symbols))
-    capitals, symbols = random.Random(2).sample(capitals, len(capitals)), random.Random(3).sample(symbols, len(symbols))
-    general = real_data.model_paragraphs(model, tokenizer, PARAGRAPHS)
-    n_forget = round(0.7 * len(capitals))
-    n_ref, n_retain = round(0.45 * len(symbols)), round(0.25 * len(symbols))
-    return {
-        "forget": capitals[:n_forget],
-        "held_forget": capitals[n_forget:],
-        "reference_symbols": symbols[:n_ref],
-        "retain": symbols[n_ref : n_ref + n_retain],
-        "held_kept": symbols[n_ref + n_retain :],
-        "reference_text": general[:150],
-        "general": general[150:160],
-        "held_general": general[160:],
-    }
+    splits = layout_data(real_llm_dir, "confident")
+    capitals = sum(len(splits[name]) for name in ("forget", "held_forget"))
+    symbols = sum(len(splits[name]) for name in ("kept", "retain", "held_kept"))
+    assert capitals >= 20 and symbols >= 28, (capitals, symbols)
+    return splits
 
 
 def post_concept(client: httpx.Client, name: str, role: str, records: list[dict[str, str]]) -> str:
@@ -113,7 +90,7 @@ def test_the_default_calibration_of_a_real_llm_forgets_held_out_capitals_and_kee
     register_model(client, MODEL_ID, f"file://{real_llm_dir}", existing_ok=True, timeout=1800)
     jobs = [
         post_concept(client, "real-capitals", "target", sentences(data["forget"])),
-        post_concept(client, "real-symbols", "reference", sentences(data["reference_symbols"])),
+        post_concept(client, "real-symbols", "reference", sentences(data["kept"])),
         post_concept(client, "real-prose", "reference", data["reference_text"]),
     ]
     for job_id in jobs:
